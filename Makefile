@@ -1,0 +1,32 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint format clean
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+# Trains the tiny preset on the Python standard library's own source (found at run time, no
+# download), on the GPU if there is one, saves a checkpoint and prints a generated sample.
+demo: $(STAMP)
+	$(VENV)/bin/fitgpt train --preset tiny --data stdlib --out runs/demo --overwrite
+	$(VENV)/bin/fitgpt generate --ckpt runs/demo --prompt "def " --max-new-tokens 200 --seed 0
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,64 @@
+"""The `fitgpt` command: a thin layer over the components' typed configs.
+
+Each subcommand lives in its own module under fitgpt/cli/ and exposes `register(subparsers)`,
+which adds its parser and sets `func(args) -> int | None`. Modules are imported lazily by name so
+that `fitgpt --help` stays fast and a broken optional dependency only breaks its own command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from fitgpt.errors import UserError
+
+# (module under fitgpt.cli, its subcommands). Order is the order of `fitgpt --help`.
+COMMANDS: list[str] = [
+    "train",
+    "generate",
+    "presets",
+    "data",
+    "tokenizer",
+    "export",
+    "matmul",
+    "plan",
+    "probe",
+    "capacity",
+    "bench",
+    "report",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fitgpt",
+        description="Train the largest GPT model a machine can hold, fast.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"fitgpt.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"fitgpt.cli.{name}":
+                continue  # command not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        sys.exit(2)
+    try:
+        code = args.func(args)
+    except UserError as e:
+        print(f"fitgpt {args.command}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"fitgpt {args.command}: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code or 0)

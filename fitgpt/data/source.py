@@ -1,0 +1,64 @@
+"""The data interface the trainer sees: samples addressed by a global index.
+
+A SampleSource maps any sample index j >= 0 to seq_len+1 tokens (inputs are the first seq_len,
+targets the last seq_len). Sources handle epochs themselves (j past one epoch wraps into the
+next, reshuffled), so a run can never run out of data mid-training.
+
+The BatchLoader turns sources into micro-batches. Micro-batch k of data-parallel rank r holds
+global samples k·b·W + r·b + [0, b): the union over ranks of micro-batch k is the same global
+batch whatever the world size W, which is what makes W=2 training equal W=1 training on the
+same global batch, and gradient accumulation 4×2 equal 1×8. Each rank reads only its rows.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+class SampleSource(Protocol):
+    seq_len: int
+    vocab_size: int
+
+    def get(self, idx: np.ndarray) -> np.ndarray:
+        """Samples `idx` (int64 [n]) as int64 [n, seq_len + 1]."""
+        ...
+
+
+class BatchLoader:
+    """Deterministic, resumable micro-batches of one rank; position counts micro-batches."""
+
+    def __init__(
+        self, source: SampleSource, micro_batch: int, rank: int = 0, world: int = 1, position: int = 0
+    ) -> None:
+        self.source, self.micro_batch, self.rank, self.world = source, micro_batch, rank, world
+        self.position = position
+
+    def indices(self, k: int) -> np.ndarray:
+        start = k * self.micro_batch * self.world + self.rank * self.micro_batch
+        return np.arange(start, start + self.micro_batch, dtype=np.int64)
+
+    def next(self) -> tuple[Tensor, Tensor]:
+        """(inputs, targets), int64 [b, S] on the CPU."""
+        tokens = torch.from_numpy(np.ascontiguousarray(self.source.get(self.indices(self.position))))
+        self.position += 1
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """A stateless 64-bit hash: counter-based randomness, so sample j is O(1) to regenerate."""
+    x = x.astype(np.uint64, copy=True)
+    with np.errstate(over="ignore"):
+        x += np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))

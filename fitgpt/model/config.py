@@ -1,0 +1,136 @@
+"""Model configuration and the named presets.
+
+Vocabulary padding lives here and only here: `padded_vocab(v)` is what training, generation and
+export all call, so a checkpoint's embedding shape never disagrees with the model that loads it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Literal
+
+from fitgpt.errors import UserError
+
+VOCAB_MULTIPLE = 128  # tensor-core friendly; GPT-2's 50257 becomes 50304
+GPT2_VOCAB = 50257
+
+
+def padded_vocab(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """The embedding rows for a tokenizer of `vocab_size` tokens: rounded up to `multiple`."""
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A GPT-2 style decoder. Every field is a CLI flag of `fitgpt train`."""
+
+    n_layer: int = field(default=12, metadata={"help": "transformer blocks", "flag": "layers"})
+    n_embd: int = field(default=768, metadata={"help": "hidden size h", "flag": "hidden"})
+    n_head: int = field(default=12, metadata={"help": "attention heads", "flag": "heads"})
+    seq_len: int = field(default=1024, metadata={"help": "context length S (tokens)"})
+    vocab_size: int = field(
+        default=GPT2_VOCAB,
+        metadata={"help": "tokenizer vocabulary; the embedding is padded to a multiple of 128"},
+    )
+    bias: bool = field(default=True, metadata={"help": "biases in linear layers and LayerNorms"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout on embeddings, attention, MLP"})
+    position: Literal["learned", "alibi"] = field(
+        default="learned", metadata={"help": "learned absolute positions, or ALiBi biases"}
+    )
+    embed_norm: bool = field(
+        default=False, metadata={"help": "LayerNorm after the embedding (BLOOM's stability fix)"}
+    )
+    tie_embeddings: bool = field(
+        default=True, metadata={"help": "share the input embedding with the output head"}
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name}={getattr(self, name)} must be a positive integer")
+        if self.n_embd % self.n_head:
+            raise UserError(
+                f"hidden={self.n_embd} is not divisible by heads={self.n_head}; "
+                "choose heads that divide the hidden size"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.position not in ("learned", "alibi"):
+            raise UserError(f"position={self.position!r}: use 'learned' or 'alibi'")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab(self.vocab_size)
+
+    def num_params(self) -> int:
+        """Exact parameter count, equal to GPT.num_params() (checked by the tests).
+
+        Default options: 12·L·h² + 13·L·h + (V+S)·h + 2h, V the padded vocabulary.
+        - bias=False drops every linear bias and LayerNorm bias: 12·L·h² + 2·L·h + (V+S)·h + h.
+        - position='alibi' drops the position table: minus S·h.
+        - embed_norm=True adds one LayerNorm: plus 2h (plus h without bias).
+        - tie_embeddings=False adds the output head: plus V·h.
+        """
+        h, L, V, S = self.n_embd, self.n_layer, self.padded_vocab_size, self.seq_len
+        ln = 2 * h if self.bias else h
+        per_block = 12 * h * h + (9 * h if self.bias else 0) + 2 * ln
+        n = L * per_block + V * h + ln
+        if self.position == "learned":
+            n += S * h
+        if self.embed_norm:
+            n += ln
+        if not self.tie_embeddings:
+            n += V * h
+        return n
+
+    def flops_per_token(self) -> float:
+        """Model FLOPs per trained token: 6·N + 12·L·h·S (recompute not counted).
+
+        The attention term counts QK^T and AV for the full S×S square, as the ANCHORS protocol
+        does, so figures compare with the peers' directly.
+        """
+        return 6.0 * self.num_params() + 12.0 * self.n_layer * self.n_embd * self.seq_len
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(d) - known
+        if unknown:
+            raise UserError(f"model config has unknown fields {sorted(unknown)}")
+        return cls(**d)
+
+    def replace(self, **changes) -> ModelConfig:
+        return replace(self, **changes)
+
+
+def _p(n_layer: int, n_embd: int, n_head: int, seq_len: int = 1024, **kw) -> ModelConfig:
+    return ModelConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, seq_len=seq_len, **kw)
+
+
+# Named presets. `tiny` is the CPU demo (byte vocabulary set by the data at train time).
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": _p(4, 128, 4, seq_len=128, vocab_size=256),
+    "gpt2-125m": _p(12, 768, 12),
+    "gpt2-350m": _p(24, 1024, 16),
+    "gpt2-760m": _p(36, 1280, 20),
+    "gpt2-1.5b": _p(48, 1600, 25),
+    "2.7b": _p(32, 2560, 32),
+    "6.7b": _p(32, 4096, 32),
+    "13b": _p(40, 5120, 40),
+    "20b": _p(44, 6144, 48),
+    "40b": _p(48, 8192, 64),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise UserError(f"preset {name!r} does not exist; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]

@@ -1,0 +1,72 @@
+"""Shared test helpers: real multi-process gloo groups on the CPU."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# Keep two test processes from fighting over the two cores.
+torch.set_num_threads(1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn, args, errq) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        fn(rank, world, *args)
+    except BaseException:
+        errq.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_gloo(world: int, fn, *args) -> None:
+    """Run fn(rank, world, *args) in `world` real processes joined by gloo; re-raise failures.
+
+    fn must be importable (a module-level function) because the workers are spawned.
+    """
+    ctx = mp.get_context("spawn")
+    errq = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, errq)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    errors = []
+    while not errq.empty():
+        errors.append(errq.get())
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            errors.append((-1, "a worker hung past 300 s"))
+    if errors or any(p.exitcode for p in procs):
+        msg = "\n".join(f"rank {r}:\n{tb}" for r, tb in errors) or f"exit codes {[p.exitcode for p in procs]}"
+        pytest.fail(msg, pytrace=False)
+
+
+@pytest.fixture
+def gloo():
+    return run_gloo
+
+
+sys.path.insert(0, os.path.dirname(__file__))
