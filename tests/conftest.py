@@ -24,8 +24,12 @@ def free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, fn, args, errq) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
     try:
@@ -47,7 +51,9 @@ def run_gloo(world: int, fn, *args) -> None:
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, errq)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, fn, args, errq)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -60,7 +66,10 @@ def run_gloo(world: int, fn, *args) -> None:
             p.kill()
             errors.append((-1, "a worker hung past 300 s"))
     if errors or any(p.exitcode for p in procs):
-        msg = "\n".join(f"rank {r}:\n{tb}" for r, tb in errors) or f"exit codes {[p.exitcode for p in procs]}"
+        msg = (
+            "\n".join(f"rank {r}:\n{tb}" for r, tb in errors)
+            or f"exit codes {[p.exitcode for p in procs]}"
+        )
         pytest.fail(msg, pytrace=False)
 
 

@@ -58,7 +58,9 @@ def explicit(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str,
     return out
 
 
-def config_from_args(args: argparse.Namespace, cls: type[T], base: T | None = None, prefix: str = "") -> T:
+def config_from_args(
+    args: argparse.Namespace, cls: type[T], base: T | None = None, prefix: str = ""
+) -> T:
     """`base` (or the defaults) with the explicitly set flags applied; __post_init__ validates."""
     changes = explicit(args, cls, prefix)
     return dataclasses.replace(base, **changes) if base is not None else cls(**changes)

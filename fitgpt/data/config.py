@@ -25,7 +25,9 @@ class DataConfig:
     )
     tokenizer: str = field(
         default="auto",
-        metadata={"help": "bytes, gpt2, or VOCAB.json,MERGES.txt; auto: bytes for stdlib, gpt2 else"},
+        metadata={
+            "help": "bytes, gpt2, or VOCAB.json,MERGES.txt; auto: bytes for stdlib, gpt2 else"
+        },
     )
     split: str = field(
         default="969,30,1", metadata={"help": "train,valid,test weights for a Megatron dataset"}
@@ -60,7 +62,12 @@ def open_data(
         tokens = np.asarray(tok.encode(stdlib_text()), dtype=np.int32)
         return (*text_splits(tokens, seq_len, tok.vocab_size, seed), tok)
     if cfg.data in ("synthetic", "uniform"):
-        return (*synthetic_splits(seq_len, vocab_size, seed, structure=cfg.data.replace("synthetic", "markov")), None)
+        return (
+            *synthetic_splits(
+                seq_len, vocab_size, seed, structure=cfg.data.replace("synthetic", "markov")
+            ),
+            None,
+        )
     from fitgpt.data.gpt_dataset import open_megatron_splits
 
     tok = load_tokenizer(cfg.tokenizer_spec())

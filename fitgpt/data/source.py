@@ -32,7 +32,12 @@ class BatchLoader:
     """Deterministic, resumable micro-batches of one rank; position counts micro-batches."""
 
     def __init__(
-        self, source: SampleSource, micro_batch: int, rank: int = 0, world: int = 1, position: int = 0
+        self,
+        source: SampleSource,
+        micro_batch: int,
+        rank: int = 0,
+        world: int = 1,
+        position: int = 0,
     ) -> None:
         self.source, self.micro_batch, self.rank, self.world = source, micro_batch, rank, world
         self.position = position
@@ -43,9 +48,11 @@ class BatchLoader:
 
     def next(self) -> tuple[Tensor, Tensor]:
         """(inputs, targets), int64 [b, S] on the CPU."""
-        tokens = torch.from_numpy(np.ascontiguousarray(self.source.get(self.indices(self.position))))
+        tokens = torch.from_numpy(
+            np.ascontiguousarray(self.source.get(self.indices(self.position)))
+        )
         self.position += 1
-        return tokens[:, :-1], tokens[:, 1:]
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def state_dict(self) -> dict:
         return {"position": self.position}

@@ -13,7 +13,9 @@ from fitgpt.data.source import splitmix64
 from fitgpt.data.text import TokenWindows
 
 
-def markov_tokens(n: int, vocab: int, seed: int = 0, branching: int = 4, chains: int = 4096) -> np.ndarray:
+def markov_tokens(
+    n: int, vocab: int, seed: int = 0, branching: int = 4, chains: int = 4096
+) -> np.ndarray:
     """`n` tokens from a random sparse Markov chain over `vocab` tokens (int32 when it fits)."""
     rng = np.random.default_rng(seed)
     table = rng.integers(0, vocab, size=(vocab, branching), dtype=np.int64)
@@ -29,7 +31,11 @@ def markov_tokens(n: int, vocab: int, seed: int = 0, branching: int = 4, chains:
 
 
 def uniform_tokens(n: int, vocab: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, vocab, size=n).astype(np.uint16 if vocab <= 65536 else np.int32)
+    return (
+        np.random.default_rng(seed)
+        .integers(0, vocab, size=n)
+        .astype(np.uint16 if vocab <= 65536 else np.int32)
+    )
 
 
 class UniformSource:
@@ -50,7 +56,9 @@ def synthetic_splits(
 ):
     """(train, valid) sources over the same chain (validation uses other windows)."""
     if structure == "uniform":
-        return UniformSource(seq_len, vocab_size, seed), UniformSource(seq_len, vocab_size, seed + 1)
+        return UniformSource(seq_len, vocab_size, seed), UniformSource(
+            seq_len, vocab_size, seed + 1
+        )
     stream = markov_tokens(tokens, vocab_size, seed)
     return (
         TokenWindows(stream, seq_len, vocab_size, seed),

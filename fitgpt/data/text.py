@@ -18,9 +18,13 @@ from fitgpt.errors import UserError
 def stdlib_text(max_bytes: int = 8 << 20) -> str:
     """Up to `max_bytes` of the standard library's .py files, joined by blank lines."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+    files = sorted(
+        p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts
+    )
     if not files:
-        raise UserError(f"no Python source files under {root}; pass --data PREFIX or --data synthetic")
+        raise UserError(
+            f"no Python source files under {root}; pass --data PREFIX or --data synthetic"
+        )
     parts, total = [], 0
     for f in files:
         try:
@@ -47,7 +51,7 @@ class TokenWindows:
 
     def get(self, idx: np.ndarray) -> np.ndarray:
         span = len(self.tokens) - self.seq_len - 1
-        h = splitmix64(idx.astype(np.uint64) ^ np.uint64(self.seed * 0x2545F4914F6CDD1D))
+        h = splitmix64(idx.astype(np.uint64) ^ np.uint64((self.seed * 0x2545F4914F6CDD1D) % 2**64))
         starts = (h % np.uint64(span)).astype(np.int64)
         rows = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
         return self.tokens[rows].astype(np.int64)

@@ -69,7 +69,9 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S)
     if not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(
-            backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=dev if dev.type == "cuda" else None
+            backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=dev if dev.type == "cuda" else None,
         )
     return DistContext(rank, world, local_rank, dev, dist.group.WORLD)
 

@@ -60,7 +60,11 @@ class CausalSelfAttention(nn.Module):
         self.alibi = cfg.position == "alibi"
 
     def forward(
-        self, x_BTH: Tensor, cache: KVCache | None = None, layer: int = 0, alibi_NTT: Tensor | None = None
+        self,
+        x_BTH: Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        alibi_NTT: Tensor | None = None,
     ) -> Tensor:
         B, T, H = x_BTH.shape
         q, k, v = self.qkv(x_BTH).split(H, dim=2)
@@ -71,7 +75,9 @@ class CausalSelfAttention(nn.Module):
         drop = self.dropout if self.training else 0.0
         if alibi_NTT is not None:
             # ALiBi adds a float bias, so flash attention (boolean-causal only) is not used.
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=alibi_NTT.to(q.dtype), dropout_p=drop)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=alibi_NTT.to(q.dtype), dropout_p=drop
+            )
         elif past == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop)
         elif T == 1:
@@ -106,7 +112,11 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: Tensor, cache: KVCache | None = None, layer: int = 0, alibi_NTT: Tensor | None = None
+        self,
+        x: Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        alibi_NTT: Tensor | None = None,
     ) -> Tensor:
         x = x + self.attn(self.ln_1(x), cache, layer, alibi_NTT)
         return x + self.mlp(self.ln_2(x))
@@ -197,7 +207,9 @@ class GPT(nn.Module):
         """
         past = cache.length if cache is not None else 0
         if idx_BT.shape[1] + past > self.cfg.seq_len:
-            raise ValueError(f"{idx_BT.shape[1] + past} tokens exceed the context of {self.cfg.seq_len}")
+            raise ValueError(
+                f"{idx_BT.shape[1] + past} tokens exceed the context of {self.cfg.seq_len}"
+            )
         alibi = None
         if self.cfg.position == "alibi":
             alibi = self.alibi_bias(idx_BT.shape[1], past, idx_BT.device)
@@ -212,5 +224,5 @@ class GPT(nn.Module):
             return logits
         # fp32 softmax: bf16 log-probabilities lose the small differences the loss is made of.
         return F.cross_entropy(
-            logits.float().view(-1, logits.shape[-1]), targets_BT.view(-1), ignore_index=-1
+            logits.float().view(-1, logits.shape[-1]), targets_BT.reshape(-1), ignore_index=-1
         )

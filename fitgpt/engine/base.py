@@ -1,0 +1,62 @@
+"""What the training loop may ask of an engine, and nothing more.
+
+The loop hands an engine micro-batches and a learning rate and gets back one StepStats; it never
+touches parameters, gradients or optimizer state. Engines differ in where that state lives
+(replicated, sharded across ranks, tiered over GPU/CPU/NVMe), not in this interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from fitgpt.engine.layout import ChunkSpec
+from fitgpt.model import GPT, ModelConfig
+
+Batch = tuple[Tensor, Tensor]  # (inputs, targets), int64 [b, S] on the CPU
+
+
+@dataclass
+class StepStats:
+    loss: float  # mean training loss of the step's micro-batches, over all ranks
+    grad_norm: float  # global norm before clipping (inf/nan when fp16 overflowed)
+    loss_scale: float  # 1.0 unless fp16
+    skipped: bool  # fp16 overflow: the update was not applied
+
+
+class Engine(ABC):
+    model_cfg: ModelConfig
+    layout: list[ChunkSpec]
+    device: torch.device
+
+    @abstractmethod
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepStats:
+        """Forward and backward over every micro-batch, then one optimizer update."""
+
+    @abstractmethod
+    def eval_loss(self, batch: Batch) -> float:
+        """Mean loss of one batch (no gradients), averaged over ranks."""
+
+    @abstractmethod
+    def save_state(self, folder: Path) -> None:
+        """Write this rank's share of weights and optimizer state into `folder` (state_io)."""
+
+    @abstractmethod
+    def load_state(self, folder: Path, extra: dict) -> None:
+        """Load weights and optimizer state saved by any engine at any world size."""
+
+    @abstractmethod
+    def extra_state(self) -> dict:
+        """Small JSON-able state (optimizer step count, loss scaler) for the checkpoint's meta."""
+
+    @abstractmethod
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """Bytes held by this rank: {device: {kind: bytes}}, kinds as in fitgpt/plan/memory.py."""
+
+    @abstractmethod
+    def inference_model(self) -> GPT:
+        """A plain GPT with the current weights on this rank's device, for sampling."""

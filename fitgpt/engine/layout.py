@@ -1,0 +1,89 @@
+"""How a model's parameters are grouped into chunks and laid out in flat buffers.
+
+A chunk is the unit of placement, communication and checkpointing: the embedding chunk (every
+child of the model before `blocks`), one chunk per transformer block, and the head chunk (every
+child after `blocks`). Inside a chunk, parameters sit back to back in a fixed order, the
+weight-decayed ones (matrices and embeddings) first, so the decayed part of any range of the
+flat buffer is one contiguous run. The layout depends only on the model, never on the world
+size or the placement, which is what lets a checkpoint saved one way be loaded another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    name: str
+    shape: tuple[int, ...]
+    offset: int  # first element inside the chunk's flat buffer
+    numel: int
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    index: int
+    name: str  # "embed", "block.7", "head"
+    slots: tuple[ParamSlot, ...]
+    numel: int  # unpadded
+    decay_numel: int  # elements [0, decay_numel) get weight decay
+
+    def to_dict(self) -> dict:
+        return {
+            "index": self.index,
+            "name": self.name,
+            "numel": self.numel,
+            "decay_numel": self.decay_numel,
+            "slots": [[s.name, list(s.shape), s.offset, s.numel] for s in self.slots],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ChunkSpec:
+        slots = tuple(ParamSlot(n, tuple(shape), off, k) for n, shape, off, k in d["slots"])
+        return cls(d["index"], d["name"], slots, d["numel"], d["decay_numel"])
+
+
+def decays(name: str, ndim: int) -> bool:
+    """Weight decay on matrices and embeddings only: biases and norm gains are left alone."""
+    return ndim >= 2
+
+
+def _chunk(index: int, name: str, named: list[tuple[str, nn.Parameter]]) -> ChunkSpec:
+    ordered = [p for p in named if decays(p[0], p[1].ndim)] + [
+        p for p in named if not decays(p[0], p[1].ndim)
+    ]
+    slots, off, decay_numel = [], 0, 0
+    for pname, p in ordered:
+        slots.append(ParamSlot(pname, tuple(p.shape), off, p.numel()))
+        off += p.numel()
+        if decays(pname, p.ndim):
+            decay_numel = off
+    return ChunkSpec(index, name, tuple(slots), off, decay_numel)
+
+
+def chunk_layout(model: nn.Module) -> list[ChunkSpec]:
+    """Chunks in execution order: embed, block.0 … block.L-1, head (works on the meta device)."""
+    before, after, seen_blocks = [], [], False
+    seen: set[int] = set()
+    chunks: list[ChunkSpec] = []
+    for child_name, child in model.named_children():
+        if child_name == "blocks":
+            seen_blocks = True
+            for i, block in enumerate(child):
+                named = [(f"blocks.{i}.{n}", p) for n, p in block.named_parameters()]
+                seen.update(id(p) for _, p in named)
+                chunks.append(_chunk(0, f"block.{i}", named))
+            continue
+        named = [(f"{child_name}.{n}", p) for n, p in child.named_parameters() if id(p) not in seen]
+        seen.update(id(p) for _, p in named)
+        (after if seen_blocks else before).append(named)
+    specs = [
+        _chunk(0, "embed", [p for g in before for p in g]),
+        *chunks,
+        _chunk(0, "head", [p for g in after for p in g]),
+    ]
+    specs = [s for s in specs if s.numel > 0]
+    return [ChunkSpec(i, s.name, s.slots, s.numel, s.decay_numel) for i, s in enumerate(specs)]

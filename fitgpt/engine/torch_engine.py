@@ -1,0 +1,222 @@
+"""The plain PyTorch engine (`--engine ddp`): the baseline the seed compared against.
+
+fp32 parameters, gradients and AdamW moments all live on the GPU (16 bytes per parameter plus
+activations); bf16/fp16 compute through autocast; torch's fused AdamW. With several ranks the
+model is wrapped in DistributedDataParallel: gradients are all-reduced in buckets overlapped with
+backward, and accumulation micro-batches skip the all-reduce (no_sync). On one device there is no
+wrapper at all. Kept honest and tuned because every speed-up fitgpt claims is measured against it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from fitgpt.dist import DistContext
+from fitgpt.engine.activation import checkpoint_blocks
+from fitgpt.engine.base import Batch, Engine, StepStats
+from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
+from fitgpt.engine.layout import chunk_layout
+from fitgpt.engine.scaler import LossScaler
+from fitgpt.engine.state_io import Piece, StateReader, write_pieces
+from fitgpt.model import GPT, ModelConfig
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+DDP_BUCKET_MB = 100  # larger than DDP's 25 MB default: fewer, fuller NCCL calls for big models
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm of a list of gradients, on their device (no host sync)."""
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+
+
+class TorchEngine(Engine):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        ecfg: EngineConfig,
+        pcfg: PrecisionConfig,
+        ocfg: OptimConfig,
+        ctx: DistContext,
+        seed: int = 0,
+    ) -> None:
+        self.model_cfg, self.ecfg, self.pcfg, self.ocfg, self.ctx = model_cfg, ecfg, pcfg, ocfg, ctx
+        self.device = ctx.device
+        with torch.device("meta"):
+            model = GPT(model_cfg)
+        self.layout = chunk_layout(model)
+        model.to_empty(device=self.device)
+        model.reset_parameters(seed)
+        if ecfg.checkpointing != "off":
+            checkpoint_blocks(model)
+        self.model = model
+        self.module = (
+            DDP(
+                model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                bucket_cap_mb=DDP_BUCKET_MB,
+                gradient_as_bucket_view=True,  # grads are views into the buckets: no extra copy
+                process_group=ctx.group,
+            )
+            if ctx.distributed
+            else model
+        )
+        params = dict(model.named_parameters())
+        self.params = [params[s.name] for c in self.layout for s in c.slots]
+        decay = [p for p in self.params if p.ndim >= 2]
+        no_decay = [p for p in self.params if p.ndim < 2]
+        self.opt = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": ocfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=0.0,
+            betas=(ocfg.beta1, ocfg.beta2),
+            eps=ocfg.eps,
+            fused=True,
+        )
+        self.scaler = LossScaler(pcfg)
+        self.autocast_dtype = AUTOCAST[pcfg.precision]
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepStats:
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        n, scale = len(micro_batches), self.scaler.scale
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micro_batches):
+            x, y = self._to_device(x), self._to_device(y)
+            last = i == n - 1
+            sync = (
+                contextlib.nullcontext()
+                if last or self.module is self.model
+                else self.module.no_sync()
+            )
+            with sync:
+                with self._autocast():
+                    loss = self.module(x, y)
+                (loss * (scale / n)).backward()
+            loss_sum += loss.detach()
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        norm = total_norm(grads)
+        if self.ocfg.grad_clip > 0:
+            coef = torch.clamp(self.ocfg.grad_clip / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef)
+        loss_avg = loss_sum / n
+        if self.ctx.distributed:
+            dist.all_reduce(loss_avg, group=self.ctx.group)
+            loss_avg /= self.ctx.world
+        loss_v, norm_v = torch.stack([loss_avg, norm.to(loss_avg)]).tolist()  # host sync
+        overflow = not (norm_v == norm_v and abs(norm_v) != float("inf"))
+        if not overflow:
+            self.opt.step()
+        self.scaler.update(overflow)
+        self.opt.zero_grad(set_to_none=True)  # free the gradients until the next backward
+        return StepStats(loss_v, norm_v, scale, overflow)
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Batch) -> float:
+        self.model.eval()
+        x, y = (self._to_device(t) for t in batch)
+        with self._autocast():
+            loss = self.model(x, y).float()
+        if self.ctx.distributed:
+            dist.all_reduce(loss, group=self.ctx.group)
+            loss /= self.ctx.world
+        self.model.train()
+        return loss.item()
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def _flat(self, chunk, getter) -> torch.Tensor:
+        params = dict(self.model.named_parameters())
+        return torch.cat(
+            [getter(params[s.name]).detach().reshape(-1).float().cpu() for s in chunk.slots]
+        )
+
+    def save_state(self, folder: Path) -> None:
+        if not self.ctx.is_main:
+            return  # every rank holds the same replicated state: rank 0 writes it once
+
+        def moment(key):
+            def get(p):
+                st = self.opt.state.get(p)
+                return st[key] if st else torch.zeros_like(p)
+
+            return get
+
+        pieces = (
+            Piece(
+                c.index,
+                0,
+                c.numel,
+                {
+                    "master": self._flat(c, lambda p: p),
+                    "exp_avg": self._flat(c, moment("exp_avg")),
+                    "exp_avg_sq": self._flat(c, moment("exp_avg_sq")),
+                },
+            )
+            for c in self.layout
+        )
+        write_pieces(folder, 0, pieces)
+
+    @torch.no_grad()
+    def load_state(self, folder: Path, extra: dict) -> None:
+        reader = StateReader(folder)
+        params = dict(self.model.named_parameters())
+        step = int(extra.get("optimizer_step", 0))
+        for c in self.layout:
+            flat = {
+                k: reader.read(c.index, k, 0, c.numel) for k in ("master", "exp_avg", "exp_avg_sq")
+            }
+            for s in c.slots:
+                p = params[s.name]
+                view = {k: v[s.offset : s.offset + s.numel].view(s.shape) for k, v in flat.items()}
+                p.copy_(view["master"])
+                if step > 0:
+                    self.opt.state[p] = {
+                        # fused AdamW keeps its step counter as a float32 tensor on the device
+                        "step": torch.tensor(float(step), dtype=torch.float32, device=p.device),
+                        "exp_avg": view["exp_avg"].to(p.device, p.dtype).clone(),
+                        "exp_avg_sq": view["exp_avg_sq"].to(p.device, p.dtype).clone(),
+                    }
+        self.scaler.load_state_dict(extra["scaler"])
+
+    def extra_state(self) -> dict:
+        steps = [int(st["step"].item()) for st in self.opt.state.values() if "step" in st]
+        return {"optimizer_step": max(steps, default=0), "scaler": self.scaler.state_dict()}
+
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        def nbytes(ts):
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        states = [st for st in self.opt.state.values()]
+        dev = self.device.type
+        return {
+            dev: {
+                "master_weights": nbytes(self.params),  # fp32 params are the master copy
+                "grads": nbytes(p.grad for p in self.params),
+                "optimizer": nbytes(
+                    [st["exp_avg"] for st in states] + [st["exp_avg_sq"] for st in states]
+                ),
+            }
+        }
+
+    def inference_model(self) -> GPT:
+        return self.model

@@ -1,0 +1,47 @@
+"""The training loop's own config: schedule, batch, cadence of logs, evals and checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fitgpt.errors import UserError
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = field(default=600, metadata={"help": "optimizer steps to train for"})
+    micro_batch: int = field(default=24, metadata={"help": "sequences per micro-batch per rank"})
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    lr: float = field(default=2e-3, metadata={"help": "peak learning rate"})
+    min_lr: float = field(default=2e-4, metadata={"help": "learning rate at the end of the cosine"})
+    warmup: int = field(default=50, metadata={"help": "linear warm-up steps"})
+    eval_every: int = field(default=200, metadata={"help": "evaluate every N steps (0 = never)"})
+    eval_batches: int = field(
+        default=8, metadata={"help": "validation micro-batches per evaluation"}
+    )
+    log_every: int = field(default=20, metadata={"help": "one log line every N steps"})
+    save_every: int = field(
+        default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"}
+    )
+    keep: int = field(default=3, metadata={"help": "checkpoints kept (older ones are deleted)"})
+    seed: int = field(
+        default=0, metadata={"help": "seed of initialisation, data order and dropout"}
+    )
+    out: str = field(
+        default="runs/default", metadata={"help": "run folder: checkpoints, metrics.jsonl"}
+    )
+    device: str = field(
+        default="auto", metadata={"help": "auto (GPU if there is one), cuda or cpu"}
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "micro_batch", "grad_accum", "log_every", "keep"):
+            if getattr(self, name) < 1:
+                raise UserError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1"
+                )
+        for name in ("warmup", "eval_every", "eval_batches", "save_every"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 0")
+        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+            raise UserError(f"--lr {self.lr} must be > 0 and --min-lr {self.min_lr} in [0, lr]")

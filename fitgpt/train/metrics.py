@@ -1,0 +1,88 @@
+"""One log line per interval on rank 0, and the same figures in metrics.jsonl.
+
+Model FLOPs follow the ANCHORS protocol: (6·N + 12·L·h·S) per token, recompute not counted, so
+MFU here compares directly with the peers' figures.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bf16 tensor-core peaks (no sparsity), FLOP/s, matched by substring of the device name.
+PEAK_BF16 = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "H800": 989e12,
+    "GH200": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "V100": 125e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in PEAK_BF16.items():
+        if key in name:
+            return peak
+    return None
+
+
+class MetricsLog:
+    """Appends JSON lines to run_dir/metrics.jsonl (rank 0) and mirrors to TensorBoard if present."""
+
+    def __init__(self, run_dir: Path, enabled: bool) -> None:
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = None
+        if enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tb"))
+            except Exception:  # tensorboard is optional
+                self.tb = None
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"time": round(time.time(), 3), **record}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k not in ("step", "time"):
+                    self.tb.add_scalar(
+                        f"{record.get('kind', 'train')}/{k}", v, record.get("step", 0)
+                    )
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def format_line(r: dict) -> str:
+    parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}"]
+    if r.get("loss_scale", 1.0) != 1.0:
+        parts.append(f"scale {r['loss_scale']:.0f} skipped {r['skipped']}")
+    parts += [
+        f"gnorm {r['grad_norm']:.3f}",
+        f"{r['ms_per_step']:.0f} ms/step",
+        f"{r['tokens_per_s']:,.0f} tok/s",
+    ]
+    if "tflops" in r:
+        parts.append(f"{r['tflops']:.0f} TFLOP/s")
+    if "mfu" in r:
+        parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    if "peak_gib" in r:
+        parts.append(f"peak {r['peak_gib']:.1f} GiB")
+    return " | ".join(parts)
