@@ -1,0 +1,131 @@
+"""One chunk's state on one rank: flat buffers whose placement is an attribute, not a code path.
+
+Shape legend: n the chunk's parameter count, N = n padded to a multiple of world·ALIGN, s = N/W
+the shard of one rank. Padded coordinates throughout; the padding stays zero forever.
+
+Buffers, by ZeRO stage (a stage shards everything the stages below it shard):
+  weight       [N] working dtype   the model's parameters are views into it. Stage 3: resident
+                                   only between gather() and release() (storage resized to 0).
+  weight_shard [s] working dtype   stage 3: this rank's persistent slice; else a view of weight.
+  grad         [N] working dtype   stages 0-1: the params' .grad are views, autograd accumulates
+                                   micro-batches into it in place. Stages 2-3: absent.
+  grad_shard   [s] working dtype   stage 1: reduce-scatter target of the last micro-batch;
+                                   stages 2-3: accumulator of every micro-batch's reduce-scatter.
+  master, exp_avg, exp_avg_sq      fp32 over the optimizer range: [N] at stage 0, else [s].
+                                   Live on `opt_device` (GPU or host: the offload tier). With
+                                   fp32 compute on the same device, master aliases the weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from fitgpt.engine.layout import ChunkSpec
+
+ALIGN = 128  # shard boundaries on 256-byte multiples (bf16): aligned NCCL and vector loads
+
+
+def padded(n: int, world: int) -> int:
+    m = world * ALIGN
+    return -(-n // m) * m
+
+
+class Chunk:
+    def __init__(
+        self,
+        spec: ChunkSpec,
+        params: list[nn.Parameter],
+        *,
+        rank: int,
+        world: int,
+        shard_opt: bool,
+        shard_grads: bool,
+        shard_weights: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        opt_device: torch.device,
+        pin: bool,
+    ) -> None:
+        self.spec, self.params = spec, params
+        self.n, self.N = spec.numel, padded(spec.numel, world)
+        self.s = self.N // world
+        self.lo, self.hi = rank * self.s, (rank + 1) * self.s  # this rank's shard
+        self.shard_grads, self.shard_weights = shard_grads, shard_weights
+        self.opt_lo, self.opt_hi = (self.lo, self.hi) if shard_opt else (0, self.N)
+        self.dtype, self.device, self.opt_device = dtype, device, opt_device
+
+        self.weight = torch.zeros(self.N, dtype=dtype, device=device)
+        self.resident = True
+        for p, slot in zip(params, spec.slots):
+            p.data = self.weight[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        if shard_weights:
+            self.weight_shard = torch.zeros(self.s, dtype=dtype, device=device)
+        else:
+            self.weight_shard = self.weight[self.lo : self.hi]
+
+        self.grad: Tensor | None = None
+        if not shard_grads:
+            self.grad = torch.zeros(self.N, dtype=dtype, device=device)
+            for p, slot in zip(params, spec.slots):
+                p.grad = self.grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        self.grad_shard = torch.zeros(self.s, dtype=dtype, device=device) if shard_opt else None
+
+        m = self.opt_hi - self.opt_lo
+
+        def host(t: Tensor) -> Tensor:
+            return t.pin_memory() if pin and opt_device.type == "cpu" else t
+
+        self.master_aliases_weight = dtype == torch.float32 and opt_device == device
+        if self.master_aliases_weight:
+            # fp32 compute: the working weights are the master copy, no second fp32 buffer.
+            self.master = self.weight_shard if shard_opt else self.weight
+        else:
+            self.master = host(torch.zeros(m, dtype=torch.float32, device=opt_device))
+        self.exp_avg = host(torch.zeros(m, dtype=torch.float32, device=opt_device))
+        self.exp_avg_sq = host(torch.zeros(m, dtype=torch.float32, device=opt_device))
+        # [0, decay_end) of the optimizer range gets weight decay (layout puts decayed params first)
+        self.decay_end = max(0, min(spec.decay_numel, self.opt_hi) - self.opt_lo)
+        self.grads_seen = 0  # params whose gradient is complete in the current backward
+
+    # ---- ranges --------------------------------------------------------------------------
+    @property
+    def opt_grad(self) -> Tensor:
+        """The reduced gradient over the optimizer range (valid after the step's reductions)."""
+        return self.grad if self.grad_shard is None else self.grad_shard
+
+    def unpadded(self, lo: int, hi: int) -> tuple[int, int]:
+        return min(lo, self.n), min(hi, self.n)
+
+    # ---- stage 3: weights resident only while used -------------------------------------------
+    def alloc_weight(self) -> None:
+        """Give the flat weight its storage back (contents undefined until gathered). The
+        parameters and any views autograd saved share this storage, so they see the data again."""
+        if not self.resident:
+            self.weight.untyped_storage().resize_(self.N * self.weight.element_size())
+            self.resident = True
+
+    def free_weight(self) -> None:
+        """Return the full weights' memory to the allocator (frees N·2 bytes in bf16)."""
+        if self.resident and self.shard_weights:
+            self.weight.untyped_storage().resize_(0)
+            self.resident = False
+
+    def bytes_by_kind(self) -> dict[str, dict[str, int]]:
+        """{device type: {kind: bytes}} actually held now."""
+
+        def nb(t: Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        dev, opt = self.device.type, self.opt_device.type
+        out: dict[str, dict[str, int]] = {dev: {}, opt: {}}
+        out[dev]["weights"] = nb(self.weight) if self.resident else 0
+        if self.shard_weights:
+            out[dev]["weight_shards"] = nb(self.weight_shard)
+        out[dev]["grads"] = nb(self.grad) + nb(self.grad_shard)
+        if not self.master_aliases_weight:
+            out[opt]["master_weights"] = out[opt].get("master_weights", 0) + nb(self.master)
+        out[opt]["optimizer"] = (
+            out[opt].get("optimizer", 0) + nb(self.exp_avg) + nb(self.exp_avg_sq)
+        )
+        return out

@@ -1,0 +1,389 @@
+"""fitgpt's chunked engine (`--engine zero`): ZeRO stages 0-3 over flat per-chunk buffers.
+
+Every piece of state lives in a Chunk (engine/chunk.py): one chunk per transformer block plus the
+embedding and head chunks. The model's parameters are views into the chunks' flat working-dtype
+buffers, so the model code never changes. Mixed precision keeps bf16/fp16 weights and gradients
+for compute and fp32 master weights and Adam moments over each rank's optimizer range.
+
+Communication, per step (W ranks):
+  stage 0  gradients all-reduced once, at the last micro-batch, chunk by chunk as each chunk's
+           backward completes (overlapped with the rest of backward); every rank updates all.
+  stage 1  the same, but reduce-scattered: each rank updates its shard, then all-gathers weights.
+  stage 2  reduce-scattered at every micro-batch (full gradients exist only transiently).
+  stage 3  block weights are all-gathered just before each block's forward and backward
+           (the next block prefetched asynchronously) and freed right after.
+The 1/W of the data-parallel mean is folded into the backward's loss scaling, so collectives sum.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from fitgpt.dist import DistContext
+from fitgpt.engine import comm
+from fitgpt.engine.activation import checkpoint_blocks
+from fitgpt.engine.base import Batch, Engine, StepStats
+from fitgpt.engine.chunk import Chunk
+from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
+from fitgpt.engine.layout import chunk_layout
+from fitgpt.engine.scaler import LossScaler
+from fitgpt.engine.state_io import KINDS, Piece, StateReader, write_pieces
+from fitgpt.errors import UserError
+from fitgpt.model import GPT, ModelConfig
+from fitgpt.model.gpt import alibi_slopes
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MAX_INFLIGHT = 2  # gradient reductions in flight at once: bounds the transient full-grad buffers
+
+
+class ChunkEngine(Engine):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        ecfg: EngineConfig,
+        pcfg: PrecisionConfig,
+        ocfg: OptimConfig,
+        ctx: DistContext,
+        seed: int = 0,
+    ) -> None:
+        if ecfg.offloads:
+            raise UserError(
+                "offload tiers are not built yet; drop --offload-optimizer/--offload-params"
+            )
+        self.model_cfg, self.ecfg, self.ocfg, self.ctx = model_cfg, ecfg, ocfg, ctx
+        self.device, self.stage = ctx.device, ecfg.zero_stage
+        self.dtype = DTYPES[pcfg.precision]
+        self.scaler = LossScaler(pcfg)
+        self.world = ctx.world if ctx.distributed else 1
+        self.group = ctx.group if ctx.distributed else None
+
+        with torch.device("meta"):
+            model = GPT(model_cfg)
+        self.layout = chunk_layout(model)
+        model.to_empty(device=self.device)  # buffers (ALiBi slopes); parameters are rebound below
+        if model_cfg.position == "alibi":
+            model.alibi_slopes_N.copy_(alibi_slopes(model_cfg.n_head))
+        named = dict(model.named_parameters())
+        n_blocks = model_cfg.n_layer
+        self.chunks: list[Chunk] = []
+        for spec in self.layout:
+            is_block = spec.name.startswith("block.")
+            self.chunks.append(
+                Chunk(
+                    spec,
+                    [named[s.name] for s in spec.slots],
+                    rank=ctx.rank if self.world > 1 else 0,
+                    world=self.world,
+                    shard_opt=self.stage >= 1,
+                    shard_grads=self.stage >= 2,
+                    # embed/head stay resident under stage 3: the tied embedding is used at both ends
+                    shard_weights=self.stage >= 3 and is_block,
+                    dtype=self.dtype,
+                    device=self.device,
+                    opt_device=self.device,
+                    pin=False,
+                )
+            )
+        self.blocks = [c for c in self.chunks if c.spec.name.startswith("block.")]
+        assert len(self.blocks) == n_blocks
+        self._init_weights(model, seed)
+        if ecfg.checkpointing != "off":
+            checkpoint_blocks(model)
+        self.model = model
+        self.optimizers = [self._optimizer(c) for c in self.chunks]
+        self.pending: deque[tuple[object, Callable[[], None] | None, tuple]] = deque()
+        self.last_micro = True
+        self._register_grad_hooks()
+        if self.stage >= 3:
+            self._register_gather_hooks()
+
+    # ---- construction -------------------------------------------------------------------------
+    @torch.no_grad()
+    def _init_weights(self, model: GPT, seed: int) -> None:
+        """Each parameter made whole in fp32 from its own seeded generator, then scattered into
+        the chunk's buffers: the same initial weights at every world size, stage and tier."""
+        for c in self.chunks:
+            flat = torch.zeros(c.N, dtype=torch.float32, device=self.device)  # transient, one chunk
+            for s in c.spec.slots:
+                model.init_parameter_(
+                    s.name, flat[s.offset : s.offset + s.numel].view(s.shape), seed
+                )
+            c.weight.copy_(flat)
+            if c.shard_weights:
+                c.weight_shard.copy_(flat[c.lo : c.hi])
+            if not c.master_aliases_weight:
+                c.master.copy_(flat[c.opt_lo : c.opt_hi])
+            c.free_weight()
+
+    def _optimizer(self, c: Chunk) -> torch.optim.AdamW:
+        """torch's fused AdamW over the chunk's flat fp32 views; its moments are our buffers."""
+        groups, d, m = [], c.decay_end, c.opt_hi - c.opt_lo
+        views = [
+            (c.master[:d], c.exp_avg[:d], c.exp_avg_sq[:d], self.ocfg.weight_decay),
+            (c.master[d:m], c.exp_avg[d:m], c.exp_avg_sq[d:m], 0.0),
+        ]
+        views = [v for v in views if v[0].numel() > 0]
+        for p, *_, wd in views:
+            groups.append({"params": [p], "weight_decay": wd})
+        opt = torch.optim.AdamW(
+            groups, lr=0.0, betas=(self.ocfg.beta1, self.ocfg.beta2), eps=self.ocfg.eps, fused=True
+        )
+        for p, ea, es, _ in views:
+            opt.state[p] = {
+                "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                "exp_avg": ea,
+                "exp_avg_sq": es,
+            }
+        return opt
+
+    # ---- gradient flow ------------------------------------------------------------------------
+    def _register_grad_hooks(self) -> None:
+        for c in self.chunks:
+            for p in c.params:
+                p.register_post_accumulate_grad_hook(lambda _p, c=c: self._on_param_grad(c))
+
+    def _on_param_grad(self, c: Chunk) -> None:
+        c.grads_seen += 1
+        if c.grads_seen < len(c.params):
+            return
+        c.grads_seen = 0  # the chunk's backward is complete for this micro-batch
+        if c.shard_weights:
+            c.free_weight()
+        if self.stage >= 2:
+            self._reduce_scatter_now(c)
+        elif self.last_micro:
+            if self.stage == 1:
+                self._launch(
+                    comm.reduce_scatter(c.grad_shard, c.grad, self.group, self.world, True)
+                )
+            else:
+                self._launch(comm.all_reduce(c.grad, self.group, self.world, True))
+
+    def _reduce_scatter_now(self, c: Chunk) -> None:
+        """Stages 2-3: flatten this micro-batch's gradients, reduce-scatter them into a transient
+        shard, and free the full gradients; the shard is added to the accumulator on completion."""
+        full = torch.empty(c.N, dtype=self.dtype, device=self.device)
+        torch.cat([p.grad.reshape(-1) for p in c.params], out=full[: c.n])
+        full[c.n :].zero_()
+        for p in c.params:
+            p.grad = None  # autograd's per-parameter gradients are freed here
+        part = torch.empty(c.s, dtype=self.dtype, device=self.device)
+        work = comm.reduce_scatter(part, full, self.group, self.world, True)
+        self._launch(work, lambda: c.grad_shard.add_(part), keep=(full, part))
+
+    def _launch(self, work, finish: Callable[[], None] | None = None, keep: tuple = ()) -> None:
+        self.pending.append((work, finish, keep))
+        while len(self.pending) > MAX_INFLIGHT:
+            self._finish_one()
+
+    def _finish_one(self) -> None:
+        work, finish, _keep = self.pending.popleft()
+        work.wait()  # on GPU: the compute stream waits for NCCL's, no host sync
+        if finish is not None:
+            finish()
+
+    def _finish_all(self) -> None:
+        while self.pending:
+            self._finish_one()
+
+    # ---- stage 3: gather before use, free after ----------------------------------------------
+    def _register_gather_hooks(self) -> None:
+        blocks = list(self.model.blocks)
+        for i, (module, c) in enumerate(zip(blocks, self.blocks)):
+            nxt = self.blocks[i + 1] if i + 1 < len(self.blocks) else None
+            prv = self.blocks[i - 1] if i > 0 else None
+            last = nxt is None
+
+            def pre_forward(_m, _args, c=c, nxt=nxt):
+                self._ensure(c)
+                if nxt is not None:
+                    self._gather(nxt)  # prefetch: overlaps with this block's forward
+
+            def post_forward(_m, _args, _out, c=c, last=last):
+                if not last or not torch.is_grad_enabled():
+                    c.free_weight()  # the last block is needed again at once by backward
+
+            def pre_backward(_m, _grad, c=c, prv=prv):
+                self._ensure(c)
+                if prv is not None:
+                    self._gather(prv)
+
+            module.register_forward_pre_hook(pre_forward)
+            module.register_forward_hook(post_forward)
+            module.register_full_backward_pre_hook(pre_backward)
+        self.gathers: dict[int, object] = {}
+
+    def _gather(self, c: Chunk) -> None:
+        if c.resident:
+            return
+        c.alloc_weight()  # allocated on the compute stream; NCCL's stream waits on it at launch
+        self.gathers[c.spec.index] = comm.all_gather(
+            c.weight, c.weight_shard, self.group, self.world, True
+        )
+
+    def _ensure(self, c: Chunk) -> None:
+        self._gather(c)
+        work = self.gathers.pop(c.spec.index, None)
+        if work is not None:
+            work.wait()
+
+    # ---- the step -----------------------------------------------------------------------------
+    def _to_device(self, t: Tensor) -> Tensor:
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def train_step(self, micro_batches: list[Batch], lr: float) -> StepStats:
+        n, scale = len(micro_batches), self.scaler.scale
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        for i, (x, y) in enumerate(micro_batches):
+            self.last_micro = i == n - 1
+            loss = self.model(self._to_device(x), self._to_device(y))
+            (loss * (scale / (n * self.world))).backward()
+            loss_sum += loss.detach().float()
+        self._finish_all()
+        loss_avg = loss_sum / n
+        sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        for c in self.chunks:
+            sq += torch.linalg.vector_norm(c.opt_grad, dtype=torch.float32).square()
+        if self.world > 1:
+            if self.stage >= 1:  # each rank holds a different shard of the reduced gradient
+                comm.all_reduce(sq, self.group, self.world)
+            comm.all_reduce(loss_avg, self.group, self.world)
+            loss_avg /= self.world
+        loss_v, sq_v = torch.stack([loss_avg, sq]).tolist()  # host sync: one per step
+        norm = sq_v**0.5 / scale
+        overflow = not (norm == norm and norm != float("inf"))
+        if not overflow:
+            clip = self.ocfg.grad_clip
+            coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+            self._update(lr, coef / scale)
+        self.scaler.update(overflow)
+        self._zero_grads()
+        return StepStats(loss_v, norm, scale, overflow)
+
+    def _update(self, lr: float, grad_mul: float) -> None:
+        gathers = []
+        for c, opt in zip(self.chunks, self.optimizers):
+            g32 = c.opt_grad.float()  # transient fp32 copy of one chunk's gradient
+            if grad_mul != 1.0:
+                g32.mul_(grad_mul)
+            for group, (lo, hi) in zip(opt.param_groups, _group_ranges(c)):
+                group["lr"] = lr
+                group["params"][0].grad = g32[lo:hi]
+            opt.step()
+            for group in opt.param_groups:
+                group["params"][0].grad = None
+            del g32
+            if not c.master_aliases_weight:
+                c.weight_shard.copy_(c.master) if self.stage >= 1 else c.weight.copy_(c.master)
+            if self.stage >= 1 and not c.shard_weights:
+                gathers.append(
+                    comm.all_gather(c.weight, c.weight_shard, self.group, self.world, True)
+                )
+        for w in gathers:
+            w.wait()
+
+    def _zero_grads(self) -> None:
+        for c in self.chunks:
+            if c.grad is not None:
+                c.grad.zero_()
+            elif c.grad_shard is not None:
+                c.grad_shard.zero_()
+
+    @torch.no_grad()
+    def eval_loss(self, batch: Batch) -> float:
+        self.model.eval()
+        x, y = (self._to_device(t) for t in batch)
+        loss = self.model(x, y).float()
+        if self.world > 1:
+            comm.all_reduce(loss, self.group, self.world)
+            loss /= self.world
+        self.model.train()
+        return loss.item()
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def _writes(self) -> bool:
+        return self.stage >= 1 or self.ctx.rank == 0  # stage 0 is replicated: rank 0 writes
+
+    def save_state(self, folder: Path) -> None:
+        if not self._writes():
+            return
+        pieces = []
+        for c in self.chunks:
+            lo, hi = c.unpadded(c.opt_lo, c.opt_hi)
+            k = hi - lo
+            if k <= 0:
+                continue
+            tensors = dict(zip(KINDS, (c.master[:k], c.exp_avg[:k], c.exp_avg_sq[:k])))
+            pieces.append(
+                Piece(c.spec.index, lo, hi, {n: t.float().cpu() for n, t in tensors.items()})
+            )
+        write_pieces(folder, self.ctx.rank, pieces)
+
+    @torch.no_grad()
+    def load_state(self, folder: Path, extra: dict) -> None:
+        reader = StateReader(folder)
+        step = float(extra.get("optimizer_step", 0))
+        for c, opt in zip(self.chunks, self.optimizers):
+            lo, hi = c.unpadded(c.opt_lo, c.opt_hi)
+            k = max(0, hi - lo)
+            for kind, buf in zip(KINDS, (c.master, c.exp_avg, c.exp_avg_sq)):
+                if k:
+                    buf[:k].copy_(reader.read(c.spec.index, kind, lo, hi))
+            for st in opt.state.values():
+                st["step"].fill_(step)
+            self._weights_from_master(c)
+        self.scaler.load_state_dict(extra["scaler"])
+
+    def _weights_from_master(self, c: Chunk) -> None:
+        if c.master_aliases_weight:
+            src = c.weight_shard if self.stage >= 1 else c.weight
+        else:
+            src = c.master
+        if self.stage == 0:
+            c.weight.copy_(src)
+            return
+        c.weight_shard.copy_(src)
+        if not c.shard_weights:
+            comm.all_gather(c.weight, c.weight_shard, self.group, self.world)
+
+    def extra_state(self) -> dict:
+        steps = [st["step"] for opt in self.optimizers for st in opt.state.values()]
+        return {
+            "optimizer_step": int(steps[0].item()) if steps else 0,
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for c in self.chunks:
+            for dev, kinds in c.bytes_by_kind().items():
+                for k, v in kinds.items():
+                    out.setdefault(dev, {}).setdefault(k, 0)
+                    out[dev][k] += v
+        return out
+
+    @torch.no_grad()
+    def inference_model(self) -> GPT:
+        """A fresh GPT holding the full current weights (gathered from the shards)."""
+        model = GPT(self.model_cfg).to(self.device, self.dtype)
+        params = dict(model.named_parameters())
+        for c in self.chunks:
+            if c.shard_weights:
+                self._ensure(c)
+            for s in c.spec.slots:
+                params[s.name].copy_(c.weight[s.offset : s.offset + s.numel].view(s.shape))
+            if c.shard_weights:
+                c.free_weight()
+        return model.eval()
+
+
+def _group_ranges(c: Chunk) -> list[tuple[int, int]]:
+    d, m = c.decay_end, c.opt_hi - c.opt_lo
+    return [r for r in ((0, d), (d, m)) if r[1] > r[0]]

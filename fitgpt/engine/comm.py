@@ -1,0 +1,47 @@
+"""Thin wrappers over torch.distributed collectives used by the chunked engine.
+
+They accept a missing group (one process: the collective is a copy or nothing) and hide the
+renames between torch releases (`all_gather_into_tensor` is deprecated in 2.13 in favour of
+`all_gather_single`, which 2.11 lacks). With async_op the returned handle's wait() makes the
+current CUDA stream wait for NCCL's stream: no host sync, and NCCL keeps the buffers alive.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch.distributed as dist
+from torch import Tensor
+
+warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
+warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated")
+
+
+class Done:
+    """Handle of a collective that needed no communication."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def all_gather(out_full: Tensor, shard: Tensor, group, world: int, async_op: bool = False):
+    """out_full[r·s:(r+1)·s] = shard of rank r, for every r."""
+    if group is None or world == 1:
+        if out_full.data_ptr() != shard.data_ptr():
+            out_full.copy_(shard)
+        return Done()
+    return dist.all_gather_into_tensor(out_full, shard, group=group, async_op=async_op) or Done()
+
+
+def reduce_scatter(out_shard: Tensor, full: Tensor, group, world: int, async_op: bool = False):
+    """out_shard of rank r = sum over ranks of full[r·s:(r+1)·s]."""
+    if group is None or world == 1:
+        out_shard.copy_(full)
+        return Done()
+    return dist.reduce_scatter_tensor(out_shard, full, group=group, async_op=async_op) or Done()
+
+
+def all_reduce(t: Tensor, group, world: int, async_op: bool = False):
+    if group is None or world == 1:
+        return Done()
+    return dist.all_reduce(t, group=group, async_op=async_op) or Done()
