@@ -58,6 +58,13 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:
         print(f"fitgpt {args.command}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as e:
+        from fitgpt.engine.comm import CollectiveError
+
+        if not isinstance(e, CollectiveError):
+            raise
+        print(f"fitgpt {args.command}: {e}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         print(f"fitgpt {args.command}: interrupted", file=sys.stderr)
         sys.exit(130)

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from fitgpt.dist import init_distributed, shutdown
     from fitgpt.train.loop import train
 
-    ctx = init_distributed(run_cfg.train.device)
+    ctx = init_distributed(run_cfg.train.device, run_cfg.train.dist_timeout)
     try:
         train(run_cfg, ctx, resume=args.resume, overwrite=args.overwrite)
     finally:

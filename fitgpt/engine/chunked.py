@@ -96,7 +96,7 @@ class ChunkEngine(Engine):
             checkpoint_blocks(model)
         self.model = model
         self.optimizers = [self._optimizer(c) for c in self.chunks]
-        self.pending: deque[tuple[object, Callable[[], None] | None, tuple]] = deque()
+        self.pending: deque[tuple[object, str, Callable[[], None] | None, tuple]] = deque()
         self.last_micro = True
         self._register_grad_hooks()
         if self.stage >= 3:
@@ -158,11 +158,11 @@ class ChunkEngine(Engine):
             self._reduce_scatter_now(c)
         elif self.last_micro:
             if self.stage == 1:
-                self._launch(
-                    comm.reduce_scatter(c.grad_shard, c.grad, self.group, self.world, True)
-                )
+                work = comm.reduce_scatter(c.grad_shard, c.grad, self.group, self.world, True)
+                self._launch(work, f"reduce-scatter gradients of {c.spec.name}")
             else:
-                self._launch(comm.all_reduce(c.grad, self.group, self.world, True))
+                work = comm.all_reduce(c.grad, self.group, self.world, True)
+                self._launch(work, f"all-reduce gradients of {c.spec.name}")
 
     def _reduce_scatter_now(self, c: Chunk) -> None:
         """Stages 2-3: flatten this micro-batch's gradients, reduce-scatter them into a transient
@@ -174,16 +174,19 @@ class ChunkEngine(Engine):
             p.grad = None  # autograd's per-parameter gradients are freed here
         part = torch.empty(c.s, dtype=self.dtype, device=self.device)
         work = comm.reduce_scatter(part, full, self.group, self.world, True)
-        self._launch(work, lambda: c.grad_shard.add_(part), keep=(full, part))
+        label = f"reduce-scatter gradients of {c.spec.name}"
+        self._launch(work, label, lambda: c.grad_shard.add_(part), keep=(full, part))
 
-    def _launch(self, work, finish: Callable[[], None] | None = None, keep: tuple = ()) -> None:
-        self.pending.append((work, finish, keep))
+    def _launch(
+        self, work, label: str, finish: Callable[[], None] | None = None, keep: tuple = ()
+    ) -> None:
+        self.pending.append((work, label, finish, keep))
         while len(self.pending) > MAX_INFLIGHT:
             self._finish_one()
 
     def _finish_one(self) -> None:
-        work, finish, _keep = self.pending.popleft()
-        work.wait()  # on GPU: the compute stream waits for NCCL's, no host sync
+        work, label, finish, _keep = self.pending.popleft()
+        comm.wait(work, label, self.ctx.rank)  # on GPU: the compute stream waits, no host sync
         if finish is not None:
             finish()
 
@@ -230,7 +233,7 @@ class ChunkEngine(Engine):
         self._gather(c)
         work = self.gathers.pop(c.spec.index, None)
         if work is not None:
-            work.wait()
+            comm.wait(work, f"all-gather weights of {c.spec.name}", self.ctx.rank)
 
     # ---- the step -----------------------------------------------------------------------------
     def _to_device(self, t: Tensor) -> Tensor:
@@ -253,8 +256,16 @@ class ChunkEngine(Engine):
             sq += torch.linalg.vector_norm(c.opt_grad, dtype=torch.float32).square()
         if self.world > 1:
             if self.stage >= 1:  # each rank holds a different shard of the reduced gradient
-                comm.all_reduce(sq, self.group, self.world)
-            comm.all_reduce(loss_avg, self.group, self.world)
+                comm.wait(
+                    comm.all_reduce(sq, self.group, self.world, True),
+                    "all-reduce grad norm",
+                    self.ctx.rank,
+                )
+            comm.wait(
+                comm.all_reduce(loss_avg, self.group, self.world, True),
+                "all-reduce loss",
+                self.ctx.rank,
+            )
             loss_avg /= self.world
         loss_v, sq_v = torch.stack([loss_avg, sq]).tolist()  # host sync: one per step
         norm = sq_v**0.5 / scale
@@ -283,11 +294,10 @@ class ChunkEngine(Engine):
             if not c.master_aliases_weight:
                 c.weight_shard.copy_(c.master) if self.stage >= 1 else c.weight.copy_(c.master)
             if self.stage >= 1 and not c.shard_weights:
-                gathers.append(
-                    comm.all_gather(c.weight, c.weight_shard, self.group, self.world, True)
-                )
-        for w in gathers:
-            w.wait()
+                work = comm.all_gather(c.weight, c.weight_shard, self.group, self.world, True)
+                gathers.append((work, f"all-gather updated weights of {c.spec.name}"))
+        for work, label in gathers:
+            comm.wait(work, label, self.ctx.rank)
 
     def _zero_grads(self) -> None:
         for c in self.chunks:

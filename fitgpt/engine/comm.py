@@ -17,6 +17,23 @@ warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprec
 warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated")
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out: another rank died or hangs. The message names this rank
+    and the operation; torchrun then ends the other ranks and names the one that failed."""
+
+
+def wait(work, label: str, rank: int) -> None:
+    """work.wait(), turning a backend failure or timeout into a CollectiveError naming `label`."""
+    try:
+        work.wait()
+    except Exception as e:  # gloo raises RuntimeError, NCCL DistBackendError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CollectiveError(
+            f"rank {rank}: collective '{label}' did not complete ({first[:200]}); another rank "
+            "died or hangs, so this job ends here (the wait is bounded by --dist-timeout)"
+        ) from e
+
+
 class Done:
     """Handle of a collective that needed no communication."""
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fitgpt.dist import DistContext
+from fitgpt.engine import comm
 from fitgpt.engine.activation import checkpoint_blocks
 from fitgpt.engine.base import Batch, Engine, StepStats
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
@@ -121,7 +122,8 @@ class TorchEngine(Engine):
             torch._foreach_mul_(grads, coef)
         loss_avg = loss_sum / n
         if self.ctx.distributed:
-            dist.all_reduce(loss_avg, group=self.ctx.group)
+            work = dist.all_reduce(loss_avg, group=self.ctx.group, async_op=True)
+            comm.wait(work, "all-reduce loss (after DDP's gradient all-reduce)", self.ctx.rank)
             loss_avg /= self.ctx.world
         loss_v, norm_v = torch.stack([loss_avg, norm.to(loss_avg)]).tolist()  # host sync
         overflow = not (norm_v == norm_v and abs(norm_v) != float("inf"))

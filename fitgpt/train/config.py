@@ -33,6 +33,13 @@ class TrainConfig:
     device: str = field(
         default="auto", metadata={"help": "auto (GPU if there is one), cuda or cpu"}
     )
+    dist_timeout: float = field(
+        default=600.0,
+        metadata={
+            "help": "seconds a collective may wait for the other ranks before the job ends "
+            "with the rank and operation named (a dead or hung rank)"
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch", "grad_accum", "log_every", "keep"):
@@ -43,5 +50,7 @@ class TrainConfig:
         for name in ("warmup", "eval_every", "eval_batches", "save_every"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.dist_timeout <= 0:
+            raise UserError(f"--dist-timeout {self.dist_timeout} must be > 0 seconds")
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
             raise UserError(f"--lr {self.lr} must be > 0 and --min-lr {self.min_lr} in [0, lr]")

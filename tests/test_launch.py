@@ -1,0 +1,92 @@
+"""Launching: torchrun across two "machines" on localhost, and a dead or hung rank."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import free_port
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+RUN = [
+    "--preset",
+    "tiny",
+    "--data",
+    "synthetic",
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--seq-len",
+    "32",
+    "--vocab-size",
+    "96",
+    "--micro-batch",
+    "2",
+    "--log-every",
+    "2",
+    "--eval-every",
+    "0",
+    "--device",
+    "cpu",
+    "--engine",
+    "zero",
+]
+
+
+def torchrun(nnodes: int, node_rank: int, nproc: int, port: int, args: list[str], env=ENV):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--node-rank={node_rank}",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        "-m",
+        "fitgpt",
+        "train",
+        *args,
+    ]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_two_machines_on_localhost_train_together(tmp_path):
+    port = free_port()
+    args = [*RUN, "--steps", "4", "--zero-stage", "2", "--out", str(tmp_path)]
+    nodes = [torchrun(2, r, 1, port, args) for r in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs
+    assert "2 rank(s)" in outs[0][0]
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r["kind"] == "train"] == [2, 4]
+    assert (tmp_path / "step_00000004" / "index-r001.json").is_file()  # rank 1 wrote its shards
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["hang", "die"])
+def test_a_dead_or_hung_rank_ends_the_job_naming_rank_and_collective(tmp_path, kind):
+    args = [
+        *RUN,
+        "--steps",
+        "50",
+        "--zero-stage",
+        "1",
+        "--dist-timeout",
+        "8",
+        "--out",
+        str(tmp_path),
+    ]
+    t0 = time.time()
+    p = torchrun(1, 0, 2, free_port(), args, env={**ENV, "FITGPT_FAULT": f"1:3:{kind}"})
+    _, err = p.communicate(timeout=240)
+    assert p.returncode != 0
+    assert "rank 0: collective '" in err or "rank 0: a collective" in err, err[-2000:]
+    assert "another rank died or hangs" in err
+    assert time.time() - t0 < 120
