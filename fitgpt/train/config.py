@@ -24,6 +24,9 @@ class TrainConfig:
         default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"}
     )
     keep: int = field(default=3, metadata={"help": "checkpoints kept (older ones are deleted)"})
+    save: bool = field(
+        default=True, metadata={"help": "write checkpoints (--no-save for throughput runs)"}
+    )
     seed: int = field(
         default=0, metadata={"help": "seed of initialisation, data order and dropout"}
     )

@@ -234,7 +234,8 @@ class Trainer:
                     ctx,
                     f"eval step {self.step} | val loss {ev['val_loss']:.4f} | ppl {ev['val_ppl']:.2f}",
                 )
-            if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps:
+            due = (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps
+            if cfg.save and due:
                 self.save()
         self.log.close()
         return {"losses": losses, "history": history}

@@ -1,0 +1,132 @@
+"""Charts and tables from a sweep's JSON lines, and from a training run's metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on servers
+import matplotlib.pyplot as plt  # noqa: E402
+
+PEERS = ("ddp", "deepspeed", "fsdp")
+
+
+def is_peer(system: str) -> bool:
+    return system.startswith(PEERS)
+
+
+def _save(fig, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=130, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def sweep_chart(results: list[dict], path: Path, title: str = "") -> None:
+    """Samples/s and model TFLOP/s against parameters; each line ends at its capacity (★)."""
+    systems = sorted({r["system"] for r in results}, key=lambda s: (is_peer(s), s))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for s in systems:
+        ok = sorted((r for r in results if r["system"] == s and r["status"] == "ok"), key=lambda r: r["params"])
+        if not ok:
+            continue
+        x = [r["params"] / 1e9 for r in ok]
+        style = "--" if is_peer(s) else "-"
+        for ax, key in zip(axes, ("samples_per_s", "tflops")):
+            y = [r.get(key, 0) for r in ok]
+            (line,) = ax.plot(x, y, style, marker="o", ms=4, label=s)
+            ax.plot(x[-1], y[-1], marker="*", ms=14, color=line.get_color())
+            ax.annotate(f"{x[-1]:.1f}B", (x[-1], y[-1]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    axes[0].set_ylabel("samples/s (sequences of 1024 tokens)")
+    axes[1].set_ylabel("model TFLOP/s per GPU (recompute not counted)")
+    for ax in axes:
+        ax.set_xlabel("parameters (billions)")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8, loc="best")
+    dev = next((r.get("device") for r in results if r.get("device")), "")
+    fig.suptitle(title or f"Throughput against model size — {dev} (★ = largest that trained)")
+    _save(fig, path)
+
+
+def sweep_table(results: list[dict]) -> str:
+    systems = sorted({r["system"] for r in results}, key=lambda s: (is_peer(s), s))
+    sizes = sorted({(r["params"], r["layers"]) for r in results})
+    by = {(r["system"], r["layers"]): r for r in results}
+    lines = ["| params | layers | " + " | ".join(systems) + " | fitgpt / best peer |",
+             "|---|---|" + "---|" * len(systems) + "---|"]
+    for params, layers in sizes:
+        cells, best_peer = [], 0.0
+        for s in systems:
+            r = by.get((s, layers))
+            if r is None:
+                cells.append("")
+            elif r["status"] == "ok":
+                cells.append(f"{r['tokens_per_s']:,.0f} tok/s ({r.get('tflops', 0):.0f} TF)")
+                if is_peer(s):
+                    best_peer = max(best_peer, r["tokens_per_s"])
+            else:
+                cells.append(r["status"])
+        mine = by.get(("fitgpt", layers))
+        ratio = ""
+        if mine and mine["status"] == "ok" and best_peer:
+            ratio = f"{mine['tokens_per_s'] / best_peer:.2f}×"
+        elif mine and mine["status"] == "ok":
+            ratio = "no peer fits"
+        lines.append(f"| {params / 1e9:.2f} B | {layers} | " + " | ".join(cells) + f" | {ratio} |")
+    lines += ["", "| system | largest model trained | its throughput | GPU peak | host RAM peak |",
+              "|---|---|---|---|---|"]
+    for s in systems:
+        ok = [r for r in results if r["system"] == s and r["status"] == "ok"]
+        if not ok:
+            lines.append(f"| {s} | none | | | |")
+            continue
+        big = max(ok, key=lambda r: r["params"])
+        gpu = f"{big['gpu_peak_gib']:.1f} GiB" if "gpu_peak_gib" in big else "—"
+        lines.append(f"| {s} | {big['params'] / 1e9:.2f} B | {big.get('tflops', 0):.0f} TFLOP/s, "
+                     f"{big['tokens_per_s']:,.0f} tok/s | {gpu} | {big.get('host_rss_total_gib', big['host_rss_peak_gib']):.1f} GiB |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(results_path: Path, out_dir: Path) -> tuple[Path, Path]:
+    from fitgpt.bench.sweep import read_results
+
+    results = read_results(results_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png, md = out_dir / (results_path.stem + ".png"), out_dir / (results_path.stem + ".md")
+    sweep_chart(results, png)
+    tmp = md.with_name(md.name + ".tmp")
+    dev = next((r.get("device") for r in results if r.get("device")), "unknown device")
+    date = next((r.get("date") for r in results if r.get("date")), "")
+    tmp.write_text(f"# {results_path.name}: {dev}, {date}\n\n![chart]({png.name})\n\n{sweep_table(results)}")
+    os.replace(tmp, md)
+    return png, md
+
+
+def run_chart(run_dir: Path, out: Path | None = None) -> Path:
+    """Loss, throughput and memory over steps from a training run's metrics.jsonl."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    train = [r for r in rows if r.get("kind") == "train"]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    if evals:
+        axes[0].plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation")
+    axes[0].set_ylabel("loss")
+    axes[0].legend()
+    axes[1].plot([r["step"] for r in train], [r["tokens_per_s"] for r in train])
+    axes[1].set_ylabel("tokens/s")
+    mem = [r for r in train if "peak_gib" in r]
+    if mem:
+        axes[2].plot([r["step"] for r in mem], [r["peak_gib"] for r in mem])
+        axes[2].set_ylabel("peak GPU memory (GiB)")
+    else:
+        axes[2].text(0.5, 0.5, "no GPU memory figures (CPU run)", ha="center", transform=axes[2].transAxes)
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    path = out or run_dir / "report.png"
+    _save(fig, path)
+    return path

@@ -1,0 +1,145 @@
+"""A sweep: every (system, size) pair as a short real training run in its own process.
+
+Results are appended to a JSON-lines file as each trial ends (flushed and fsynced), so an
+interrupted sweep keeps what it finished and a re-run skips what is already recorded. Sizes run
+from small to large; the first size a system fails at ends that system's line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from fitgpt.bench.config import BenchConfig
+from fitgpt.bench.systems import get_system
+from fitgpt.dist.launch import SAFE_ENV
+
+console = Console(stderr=True)
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    systems: tuple[str, ...]
+    sizes: tuple[int, ...]  # layer counts
+    bench: BenchConfig
+    gpus: int = 1
+    device: str = "auto"
+
+
+def read_results(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash mid-write; the trial reruns
+    return out
+
+
+def append_result(path: Path, rec: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def merge_ranks(recs: list[dict]) -> dict:
+    """Rank 0's timing; the worst status; memory as max (and sum) over ranks."""
+    recs = sorted(recs, key=lambda r: r["rank"])
+    out = dict(recs[0])
+    order = ["error", "oom-host", "oom-gpu", "refused", "ok"]
+    worst = min(recs, key=lambda r: order.index(r["status"]) if r["status"] in order else 0)
+    out["status"], out["reason"] = worst["status"], worst["reason"]
+    if "gpu_peak_gib" in out:
+        out["gpu_peak_gib"] = max(r.get("gpu_peak_gib", 0) for r in recs)
+    out["host_rss_peak_gib"] = max(r["host_rss_peak_gib"] for r in recs)
+    out["host_rss_total_gib"] = sum(r["host_rss_peak_gib"] for r in recs)
+    out.pop("rank", None)
+    return out
+
+
+def run_one(spec: SweepSpec, system: str, layers: int, workdir: Path) -> dict:
+    trial_spec = {"system": system, "layers": layers, "bench": spec.bench.to_dict(), "device": spec.device}
+    spec_path, result = workdir / f"{system}-{layers}.json", workdir / f"{system}-{layers}.result"
+    spec_path.write_text(json.dumps(trial_spec))
+    env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1",
+           # the same allocator setting for every system: less fragmentation near the limit
+           "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
+    if spec.gpus > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={spec.gpus}", "-m", "fitgpt.bench.trial", str(spec_path), str(result)]
+    else:
+        cmd = [sys.executable, "-m", "fitgpt.bench.trial", str(spec_path), str(result)]
+    log = workdir / f"{system}-{layers}.log"
+    t0 = time.time()
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=spec.bench.time_limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = None
+    ranks = [json.loads(p.read_text()) for p in sorted(workdir.glob(f"{result.name}.rank*")) if not p.name.endswith(".tmp")]
+    base = {"system": system, "layers": layers, "hidden": spec.bench.hidden,
+            "params": spec.bench.model(layers).num_params(), "world": spec.gpus,
+            "bench": spec.bench.to_dict(), "wall_s": time.time() - t0}
+    if code is None:
+        rec = {**base, "status": "timeout", "reason": f"killed after {spec.bench.time_limit:.0f} s"}
+    elif ranks:
+        rec = {**merge_ranks(ranks), "wall_s": base["wall_s"]}
+        if len(ranks) < spec.gpus and rec["status"] == "ok":
+            rec.update(status="error", reason=f"only {len(ranks)} of {spec.gpus} ranks reported")
+    elif code in (-9, 137):
+        rec = {**base, "status": "oom-host", "reason": "killed by SIGKILL (the kernel's OOM killer)"}
+    else:
+        tail = log.read_text()[-1500:]
+        rec = {**base, "status": "error", "reason": f"exit code {code} and no result", "log_tail": tail}
+    return rec
+
+
+def describe(rec: dict) -> str:
+    size = f"L={rec['layers']} ({rec['params'] / 1e9:.2f} B)"
+    if rec["status"] != "ok":
+        return f"{rec['system']:<20} {size:<18} {rec['status']}: {rec['reason'][:120]}"
+    mem = f" GPU {rec['gpu_peak_gib']:.1f} GiB" if "gpu_peak_gib" in rec else ""
+    return (f"{rec['system']:<20} {size:<18} ok {rec['step_s']:.2f} s/step "
+            f"{rec['tokens_per_s']:,.0f} tok/s {rec.get('tflops', 0):.0f} TFLOP/s{mem} "
+            f"RAM {rec['host_rss_peak_gib']:.1f} GiB")
+
+
+def sweep(spec: SweepSpec, out: Path) -> list[dict]:
+    for s in spec.systems:
+        get_system(s)  # unknown names fail before anything runs
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = {(r["system"], r["layers"]): r for r in read_results(out)}
+    total = len(spec.systems) * len(spec.sizes)
+    k = 0
+    with tempfile.TemporaryDirectory(prefix="fitgpt-sweep-") as tmp:
+        for system in spec.systems:
+            for layers in sorted(spec.sizes):
+                k += 1
+                prev = done.get((system, layers))
+                if prev is None:
+                    console.print(f"[{k}/{total}] {system} L={layers} ...", highlight=False)
+                    prev = run_one(spec, system, layers, Path(tmp))
+                    append_result(out, prev)
+                    done[(system, layers)] = prev
+                console.print(f"[{k}/{total}] {describe(prev)}", highlight=False)
+                if prev["status"] != "ok":
+                    k += len([s for s in spec.sizes if s > layers])
+                    break  # this system's line ends at its first failure
+    return list(done.values())

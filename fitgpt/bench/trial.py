@@ -1,0 +1,135 @@
+"""One benchmark trial: one system, one model size, in its own process (or torchrun job).
+
+Run by the sweep as `python -m fitgpt.bench.trial SPEC.json RESULT.json`. Each rank writes
+RESULT.json.rank{r}; the sweep merges them. Timing: warm-up steps, then the median of the timed
+optimizer steps, each ending in a device synchronisation. Memory: torch.cuda.max_memory_allocated
+(max over ranks) and the process's peak RSS (max over ranks, and their sum).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fitgpt.bench.config import BenchConfig
+from fitgpt.bench.systems import get_system
+from fitgpt.data.source import BatchLoader
+from fitgpt.data.synthetic import UniformSource
+from fitgpt.dist import init_distributed
+from fitgpt.errors import UserError
+from fitgpt.train.metrics import peak_flops
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__,
+           "cuda": torch.version.cuda or "none"}
+    try:
+        import deepspeed
+
+        out["deepspeed"] = deepspeed.__version__
+    except Exception:
+        pass
+    return out
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def classify(exc: BaseException) -> tuple[str, str]:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+    if isinstance(exc, torch.cuda.OutOfMemoryError) or "CUDA out of memory" in str(exc):
+        return "oom-gpu", text
+    if isinstance(exc, MemoryError) or "host RAM" in str(exc):
+        return "oom-host", text
+    if isinstance(exc, UserError):
+        return "refused", text
+    return "error", text
+
+
+def run_trial(spec: dict) -> dict:
+    bench = BenchConfig(**spec["bench"])
+    system = get_system(spec["system"])
+    bench = BenchConfig(**{**bench.to_dict(), **system.bench_changes})
+    model = bench.model(spec["layers"])
+    ctx = init_distributed(spec.get("device", "auto"), timeout_s=spec.get("dist_timeout", 300))
+    rec = {
+        "system": system.name, "layers": spec["layers"], "hidden": bench.hidden,
+        "params": model.num_params(), "world": ctx.world, "bench": bench.to_dict(),
+        "device": device_name(ctx.device), "versions": versions(),
+        "date": datetime.date.today().isoformat(), "status": "ok", "reason": "",
+    }
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    source = UniformSource(bench.seq_len, bench.vocab_size, bench.seed)
+    loader = BatchLoader(source, bench.micro_batch, ctx.rank, ctx.world)
+    try:
+        t0 = time.perf_counter()
+        runner = system.build(model, bench, ctx)
+        rec["init_s"] = time.perf_counter() - t0
+        times, losses = [], []
+        for i in range(bench.warmup + bench.steps):
+            micro = [loader.next() for _ in range(bench.grad_accum)]
+            t0 = time.perf_counter()
+            losses.append(runner.step(micro))
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)
+            if i >= bench.warmup:
+                times.append(time.perf_counter() - t0)
+        tokens = bench.micro_batch * bench.grad_accum * bench.seq_len * ctx.world
+        med = statistics.median(times)
+        rec.update({
+            "step_s": med, "step_s_min": min(times), "step_s_max": max(times),
+            "tokens_per_s": tokens / med, "samples_per_s": tokens / bench.seq_len / med,
+            "loss_first": losses[0], "loss_last": losses[-1],
+        })
+        flops = model.flops_per_token() * tokens / med / ctx.world  # per GPU, recompute not counted
+        rec["tflops"] = flops / 1e12
+        peak = peak_flops(ctx.device)
+        if peak:
+            rec["mfu"] = flops / peak
+        if not all(np.isfinite(losses)):
+            rec.update(status="error", reason=f"non-finite loss {losses}")
+    except BaseException as e:  # the trial's whole point is to record how it failed
+        rec["status"], rec["reason"] = classify(e)
+        if rec["status"] == "error":
+            rec["traceback"] = traceback.format_exc()[-3000:]
+    if ctx.device.type == "cuda":
+        rec["gpu_peak_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
+    rec["host_rss_peak_gib"] = peak_rss_bytes() / 2**30
+    rec["rank"] = ctx.rank
+    return rec
+
+
+def main() -> None:
+    spec_path, out_path = Path(sys.argv[1]), Path(sys.argv[2])
+    spec = json.loads(spec_path.read_text())
+    rec = run_trial(spec)
+    rank = rec["rank"]
+    tmp = out_path.with_name(f"{out_path.name}.rank{rank}.tmp")
+    tmp.write_text(json.dumps(rec))
+    os.replace(tmp, out_path.with_name(f"{out_path.name}.rank{rank}"))
+    # hard exit: a peer or a half-failed collective can leave threads that block a clean one
+    sys.stdout.flush()
+    os._exit(0 if rec["status"] == "ok" else 3)
+
+
+if __name__ == "__main__":
+    main()

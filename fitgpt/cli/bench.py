@@ -1,0 +1,57 @@
+"""`fitgpt bench sweep|report`: the harness every performance figure comes from."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from fitgpt.bench.config import BenchConfig
+from fitgpt.cli.args import add_config_args, config_from_args
+from fitgpt.errors import UserError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark sweeps and their reports")
+    bsub = p.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
+    s = bsub.add_parser("sweep", help="train every (system, size) pair briefly, each in its own process",
+                        description="For every system and size, a short real training run in its own "
+                        "process with a time limit; one JSON line per trial appended to --out.")
+    from fitgpt.bench.systems import SYSTEMS
+
+    s.add_argument("--systems", required=True,
+                   help="comma-separated; available: " + ", ".join(SYSTEMS))
+    s.add_argument("--sizes", required=True, help="layer counts (1,4,8) or sizes (0.6b,2b,4.4b)")
+    s.add_argument("--gpus", type=int, default=1, help="GPUs (processes) per trial (default: 1)")
+    s.add_argument("--device", default="auto", help="auto, cuda or cpu (default: auto)")
+    s.add_argument("--out", required=True, help="results file (JSON lines); re-running resumes it")
+    add_config_args(s, BenchConfig)
+    s.set_defaults(func=run_sweep)
+    r = bsub.add_parser("report", help="chart and markdown table from a sweep's results")
+    r.add_argument("results", help="a results .jsonl written by `fitgpt bench sweep`")
+    r.add_argument("--out-dir", default=None, help="where to write the PNG and .md (default: beside it)")
+    r.set_defaults(func=run_report)
+    p.set_defaults(func=lambda a: p.print_help() or 2)
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from fitgpt.bench.config import parse_sizes
+    from fitgpt.bench.sweep import SweepSpec, sweep
+
+    bench = config_from_args(args, BenchConfig)
+    if args.gpus < 1:
+        raise UserError(f"--gpus {args.gpus} must be at least 1")
+    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    spec = SweepSpec(systems, tuple(parse_sizes(args.sizes, bench)), bench, args.gpus, args.device)
+    results = sweep(spec, Path(args.out))
+    return 0 if results else 1
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from fitgpt.bench.report import write_report
+
+    path = Path(args.results)
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; pass the .jsonl a sweep wrote")
+    png, md = write_report(path, Path(args.out_dir) if args.out_dir else path.parent)
+    print(f"wrote {png} and {md}")
+    return 0

@@ -1,0 +1,24 @@
+"""`fitgpt report RUN_DIR`: loss, throughput and memory over steps of a training run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fitgpt.errors import UserError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("report", help="chart a training run's metrics.jsonl")
+    p.add_argument("run_dir", help="a run folder (holding metrics.jsonl)")
+    p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/report.png)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from fitgpt.bench.report import run_chart
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise UserError(f"{run_dir} has no metrics.jsonl; pass the --out folder of a `fitgpt train` run")
+    print(f"wrote {run_chart(run_dir, Path(args.out) if args.out else None)}")
+    return 0
