@@ -47,17 +47,29 @@ def main() -> None:
     out = Path(sys.argv[1])
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "checks": []}
     _, ref, t_ref, mem_ref = run(EngineConfig(engine="ddp"))
-    results["checks"].append({"name": "ddp reference", "losses": ref, "seconds": t_ref, "peak_gib": mem_ref})
+    results["checks"].append(
+        {"name": "ddp reference", "losses": ref, "seconds": t_ref, "peak_gib": mem_ref}
+    )
     worst = 0.0
     for stage in range(4):
         for ck in ("off", "full"):
             e, ls, t, mem = run(EngineConfig(engine="zero", zero_stage=stage, checkpointing=ck))
             diff = max(abs(a - b) for a, b in zip(ls, ref))
             worst = max(worst, diff)
-            results["checks"].append({"name": f"zero stage {stage} ckpt {ck}", "losses": ls,
-                                      "max_abs_diff_vs_ddp": diff, "seconds": t, "peak_gib": mem,
-                                      "memory_report": e.memory_report()})
-            print(f"stage {stage} ckpt {ck}: max |Δloss| {diff:.4f}, {t:.2f} s, peak {mem:.2f} GiB", flush=True)
+            results["checks"].append(
+                {
+                    "name": f"zero stage {stage} ckpt {ck}",
+                    "losses": ls,
+                    "max_abs_diff_vs_ddp": diff,
+                    "seconds": t,
+                    "peak_gib": mem,
+                    "memory_report": e.memory_report(),
+                }
+            )
+            print(
+                f"stage {stage} ckpt {ck}: max |Δloss| {diff:.4f}, {t:.2f} s, peak {mem:.2f} GiB",
+                flush=True,
+            )
             assert diff < 3e-2, (stage, ck, diff)
             del e
     # stage-3 checkpoint → plain engine
@@ -70,8 +82,13 @@ def main() -> None:
         d = build_engine(CFG, EngineConfig(engine="ddp"), BF16, OptimConfig(), CTX, seed=1)
         d.load_state(path, ckpt_io.verify(path)["engine_state"])
         next_ddp = d.train_step(batches(3), 1e-3).loss
-    results["checks"].append({"name": "stage-3 checkpoint resumed by ddp", "next_loss_zero3": next_zero,
-                              "next_loss_ddp": next_ddp})
+    results["checks"].append(
+        {
+            "name": "stage-3 checkpoint resumed by ddp",
+            "next_loss_zero3": next_zero,
+            "next_loss_ddp": next_ddp,
+        }
+    )
     print(f"resume across engines: {next_zero:.4f} vs {next_ddp:.4f}", flush=True)
     assert abs(next_zero - next_ddp) < 3e-2
     model = e3.inference_model()

@@ -21,7 +21,9 @@ class BenchConfig:
     )
     warmup: int = field(default=2, metadata={"help": "optimizer steps before timing starts"})
     steps: int = field(default=4, metadata={"help": "timed optimizer steps (median reported)"})
-    time_limit: float = field(default=900.0, metadata={"help": "seconds per trial before it is killed"})
+    time_limit: float = field(
+        default=900.0, metadata={"help": "seconds per trial before it is killed"}
+    )
     seed: int = field(default=0, metadata={"help": "seed of weights and random tokens"})
 
     def __post_init__(self) -> None:
@@ -33,8 +35,12 @@ class BenchConfig:
 
     def model(self, layers: int) -> ModelConfig:
         return ModelConfig(
-            n_layer=layers, n_embd=self.hidden, n_head=self.heads, seq_len=self.seq_len,
-            vocab_size=self.vocab_size, tie_embeddings=self.tie_embeddings,
+            n_layer=layers,
+            n_embd=self.hidden,
+            n_head=self.heads,
+            seq_len=self.seq_len,
+            vocab_size=self.vocab_size,
+            tie_embeddings=self.tie_embeddings,
         )
 
     def to_dict(self) -> dict:
@@ -57,7 +63,9 @@ def parse_sizes(spec: str, cfg: BenchConfig) -> list[int]:
             else:
                 out.append(int(tok))
         except ValueError as e:
-            raise UserError(f"--sizes {spec!r}: {tok!r} is neither a layer count nor like 2.5b") from e
+            raise UserError(
+                f"--sizes {spec!r}: {tok!r} is neither a layer count nor like 2.5b"
+            ) from e
     if not out or min(out) < 1:
         raise UserError(f"--sizes {spec!r}: give positive layer counts or sizes like 0.6b,2b")
     return sorted(set(out))

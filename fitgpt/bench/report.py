@@ -9,7 +9,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # no display on servers
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 PEERS = ("ddp", "deepspeed", "fsdp")
 
@@ -30,7 +30,10 @@ def sweep_chart(results: list[dict], path: Path, title: str = "") -> None:
     systems = sorted({r["system"] for r in results}, key=lambda s: (is_peer(s), s))
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for s in systems:
-        ok = sorted((r for r in results if r["system"] == s and r["status"] == "ok"), key=lambda r: r["params"])
+        ok = sorted(
+            (r for r in results if r["system"] == s and r["status"] == "ok"),
+            key=lambda r: r["params"],
+        )
         if not ok:
             continue
         x = [r["params"] / 1e9 for r in ok]
@@ -39,7 +42,13 @@ def sweep_chart(results: list[dict], path: Path, title: str = "") -> None:
             y = [r.get(key, 0) for r in ok]
             (line,) = ax.plot(x, y, style, marker="o", ms=4, label=s)
             ax.plot(x[-1], y[-1], marker="*", ms=14, color=line.get_color())
-            ax.annotate(f"{x[-1]:.1f}B", (x[-1], y[-1]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            ax.annotate(
+                f"{x[-1]:.1f}B",
+                (x[-1], y[-1]),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=7,
+            )
     axes[0].set_ylabel("samples/s (sequences of 1024 tokens)")
     axes[1].set_ylabel("model TFLOP/s per GPU (recompute not counted)")
     for ax in axes:
@@ -55,8 +64,10 @@ def sweep_table(results: list[dict]) -> str:
     systems = sorted({r["system"] for r in results}, key=lambda s: (is_peer(s), s))
     sizes = sorted({(r["params"], r["layers"]) for r in results})
     by = {(r["system"], r["layers"]): r for r in results}
-    lines = ["| params | layers | " + " | ".join(systems) + " | fitgpt / best peer |",
-             "|---|---|" + "---|" * len(systems) + "---|"]
+    lines = [
+        "| params | layers | " + " | ".join(systems) + " | fitgpt / best peer |",
+        "|---|---|" + "---|" * len(systems) + "---|",
+    ]
     for params, layers in sizes:
         cells, best_peer = [], 0.0
         for s in systems:
@@ -76,8 +87,11 @@ def sweep_table(results: list[dict]) -> str:
         elif mine and mine["status"] == "ok":
             ratio = "no peer fits"
         lines.append(f"| {params / 1e9:.2f} B | {layers} | " + " | ".join(cells) + f" | {ratio} |")
-    lines += ["", "| system | largest model trained | its throughput | GPU peak | host RAM peak |",
-              "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| system | largest model trained | its throughput | GPU peak | host RAM peak |",
+        "|---|---|---|---|---|",
+    ]
     for s in systems:
         ok = [r for r in results if r["system"] == s and r["status"] == "ok"]
         if not ok:
@@ -85,8 +99,10 @@ def sweep_table(results: list[dict]) -> str:
             continue
         big = max(ok, key=lambda r: r["params"])
         gpu = f"{big['gpu_peak_gib']:.1f} GiB" if "gpu_peak_gib" in big else "—"
-        lines.append(f"| {s} | {big['params'] / 1e9:.2f} B | {big.get('tflops', 0):.0f} TFLOP/s, "
-                     f"{big['tokens_per_s']:,.0f} tok/s | {gpu} | {big.get('host_rss_total_gib', big['host_rss_peak_gib']):.1f} GiB |")
+        lines.append(
+            f"| {s} | {big['params'] / 1e9:.2f} B | {big.get('tflops', 0):.0f} TFLOP/s, "
+            f"{big['tokens_per_s']:,.0f} tok/s | {gpu} | {big.get('host_rss_total_gib', big['host_rss_peak_gib']):.1f} GiB |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -100,20 +116,26 @@ def write_report(results_path: Path, out_dir: Path) -> tuple[Path, Path]:
     tmp = md.with_name(md.name + ".tmp")
     dev = next((r.get("device") for r in results if r.get("device")), "unknown device")
     date = next((r.get("date") for r in results if r.get("date")), "")
-    tmp.write_text(f"# {results_path.name}: {dev}, {date}\n\n![chart]({png.name})\n\n{sweep_table(results)}")
+    tmp.write_text(
+        f"# {results_path.name}: {dev}, {date}\n\n![chart]({png.name})\n\n{sweep_table(results)}"
+    )
     os.replace(tmp, md)
     return png, md
 
 
 def run_chart(run_dir: Path, out: Path | None = None) -> Path:
     """Loss, throughput and memory over steps from a training run's metrics.jsonl."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = [
+        json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()
+    ]
     train = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
     if evals:
-        axes[0].plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation")
+        axes[0].plot(
+            [r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation"
+        )
     axes[0].set_ylabel("loss")
     axes[0].legend()
     axes[1].plot([r["step"] for r in train], [r["tokens_per_s"] for r in train])
@@ -123,7 +145,9 @@ def run_chart(run_dir: Path, out: Path | None = None) -> Path:
         axes[2].plot([r["step"] for r in mem], [r["peak_gib"] for r in mem])
         axes[2].set_ylabel("peak GPU memory (GiB)")
     else:
-        axes[2].text(0.5, 0.5, "no GPU memory figures (CPU run)", ha="center", transform=axes[2].transAxes)
+        axes[2].text(
+            0.5, 0.5, "no GPU memory figures (CPU run)", ha="center", transform=axes[2].transAxes
+        )
     for ax in axes:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -72,31 +72,63 @@ def merge_ranks(recs: list[dict]) -> dict:
 
 
 def run_one(spec: SweepSpec, system: str, layers: int, workdir: Path) -> dict:
-    trial_spec = {"system": system, "layers": layers, "bench": spec.bench.to_dict(), "device": spec.device}
+    trial_spec = {
+        "system": system,
+        "layers": layers,
+        "bench": spec.bench.to_dict(),
+        "device": spec.device,
+    }
     spec_path, result = workdir / f"{system}-{layers}.json", workdir / f"{system}-{layers}.result"
     spec_path.write_text(json.dumps(trial_spec))
-    env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1",
-           # the same allocator setting for every system: less fragmentation near the limit
-           "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")}
+    env = {
+        **os.environ,
+        **SAFE_ENV,
+        "PYTHONUNBUFFERED": "1",
+        # the same allocator setting for every system: less fragmentation near the limit
+        "PYTORCH_CUDA_ALLOC_CONF": os.environ.get(
+            "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"
+        ),
+    }
     if spec.gpus > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={spec.gpus}", "-m", "fitgpt.bench.trial", str(spec_path), str(result)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={spec.gpus}",
+            "-m",
+            "fitgpt.bench.trial",
+            str(spec_path),
+            str(result),
+        ]
     else:
         cmd = [sys.executable, "-m", "fitgpt.bench.trial", str(spec_path), str(result)]
     log = workdir / f"{system}-{layers}.log"
     t0 = time.time()
     with open(log, "w") as logf:
-        proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             code = proc.wait(timeout=spec.bench.time_limit)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             code = None
-    ranks = [json.loads(p.read_text()) for p in sorted(workdir.glob(f"{result.name}.rank*")) if not p.name.endswith(".tmp")]
-    base = {"system": system, "layers": layers, "hidden": spec.bench.hidden,
-            "params": spec.bench.model(layers).num_params(), "world": spec.gpus,
-            "bench": spec.bench.to_dict(), "wall_s": time.time() - t0}
+    ranks = [
+        json.loads(p.read_text())
+        for p in sorted(workdir.glob(f"{result.name}.rank*"))
+        if not p.name.endswith(".tmp")
+    ]
+    base = {
+        "system": system,
+        "layers": layers,
+        "hidden": spec.bench.hidden,
+        "params": spec.bench.model(layers).num_params(),
+        "world": spec.gpus,
+        "bench": spec.bench.to_dict(),
+        "wall_s": time.time() - t0,
+    }
     if code is None:
         rec = {**base, "status": "timeout", "reason": f"killed after {spec.bench.time_limit:.0f} s"}
     elif ranks:
@@ -104,10 +136,19 @@ def run_one(spec: SweepSpec, system: str, layers: int, workdir: Path) -> dict:
         if len(ranks) < spec.gpus and rec["status"] == "ok":
             rec.update(status="error", reason=f"only {len(ranks)} of {spec.gpus} ranks reported")
     elif code in (-9, 137):
-        rec = {**base, "status": "oom-host", "reason": "killed by SIGKILL (the kernel's OOM killer)"}
+        rec = {
+            **base,
+            "status": "oom-host",
+            "reason": "killed by SIGKILL (the kernel's OOM killer)",
+        }
     else:
         tail = log.read_text()[-1500:]
-        rec = {**base, "status": "error", "reason": f"exit code {code} and no result", "log_tail": tail}
+        rec = {
+            **base,
+            "status": "error",
+            "reason": f"exit code {code} and no result",
+            "log_tail": tail,
+        }
     return rec
 
 
@@ -116,9 +157,11 @@ def describe(rec: dict) -> str:
     if rec["status"] != "ok":
         return f"{rec['system']:<20} {size:<18} {rec['status']}: {rec['reason'][:120]}"
     mem = f" GPU {rec['gpu_peak_gib']:.1f} GiB" if "gpu_peak_gib" in rec else ""
-    return (f"{rec['system']:<20} {size:<18} ok {rec['step_s']:.2f} s/step "
-            f"{rec['tokens_per_s']:,.0f} tok/s {rec.get('tflops', 0):.0f} TFLOP/s{mem} "
-            f"RAM {rec['host_rss_peak_gib']:.1f} GiB")
+    return (
+        f"{rec['system']:<20} {size:<18} ok {rec['step_s']:.2f} s/step "
+        f"{rec['tokens_per_s']:,.0f} tok/s {rec.get('tflops', 0):.0f} TFLOP/s{mem} "
+        f"RAM {rec['host_rss_peak_gib']:.1f} GiB"
+    )
 
 
 def sweep(spec: SweepSpec, out: Path) -> list[dict]:

@@ -47,9 +47,13 @@ def fitgpt_system(**engine_changes) -> Callable[[ModelConfig, BenchConfig, DistC
     def build(model: ModelConfig, bench: BenchConfig, ctx: DistContext) -> Runner:
         from fitgpt.engine.factory import build_engine
 
-        ecfg = dataclasses.replace(fitgpt_choice(model, bench, ctx), **engine_changes.get("engine", {}))
+        ecfg = dataclasses.replace(
+            fitgpt_choice(model, bench, ctx), **engine_changes.get("engine", {})
+        )
         # auto: bf16 on GPUs (the protocol), fp32 on CPUs (CPU bf16 is ~20x slower)
-        pcfg = PrecisionConfig(precision=engine_changes.get("precision", "auto")).resolved(ctx.device.type)
+        pcfg = PrecisionConfig(precision=engine_changes.get("precision", "auto")).resolved(
+            ctx.device.type
+        )
         return EngineRunner(build_engine(model, ecfg, pcfg, OptimConfig(), ctx, bench.seed))
 
     return build
@@ -74,20 +78,41 @@ SYSTEMS: dict[str, System] = {
     s.name: s
     for s in [
         System("fitgpt", "fitgpt with its planner's choice", fitgpt_system()),
-        System("fitgpt-no-accum", "fitgpt without gradient accumulation (an update every "
-               "micro-batch)", fitgpt_system(), {"grad_accum": 1}),
-        System("fitgpt-no-mixed", "fitgpt in fp32 (no mixed precision)", fitgpt_system(precision="fp32")),
-        System("fitgpt-no-ckpt", "fitgpt without activation checkpointing",
-               fitgpt_system(engine={"checkpointing": "off"})),
-        System("fitgpt-no-zero", "fitgpt without ZeRO partitioning (stage 0)",
-               fitgpt_system(engine={"zero_stage": 0})),
-        System("fitgpt-no-offload", "fitgpt without CPU/NVMe offload",
-               fitgpt_system(engine={"offload_optimizer": "none", "offload_params": "none"})),
+        System(
+            "fitgpt-no-accum",
+            "fitgpt without gradient accumulation (an update every micro-batch)",
+            fitgpt_system(),
+            {"grad_accum": 1},
+        ),
+        System(
+            "fitgpt-no-mixed",
+            "fitgpt in fp32 (no mixed precision)",
+            fitgpt_system(precision="fp32"),
+        ),
+        System(
+            "fitgpt-no-ckpt",
+            "fitgpt without activation checkpointing",
+            fitgpt_system(engine={"checkpointing": "off"}),
+        ),
+        System(
+            "fitgpt-no-zero",
+            "fitgpt without ZeRO partitioning (stage 0)",
+            fitgpt_system(engine={"zero_stage": 0}),
+        ),
+        System(
+            "fitgpt-no-offload",
+            "fitgpt without CPU/NVMe offload",
+            fitgpt_system(engine={"offload_optimizer": "none", "offload_params": "none"}),
+        ),
         System("zero1", "fitgpt's engine, ZeRO stage 1", fitgpt_system(engine={"zero_stage": 1})),
         System("zero2", "fitgpt's engine, ZeRO stage 2", fitgpt_system(engine={"zero_stage": 2})),
         System("zero3", "fitgpt's engine, ZeRO stage 3", fitgpt_system(engine={"zero_stage": 3})),
-        System("ddp", "PyTorch: fp32 weights + fused AdamW on the GPU, bf16 autocast, DDP across "
-               "ranks (the seed's baseline)", ddp),
+        System(
+            "ddp",
+            "PyTorch: fp32 weights + fused AdamW on the GPU, bf16 autocast, DDP across "
+            "ranks (the seed's baseline)",
+            ddp,
+        ),
     ]
 }
 

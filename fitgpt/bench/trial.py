@@ -36,8 +36,11 @@ def peak_rss_bytes() -> int:
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version(), "torch": torch.__version__,
-           "cuda": torch.version.cuda or "none"}
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "none",
+    }
     try:
         import deepspeed
 
@@ -71,10 +74,17 @@ def run_trial(spec: dict) -> dict:
     model = bench.model(spec["layers"])
     ctx = init_distributed(spec.get("device", "auto"), timeout_s=spec.get("dist_timeout", 300))
     rec = {
-        "system": system.name, "layers": spec["layers"], "hidden": bench.hidden,
-        "params": model.num_params(), "world": ctx.world, "bench": bench.to_dict(),
-        "device": device_name(ctx.device), "versions": versions(),
-        "date": datetime.date.today().isoformat(), "status": "ok", "reason": "",
+        "system": system.name,
+        "layers": spec["layers"],
+        "hidden": bench.hidden,
+        "params": model.num_params(),
+        "world": ctx.world,
+        "bench": bench.to_dict(),
+        "device": device_name(ctx.device),
+        "versions": versions(),
+        "date": datetime.date.today().isoformat(),
+        "status": "ok",
+        "reason": "",
     }
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -95,11 +105,17 @@ def run_trial(spec: dict) -> dict:
                 times.append(time.perf_counter() - t0)
         tokens = bench.micro_batch * bench.grad_accum * bench.seq_len * ctx.world
         med = statistics.median(times)
-        rec.update({
-            "step_s": med, "step_s_min": min(times), "step_s_max": max(times),
-            "tokens_per_s": tokens / med, "samples_per_s": tokens / bench.seq_len / med,
-            "loss_first": losses[0], "loss_last": losses[-1],
-        })
+        rec.update(
+            {
+                "step_s": med,
+                "step_s_min": min(times),
+                "step_s_max": max(times),
+                "tokens_per_s": tokens / med,
+                "samples_per_s": tokens / bench.seq_len / med,
+                "loss_first": losses[0],
+                "loss_last": losses[-1],
+            }
+        )
         flops = model.flops_per_token() * tokens / med / ctx.world  # per GPU, recompute not counted
         rec["tflops"] = flops / 1e12
         peak = peak_flops(ctx.device)

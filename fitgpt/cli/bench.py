@@ -13,13 +13,17 @@ from fitgpt.errors import UserError
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmark sweeps and their reports")
     bsub = p.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
-    s = bsub.add_parser("sweep", help="train every (system, size) pair briefly, each in its own process",
-                        description="For every system and size, a short real training run in its own "
-                        "process with a time limit; one JSON line per trial appended to --out.")
+    s = bsub.add_parser(
+        "sweep",
+        help="train every (system, size) pair briefly, each in its own process",
+        description="For every system and size, a short real training run in its own "
+        "process with a time limit; one JSON line per trial appended to --out.",
+    )
     from fitgpt.bench.systems import SYSTEMS
 
-    s.add_argument("--systems", required=True,
-                   help="comma-separated; available: " + ", ".join(SYSTEMS))
+    s.add_argument(
+        "--systems", required=True, help="comma-separated; available: " + ", ".join(SYSTEMS)
+    )
     s.add_argument("--sizes", required=True, help="layer counts (1,4,8) or sizes (0.6b,2b,4.4b)")
     s.add_argument("--gpus", type=int, default=1, help="GPUs (processes) per trial (default: 1)")
     s.add_argument("--device", default="auto", help="auto, cuda or cpu (default: auto)")
@@ -28,7 +32,9 @@ def register(sub) -> None:
     s.set_defaults(func=run_sweep)
     r = bsub.add_parser("report", help="chart and markdown table from a sweep's results")
     r.add_argument("results", help="a results .jsonl written by `fitgpt bench sweep`")
-    r.add_argument("--out-dir", default=None, help="where to write the PNG and .md (default: beside it)")
+    r.add_argument(
+        "--out-dir", default=None, help="where to write the PNG and .md (default: beside it)"
+    )
     r.set_defaults(func=run_report)
     p.set_defaults(func=lambda a: p.print_help() or 2)
 

