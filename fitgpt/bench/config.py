@@ -19,6 +19,9 @@ class BenchConfig:
     tie_embeddings: bool = field(
         default=False, metadata={"help": "the ANCHORS figures used an untied output head"}
     )
+    checkpointing: str = field(
+        default="full", metadata={"help": "activation checkpointing of every system: full or off"}
+    )
     warmup: int = field(default=2, metadata={"help": "optimizer steps before timing starts"})
     steps: int = field(default=4, metadata={"help": "timed optimizer steps (median reported)"})
     time_limit: float = field(
@@ -30,6 +33,8 @@ class BenchConfig:
         for k in ("hidden", "heads", "seq_len", "micro_batch", "grad_accum", "steps"):
             if getattr(self, k) < 1:
                 raise UserError(f"--{k.replace('_', '-')} must be at least 1")
+        if self.checkpointing not in ("full", "off"):
+            raise UserError(f"--checkpointing {self.checkpointing!r}: use full or off")
         if self.warmup < 0 or self.time_limit <= 0:
             raise UserError("--warmup must be >= 0 and --time-limit > 0")
 

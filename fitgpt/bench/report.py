@@ -53,6 +53,8 @@ def sweep_chart(results: list[dict], path: Path, title: str = "") -> None:
     axes[1].set_ylabel("model TFLOP/s per GPU (recompute not counted)")
     for ax in axes:
         ax.set_xlabel("parameters (billions)")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)  # throughput axes start at zero: ratios read honestly
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8, loc="best")
     dev = next((r.get("device") for r in results if r.get("device")), "")

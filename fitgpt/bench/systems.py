@@ -63,13 +63,13 @@ def fitgpt_choice(model: ModelConfig, bench: BenchConfig, ctx: DistContext) -> E
     """What fitgpt runs when the user asks for nothing: the planner's plan once it exists;
     until then the chunked engine, ZeRO-2 across ranks, checkpointing every block."""
     stage = 2 if ctx.world > 1 else 0
-    return EngineConfig(engine="zero", zero_stage=stage, checkpointing="full")
+    return EngineConfig(engine="zero", zero_stage=stage, checkpointing=bench.checkpointing)
 
 
 def ddp(model: ModelConfig, bench: BenchConfig, ctx: DistContext) -> Runner:
     from fitgpt.engine.factory import build_engine
 
-    ecfg = EngineConfig(engine="ddp", checkpointing="full")
+    ecfg = EngineConfig(engine="ddp", checkpointing=bench.checkpointing)
     pcfg = PrecisionConfig("auto").resolved(ctx.device.type)
     return EngineRunner(build_engine(model, ecfg, pcfg, OptimConfig(), ctx, bench.seed))
 

@@ -114,6 +114,7 @@ def run_trial(spec: dict) -> dict:
                 "samples_per_s": tokens / bench.seq_len / med,
                 "loss_first": losses[0],
                 "loss_last": losses[-1],
+                "losses": losses,
             }
         )
         flops = model.flops_per_token() * tokens / med / ctx.world  # per GPU, recompute not counted
