@@ -35,7 +35,6 @@ class Chunk:
     def __init__(
         self,
         spec: ChunkSpec,
-        params: list[nn.Parameter],
         *,
         rank: int,
         world: int,
@@ -47,7 +46,7 @@ class Chunk:
         opt_device: torch.device,
         pin: bool,
     ) -> None:
-        self.spec, self.params = spec, params
+        self.spec = spec
         self.n, self.N = spec.numel, padded(spec.numel, world)
         self.s = self.N // world
         self.lo, self.hi = rank * self.s, (rank + 1) * self.s  # this rank's shard
@@ -57,8 +56,15 @@ class Chunk:
 
         self.weight = torch.zeros(self.N, dtype=dtype, device=device)
         self.resident = True
-        for p, slot in zip(params, spec.slots):
-            p.data = self.weight[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        # The model's parameters: views into the flat buffer (they share its storage, so resizing
+        # the storage to 0 and back frees and restores every parameter at once). They are cut
+        # from a `.data` alias, which has its own autograd version counter: the engine's writes
+        # into `weight` (a stage-3 re-gather before backward, the optimizer's update) are then
+        # not mistaken for in-place edits of tensors autograd saved in forward.
+        alias = self.weight.data
+        self.params = [
+            nn.Parameter(alias[s.offset : s.offset + s.numel].view(s.shape)) for s in spec.slots
+        ]
         if shard_weights:
             self.weight_shard = torch.zeros(self.s, dtype=dtype, device=device)
         else:
@@ -67,7 +73,7 @@ class Chunk:
         self.grad: Tensor | None = None
         if not shard_grads:
             self.grad = torch.zeros(self.N, dtype=dtype, device=device)
-            for p, slot in zip(params, spec.slots):
+            for p, slot in zip(self.params, spec.slots):
                 p.grad = self.grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
         self.grad_shard = torch.zeros(self.s, dtype=dtype, device=device) if shard_opt else None
 

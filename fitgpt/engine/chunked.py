@@ -63,35 +63,33 @@ class ChunkEngine(Engine):
         self.group = ctx.group if ctx.distributed else None
 
         with torch.device("meta"):
-            model = GPT(model_cfg)
+            model = GPT(model_cfg)  # no memory: every parameter is replaced by a chunk view below
         self.layout = chunk_layout(model)
-        model.to_empty(device=self.device)  # buffers (ALiBi slopes); parameters are rebound below
         if model_cfg.position == "alibi":
-            model.alibi_slopes_N.copy_(alibi_slopes(model_cfg.n_head))
-        named = dict(model.named_parameters())
-        n_blocks = model_cfg.n_layer
+            model.alibi_slopes_N = alibi_slopes(model_cfg.n_head).to(self.device)
         self.chunks: list[Chunk] = []
         for spec in self.layout:
             is_block = spec.name.startswith("block.")
-            self.chunks.append(
-                Chunk(
-                    spec,
-                    [named[s.name] for s in spec.slots],
-                    rank=ctx.rank if self.world > 1 else 0,
-                    world=self.world,
-                    shard_opt=self.stage >= 1,
-                    shard_grads=self.stage >= 2,
-                    # embed/head stay resident under stage 3: the tied embedding is used at both ends
-                    shard_weights=self.stage >= 3 and is_block,
-                    dtype=self.dtype,
-                    device=self.device,
-                    opt_device=self.device,
-                    pin=False,
-                )
+            c = Chunk(
+                spec,
+                rank=ctx.rank if self.world > 1 else 0,
+                world=self.world,
+                shard_opt=self.stage >= 1,
+                shard_grads=self.stage >= 2,
+                # embed/head stay resident under stage 3: the tied embedding is used at both ends
+                shard_weights=self.stage >= 3 and is_block,
+                dtype=self.dtype,
+                device=self.device,
+                opt_device=self.device,
+                pin=False,
             )
+            for slot, p in zip(spec.slots, c.params):
+                owner, _, leaf = slot.name.rpartition(".")
+                setattr(model.get_submodule(owner), leaf, p)
+            self._init_chunk(model, c, seed)  # one chunk at a time: init transients stay small
+            self.chunks.append(c)
+        assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         self.blocks = [c for c in self.chunks if c.spec.name.startswith("block.")]
-        assert len(self.blocks) == n_blocks
-        self._init_weights(model, seed)
         if ecfg.checkpointing != "off":
             checkpoint_blocks(model)
         self.model = model
@@ -104,21 +102,19 @@ class ChunkEngine(Engine):
 
     # ---- construction -------------------------------------------------------------------------
     @torch.no_grad()
-    def _init_weights(self, model: GPT, seed: int) -> None:
+    def _init_chunk(self, model: GPT, c: Chunk, seed: int) -> None:
         """Each parameter made whole in fp32 from its own seeded generator, then scattered into
-        the chunk's buffers: the same initial weights at every world size, stage and tier."""
-        for c in self.chunks:
-            flat = torch.zeros(c.N, dtype=torch.float32, device=self.device)  # transient, one chunk
-            for s in c.spec.slots:
-                model.init_parameter_(
-                    s.name, flat[s.offset : s.offset + s.numel].view(s.shape), seed
-                )
-            c.weight.copy_(flat)
-            if c.shard_weights:
-                c.weight_shard.copy_(flat[c.lo : c.hi])
-            if not c.master_aliases_weight:
-                c.master.copy_(flat[c.opt_lo : c.opt_hi])
-            c.free_weight()
+        the chunk's buffers: the same initial weights at every world size, stage and tier.
+        Transient: one chunk in fp32 (4·N_c bytes), freed on return."""
+        flat = torch.zeros(c.N, dtype=torch.float32, device=self.device)
+        for s in c.spec.slots:
+            model.init_parameter_(s.name, flat[s.offset : s.offset + s.numel].view(s.shape), seed)
+        c.weight.copy_(flat)
+        if c.shard_weights:
+            c.weight_shard.copy_(flat[c.lo : c.hi])
+        if not c.master_aliases_weight:
+            c.master.copy_(flat[c.opt_lo : c.opt_hi])
+        c.free_weight()  # stage 3: the full block weights live only while gathered
 
     def _optimizer(self, c: Chunk) -> torch.optim.AdamW:
         """torch's fused AdamW over the chunk's flat fp32 views; its moments are our buffers."""
