@@ -60,7 +60,7 @@ def merge_ranks(recs: list[dict]) -> dict:
     """Rank 0's timing; the worst status; memory as max (and sum) over ranks."""
     recs = sorted(recs, key=lambda r: r["rank"])
     out = dict(recs[0])
-    order = ["error", "oom-host", "oom-gpu", "refused", "ok"]
+    order = ["error", "oom-host", "oom-gpu", "oom-cap", "refused", "ok"]
     worst = min(recs, key=lambda r: order.index(r["status"]) if r["status"] in order else 0)
     out["status"], out["reason"] = worst["status"], worst["reason"]
     if "gpu_peak_gib" in out:
@@ -71,12 +71,13 @@ def merge_ranks(recs: list[dict]) -> dict:
     return out
 
 
-def run_one(spec: SweepSpec, system: str, layers: int, workdir: Path) -> dict:
+def run_one(spec: SweepSpec, system: str, layers: int, workdir: Path, cap_bytes: int = 0) -> dict:
     trial_spec = {
         "system": system,
         "layers": layers,
         "bench": spec.bench.to_dict(),
         "device": spec.device,
+        "cap_bytes": cap_bytes,
     }
     spec_path, result = workdir / f"{system}-{layers}.json", workdir / f"{system}-{layers}.result"
     spec_path.write_text(json.dumps(trial_spec))

@@ -6,7 +6,6 @@ FLOPs are identical across systems and the throughput figures compare exactly.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -31,6 +30,15 @@ class System:
     help: str
     build: Callable[[ModelConfig, BenchConfig, DistContext], Runner]
     bench_changes: dict = field(default_factory=dict)  # e.g. no gradient accumulation
+    # the engine fields this system fixes (the planner predicts its capacity from them); None for
+    # systems the memory model does not cover (the peers)
+    fixed: dict | None = None
+    precision: str = "auto"
+
+    def plan_fixed(self, bench: BenchConfig) -> dict | None:
+        if self.fixed is None:
+            return None
+        return {k: (bench.checkpointing if v == "bench" else v) for k, v in self.fixed.items()}
 
 
 class EngineRunner:
@@ -43,27 +51,35 @@ class EngineRunner:
         return self.engine.train_step(micro_batches, lr=1e-4).loss  # ends in a host sync
 
 
-def fitgpt_system(**engine_changes) -> Callable[[ModelConfig, BenchConfig, DistContext], Runner]:
+def fitgpt_system(fixed: dict | None = None, precision: str = "auto"):
+    """fitgpt's engine with the planner choosing every field not in `fixed` (an ablation fixes
+    one technique off and lets the planner do its best with the rest)."""
+
     def build(model: ModelConfig, bench: BenchConfig, ctx: DistContext) -> Runner:
         from fitgpt.engine.factory import build_engine
 
-        ecfg = dataclasses.replace(
-            fitgpt_choice(model, bench, ctx), **engine_changes.get("engine", {})
-        )
         # auto: bf16 on GPUs (the protocol), fp32 on CPUs (CPU bf16 is ~20x slower)
-        pcfg = PrecisionConfig(precision=engine_changes.get("precision", "auto")).resolved(
-            ctx.device.type
-        )
+        pcfg = PrecisionConfig(precision=precision).resolved(ctx.device.type)
+        f = {k: (bench.checkpointing if v == "bench" else v) for k, v in (fixed or {}).items()}
+        ecfg = planned(model, bench, ctx, pcfg.precision, {"engine": "zero", **f})
         return EngineRunner(build_engine(model, ecfg, pcfg, OptimConfig(), ctx, bench.seed))
 
     return build
 
 
-def fitgpt_choice(model: ModelConfig, bench: BenchConfig, ctx: DistContext) -> EngineConfig:
-    """What fitgpt runs when the user asks for nothing: the planner's plan once it exists;
-    until then the chunked engine, ZeRO-2 across ranks, checkpointing every block."""
-    stage = 2 if ctx.world > 1 else 0
-    return EngineConfig(engine="zero", zero_stage=stage, checkpointing=bench.checkpointing)
+def planned(
+    model: ModelConfig, bench: BenchConfig, ctx: DistContext, precision: str, fixed: dict
+) -> EngineConfig:
+    """The planner's plan for this trial; when nothing is predicted to fit, the leanest plan is
+    tried anyway (force): capacity is measured, never assumed."""
+    from fitgpt.plan import hardware, rates
+    from fitgpt.plan.memory import Workload
+    from fitgpt.plan.planner import choose
+
+    hw = hardware.detect(gpus=ctx.world, device=ctx.device.type)
+    work = Workload(model, bench.micro_batch, ctx.world, precision, ctx.device.type)
+    chosen, _ = choose(work, bench.grad_accum, hw, rates.load(hw.gpu_name), fixed, force=True)
+    return chosen.ecfg
 
 
 def ddp(model: ModelConfig, bench: BenchConfig, ctx: DistContext) -> Runner:
@@ -74,44 +90,46 @@ def ddp(model: ModelConfig, bench: BenchConfig, ctx: DistContext) -> Runner:
     return EngineRunner(build_engine(model, ecfg, pcfg, OptimConfig(), ctx, bench.seed))
 
 
+def _fitgpt(
+    name: str, help_: str, fixed: dict | None = None, precision: str = "auto", **bench
+) -> System:
+    fixed = {"engine": "zero", **(fixed or {})}
+    return System(name, help_, fitgpt_system(fixed, precision), bench, fixed, precision)
+
+
 SYSTEMS: dict[str, System] = {
     s.name: s
     for s in [
-        System("fitgpt", "fitgpt with its planner's choice", fitgpt_system()),
-        System(
+        _fitgpt("fitgpt", "fitgpt with its planner's choice"),
+        _fitgpt(
             "fitgpt-no-accum",
             "fitgpt without gradient accumulation (an update every micro-batch)",
-            fitgpt_system(),
-            {"grad_accum": 1},
+            grad_accum=1,
         ),
-        System(
-            "fitgpt-no-mixed",
-            "fitgpt in fp32 (no mixed precision)",
-            fitgpt_system(precision="fp32"),
+        _fitgpt("fitgpt-no-mixed", "fitgpt in fp32 (no mixed precision)", precision="fp32"),
+        _fitgpt(
+            "fitgpt-no-ckpt", "fitgpt without activation checkpointing", {"checkpointing": "off"}
         ),
-        System(
-            "fitgpt-no-ckpt",
-            "fitgpt without activation checkpointing",
-            fitgpt_system(engine={"checkpointing": "off"}),
-        ),
-        System(
-            "fitgpt-no-zero",
-            "fitgpt without ZeRO partitioning (stage 0)",
-            fitgpt_system(engine={"zero_stage": 0}),
-        ),
-        System(
+        _fitgpt("fitgpt-no-zero", "fitgpt without ZeRO partitioning (stage 0)", {"zero_stage": 0}),
+        _fitgpt(
             "fitgpt-no-offload",
             "fitgpt without CPU/NVMe offload",
-            fitgpt_system(engine={"offload_optimizer": "none", "offload_params": "none"}),
+            {"offload_optimizer": "none", "offload_params": "none"},
         ),
-        System("zero1", "fitgpt's engine, ZeRO stage 1", fitgpt_system(engine={"zero_stage": 1})),
-        System("zero2", "fitgpt's engine, ZeRO stage 2", fitgpt_system(engine={"zero_stage": 2})),
-        System("zero3", "fitgpt's engine, ZeRO stage 3", fitgpt_system(engine={"zero_stage": 3})),
+        *[
+            _fitgpt(
+                f"zero{k}",
+                f"fitgpt's engine at ZeRO stage {k}, checkpointing as --checkpointing",
+                {"zero_stage": k, "checkpointing": "bench"},
+            )
+            for k in range(4)
+        ],
         System(
             "ddp",
             "PyTorch: fp32 weights + fused AdamW on the GPU, bf16 autocast, DDP across "
             "ranks (the seed's baseline)",
             ddp,
+            fixed={"engine": "ddp", "checkpointing": "bench"},
         ),
     ]
 }

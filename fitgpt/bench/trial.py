@@ -56,8 +56,29 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({os.cpu_count()} cores)"
 
 
+class OverCap(MemoryError):
+    """The trial held more than the memory cap it was given (capacity searches under a budget)."""
+
+
+def apply_cap(cap: int, device: torch.device) -> None:
+    """A real allocator cap on GPUs: allocations past `cap` bytes raise CUDA OOM."""
+    if cap and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+
+
+def check_cap(cap: int, runner, device: torch.device) -> None:
+    """On CPUs, the cap applies to the bytes of state the engine reports holding."""
+    if cap and device.type == "cpu" and hasattr(runner, "engine"):
+        held = sum(v for kinds in runner.engine.memory_report().values() for v in kinds.values())
+        if held > cap:
+            raise OverCap(f"the engine holds {held:,} bytes of state, over the cap of {cap:,}")
+
+
 def classify(exc: BaseException) -> tuple[str, str]:
     text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+    if isinstance(exc, OverCap):
+        return "oom-cap", text
     if isinstance(exc, torch.cuda.OutOfMemoryError) or "CUDA out of memory" in str(exc):
         return "oom-gpu", text
     if isinstance(exc, MemoryError) or "host RAM" in str(exc):
@@ -65,6 +86,38 @@ def classify(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, UserError):
         return "refused", text
     return "error", text
+
+
+def describe_engine(engine) -> dict:
+    e = getattr(engine, "ecfg", None)
+    if e is None:
+        return {}
+    return {
+        "engine": e.engine,
+        "zero_stage": e.zero_stage,
+        "checkpointing": e.checkpointing,
+        "offload_optimizer": e.offload_optimizer,
+        "offload_params": e.offload_params,
+        "offload_fraction": e.offload_fraction,
+    }
+
+
+def predict(engine, model, bench: BenchConfig, ctx) -> dict:
+    """The memory model's figures for the plan this trial runs, recorded beside the measurement."""
+    from fitgpt.plan.memory import GiB, Workload, estimate
+
+    ecfg = getattr(engine, "ecfg", None)
+    if ecfg is None:
+        return {}
+    prec = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
+        getattr(engine, "dtype", None), getattr(getattr(engine, "pcfg", None), "precision", "bf16")
+    )
+    est = estimate(Workload(model, bench.micro_batch, ctx.world, prec, ctx.device.type), ecfg)
+    out = {"predicted_host_gib": est.host_total / GiB, "predicted_phase": est.peak_phase}
+    if est.compute:
+        out["predicted_gpu_peak_gib"] = est.compute_peak / GiB
+        out["predicted_gpu_total_gib"] = est.compute_total / GiB
+    return out
 
 
 def run_trial(spec: dict) -> dict:
@@ -91,9 +144,15 @@ def run_trial(spec: dict) -> dict:
     source = UniformSource(bench.seq_len, bench.vocab_size, bench.seed)
     loader = BatchLoader(source, bench.micro_batch, ctx.rank, ctx.world)
     try:
+        cap = int(spec.get("cap_bytes", 0))
+        apply_cap(cap, ctx.device)
         t0 = time.perf_counter()
         runner = system.build(model, bench, ctx)
         rec["init_s"] = time.perf_counter() - t0
+        check_cap(cap, runner, ctx.device)
+        if hasattr(runner, "engine"):
+            rec["engine"] = describe_engine(runner.engine)
+            rec.update(predict(runner.engine, model, bench, ctx))
         times, losses = [], []
         for i in range(bench.warmup + bench.steps):
             micro = [loader.next() for _ in range(bench.grad_accum)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fitgpt.cli.args import add_config_args, config_from_args
+from fitgpt.cli.args import add_config_args, config_from_args, explicit
 from fitgpt.data.config import DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
@@ -68,6 +68,17 @@ def register(sub) -> None:
     p.add_argument(
         "--gpus", type=int, default=None, help="start torchrun with N processes on this machine"
     )
+    p.add_argument(
+        "--plan",
+        choices=["auto", "off"],
+        default="auto",
+        help="auto: the planner chooses the engine fields you did not set, and refuses a run "
+        "predicted not to fit before allocating anything; off: use the flags as given "
+        "(default: auto)",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="train even if the planner predicts it will not fit"
+    )
     p.set_defaults(func=run)
 
 
@@ -85,6 +96,14 @@ def run(args: argparse.Namespace) -> int:
 
     ctx = init_distributed(run_cfg.train.device, run_cfg.train.dist_timeout)
     try:
+        if args.plan == "auto":
+            from fitgpt.plan.apply import plan_engine
+
+            def log(msg: str) -> None:
+                if ctx.is_main:
+                    print(msg, flush=True)
+
+            run_cfg = plan_engine(run_cfg, ctx, explicit(args, EngineConfig), args.force, log)
         train(run_cfg, ctx, resume=args.resume, overwrite=args.overwrite)
     finally:
         shutdown(ctx)

@@ -1,0 +1,94 @@
+"""`fitgpt plan`: what fits on this machine, where every byte lives, and which plan is fastest."""
+
+from __future__ import annotations
+
+import argparse
+
+from fitgpt.cli.args import add_config_args, config_from_args, explicit
+from fitgpt.engine.config import EngineConfig, PrecisionConfig
+from fitgpt.errors import UserError
+from fitgpt.model import ModelConfig, get_preset
+
+
+def add_hardware_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("hardware (detected when not given)")
+    g.add_argument("--gpus", type=int, default=None, help="GPUs (data-parallel ranks) to plan for")
+    g.add_argument("--gpu-mem", default=None, help="memory per GPU, e.g. 80GB or 79GiB")
+    g.add_argument(
+        "--cpu-mem",
+        default=None,
+        help="usable host RAM, e.g. 125GB (some machines "
+        "report less than they give: say what you know)",
+    )
+    g.add_argument("--nvme", default=None, help="folder for the NVMe tier, or a size like 64GB")
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="predict memory and speed of every plan and choose one",
+        description="Enumerate the plans that could train this model here, predict "
+        "each one's memory per device and step time, and print them with the "
+        "chosen one first. Nothing is allocated.",
+    )
+    p.add_argument("--preset", default="tiny", help="named model config (default: tiny)")
+    add_config_args(p.add_argument_group("model"), ModelConfig)
+    p.add_argument(
+        "--micro-batch", type=int, default=8, help="sequences per micro-batch per GPU (default: 8)"
+    )
+    p.add_argument("--grad-accum", type=int, default=4, help="micro-batches per step (default: 4)")
+    p.add_argument("--device", default="auto", help="auto, cuda or cpu (default: auto)")
+    add_hardware_args(p)
+    add_config_args(p.add_argument_group("fix part of the plan"), EngineConfig, skip=("nvme_path",))
+    add_config_args(
+        p.add_argument_group("precision"),
+        PrecisionConfig,
+        skip=("initial_scale", "growth_interval", "hysteresis", "min_scale"),
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fitgpt.plan import hardware, rates
+    from fitgpt.plan.memory import Workload
+    from fitgpt.plan.planner import choose, plan, refusal, why
+
+    model = config_from_args(args, ModelConfig, get_preset(args.preset))
+    if args.micro_batch < 1 or args.grad_accum < 1:
+        raise UserError("--micro-batch and --grad-accum must be at least 1")
+    hw = hardware.detect(args.gpus, args.gpu_mem, args.cpu_mem, args.nvme, args.device)
+    prec = config_from_args(args, PrecisionConfig).resolved(hw.device)
+    fixed = explicit(args, EngineConfig)
+    r = rates.load(hw.gpu_name)
+    work = Workload(model, args.micro_batch, hw.gpus, prec.precision, hw.device)
+    print(
+        f"model {args.preset if not explicit(args, ModelConfig) else 'custom'}: "
+        f"{model.num_params() / 1e9:.2f} B parameters ({model.n_layer}×{model.n_embd}), micro-batch "
+        f"{args.micro_batch} × {args.grad_accum} accumulation × seq {model.seq_len}, {prec.precision}"
+    )
+    print(f"machine: {hw.describe()}; rates: {r.source}")
+    cands = plan(work, args.grad_accum, hw, r, fixed)
+    print_table(cands, work, args.grad_accum, hw)
+    if not cands[0].fits:
+        raise UserError(refusal(work, args.grad_accum, hw, r, cands, fixed))
+    chosen, _ = choose(work, args.grad_accum, hw, r, fixed)
+    print(f"chosen: {chosen.name} — {why(chosen, cands)}")
+    return 0
+
+
+def print_table(cands, work, grad_accum: int, hw) -> None:
+    from fitgpt.plan.memory import GiB
+
+    tokens = work.micro_batch * work.model.seq_len * grad_accum * work.world
+    flops = work.model.flops_per_token() * tokens / work.world
+    head = f"  {'plan':<28} {'fits':<4} {'GPU/rank':>9} {'host':>8} {'step s':>7} {'tokens/s':>10} {'TFLOP/s':>8}  peak phase"
+    print(head)
+    for i, c in enumerate(cands):
+        gpu = f"{c.est.compute_total / GiB:.1f}G" if c.est.compute else "-"
+        host = f"{c.est.host_total / GiB:.1f}G"
+        t = c.time["total"]
+        mark = ">" if i == 0 and c.fits else " "
+        print(
+            f"{mark} {c.name:<28} {'yes' if c.fits else 'no':<4} {gpu:>9} {host:>8} {t:7.2f} "
+            f"{tokens / t:10,.0f} {flops / t / 1e12:8.0f}  {c.est.peak_phase}"
+        )

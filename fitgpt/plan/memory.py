@@ -1,0 +1,196 @@
+"""The memory model: bytes per rank, per device, for a workload under a plan.
+
+One source of truth: the planner decides with it, the tests check it against the bytes the
+engines report holding, and docs/memory.md derives every term. Persistent state is computed
+from the same chunk layout and padding the engine uses, so it is exact; activations, logits and
+transients are first-principles estimates checked against torch.cuda.max_memory_allocated on
+GPUs (benchmarks/results/memory_*).
+
+Notation: n parameters, L layers, h hidden, S sequence, b micro-batch, V padded vocabulary,
+W data-parallel ranks, w bytes per working element (2 for bf16/fp16, 4 for fp32), sbh = S·b·h.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fitgpt.engine.chunk import padded
+from fitgpt.engine.config import EngineConfig
+from fitgpt.engine.layout import ChunkSpec, chunk_layout
+from fitgpt.model import GPT, ModelConfig
+
+GiB = 2**30
+# Process baseline RSS: the interpreter, torch, and on GPU machines the CUDA/NCCL libraries.
+# Measured on nvidia-h100-x1 / h200-x2 (1.5-1.6 GiB) and on the 2-core CPU box (0.31 GiB).
+HOST_BASE = {"cuda": int(1.6 * GiB), "cpu": int(0.32 * GiB)}
+# Outside torch's allocator on each GPU: CUDA context and cuBLAS workspaces (~0.6 GiB), NCCL's
+# own buffers when W > 1 (~0.5 GiB); plus a fragmentation margin on what torch allocates.
+CUDA_CONTEXT = int(0.6 * GiB)
+NCCL_BUFFERS = int(0.5 * GiB)
+FRAGMENTATION = 0.04
+MAX_INFLIGHT = 2  # mirrors fitgpt.engine.chunked.MAX_INFLIGHT
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: ModelConfig
+    micro_batch: int
+    world: int = 1
+    precision: str = "bf16"  # resolved: bf16, fp16 or fp32
+    device: str = "cuda"  # where compute runs: cuda or cpu
+
+    @property
+    def w(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+
+@dataclass
+class Estimate:
+    """Bytes per rank. `compute` is the compute device (the GPU, or the CPU for CPU runs)."""
+
+    compute: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+    nvme: dict[str, int] = field(default_factory=dict)
+    peak_phase: str = ""
+
+    @property
+    def compute_peak(self) -> int:
+        """What torch.cuda.max_memory_allocated should read (allocator bytes, no context)."""
+        return sum(v for k, v in self.compute.items() if not k.startswith("outside:"))
+
+    @property
+    def compute_total(self) -> int:
+        """What the device must hold: the allocator's peak, a fragmentation margin, the context."""
+        outside = sum(v for k, v in self.compute.items() if k.startswith("outside:"))
+        return int(self.compute_peak * (1 + FRAGMENTATION)) + outside
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+
+def layout_of(model: ModelConfig) -> list[ChunkSpec]:
+    with torch.device("meta"):
+        return chunk_layout(GPT(model))
+
+
+# ---- persistent state ------------------------------------------------------------------------
+def zero_state(
+    work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None = None
+) -> dict[str, int]:
+    """Exactly what ChunkEngine.memory_report() returns, summed over its devices' kinds."""
+    layout = layout or layout_of(work.model)
+    W, w, stage = work.world, work.w, ecfg.zero_stage
+    out = {"weights": 0, "weight_shards": 0, "grads": 0, "master_weights": 0, "optimizer": 0}
+    for c in layout:
+        N = padded(c.numel, W)
+        s = N // W
+        sharded_weights = stage >= 3 and c.name.startswith("block.")
+        if sharded_weights:
+            out["weight_shards"] += s * w
+        else:
+            out["weights"] += N * w
+        out["grads"] += (N * w if stage <= 1 else 0) + (s * w if stage >= 1 else 0)
+        opt = s if stage >= 1 else N
+        if not (w == 4 and ecfg.offload_optimizer == "none"):
+            out["master_weights"] += opt * 4  # fp32 compute on the device aliases the weights
+        out["optimizer"] += 2 * opt * 4
+    return out
+
+
+def torch_state(work: Workload) -> dict[str, int]:
+    """What TorchEngine holds: fp32 parameters (the master copy), fp32 gradients, two moments."""
+    n = work.model.num_params()
+    return {"master_weights": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
+
+
+# ---- activations ----------------------------------------------------------------------------
+def activation_bytes(work: Workload, checkpointing: str) -> dict[str, int]:
+    """Bytes alive at the start of the last micro-batch's backward (the activation peak).
+
+    Per block, forward saves 17·sbh elements (LN inputs/outputs 4, q/k/v 3, attention output
+    and its re-laid copy 2, MLP fc output and GELU output 8): 17·sbh·w bytes (flash attention:
+    no S² term). Checkpointing keeps only each block's input (sbh·w) and recomputes one block at a
+    time in backward. Backward's working gradients take about 8·sbh·w more.
+    """
+    m, b = work.model, work.micro_batch
+    a = work.w
+    sbh = m.seq_len * b * m.n_embd
+    per_block = 17 * sbh * a
+    if checkpointing == "off":
+        blocks = m.n_layer * per_block
+    else:
+        blocks = m.n_layer * sbh * a + per_block
+    out = {"activations": blocks + 8 * sbh * a + 3 * sbh * a}  # + embedding output, final norm
+    # logits in the working dtype, their fp32 copy for a stable softmax, the saved log-probs,
+    # and in backward the fp32 gradient (the bf16 one replaces the logits): 2w + 8 per entry.
+    per_logit = 12 if a == 4 else 2 * a + 8
+    out["logits"] = b * m.seq_len * m.padded_vocab_size * per_logit
+    return out
+
+
+# ---- the whole estimate -------------------------------------------------------------------------
+def estimate(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None = None) -> Estimate:
+    """Peak bytes per rank on each device for one training step of `work` under `ecfg`."""
+    layout = layout or layout_of(work.model)
+    act = activation_bytes(work, ecfg.checkpointing)
+    est = Estimate()
+    host_dev = "cpu" if work.device == "cpu" else "cuda"
+    est.host["process"] = HOST_BASE[host_dev]
+    W, w = work.world, work.w
+    if ecfg.engine == "ddp":
+        state = torch_state(work)
+        n = work.model.num_params()
+        phase_a = dict(state, **act)
+        if w == 2:
+            phase_a["autocast_weights"] = 2 * n  # bf16 copies of the weights, saved for backward
+        if W > 1:
+            # DDP rebuilds its gradient buckets at the second iteration; measured on 2×H200, the
+            # old and new buckets (4 bytes per parameter each) are both held through that
+            # iteration's forward, so its peak carries 4·n more.
+            phase_a["ddp_bucket_rebuild"] = 4 * n
+        phases = {"activations": phase_a}
+    else:
+        state = zero_state(work, ecfg, layout)
+        blocks = [c for c in layout if c.name.startswith("block.")]
+        big = max((padded(c.numel, W) for c in layout), default=0)
+        big_block = max((padded(c.numel, W) for c in blocks), default=0)
+        phase_a = dict(state, **act)
+        if ecfg.zero_stage >= 3:
+            phase_a["gathered_weights"] = (
+                2 * big_block * w
+            )  # the block in use and the prefetched one
+        if ecfg.zero_stage >= 2:
+            # autograd's per-parameter gradients of one block, plus the flat copies and shards of
+            # the reductions in flight
+            phase_a["grad_transients"] = big * w + (MAX_INFLIGHT + 1) * (big + big // W) * w
+        opt_big = max(
+            ((padded(c.numel, W) // W) if ecfg.zero_stage >= 1 else padded(c.numel, W))
+            for c in layout
+        )
+        phase_b = dict(state, update_fp32_grad=opt_big * 4)  # one chunk's gradient in fp32
+        phases = {"activations": phase_a, "optimizer update": phase_b}
+    name, peak = max(phases.items(), key=lambda kv: sum(kv[1].values()))
+    if work.device == "cpu":
+        est.host.update(peak)  # a CPU run holds everything in host memory
+        est.peak_phase = name
+        return est
+    est.compute = dict(peak)
+    est.compute["outside:cuda_context"] = CUDA_CONTEXT
+    if W > 1:
+        est.compute["outside:nccl_buffers"] = NCCL_BUFFERS
+    est.peak_phase = name
+    return est
+
+
+def describe(est: Estimate) -> str:
+    def fmt(d: dict[str, int]) -> str:
+        return ", ".join(f"{k.replace('outside:', '')} {v / GiB:.2f}" for k, v in d.items() if v)
+
+    parts = []
+    if est.compute:
+        parts.append(f"GPU {est.compute_total / GiB:.1f} GiB ({fmt(est.compute)})")
+    parts.append(f"host {est.host_total / GiB:.1f} GiB ({fmt(est.host)})")
+    return "; ".join(parts)

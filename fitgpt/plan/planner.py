@@ -1,0 +1,205 @@
+"""The planner: enumerate plans, predict memory and speed, keep those that fit, choose the fastest.
+
+A plan is an EngineConfig (engine, ZeRO stage, activation checkpointing, offload placement).
+Fit means: the allocator peak plus context and a fragmentation margin within each GPU, and the
+host bytes of every rank on this machine within usable RAM. A request that fits nowhere is
+refused before anything is allocated, naming the shortfall and what would fit instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fitgpt.engine.config import EngineConfig
+from fitgpt.errors import UserError
+from fitgpt.model import ModelConfig
+from fitgpt.plan.hardware import Hardware
+from fitgpt.plan.memory import Estimate, GiB, Workload, estimate, layout_of
+from fitgpt.plan.rates import Rates
+from fitgpt.plan.throughput import step_time
+
+
+@dataclass
+class Candidate:
+    ecfg: EngineConfig
+    est: Estimate
+    time: dict[str, float]
+    gpu_short: int  # bytes over the GPU budget (<= 0: fits)
+    host_short: int
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_short <= 0 and self.host_short <= 0
+
+    @property
+    def name(self) -> str:
+        e = self.ecfg
+        base = "ddp" if e.engine == "ddp" else f"zero-{e.zero_stage}"
+        return f"{base}, checkpointing {e.checkpointing}"
+
+
+def enumerate_plans(world: int, fixed: dict) -> list[EngineConfig]:
+    """Every plan the engines can run, restricted to the fields the user fixed."""
+    stages = [0, 1, 2, 3] if world > 1 else [0]
+    plans = [EngineConfig(engine="ddp", checkpointing=ck) for ck in ("off", "full")]
+    plans += [
+        EngineConfig(engine="zero", zero_stage=s, checkpointing=ck)
+        for s in stages
+        for ck in ("off", "full")
+    ]
+    out = []
+    for p in plans:
+        if all(
+            getattr(p, k) == v
+            for k, v in fixed.items()
+            if k in ("engine", "zero_stage", "checkpointing")
+        ):
+            out.append(
+                dataclasses.replace(
+                    p,
+                    **{
+                        k: v
+                        for k, v in fixed.items()
+                        if k not in ("engine", "zero_stage", "checkpointing")
+                    },
+                )
+            )
+    if not out and fixed:
+        out = [EngineConfig(**{**dataclasses.asdict(EngineConfig()), **fixed})]
+    return out
+
+
+def evaluate(
+    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, ecfg: EngineConfig, layout=None
+) -> Candidate:
+    est = estimate(work, ecfg, layout)
+    t = step_time(work, ecfg, grad_accum, rates)
+    ranks_here = hw.gpus if hw.device == "cuda" else work.world
+    gpu_short = est.compute_total - hw.gpu_mem if hw.device == "cuda" else 0
+    host_short = est.host_total * ranks_here - hw.cpu_mem if hw.cpu_mem else 0
+    return Candidate(ecfg, est, t, gpu_short, host_short)
+
+
+def plan(
+    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: dict | None = None
+) -> list[Candidate]:
+    """All candidates, the chosen one first: the fastest that fits (ties: the smaller peak)."""
+    layout = layout_of(work.model)
+    cands = [
+        evaluate(work, grad_accum, hw, rates, e, layout)
+        for e in enumerate_plans(work.world, fixed or {})
+    ]
+    cands.sort(
+        key=lambda c: (
+            not c.fits,
+            c.time["total"] if c.fits else c.gpu_short + c.host_short,
+            c.est.compute_total,
+            c.ecfg.engine != "zero",
+        )
+    )
+    return cands
+
+
+def why(chosen: Candidate, cands: list[Candidate]) -> str:
+    fitting = [c for c in cands if c.fits]
+    if chosen.est.compute:
+        budget = chosen.est.compute_total - chosen.gpu_short
+        room = f"peak {chosen.est.compute_total / GiB:.1f} of {budget / GiB:.1f} GiB per GPU"
+    else:
+        room = f"{chosen.est.host_total / GiB:.1f} GiB of host RAM per rank"
+    if len(fitting) == 1:
+        return f"the only plan that fits; {room}"
+    runner_up = fitting[1]
+    gain = runner_up.time["total"] / chosen.time["total"] - 1
+    return f"fastest of {len(fitting)} plans that fit, {100 * gain:.0f}% ahead of {runner_up.name}; {room}"
+
+
+def leanest(cands: list[Candidate]) -> Candidate:
+    return min(cands, key=lambda c: max(c.gpu_short, 0) + max(c.host_short, 0))
+
+
+def largest_layers(work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: dict) -> int:
+    """The most layers of this width that fit with some plan (0 if none)."""
+    lo, hi = 0, max(1, work.model.n_layer)
+    while fits_layers(work, grad_accum, hw, rates, fixed, hi):
+        lo, hi = hi, hi * 2
+        if hi > 4096:
+            return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits_layers(work, grad_accum, hw, rates, fixed, mid) else (lo, mid)
+    return lo
+
+
+def fits_layers(work, grad_accum, hw, rates, fixed, layers: int) -> bool:
+    w = dataclasses.replace(work, model=work.model.replace(n_layer=layers))
+    return any(c.fits for c in plan(w, grad_accum, hw, rates, fixed))
+
+
+def largest_micro_batch(
+    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: dict
+) -> int:
+    best = 0
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        if b >= work.micro_batch and best:
+            break
+        if any(
+            c.fits
+            for c in plan(dataclasses.replace(work, micro_batch=b), grad_accum, hw, rates, fixed)
+        ):
+            best = b
+    return best
+
+
+def refusal(
+    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, cands: list[Candidate], fixed: dict
+) -> str:
+    lean = leanest(cands)
+    m = work.model
+    need = []
+    if lean.gpu_short > 0:
+        need.append(
+            f"{lean.est.compute_total / GiB:.1f} GiB per GPU (has {hw.gpu_mem / GiB:.1f}, short by {lean.gpu_short / GiB:.1f})"
+        )
+    if lean.host_short > 0:
+        need.append(
+            f"{lean.est.host_total * max(1, hw.gpus) / GiB:.1f} GiB of host RAM (has {hw.cpu_mem / GiB:.1f}, short by {lean.host_short / GiB:.1f})"
+        )
+    layers = largest_layers(work, grad_accum, hw, rates, fixed)
+    alt = []
+    if layers:
+        size = m.replace(n_layer=layers).num_params() / 1e9
+        alt.append(
+            f"{layers} layers of this width ({size:.2f} B parameters) at micro-batch {work.micro_batch}"
+        )
+    mb = largest_micro_batch(work, grad_accum, hw, rates, fixed)
+    if mb:
+        alt.append(f"this model at micro-batch {mb}")
+    what = " or ".join(alt) if alt else "nothing of this width"
+    return (
+        f"{m.num_params() / 1e9:.2f} B parameters at micro-batch {work.micro_batch} do not fit: the leanest "
+        f"plan ({lean.name}) needs {' and '.join(need)}; what fits: {what}"
+    )
+
+
+def choose(
+    work: Workload,
+    grad_accum: int,
+    hw: Hardware,
+    rates: Rates,
+    fixed: dict | None = None,
+    force: bool = False,
+) -> tuple[Candidate, list[Candidate]]:
+    """The chosen plan and all candidates; a UserError naming the shortfall if none fits."""
+    fixed = fixed or {}
+    cands = plan(work, grad_accum, hw, rates, fixed)
+    if not cands[0].fits and not force:
+        raise UserError(
+            refusal(work, grad_accum, hw, rates, cands, fixed) + " (--force tries anyway)"
+        )
+    return cands[0], cands
+
+
+def model_of(base: ModelConfig, layers: int) -> ModelConfig:
+    return base.replace(n_layer=layers)

@@ -1,0 +1,150 @@
+"""The throughput model's constants: measured by `fitgpt probe` (under a minute) and cached.
+
+Defaults for known GPUs come from ../shared/ANCHORS.md's measurements of our machines; a probe
+replaces them with this machine's own figures, cached in ~/.cache/fitgpt/probe-<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Rates:
+    gemm_tflops: float  # dense bf16 matmul of a GPT-sized shape
+    model_efficiency: float  # ceiling of achieved/GEMM rate at large hidden sizes (throughput.py)
+    hbm_gbps: float  # device memory bandwidth (read + write counted)
+    h2d_gbps: float  # pinned host → device
+    d2h_gbps: float
+    cpu_adam_params_per_s: float  # fused AdamW over fp32 flat buffers, all cores
+    nvme_read_gbps: float
+    nvme_write_gbps: float
+    bus_gbps: float  # collective bus bandwidth between GPUs (all-gather / reduce-scatter)
+    source: str = "defaults"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+DEFAULTS = {
+    # ANCHORS.md (nvidia-h100-x1 / h200-x2, 2026-11-22) and KINDS.md readings
+    "H100": Rates(790.0, 0.88, 3000.0, 55.0, 55.0, 4.8e9, 1.8, 1.7, 265.0),
+    "H200": Rates(790.0, 0.88, 4300.0, 55.0, 55.0, 4.8e9, 1.8, 1.7, 265.0),
+    "cpu": Rates(0.2, 0.5, 20.0, 20.0, 20.0, 2.0e8, 1.0, 1.0, 5.0),
+}
+
+
+def cache_path(gpu_name: str) -> Path:
+    root = Path(os.environ.get("FITGPT_CACHE", Path.home() / ".cache" / "fitgpt"))
+    slug = "".join(ch if ch.isalnum() else "-" for ch in f"{socket.gethostname()}-{gpu_name}")
+    return root / f"probe-{slug}.json"
+
+
+def load(gpu_name: str) -> Rates:
+    """The cached probe for this machine's GPU, else the defaults for its family."""
+    p = cache_path(gpu_name)
+    if p.is_file():
+        try:
+            return Rates(**json.loads(p.read_text()))
+        except (TypeError, json.JSONDecodeError):
+            pass
+    for key, r in DEFAULTS.items():
+        if key != "cpu" and key in gpu_name:
+            return r
+    return DEFAULTS["cpu"] if gpu_name == "cpu" else DEFAULTS["H100"]
+
+
+def _time(fn, repeat: int = 5) -> float:
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / repeat
+
+
+def probe(nvme_path: str = "", log=print) -> Rates:
+    """Measure this machine (each part a few seconds) and cache the result."""
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    r = load(name)
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        a = torch.randn(8192, 4096, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(4096, 16384, device=dev, dtype=torch.bfloat16)
+        t = _time(lambda: a @ b, 20)
+        r = replace(r, gemm_tflops=2 * 8192 * 4096 * 16384 / t / 1e12)
+        log(f"GEMM bf16 8192×4096×16384: {r.gemm_tflops:.0f} TFLOP/s")
+        x = torch.empty(2**28, device=dev, dtype=torch.float32)  # 1 GiB
+        y = torch.empty_like(x)
+        r = replace(r, hbm_gbps=2 * x.numel() * 4 / _time(lambda: y.copy_(x), 10) / 1e9)
+        log(f"device copy: {r.hbm_gbps:.0f} GB/s")
+        h = torch.empty(x.numel(), dtype=torch.float32).pin_memory()
+        r = replace(
+            r,
+            h2d_gbps=h.numel() * 4 / _time(lambda: x.copy_(h, non_blocking=True)) / 1e9,
+            d2h_gbps=h.numel() * 4 / _time(lambda: h.copy_(x, non_blocking=True)) / 1e9,
+        )
+        log(f"host→device {r.h2d_gbps:.1f} GB/s, device→host {r.d2h_gbps:.1f} GB/s (pinned)")
+        del a, b, x, y, h
+    p = torch.zeros(64 * 2**20)
+    p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    r = replace(r, cpu_adam_params_per_s=p.numel() / _time(opt.step, 3))
+    log(
+        f"CPU fused AdamW: {r.cpu_adam_params_per_s / 1e9:.2f} G params/s ({torch.get_num_threads()} threads)"
+    )
+    if nvme_path:
+        r = replace(r, **_probe_disk(nvme_path))
+        log(
+            f"disk at {nvme_path}: write {r.nvme_write_gbps:.2f} GB/s, read {r.nvme_read_gbps:.2f} GB/s"
+        )
+    r = replace(r, source=f"probe {time.strftime('%Y-%m-%d %H:%M')}")
+    path = cache_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(r.to_dict(), indent=1))
+    os.replace(tmp, path)
+    log(f"cached in {path}")
+    return r
+
+
+def _probe_disk(folder: str, size: int = 1 << 30, block: int = 16 << 20) -> dict:
+    """Sequential write then read of `size` bytes in `block` pieces, O_DIRECT where allowed."""
+    import mmap
+
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT requires
+    buf.write(os.urandom(block))
+    flags = getattr(os, "O_DIRECT", 0)
+    fd, path = tempfile.mkstemp(dir=folder, prefix=".fitgpt-probe-")
+    os.close(fd)
+    try:
+        try:
+            fd = os.open(path, os.O_WRONLY | flags)
+        except OSError:
+            fd, flags = os.open(path, os.O_WRONLY), 0
+        t0 = time.perf_counter()
+        for _ in range(size // block):
+            os.write(fd, buf)
+        os.fsync(fd)
+        w = size / (time.perf_counter() - t0) / 1e9
+        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | flags)
+        t0 = time.perf_counter()
+        for _ in range(size // block):
+            os.readv(fd, [buf])
+        rd = size / (time.perf_counter() - t0) / 1e9
+        os.close(fd)
+    finally:
+        os.unlink(path)
+    return {"nvme_write_gbps": w, "nvme_read_gbps": rd}

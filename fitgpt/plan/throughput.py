@@ -1,0 +1,72 @@
+"""The throughput model: predicted seconds per optimizer step of a plan, term by term.
+
+compute   tokens · FLOPs/token (+ one more forward under checkpointing) at the GPU's achievable
+          rate (probe GEMM rate × model efficiency; fp32 runs on the non-tensor-core rate).
+comm      ZeRO/DDP collectives at the probe's bus bandwidth; what overlaps with backward (or with
+          forward, for stage-3 prefetches) is hidden, the rest exposed.
+optimizer fused AdamW streams ~36 bytes per parameter of its range through device memory.
+"""
+
+from __future__ import annotations
+
+from fitgpt.engine.config import EngineConfig
+from fitgpt.plan.memory import Workload
+from fitgpt.plan.rates import Rates
+
+FP32_FRACTION = 0.07  # fp32 without tensor cores runs at ~7% of the bf16 tensor-core rate
+
+
+# Calibrated on 2026-11-22's H100/H200 runs (benchmarks/results): the achieved share of the GEMM
+# rate grows with the hidden size (bigger matmuls; norms, GELU and attention matter less):
+# 0.59 at h=1600, 0.66 at h=2560, 0.80 at h=4096.
+def efficiency(hidden: int, ceiling: float) -> float:
+    return max(0.2, ceiling - 0.6 * (1000.0 / hidden) ** 1.5)
+
+
+# Measured extra time over the compute term, as a fraction of it: the stage-2 per-micro-batch
+# gradient flattening and accumulation, stage-3 gathers and their allocations, and autocast's
+# per-op casts and fp32 bookkeeping in the plain PyTorch engine (ddp ran 10-13% behind zero).
+OVERHEAD = {"ddp": 0.11, 0: 0.0, 1: 0.0, 2: 0.03, 3: 0.06}
+
+
+def step_time(
+    work: Workload, ecfg: EngineConfig, grad_accum: int, rates: Rates
+) -> dict[str, float]:
+    m, W = work.model, work.world
+    n = m.num_params()
+    tokens = work.micro_batch * m.seq_len * grad_accum  # per rank
+    flops = m.flops_per_token()
+    if ecfg.checkpointing != "off":
+        flops += 2.0 * n + 4.0 * m.n_layer * m.n_embd * m.seq_len  # the recomputed forward
+    rate = rates.gemm_tflops * 1e12 * efficiency(m.n_embd, rates.model_efficiency)
+    if work.precision == "fp32":
+        rate *= FP32_FRACTION
+    compute = tokens * flops / rate
+    backward_last = compute / grad_accum * 0.6  # the window the final reductions can hide in
+    out = {"compute": compute}
+    if W > 1:
+        bw = rates.bus_gbps * 1e9
+        frac = (W - 1) / W
+        if ecfg.engine == "ddp" or ecfg.zero_stage == 0:
+            g = 4 if ecfg.engine == "ddp" else work.w
+            out["comm"] = max(0.0, 2 * frac * n * g / bw - 0.9 * backward_last)
+        else:
+            rs = frac * n * work.w / bw
+            ag = frac * n * work.w / bw  # updated weights, after the optimizer
+            hidden = 0.9 * (backward_last if ecfg.zero_stage == 1 else compute * 0.6)
+            per_step_rs = rs if ecfg.zero_stage == 1 else rs * grad_accum
+            gathers = 2 * ag * grad_accum if ecfg.zero_stage >= 3 else 0.0
+            out["comm"] = (
+                max(0.0, per_step_rs + gathers - hidden)
+                + (ag if ecfg.zero_stage < 3 else 0.0) * 0.5
+            )
+    opt_elems = n / W if (ecfg.engine == "zero" and ecfg.zero_stage >= 1) else n
+    out["optimizer"] = opt_elems * 36 / (rates.hbm_gbps * 1e9)
+    if ecfg.engine == "ddp" and work.precision != "fp32":
+        # autocast re-casts the fp32 weights every micro-batch (and again when recomputing)
+        casts = grad_accum * (2 if ecfg.checkpointing != "off" else 1)
+        out["autocast_casts"] = casts * n * 6 / (rates.hbm_gbps * 1e9)
+    key = "ddp" if ecfg.engine == "ddp" else ecfg.zero_stage
+    out["engine_overhead"] = compute * OVERHEAD[key]
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,242 @@
+"""The memory model, the planner and the capacity search."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import TINY
+
+from fitgpt.dist import DistContext, init_distributed
+from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
+from fitgpt.engine.factory import build_engine
+from fitgpt.errors import UserError
+from fitgpt.model import ModelConfig, get_preset
+from fitgpt.plan.capacity import search
+from fitgpt.plan.hardware import Hardware, parse_bytes
+from fitgpt.plan.memory import GiB, Workload, activation_bytes, estimate, torch_state, zero_state
+from fitgpt.plan.planner import choose, plan
+from fitgpt.plan.rates import DEFAULTS
+
+CPU = DistContext(0, 1, 0, torch.device("cpu"))
+H100 = Hardware("cuda", 1, int(79.2 * GiB), "NVIDIA H100 80GB HBM3", int(125 * GiB), 16)
+
+
+def reported(engine) -> dict:
+    return {k: v for kinds in engine.memory_report().values() for k, v in kinds.items() if v}
+
+
+def predicted(d: dict) -> dict:
+    return {k: v for k, v in d.items() if v}
+
+
+# ---- closed forms against hand calculations ---------------------------------------------------
+def test_state_terms_by_hand():
+    m = ModelConfig(n_layer=1, n_embd=8, n_head=2, seq_len=4, vocab_size=100)  # V padded to 128
+    # chunks: embed = wte 128·8 + wpe 4·8 = 1056; block = 12·64 + 13·8 = 872; head = ln_f 16
+    # padded to multiples of W·128: W=1 → 1152, 896, 128; W=2 → 1280, 1024, 256
+    n1 = 1152 + 896 + 128
+    w1 = Workload(m, micro_batch=2, world=1, precision="bf16")
+    assert zero_state(w1, EngineConfig(engine="zero")) == {
+        "weights": 2 * n1,
+        "weight_shards": 0,
+        "grads": 2 * n1,
+        "master_weights": 4 * n1,
+        "optimizer": 8 * n1,
+    }
+    w2 = Workload(m, micro_batch=2, world=2, precision="bf16")
+    s3 = zero_state(w2, EngineConfig(engine="zero", zero_stage=3))
+    assert s3["weight_shards"] == 2 * 1024 // 2  # only the block is sharded at stage 3
+    assert s3["weights"] == 2 * (1280 + 256)  # embed and head stay whole
+    assert s3["grads"] == 2 * (1280 + 1024 + 256) // 2
+    assert s3["optimizer"] == 8 * (1280 + 1024 + 256) // 2
+    fp32 = zero_state(Workload(m, 2, 1, "fp32"), EngineConfig(engine="zero"))
+    assert fp32["master_weights"] == 0  # fp32 compute: the weights are the master copy
+    n = m.num_params()
+    assert torch_state(w1) == {"master_weights": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
+
+
+def test_activation_terms_by_hand():
+    m = ModelConfig(n_layer=3, n_embd=16, n_head=2, seq_len=8, vocab_size=128)
+    w = Workload(m, micro_batch=2, world=1, precision="bf16")
+    sbh = 8 * 2 * 16
+    off, full = activation_bytes(w, "off"), activation_bytes(w, "full")
+    assert off["activations"] == 3 * 17 * sbh * 2 + 11 * sbh * 2
+    assert full["activations"] == 3 * sbh * 2 + 17 * sbh * 2 + 11 * sbh * 2
+    assert off["logits"] == full["logits"] == 2 * 8 * 128 * 12
+
+
+def test_estimate_matches_a_measured_gpu_peak():
+    # benchmarks/results/mfu_2p7b_h100_2026-11-22: zero engine, checkpointing off, 64.3 GiB measured
+    est = estimate(Workload(get_preset("2.7b"), 8, 1, "bf16"), EngineConfig(engine="zero"))
+    assert abs(est.compute_peak / GiB / 64.3 - 1) < 0.10
+
+
+# ---- predicted state equals what the engines report -----------------------------------------
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_predicted_state_equals_engine_report_one_rank(stage, precision):
+    ecfg = EngineConfig(engine="zero", zero_stage=stage)
+    e = build_engine(TINY, ecfg, PrecisionConfig(precision), OptimConfig(), CPU)
+    assert reported(e) == predicted(zero_state(Workload(TINY, 2, 1, precision), ecfg))
+
+
+def test_predicted_state_equals_engine_report_torch_engine():
+    e = build_engine(TINY, EngineConfig(engine="ddp"), PrecisionConfig("fp32"), OptimConfig(), CPU)
+    x = torch.randint(0, TINY.vocab_size, (2, TINY.seq_len + 1))
+    e.train_step([(x[:, :-1], x[:, 1:])], 1e-3)
+    e.opt.zero_grad(set_to_none=False)  # keep the gradients allocated to count them
+    for p in e.params:
+        p.grad = torch.zeros_like(p)
+    assert reported(e) == torch_state(Workload(TINY, 2, 1, "fp32"))
+
+
+def report_worker(rank, world, out):
+    ctx = init_distributed("cpu")
+    got = {}
+    for stage in (1, 2, 3):
+        ecfg = EngineConfig(engine="zero", zero_stage=stage)
+        e = build_engine(TINY, ecfg, PrecisionConfig("bf16"), OptimConfig(), ctx)
+        got[stage] = (reported(e), predicted(zero_state(Workload(TINY, 2, world, "bf16"), ecfg)))
+    if rank == 1:
+        with open(out, "w") as f:
+            json.dump(got, f)
+
+
+@pytest.mark.slow
+def test_predicted_state_equals_engine_report_two_ranks(tmp_path, gloo):
+    gloo(2, report_worker, str(tmp_path / "r.json"))
+    for stage, (rep, pred) in json.loads((tmp_path / "r.json").read_text()).items():
+        assert rep == pred, stage
+
+
+# ---- the planner ---------------------------------------------------------------------------
+def test_planner_picks_a_fitting_plan_and_refuses_with_the_shortfall():
+    r = DEFAULTS["H100"]
+    chosen, cands = choose(Workload(get_preset("2.7b"), 8, 1, "bf16"), 4, H100, r)
+    assert chosen.fits and chosen.ecfg.engine == "zero"
+    assert cands[0] is chosen and chosen.time["total"] == min(
+        c.time["total"] for c in cands if c.fits
+    )
+    with pytest.raises(UserError, match=r"do not fit.*short by .*what fits: \d+ layers"):
+        choose(Workload(get_preset("13b"), 8, 1, "bf16"), 4, H100, r)
+    # an explicit plan predicted not to fit is refused too, and --force lets it through
+    big = Workload(get_preset("6.7b"), 8, 1, "bf16")
+    with pytest.raises(UserError, match="do not fit"):
+        choose(big, 4, H100, r, {"engine": "ddp", "checkpointing": "off"})
+    forced, _ = choose(big, 4, H100, r, {"engine": "ddp", "checkpointing": "off"}, force=True)
+    assert forced.ecfg.engine == "ddp" and not forced.fits
+
+
+def test_more_gpus_let_stage_3_fit_what_one_gpu_cannot():
+    r = DEFAULTS["H200"]
+    one = Hardware("cuda", 1, int(139 * GiB), "NVIDIA H200", int(250 * GiB), 32)
+    two = Hardware("cuda", 2, int(139 * GiB), "NVIDIA H200", int(250 * GiB), 32)
+    m = get_preset("13b")
+    assert not any(c.fits for c in plan(Workload(m, 8, 1, "bf16"), 4, one, r))
+    chosen, _ = choose(Workload(m, 8, 2, "bf16"), 4, two, r)
+    assert chosen.ecfg.zero_stage >= 2
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GB", "x") == 80e9 and parse_bytes("2GiB", "x") == 2 * GiB
+    assert parse_bytes("64", "x") == 64 * GiB
+    with pytest.raises(UserError, match="--gpu-mem 'lots'"):
+        parse_bytes("lots", "--gpu-mem")
+
+
+def test_plan_cli_refuses_before_allocating():
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fitgpt",
+            "plan",
+            "--preset",
+            "13b",
+            "--gpu-mem",
+            "80GB",
+            "--cpu-mem",
+            "125GB",
+            "--device",
+            "cuda",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "short by" in r.stderr and "Traceback" not in r.stderr
+    assert "zero-0, checkpointing full" in r.stdout  # the table of candidates came first
+
+
+# ---- the capacity search ---------------------------------------------------------------------
+@pytest.mark.parametrize("truth, start", [(37, 5), (5, 37), (1, 9), (12, 12)])
+def test_search_brackets_then_bisects_in_few_trials(truth, start):
+    calls = []
+
+    def trial(n):
+        calls.append(n)
+        return n <= truth
+
+    res = search(trial, start, max_trials=16)
+    assert res.largest_ok == truth and res.first_fail == truth + 1
+    # galloping out then bisecting: about 2·log2(distance) trials, never one per size
+    assert len(calls) <= 2 * math.log2(abs(truth - start) + 1) + 3
+
+
+@pytest.mark.slow
+def test_capacity_cli_on_cpu_with_a_budget_finds_the_true_boundary(tmp_path):
+    """Real trials in their own processes under a 3 MB budget on the engine's state bytes."""
+    m = dict(n_embd=64, n_head=4, seq_len=32, vocab_size=256, tie_embeddings=False)
+    truth = 0
+    for layers in range(1, 12):
+        e = build_engine(
+            ModelConfig(n_layer=layers, **m),
+            EngineConfig(engine="zero"),
+            PrecisionConfig("fp32"),
+            OptimConfig(),
+            CPU,
+        )
+        if sum(reported(e).values()) <= 3_000_000:
+            truth = layers
+    out = tmp_path / "cap.jsonl"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fitgpt",
+            "capacity",
+            "--system",
+            "zero0",
+            "--device",
+            "cpu",
+            "--hidden",
+            "64",
+            "--heads",
+            "4",
+            "--seq-len",
+            "32",
+            "--vocab-size",
+            "256",
+            "--micro-batch",
+            "2",
+            "--grad-accum",
+            "1",
+            "--cap",
+            "3MB",
+            "--max-trials",
+            "5",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    assert summary["largest_layers"] == truth and summary["first_fail"] == truth + 1
+    trials = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(trials) <= 5 and all("predicted_peak_gib" in t for t in trials)
