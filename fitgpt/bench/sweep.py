@@ -169,7 +169,13 @@ def sweep(spec: SweepSpec, out: Path) -> list[dict]:
     for s in spec.systems:
         get_system(s)  # unknown names fail before anything runs
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = {(r["system"], r["layers"]): r for r in read_results(out)}
+    # a trial is the same trial only under the same protocol (checkpointing, batch, width...)
+    proto = json.dumps(spec.bench.to_dict(), sort_keys=True)
+    done = {
+        (r["system"], r["layers"]): r
+        for r in read_results(out)
+        if json.dumps(r.get("bench", {}), sort_keys=True) == proto and r.get("world") == spec.gpus
+    }
     total = len(spec.systems) * len(spec.sizes)
     k = 0
     with tempfile.TemporaryDirectory(prefix="fitgpt-sweep-") as tmp:
