@@ -165,3 +165,35 @@ def test_user_errors_are_one_line_without_traceback(argv, needle):
     assert r.returncode == 2
     assert needle in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_export_writes_whole_parameters_that_reload(tmp_path):
+    from safetensors.torch import load_file
+
+    from fitgpt.model import GPT
+
+    train(run_config(tmp_path / "run", steps=3, engine="zero", zero_stage=1), CPU)
+    out = tmp_path / "model.safetensors"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fitgpt",
+            "export",
+            "--ckpt",
+            str(tmp_path / "run"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    model = GPT(TINY)
+    model.load_state_dict(load_file(out))
+    from fitgpt.infer.generate import load_model
+
+    ref, _ = load_model(tmp_path / "run", torch.device("cpu"))
+    x = torch.randint(0, TINY.vocab_size, (1, 8))
+    torch.testing.assert_close(model(x), ref(x))

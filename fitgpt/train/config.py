@@ -9,7 +9,7 @@ from fitgpt.errors import UserError
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = field(default=600, metadata={"help": "optimizer steps to train for"})
+    steps: int = field(default=400, metadata={"help": "optimizer steps to train for"})
     micro_batch: int = field(default=24, metadata={"help": "sequences per micro-batch per rank"})
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     lr: float = field(default=2e-3, metadata={"help": "peak learning rate"})
