@@ -55,6 +55,11 @@ def two_rank_worker(rank: int, world: int, tmp: str) -> None:
         ls, mem = losses(EngineConfig(engine=engine, zero_stage=stage, checkpointing=ck), ctx)
         results[f"{engine}{stage}{ck}"] = {"losses": ls, "mem": mem}
     results["bf16_stage3"] = losses(EngineConfig(engine="zero", zero_stage=3), ctx, "bf16")[0]
+    for stage in (1, 2, 3):  # the host tier across ranks: each rank's shard updated on its host
+        ecfg = EngineConfig(
+            engine="zero", zero_stage=stage, offload_optimizer="cpu", offload_fraction=0.5
+        )
+        results[f"offload{stage}"] = losses(ecfg, ctx)[0]
     # resume at world 2 / stage 3 from the world-1 checkpoint the parent saved at step 6
     cfg = run_config(tmp / "w1", steps=12, micro_batch=2, engine="zero", zero_stage=3)
     results["resumed_from_w1"] = train(cfg, ctx, resume=str(tmp / "w1" / "step_00000006"))["losses"]
@@ -78,6 +83,8 @@ def test_two_ranks_match_one_process_and_resume_across_world_sizes(tmp_path, glo
     for engine, stage, ck in CONFIGS:
         got = res[f"{engine}{stage}{ck}"]["losses"]
         assert max(abs(a - b) for a, b in zip(got, reference)) < 1e-5, (engine, stage, ck)
+    for stage in (1, 2, 3):
+        assert max(abs(a - b) for a, b in zip(res[f"offload{stage}"], reference)) < 1e-5, stage
     # bf16 stage 3 on 2 ranks tracks fp32 one process within bf16's resolution (documented: 2e-2)
     assert max(abs(a - b) for a, b in zip(res["bf16_stage3"], reference)) < 2e-2
 

@@ -1,5 +1,6 @@
 """The memory model, the planner and the capacity search."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -25,11 +26,23 @@ H100 = Hardware("cuda", 1, int(79.2 * GiB), "NVIDIA H100 80GB HBM3", int(125 * G
 
 
 def reported(engine) -> dict:
-    return {k: v for kinds in engine.memory_report().values() for k, v in kinds.items() if v}
+    """{device|host: {kind: bytes}}, zeros dropped; the compute device's type becomes "device"."""
+    rep = engine.memory_report()
+    return {
+        ("host" if d == "host" else "device"): {k: v for k, v in kinds.items() if v}
+        for d, kinds in rep.items()
+        if any(kinds.values())
+    }
 
 
 def predicted(d: dict) -> dict:
-    return {k: v for k, v in d.items() if v}
+    return {
+        w: {k: v for k, v in kinds.items() if v} for w, kinds in d.items() if any(kinds.values())
+    }
+
+
+def total(d: dict) -> int:
+    return sum(v for kinds in d.values() for v in kinds.values())
 
 
 # ---- closed forms against hand calculations ---------------------------------------------------
@@ -39,7 +52,7 @@ def test_state_terms_by_hand():
     # padded to multiples of W·128: W=1 → 1152, 896, 128; W=2 → 1280, 1024, 256
     n1 = 1152 + 896 + 128
     w1 = Workload(m, micro_batch=2, world=1, precision="bf16")
-    assert zero_state(w1, EngineConfig(engine="zero")) == {
+    assert zero_state(w1, EngineConfig(engine="zero"))["device"] == {
         "weights": 2 * n1,
         "weight_shards": 0,
         "grads": 2 * n1,
@@ -47,12 +60,12 @@ def test_state_terms_by_hand():
         "optimizer": 8 * n1,
     }
     w2 = Workload(m, micro_batch=2, world=2, precision="bf16")
-    s3 = zero_state(w2, EngineConfig(engine="zero", zero_stage=3))
+    s3 = zero_state(w2, EngineConfig(engine="zero", zero_stage=3))["device"]
     assert s3["weight_shards"] == 2 * 1024 // 2  # only the block is sharded at stage 3
     assert s3["weights"] == 2 * (1280 + 256)  # embed and head stay whole
     assert s3["grads"] == 2 * (1280 + 1024 + 256) // 2
     assert s3["optimizer"] == 8 * (1280 + 1024 + 256) // 2
-    fp32 = zero_state(Workload(m, 2, 1, "fp32"), EngineConfig(engine="zero"))
+    fp32 = zero_state(Workload(m, 2, 1, "fp32"), EngineConfig(engine="zero"))["device"]
     assert fp32["master_weights"] == 0  # fp32 compute: the weights are the master copy
     n = m.num_params()
     assert torch_state(w1) == {"master_weights": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
@@ -75,10 +88,14 @@ def test_estimate_matches_a_measured_gpu_peak():
 
 
 # ---- predicted state equals what the engines report -----------------------------------------
+@pytest.mark.parametrize("offload", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_predicted_state_equals_engine_report_one_rank(stage, precision):
-    ecfg = EngineConfig(engine="zero", zero_stage=stage)
+def test_predicted_state_equals_engine_report_one_rank(stage, precision, offload):
+    tier = "cpu" if offload else "none"
+    ecfg = EngineConfig(
+        engine="zero", zero_stage=stage, offload_optimizer=tier, offload_fraction=offload or 1.0
+    )
     e = build_engine(TINY, ecfg, PrecisionConfig(precision), OptimConfig(), CPU)
     assert reported(e) == predicted(zero_state(Workload(TINY, 2, 1, precision), ecfg))
 
@@ -90,7 +107,7 @@ def test_predicted_state_equals_engine_report_torch_engine():
     e.opt.zero_grad(set_to_none=False)  # keep the gradients allocated to count them
     for p in e.params:
         p.grad = torch.zeros_like(p)
-    assert reported(e) == torch_state(Workload(TINY, 2, 1, "fp32"))
+    assert reported(e) == {"device": torch_state(Workload(TINY, 2, 1, "fp32"))}
 
 
 def report_worker(rank, world, out):
@@ -130,14 +147,22 @@ def test_planner_picks_a_fitting_plan_and_refuses_with_the_shortfall():
     assert forced.ecfg.engine == "ddp" and not forced.fits
 
 
-def test_more_gpus_let_stage_3_fit_what_one_gpu_cannot():
+def test_more_gpus_or_the_host_tier_fit_what_one_gpu_cannot():
     r = DEFAULTS["H200"]
     one = Hardware("cuda", 1, int(139 * GiB), "NVIDIA H200", int(250 * GiB), 32)
     two = Hardware("cuda", 2, int(139 * GiB), "NVIDIA H200", int(250 * GiB), 32)
     m = get_preset("13b")
-    assert not any(c.fits for c in plan(Workload(m, 8, 1, "bf16"), 4, one, r))
-    chosen, _ = choose(Workload(m, 8, 2, "bf16"), 4, two, r)
+    on_device = {"offload_optimizer": "none"}
+    assert not any(c.fits for c in plan(Workload(m, 8, 1, "bf16"), 4, one, r, on_device))
+    chosen, _ = choose(Workload(m, 8, 2, "bf16"), 4, two, r, on_device)
     assert chosen.ecfg.zero_stage >= 2
+    # one GPU with the host tier: the GPU filled first, only the last blocks' optimizer offloaded
+    hosted, _ = choose(Workload(m, 8, 1, "bf16"), 4, one, r)
+    assert hosted.ecfg.offload_optimizer == "cpu" and 0 < hosted.ecfg.offload_fraction < 1
+    fewer = dataclasses.replace(
+        hosted.ecfg, offload_fraction=hosted.ecfg.offload_fraction - 1 / m.n_layer
+    )
+    assert estimate(Workload(m, 8, 1, "bf16"), fewer).compute_total > one.gpu_mem
 
 
 def test_parse_bytes():
@@ -199,7 +224,7 @@ def test_capacity_cli_on_cpu_with_a_budget_finds_the_true_boundary(tmp_path):
             OptimConfig(),
             CPU,
         )
-        if sum(reported(e).values()) <= 3_000_000:
+        if total(reported(e)) <= 3_000_000:
             truth = layers
     out = tmp_path / "cap.jsonl"
     r = subprocess.run(

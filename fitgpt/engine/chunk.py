@@ -45,6 +45,7 @@ class Chunk:
         device: torch.device,
         opt_device: torch.device,
         pin: bool,
+        offloaded: bool = False,
     ) -> None:
         self.spec = spec
         self.n, self.N = spec.numel, padded(spec.numel, world)
@@ -82,7 +83,10 @@ class Chunk:
         def host(t: Tensor) -> Tensor:
             return t.pin_memory() if pin and opt_device.type == "cpu" else t
 
-        self.master_aliases_weight = dtype == torch.float32 and opt_device == device
+        self.offloaded = offloaded  # state homed on the offload tier (host memory), not the device
+        self.master_aliases_weight = (
+            dtype == torch.float32 and opt_device == device and not offloaded
+        )
         if self.master_aliases_weight:
             # fp32 compute: the working weights are the master copy, no second fp32 buffer.
             self.master = self.weight_shard if shard_opt else self.weight
@@ -123,7 +127,7 @@ class Chunk:
         def nb(t: Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
-        dev, opt = self.device.type, self.opt_device.type
+        dev, opt = self.device.type, ("host" if self.offloaded else self.opt_device.type)
         out: dict[str, dict[str, int]] = {dev: {}, opt: {}}
         out[dev]["weights"] = nb(self.weight) if self.resident else 0
         if self.shard_weights:

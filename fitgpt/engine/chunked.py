@@ -31,6 +31,8 @@ from fitgpt.engine.base import Batch, Engine, StepStats
 from fitgpt.engine.chunk import Chunk
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.layout import chunk_layout
+from fitgpt.engine.offload import HostOptimizer
+from fitgpt.engine.placement import optimizer_homes
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import KINDS, Piece, StateReader, write_pieces
 from fitgpt.errors import UserError
@@ -51,9 +53,9 @@ class ChunkEngine(Engine):
         ctx: DistContext,
         seed: int = 0,
     ) -> None:
-        if ecfg.offloads:
+        if ecfg.offload_params != "none" or ecfg.offload_optimizer == "nvme":
             raise UserError(
-                "offload tiers are not built yet; drop --offload-optimizer/--offload-params"
+                "--offload-params and the nvme tier are not built yet; use --offload-optimizer cpu"
             )
         self.model_cfg, self.ecfg, self.ocfg, self.ctx = model_cfg, ecfg, ocfg, ctx
         self.device, self.stage = ctx.device, ecfg.zero_stage
@@ -65,10 +67,12 @@ class ChunkEngine(Engine):
         with torch.device("meta"):
             model = GPT(model_cfg)  # no memory: every parameter is replaced by a chunk view below
         self.layout = chunk_layout(model)
+        self.homes = optimizer_homes(self.layout, ecfg)
+        host = torch.device("cpu")
         if model_cfg.position == "alibi":
             model.alibi_slopes_N = alibi_slopes(model_cfg.n_head).to(self.device)
         self.chunks: list[Chunk] = []
-        for spec in self.layout:
+        for spec, home in zip(self.layout, self.homes):
             is_block = spec.name.startswith("block.")
             c = Chunk(
                 spec,
@@ -80,8 +84,12 @@ class ChunkEngine(Engine):
                 shard_weights=self.stage >= 3 and is_block,
                 dtype=self.dtype,
                 device=self.device,
-                opt_device=self.device,
+                opt_device=self.device if home == "device" else host,
+                # host-homed state stays pageable: only the host optimizer's staging buffers take
+                # part in DMA, and torch's pinned allocator would round each chunk up to a power
+                # of two (805 MB → 1 GiB at h=4096)
                 pin=False,
+                offloaded=home != "device",
             )
             for slot, p in zip(spec.slots, c.params):
                 owner, _, leaf = slot.name.rpartition(".")
@@ -94,6 +102,12 @@ class ChunkEngine(Engine):
             checkpoint_blocks(model)
         self.model = model
         self.optimizers = [self._optimizer(c) for c in self.chunks]
+        self.hosted = [c for c, h in zip(self.chunks, self.homes) if h != "device"]
+        self.host_opt = None
+        if self.hosted:
+            biggest = max(c.opt_hi - c.opt_lo for c in self.hosted)
+            self.host_opt = HostOptimizer(self.device, self.dtype, biggest)
+            self._register_host_waits()
         self.pending: deque[tuple[object, str, Callable[[], None] | None, tuple]] = deque()
         self.last_micro = True
         self._register_grad_hooks()
@@ -220,6 +234,8 @@ class ChunkEngine(Engine):
     def _gather(self, c: Chunk) -> None:
         if c.resident:
             return
+        if self.host_opt is not None:
+            self.host_opt.wait(c)  # a prefetch must not gather a shard the host is still updating
         c.alloc_weight()  # allocated on the compute stream; NCCL's stream waits on it at launch
         self.gathers[c.spec.index] = comm.all_gather(
             c.weight, c.weight_shard, self.group, self.world, True
@@ -274,9 +290,31 @@ class ChunkEngine(Engine):
         self._zero_grads()
         return StepStats(loss_v, norm, scale, overflow)
 
+    def _register_host_waits(self) -> None:
+        """The next forward waits for a host-homed block's new weights just before the block
+        (registered before the stage-3 gather hooks, so the gather sees updated shards)."""
+        by_index = {c.spec.index: c for c in self.hosted}
+        for module, c in zip(self.model.blocks, self.blocks):
+            if c.spec.index in by_index:
+                module.register_forward_pre_hook(lambda _m, _a, c=c: self.host_opt.wait(c))
+
+    def _sync_host(self) -> None:
+        """Wait for every pending host update (before eval, checkpoints and generation)."""
+        if self.host_opt is not None:
+            self.host_opt.drain(self.hosted)
+
     def _update(self, lr: float, grad_mul: float) -> None:
         gathers = []
-        for c, opt in zip(self.chunks, self.optimizers):
+        if self.host_opt is not None:
+            # host-homed chunks first, in forward order: their copies and host AdamW start at
+            # once and run while the GPU updates the device-homed chunks below
+            for c in self.hosted:
+                target = c.weight_shard if self.stage >= 1 else c.weight
+                opt = self.optimizers[c.spec.index]
+                self.host_opt.submit(c, opt, _group_ranges(c), lr, grad_mul, target)
+        for c, opt, home in zip(self.chunks, self.optimizers, self.homes):
+            if home != "device":
+                continue
             g32 = c.opt_grad.float()  # transient fp32 copy of one chunk's gradient
             if grad_mul != 1.0:
                 g32.mul_(grad_mul)
@@ -292,6 +330,12 @@ class ChunkEngine(Engine):
             if self.stage >= 1 and not c.shard_weights:
                 work = comm.all_gather(c.weight, c.weight_shard, self.group, self.world, True)
                 gathers.append((work, f"all-gather updated weights of {c.spec.name}"))
+        if self.world > 1 and self.stage in (1, 2):
+            # the other ranks need this rank's updated shard: wait for the host, then gather
+            for c in self.hosted:
+                self.host_opt.wait(c)
+                work = comm.all_gather(c.weight, c.weight_shard, self.group, self.world, True)
+                gathers.append((work, f"all-gather updated weights of {c.spec.name}"))
         for work, label in gathers:
             comm.wait(work, label, self.ctx.rank)
 
@@ -304,6 +348,7 @@ class ChunkEngine(Engine):
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> float:
+        self._sync_host()
         self.model.eval()
         x, y = (self._to_device(t) for t in batch)
         loss = self.model(x, y).float()
@@ -318,6 +363,7 @@ class ChunkEngine(Engine):
         return self.stage >= 1 or self.ctx.rank == 0  # stage 0 is replicated: rank 0 writes
 
     def save_state(self, folder: Path) -> None:
+        self._sync_host()
         if not self._writes():
             return
         pieces = []
@@ -334,6 +380,7 @@ class ChunkEngine(Engine):
 
     @torch.no_grad()
     def load_state(self, folder: Path, extra: dict) -> None:
+        self._sync_host()
         reader = StateReader(folder)
         step = float(extra.get("optimizer_step", 0))
         for c, opt in zip(self.chunks, self.optimizers):
@@ -373,11 +420,14 @@ class ChunkEngine(Engine):
                 for k, v in kinds.items():
                     out.setdefault(dev, {}).setdefault(k, 0)
                     out[dev][k] += v
+        if self.host_opt is not None:
+            out.setdefault("host", {})["host_staging"] = self.host_opt.nbytes()
         return out
 
     @torch.no_grad()
     def inference_model(self) -> GPT:
         """A fresh GPT holding the full current weights (gathered from the shards)."""
+        self._sync_host()
         model = GPT(self.model_cfg).to(self.device, self.dtype)
         params = dict(model.named_parameters())
         for c in self.chunks:

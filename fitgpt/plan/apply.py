@@ -25,7 +25,7 @@ def plan_engine(run, ctx: DistContext, fixed: dict, force: bool, log=print):
         prec = run.precision.resolved(ctx.device.type).precision
         work = Workload(run.model, run.train.micro_batch, ctx.world, prec, ctx.device.type)
         r = rates.load(hw.gpu_name)
-        fixed = {**fixed, **{k: getattr(run.engine, k) for k in ("offload_fraction", "nvme_path")}}
+        fixed = {**fixed, "nvme_path": run.engine.nvme_path}
         try:
             chosen, cands = choose(work, run.train.grad_accum, hw, r, fixed, force)
             decision[0] = (dataclasses.asdict(chosen.ecfg), None)

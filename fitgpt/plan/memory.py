@@ -19,6 +19,7 @@ import torch
 from fitgpt.engine.chunk import padded
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
+from fitgpt.engine.placement import optimizer_homes
 from fitgpt.model import GPT, ModelConfig
 
 GiB = 2**30
@@ -80,25 +81,33 @@ def layout_of(model: ModelConfig) -> list[ChunkSpec]:
 # ---- persistent state ------------------------------------------------------------------------
 def zero_state(
     work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None = None
-) -> dict[str, int]:
-    """Exactly what ChunkEngine.memory_report() returns, summed over its devices' kinds."""
+) -> dict[str, dict[str, int]]:
+    """Exactly what ChunkEngine.memory_report() returns: {"device": {...}, "host": {...}} (the
+    host holds the optimizer state of offloaded chunks and the host optimizer's staging)."""
     layout = layout or layout_of(work.model)
     W, w, stage = work.world, work.w, ecfg.zero_stage
-    out = {"weights": 0, "weight_shards": 0, "grads": 0, "master_weights": 0, "optimizer": 0}
-    for c in layout:
+    dev = {"weights": 0, "weight_shards": 0, "grads": 0, "master_weights": 0, "optimizer": 0}
+    host = {"master_weights": 0, "optimizer": 0, "host_staging": 0}
+    biggest_hosted = 0
+    for c, home in zip(layout, optimizer_homes(layout, ecfg)):
         N = padded(c.numel, W)
         s = N // W
-        sharded_weights = stage >= 3 and c.name.startswith("block.")
-        if sharded_weights:
-            out["weight_shards"] += s * w
+        if stage >= 3 and c.name.startswith("block."):
+            dev["weight_shards"] += s * w
         else:
-            out["weights"] += N * w
-        out["grads"] += (N * w if stage <= 1 else 0) + (s * w if stage >= 1 else 0)
+            dev["weights"] += N * w
+        dev["grads"] += (N * w if stage <= 1 else 0) + (s * w if stage >= 1 else 0)
         opt = s if stage >= 1 else N
-        if not (w == 4 and ecfg.offload_optimizer == "none"):
-            out["master_weights"] += opt * 4  # fp32 compute on the device aliases the weights
-        out["optimizer"] += 2 * opt * 4
-    return out
+        where = dev if home == "device" else host
+        if home != "device" or w != 4:  # fp32 compute on the device aliases the weights
+            where["master_weights"] += opt * 4
+        where["optimizer"] += 2 * opt * 4
+        if home != "device":
+            biggest_hosted = max(biggest_hosted, opt)
+    if biggest_hosted:
+        # HostOptimizer: 3 staging buffers in the working dtype and one fp32 gradient buffer
+        host["host_staging"] = 3 * biggest_hosted * w + 4 * biggest_hosted
+    return {"device": dev, "host": host}
 
 
 def torch_state(work: Workload) -> dict[str, int]:
@@ -154,7 +163,10 @@ def estimate(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None 
             phase_a["ddp_bucket_rebuild"] = 4 * n
         phases = {"activations": phase_a}
     else:
-        state = zero_state(work, ecfg, layout)
+        both = zero_state(work, ecfg, layout)
+        state = both["device"]
+        est.host.update({f"offloaded_{k}": v for k, v in both["host"].items()})
+        homes = optimizer_homes(layout, ecfg)
         blocks = [c for c in layout if c.name.startswith("block.")]
         big = max((padded(c.numel, W) for c in layout), default=0)
         big_block = max((padded(c.numel, W) for c in blocks), default=0)
@@ -169,7 +181,8 @@ def estimate(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None 
             phase_a["grad_transients"] = big * w + (MAX_INFLIGHT + 1) * (big + big // W) * w
         opt_big = max(
             ((padded(c.numel, W) // W) if ecfg.zero_stage >= 1 else padded(c.numel, W))
-            for c in layout
+            for c, home in zip(layout, homes)
+            if home == "device"
         )
         phase_b = dict(state, update_fp32_grad=opt_big * 4)  # one chunk's gradient in fp32
         phases = {"activations": phase_a, "optimizer update": phase_b}

@@ -36,7 +36,12 @@ class Candidate:
     def name(self) -> str:
         e = self.ecfg
         base = "ddp" if e.engine == "ddp" else f"zero-{e.zero_stage}"
-        return f"{base}, checkpointing {e.checkpointing}"
+        off = ""
+        if e.offload_optimizer != "none":
+            off = (
+                f", optimizer of {100 * e.offload_fraction:.0f}% of blocks on {e.offload_optimizer}"
+            )
+        return f"{base}, checkpointing {e.checkpointing}{off}"
 
 
 def enumerate_plans(world: int, fixed: dict) -> list[EngineConfig]:
@@ -85,11 +90,15 @@ def plan(
     work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: dict | None = None
 ) -> list[Candidate]:
     """All candidates, the chosen one first: the fastest that fits (ties: the smaller peak)."""
+    fixed = fixed or {}
     layout = layout_of(work.model)
-    cands = [
-        evaluate(work, grad_accum, hw, rates, e, layout)
-        for e in enumerate_plans(work.world, fixed or {})
-    ]
+    cands = []
+    for e in enumerate_plans(work.world, fixed):
+        base = evaluate(work, grad_accum, hw, rates, e, layout)
+        cands.append(base)
+        off = offloaded_variant(work, grad_accum, hw, rates, e, layout, fixed, base)
+        if off is not None:
+            cands.append(off)
     cands.sort(
         key=lambda c: (
             not c.fits,
@@ -99,6 +108,35 @@ def plan(
         )
     )
     return cands
+
+
+def offloaded_variant(
+    work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: dict, base: Candidate
+) -> Candidate | None:
+    """Fill the GPU first: the plan with the fewest (last) blocks' optimizer state on the host
+    that fits the GPU. None when the engine cannot offload, the user ruled offload out, or the
+    plan fits without it (unless the user asked for offload)."""
+    if e.engine != "zero" or fixed.get("offload_optimizer") == "none" or hw.device != "cuda":
+        return None
+    forced = fixed.get("offload_optimizer") == "cpu"
+    if "offload_fraction" in fixed or (base.fits and not forced):
+        return None  # the fraction was given (base already is that plan), or nothing to offload
+    L = work.model.n_layer
+
+    def with_k(k: int) -> Candidate:
+        cfg = dataclasses.replace(e, offload_optimizer="cpu", offload_fraction=k / L)
+        return evaluate(work, grad_accum, hw, rates, cfg, layout)
+
+    lo, hi = (
+        (1 if forced else 0),
+        L,
+    )  # the fewest offloaded blocks that fit the GPU lies in (lo, hi]
+    if with_k(hi).gpu_short > 0:
+        return with_k(hi)  # even all blocks on the host do not fit the GPU: report the leanest
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if with_k(mid).gpu_short <= 0 else (mid, hi)
+    return with_k(hi)
 
 
 def why(chosen: Candidate, cands: list[Candidate]) -> str:

@@ -66,7 +66,33 @@ def step_time(
         # autocast re-casts the fp32 weights every micro-batch (and again when recomputing)
         casts = grad_accum * (2 if ecfg.checkpointing != "off" else 1)
         out["autocast_casts"] = casts * n * 6 / (rates.hbm_gbps * 1e9)
+    if ecfg.engine == "zero" and ecfg.offload_optimizer != "none":
+        out["host_optimizer"] = host_optimizer_exposed(work, ecfg, grad_accum, compute, rates)
     key = "ddp" if ecfg.engine == "ddp" else ecfg.zero_stage
     out["engine_overhead"] = compute * OVERHEAD[key]
     out["total"] = sum(out.values())
     return out
+
+
+# The host optimizer's cost per offloaded parameter beyond AdamW itself: the fp32 upcast of the
+# gradient and the cast of the master back to bf16 (measured share, 2026-11-22 H100 probe: AdamW
+# at 5.75 G params/s; the two conversions add about a third).
+HOST_CONVERSIONS = 1.35
+
+
+def host_optimizer_exposed(
+    work: Workload, ecfg: EngineConfig, grad_accum: int, compute: float, rates: Rates
+) -> float:
+    """Seconds per step the host optimizer adds: its work for the offloaded blocks (AdamW, the
+    conversions, PCIe both ways, pipelined chunk by chunk) minus what overlaps with the GPU — the
+    next forward of the device-homed blocks before the first offloaded one."""
+    m = work.model
+    per_block = 12 * m.n_embd**2 + 13 * m.n_embd
+    k = round(m.n_layer * ecfg.offload_fraction)
+    n_off = k * per_block / (work.world if ecfg.zero_stage >= 1 else 1)
+    host = n_off * HOST_CONVERSIONS / rates.cpu_adam_params_per_s
+    pcie = n_off * work.w * (1 / (rates.d2h_gbps * 1e9) + 1 / (rates.h2d_gbps * 1e9))
+    work_s = max(host, pcie)
+    forward_first_micro = compute / grad_accum / 3  # forward is about a third of a micro-batch
+    window = forward_first_micro * (m.n_layer - k) / max(1, m.n_layer)
+    return max(0.0, work_s - window)

@@ -1,0 +1,156 @@
+"""The host optimizer: AdamW steps of host-homed chunks, on a worker thread, overlapped with the GPU.
+
+Per host-homed chunk and step:
+  1. the reduced gradient (working dtype, on the GPU) is copied device→host into a pinned staging
+     buffer on a side stream; the compute stream waits for that copy before it zeroes gradients;
+  2. on the worker thread: the gradient is upcast to fp32 and scaled by clip/loss-scale, torch's
+     fused AdamW updates the host fp32 master weights and moments in place, and the master is cast
+     back into the staging buffer;
+  3. the staging buffer is copied host→device into the chunk's weights on the side stream.
+The next forward waits for a chunk just before its block runs (the engine's pre-hook), so the
+host's work overlaps with the GPU updates of device-homed chunks and with the forward of the
+blocks before it. Torch's CPU kernels release the GIL; the main thread keeps launching GPU work.
+
+Costs per offloaded parameter and step: 2·w bytes over PCIe (gradient down, weights up), about
+36 bytes of host memory traffic in AdamW, one fp32 conversion. Pinned staging: `slots` buffers of
+the largest chunk (working dtype), plus one fp32 buffer of it for the worker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import queue
+import threading
+import time
+import weakref
+
+import torch
+from torch import Tensor
+
+from fitgpt.engine.chunk import Chunk
+
+
+class HostOptimizer:
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype, max_elems: int, slots: int = 3
+    ) -> None:
+        self.device, self.cuda = device, device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.staging = [
+            torch.empty(max_elems, dtype=dtype, pin_memory=self.cuda) for _ in range(slots)
+        ]
+        self.g32 = torch.empty(max_elems, dtype=torch.float32)  # the worker's own fp32 gradient
+        self.free: queue.Queue[int] = queue.Queue()
+        for i in range(slots):
+            self.free.put(i)
+        self.jobs: queue.Queue = queue.Queue()
+        self.pending: dict[int, list] = {}  # chunk index -> [done flag, host→device event]
+        self.error: BaseException | None = None
+        self.busy_s = 0.0  # worker time spent in AdamW and conversions (for the step breakdown)
+        self.wait_s = 0.0  # time the main thread waited for the worker
+        self.thread = threading.Thread(target=self._run, name="fitgpt-host-adamw", daemon=True)
+        self.thread.start()
+        # stop the worker before interpreter shutdown: a thread killed inside torch's CPU kernels
+        # aborts the process
+        atexit.register(_stop, weakref.ref(self))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.staging, self.g32))
+
+    # ---- main thread ----------------------------------------------------------------------------
+    def submit(
+        self,
+        c: Chunk,
+        opt: torch.optim.Optimizer,
+        ranges: list[tuple[int, int]],
+        lr: float,
+        grad_mul: float,
+        target: Tensor,
+    ) -> None:
+        """Start chunk c's update; `target` is the device tensor that receives its new weights."""
+        slot = self.free.get()  # back-pressure: at most `slots` chunks in flight
+        src = c.opt_grad
+        buf = self.staging[slot][: src.numel()]
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # gradient is final
+            with torch.cuda.stream(self.stream):
+                buf.copy_(src, non_blocking=True)
+                d2h = torch.cuda.Event()
+                d2h.record(self.stream)
+            # the compute stream zeroes this gradient after the step: not before the copy is done
+            torch.cuda.current_stream(self.device).wait_event(d2h)
+        else:
+            buf.copy_(src)
+            d2h = None
+        done = threading.Event()
+        self.pending[c.spec.index] = [done, None]
+        self.jobs.put((c, opt, ranges, lr, grad_mul, slot, buf, d2h, done, target))
+
+    def wait(self, c: Chunk) -> None:
+        """Make the compute stream wait for chunk c's new weights (the host waits only if the
+        worker has not finished the chunk yet)."""
+        entry = self.pending.pop(c.spec.index, None)
+        if entry is None:
+            return
+        t0 = time.perf_counter()
+        entry[0].wait()
+        self.wait_s += time.perf_counter() - t0
+        if self.error is not None:
+            raise RuntimeError(f"the host optimizer failed on {c.spec.name}") from self.error
+        if entry[1] is not None:
+            torch.cuda.current_stream(self.device).wait_event(entry[1])
+
+    def drain(self, chunks: list[Chunk]) -> None:
+        for c in chunks:
+            self.wait(c)
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.jobs.put(None)
+            self.thread.join()
+
+    def __del__(self) -> None:
+        if getattr(self, "thread", None) is not None and self.thread.is_alive():
+            self.jobs.put(None)
+
+    # ---- worker thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            c, opt, ranges, lr, mul, slot, buf, d2h, done, target = job
+            try:
+                if d2h is not None:
+                    d2h.synchronize()  # host waits for the gradient to land
+                t0 = time.perf_counter()
+                g = self.g32[: buf.numel()]
+                torch.mul(buf, mul, out=g)  # upcast to fp32, scaled by clip / loss scale
+                for group, (lo, hi) in zip(opt.param_groups, ranges):
+                    group["lr"] = lr
+                    group["params"][0].grad = g[lo:hi]
+                opt.step()
+                for group in opt.param_groups:
+                    group["params"][0].grad = None
+                buf.copy_(c.master)  # fp32 master → working dtype, in the staging buffer
+                self.busy_s += time.perf_counter() - t0
+                if self.cuda:
+                    with torch.cuda.stream(self.stream):
+                        target.copy_(buf, non_blocking=True)
+                        h2d = torch.cuda.Event()
+                        h2d.record(self.stream)
+                    h2d.synchronize()  # the staging buffer is reusable only after this copy
+                    self.pending[c.spec.index][1] = h2d
+                else:
+                    target.copy_(buf)
+            except BaseException as e:  # surfaced to the main thread at its next wait()
+                self.error = e
+            finally:
+                self.free.put(slot)
+                done.set()
+
+
+def _stop(ref: weakref.ref) -> None:
+    opt = ref()
+    if opt is not None:
+        opt.close()

@@ -1,0 +1,29 @@
+"""Where each chunk's optimizer state lives: one function, used by the engine and the planner.
+
+The GPU is filled first: only the last `offload_fraction` of the transformer blocks send their
+fp32 master weights and Adam moments to the offload tier. The last blocks go first because the
+next step's forward needs the first blocks first: their updates (on the GPU) are ready at once,
+while the host finishes the last blocks' updates during that forward.
+"""
+
+from __future__ import annotations
+
+from fitgpt.engine.config import EngineConfig
+from fitgpt.engine.layout import ChunkSpec
+
+
+def optimizer_homes(layout: list[ChunkSpec], ecfg: EngineConfig) -> list[str]:
+    """Per chunk: "device" (the compute device), "cpu" or "nvme"."""
+    homes = ["device"] * len(layout)
+    if ecfg.offload_optimizer == "none":
+        return homes
+    blocks = [i for i, c in enumerate(layout) if c.name.startswith("block.")]
+    k = round(len(blocks) * ecfg.offload_fraction)
+    for i in blocks[len(blocks) - k :]:
+        homes[i] = ecfg.offload_optimizer
+    return homes
+
+
+def blocks_for_fraction(n_blocks: int, k: int) -> float:
+    """The offload_fraction that offloads exactly the last k of n_blocks blocks."""
+    return k / n_blocks if n_blocks else 0.0
