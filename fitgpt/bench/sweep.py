@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ class SweepSpec:
     bench: BenchConfig
     gpus: int = 1
     device: str = "auto"
+    cap_bytes: int = 0  # memory budget per rank (0: none), see fitgpt.bench.trial.apply_cap
 
 
 def read_results(path: Path) -> list[dict]:
@@ -50,8 +50,10 @@ def read_results(path: Path) -> list[dict]:
 
 
 def append_result(path: Path, rec: dict) -> None:
+    # a crash can cut the last line short: start a fresh line so this record stays whole
+    cut = path.exists() and path.stat().st_size > 0 and path.read_bytes()[-1:] != b"\n"
     with open(path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
+        f.write(("\n" if cut else "") + json.dumps(rec) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
@@ -81,10 +83,15 @@ def run_one(spec: SweepSpec, system: str, layers: int, workdir: Path, cap_bytes:
     }
     spec_path, result = workdir / f"{system}-{layers}.json", workdir / f"{system}-{layers}.result"
     spec_path.write_text(json.dumps(trial_spec))
+    for stale in workdir.glob(f"{result.name}.rank*"):
+        stale.unlink()  # a previous attempt's per-rank results must not count for this one
     env = {
         **os.environ,
         **SAFE_ENV,
         "PYTHONUNBUFFERED": "1",
+        # torchrun would give every process one OpenMP thread; the host-side work (CPU optimizers,
+        # data) of every system gets its share of the cores instead
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec.gpus)),
         # the same allocator setting for every system: less fragmentation near the limit
         "PYTORCH_CUDA_ALLOC_CONF": os.environ.get(
             "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"
@@ -178,18 +185,22 @@ def sweep(spec: SweepSpec, out: Path) -> list[dict]:
     }
     total = len(spec.systems) * len(spec.sizes)
     k = 0
-    with tempfile.TemporaryDirectory(prefix="fitgpt-sweep-") as tmp:
-        for system in spec.systems:
-            for layers in sorted(spec.sizes):
-                k += 1
-                prev = done.get((system, layers))
-                if prev is None:
-                    console.print(f"[{k}/{total}] {system} L={layers} ...", highlight=False)
-                    prev = run_one(spec, system, layers, Path(tmp))
-                    append_result(out, prev)
-                    done[(system, layers)] = prev
-                console.print(f"[{k}/{total}] {describe(prev)}", highlight=False)
-                if prev["status"] != "ok":
-                    k += len([s for s in spec.sizes if s > layers])
-                    break  # this system's line ends at its first failure
+    # each trial's spec, per-rank results and log stay beside the results file, for the record
+    logs = out.with_name(out.stem + ".logs")
+    logs.mkdir(exist_ok=True)
+    for system in spec.systems:
+        for layers in sorted(spec.sizes):
+            k += 1
+            prev = done.get((system, layers))
+            if prev is None:
+                console.print(
+                    f"[{k}/{total}] {system} L={layers} ...", highlight=False, markup=False
+                )
+                prev = run_one(spec, system, layers, logs, spec.cap_bytes)
+                append_result(out, prev)
+                done[(system, layers)] = prev
+            console.print(f"[{k}/{total}] {describe(prev)}", highlight=False, markup=False)
+            if prev["status"] != "ok":
+                k += len([s for s in spec.sizes if s > layers])
+                break  # this system's line ends at its first failure
     return list(done.values())

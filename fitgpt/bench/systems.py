@@ -90,6 +90,19 @@ def ddp(model: ModelConfig, bench: BenchConfig, ctx: DistContext) -> Runner:
     return EngineRunner(build_engine(model, ecfg, pcfg, OptimConfig(), ctx, bench.seed))
 
 
+def peer(module: str, builder: str) -> Callable[[ModelConfig, BenchConfig, DistContext], Runner]:
+    """A peer's builder from fitgpt/bench/peers/, imported only when a trial builds it: DeepSpeed
+    is an optional extra, and nothing else in fitgpt may import it."""
+
+    def build(model: ModelConfig, bench: BenchConfig, ctx: DistContext) -> Runner:
+        import importlib
+
+        mod = importlib.import_module(f"fitgpt.bench.peers.{module}")
+        return getattr(mod, builder)(model, bench, ctx)
+
+    return build
+
+
 def _fitgpt(
     name: str, help_: str, fixed: dict | None = None, precision: str = "auto", **bench
 ) -> System:
@@ -130,6 +143,24 @@ SYSTEMS: dict[str, System] = {
             "ranks (the seed's baseline)",
             ddp,
             fixed={"engine": "ddp", "checkpointing": "bench"},
+        ),
+        System(
+            "deepspeed-z3-offload",
+            "DeepSpeed 0.19.8 ZeRO-3: bf16 parameters and the optimizer offloaded to pinned CPU "
+            "memory, DeepSpeedCPUAdam (needs fitgpt[bench])",
+            peer("deepspeed_peer", "zero3_offload"),
+        ),
+        System(
+            "deepspeed-z2-offload",
+            "DeepSpeed 0.19.8 ZeRO-2 (ZeRO-Offload): the optimizer offloaded to pinned CPU "
+            "memory, DeepSpeedCPUAdam (needs fitgpt[bench])",
+            peer("deepspeed_peer", "zero2_offload"),
+        ),
+        System(
+            "fsdp2-offload",
+            "PyTorch FSDP2 (fully_shard per block) with CPUOffloadPolicy: parameters, gradients "
+            "and fused AdamW on the CPU, bf16 compute",
+            peer("fsdp2_peer", "build"),
         ),
     ]
 }

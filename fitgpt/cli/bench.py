@@ -28,6 +28,12 @@ def register(sub) -> None:
     s.add_argument("--gpus", type=int, default=1, help="GPUs (processes) per trial (default: 1)")
     s.add_argument("--device", default="auto", help="auto, cuda or cpu (default: auto)")
     s.add_argument("--out", required=True, help="results file (JSON lines); re-running resumes it")
+    s.add_argument(
+        "--cap",
+        default=None,
+        help="memory budget per rank, e.g. 40GB (a real allocator "
+        "cap on GPUs; on CPUs a cap on the engine's state bytes)",
+    )
     add_config_args(s, BenchConfig)
     s.set_defaults(func=run_sweep)
     r = bsub.add_parser("report", help="chart and markdown table from a sweep's results")
@@ -47,7 +53,12 @@ def run_sweep(args: argparse.Namespace) -> int:
     if args.gpus < 1:
         raise UserError(f"--gpus {args.gpus} must be at least 1")
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
-    spec = SweepSpec(systems, tuple(parse_sizes(args.sizes, bench)), bench, args.gpus, args.device)
+    from fitgpt.plan.hardware import parse_bytes
+
+    cap = parse_bytes(args.cap, "--cap") if args.cap else 0
+    spec = SweepSpec(
+        systems, tuple(parse_sizes(args.sizes, bench)), bench, args.gpus, args.device, cap
+    )
     results = sweep(spec, Path(args.out))
     return 0 if results else 1
 

@@ -83,8 +83,9 @@ class HostOptimizer:
             buf.copy_(src)
             d2h = None
         done = threading.Event()
-        self.pending[c.spec.index] = [done, None]
-        self.jobs.put((c, opt, ranges, lr, grad_mul, slot, buf, d2h, done, target))
+        entry = [done, None]  # the worker fills in the host→device event, then sets done
+        self.pending[c.spec.index] = entry
+        self.jobs.put((c, opt, ranges, lr, grad_mul, slot, buf, d2h, entry, target))
 
     def wait(self, c: Chunk) -> None:
         """Make the compute stream wait for chunk c's new weights (the host waits only if the
@@ -119,7 +120,7 @@ class HostOptimizer:
             job = self.jobs.get()
             if job is None:
                 return
-            c, opt, ranges, lr, mul, slot, buf, d2h, done, target = job
+            c, opt, ranges, lr, mul, slot, buf, d2h, entry, target = job
             try:
                 if d2h is not None:
                     d2h.synchronize()  # host waits for the gradient to land
@@ -140,14 +141,14 @@ class HostOptimizer:
                         h2d = torch.cuda.Event()
                         h2d.record(self.stream)
                     h2d.synchronize()  # the staging buffer is reusable only after this copy
-                    self.pending[c.spec.index][1] = h2d
+                    entry[1] = h2d  # the main thread may already be waiting on `entry`
                 else:
                     target.copy_(buf)
             except BaseException as e:  # surfaced to the main thread at its next wait()
                 self.error = e
             finally:
                 self.free.put(slot)
-                done.set()
+                entry[0].set()
 
 
 def _stop(ref: weakref.ref) -> None:

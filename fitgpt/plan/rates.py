@@ -104,12 +104,21 @@ def probe(nvme_path: str = "", log=print) -> Rates:
     log(
         f"CPU fused AdamW: {r.cpu_adam_params_per_s / 1e9:.2f} G params/s ({torch.get_num_threads()} threads)"
     )
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        r = replace(r, bus_gbps=_probe_collectives())
+        log(
+            f"all-gather / reduce-scatter over {dist.get_world_size()} ranks: {r.bus_gbps:.1f} GB/s bus bandwidth"
+        )
     if nvme_path:
         r = replace(r, **_probe_disk(nvme_path))
         log(
             f"disk at {nvme_path}: write {r.nvme_write_gbps:.2f} GB/s, read {r.nvme_read_gbps:.2f} GB/s"
         )
     r = replace(r, source=f"probe {time.strftime('%Y-%m-%d %H:%M')}")
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return r  # rank 0 writes the cache
     path = cache_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -117,6 +126,27 @@ def probe(nvme_path: str = "", log=print) -> Rates:
     os.replace(tmp, path)
     log(f"cached in {path}")
     return r
+
+
+def _probe_collectives(nbytes: int = 256 << 20) -> float:
+    """Bus bandwidth of all-gather and reduce-scatter (the ZeRO collectives), the slower of the
+    two: bytes·(W-1)/W per second, as nccl-tests reports it."""
+    import torch.distributed as dist
+
+    from fitgpt.engine import comm
+
+    W = dist.get_world_size()
+    dev = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    full = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    shard = torch.empty(full.numel() // W, dtype=torch.bfloat16, device=dev)
+    group = dist.group.WORLD
+    ag = _time(lambda: comm.all_gather(full, shard, group, W), 5)
+    rs = _time(lambda: comm.reduce_scatter(shard, full, group, W), 5)
+    return nbytes * (W - 1) / W / max(ag, rs) / 1e9
 
 
 def _probe_disk(folder: str, size: int = 1 << 30, block: int = 16 << 20) -> dict:

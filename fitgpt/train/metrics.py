@@ -72,8 +72,9 @@ class MetricsLog:
 
 def format_line(r: dict) -> str:
     parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}"]
-    if r.get("loss_scale", 1.0) != 1.0:
-        parts.append(f"scale {r['loss_scale']:.0f} skipped {r['skipped']}")
+    parts.append(f"scale {r.get('loss_scale', 1.0):.0f}")
+    if r.get("skipped"):
+        parts.append(f"skipped {r['skipped']}")
     parts += [
         f"gnorm {r['grad_norm']:.3f}",
         f"{r['ms_per_step']:.0f} ms/step",

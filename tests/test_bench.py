@@ -1,0 +1,132 @@
+"""The benchmark harness on CPU: real trials in their own processes, gloo for two ranks."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+TINY = [
+    "--hidden",
+    "64",
+    "--heads",
+    "4",
+    "--seq-len",
+    "32",
+    "--vocab-size",
+    "256",
+    "--micro-batch",
+    "2",
+    "--grad-accum",
+    "2",
+    "--warmup",
+    "1",
+    "--steps",
+    "2",
+    "--device",
+    "cpu",
+]
+
+
+def sweep(out, *args, timeout=300):
+    cmd = [sys.executable, "-m", "fitgpt", "bench", "sweep", "--out", str(out), *TINY, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def records(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_sweep_two_sizes_two_systems_with_gloo_and_report(tmp_path):
+    out = tmp_path / "r.jsonl"
+    r = sweep(out, "--systems", "fitgpt,ddp", "--sizes", "1,2", "--gpus", "2")
+    assert r.returncode == 0, r.stderr[-2000:]
+    recs = records(out)
+    assert sorted((x["system"], x["layers"]) for x in recs) == [
+        ("ddp", 1),
+        ("ddp", 2),
+        ("fitgpt", 1),
+        ("fitgpt", 2),
+    ]
+    for x in recs:
+        assert x["status"] == "ok" and x["world"] == 2
+        assert x["tokens_per_s"] > 0 and x["step_s_min"] <= x["step_s"] <= x["step_s_max"]
+        assert x["params"] > 0 and len(x["losses"]) == 3 and x["host_rss_peak_gib"] > 0
+        assert {"device", "versions", "date", "bench"} <= set(x)
+    # the same data and initial weights: the two systems' first losses agree
+    first = {(x["system"], x["layers"]): x["losses"][0] for x in recs}
+    assert abs(first[("fitgpt", 1)] - first[("ddp", 1)]) < 1e-4
+    rep = subprocess.run(
+        [sys.executable, "-m", "fitgpt", "bench", "report", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert rep.returncode == 0, rep.stderr
+    png, md = tmp_path / "r.png", tmp_path / "r.md"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    table = md.read_text()
+    assert "| fitgpt | " in table and "largest model trained" in table and "(r.png)" in table
+
+
+@pytest.mark.slow
+def test_a_failing_size_is_recorded_with_its_reason_and_ends_the_line(tmp_path):
+    out = tmp_path / "r.jsonl"
+    # in fp32, 1 layer holds ~1.4 MB of state, 2 layers ~2.2 MB: a 1.8 MB budget stops the line at 2
+    r = sweep(out, "--systems", "zero0", "--sizes", "1,2,3", "--cap", "1.8MB")
+    assert r.returncode == 0, r.stderr[-2000:]
+    recs = records(out)
+    assert [(x["layers"], x["status"]) for x in recs] == [(1, "ok"), (2, "oom-cap")]
+    assert "over the cap" in recs[1]["reason"]
+    assert "oom-cap" in r.stderr  # and the progress line says so
+
+
+@pytest.mark.slow
+def test_an_interrupted_sweep_keeps_what_it_finished(tmp_path):
+    out = tmp_path / "r.jsonl"
+    cmd = [
+        sys.executable,
+        "-m",
+        "fitgpt",
+        "bench",
+        "sweep",
+        "--out",
+        str(out),
+        *TINY,
+        "--systems",
+        "zero0",
+        "--sizes",
+        "1,2,3,4",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline and (not out.exists() or len(records(out)) < 1):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # as if the machine went away mid-sweep
+    proc.wait()
+    kept = records(out)
+    assert 1 <= len(kept) < 4 and all(x["status"] == "ok" for x in kept)
+    with open(out, "a") as f:
+        f.write('{"system": "zero0", "lay')  # a line cut by the crash
+    r = sweep(out, "--systems", "zero0", "--sizes", "1,2,3,4")
+    assert r.returncode == 0, r.stderr[-2000:]
+    done = [x for x in records_tolerant(out)]
+    assert sorted(x["layers"] for x in done) == [1, 2, 3, 4]
+    # what had finished was not run again: its record is the same object, written once
+    assert [x for x in done if x["layers"] == kept[0]["layers"]] == [kept[0]]
+
+
+def records_tolerant(path):
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
