@@ -75,15 +75,30 @@ def main() -> None:
             del e
     # the host tier: optimizer state of the last blocks on the CPU, updated by the host optimizer
     for stage, frac in ((0, 0.5), (0, 1.0), (3, 1.0)):
-        ecfg = EngineConfig(engine="zero", zero_stage=stage, checkpointing="full",
-                            offload_optimizer="cpu", offload_fraction=frac)
+        ecfg = EngineConfig(
+            engine="zero",
+            zero_stage=stage,
+            checkpointing="full",
+            offload_optimizer="cpu",
+            offload_fraction=frac,
+        )
         e, ls, t, mem = run(ecfg)
         diff = max(abs(a - b) for a, b in zip(ls, ref))
         worst = max(worst, diff)
-        results["checks"].append({"name": f"zero stage {stage}, {frac:.0%} of blocks' optimizer on cpu",
-                                  "losses": ls, "max_abs_diff_vs_ddp": diff, "seconds": t,
-                                  "peak_gib": mem, "memory_report": e.memory_report()})
-        print(f"stage {stage} host tier {frac:.0%}: max |Δloss| {diff:.4f}, {t:.2f} s, peak {mem:.2f} GiB", flush=True)
+        results["checks"].append(
+            {
+                "name": f"zero stage {stage}, {frac:.0%} of blocks' optimizer on cpu",
+                "losses": ls,
+                "max_abs_diff_vs_ddp": diff,
+                "seconds": t,
+                "peak_gib": mem,
+                "memory_report": e.memory_report(),
+            }
+        )
+        print(
+            f"stage {stage} host tier {frac:.0%}: max |Δloss| {diff:.4f}, {t:.2f} s, peak {mem:.2f} GiB",
+            flush=True,
+        )
         assert diff < 3e-2, (stage, frac, diff)
         del e
     # stage-3 checkpoint → plain engine
