@@ -66,11 +66,19 @@ def test_resume_across_placements(tmp_path):
     assert max(abs(a - b) for a, b in zip(resumed["losses"], full["losses"][6:])) < 1e-6
 
 
-def test_unbuilt_tiers_are_refused_in_one_line():
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"offload_params": "cpu"},
+        {"offload_optimizer": "nvme", "nvme_path": "/tmp"},
+        {"checkpointing": "cpu"},
+    ],
+)
+def test_unbuilt_tiers_are_refused_in_one_line(change):
     with pytest.raises(UserError, match="not built yet"):
         build_engine(
             MODEL,
-            EngineConfig(engine="zero", offload_params="cpu"),
+            EngineConfig(engine="zero", **change),
             PrecisionConfig("fp32"),
             OptimConfig(),
             CPU,

@@ -53,6 +53,10 @@ class ChunkEngine(Engine):
         ctx: DistContext,
         seed: int = 0,
     ) -> None:
+        if ecfg.checkpointing == "cpu":
+            raise UserError(
+                "--checkpointing cpu (checkpoints in host memory) is not built yet; use full"
+            )
         if ecfg.offload_params != "none" or ecfg.offload_optimizer == "nvme":
             raise UserError(
                 "--offload-params and the nvme tier are not built yet; use --offload-optimizer cpu"
