@@ -25,13 +25,11 @@ def host_available(override_gb: float = 0.0) -> int:
     """Bytes of host memory a new allocation can take: --host-mem, else MemAvailable."""
     if override_gb > 0:
         return int(override_gb * GB)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    from fitgpt.plan.hardware import host_available
+
+    available = host_available()
+    if available:
+        return available
     raise UserError("host memory: /proc/meminfo has no MemAvailable here; pass --host-mem GB")
 
 
