@@ -72,7 +72,7 @@ class EngineConfig:
     """Which engine holds the state, and where each piece of it lives."""
 
     engine: Literal["ddp", "zero"] = field(
-        default="ddp",
+        default="zero",
         metadata={
             "help": "ddp: plain PyTorch (DistributedDataParallel across ranks); zero: "
             "fitgpt's chunked engine (ZeRO stages, CPU/NVMe tiers)"
