@@ -153,7 +153,8 @@ def run_trial(spec: dict) -> dict:
         if hasattr(runner, "engine"):
             rec["engine"] = describe_engine(runner.engine)
             rec.update(predict(runner.engine, model, bench, ctx))
-        times, losses = [], []
+        times, losses, phases = [], [], []
+        engine = getattr(runner, "engine", None)
         for i in range(bench.warmup + bench.steps):
             micro = [loader.next() for _ in range(bench.grad_accum)]
             t0 = time.perf_counter()
@@ -162,6 +163,8 @@ def run_trial(spec: dict) -> dict:
                 torch.cuda.synchronize(ctx.device)
             if i >= bench.warmup:
                 times.append(time.perf_counter() - t0)
+                if hasattr(engine, "breakdown"):
+                    phases.append(engine.breakdown())
         tokens = bench.micro_batch * bench.grad_accum * bench.seq_len * ctx.world
         med = statistics.median(times)
         rec.update(
@@ -176,6 +179,15 @@ def run_trial(spec: dict) -> dict:
                 "losses": losses,
             }
         )
+        if phases:
+            # phases of timed steps (each read one step late), and the host optimizer's totals
+            keys = [k for k in phases[-1] if not k.endswith("_total")]
+            rec["breakdown_s"] = {
+                k: statistics.median(p[k] for p in phases if k in p) for k in keys
+            }
+            for k in phases[-1]:
+                if k.endswith("_total"):
+                    rec["breakdown_s"][k] = phases[-1][k]
         flops = model.flops_per_token() * tokens / med / ctx.world  # per GPU, recompute not counted
         rec["tflops"] = flops / 1e12
         peak = peak_flops(ctx.device)

@@ -35,6 +35,7 @@ from fitgpt.engine.offload import HostOptimizer
 from fitgpt.engine.placement import optimizer_homes
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import KINDS, Piece, StateReader, write_pieces
+from fitgpt.engine.timing import StepClock
 from fitgpt.errors import UserError
 from fitgpt.model import GPT, ModelConfig
 from fitgpt.model.gpt import alibi_slopes
@@ -114,6 +115,7 @@ class ChunkEngine(Engine):
             self._register_host_waits()
         self.pending: deque[tuple[object, str, Callable[[], None] | None, tuple]] = deque()
         self.last_micro = True
+        self.clock = StepClock(self.device)
         self._register_grad_hooks()
         if self.stage >= 3:
             self._register_gather_hooks()
@@ -259,12 +261,15 @@ class ChunkEngine(Engine):
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepStats:
         n, scale = len(micro_batches), self.scaler.scale
+        self.clock.close_step()  # the previous step's phases, complete since its host sync
+        self.clock.mark("start")
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for i, (x, y) in enumerate(micro_batches):
             self.last_micro = i == n - 1
             loss = self.model(self._to_device(x), self._to_device(y))
             (loss * (scale / (n * self.world))).backward()
             loss_sum += loss.detach().float()
+        self.clock.mark("backward_done")
         self._finish_all()
         loss_avg = loss_sum / n
         sq = torch.zeros((), device=self.device, dtype=torch.float32)
@@ -284,6 +289,7 @@ class ChunkEngine(Engine):
             )
             loss_avg /= self.world
         loss_v, sq_v = torch.stack([loss_avg, sq]).tolist()  # host sync: one per step
+        self.clock.mark("synced")
         norm = sq_v**0.5 / scale
         overflow = not (norm == norm and norm != float("inf"))
         if not overflow:
@@ -292,7 +298,17 @@ class ChunkEngine(Engine):
             self._update(lr, coef / scale)
         self.scaler.update(overflow)
         self._zero_grads()
+        self.clock.mark("updated")
         return StepStats(loss_v, norm, scale, overflow)
+
+    def breakdown(self) -> dict[str, float]:
+        """Seconds per phase of the last completed step (GPU time between phase boundaries), and
+        the host optimizer's counters so far (worker busy time, main-thread waits)."""
+        out = dict(self.clock.last)
+        if self.host_opt is not None:
+            out["host_adamw_busy_total"] = self.host_opt.busy_s
+            out["host_wait_total"] = self.host_opt.wait_s
+        return out
 
     def _register_host_waits(self) -> None:
         """The next forward waits for a host-homed block's new weights just before the block
