@@ -51,55 +51,27 @@ def main() -> None:
     results["checks"].append(
         {"name": "ddp reference", "losses": ref, "seconds": t_ref, "peak_gib": mem_ref}
     )
-    worst = 0.0
-    for stage in range(4):
-        for ck in ("off", "full"):
-            e, ls, t, mem = run(EngineConfig(engine="zero", zero_stage=stage, checkpointing=ck))
-            diff = max(abs(a - b) for a, b in zip(ls, ref))
-            worst = max(worst, diff)
-            results["checks"].append(
-                {
-                    "name": f"zero stage {stage} ckpt {ck}",
-                    "losses": ls,
-                    "max_abs_diff_vs_ddp": diff,
-                    "seconds": t,
-                    "peak_gib": mem,
-                    "memory_report": e.memory_report(),
-                }
-            )
-            print(
-                f"stage {stage} ckpt {ck}: max |Δloss| {diff:.4f}, {t:.2f} s, peak {mem:.2f} GiB",
-                flush=True,
-            )
-            assert diff < 3e-2, (stage, ck, diff)
-            del e
+    configs = [
+        (f"zero stage {st} ckpt {ck}", EngineConfig(engine="zero", zero_stage=st, checkpointing=ck))
+        for st in range(4)
+        for ck in ("off", "full")
+    ]
     # the host tier: optimizer state of the last blocks on the CPU, updated by the host optimizer
-    for stage, frac in ((0, 0.5), (0, 1.0), (3, 1.0)):
-        ecfg = EngineConfig(
-            engine="zero",
-            zero_stage=stage,
-            checkpointing="full",
-            offload_optimizer="cpu",
-            offload_fraction=frac,
-        )
+    configs += [
+        (f"zero stage {st}, {frac:.0%} of blocks' optimizer on cpu",
+         EngineConfig(engine="zero", zero_stage=st, checkpointing="full", offload_optimizer="cpu",
+                      offload_fraction=frac))
+        for st, frac in ((0, 0.5), (0, 1.0), (3, 1.0))
+    ]  # fmt: skip
+    worst = 0.0
+    for name, ecfg in configs:
         e, ls, t, mem = run(ecfg)
         diff = max(abs(a - b) for a, b in zip(ls, ref))
         worst = max(worst, diff)
-        results["checks"].append(
-            {
-                "name": f"zero stage {stage}, {frac:.0%} of blocks' optimizer on cpu",
-                "losses": ls,
-                "max_abs_diff_vs_ddp": diff,
-                "seconds": t,
-                "peak_gib": mem,
-                "memory_report": e.memory_report(),
-            }
-        )
-        print(
-            f"stage {stage} host tier {frac:.0%}: max |Δloss| {diff:.4f}, {t:.2f} s, peak {mem:.2f} GiB",
-            flush=True,
-        )
-        assert diff < 3e-2, (stage, frac, diff)
+        results["checks"].append({"name": name, "losses": ls, "max_abs_diff_vs_ddp": diff,
+                                  "seconds": t, "peak_gib": mem, "memory_report": e.memory_report()})  # fmt: skip
+        print(f"{name}: max |Δloss| {diff:.4f}, {t:.2f} s, peak {mem:.2f} GiB", flush=True)
+        assert diff < 3e-2, (name, diff)
         del e
     # stage-3 checkpoint → plain engine
     from fitgpt.train import checkpoint as ckpt_io
