@@ -44,7 +44,6 @@ class Chunk:
         dtype: torch.dtype,
         device: torch.device,
         opt_device: torch.device,
-        pin: bool,
         offloaded: bool = False,
     ) -> None:
         self.spec = spec
@@ -80,9 +79,6 @@ class Chunk:
 
         m = self.opt_hi - self.opt_lo
 
-        def host(t: Tensor) -> Tensor:
-            return t.pin_memory() if pin and opt_device.type == "cpu" else t
-
         self.offloaded = offloaded  # state homed on the offload tier (host memory), not the device
         self.master_aliases_weight = (
             dtype == torch.float32 and opt_device == device and not offloaded
@@ -91,9 +87,11 @@ class Chunk:
             # fp32 compute: the working weights are the master copy, no second fp32 buffer.
             self.master = self.weight_shard if shard_opt else self.weight
         else:
-            self.master = host(torch.zeros(m, dtype=torch.float32, device=opt_device))
-        self.exp_avg = host(torch.zeros(m, dtype=torch.float32, device=opt_device))
-        self.exp_avg_sq = host(torch.zeros(m, dtype=torch.float32, device=opt_device))
+            self.master = torch.zeros(m, dtype=torch.float32, device=opt_device)
+        # host-homed state stays pageable: only the host optimizer's staging buffers take part in
+        # DMA, and torch's pinned allocator would round each chunk up to a power of two
+        self.exp_avg = torch.zeros(m, dtype=torch.float32, device=opt_device)
+        self.exp_avg_sq = torch.zeros(m, dtype=torch.float32, device=opt_device)
         # [0, decay_end) of the optimizer range gets weight decay (layout puts decayed params first)
         self.decay_end = max(0, min(spec.decay_numel, self.opt_hi) - self.opt_lo)
         self.grads_seen = 0  # params whose gradient is complete in the current backward

@@ -90,10 +90,6 @@ class ChunkEngine(Engine):
                 dtype=self.dtype,
                 device=self.device,
                 opt_device=self.device if home == "device" else host,
-                # host-homed state stays pageable: only the host optimizer's staging buffers take
-                # part in DMA, and torch's pinned allocator would round each chunk up to a power
-                # of two (805 MB → 1 GiB at h=4096)
-                pin=False,
                 offloaded=home != "device",
             )
             for slot, p in zip(spec.slots, c.params):

@@ -22,8 +22,3 @@ def optimizer_homes(layout: list[ChunkSpec], ecfg: EngineConfig) -> list[str]:
     for i in blocks[len(blocks) - k :]:
         homes[i] = ecfg.offload_optimizer
     return homes
-
-
-def blocks_for_fraction(n_blocks: int, k: int) -> float:
-    """The offload_fraction that offloads exactly the last k of n_blocks blocks."""
-    return k / n_blocks if n_blocks else 0.0

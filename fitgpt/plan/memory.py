@@ -197,14 +197,3 @@ def estimate(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None 
         est.compute["outside:nccl_buffers"] = NCCL_BUFFERS
     est.peak_phase = name
     return est
-
-
-def describe(est: Estimate) -> str:
-    def fmt(d: dict[str, int]) -> str:
-        return ", ".join(f"{k.replace('outside:', '')} {v / GiB:.2f}" for k, v in d.items() if v)
-
-    parts = []
-    if est.compute:
-        parts.append(f"GPU {est.compute_total / GiB:.1f} GiB ({fmt(est.compute)})")
-    parts.append(f"host {est.host_total / GiB:.1f} GiB ({fmt(est.host)})")
-    return "; ".join(parts)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from fitgpt.engine.config import EngineConfig
 from fitgpt.errors import UserError
-from fitgpt.model import ModelConfig
 from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import Estimate, GiB, Workload, estimate, layout_of
 from fitgpt.plan.rates import Rates
@@ -237,7 +236,3 @@ def choose(
             refusal(work, grad_accum, hw, rates, cands, fixed) + " (--force tries anyway)"
         )
     return cands[0], cands
-
-
-def model_of(base: ModelConfig, layers: int) -> ModelConfig:
-    return base.replace(n_layer=layers)
