@@ -1,8 +1,8 @@
 """The `fitgpt` command: a thin layer over the components' typed configs.
 
 Each subcommand lives in its own module under fitgpt/cli/ and exposes `register(subparsers)`,
-which adds its parser and sets `func(args) -> int | None`. Modules are imported lazily by name so
-that `fitgpt --help` stays fast and a broken optional dependency only breaks its own command.
+which adds its parser and sets `func(args) -> int | None`. The modules import their heavy
+dependencies inside `func`, so `fitgpt --help` stays fast.
 """
 
 from __future__ import annotations
@@ -37,13 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"fitgpt.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"fitgpt.cli.{name}":
-                continue  # command not built yet
-            raise
-        module.register(sub)
+        importlib.import_module(f"fitgpt.cli.{name}").register(sub)
     return parser
 
 

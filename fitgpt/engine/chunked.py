@@ -36,7 +36,6 @@ from fitgpt.engine.placement import optimizer_homes
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import KINDS, Piece, StateReader, write_pieces
 from fitgpt.engine.timing import StepClock
-from fitgpt.errors import UserError
 from fitgpt.model import GPT, ModelConfig
 from fitgpt.model.gpt import alibi_slopes
 
@@ -54,14 +53,6 @@ class ChunkEngine(Engine):
         ctx: DistContext,
         seed: int = 0,
     ) -> None:
-        if ecfg.checkpointing == "cpu":
-            raise UserError(
-                "--checkpointing cpu (checkpoints in host memory) is not built yet; use full"
-            )
-        if ecfg.offload_params != "none" or ecfg.offload_optimizer == "nvme":
-            raise UserError(
-                "--offload-params and the nvme tier are not built yet; use --offload-optimizer cpu"
-            )
         self.model_cfg, self.ecfg, self.ocfg, self.ctx = model_cfg, ecfg, ocfg, ctx
         self.device, self.stage = ctx.device, ecfg.zero_stage
         self.dtype = DTYPES[pcfg.precision]

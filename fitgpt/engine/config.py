@@ -119,6 +119,15 @@ class EngineConfig:
             )
         if not 0.0 <= self.offload_fraction <= 1.0:
             raise UserError(f"--offload-fraction {self.offload_fraction} must lie in [0, 1]")
+        # accepted by the flags' choices so the CLI lists them, refused until they are built
+        if self.offload_params != "none" or self.offload_optimizer == "nvme":
+            raise UserError(
+                "--offload-params and the nvme tier are not built yet; use --offload-optimizer cpu"
+            )
+        if self.checkpointing == "cpu":
+            raise UserError(
+                "--checkpointing cpu (checkpoints in host memory) is not built yet; use full"
+            )
         if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
             raise UserError("an nvme tier needs --nvme-path DIR on a disk with room for it")
 

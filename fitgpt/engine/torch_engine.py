@@ -24,7 +24,6 @@ from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.layout import chunk_layout
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import Piece, StateReader, write_pieces
-from fitgpt.errors import UserError
 from fitgpt.model import GPT, ModelConfig
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -49,10 +48,6 @@ class TorchEngine(Engine):
         seed: int = 0,
     ) -> None:
         self.model_cfg, self.ecfg, self.pcfg, self.ocfg, self.ctx = model_cfg, ecfg, pcfg, ocfg, ctx
-        if ecfg.checkpointing == "cpu":
-            raise UserError(
-                "--checkpointing cpu (checkpoints in host memory) is not built yet; use full"
-            )
         self.device = ctx.device
         with torch.device("meta"):
             model = GPT(model_cfg)
