@@ -90,7 +90,8 @@ def detect(
     cuda = torch.cuda.is_available() and device != "cpu"
     if device == "cuda" and not torch.cuda.is_available() and gpu_mem is None:
         raise UserError("--device cuda: no GPU is visible; pass --gpu-mem to plan for one anyway")
-    use_cuda = cuda or (device == "cuda")
+    # --gpu-mem means "plan for a GPU of this size", also from a machine without one
+    use_cuda = cuda or device == "cuda" or (gpu_mem is not None and device != "cpu")
     if use_cuda and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         name, mem, count = props.name, props.total_memory, torch.cuda.device_count()
