@@ -130,3 +130,45 @@ def records_tolerant(path):
         except json.JSONDecodeError:
             continue
     return out
+
+
+@pytest.mark.slow
+def test_a_sweep_under_a_budget_stops_early_and_the_same_command_resumes(tmp_path):
+    out = tmp_path / "r.jsonl"
+    # a 1-second budget: the first trial (predicted a minute) is not started
+    r = sweep(out, "--systems", "zero0", "--sizes", "1,2", "--budget", "1")
+    assert r.returncode != 0 or not out.exists() or records(out) == []
+    assert "not started" in r.stderr and "resume" in r.stderr
+    r = sweep(out, "--systems", "zero0", "--sizes", "1,2", "--budget", "600")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [x["layers"] for x in records(out)] == [1, 2]
+
+
+@pytest.mark.slow
+def test_stopping_a_sweep_with_sigterm_kills_its_running_trial(tmp_path):
+    out = tmp_path / "r.jsonl"
+    cmd = [sys.executable, "-m", "fitgpt", "bench", "sweep", "--out", str(out), *TINY]
+    cmd += ["--systems", "zero0", "--sizes", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    logs = tmp_path / "r.logs"
+    deadline = time.time() + 60
+    while time.time() < deadline and not list(logs.glob("*.log")):
+        time.sleep(0.05)
+    time.sleep(0.5)  # the trial process is running
+    proc.terminate()
+    assert proc.wait(timeout=60) != 0
+    # no trial process of this sweep is left behind
+    spec = str(logs / "zero0-1.json")
+    left = subprocess.run(["pgrep", "-f", spec], capture_output=True, text=True).stdout
+    assert left.strip() == ""
+    assert not out.exists() or records(out) == []  # the unfinished trial was not recorded
+
+
+@pytest.mark.slow
+def test_an_ablation_that_changes_the_batch_is_not_rerun_on_resume(tmp_path):
+    out = tmp_path / "r.jsonl"
+    for _ in range(2):
+        r = sweep(out, "--systems", "fitgpt-no-accum", "--sizes", "1")
+        assert r.returncode == 0, r.stderr[-2000:]
+    (rec,) = records(out)
+    assert rec["bench"]["grad_accum"] == 2 and rec["bench_effective"]["grad_accum"] == 1

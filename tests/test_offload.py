@@ -83,3 +83,25 @@ def test_unbuilt_tiers_are_refused_in_one_line(change):
             OptimConfig(),
             CPU,
         )
+
+
+def test_a_placement_larger_than_the_free_host_ram_is_refused_before_allocating():
+    from fitgpt.engine.chunked import check_host_room, host_state_bytes
+    from fitgpt.engine.layout import chunk_layout
+    from fitgpt.model import GPT
+    from fitgpt.plan.hardware import host_available
+
+    # 40 layers of hidden 8192: ~32 B parameters, ~390 GB of host state: more than this machine
+    big = MODEL.replace(n_layer=40, n_embd=8192, n_head=64, vocab_size=50304)
+    with torch.device("meta"):
+        layout = chunk_layout(GPT(big))
+    homes = ["cpu" if s.name.startswith("block.") else "device" for s in layout]
+    need = host_state_bytes(layout, homes, torch.bfloat16, 1, 0)
+    assert need > host_available() > 0
+    with pytest.raises(UserError, match=r"host RAM per rank .*\(short by"):
+        check_host_room(layout, homes, torch.bfloat16, 1, 0, torch.device("cuda"))
+    # the same placement for a model that fits passes, and nothing offloaded needs nothing
+    with torch.device("meta"):
+        small = chunk_layout(GPT(MODEL))
+    check_host_room(small, ["cpu"] * len(small), torch.bfloat16, 1, 0, torch.device("cuda"))
+    assert host_state_bytes(layout, ["device"] * len(layout), torch.bfloat16, 1, 0) == 0

@@ -38,9 +38,10 @@ def sweep_chart(results: list[dict], path: Path, title: str = "") -> None:
             continue
         x = [r["params"] / 1e9 for r in ok]
         style = "--" if is_peer(s) else "-"
+        width = 3.0 if s == "fitgpt" else 1.5  # the planner's choice stands out from its ablations
         for ax, key in zip(axes, ("samples_per_s", "tflops")):
             y = [r.get(key, 0) for r in ok]
-            (line,) = ax.plot(x, y, style, marker="o", ms=4, label=s)
+            (line,) = ax.plot(x, y, style, marker="o", ms=4, lw=width, label=s)
             ax.plot(x[-1], y[-1], marker="*", ms=14, color=line.get_color())
             ax.annotate(
                 f"{x[-1]:.1f}B",
@@ -91,19 +92,30 @@ def sweep_table(results: list[dict]) -> str:
         lines.append(f"| {params / 1e9:.2f} B | {layers} | " + " | ".join(cells) + f" | {ratio} |")
     lines += [
         "",
-        "| system | largest model trained | its throughput | GPU peak | host RAM peak |",
-        "|---|---|---|---|---|",
+        "| system | largest model trained | its throughput | GPU peak | host RAM peak | next size |",
+        "|---|---|---|---|---|---|",
     ]
     for s in systems:
         ok = [r for r in results if r["system"] == s and r["status"] == "ok"]
+        failed = sorted(
+            (r for r in results if r["system"] == s and r["status"] != "ok"),
+            key=lambda r: r["params"],
+        )
+        stop = (
+            f"{failed[0]['params'] / 1e9:.2f} B: {failed[0]['status']} "
+            f"({failed[0]['reason'][:90].replace('|', '/')})"
+            if failed
+            else "not tried"
+        )
         if not ok:
-            lines.append(f"| {s} | none | | | |")
+            lines.append(f"| {s} | none | | | | {stop} |")
             continue
         big = max(ok, key=lambda r: r["params"])
         gpu = f"{big['gpu_peak_gib']:.1f} GiB" if "gpu_peak_gib" in big else "—"
         lines.append(
             f"| {s} | {big['params'] / 1e9:.2f} B | {big.get('tflops', 0):.0f} TFLOP/s, "
-            f"{big['tokens_per_s']:,.0f} tok/s | {gpu} | {big.get('host_rss_total_gib', big['host_rss_peak_gib']):.1f} GiB |"
+            f"{big['tokens_per_s']:,.0f} tok/s | {gpu} | "
+            f"{big.get('host_rss_total_gib', big['host_rss_peak_gib']):.1f} GiB | {stop} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -33,6 +33,9 @@ class SweepSpec:
     gpus: int = 1
     device: str = "auto"
     cap_bytes: int = 0  # memory budget per rank (0: none), see fitgpt.bench.trial.apply_cap
+    # seconds of wall time after which no trial is started that is predicted to end past it
+    # (0: none); a later run of the same command resumes where this one stopped
+    budget_s: float = 0.0
 
 
 def read_results(path: Path) -> list[dict]:
@@ -123,6 +126,13 @@ def run_one(spec: SweepSpec, system: str, layers: int, workdir: Path, cap_bytes:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             code = None
+        except BaseException:
+            # the sweep itself was stopped (Ctrl-C, SIGTERM from a wrapper's timeout): the trial
+            # runs in its own session, so kill it too, or it would hold the GPU for the next run;
+            # the unfinished trial is not recorded and a re-run does it again
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
     ranks = [
         json.loads(p.read_text())
         for p in sorted(workdir.glob(f"{result.name}.rank*"))
@@ -141,6 +151,9 @@ def run_one(spec: SweepSpec, system: str, layers: int, workdir: Path, cap_bytes:
         rec = {**base, "status": "timeout", "reason": f"killed after {spec.bench.time_limit:.0f} s"}
     elif ranks:
         rec = {**merge_ranks(ranks), "wall_s": base["wall_s"]}
+        # the sweep's protocol is what resumes match on; an ablation's own change of it (no
+        # gradient accumulation) is kept beside it
+        rec["bench_effective"], rec["bench"] = rec["bench"], base["bench"]
         if len(ranks) < spec.gpus and rec["status"] == "ok":
             rec.update(status="error", reason=f"only {len(ranks)} of {spec.gpus} ranks reported")
     elif code in (-9, 137):
@@ -172,16 +185,37 @@ def describe(rec: dict) -> str:
     )
 
 
+def protocol_key(bench: dict) -> str:
+    """What makes two trials the same trial: the protocol (width, batch, checkpointing, steps...),
+    not the harness's time limit."""
+    return json.dumps({k: v for k, v in bench.items() if k != "time_limit"}, sort_keys=True)
+
+
+def predicted_wall(results: dict, system: str, layers: int, params_of) -> float:
+    """A trial's wall time, predicted from this system's largest finished trial (init and step
+    times grow about linearly with the parameters); a first trial is given a minute."""
+    prev = [r for (s, _), r in results.items() if s == system and "wall_s" in r]
+    if not prev:
+        return 60.0
+    last = max(prev, key=lambda r: r["params"])
+    return 1.2 * last["wall_s"] * max(1.0, params_of(layers) / last["params"])
+
+
+def _stop_on_sigterm(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def sweep(spec: SweepSpec, out: Path) -> list[dict]:
     for s in spec.systems:
         get_system(s)  # unknown names fail before anything runs
     out.parent.mkdir(parents=True, exist_ok=True)
-    # a trial is the same trial only under the same protocol (checkpointing, batch, width...)
-    proto = json.dumps(spec.bench.to_dict(), sort_keys=True)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)  # `timeout` must not orphan a running trial
+    t_start = time.time()
+    proto = protocol_key(spec.bench.to_dict())
     done = {
         (r["system"], r["layers"]): r
         for r in read_results(out)
-        if json.dumps(r.get("bench", {}), sort_keys=True) == proto and r.get("world") == spec.gpus
+        if protocol_key(r.get("bench", {})) == proto and r.get("world") == spec.gpus
     }
     total = len(spec.systems) * len(spec.sizes)
     k = 0
@@ -192,6 +226,21 @@ def sweep(spec: SweepSpec, out: Path) -> list[dict]:
         for layers in sorted(spec.sizes):
             k += 1
             prev = done.get((system, layers))
+            if prev is None and spec.budget_s:
+                left = spec.budget_s - (time.time() - t_start)
+                need = predicted_wall(
+                    done, system, layers, lambda n: spec.bench.model(n).num_params()
+                )
+                if need > left:
+                    console.print(
+                        f"[{k}/{total}] {system} L={layers}: not started, predicted {need:.0f} s "
+                        f"with {left:.0f} s of --budget left; run the same command again to "
+                        "resume",
+                        highlight=False,
+                        markup=False,
+                    )
+                    k += len([s for s in spec.sizes if s > layers])
+                    break  # try the next system: its first trials may be short
             if prev is None:
                 console.print(
                     f"[{k}/{total}] {system} L={layers} ...", highlight=False, markup=False

@@ -34,6 +34,13 @@ def register(sub) -> None:
         help="memory budget per rank, e.g. 40GB (a real allocator "
         "cap on GPUs; on CPUs a cap on the engine's state bytes)",
     )
+    s.add_argument(
+        "--budget",
+        type=float,
+        default=0.0,
+        help="seconds: start no trial predicted to end after this much wall time; "
+        "re-running the same command resumes (default: no budget)",
+    )
     add_config_args(s, BenchConfig)
     s.set_defaults(func=run_sweep)
     r = bsub.add_parser("report", help="chart and markdown table from a sweep's results")
@@ -56,8 +63,16 @@ def run_sweep(args: argparse.Namespace) -> int:
     from fitgpt.plan.hardware import parse_bytes
 
     cap = parse_bytes(args.cap, "--cap") if args.cap else 0
+    if args.budget < 0:
+        raise UserError(f"--budget {args.budget}: give seconds >= 0 (0: no budget)")
     spec = SweepSpec(
-        systems, tuple(parse_sizes(args.sizes, bench)), bench, args.gpus, args.device, cap
+        systems,
+        tuple(parse_sizes(args.sizes, bench)),
+        bench,
+        args.gpus,
+        args.device,
+        cap,
+        args.budget,
     )
     results = sweep(spec, Path(args.out))
     return 0 if results else 1

@@ -17,6 +17,7 @@ The 1/W of the data-parallel mean is folded into the backward's loss scaling, so
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -28,16 +29,18 @@ from fitgpt.dist import DistContext
 from fitgpt.engine import comm
 from fitgpt.engine.activation import checkpoint_blocks
 from fitgpt.engine.base import Batch, Engine, StepStats
-from fitgpt.engine.chunk import Chunk
+from fitgpt.engine.chunk import Chunk, padded
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.layout import chunk_layout
-from fitgpt.engine.offload import HostOptimizer
+from fitgpt.engine.offload import HOST_SLOTS, HostOptimizer
 from fitgpt.engine.placement import optimizer_homes
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import KINDS, Piece, StateReader, write_pieces
 from fitgpt.engine.timing import StepClock
+from fitgpt.errors import UserError
 from fitgpt.model import GPT, ModelConfig
 from fitgpt.model.gpt import alibi_slopes
+from fitgpt.plan.hardware import host_available
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MAX_INFLIGHT = 2  # gradient reductions in flight at once: bounds the transient full-grad buffers
@@ -64,6 +67,7 @@ class ChunkEngine(Engine):
             model = GPT(model_cfg)  # no memory: every parameter is replaced by a chunk view below
         self.layout = chunk_layout(model)
         self.homes = optimizer_homes(self.layout, ecfg)
+        check_host_room(self.layout, self.homes, self.dtype, self.world, self.stage, self.device)
         host = torch.device("cpu")
         if model_cfg.position == "alibi":
             model.alibi_slopes_N = alibi_slopes(model_cfg.n_head).to(self.device)
@@ -445,6 +449,36 @@ class ChunkEngine(Engine):
             if c.shard_weights:
                 c.free_weight()
         return model.eval()
+
+
+def host_state_bytes(layout, homes: list[str], dtype: torch.dtype, world: int, stage: int) -> int:
+    """Bytes this rank will hold in host memory for host-homed chunks: fp32 master weights and
+    two Adam moments over the optimizer range, plus the host optimizer's staging buffers."""
+    sizes = [
+        (padded(spec.numel, world) // (world if stage >= 1 else 1))
+        for spec, home in zip(layout, homes)
+        if home != "device"
+    ]
+    if not sizes:
+        return 0
+    return 12 * sum(sizes) + max(sizes) * (HOST_SLOTS * dtype.itemsize + 4)
+
+
+def check_host_room(layout, homes, dtype, world: int, stage: int, device: torch.device) -> None:
+    """Refuse, before allocating anything, a placement whose host state does not fit in the RAM
+    the machine can give now (every local rank takes the same share): being OOM-killed an hour
+    into a run is the failure users of other offload engines report most."""
+    need = host_state_bytes(layout, homes, dtype, world, stage)
+    if not need or device.type != "cuda":
+        return  # on CPU-only runs every tier is host memory; the planner accounts for it
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    avail = host_available() // max(1, local)
+    if avail and need > avail:
+        raise UserError(
+            f"the offloaded optimizer state needs {need / 2**30:.1f} GiB of host RAM per rank but "
+            f"{avail / 2**30:.1f} GiB is available (short by {(need - avail) / 2**30:.1f} GiB): "
+            "offload a smaller --offload-fraction, train fewer layers, or free host memory"
+        )
 
 
 def _group_ranges(c: Chunk) -> list[tuple[int, int]]:

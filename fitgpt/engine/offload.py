@@ -29,10 +29,12 @@ from torch import Tensor
 
 from fitgpt.engine.chunk import Chunk
 
+HOST_SLOTS = 3  # chunks in flight between the GPU and the host optimizer (pinned staging buffers)
+
 
 class HostOptimizer:
     def __init__(
-        self, device: torch.device, dtype: torch.dtype, max_elems: int, slots: int = 3
+        self, device: torch.device, dtype: torch.dtype, max_elems: int, slots: int = HOST_SLOTS
     ) -> None:
         self.device, self.cuda = device, device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
