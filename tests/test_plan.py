@@ -265,3 +265,16 @@ def test_capacity_cli_on_cpu_with_a_budget_finds_the_true_boundary(tmp_path):
     assert summary["largest_layers"] == truth and summary["first_fail"] == truth + 1
     trials = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(trials) <= 5 and all("predicted_peak_gib" in t for t in trials)
+
+
+def test_the_host_optimizer_probe_is_dram_sized_and_does_the_engines_work():
+    import torch
+
+    from fitgpt.plan.rates import host_optimizer_pass, host_probe_elems
+
+    n = host_probe_elems()
+    assert 16 * 2**20 <= n <= 256 * 2**20  # at least 64 MiB per buffer: past the caches
+    step, master, g16 = host_optimizer_pass(1 << 16)
+    step()
+    assert master.abs().sum() > 0  # AdamW moved the weights
+    assert torch.equal(g16, master.to(torch.bfloat16))  # and they were cast back

@@ -50,13 +50,16 @@ def sweep_chart(results: list[dict], path: Path, title: str = "") -> None:
                 xytext=(4, 4),
                 fontsize=7,
             )
-    axes[0].set_ylabel("samples/s (sequences of 1024 tokens)")
+    axes[0].set_ylabel("samples/s (sequences of 1024 tokens), log scale")
     axes[1].set_ylabel("model TFLOP/s per GPU (recompute not counted)")
     for ax in axes:
         ax.set_xlabel("parameters (billions)")
         ax.set_xlim(left=0)
-        ax.set_ylim(bottom=0)  # throughput axes start at zero: ratios read honestly
         ax.grid(alpha=0.3)
+    # samples/s falls ~1/N with size: a log axis keeps the large models readable; TFLOP/s is
+    # linear from zero, so ratios read honestly there
+    axes[0].set_yscale("log")
+    axes[1].set_ylim(bottom=0)
     axes[1].legend(fontsize=8, loc="best")
     dev = next((r.get("device") for r in results if r.get("device")), "")
     fig.suptitle(title or f"Throughput against model size — {dev} (★ = largest that trained)")

@@ -13,7 +13,9 @@ from fitgpt.engine.config import EngineConfig
 from fitgpt.plan.memory import Workload
 from fitgpt.plan.rates import Rates
 
-FP32_FRACTION = 0.07  # fp32 without tensor cores runs at ~7% of the bf16 tensor-core rate
+FP32_FRACTION = (
+    0.085  # fp32 (no tensor cores) runs at ~8.5% of the bf16 rate (H100 sweep, 2.0-3.6 B)
+)
 
 
 # Calibrated on 2026-11-22's H100/H200 runs (benchmarks/results): the achieved share of the GEMM
@@ -22,6 +24,13 @@ FP32_FRACTION = 0.07  # fp32 without tensor cores runs at ~7% of the bf16 tensor
 def efficiency(hidden: int, ceiling: float) -> float:
     return max(0.2, ceiling - 0.6 * (1000.0 / hidden) ** 1.5)
 
+
+# What recomputing a block's forward costs, as a share of the forward's FLOPs at the model's
+# achieved rate: the forward runs faster than the backward (flash attention's backward, the
+# norms' second pass), so recompute adds ~20% to a step, not the third its FLOPs suggest.
+# Measured: 2.7b on the H100 at 53.0% -> 44.1% MFU (zero) and 47.0% -> 38.7% (ddp), and 4.44 B at
+# hidden 4096 (sweep_h100_2026-11-22: 594 TFLOP/s at 3.64 B without, 501 at 4.44 B with).
+RECOMPUTE = 0.6
 
 # Measured extra time over the compute term, as a fraction of it: the stage-2 per-micro-batch
 # gradient flattening and accumulation, stage-3 gathers and their allocations, and autocast's
@@ -37,7 +46,7 @@ def step_time(
     tokens = work.micro_batch * m.seq_len * grad_accum  # per rank
     flops = m.flops_per_token()
     if ecfg.checkpointing != "off":
-        flops += 2.0 * n + 4.0 * m.n_layer * m.n_embd * m.seq_len  # the recomputed forward
+        flops += RECOMPUTE * (2.0 * n + 4.0 * m.n_layer * m.n_embd * m.seq_len)
     rate = rates.gemm_tflops * 1e12 * efficiency(m.n_embd, rates.model_efficiency)
     if work.precision == "fp32":
         rate *= FP32_FRACTION
@@ -74,12 +83,6 @@ def step_time(
     return out
 
 
-# The host optimizer's cost per offloaded parameter beyond AdamW itself: the fp32 upcast of the
-# gradient and the cast of the master back to bf16 (measured share, 2026-11-22 H100 probe: AdamW
-# at 5.75 G params/s; the two conversions add about a third).
-HOST_CONVERSIONS = 1.35
-
-
 def host_optimizer_exposed(
     work: Workload, ecfg: EngineConfig, grad_accum: int, compute: float, rates: Rates
 ) -> float:
@@ -90,7 +93,7 @@ def host_optimizer_exposed(
     per_block = 12 * m.n_embd**2 + 13 * m.n_embd
     k = round(m.n_layer * ecfg.offload_fraction)
     n_off = k * per_block / (work.world if ecfg.zero_stage >= 1 else 1)
-    host = n_off * HOST_CONVERSIONS / rates.cpu_adam_params_per_s
+    host = n_off / rates.cpu_adam_params_per_s  # the whole pipeline: upcast, AdamW, cast back
     pcie = n_off * work.w * (1 / (rates.d2h_gbps * 1e9) + 1 / (rates.h2d_gbps * 1e9))
     work_s = max(host, pcie)
     forward_first_micro = compute / grad_accum / 3  # forward is about a third of a micro-batch

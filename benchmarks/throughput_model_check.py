@@ -1,0 +1,46 @@
+"""The throughput model against a sweep: for every fitgpt trial that trained, the planner's
+predicted step time for the plan it ran, beside the measured one. Runs anywhere (no GPU needed).
+
+Usage: python benchmarks/throughput_model_check.py RESULTS.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from fitgpt.bench.config import BenchConfig
+from fitgpt.engine.config import EngineConfig
+from fitgpt.plan import rates
+from fitgpt.plan.memory import Workload
+from fitgpt.plan.throughput import step_time
+
+
+def main(path: str) -> None:
+    r0 = rates.DEFAULTS["H100"]
+    print(f"{'system':<20}{'L':>3}  {'plan':<34}{'measured s':>11}{'predicted s':>12}{'error':>8}")
+    errs = []
+    for line in Path(path).read_text().splitlines():
+        r = json.loads(line)
+        if r["status"] != "ok" or "engine" not in r or r["engine"].get("engine") != "zero":
+            continue
+        bench = BenchConfig(**r.get("bench_effective", r["bench"]))
+        ecfg = EngineConfig(**r["engine"])
+        prec = "fp32" if r["system"] == "fitgpt-no-mixed" else "bf16"
+        work = Workload(bench.model(r["layers"]), bench.micro_batch, 1, prec, "cuda")
+        t = step_time(work, ecfg, bench.grad_accum, r0)["total"]
+        err = t / r["step_s"] - 1
+        errs.append(abs(err))
+        plan = f"ckpt {ecfg.checkpointing}, " + (
+            f"{ecfg.offload_fraction:.0%} on host" if ecfg.offload_optimizer != "none" else "on GPU"
+        )
+        print(
+            f"{r['system']:<20}{r['layers']:>3}  {plan:<34}{r['step_s']:>11.2f}{t:>12.2f}{err:>+8.0%}"
+        )
+    errs.sort()
+    print(f"\n{len(errs)} trials: median |error| {errs[len(errs) // 2]:.0%}, worst {errs[-1]:.0%}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
