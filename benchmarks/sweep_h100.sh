@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6: the benchmark sweep on nvidia-h100-x1 — fitgpt (planner's choice), every ablation, the
+# Issue 5 (benchmark suite): the benchmark sweep on nvidia-h100-x1 — fitgpt (planner's choice), every ablation, the
 # PyTorch baseline, DeepSpeed ZeRO-3 and ZeRO-2 offload and FSDP2 offload, one model definition,
 # the ANCHORS protocol (hidden 4096, 32 heads, seq 1024, untied head, micro-batch 8 x 4
 # accumulation steps, bf16, full activation checkpointing), 1 warm-up + 2 timed steps per trial.

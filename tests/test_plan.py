@@ -29,7 +29,7 @@ def reported(engine) -> dict:
     """{device|host: {kind: bytes}}, zeros dropped; the compute device's type becomes "device"."""
     rep = engine.memory_report()
     return {
-        ("host" if d == "host" else "device"): {k: v for k, v in kinds.items() if v}
+        (d if d in ("host", "nvme") else "device"): {k: v for k, v in kinds.items() if v}
         for d, kinds in rep.items()
         if any(kinds.values())
     }
@@ -91,10 +91,16 @@ def test_estimate_matches_a_measured_gpu_peak():
 @pytest.mark.parametrize("offload", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_predicted_state_equals_engine_report_one_rank(stage, precision, offload):
-    tier = "cpu" if offload else "none"
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_predicted_state_equals_engine_report_one_rank(stage, precision, offload, tier, tmp_path):
+    tier = tier if offload else "none"
     ecfg = EngineConfig(
-        engine="zero", zero_stage=stage, offload_optimizer=tier, offload_fraction=offload or 1.0
+        engine="zero",
+        zero_stage=stage,
+        offload_optimizer=tier,
+        offload_fraction=offload or 1.0,
+        nvme_fraction=0.5,
+        nvme_path=str(tmp_path),
     )
     e = build_engine(TINY, ecfg, PrecisionConfig(precision), OptimConfig(), CPU)
     assert reported(e) == predicted(zero_state(Workload(TINY, 2, 1, precision), ecfg))
@@ -278,3 +284,20 @@ def test_the_host_optimizer_probe_is_dram_sized_and_does_the_engines_work():
     step()
     assert master.abs().sum() > 0  # AdamW moved the weights
     assert torch.equal(g16, master.to(torch.bfloat16))  # and they were cast back
+
+
+def test_the_planner_spills_the_last_blocks_to_nvme_only_when_host_ram_is_short():
+    work = Workload(ModelConfig(n_layer=68, n_embd=4096, n_head=32, tie_embeddings=False), 8, 1)
+    hw = dataclasses.replace(
+        H100, cpu_mem=int(122 * GiB), nvme_path="(planned)", nvme_free=int(51 * GiB)
+    )
+    chosen, _ = choose(work, 4, hw, DEFAULTS["H100"])
+    e = chosen.ecfg
+    assert chosen.fits and e.offload_optimizer == "nvme" and 0 < e.nvme_fraction < 1
+    assert 0 < sum(chosen.est.nvme.values()) <= 51 * GiB
+    assert chosen.est.host_total <= 122 * GiB
+    # the same model with RAM for all of it keeps the disk out; with too little disk it refuses
+    roomy, _ = choose(work, 4, dataclasses.replace(hw, cpu_mem=int(400 * GiB)), DEFAULTS["H100"])
+    assert roomy.ecfg.offload_optimizer == "cpu"
+    with pytest.raises(UserError, match="do not fit"):
+        choose(work, 4, dataclasses.replace(hw, nvme_free=int(5 * GiB)), DEFAULTS["H100"])

@@ -28,6 +28,9 @@ class BenchConfig:
         default=900.0, metadata={"help": "seconds per trial before it is killed"}
     )
     seed: int = field(default=0, metadata={"help": "seed of weights and random tokens"})
+    nvme_path: str = field(
+        default="", metadata={"help": "folder for fitgpt's nvme tier (empty: no disk tier)"}
+    )
 
     def __post_init__(self) -> None:
         for k in ("hidden", "heads", "seq_len", "micro_batch", "grad_accum", "steps"):

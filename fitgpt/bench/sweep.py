@@ -187,8 +187,9 @@ def describe(rec: dict) -> str:
 
 def protocol_key(bench: dict) -> str:
     """What makes two trials the same trial: the protocol (width, batch, checkpointing, steps...),
-    not the harness's time limit."""
-    return json.dumps({k: v for k, v in bench.items() if k != "time_limit"}, sort_keys=True)
+    not the harness's time limit or the folder of fitgpt's disk tier."""
+    harness = ("time_limit", "nvme_path")  # where and how long, not what is measured
+    return json.dumps({k: v for k, v in bench.items() if k not in harness}, sort_keys=True)
 
 
 def predicted_wall(results: dict, system: str, layers: int, params_of) -> float:

@@ -76,7 +76,7 @@ def planned(
     from fitgpt.plan.memory import Workload
     from fitgpt.plan.planner import choose
 
-    hw = hardware.detect(gpus=ctx.world, device=ctx.device.type)
+    hw = hardware.detect(gpus=ctx.world, device=ctx.device.type, nvme=bench.nvme_path or None)
     work = Workload(model, bench.micro_batch, ctx.world, precision, ctx.device.type)
     chosen, _ = choose(work, bench.grad_accum, hw, rates.load(hw.gpu_name), fixed, force=True)
     return chosen.ecfg

@@ -143,6 +143,7 @@ def run_trial(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     source = UniformSource(bench.seq_len, bench.vocab_size, bench.seed)
     loader = BatchLoader(source, bench.micro_batch, ctx.rank, ctx.world)
+    runner = None
     try:
         cap = int(spec.get("cap_bytes", 0))
         apply_cap(cap, ctx.device)
@@ -199,6 +200,11 @@ def run_trial(spec: dict) -> dict:
         rec["status"], rec["reason"] = classify(e)
         if rec["status"] == "error":
             rec["traceback"] = traceback.format_exc()[-3000:]
+    finally:
+        # main() ends in os._exit, which skips exit hooks: remove the nvme tier's files here
+        engine = getattr(runner, "engine", None)
+        if engine is not None and hasattr(engine, "close"):
+            engine.close()
     if ctx.device.type == "cuda":
         rec["gpu_peak_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
     rec["host_rss_peak_gib"] = peak_rss_bytes() / 2**30

@@ -60,3 +60,8 @@ class Engine(ABC):
     @abstractmethod
     def inference_model(self) -> GPT:
         """A plain GPT with the current weights on this rank's device, for sampling."""
+
+    def close(self) -> None:
+        """Stop background threads and remove scratch files (the nvme tier's); idempotent. Also
+        done at interpreter exit, but not after os._exit or a kill."""
+        return None  # engines without threads or files have nothing to release

@@ -45,6 +45,7 @@ class Chunk:
         device: torch.device,
         opt_device: torch.device,
         offloaded: bool = False,
+        on_disk: bool = False,
     ) -> None:
         self.spec = spec
         self.n, self.N = spec.numel, padded(spec.numel, world)
@@ -80,6 +81,9 @@ class Chunk:
         m = self.opt_hi - self.opt_lo
 
         self.offloaded = offloaded  # state homed on the offload tier (host memory), not the device
+        # nvme tier: the fp32 state lives in files; these host buffers hold it only between
+        # alloc_state() and free_state() (storage resized to 0 and back, as stage-3 weights)
+        self.on_disk = on_disk
         self.master_aliases_weight = (
             dtype == torch.float32 and opt_device == device and not offloaded
         )
@@ -92,6 +96,7 @@ class Chunk:
         # DMA, and torch's pinned allocator would round each chunk up to a power of two
         self.exp_avg = torch.zeros(m, dtype=torch.float32, device=opt_device)
         self.exp_avg_sq = torch.zeros(m, dtype=torch.float32, device=opt_device)
+        self.state_resident = True
         # [0, decay_end) of the optimizer range gets weight decay (layout puts decayed params first)
         self.decay_end = max(0, min(spec.decay_numel, self.opt_hi) - self.opt_lo)
         self.grads_seen = 0  # params whose gradient is complete in the current backward
@@ -119,13 +124,33 @@ class Chunk:
             self.weight.untyped_storage().resize_(0)
             self.resident = False
 
+    # ---- nvme tier: optimizer state resident only while swapped in ---------------------------
+    def state_tensors(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.master, self.exp_avg, self.exp_avg_sq
+
+    def alloc_state(self) -> None:
+        """Give the fp32 state its host storage back (contents undefined until read in); the
+        optimizer's views share the storage, so they see it again."""
+        if not self.state_resident:
+            for t in self.state_tensors():
+                t.untyped_storage().resize_(t.numel() * t.element_size())
+            self.state_resident = True
+
+    def free_state(self) -> None:
+        """Return a disk-homed chunk's host copy of its state (12 bytes per element)."""
+        if self.on_disk and self.state_resident:
+            for t in self.state_tensors():
+                t.untyped_storage().resize_(0)
+            self.state_resident = False
+
     def bytes_by_kind(self) -> dict[str, dict[str, int]]:
         """{device type: {kind: bytes}} actually held now."""
 
         def nb(t: Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
-        dev, opt = self.device.type, ("host" if self.offloaded else self.opt_device.type)
+        dev = self.device.type
+        opt = "nvme" if self.on_disk else ("host" if self.offloaded else self.opt_device.type)
         out: dict[str, dict[str, int]] = {dev: {}, opt: {}}
         out[dev]["weights"] = nb(self.weight) if self.resident else 0
         if self.shard_weights:

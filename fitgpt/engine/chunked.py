@@ -32,7 +32,7 @@ from fitgpt.engine.base import Batch, Engine, StepStats
 from fitgpt.engine.chunk import Chunk, padded
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.layout import chunk_layout
-from fitgpt.engine.offload import HOST_SLOTS, HostOptimizer
+from fitgpt.engine.offload import HOST_SLOTS, DiskTier, HostOptimizer
 from fitgpt.engine.placement import optimizer_homes
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import KINDS, Piece, StateReader, write_pieces
@@ -40,7 +40,7 @@ from fitgpt.engine.timing import StepClock
 from fitgpt.errors import UserError
 from fitgpt.model import GPT, ModelConfig
 from fitgpt.model.gpt import alibi_slopes
-from fitgpt.plan.hardware import host_available
+from fitgpt.plan.hardware import host_usable
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MAX_INFLIGHT = 2  # gradient reductions in flight at once: bounds the transient full-grad buffers
@@ -72,6 +72,14 @@ class ChunkEngine(Engine):
         if model_cfg.position == "alibi":
             model.alibi_slopes_N = alibi_slopes(model_cfg.n_head).to(self.device)
         self.chunks: list[Chunk] = []
+        self.optimizers: list[torch.optim.AdamW] = []
+        on_disk = {
+            spec.index: _shape_only(spec, self.world, self.stage)
+            for spec, h in zip(self.layout, self.homes)
+            if h == "nvme"
+        }
+        # the disk tier's free space is checked before anything is allocated
+        self.disk = DiskTier(ecfg.nvme_path, on_disk) if on_disk else None
         for spec, home in zip(self.layout, self.homes):
             is_block = spec.name.startswith("block.")
             c = Chunk(
@@ -86,23 +94,27 @@ class ChunkEngine(Engine):
                 device=self.device,
                 opt_device=self.device if home == "device" else host,
                 offloaded=home != "device",
+                on_disk=home == "nvme",
             )
             for slot, p in zip(spec.slots, c.params):
                 owner, _, leaf = slot.name.rpartition(".")
                 setattr(model.get_submodule(owner), leaf, p)
             self._init_chunk(model, c, seed)  # one chunk at a time: init transients stay small
+            # the optimizer's views must be cut while the state is resident
+            self.optimizers.append(self._optimizer(c))
+            if c.on_disk:
+                self.disk.write_out(c)  # host RAM holds one disk-homed chunk's state at a time
             self.chunks.append(c)
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         self.blocks = [c for c in self.chunks if c.spec.name.startswith("block.")]
         if ecfg.checkpointing != "off":
             checkpoint_blocks(model)
         self.model = model
-        self.optimizers = [self._optimizer(c) for c in self.chunks]
         self.hosted = [c for c, h in zip(self.chunks, self.homes) if h != "device"]
         self.host_opt = None
         if self.hosted:
             biggest = max(c.opt_hi - c.opt_lo for c in self.hosted)
-            self.host_opt = HostOptimizer(self.device, self.dtype, biggest)
+            self.host_opt = HostOptimizer(self.device, self.dtype, biggest, disk=self.disk)
             self._register_host_waits()
         self.pending: deque[tuple[object, str, Callable[[], None] | None, tuple]] = deque()
         self.last_micro = True
@@ -299,6 +311,11 @@ class ChunkEngine(Engine):
         if self.host_opt is not None:
             out["host_adamw_busy_total"] = self.host_opt.busy_s
             out["host_wait_total"] = self.host_opt.wait_s
+        if self.disk is not None:
+            io = self.disk.stats()
+            out["nvme_wait_total"] = self.host_opt.disk_wait_s  # the worker, waiting on the disk
+            out["nvme_read_gb_total"] = io["bytes_read"] / 1e9
+            out["nvme_written_gb_total"] = io["bytes_written"] / 1e9
         return out
 
     def _register_host_waits(self) -> None:
@@ -377,17 +394,24 @@ class ChunkEngine(Engine):
         self._sync_host()
         if not self._writes():
             return
-        pieces = []
+        write_pieces(folder, self.ctx.rank, self._pieces())
+
+    def _pieces(self):
+        """Each chunk's state as a Piece, one at a time: a disk-homed chunk is read in, written
+        by write_pieces, and freed before the next, so saving needs no more host RAM than a step."""
         for c in self.chunks:
             lo, hi = c.unpadded(c.opt_lo, c.opt_hi)
             k = hi - lo
             if k <= 0:
                 continue
+            if c.on_disk:
+                self.disk.read_in(c)
             tensors = dict(zip(KINDS, (c.master[:k], c.exp_avg[:k], c.exp_avg_sq[:k])))
-            pieces.append(
-                Piece(c.spec.index, lo, hi, {n: t.float().cpu() for n, t in tensors.items()})
-            )
-        write_pieces(folder, self.ctx.rank, pieces)
+            # safetensors exports through numpy, which pins a storage's size for good: a
+            # disk-homed chunk's buffers must stay resizable, so it hands over copies
+            tensors = {n: (t.clone() if c.on_disk else t.float().cpu()) for n, t in tensors.items()}
+            yield Piece(c.spec.index, lo, hi, tensors)
+            c.free_state()
 
     @torch.no_grad()
     def load_state(self, folder: Path, extra: dict) -> None:
@@ -397,12 +421,16 @@ class ChunkEngine(Engine):
         for c, opt in zip(self.chunks, self.optimizers):
             lo, hi = c.unpadded(c.opt_lo, c.opt_hi)
             k = max(0, hi - lo)
+            c.alloc_state()  # a disk-homed chunk: its buffers back, filled from the checkpoint
             for kind, buf in zip(KINDS, (c.master, c.exp_avg, c.exp_avg_sq)):
+                buf.zero_()  # the padding beyond k stays zero
                 if k:
                     buf[:k].copy_(reader.read(c.spec.index, kind, lo, hi))
             for st in opt.state.values():
                 st["step"].fill_(step)
             self._weights_from_master(c)
+            if c.on_disk:
+                self.disk.write_out(c)
         self.scaler.load_state_dict(extra["scaler"])
 
     def _weights_from_master(self, c: Chunk) -> None:
@@ -433,7 +461,15 @@ class ChunkEngine(Engine):
                     out[dev][k] += v
         if self.host_opt is not None:
             out.setdefault("host", {})["host_staging"] = self.host_opt.nbytes()
+        if self.disk is not None:
+            # the most disk-homed chunks swapped in at once: one per staging slot
+            big = max(c.master.numel() for c in self.chunks if c.on_disk)
+            out["host"]["nvme_swap"] = HOST_SLOTS * 12 * big
         return out
+
+    def close(self) -> None:
+        if self.host_opt is not None:
+            self.host_opt.close()  # joins the worker, then removes the disk tier's files
 
     @torch.no_grad()
     def inference_model(self) -> GPT:
@@ -451,17 +487,22 @@ class ChunkEngine(Engine):
         return model.eval()
 
 
+def _shape_only(spec, world: int, stage: int) -> int:
+    """Elements of a chunk's optimizer range on one rank."""
+    return padded(spec.numel, world) // (world if stage >= 1 else 1)
+
+
 def host_state_bytes(layout, homes: list[str], dtype: torch.dtype, world: int, stage: int) -> int:
-    """Bytes this rank will hold in host memory for host-homed chunks: fp32 master weights and
-    two Adam moments over the optimizer range, plus the host optimizer's staging buffers."""
-    sizes = [
-        (padded(spec.numel, world) // (world if stage >= 1 else 1))
-        for spec, home in zip(layout, homes)
-        if home != "device"
-    ]
-    if not sizes:
+    """Bytes this rank will hold in host memory for offloaded chunks: fp32 master weights and
+    two Adam moments of host-homed chunks, the swap buffers of disk-homed ones (one chunk per
+    staging slot), and the host optimizer's staging buffers."""
+    ram = [_shape_only(s, world, stage) for s, h in zip(layout, homes) if h == "cpu"]
+    disk = [_shape_only(s, world, stage) for s, h in zip(layout, homes) if h == "nvme"]
+    if not ram and not disk:
         return 0
-    return 12 * sum(sizes) + max(sizes) * (HOST_SLOTS * dtype.itemsize + 4)
+    biggest = max(ram + disk)
+    swap = HOST_SLOTS * 12 * max(disk) if disk else 0
+    return 12 * sum(ram) + swap + biggest * (HOST_SLOTS * dtype.itemsize + 4)
 
 
 def check_host_room(layout, homes, dtype, world: int, stage: int, device: torch.device) -> None:
@@ -472,11 +513,11 @@ def check_host_room(layout, homes, dtype, world: int, stage: int, device: torch.
     if not need or device.type != "cuda":
         return  # on CPU-only runs every tier is host memory; the planner accounts for it
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    avail = host_available() // max(1, local)
+    avail = host_usable() // max(1, local)
     if avail and need > avail:
         raise UserError(
             f"the offloaded optimizer state needs {need / 2**30:.1f} GiB of host RAM per rank but "
-            f"{avail / 2**30:.1f} GiB is available (short by {(need - avail) / 2**30:.1f} GiB): "
+            f"{avail / 2**30:.1f} GiB can be used (short by {(need - avail) / 2**30:.1f} GiB): "
             "offload a smaller --offload-fraction, train fewer layers, or free host memory"
         )
 

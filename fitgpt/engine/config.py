@@ -105,6 +105,13 @@ class EngineConfig:
             "blocks first)"
         },
     )
+    nvme_fraction: float = field(
+        default=1.0,
+        metadata={
+            "help": "with --offload-optimizer nvme: the share of the offloaded blocks whose "
+            "optimizer state lives in files (the last ones); the rest stays in host RAM"
+        },
+    )
     nvme_path: str = field(default="", metadata={"help": "folder for NVMe-tier files"})
 
     def __post_init__(self) -> None:
@@ -119,10 +126,13 @@ class EngineConfig:
             )
         if not 0.0 <= self.offload_fraction <= 1.0:
             raise UserError(f"--offload-fraction {self.offload_fraction} must lie in [0, 1]")
+        if not 0.0 <= self.nvme_fraction <= 1.0:
+            raise UserError(f"--nvme-fraction {self.nvme_fraction} must lie in [0, 1]")
         # accepted by the flags' choices so the CLI lists them, refused until they are built
-        if self.offload_params != "none" or self.offload_optimizer == "nvme":
+        if self.offload_params != "none":
             raise UserError(
-                "--offload-params and the nvme tier are not built yet; use --offload-optimizer cpu"
+                "--offload-params (parameter streaming) is not built yet; use --offload-params "
+                "none with --offload-optimizer cpu or nvme"
             )
         if self.checkpointing == "cpu":
             raise UserError(

@@ -11,6 +11,12 @@ The next forward waits for a chunk just before its block runs (the engine's pre-
 host's work overlaps with the GPU updates of device-homed chunks and with the forward of the
 blocks before it. Torch's CPU kernels release the GIL; the main thread keeps launching GPU work.
 
+Disk-homed chunks (the nvme tier, `DiskTier`): `submit` gives the chunk's fp32 state its host
+buffers back and starts reading its three files at once, so the reads of the chunks queued behind
+the one the worker is updating overlap that update; the worker waits for its reads, steps, casts
+back, writes the state out and frees the buffers. At most `slots` chunks are in flight, so the
+host holds at most `slots` chunks' state (12 bytes per element) for the tier, whatever its size.
+
 Costs per offloaded parameter and step: 2·w bytes over PCIe (gradient down, weights up), about
 36 bytes of host memory traffic in AdamW, one fp32 conversion. Pinned staging: `slots` buffers of
 the largest chunk (working dtype), plus one fp32 buffer of it for the worker.
@@ -19,6 +25,7 @@ the largest chunk (working dtype), plus one fp32 buffer of it for the worker.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import queue
 import threading
 import time
@@ -28,14 +35,64 @@ import torch
 from torch import Tensor
 
 from fitgpt.engine.chunk import Chunk
+from fitgpt.engine.nvme import NvmeStore
 
 HOST_SLOTS = 3  # chunks in flight between the GPU and the host optimizer (pinned staging buffers)
 
 
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class DiskTier:
+    """The fp32 optimizer state of disk-homed chunks, one file per chunk and kind, in a scratch
+    folder under `path` that is removed at exit (engine/nvme.py). The free space is checked for
+    the whole tier before anything is written."""
+
+    def __init__(self, path: str, elems: dict[int, int]) -> None:
+        """elems: chunk index -> elements of its optimizer range on this rank."""
+        self.store = NvmeStore(path, need_bytes=12 * sum(elems.values()))
+        for index, n in elems.items():
+            for kind in STATE_KINDS:
+                self.store.alloc(f"{index}.{kind}", 4 * n)
+
+    def write_out(self, c: Chunk) -> None:
+        """Write the chunk's state to its files, wait, and free its host buffers."""
+        futs = [
+            self.store.write(f"{c.spec.index}.{k}", t)
+            for k, t in zip(STATE_KINDS, c.state_tensors())
+        ]
+        for f in futs:
+            f.result()
+        c.free_state()
+
+    def read_in_async(self, c: Chunk) -> list[concurrent.futures.Future]:
+        c.alloc_state()
+        return [
+            self.store.read(f"{c.spec.index}.{k}", t)
+            for k, t in zip(STATE_KINDS, c.state_tensors())
+        ]
+
+    def read_in(self, c: Chunk) -> None:
+        for f in self.read_in_async(c):
+            f.result()
+
+    def stats(self) -> dict:
+        return self.store.stats()
+
+    def close(self) -> None:
+        self.store.close()
+
+
 class HostOptimizer:
     def __init__(
-        self, device: torch.device, dtype: torch.dtype, max_elems: int, slots: int = HOST_SLOTS
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_elems: int,
+        slots: int = HOST_SLOTS,
+        disk: DiskTier | None = None,
     ) -> None:
+        self.disk = disk
         self.device, self.cuda = device, device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.staging = [
@@ -50,6 +107,7 @@ class HostOptimizer:
         self.error: BaseException | None = None
         self.busy_s = 0.0  # worker time spent in AdamW and conversions (for the step breakdown)
         self.wait_s = 0.0  # time the main thread waited for the worker
+        self.disk_wait_s = 0.0  # worker time spent waiting for the nvme tier's reads and writes
         self.thread = threading.Thread(target=self._run, name="fitgpt-host-adamw", daemon=True)
         self.thread.start()
         # stop the worker before interpreter shutdown: a thread killed inside torch's CPU kernels
@@ -84,10 +142,12 @@ class HostOptimizer:
         else:
             buf.copy_(src)
             d2h = None
+        # a disk-homed chunk's reads start now and overlap the worker's update of earlier chunks
+        reads = self.disk.read_in_async(c) if c.on_disk else []
         done = threading.Event()
         entry = [done, None]  # the worker fills in the host→device event, then sets done
         self.pending[c.spec.index] = entry
-        self.jobs.put((c, opt, ranges, lr, grad_mul, slot, buf, d2h, entry, target))
+        self.jobs.put((c, opt, ranges, lr, grad_mul, slot, buf, d2h, entry, target, reads))
 
     def wait(self, c: Chunk) -> None:
         """Make the compute stream wait for chunk c's new weights (the host waits only if the
@@ -111,6 +171,8 @@ class HostOptimizer:
         if self.thread.is_alive():
             self.jobs.put(None)
             self.thread.join()
+        if self.disk is not None:
+            self.disk.close()  # after the worker: no transfer is left running on its files
 
     def __del__(self) -> None:
         if getattr(self, "thread", None) is not None and self.thread.is_alive():
@@ -122,10 +184,14 @@ class HostOptimizer:
             job = self.jobs.get()
             if job is None:
                 return
-            c, opt, ranges, lr, mul, slot, buf, d2h, entry, target = job
+            c, opt, ranges, lr, mul, slot, buf, d2h, entry, target, reads = job
             try:
                 if d2h is not None:
                     d2h.synchronize()  # host waits for the gradient to land
+                t_io = time.perf_counter()
+                for f in reads:
+                    f.result()  # the chunk's state, read from disk
+                self.disk_wait_s += time.perf_counter() - t_io
                 t0 = time.perf_counter()
                 g = self.g32[: buf.numel()]
                 torch.mul(buf, mul, out=g)  # upcast to fp32, scaled by clip / loss scale
@@ -146,6 +212,10 @@ class HostOptimizer:
                     entry[1] = h2d  # the main thread may already be waiting on `entry`
                 else:
                     target.copy_(buf)
+                if c.on_disk:
+                    t_io = time.perf_counter()
+                    self.disk.write_out(c)
+                    self.disk_wait_s += time.perf_counter() - t_io
             except BaseException as e:  # surfaced to the main thread at its next wait()
                 self.error = e
             finally:

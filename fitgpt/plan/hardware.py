@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +38,20 @@ def parse_bytes(text: str, what: str) -> int:
     if not m or m.group(2).lower() not in UNITS:
         raise UserError(f"{what} {text!r}: write a size like 80GB, 125GiB or 64 (GiB)")
     return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+
+
+# Host RAM a plan may fill: MemAvailable less a reserve for what the kernel and the process do
+# besides holding state (page cache of the data and the disk tier, allocator slack, threads'
+# stacks). Measured on the H100 box: 114 GiB of 122.7 available trained; 124.6 of 125 was
+# OOM-killed. Costs ~6 GiB of capacity (~0.5 B parameters there).
+HOST_RESERVE_FRACTION = 0.05
+HOST_RESERVE_MIN = 4 << 30
+
+
+def host_usable() -> int:
+    """The host bytes a plan may fill now (0 when unknown)."""
+    avail = host_available()
+    return max(0, avail - max(HOST_RESERVE_MIN, int(HOST_RESERVE_FRACTION * avail))) if avail else 0
 
 
 def host_available() -> int:
@@ -103,7 +116,7 @@ def detect(
         if gpus < 1:
             raise UserError(f"--gpus {gpus} must be at least 1")
         count = gpus
-    host = parse_bytes(cpu_mem, "--cpu-mem") if cpu_mem is not None else host_available()
+    host = parse_bytes(cpu_mem, "--cpu-mem") if cpu_mem is not None else host_usable()
     nvme_path, nvme_free = "", 0
     if nvme:
         if re.fullmatch(r"\s*[0-9.]+\s*[a-zA-Z]*\s*", nvme) and not os.path.exists(nvme):
@@ -113,7 +126,9 @@ def detect(
                 raise UserError(
                     f"--nvme {nvme}: not a folder; pass an existing folder or a size like 64GB"
                 )
-            nvme_path, nvme_free = nvme, shutil.disk_usage(nvme).free
+            from fitgpt.engine.nvme import disk_room
+
+            nvme_path, nvme_free = nvme, max(0, disk_room(nvme))  # what the tier may use
     return Hardware(
         "cuda" if use_cuda else "cpu",
         count,

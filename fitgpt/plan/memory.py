@@ -82,13 +82,15 @@ def layout_of(model: ModelConfig) -> list[ChunkSpec]:
 def zero_state(
     work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None = None
 ) -> dict[str, dict[str, int]]:
-    """Exactly what ChunkEngine.memory_report() returns: {"device": {...}, "host": {...}} (the
-    host holds the optimizer state of offloaded chunks and the host optimizer's staging)."""
+    """Exactly what ChunkEngine.memory_report() returns: {"device": {...}, "host": {...}} and,
+    with the nvme tier, {"nvme": {...}} (the host holds the optimizer state of host-homed chunks,
+    the swap buffers of disk-homed ones and the host optimizer's staging; the disk the rest)."""
     layout = layout or layout_of(work.model)
     W, w, stage = work.world, work.w, ecfg.zero_stage
     dev = {"weights": 0, "weight_shards": 0, "grads": 0, "master_weights": 0, "optimizer": 0}
     host = {"master_weights": 0, "optimizer": 0, "host_staging": 0}
-    biggest_hosted = 0
+    nvme = {"master_weights": 0, "optimizer": 0}
+    biggest_hosted = biggest_disk = 0
     for c, home in zip(layout, optimizer_homes(layout, ecfg)):
         N = padded(c.numel, W)
         s = N // W
@@ -98,16 +100,22 @@ def zero_state(
             dev["weights"] += N * w
         dev["grads"] += (N * w if stage <= 1 else 0) + (s * w if stage >= 1 else 0)
         opt = s if stage >= 1 else N
-        where = dev if home == "device" else host
+        where = {"device": dev, "cpu": host, "nvme": nvme}[home]
         if home != "device" or w != 4:  # fp32 compute on the device aliases the weights
             where["master_weights"] += opt * 4
         where["optimizer"] += 2 * opt * 4
         if home != "device":
             biggest_hosted = max(biggest_hosted, opt)
+        if home == "nvme":
+            biggest_disk = max(biggest_disk, opt)
     if biggest_hosted:
         # HostOptimizer: 3 staging buffers in the working dtype and one fp32 gradient buffer
         host["host_staging"] = 3 * biggest_hosted * w + 4 * biggest_hosted
-    return {"device": dev, "host": host}
+    out = {"device": dev, "host": host}
+    if biggest_disk:
+        host["nvme_swap"] = 3 * 12 * biggest_disk  # one disk-homed chunk's state per slot
+        out["nvme"] = nvme
+    return out
 
 
 def torch_state(work: Workload) -> dict[str, int]:
@@ -166,6 +174,7 @@ def estimate(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None 
         both = zero_state(work, ecfg, layout)
         state = both["device"]
         est.host.update({f"offloaded_{k}": v for k, v in both["host"].items()})
+        est.nvme.update(both.get("nvme", {}))
         homes = optimizer_homes(layout, ecfg)
         blocks = [c for c in layout if c.name.startswith("block.")]
         big = max((padded(c.numel, W) for c in layout), default=0)

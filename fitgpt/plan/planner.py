@@ -26,10 +26,11 @@ class Candidate:
     time: dict[str, float]
     gpu_short: int  # bytes over the GPU budget (<= 0: fits)
     host_short: int
+    disk_short: int = 0  # bytes of the nvme tier over the disk's free space
 
     @property
     def fits(self) -> bool:
-        return self.gpu_short <= 0 and self.host_short <= 0
+        return self.gpu_short <= 0 and self.host_short <= 0 and self.disk_short <= 0
 
     @property
     def name(self) -> str:
@@ -37,9 +38,11 @@ class Candidate:
         base = "ddp" if e.engine == "ddp" else f"zero-{e.zero_stage}"
         off = ""
         if e.offload_optimizer != "none":
-            off = (
-                f", optimizer of {100 * e.offload_fraction:.0f}% of blocks on {e.offload_optimizer}"
-            )
+            off = f", optimizer of {100 * e.offload_fraction:.0f}% of blocks offloaded"
+            if e.offload_optimizer == "nvme":
+                off += f" ({100 * e.nvme_fraction:.0f}% of those on nvme, the rest on cpu)"
+            else:
+                off += " to cpu"
         return f"{base}, checkpointing {e.checkpointing}{off}"
 
 
@@ -82,7 +85,12 @@ def evaluate(
     ranks_here = hw.gpus if hw.device == "cuda" else work.world
     gpu_short = est.compute_total - hw.gpu_mem if hw.device == "cuda" else 0
     host_short = est.host_total * ranks_here - hw.cpu_mem if hw.cpu_mem else 0
-    return Candidate(ecfg, est, t, gpu_short, host_short)
+    disk = sum(est.nvme.values()) * ranks_here
+    disk_short = 0
+    if disk:
+        # nvme_free is already net of the spare room the store leaves (engine/nvme.py)
+        disk_short = disk - hw.nvme_free if hw.nvme_path else disk
+    return Candidate(ecfg, est, t, gpu_short, host_short, disk_short)
 
 
 def plan(
@@ -101,7 +109,7 @@ def plan(
     cands.sort(
         key=lambda c: (
             not c.fits,
-            c.time["total"] if c.fits else c.gpu_short + c.host_short,
+            c.time["total"] if c.fits else c.gpu_short + c.host_short + c.disk_short,
             c.est.compute_total,
             c.ecfg.engine != "zero",
         )
@@ -120,6 +128,12 @@ def offloaded_variant(
     forced = fixed.get("offload_optimizer") == "cpu"
     if "offload_fraction" in fixed or (base.fits and not forced):
         return None  # the fraction was given (base already is that plan), or nothing to offload
+    if fixed.get("offload_optimizer") == "nvme" or (
+        fixed.get("offload_optimizer") != "cpu" and hw.nvme_path
+    ):
+        v = spill_variant(work, grad_accum, hw, rates, e, layout, fixed)
+        if v is not None:
+            return v
     L = work.model.n_layer
 
     def with_k(k: int) -> Candidate:
@@ -138,6 +152,41 @@ def offloaded_variant(
     return with_k(hi)
 
 
+def spill_variant(
+    work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: dict
+) -> Candidate | None:
+    """Three tiers: the fewest (last) blocks offloaded that fit the GPU, and of those the fewest
+    (last) on the disk that fit the host RAM. None when host RAM alone holds them (the cpu-only
+    variant is then as good and faster) unless the user asked for nvme."""
+    L = work.model.n_layer
+    want_nvme = fixed.get("offload_optimizer") == "nvme"
+
+    def with_kd(k: int, d: int) -> Candidate:
+        cfg = dataclasses.replace(
+            e,
+            offload_optimizer="nvme",
+            offload_fraction=k / L,
+            nvme_fraction=d / max(1, k),
+            nvme_path=hw.nvme_path or e.nvme_path,
+        )
+        return evaluate(work, grad_accum, hw, rates, cfg, layout)
+
+    if with_kd(L, L).gpu_short > 0:
+        return None  # not even every block on the disk fits the GPU
+    lo, hi = 0, L  # the fewest offloaded blocks that fit the GPU lie in (lo, hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if with_kd(mid, mid).gpu_short <= 0 else (mid, hi)
+    k = hi
+    if with_kd(k, 0).host_short <= 0 and not want_nvme:
+        return None  # RAM holds every offloaded block
+    lo, hi = (0, k) if with_kd(k, k).host_short <= 0 else (k, k)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if with_kd(k, mid).host_short <= 0 else (mid, hi)
+    return with_kd(k, max(hi, 1 if want_nvme else 0))
+
+
 def why(chosen: Candidate, cands: list[Candidate]) -> str:
     fitting = [c for c in cands if c.fits]
     if chosen.est.compute:
@@ -153,7 +202,9 @@ def why(chosen: Candidate, cands: list[Candidate]) -> str:
 
 
 def leanest(cands: list[Candidate]) -> Candidate:
-    return min(cands, key=lambda c: max(c.gpu_short, 0) + max(c.host_short, 0))
+    return min(
+        cands, key=lambda c: max(c.gpu_short, 0) + max(c.host_short, 0) + max(c.disk_short, 0)
+    )
 
 
 def largest_layers(work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: dict) -> int:
@@ -202,6 +253,11 @@ def refusal(
     if lean.host_short > 0:
         need.append(
             f"{lean.est.host_total * max(1, hw.gpus) / GiB:.1f} GiB of host RAM (has {hw.cpu_mem / GiB:.1f}, short by {lean.host_short / GiB:.1f})"
+        )
+    if lean.disk_short > 0:
+        need.append(
+            f"{sum(lean.est.nvme.values()) / GiB:.1f} GiB on the nvme tier "
+            f"(has {hw.nvme_free / GiB:.1f}, short by {lean.disk_short / GiB:.1f})"
         )
     layers = largest_layers(work, grad_accum, hw, rates, fixed)
     alt = []

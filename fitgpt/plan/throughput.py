@@ -95,7 +95,11 @@ def host_optimizer_exposed(
     n_off = k * per_block / (work.world if ecfg.zero_stage >= 1 else 1)
     host = n_off / rates.cpu_adam_params_per_s  # the whole pipeline: upcast, AdamW, cast back
     pcie = n_off * work.w * (1 / (rates.d2h_gbps * 1e9) + 1 / (rates.h2d_gbps * 1e9))
-    work_s = max(host, pcie)
+    # the nvme tier: the disk-homed blocks' 12 bytes of fp32 state read in and written back
+    d = round(k * ecfg.nvme_fraction) if ecfg.offload_optimizer == "nvme" else 0
+    on_disk = 12 * d * per_block / (work.world if ecfg.zero_stage >= 1 else 1)
+    disk = on_disk / (rates.nvme_read_gbps * 1e9) + on_disk / (rates.nvme_write_gbps * 1e9)
+    work_s = max(host, pcie, disk)
     forward_first_micro = compute / grad_accum / 3  # forward is about a third of a micro-batch
     window = forward_first_micro * (m.n_layer - k) / max(1, m.n_layer)
     return max(0.0, work_s - window)

@@ -253,6 +253,9 @@ def train(
     out = Path(run.train.out)
     prepare_run_dir(out, resume is not None, overwrite, ctx)
     trainer = Trainer(run, ctx)
-    if resume is not None:
-        trainer.resume(Path(resume) if resume else out)
-    return trainer.fit()
+    try:
+        if resume is not None:
+            trainer.resume(Path(resume) if resume else out)
+        return trainer.fit()
+    finally:
+        trainer.engine.close()
