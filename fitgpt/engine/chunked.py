@@ -32,6 +32,7 @@ from fitgpt.engine.base import Batch, Engine, StepStats
 from fitgpt.engine.chunk import Chunk, padded
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.layout import chunk_layout
+from fitgpt.engine.moments import store_nbytes
 from fitgpt.engine.offload import HOST_SLOTS, DiskTier, HostOptimizer
 from fitgpt.engine.placement import optimizer_homes
 from fitgpt.engine.scaler import LossScaler
@@ -67,7 +68,25 @@ class ChunkEngine(Engine):
             model = GPT(model_cfg)  # no memory: every parameter is replaced by a chunk view below
         self.layout = chunk_layout(model)
         self.homes = optimizer_homes(self.layout, ecfg)
-        check_host_room(self.layout, self.homes, self.dtype, self.world, self.stage, self.device)
+        check_host_room(
+            self.layout,
+            self.homes,
+            self.dtype,
+            self.world,
+            self.stage,
+            self.device,
+            ecfg.host_moments,
+        )
+        # compressed moments of host-homed chunks decode into one shared fp32 pair (the worker
+        # updates one chunk at a time): 8 bytes per element of the largest such chunk
+        ram = [
+            _shape_only(s, self.world, self.stage)
+            for s, h in zip(self.layout, self.homes)
+            if h == "cpu"
+        ]
+        self.moment_scratch = None
+        if ecfg.host_moments != "fp32" and ram:
+            self.moment_scratch = (torch.zeros(max(ram)), torch.zeros(max(ram)))
         host = torch.device("cpu")
         if model_cfg.position == "alibi":
             model.alibi_slopes_N = alibi_slopes(model_cfg.n_head).to(self.device)
@@ -95,6 +114,8 @@ class ChunkEngine(Engine):
                 opt_device=self.device if home == "device" else host,
                 offloaded=home != "device",
                 on_disk=home == "nvme",
+                moments=ecfg.host_moments if home == "cpu" else "fp32",
+                moment_scratch=self.moment_scratch,
             )
             for slot, p in zip(spec.slots, c.params):
                 owner, _, leaf = slot.name.rpartition(".")
@@ -406,6 +427,7 @@ class ChunkEngine(Engine):
                 continue
             if c.on_disk:
                 self.disk.read_in(c)
+            c.decode_moments()  # compressed moments: into the shared scratch, saved as fp32
             tensors = dict(zip(KINDS, (c.master[:k], c.exp_avg[:k], c.exp_avg_sq[:k])))
             # safetensors exports through numpy, which pins a storage's size for good: a
             # disk-homed chunk's buffers must stay resizable, so it hands over copies
@@ -428,6 +450,7 @@ class ChunkEngine(Engine):
                     buf[:k].copy_(reader.read(c.spec.index, kind, lo, hi))
             for st in opt.state.values():
                 st["step"].fill_(step)
+            c.encode_moments()
             self._weights_from_master(c)
             if c.on_disk:
                 self.disk.write_out(c)
@@ -461,6 +484,8 @@ class ChunkEngine(Engine):
                     out[dev][k] += v
         if self.host_opt is not None:
             out.setdefault("host", {})["host_staging"] = self.host_opt.nbytes()
+        if self.moment_scratch is not None:
+            out["host"]["moment_scratch"] = sum(t.numel() * 4 for t in self.moment_scratch)
         if self.disk is not None:
             # the most disk-homed chunks swapped in at once: one per staging slot
             big = max(c.master.numel() for c in self.chunks if c.on_disk)
@@ -492,24 +517,32 @@ def _shape_only(spec, world: int, stage: int) -> int:
     return padded(spec.numel, world) // (world if stage >= 1 else 1)
 
 
-def host_state_bytes(layout, homes: list[str], dtype: torch.dtype, world: int, stage: int) -> int:
+def host_state_bytes(
+    layout, homes: list[str], dtype: torch.dtype, world: int, stage: int, moments: str = "fp32"
+) -> int:
     """Bytes this rank will hold in host memory for offloaded chunks: fp32 master weights and
-    two Adam moments of host-homed chunks, the swap buffers of disk-homed ones (one chunk per
-    staging slot), and the host optimizer's staging buffers."""
+    two Adam moments of host-homed chunks (and the moments' fp32 scratch when compressed), the
+    swap buffers of disk-homed ones (one chunk per staging slot), and the host optimizer's
+    staging buffers."""
     ram = [_shape_only(s, world, stage) for s, h in zip(layout, homes) if h == "cpu"]
     disk = [_shape_only(s, world, stage) for s, h in zip(layout, homes) if h == "nvme"]
     if not ram and not disk:
         return 0
     biggest = max(ram + disk)
     swap = HOST_SLOTS * 12 * max(disk) if disk else 0
-    return 12 * sum(ram) + swap + biggest * (HOST_SLOTS * dtype.itemsize + 4)
+    held = sum(4 * n + 2 * store_nbytes(moments, n) for n in ram)
+    if ram and moments != "fp32":
+        held += 8 * max(ram)
+    return held + swap + biggest * (HOST_SLOTS * dtype.itemsize + 4)
 
 
-def check_host_room(layout, homes, dtype, world: int, stage: int, device: torch.device) -> None:
+def check_host_room(
+    layout, homes, dtype, world: int, stage: int, device: torch.device, moments: str = "fp32"
+) -> None:
     """Refuse, before allocating anything, a placement whose host state does not fit in the RAM
     the machine can give now (every local rank takes the same share): being OOM-killed an hour
     into a run is the failure users of other offload engines report most."""
-    need = host_state_bytes(layout, homes, dtype, world, stage)
+    need = host_state_bytes(layout, homes, dtype, world, stage, moments)
     if not need or device.type != "cuda":
         return  # on CPU-only runs every tier is host memory; the planner accounts for it
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))

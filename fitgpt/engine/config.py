@@ -113,6 +113,14 @@ class EngineConfig:
         },
     )
     nvme_path: str = field(default="", metadata={"help": "folder for NVMe-tier files"})
+    host_moments: Literal["fp32", "bf16", "int8"] = field(
+        default="fp32",
+        metadata={
+            "help": "storage of the Adam moments of host-homed chunks: bf16 (4 bytes per "
+            "parameter fewer) or int8 block-wise (6 fewer) fit more in RAM; opt-in, see "
+            "docs/offload.md for their effect on the loss"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.engine not in ("ddp", "zero"):

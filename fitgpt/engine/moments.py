@@ -55,6 +55,15 @@ def bytes_per_param(kind: str) -> float:
     return {"fp32": 8.0, "bf16": 4.0, "int8": 2 * (1 + 4 / BLOCK)}[kind]
 
 
+def store_nbytes(kind: str, numel: int) -> int:
+    """Exact bytes of one moment store of `numel` values (the memory model's figure)."""
+    _check_kind(kind)
+    if kind == "int8":
+        nblocks = -(-numel // BLOCK)
+        return nblocks * BLOCK + 4 * nblocks
+    return numel * (4 if kind == "fp32" else 2)
+
+
 def make_store(
     kind: str, numel: int, signed: bool, device: torch.device | str = "cpu"
 ) -> MomentStore:

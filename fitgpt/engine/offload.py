@@ -193,6 +193,7 @@ class HostOptimizer:
                     f.result()  # the chunk's state, read from disk
                 self.disk_wait_s += time.perf_counter() - t_io
                 t0 = time.perf_counter()
+                c.decode_moments()  # compressed moments: into the shared fp32 scratch
                 g = self.g32[: buf.numel()]
                 torch.mul(buf, mul, out=g)  # upcast to fp32, scaled by clip / loss scale
                 for group, (lo, hi) in zip(opt.param_groups, ranges):
@@ -201,6 +202,7 @@ class HostOptimizer:
                 opt.step()
                 for group in opt.param_groups:
                     group["params"][0].grad = None
+                c.encode_moments()
                 buf.copy_(c.master)  # fp32 master → working dtype, in the staging buffer
                 self.busy_s += time.perf_counter() - t0
                 if self.cuda:

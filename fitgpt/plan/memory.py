@@ -19,6 +19,7 @@ import torch
 from fitgpt.engine.chunk import padded
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
+from fitgpt.engine.moments import store_nbytes
 from fitgpt.engine.placement import optimizer_homes
 from fitgpt.model import GPT, ModelConfig
 
@@ -90,7 +91,7 @@ def zero_state(
     dev = {"weights": 0, "weight_shards": 0, "grads": 0, "master_weights": 0, "optimizer": 0}
     host = {"master_weights": 0, "optimizer": 0, "host_staging": 0}
     nvme = {"master_weights": 0, "optimizer": 0}
-    biggest_hosted = biggest_disk = 0
+    biggest_hosted = biggest_disk = biggest_scratch = 0
     for c, home in zip(layout, optimizer_homes(layout, ecfg)):
         N = padded(c.numel, W)
         s = N // W
@@ -103,7 +104,10 @@ def zero_state(
         where = {"device": dev, "cpu": host, "nvme": nvme}[home]
         if home != "device" or w != 4:  # fp32 compute on the device aliases the weights
             where["master_weights"] += opt * 4
-        where["optimizer"] += 2 * opt * 4
+        compressed = home == "cpu" and ecfg.host_moments != "fp32"
+        where["optimizer"] += 2 * (store_nbytes(ecfg.host_moments, opt) if compressed else opt * 4)
+        if compressed:
+            biggest_scratch = max(biggest_scratch, opt)
         if home != "device":
             biggest_hosted = max(biggest_hosted, opt)
         if home == "nvme":
@@ -111,6 +115,8 @@ def zero_state(
     if biggest_hosted:
         # HostOptimizer: 3 staging buffers in the working dtype and one fp32 gradient buffer
         host["host_staging"] = 3 * biggest_hosted * w + 4 * biggest_hosted
+    if biggest_scratch:
+        host["moment_scratch"] = 8 * biggest_scratch  # compressed moments decode into fp32 here
     out = {"device": dev, "host": host}
     if biggest_disk:
         host["nvme_swap"] = 3 * 12 * biggest_disk  # one disk-homed chunk's state per slot
