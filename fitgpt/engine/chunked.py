@@ -80,7 +80,7 @@ class ChunkEngine(Engine):
         # compressed moments of host-homed chunks decode into one shared fp32 pair (the worker
         # updates one chunk at a time): 8 bytes per element of the largest such chunk
         ram = [
-            _shape_only(s, self.world, self.stage)
+            _opt_elems(s, self.world, self.stage)
             for s, h in zip(self.layout, self.homes)
             if h == "cpu"
         ]
@@ -93,7 +93,7 @@ class ChunkEngine(Engine):
         self.chunks: list[Chunk] = []
         self.optimizers: list[torch.optim.AdamW] = []
         on_disk = {
-            spec.index: _shape_only(spec, self.world, self.stage)
+            spec.index: _opt_elems(spec, self.world, self.stage)
             for spec, h in zip(self.layout, self.homes)
             if h == "nvme"
         }
@@ -512,7 +512,7 @@ class ChunkEngine(Engine):
         return model.eval()
 
 
-def _shape_only(spec, world: int, stage: int) -> int:
+def _opt_elems(spec, world: int, stage: int) -> int:
     """Elements of a chunk's optimizer range on one rank."""
     return padded(spec.numel, world) // (world if stage >= 1 else 1)
 
@@ -524,8 +524,8 @@ def host_state_bytes(
     two Adam moments of host-homed chunks (and the moments' fp32 scratch when compressed), the
     swap buffers of disk-homed ones (one chunk per staging slot), and the host optimizer's
     staging buffers."""
-    ram = [_shape_only(s, world, stage) for s, h in zip(layout, homes) if h == "cpu"]
-    disk = [_shape_only(s, world, stage) for s, h in zip(layout, homes) if h == "nvme"]
+    ram = [_opt_elems(s, world, stage) for s, h in zip(layout, homes) if h == "cpu"]
+    disk = [_opt_elems(s, world, stage) for s, h in zip(layout, homes) if h == "nvme"]
     if not ram and not disk:
         return 0
     biggest = max(ram + disk)
