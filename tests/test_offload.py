@@ -70,7 +70,6 @@ def test_resume_across_placements(tmp_path):
     "change",
     [
         {"offload_params": "cpu"},
-        {"checkpointing": "cpu"},
     ],
 )
 def test_unbuilt_tiers_are_refused_in_one_line(change):
@@ -244,3 +243,10 @@ def test_resume_from_int8_moments_into_fp32_moments(tmp_path):
     resumed = train(run_config(tmp_path, steps=12, **kw), CPU, resume="")
     # the checkpoint holds the decoded moments in fp32: the resumed run continues the same curve
     assert max(abs(a - b) for a, b in zip(resumed["losses"], full["losses"][6:])) < 0.05
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_checkpoints_in_host_memory_train_like_full_checkpointing(stage):
+    ref = losses(zero_stage=stage, checkpointing="full")
+    got = losses(zero_stage=stage, checkpointing="cpu", offload_optimizer="cpu")
+    assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-6

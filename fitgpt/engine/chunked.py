@@ -129,7 +129,7 @@ class ChunkEngine(Engine):
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         self.blocks = [c for c in self.chunks if c.spec.name.startswith("block.")]
         if ecfg.checkpointing != "off":
-            checkpoint_blocks(model)
+            checkpoint_blocks(model, to_host=ecfg.checkpointing == "cpu")
         self.model = model
         self.hosted = [c for c, h in zip(self.chunks, self.homes) if h != "device"]
         self.host_opt = None

@@ -142,10 +142,6 @@ class EngineConfig:
                 "--offload-params (parameter streaming) is not built yet; use --offload-params "
                 "none with --offload-optimizer cpu or nvme"
             )
-        if self.checkpointing == "cpu":
-            raise UserError(
-                "--checkpointing cpu (checkpoints in host memory) is not built yet; use full"
-            )
         if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
             raise UserError("an nvme tier needs --nvme-path DIR on a disk with room for it")
 

@@ -55,7 +55,7 @@ class TorchEngine(Engine):
         model.to_empty(device=self.device)
         model.reset_parameters(seed)
         if ecfg.checkpointing != "off":
-            checkpoint_blocks(model)
+            checkpoint_blocks(model, to_host=ecfg.checkpointing == "cpu")
         self.model = model
         self.module = (
             DDP(

@@ -145,8 +145,10 @@ def activation_bytes(work: Workload, checkpointing: str) -> dict[str, int]:
     per_block = 17 * sbh * a
     if checkpointing == "off":
         blocks = m.n_layer * per_block
-    else:
+    elif checkpointing == "full":
         blocks = m.n_layer * sbh * a + per_block
+    else:  # cpu: inputs in pinned host RAM; on the GPU block i's and the prefetched i-1's
+        blocks = 2 * sbh * a + per_block
     out = {"activations": blocks + 8 * sbh * a + 3 * sbh * a}  # + embedding output, final norm
     # logits in the working dtype, their fp32 copy for a stable softmax, the saved log-probs,
     # and in backward the fp32 gradient (the bf16 one replaces the logits): 2w + 8 per entry.
@@ -164,6 +166,11 @@ def estimate(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None 
     host_dev = "cpu" if work.device == "cpu" else "cuda"
     est.host["process"] = HOST_BASE[host_dev] + (HOST_DIST if work.world > 1 else 0)
     W, w = work.world, work.w
+    if ecfg.checkpointing == "cpu" and work.device != "cpu":
+        # every block's input of one micro-batch, pinned; the pinned cache rounds each buffer up
+        # to a power of two (engine/activation.py)
+        sbh = work.model.seq_len * work.micro_batch * work.model.n_embd
+        est.host["checkpointed_inputs"] = work.model.n_layer * (1 << (sbh * w - 1).bit_length())
     if ecfg.engine == "ddp":
         state = torch_state(work)
         n = work.model.num_params()

@@ -51,8 +51,16 @@ def step_time(
     if work.precision == "fp32":
         rate *= FP32_FRACTION
     compute = tokens * flops / rate
+    if ecfg.checkpointing == "cpu":
+        # block inputs down in forward and back in backward, on a side stream: exposed only
+        # where the link is slower than the compute it hides behind (forward ~1/4 of a step)
+        moved = grad_accum * m.n_layer * work.micro_batch * m.seq_len * m.n_embd * work.w
+        exposed = max(0.0, moved / (rates.d2h_gbps * 1e9) - compute / 4)
+        exposed += max(0.0, moved / (rates.h2d_gbps * 1e9) - 3 * compute / 4)
     backward_last = compute / grad_accum * 0.6  # the window the final reductions can hide in
     out = {"compute": compute}
+    if ecfg.checkpointing == "cpu":
+        out["activation_offload"] = exposed
     if W > 1:
         bw = rates.bus_gbps * 1e9
         frac = (W - 1) / W
