@@ -21,7 +21,9 @@ def plan_engine(run, ctx: DistContext, fixed: dict, force: bool, log=print):
     """
     decision = [None]
     if ctx.is_main:
-        hw = hardware.detect(gpus=ctx.world, device=ctx.device.type)
+        hw = hardware.detect(
+            gpus=ctx.world, device=ctx.device.type, nvme=run.engine.nvme_path or None
+        )
         prec = run.precision.resolved(ctx.device.type).precision
         work = Workload(run.model, run.train.micro_batch, ctx.world, prec, ctx.device.type)
         r = rates.load(hw.gpu_name)
