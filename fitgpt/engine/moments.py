@@ -5,7 +5,7 @@ v 4, bf16 weight 2, bf16 gradient 2 — and the host tier runs out of RAM on the
 Keeping m and v in a smaller format between steps lowers the moments' 8 bytes per parameter:
 
   kind   bytes/param (m + v)   format
-  fp32   8                     plain fp32; the engine can run AdamW on it directly (as_fp32())
+  fp32   8                     plain fp32 (the engine keeps these as plain tensors)
   bf16   4                     bf16, round-to-nearest-even on encode (torch's cast)
   int8   2.004                 1 byte per element plus one fp32 scale per block of BLOCK elements:
                                m as int8 with symmetric absmax, v as uint8 of sqrt(v) (see below)
@@ -29,6 +29,8 @@ for β2 close to 1.
 """
 
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
 
 import torch
 from torch import Tensor
@@ -78,11 +80,11 @@ def _check_kind(kind: str) -> None:
         raise UserError(f"moment format {kind!r} is unknown: choose one of {', '.join(KINDS)}")
 
 
-class MomentStore:
+class MomentStore(ABC):
     """One moment (m or v) of a flat buffer of `numel` elements, in some storage format.
 
     decode_into / encode_from convert to and from an fp32 tensor of exactly numel elements.
-    state_dict holds tensors only (the storage itself, not copies), so it can go into safetensors.
+    Checkpoints hold the decoded fp32 values, so a store needs no state_dict of its own.
     """
 
     kind = ""
@@ -94,30 +96,13 @@ class MomentStore:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def as_fp32(self) -> Tensor | None:
-        """The storage itself when it is fp32 (AdamW can then update it in place), else None."""
-        return None
-
+    @abstractmethod
     def decode_into(self, out: Tensor) -> None:
-        raise NotImplementedError
+        """Write the stored values, as fp32, into `out` (numel elements)."""
 
+    @abstractmethod
     def encode_from(self, src: Tensor) -> None:
-        raise NotImplementedError
-
-    def state_dict(self) -> dict[str, Tensor]:
-        return dict(self.tensors)
-
-    def load_state_dict(self, d: dict[str, Tensor]) -> None:
-        """Copy a state_dict of the same kind and size into this store's storage."""
-        want = {k: (t.dtype, t.shape) for k, t in self.tensors.items()}
-        got = {k: (t.dtype, t.shape) for k, t in d.items()}
-        if got != want:
-            raise UserError(
-                f"{self.kind} moment state of {self.numel} elements expects {want}, got {got}:"
-                " resume with the moment format and layout the checkpoint was saved with"
-            )
-        for k, t in d.items():
-            self.tensors[k].copy_(t)
+        """Store the fp32 values of `src` (numel elements) in this format."""
 
     def _check_fp32(self, t: Tensor) -> None:
         if t.dtype != torch.float32 or t.shape != (self.numel,):
@@ -125,17 +110,14 @@ class MomentStore:
 
 
 class Fp32Store(MomentStore):
-    """Plain fp32. decode/encode are copies; the engine should skip them and hand as_fp32() to
-    AdamW as the moment itself (no scratch, no extra pass)."""
+    """Plain fp32: decode/encode are copies (the reference the other formats are tested against;
+    the engine keeps fp32 moments as plain tensors, with no extra pass)."""
 
     kind = "fp32"
 
     def __init__(self, numel: int, signed: bool, device: torch.device) -> None:
         super().__init__(numel, signed, device)
         self.tensors["data"] = torch.zeros(numel, dtype=torch.float32, device=device)
-
-    def as_fp32(self) -> Tensor | None:
-        return self.tensors["data"]
 
     def decode_into(self, out: Tensor) -> None:
         self._check_fp32(out)
