@@ -22,10 +22,11 @@ address, the file offset and the length to be multiples of 4096. Tensor memory i
 aligned, so every block goes through a page-aligned bounce buffer (an anonymous mmap); a
 block's tail is padded with zeros up to the next 4096 on write and the pad is dropped on read.
 
-Costs: with direct I/O, one extra memory copy per byte each way (tensor <-> bounce buffer), and
+Costs: one extra memory copy per byte each way (tensor <-> bounce buffer), and
 `workers × block_bytes` bytes of bounce buffers (64 MiB by default; the kernel commits the pages
-on first use). Without direct I/O the blocks go straight from and to the tensor's memory, and
-the page cache holds whatever the kernel decides to keep.
+on first use). Buffered I/O (no O_DIRECT) uses the bounce buffers too, so the caller's tensors are
+never exported through numpy (which would pin their storage's size); the page cache then holds
+whatever the kernel decides to keep.
 """
 
 from __future__ import annotations
@@ -168,9 +169,11 @@ class NvmeStore:
         self.direct = works
         self._flags = os.O_RDWR | (os.O_DIRECT if self.direct else 0)
         self._bounce: queue.Queue[_Bounce] = queue.Queue()
-        if self.direct:  # one per worker, so a block never waits for a buffer
-            for _ in range(workers):
-                self._bounce.put(_Bounce(block_bytes))
+        # one per worker, so a block never waits for a buffer. Buffered I/O goes through them too:
+        # handing the tensor's own memory to os.pwrite needs a numpy view, and a numpy export pins
+        # the storage's size for good, which the disk tier's swap (resize to 0 and back) needs
+        for _ in range(workers):
+            self._bounce.put(_Bounce(block_bytes))
         self._keys: dict[str, _Key] = {}
         self._lock = threading.Lock()  # guards _keys' flags and the counters
         self._count = {"bytes_read": 0, "bytes_written": 0, "reads": 0, "writes": 0}
@@ -283,36 +286,26 @@ class NvmeStore:
     def _write_block(self, path: str, u8: Tensor, off: int, n: int) -> None:
         t0 = time.perf_counter()
         fd = os.open(path, self._flags)  # no O_CREAT: a file deleted under us is an error
+        buf = self._bounce.get()
         try:
-            if self.direct:
-                buf = self._bounce.get()
-                try:
-                    m = _round_up(n, PAGE)
-                    buf.t[:n].copy_(u8[off : off + n])
-                    buf.t[n:m].zero_()  # pad the tail to a whole page
-                    _pwrite_all(fd, buf.mv[:m], off)
-                finally:
-                    self._bounce.put(buf)
-            else:
-                _pwrite_all(fd, memoryview(u8[off : off + n].numpy()), off)
+            m = _round_up(n, PAGE)
+            buf.t[:n].copy_(u8[off : off + n])
+            buf.t[n:m].zero_()  # pad the tail to a whole page
+            _pwrite_all(fd, buf.mv[:m], off)
         finally:
+            self._bounce.put(buf)
             os.close(fd)
         self._tally("bytes_written", "write_s", n, time.perf_counter() - t0)
 
     def _read_block(self, path: str, u8: Tensor, off: int, n: int) -> None:
         t0 = time.perf_counter()
         fd = os.open(path, self._flags)
+        buf = self._bounce.get()
         try:
-            if self.direct:
-                buf = self._bounce.get()
-                try:
-                    _pread_all(fd, buf.mv[: _round_up(n, PAGE)], off)  # the pad is read, unused
-                    u8[off : off + n].copy_(buf.t[:n])
-                finally:
-                    self._bounce.put(buf)
-            else:
-                _pread_all(fd, memoryview(u8[off : off + n].numpy()), off)
+            _pread_all(fd, buf.mv[: _round_up(n, PAGE)], off)  # the pad is read, unused
+            u8[off : off + n].copy_(buf.t[:n])
         finally:
+            self._bounce.put(buf)
             os.close(fd)
         self._tally("bytes_read", "read_s", n, time.perf_counter() - t0)
 
