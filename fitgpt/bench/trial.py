@@ -189,6 +189,9 @@ def run_trial(spec: dict) -> dict:
             for k in phases[-1]:
                 if k.endswith("_total"):
                     rec["breakdown_s"][k] = phases[-1][k]
+                    if len(phases) > 1:  # the counters' growth over one timed step
+                        per = (phases[-1][k] - phases[0][k]) / (len(phases) - 1)
+                        rec["breakdown_s"][k.removesuffix("_total") + "_per_step"] = per
         flops = model.flops_per_token() * tokens / med / ctx.world  # per GPU, recompute not counted
         rec["tflops"] = flops / 1e12
         peak = peak_flops(ctx.device)

@@ -332,6 +332,9 @@ class ChunkEngine(Engine):
         if self.host_opt is not None:
             out["host_adamw_busy_total"] = self.host_opt.busy_s
             out["host_wait_total"] = self.host_opt.wait_s
+            out["slot_wait_total"] = self.host_opt.slot_wait_s
+            out["copy_d2h_total"] = self.host_opt.d2h_s
+            out["copy_h2d_total"] = self.host_opt.h2d_s
         if self.disk is not None:
             io = self.disk.stats()
             out["nvme_wait_total"] = self.host_opt.disk_wait_s  # the worker, waiting on the disk

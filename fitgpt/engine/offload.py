@@ -108,6 +108,8 @@ class HostOptimizer:
         self.busy_s = 0.0  # worker time spent in AdamW and conversions (for the step breakdown)
         self.wait_s = 0.0  # time the main thread waited for the worker
         self.disk_wait_s = 0.0  # worker time spent waiting for the nvme tier's reads and writes
+        self.slot_wait_s = 0.0  # main-thread time blocked in submit() for a free staging slot
+        self.d2h_s = self.h2d_s = 0.0  # side-stream copy time (CUDA events), gradients / weights
         self.thread = threading.Thread(target=self._run, name="fitgpt-host-adamw", daemon=True)
         self.thread.start()
         # stop the worker before interpreter shutdown: a thread killed inside torch's CPU kernels
@@ -128,17 +130,20 @@ class HostOptimizer:
         target: Tensor,
     ) -> None:
         """Start chunk c's update; `target` is the device tensor that receives its new weights."""
+        t0 = time.perf_counter()
         slot = self.free.get()  # back-pressure: at most `slots` chunks in flight
+        self.slot_wait_s += time.perf_counter() - t0
         src = c.opt_grad
         buf = self.staging[slot][: src.numel()]
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # gradient is final
             with torch.cuda.stream(self.stream):
+                d2h = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                d2h[0].record(self.stream)  # timing only: the copy's own span, not its queueing
                 buf.copy_(src, non_blocking=True)
-                d2h = torch.cuda.Event()
-                d2h.record(self.stream)
+                d2h[1].record(self.stream)
             # the compute stream zeroes this gradient after the step: not before the copy is done
-            torch.cuda.current_stream(self.device).wait_event(d2h)
+            torch.cuda.current_stream(self.device).wait_event(d2h[1])
         else:
             buf.copy_(src)
             d2h = None
@@ -187,7 +192,8 @@ class HostOptimizer:
             c, opt, ranges, lr, mul, slot, buf, d2h, entry, target, reads = job
             try:
                 if d2h is not None:
-                    d2h.synchronize()  # host waits for the gradient to land
+                    d2h[1].synchronize()  # host waits for the gradient to land
+                    self.d2h_s += d2h[0].elapsed_time(d2h[1]) / 1000.0
                 t_io = time.perf_counter()
                 for f in reads:
                     f.result()  # the chunk's state, read from disk
@@ -207,10 +213,13 @@ class HostOptimizer:
                 self.busy_s += time.perf_counter() - t0
                 if self.cuda:
                     with torch.cuda.stream(self.stream):
+                        h2d_start = torch.cuda.Event(enable_timing=True)
+                        h2d_start.record(self.stream)
                         target.copy_(buf, non_blocking=True)
-                        h2d = torch.cuda.Event()
+                        h2d = torch.cuda.Event(enable_timing=True)
                         h2d.record(self.stream)
                     h2d.synchronize()  # the staging buffer is reusable only after this copy
+                    self.h2d_s += h2d_start.elapsed_time(h2d) / 1000.0
                     entry[1] = h2d  # the main thread may already be waiting on `entry`
                 else:
                     target.copy_(buf)
