@@ -160,6 +160,7 @@ class ChunkEngine(Engine):
         self.last_micro = True
         self.clock = StepClock(self.device)
         self._register_grad_hooks()
+        self.gathers: dict[int, object] = {}  # chunk index -> handle of its gather in flight
         self.streamed = [c for c in self.chunks if c.streamed]
         self.copy_stream = torch.cuda.Stream(self.device) if self.streamed and self.cuda else None
         if self.stage >= 3 or self.streamed:
@@ -287,7 +288,6 @@ class ChunkEngine(Engine):
             module.register_forward_pre_hook(pre_forward)
             module.register_forward_hook(post_forward)
             module.register_full_backward_pre_hook(pre_backward)
-        self.gathers: dict[int, object] = {}
 
     def _gather(self, c: Chunk) -> None:
         if c.resident:
@@ -600,7 +600,8 @@ class ChunkEngine(Engine):
         model = GPT(self.model_cfg).to(self.device, self.dtype)
         params = dict(model.named_parameters())
         for c in self.chunks:
-            self._ensure(c)  # stage 3 and streamed chunks: their weights, brought in
+            if c.transient_weight:
+                self._ensure(c)  # stage 3 and streamed chunks: their weights, brought in
             for s in c.spec.slots:
                 params[s.name].copy_(c.weight[s.offset : s.offset + s.numel].view(s.shape))
             c.free_weight()
