@@ -21,15 +21,7 @@ DEADLINE=${DEADLINE:-540}
 NVME=/tmp/fitgpt-nvme
 MODEL="--hidden 8192 --heads 64"
 mkdir -p "$OUT" "$RES" "$NVME"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
-fi
-python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sort | uniq -c
-free -g | head -2
-df -h /tmp | tail -1
+source benchmarks/device_env.sh
 T0=$(date +%s)
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
 sweep() {  # SYSTEMS SIZES TIME_LIMIT

@@ -329,9 +329,9 @@ class ChunkEngine(Engine):
 
     # ---- the step -----------------------------------------------------------------------------
     def _to_device(self, t: Tensor) -> Tensor:
-        if self.device.type == "cuda":
+        if self.cuda and t.device.type == "cpu":
             return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return t.to(self.device)  # already there (a caller that moved it first): no copy
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepStats:
         n, scale = len(micro_batches), self.scaler.scale
