@@ -1,5 +1,6 @@
 """ZeRO stages and the DDP baseline on real 2-process gloo groups against one process."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -11,6 +12,7 @@ from helpers import TINY, run_config
 from fitgpt.dist import DistContext, init_distributed
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
+from fitgpt.errors import UserError
 from fitgpt.train.loop import train
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
@@ -60,6 +62,30 @@ def two_rank_worker(rank: int, world: int, tmp: str) -> None:
             engine="zero", zero_stage=stage, offload_optimizer="cpu", offload_fraction=0.5
         )
         results[f"offload{stage}"] = losses(ecfg, ctx)[0]
+    # streamed weights: each rank's shard in host RAM, brought in and all-gathered per use
+    ecfg = EngineConfig(
+        engine="zero",
+        zero_stage=3,
+        offload_optimizer="cpu",
+        offload_fraction=0.5,
+        offload_params="cpu",
+    )
+    results["stream3"] = losses(ecfg, ctx)[0]
+    try:
+        losses(dataclasses.replace(ecfg, zero_stage=1), ctx)
+    except UserError as e:
+        results["stream1_refused"] = str(e)
+    # a delayed update from step 10: the shards are all-gathered at the next step's update
+    for stage in (1, 3):
+        ecfg = EngineConfig(
+            engine="zero",
+            zero_stage=stage,
+            offload_optimizer="cpu",
+            offload_fraction=0.5,
+            delayed_update=True,
+            delayed_update_after=10,
+        )
+        results[f"dpu{stage}"] = losses(ecfg, ctx)[0]
     # resume at world 2 / stage 3 from the world-1 checkpoint the parent saved at step 6
     cfg = run_config(tmp / "w1", steps=12, micro_batch=2, engine="zero", zero_stage=3)
     results["resumed_from_w1"] = train(cfg, ctx, resume=str(tmp / "w1" / "step_00000006"))["losses"]
@@ -85,6 +111,22 @@ def test_two_ranks_match_one_process_and_resume_across_world_sizes(tmp_path, glo
         assert max(abs(a - b) for a, b in zip(got, reference)) < 1e-5, (engine, stage, ck)
     for stage in (1, 2, 3):
         assert max(abs(a - b) for a, b in zip(res[f"offload{stage}"], reference)) < 1e-5, stage
+    assert max(abs(a - b) for a, b in zip(res["stream3"], reference)) < 1e-5
+    assert "use --zero-stage 3" in res["stream1_refused"]
+    dpu_ref = losses(
+        EngineConfig(
+            engine="zero",
+            offload_optimizer="cpu",
+            offload_fraction=0.5,
+            delayed_update=True,
+            delayed_update_after=10,
+        ),
+        CPU,
+    )[0]
+    for stage in (1, 3):  # exact until step 10, then the delayed run on one process
+        assert max(abs(a - b) for a, b in zip(res[f"dpu{stage}"][:11], reference[:11])) < 1e-5
+        assert max(abs(a - b) for a, b in zip(res[f"dpu{stage}"], dpu_ref)) < 1e-5
+    assert max(abs(a - b) for a, b in zip(dpu_ref[11:], reference[11:])) > 1e-5
     # bf16 stage 3 on 2 ranks tracks fp32 one process within bf16's resolution (documented: 2e-2)
     assert max(abs(a - b) for a, b in zip(res["bf16_stage3"], reference)) < 2e-2
 

@@ -67,20 +67,119 @@ def test_resume_across_placements(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "change",
+    "change,match",
     [
-        {"offload_params": "cpu"},
+        ({"offload_params": "nvme", "offload_optimizer": "cpu"}, "weights stream from host RAM"),
+        ({"offload_params": "cpu"}, "add --offload-optimizer cpu"),
+        ({"delayed_update": True}, "add --offload-optimizer cpu"),
+        (
+            {"delayed_update": True, "offload_optimizer": "cpu", "delayed_update_after": -1},
+            "must be >= 0",
+        ),
     ],
 )
-def test_unbuilt_tiers_are_refused_in_one_line(change):
-    with pytest.raises(UserError, match="not built yet"):
-        build_engine(
-            MODEL,
-            EngineConfig(engine="zero", **change),
-            PrecisionConfig("fp32"),
-            OptimConfig(),
-            CPU,
-        )
+def test_tier_flags_that_cannot_work_are_refused_in_one_line(change, match):
+    with pytest.raises(UserError, match=match):
+        EngineConfig(engine="zero", **change)
+
+
+# ---- parameter streaming: the offloaded blocks' weights in host RAM ----------------------------
+@pytest.mark.parametrize("stage,fraction", [(0, 0.5), (0, 1.0), (2, 0.5), (3, 1.0)])
+def test_streamed_weights_train_like_all_on_device(stage, fraction):
+    ref = losses(zero_stage=stage)
+    got = losses(
+        zero_stage=stage, offload_optimizer="cpu", offload_params="cpu", offload_fraction=fraction
+    )
+    assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-6
+
+
+def test_streamed_weights_with_the_nvme_tier_train_like_all_on_device(tmp_path):
+    ref = losses()
+    got = losses(offload_params="cpu", **nvme(tmp_path, 0.75, 0.34))
+    assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-6
+
+
+def test_streamed_weights_live_on_the_host_and_the_model_predicts_them():
+    from fitgpt.plan.memory import Workload, zero_state
+
+    ecfg = EngineConfig(
+        engine="zero", offload_optimizer="cpu", offload_params="cpu", offload_fraction=0.5
+    )
+    e = build_engine(MODEL, ecfg, PrecisionConfig("fp32"), OptimConfig(), CPU)
+    x = torch.randint(0, MODEL.vocab_size, (2, MODEL.seq_len + 1))
+    e.train_step([(x[:, :-1], x[:, 1:])], 1e-3)
+    streamed = [c.spec.name for c in e.chunks if c.streamed]
+    assert streamed == ["block.2", "block.3"]
+    assert all(not c.resident for c in e.chunks if c.streamed)  # freed after their backward
+    rep = e.memory_report()
+    pred = zero_state(Workload(MODEL, 2, 1, "fp32"), ecfg)
+    assert (
+        rep["host"]["weights"]
+        == pred["host"]["weights"]
+        == 4 * sum(c.N for c in e.chunks if c.streamed)
+    )
+    assert rep["cpu"]["weights"] == pred["device"]["weights"]  # streamed weights not counted
+    model = e.inference_model()  # streamed blocks are brought in for a full copy
+    params, c = dict(model.named_parameters()), e.chunks[4]
+    for slot in c.spec.slots:
+        host = c.weight_shard[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        assert torch.equal(params[slot.name], host)
+
+
+def test_resume_from_streamed_weights_into_resident_ones(tmp_path):
+    kw = dict(n_layer=4, engine="zero", offload_optimizer="cpu", offload_fraction=0.5)
+    full = train(run_config(tmp_path, steps=12, save_every=6, **kw, offload_params="cpu"), CPU)
+    shutil.rmtree(tmp_path / "step_00000012")
+    resumed = train(run_config(tmp_path, steps=12, **kw), CPU, resume="")
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], full["losses"][6:])) < 1e-6
+
+
+# ---- the one-step-delayed update (DPU) ----------------------------------------------------------
+def block_weights(e) -> list[torch.Tensor]:
+    return [c.weight.clone() for c in e.blocks]
+
+
+def test_delayed_update_is_exact_until_its_first_step():
+    ref = losses()
+    got = losses(offload_optimizer="cpu", delayed_update=True, delayed_update_after=12)
+    # steps 0-12 see the same weights (step 12's update is the first delayed one)
+    assert max(abs(a - b) for a, b in zip(got[:13], ref[:13])) < 1e-6
+    assert max(abs(a - b) for a, b in zip(got[13:], ref[13:])) > 1e-5
+    assert got[-1] < got[0] - 0.1  # and it still learns
+
+
+def test_delayed_update_applies_the_host_weights_one_step_late():
+    x = torch.randint(0, MODEL.vocab_size, (2, MODEL.seq_len + 1), generator=torch.Generator())
+    batch = [(x[:, :-1], x[:, 1:])]
+    base = dict(engine="zero", offload_optimizer="cpu", offload_fraction=1.0)
+    ref = build_engine(MODEL, EngineConfig(**base), PrecisionConfig("fp32"), OptimConfig(), CPU)
+    ecfg = EngineConfig(**base, delayed_update=True, delayed_update_after=0)
+    dpu = build_engine(MODEL, ecfg, PrecisionConfig("fp32"), OptimConfig(), CPU)
+    w0 = block_weights(dpu)
+    ref.train_step(batch, 1e-2)
+    ref._sync_host()
+    w1 = block_weights(ref)
+    dpu.train_step(batch, 1e-2)
+    assert all(torch.equal(a, b) for a, b in zip(block_weights(dpu), w0))  # not applied yet
+    assert not torch.equal(w0[0], w1[0])
+    dpu.train_step(batch, 1e-2)  # its update step applies the first update's weights
+    got = block_weights(dpu)
+    assert all(torch.equal(a, b) for a, b in zip(got, w1))
+    assert dpu.memory_report()["host"]["delayed_weights"] == 4 * sum(c.N for c in dpu.blocks)
+    dpu._sync_host()  # eval and checkpoints see the newest weights
+    assert not torch.equal(block_weights(dpu)[0], w1[0])
+
+
+def test_delayed_update_saves_and_resumes(tmp_path):
+    kw = dict(n_layer=4, engine="zero", offload_optimizer="cpu", offload_fraction=0.5)
+    kw.update(delayed_update=True, delayed_update_after=2)
+    full = train(run_config(tmp_path, steps=12, save_every=6, **kw), CPU)
+    shutil.rmtree(tmp_path / "step_00000012")
+    resumed = train(run_config(tmp_path, steps=12, **kw), CPU, resume="")
+    # the checkpoint holds the newest master weights, which resume applies at once where the
+    # uninterrupted run still used the step-old ones: the two runs part by a step's update
+    assert abs(resumed["losses"][0] - full["losses"][6]) < 0.05
+    assert resumed["losses"][-1] < full["losses"][0] - 0.1
 
 
 def test_a_placement_larger_than_the_free_host_ram_is_refused_before_allocating():
@@ -250,3 +349,50 @@ def test_checkpoints_in_host_memory_train_like_full_checkpointing(stage):
     ref = losses(zero_stage=stage, checkpointing="full")
     got = losses(zero_stage=stage, checkpointing="cpu", offload_optimizer="cpu")
     assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-6
+
+
+def test_delayed_update_matches_a_plain_torch_reference():
+    """DPU written out in plain torch: blocks' new weights reach the model one step late, the
+    embedding and head (device-homed) at once; AdamW, decay groups and clipping as the engine's."""
+    m, lr = MODEL.replace(n_layer=2), 3e-3
+    g = torch.Generator().manual_seed(7)
+    data = [torch.randint(0, m.vocab_size, (2, m.seq_len + 1), generator=g) for _ in range(10)]
+    ecfg = EngineConfig(
+        engine="zero", offload_optimizer="cpu", delayed_update=True, delayed_update_after=0
+    )
+    e = build_engine(m, ecfg, PrecisionConfig("fp32"), OptimConfig(), CPU)
+    model = e.inference_model().train()  # the same initial weights, as a plain module
+    got = [e.train_step([(x[:, :-1], x[:, 1:])], lr).loss for x in data]
+
+    params = dict(model.named_parameters())
+    master = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
+    decay = [master[n] for n in params if master[n].ndim >= 2]
+    rest = [master[n] for n in params if master[n].ndim < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    want = []
+    for step, x in enumerate(data):
+        model.zero_grad()
+        loss = model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        want.append(loss.item())
+        norm = torch.sqrt(sum(p.grad.square().sum() for p in params.values())).item()
+        with torch.no_grad():
+            for n, p in params.items():
+                if n.startswith("blocks.") and step > 0:
+                    p.copy_(master[n])  # the previous step's update, applied now
+                master[n].grad = p.grad * min(1.0, 1.0 / (norm + 1e-6))
+            opt.step()
+            for n, p in params.items():
+                if not n.startswith("blocks."):
+                    p.copy_(master[n])
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5
+    exact = build_engine(
+        m,
+        EngineConfig(engine="zero", offload_optimizer="cpu"),
+        PrecisionConfig("fp32"),
+        OptimConfig(),
+        CPU,
+    )
+    undelayed = [exact.train_step([(x[:, :-1], x[:, 1:])], lr).loss for x in data]
+    assert max(abs(a - b) for a, b in zip(got, undelayed)) > 1e-4  # the delay is real

@@ -7,6 +7,9 @@ Buffers, by ZeRO stage (a stage shards everything the stages below it shard):
   weight       [N] working dtype   the model's parameters are views into it. Stage 3: resident
                                    only between gather() and release() (storage resized to 0).
   weight_shard [s] working dtype   stage 3: this rank's persistent slice; else a view of weight.
+                                   Streamed chunks (--offload-params cpu): the persistent slice
+                                   lives in pinned host RAM and `weight` is resident only while
+                                   its block runs, as under stage 3.
   grad         [N] working dtype   stages 0-1: the params' .grad are views, autograd accumulates
                                    micro-batches into it in place. Stages 2-3: absent.
   grad_shard   [s] working dtype   stage 1: reduce-scatter target of the last micro-batch;
@@ -23,6 +26,7 @@ from torch import Tensor, nn
 
 from fitgpt.engine.layout import ChunkSpec
 from fitgpt.engine.moments import make_store
+from fitgpt.engine.pinned import PinnedArena
 
 ALIGN = 128  # shard boundaries on 256-byte multiples (bf16): aligned NCCL and vector loads
 
@@ -49,12 +53,16 @@ class Chunk:
         on_disk: bool = False,
         moments: str = "fp32",
         moment_scratch: tuple[Tensor, Tensor] | None = None,
+        stream_weights: bool = False,
+        pinned: PinnedArena | None = None,
     ) -> None:
         self.spec = spec
         self.n, self.N = spec.numel, padded(spec.numel, world)
         self.s = self.N // world
         self.lo, self.hi = rank * self.s, (rank + 1) * self.s  # this rank's shard
         self.shard_grads, self.shard_weights = shard_grads, shard_weights
+        self.streamed = stream_weights  # weights homed in host RAM, streamed in per use
+        self.transient_weight = shard_weights or stream_weights  # `weight` freed between uses
         self.opt_lo, self.opt_hi = (self.lo, self.hi) if shard_opt else (0, self.N)
         self.dtype, self.device, self.opt_device = dtype, device, opt_device
 
@@ -69,7 +77,10 @@ class Chunk:
         self.params = [
             nn.Parameter(alias[s.offset : s.offset + s.numel].view(s.shape)) for s in spec.slots
         ]
-        if shard_weights:
+        if stream_weights:
+            assert pinned is not None
+            self.weight_shard = pinned.zeros(self.s, dtype)
+        elif shard_weights:
             self.weight_shard = torch.zeros(self.s, dtype=dtype, device=device)
         else:
             self.weight_shard = self.weight[self.lo : self.hi]
@@ -135,7 +146,7 @@ class Chunk:
 
     def free_weight(self) -> None:
         """Return the full weights' memory to the allocator (frees N·2 bytes in bf16)."""
-        if self.resident and self.shard_weights:
+        if self.resident and self.transient_weight:
             self.weight.untyped_storage().resize_(0)
             self.resident = False
 
@@ -179,7 +190,9 @@ class Chunk:
         opt = "nvme" if self.on_disk else ("host" if self.offloaded else self.opt_device.type)
         out: dict[str, dict[str, int]] = {dev: {}, opt: {}}
         out[dev]["weights"] = nb(self.weight) if self.resident else 0
-        if self.shard_weights:
+        if self.streamed:
+            out.setdefault("host", {})["weights"] = nb(self.weight_shard)
+        elif self.shard_weights:
             out[dev]["weight_shards"] = nb(self.weight_shard)
         out[dev]["grads"] = nb(self.grad) + nb(self.grad_shard)
         if not self.master_aliases_weight:

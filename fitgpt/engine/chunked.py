@@ -13,6 +13,12 @@ Communication, per step (W ranks):
   stage 3  block weights are all-gathered just before each block's forward and backward
            (the next block prefetched asynchronously) and freed right after.
 The 1/W of the data-parallel mean is folded into the backward's loss scaling, so collectives sum.
+
+Offload tiers (engine/offload.py, engine/nvme.py): the last blocks' optimizer state lives in host
+RAM or files and is updated by the host optimizer; with --offload-params cpu their weights live in
+pinned host RAM too and are streamed in before each use like stage-3 gathers (a host→device copy
+on a side stream, the next block prefetched), and freed after it. With --delayed-update the host's
+new weights are applied at the next step's update instead of before the next forward.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.layout import chunk_layout
 from fitgpt.engine.moments import store_nbytes
 from fitgpt.engine.offload import HOST_SLOTS, DiskTier, HostOptimizer
+from fitgpt.engine.pinned import PinnedArena
 from fitgpt.engine.placement import optimizer_homes
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import KINDS, Piece, StateReader, write_pieces
@@ -59,6 +66,7 @@ class ChunkEngine(Engine):
     ) -> None:
         self.model_cfg, self.ecfg, self.ocfg, self.ctx = model_cfg, ecfg, ocfg, ctx
         self.device, self.stage = ctx.device, ecfg.zero_stage
+        self.cuda = self.device.type == "cuda"
         self.dtype = DTYPES[pcfg.precision]
         self.scaler = LossScaler(pcfg)
         self.world = ctx.world if ctx.distributed else 1
@@ -68,6 +76,12 @@ class ChunkEngine(Engine):
             model = GPT(model_cfg)  # no memory: every parameter is replaced by a chunk view below
         self.layout = chunk_layout(model)
         self.homes = optimizer_homes(self.layout, ecfg)
+        streams = ecfg.offload_params == "cpu" and any(h != "device" for h in self.homes)
+        if streams and self.world > 1 and self.stage < 3:
+            raise UserError(
+                f"--offload-params cpu on {self.world} ranks streams each rank's shard of the "
+                "weights: use --zero-stage 3"
+            )
         check_host_room(
             self.layout,
             self.homes,
@@ -76,7 +90,10 @@ class ChunkEngine(Engine):
             self.stage,
             self.device,
             ecfg.host_moments,
+            weights_on_host=streams,
+            delayed=ecfg.delayed_update,
         )
+        self.pinned = PinnedArena(self.device.type == "cuda")  # streamed weights, delayed updates
         # compressed moments of host-homed chunks decode into one shared fp32 pair (the worker
         # updates one chunk at a time): 8 bytes per element of the largest such chunk
         ram = [
@@ -116,6 +133,8 @@ class ChunkEngine(Engine):
                 on_disk=home == "nvme",
                 moments=ecfg.host_moments if home == "cpu" else "fp32",
                 moment_scratch=self.moment_scratch,
+                stream_weights=streams and home != "device" and is_block,
+                pinned=self.pinned,
             )
             for slot, p in zip(spec.slots, c.params):
                 owner, _, leaf = slot.name.rpartition(".")
@@ -141,8 +160,19 @@ class ChunkEngine(Engine):
         self.last_micro = True
         self.clock = StepClock(self.device)
         self._register_grad_hooks()
-        if self.stage >= 3:
+        self.gathers: dict[int, object] = {}  # chunk index -> handle of its gather in flight
+        self.streamed = [c for c in self.chunks if c.streamed]
+        self.copy_stream = torch.cuda.Stream(self.device) if self.streamed and self.cuda else None
+        if self.stage >= 3 or self.streamed:
             self._register_gather_hooks()
+        # --delayed-update: per host-homed chunk, a pinned buffer the host optimizer writes the
+        # new weights into; they reach the model at the next step's update (2 bytes/element)
+        self.steps_done = 0
+        self.next_weights: dict[int, Tensor] = {}
+        self.reusable: dict[int, torch.cuda.Event] = {}
+        if ecfg.delayed_update:
+            for c in self.hosted:
+                self.next_weights[c.spec.index] = self.pinned.zeros(c.opt_hi - c.opt_lo, self.dtype)
 
     # ---- construction -------------------------------------------------------------------------
     @torch.no_grad()
@@ -154,7 +184,7 @@ class ChunkEngine(Engine):
         for s in c.spec.slots:
             model.init_parameter_(s.name, flat[s.offset : s.offset + s.numel].view(s.shape), seed)
         c.weight.copy_(flat)
-        if c.shard_weights:
+        if c.transient_weight:
             c.weight_shard.copy_(flat[c.lo : c.hi])
         if not c.master_aliases_weight:
             c.master.copy_(flat[c.opt_lo : c.opt_hi])
@@ -192,8 +222,7 @@ class ChunkEngine(Engine):
         if c.grads_seen < len(c.params):
             return
         c.grads_seen = 0  # the chunk's backward is complete for this micro-batch
-        if c.shard_weights:
-            c.free_weight()
+        c.free_weight()  # stage 3 and streamed chunks: the weights' memory is freed here
         if self.stage >= 2:
             self._reduce_scatter_now(c)
         elif self.last_micro:
@@ -234,7 +263,7 @@ class ChunkEngine(Engine):
         while self.pending:
             self._finish_one()
 
-    # ---- stage 3: gather before use, free after ----------------------------------------------
+    # ---- stage 3 and streamed weights: gather before use, free after -------------------------
     def _register_gather_hooks(self) -> None:
         blocks = list(self.model.blocks)
         for i, (module, c) in enumerate(zip(blocks, self.blocks)):
@@ -259,7 +288,6 @@ class ChunkEngine(Engine):
             module.register_forward_pre_hook(pre_forward)
             module.register_forward_hook(post_forward)
             module.register_full_backward_pre_hook(pre_backward)
-        self.gathers: dict[int, object] = {}
 
     def _gather(self, c: Chunk) -> None:
         if c.resident:
@@ -267,9 +295,31 @@ class ChunkEngine(Engine):
         if self.host_opt is not None:
             self.host_opt.wait(c)  # a prefetch must not gather a shard the host is still updating
         c.alloc_weight()  # allocated on the compute stream; NCCL's stream waits on it at launch
+        if c.streamed:
+            self.gathers[c.spec.index] = self._stream_in(c)
+            return
         self.gathers[c.spec.index] = comm.all_gather(
             c.weight, c.weight_shard, self.group, self.world, True
         )
+
+    def _stream_in(self, c: Chunk):
+        """Host→device copy of a streamed chunk's weights (this rank's shard, then all-gathered
+        across ranks), on the copy stream so it overlaps the block running now. Returns a handle
+        whose wait() makes the compute stream wait for it (no host sync)."""
+        if not self.cuda:
+            shard = c.weight[c.lo : c.hi] if self.world > 1 else c.weight
+            shard.copy_(c.weight_shard)  # CPU runs: the host tier is the same memory, a copy
+            return comm.all_gather(c.weight, shard, self.group, self.world, True)
+        compute = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_stream(compute)  # the weight's storage was allocated on `compute`
+        with torch.cuda.stream(self.copy_stream):
+            c.weight[c.lo : c.hi].copy_(c.weight_shard, non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record(self.copy_stream)
+        if self.world == 1:
+            return _EventWork(landed)
+        compute.wait_event(landed)
+        return comm.all_gather(c.weight, c.weight[c.lo : c.hi], self.group, self.world, True)
 
     def _ensure(self, c: Chunk) -> None:
         self._gather(c)
@@ -279,9 +329,9 @@ class ChunkEngine(Engine):
 
     # ---- the step -----------------------------------------------------------------------------
     def _to_device(self, t: Tensor) -> Tensor:
-        if self.device.type == "cuda":
+        if self.cuda and t.device.type == "cpu":
             return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return t.to(self.device)  # already there (a caller that moved it first): no copy
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepStats:
         n, scale = len(micro_batches), self.scaler.scale
@@ -322,6 +372,7 @@ class ChunkEngine(Engine):
             self._update(lr, coef / scale)
         self.scaler.update(overflow)
         self._zero_grads()
+        self.steps_done += 1
         self.clock.mark("updated")
         return StepStats(loss_v, norm, scale, overflow)
 
@@ -351,19 +402,56 @@ class ChunkEngine(Engine):
                 module.register_forward_pre_hook(lambda _m, _a, c=c: self.host_opt.wait(c))
 
     def _sync_host(self) -> None:
-        """Wait for every pending host update (before eval, checkpoints and generation)."""
+        """Wait for every pending host update and apply delayed ones (before eval, checkpoints
+        and generation: they see the newest weights)."""
         if self.host_opt is not None:
             self.host_opt.drain(self.hosted)
+            self._apply_delayed()
+
+    def _home_weights(self, c: Chunk) -> Tensor:
+        """Where a host-homed chunk's updated weights go: the device weights (or this rank's
+        shard of them), or for a streamed chunk its pinned host copy."""
+        return c.weight_shard if (self.stage >= 1 or c.streamed) else c.weight
+
+    def _apply_delayed(self) -> None:
+        """--delayed-update: copy the new weights the host optimizer left in the pinned buffers
+        into the model (host→device on the compute stream; between steps nothing reads them).
+        The worker overwrites a buffer only after its copy has landed (`reusable` events)."""
+        gathers = []
+        for c in self.hosted:
+            if not self.host_opt.wait_delayed(c):
+                continue
+            self._home_weights(c).copy_(self.next_weights[c.spec.index], non_blocking=True)
+            if self.cuda:
+                self.reusable[c.spec.index] = torch.cuda.Event()
+                self.reusable[c.spec.index].record()
+            if self.world > 1 and self.stage in (1, 2):
+                work = comm.all_gather(c.weight, c.weight_shard, self.group, self.world, True)
+                gathers.append((work, f"all-gather updated weights of {c.spec.name}"))
+        for work, label in gathers:
+            comm.wait(work, label, self.ctx.rank)
 
     def _update(self, lr: float, grad_mul: float) -> None:
-        gathers = []
+        gathers, delay = [], False
         if self.host_opt is not None:
+            self._apply_delayed()  # the previous step's delayed weights, before new updates
+            delay = bool(self.next_weights) and self.steps_done >= self.ecfg.delayed_update_after
             # host-homed chunks first, in forward order: their copies and host AdamW start at
             # once and run while the GPU updates the device-homed chunks below
             for c in self.hosted:
-                target = c.weight_shard if self.stage >= 1 else c.weight
-                opt = self.optimizers[c.spec.index]
-                self.host_opt.submit(c, opt, _group_ranges(c), lr, grad_mul, target)
+                i = c.spec.index
+                target = self.next_weights[i] if delay else self._home_weights(c)
+                opt = self.optimizers[i]
+                self.host_opt.submit(
+                    c,
+                    opt,
+                    _group_ranges(c),
+                    lr,
+                    grad_mul,
+                    target,
+                    delayed=delay,
+                    target_free=self.reusable.pop(i, None),
+                )
         for c, opt, home in zip(self.chunks, self.optimizers, self.homes):
             if home != "device":
                 continue
@@ -382,7 +470,7 @@ class ChunkEngine(Engine):
             if self.stage >= 1 and not c.shard_weights:
                 work = comm.all_gather(c.weight, c.weight_shard, self.group, self.world, True)
                 gathers.append((work, f"all-gather updated weights of {c.spec.name}"))
-        if self.world > 1 and self.stage in (1, 2):
+        if self.world > 1 and self.stage in (1, 2) and not delay:
             # the other ranks need this rank's updated shard: wait for the host, then gather
             for c in self.hosted:
                 self.host_opt.wait(c)
@@ -458,17 +546,18 @@ class ChunkEngine(Engine):
             if c.on_disk:
                 self.disk.write_out(c)
         self.scaler.load_state_dict(extra["scaler"])
+        self.steps_done = int(step)
 
     def _weights_from_master(self, c: Chunk) -> None:
         if c.master_aliases_weight:
             src = c.weight_shard if self.stage >= 1 else c.weight
         else:
             src = c.master
-        if self.stage == 0:
+        if self.stage == 0 and not c.streamed:
             c.weight.copy_(src)
             return
         c.weight_shard.copy_(src)
-        if not c.shard_weights:
+        if not c.transient_weight:
             comm.all_gather(c.weight, c.weight_shard, self.group, self.world)
 
     def extra_state(self) -> dict:
@@ -487,6 +576,8 @@ class ChunkEngine(Engine):
                     out[dev][k] += v
         if self.host_opt is not None:
             out.setdefault("host", {})["host_staging"] = self.host_opt.nbytes()
+        if self.next_weights:
+            out["host"]["delayed_weights"] = sum(t.nbytes for t in self.next_weights.values())
         if self.moment_scratch is not None:
             out["host"]["moment_scratch"] = sum(t.numel() * 4 for t in self.moment_scratch)
         if self.disk is not None:
@@ -498,6 +589,9 @@ class ChunkEngine(Engine):
     def close(self) -> None:
         if self.host_opt is not None:
             self.host_opt.close()  # joins the worker, then removes the disk tier's files
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # no copy may still read a buffer unregistered next
+        self.pinned.close()
 
     @torch.no_grad()
     def inference_model(self) -> GPT:
@@ -506,12 +600,11 @@ class ChunkEngine(Engine):
         model = GPT(self.model_cfg).to(self.device, self.dtype)
         params = dict(model.named_parameters())
         for c in self.chunks:
-            if c.shard_weights:
-                self._ensure(c)
+            if c.transient_weight:
+                self._ensure(c)  # stage 3 and streamed chunks: their weights, brought in
             for s in c.spec.slots:
                 params[s.name].copy_(c.weight[s.offset : s.offset + s.numel].view(s.shape))
-            if c.shard_weights:
-                c.free_weight()
+            c.free_weight()
         return model.eval()
 
 
@@ -521,12 +614,19 @@ def _opt_elems(spec, world: int, stage: int) -> int:
 
 
 def host_state_bytes(
-    layout, homes: list[str], dtype: torch.dtype, world: int, stage: int, moments: str = "fp32"
+    layout,
+    homes: list[str],
+    dtype: torch.dtype,
+    world: int,
+    stage: int,
+    moments: str = "fp32",
+    weights_on_host: bool = False,
+    delayed: bool = False,
 ) -> int:
     """Bytes this rank will hold in host memory for offloaded chunks: fp32 master weights and
     two Adam moments of host-homed chunks (and the moments' fp32 scratch when compressed), the
-    swap buffers of disk-homed ones (one chunk per staging slot), and the host optimizer's
-    staging buffers."""
+    swap buffers of disk-homed ones (one chunk per staging slot), the host optimizer's staging
+    buffers, and per offloaded chunk its streamed weights and delayed-update buffer if used."""
     ram = [_opt_elems(s, world, stage) for s, h in zip(layout, homes) if h == "cpu"]
     disk = [_opt_elems(s, world, stage) for s, h in zip(layout, homes) if h == "nvme"]
     if not ram and not disk:
@@ -536,16 +636,25 @@ def host_state_bytes(
     held = sum(4 * n + 2 * store_nbytes(moments, n) for n in ram)
     if ram and moments != "fp32":
         held += 8 * max(ram)
+    held += (weights_on_host + delayed) * dtype.itemsize * sum(ram + disk)
     return held + swap + biggest * (HOST_SLOTS * dtype.itemsize + 4)
 
 
 def check_host_room(
-    layout, homes, dtype, world: int, stage: int, device: torch.device, moments: str = "fp32"
+    layout,
+    homes,
+    dtype,
+    world: int,
+    stage: int,
+    device: torch.device,
+    moments: str = "fp32",
+    weights_on_host: bool = False,
+    delayed: bool = False,
 ) -> None:
     """Refuse, before allocating anything, a placement whose host state does not fit in the RAM
     the machine can give now (every local rank takes the same share): being OOM-killed an hour
     into a run is the failure users of other offload engines report most."""
-    need = host_state_bytes(layout, homes, dtype, world, stage, moments)
+    need = host_state_bytes(layout, homes, dtype, world, stage, moments, weights_on_host, delayed)
     if not need or device.type != "cuda":
         return  # on CPU-only runs every tier is host memory; the planner accounts for it
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -561,3 +670,14 @@ def check_host_room(
 def _group_ranges(c: Chunk) -> list[tuple[int, int]]:
     d, m = c.decay_end, c.opt_hi - c.opt_lo
     return [r for r in ((0, d), (d, m)) if r[1] > r[0]]
+
+
+class _EventWork:
+    """A handle like a collective's: wait() makes the current stream wait for a recorded event."""
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def wait(self) -> bool:
+        torch.cuda.current_stream().wait_event(self.event)
+        return True

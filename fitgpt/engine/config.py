@@ -96,7 +96,12 @@ class EngineConfig:
         default="none", metadata={"help": "home of fp32 master weights and Adam moments"}
     )
     offload_params: Tier = field(
-        default="none", metadata={"help": "home of the bf16 working weights"}
+        default="none",
+        metadata={
+            "help": "home of the working (bf16) weights of the offloaded blocks: cpu keeps them "
+            "in pinned host RAM and streams each block to the GPU just ahead of its forward and "
+            "backward (needs --offload-optimizer cpu or nvme)"
+        },
     )
     offload_fraction: float = field(
         default=1.0,
@@ -122,6 +127,22 @@ class EngineConfig:
         },
     )
 
+    delayed_update: bool = field(
+        default=False,
+        metadata={
+            "help": "one-step-delayed update of the offloaded blocks (ZeRO-Offload's DPU): the "
+            "host optimizer's step overlaps the whole next forward and backward, which then use "
+            "weights one step old; off by default, see docs/offload.md for its effect on the loss"
+        },
+    )
+    delayed_update_after: int = field(
+        default=40,
+        metadata={
+            "help": "with --delayed-update: optimizer steps taken without the delay first (early "
+            "training moves fastest, where a stale update costs most)"
+        },
+    )
+
     def __post_init__(self) -> None:
         if self.engine not in ("ddp", "zero"):
             raise UserError(f"--engine {self.engine!r}: use ddp or zero")
@@ -136,12 +157,23 @@ class EngineConfig:
             raise UserError(f"--offload-fraction {self.offload_fraction} must lie in [0, 1]")
         if not 0.0 <= self.nvme_fraction <= 1.0:
             raise UserError(f"--nvme-fraction {self.nvme_fraction} must lie in [0, 1]")
-        # accepted by the flags' choices so the CLI lists them, refused until they are built
-        if self.offload_params != "none":
+        if self.offload_params == "nvme":
             raise UserError(
-                "--offload-params (parameter streaming) is not built yet; use --offload-params "
-                "none with --offload-optimizer cpu or nvme"
+                "--offload-params nvme: weights stream from host RAM only; use --offload-params "
+                "cpu (the disk tier holds optimizer state: --offload-optimizer nvme)"
             )
+        if self.offload_params != "none" and self.offload_optimizer == "none":
+            raise UserError(
+                "--offload-params cpu streams the weights of the offloaded blocks: add "
+                "--offload-optimizer cpu (or nvme)"
+            )
+        if self.delayed_update and self.offload_optimizer == "none":
+            raise UserError(
+                "--delayed-update delays the host optimizer's updates: add --offload-optimizer "
+                "cpu (or nvme)"
+            )
+        if self.delayed_update_after < 0:
+            raise UserError(f"--delayed-update-after {self.delayed_update_after} must be >= 0")
         if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
             raise UserError("an nvme tier needs --nvme-path DIR on a disk with room for it")
 

@@ -104,6 +104,7 @@ class HostOptimizer:
             self.free.put(i)
         self.jobs: queue.Queue = queue.Queue()
         self.pending: dict[int, list] = {}  # chunk index -> [done flag, host→device event]
+        self.delayed: dict[int, list] = {}  # the same, for updates applied at the next step
         self.error: BaseException | None = None
         self.busy_s = 0.0  # worker time spent in AdamW and conversions (for the step breakdown)
         self.wait_s = 0.0  # time the main thread waited for the worker
@@ -128,8 +129,13 @@ class HostOptimizer:
         lr: float,
         grad_mul: float,
         target: Tensor,
+        delayed: bool = False,
+        target_free: torch.cuda.Event | None = None,
     ) -> None:
-        """Start chunk c's update; `target` is the device tensor that receives its new weights."""
+        """Start chunk c's update. `target` receives its new weights: the device weights, or a
+        host buffer (streamed weights; a delayed update's buffer, which the worker overwrites
+        only once `target_free` has completed). A delayed update is waited for by
+        wait_delayed(), not by wait(): the next forward does not wait for it."""
         t0 = time.perf_counter()
         slot = self.free.get()  # back-pressure: at most `slots` chunks in flight
         self.slot_wait_s += time.perf_counter() - t0
@@ -151,8 +157,9 @@ class HostOptimizer:
         reads = self.disk.read_in_async(c) if c.on_disk else []
         done = threading.Event()
         entry = [done, None]  # the worker fills in the host→device event, then sets done
-        self.pending[c.spec.index] = entry
-        self.jobs.put((c, opt, ranges, lr, grad_mul, slot, buf, d2h, entry, target, reads))
+        (self.delayed if delayed else self.pending)[c.spec.index] = entry
+        job = (c, opt, ranges, lr, grad_mul, slot, buf, d2h, entry, target, target_free, reads)
+        self.jobs.put(job)
 
     def wait(self, c: Chunk) -> None:
         """Make the compute stream wait for chunk c's new weights (the host waits only if the
@@ -167,6 +174,18 @@ class HostOptimizer:
             raise RuntimeError(f"the host optimizer failed on {c.spec.name}") from self.error
         if entry[1] is not None:
             torch.cuda.current_stream(self.device).wait_event(entry[1])
+
+    def wait_delayed(self, c: Chunk) -> bool:
+        """Wait (on the host) for chunk c's delayed update; False if none is outstanding."""
+        entry = self.delayed.pop(c.spec.index, None)
+        if entry is None:
+            return False
+        t0 = time.perf_counter()
+        entry[0].wait()
+        self.wait_s += time.perf_counter() - t0
+        if self.error is not None:
+            raise RuntimeError(f"the host optimizer failed on {c.spec.name}") from self.error
+        return True
 
     def drain(self, chunks: list[Chunk]) -> None:
         for c in chunks:
@@ -189,7 +208,7 @@ class HostOptimizer:
             job = self.jobs.get()
             if job is None:
                 return
-            c, opt, ranges, lr, mul, slot, buf, d2h, entry, target, reads = job
+            c, opt, ranges, lr, mul, slot, buf, d2h, entry, target, target_free, reads = job
             try:
                 if d2h is not None:
                     d2h[1].synchronize()  # host waits for the gradient to land
@@ -209,9 +228,13 @@ class HostOptimizer:
                 for group in opt.param_groups:
                     group["params"][0].grad = None
                 c.encode_moments()
-                buf.copy_(c.master)  # fp32 master → working dtype, in the staging buffer
+                if target_free is not None:
+                    target_free.synchronize()  # its last copy to the GPU has landed
+                # fp32 master → working dtype: into the staging buffer for the GPU, or straight
+                # into a host target (streamed weights, a delayed update's buffer)
+                buf.copy_(c.master) if target.is_cuda else target.copy_(c.master)
                 self.busy_s += time.perf_counter() - t0
-                if self.cuda:
+                if target.is_cuda:
                     with torch.cuda.stream(self.stream):
                         h2d_start = torch.cuda.Event(enable_timing=True)
                         h2d_start.record(self.stream)
@@ -221,8 +244,6 @@ class HostOptimizer:
                     h2d.synchronize()  # the staging buffer is reusable only after this copy
                     self.h2d_s += h2d_start.elapsed_time(h2d) / 1000.0
                     entry[1] = h2d  # the main thread may already be waiting on `entry`
-                else:
-                    target.copy_(buf)
                 if c.on_disk:
                     t_io = time.perf_counter()
                     self.disk.write_out(c)

@@ -95,7 +95,9 @@ def zero_state(
     for c, home in zip(layout, optimizer_homes(layout, ecfg)):
         N = padded(c.numel, W)
         s = N // W
-        if stage >= 3 and c.name.startswith("block."):
+        if streamed(ecfg, c, home):
+            host["weights"] = host.get("weights", 0) + s * w  # pinned; in on the GPU per use
+        elif stage >= 3 and c.name.startswith("block."):
             dev["weight_shards"] += s * w
         else:
             dev["weights"] += N * w
@@ -110,6 +112,8 @@ def zero_state(
             biggest_scratch = max(biggest_scratch, opt)
         if home != "device":
             biggest_hosted = max(biggest_hosted, opt)
+            if ecfg.delayed_update:  # the pinned buffer the new weights wait in for a step
+                host["delayed_weights"] = host.get("delayed_weights", 0) + opt * w
         if home == "nvme":
             biggest_disk = max(biggest_disk, opt)
     if biggest_hosted:
@@ -122,6 +126,11 @@ def zero_state(
         host["nvme_swap"] = 3 * 12 * biggest_disk  # one disk-homed chunk's state per slot
         out["nvme"] = nvme
     return out
+
+
+def streamed(ecfg: EngineConfig, c: ChunkSpec, home: str) -> bool:
+    """Whether a chunk's working weights live in host RAM (--offload-params cpu)."""
+    return ecfg.offload_params == "cpu" and home != "device" and c.name.startswith("block.")
 
 
 def torch_state(work: Workload) -> dict[str, int]:
@@ -193,10 +202,9 @@ def estimate(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None 
         big = max((padded(c.numel, W) for c in layout), default=0)
         big_block = max((padded(c.numel, W) for c in blocks), default=0)
         phase_a = dict(state, **act)
-        if ecfg.zero_stage >= 3:
-            phase_a["gathered_weights"] = (
-                2 * big_block * w
-            )  # the block in use and the prefetched one
+        if ecfg.zero_stage >= 3 or any(streamed(ecfg, c, h) for c, h in zip(layout, homes)):
+            # the block in use and the prefetched one (gathered, or streamed in from the host)
+            phase_a["gathered_weights"] = 2 * big_block * w
         if ecfg.zero_stage >= 2:
             # autograd's per-parameter gradients of one block, plus the flat copies and shards of
             # the reductions in flight

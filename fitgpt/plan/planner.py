@@ -43,11 +43,16 @@ class Candidate:
                 off += f" ({100 * e.nvme_fraction:.0f}% of those on nvme, the rest on cpu)"
             else:
                 off += " to cpu"
+            if e.offload_params == "cpu":
+                off += ", their weights streamed from cpu"
+            if e.delayed_update:
+                off += ", delayed update"
         return f"{base}, checkpointing {e.checkpointing}{off}"
 
 
 def enumerate_plans(world: int, fixed: dict) -> list[EngineConfig]:
-    """Every plan the engines can run, restricted to the fields the user fixed."""
+    """Every plan the engines can run, restricted to the fields the user fixed (a plan those
+    fields rule out, such as ddp with an offload flag, is left out)."""
     stages = [0, 1, 2, 3] if world > 1 else [0]
     plans = [EngineConfig(engine="ddp", checkpointing=ck) for ck in ("off", "full")]
     plans += [
@@ -55,25 +60,24 @@ def enumerate_plans(world: int, fixed: dict) -> list[EngineConfig]:
         for s in stages
         for ck in ("off", "full")
     ]
+    fixed = dict(fixed)
+    needs_host_opt = fixed.get("offload_params", "none") != "none" or fixed.get("delayed_update")
+    if needs_host_opt and "offload_optimizer" not in fixed:
+        fixed["offload_optimizer"] = "cpu"  # streamed weights and delayed updates imply it
     out = []
     for p in plans:
-        if all(
-            getattr(p, k) == v
-            for k, v in fixed.items()
-            if k in ("engine", "zero_stage", "checkpointing")
+        if any(
+            getattr(p, k) != fixed[k]
+            for k in ("engine", "zero_stage", "checkpointing")
+            if k in fixed
         ):
-            out.append(
-                dataclasses.replace(
-                    p,
-                    **{
-                        k: v
-                        for k, v in fixed.items()
-                        if k not in ("engine", "zero_stage", "checkpointing")
-                    },
-                )
-            )
+            continue
+        try:
+            out.append(dataclasses.replace(p, **fixed))
+        except UserError:
+            continue  # the fixed fields rule this engine out
     if not out and fixed:
-        out = [EngineConfig(**{**dataclasses.asdict(EngineConfig()), **fixed})]
+        out = [EngineConfig(**{**dataclasses.asdict(EngineConfig()), **fixed})]  # its error
     return out
 
 
@@ -135,15 +139,23 @@ def offloaded_variant(
         if v is not None:
             return v
     L = work.model.n_layer
+    stream = e.offload_params == "cpu"
 
     def with_k(k: int) -> Candidate:
-        cfg = dataclasses.replace(e, offload_optimizer="cpu", offload_fraction=k / L)
+        cfg = dataclasses.replace(
+            e,
+            offload_optimizer="cpu",
+            offload_fraction=k / L,
+            offload_params="cpu" if stream else "none",
+        )
         return evaluate(work, grad_accum, hw, rates, cfg, layout)
 
     lo, hi = (
         (1 if forced else 0),
         L,
     )  # the fewest offloaded blocks that fit the GPU lies in (lo, hi]
+    if with_k(hi).gpu_short > 0 and not stream and fixed.get("offload_params") != "none":
+        stream = True  # the optimizer state alone is not enough: stream the weights too
     if with_k(hi).gpu_short > 0:
         return with_k(hi)  # even all blocks on the host do not fit the GPU: report the leanest
     while hi - lo > 1:

@@ -85,6 +85,13 @@ def step_time(
         out["autocast_casts"] = casts * n * 6 / (rates.hbm_gbps * 1e9)
     if ecfg.engine == "zero" and ecfg.offload_optimizer != "none":
         out["host_optimizer"] = host_optimizer_exposed(work, ecfg, grad_accum, compute, rates)
+    if ecfg.engine == "zero" and ecfg.offload_params == "cpu":
+        # streamed blocks' weights come in from host RAM before each forward and each backward
+        # of every micro-batch, on a side stream behind the compute of the block before
+        k = round(m.n_layer * ecfg.offload_fraction)
+        per_block = (12 * m.n_embd**2 + 13 * m.n_embd) / (W if ecfg.zero_stage >= 3 else 1)
+        moved = 2 * grad_accum * k * per_block * work.w
+        out["weight_stream"] = max(0.0, moved / (rates.h2d_gbps * 1e9) - 0.9 * compute)
     key = "ddp" if ecfg.engine == "ddp" else ecfg.zero_stage
     out["engine_overhead"] = compute * OVERHEAD[key]
     out["total"] = sum(out.values())
@@ -110,4 +117,6 @@ def host_optimizer_exposed(
     work_s = max(host, pcie, disk)
     forward_first_micro = compute / grad_accum / 3  # forward is about a third of a micro-batch
     window = forward_first_micro * (m.n_layer - k) / max(1, m.n_layer)
+    if ecfg.delayed_update:
+        window = compute  # the next step's whole forward and backward run meanwhile
     return max(0.0, work_s - window)
