@@ -7,6 +7,7 @@ Usage (device): python3 benchmarks/host_ckpt_gpu.py OUT.jsonl
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import sys
@@ -55,7 +56,9 @@ def run(engine: str, ckpt: str) -> dict:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
     }
+    e.close()  # removes the engine's hooks, so the next run starts from an empty GPU
     del e
+    gc.collect()
     torch.cuda.empty_cache()
     return out
 

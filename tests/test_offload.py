@@ -396,3 +396,23 @@ def test_delayed_update_matches_a_plain_torch_reference():
     )
     undelayed = [exact.train_step([(x[:, :-1], x[:, 1:])], lr).loss for x in data]
     assert max(abs(a - b) for a, b in zip(got, undelayed)) > 1e-4  # the delay is real
+
+
+def test_close_releases_the_engine_and_its_memory():
+    import gc
+    import weakref
+
+    e = build_engine(
+        MODEL,
+        EngineConfig(engine="zero", offload_optimizer="cpu", offload_params="cpu"),
+        PrecisionConfig("fp32"),
+        OptimConfig(),
+        CPU,
+    )
+    x = torch.randint(0, MODEL.vocab_size, (2, MODEL.seq_len + 1))
+    e.train_step([(x[:, :-1], x[:, 1:])], 1e-3)
+    engine, chunk = weakref.ref(e), weakref.ref(e.chunks[1])
+    e.close()
+    del e
+    gc.collect()
+    assert engine() is None and chunk() is None  # nothing (hooks included) keeps it alive

@@ -20,6 +20,14 @@ from fitgpt.model import GPT, ModelConfig
 Batch = tuple[Tensor, Tensor]  # (inputs, targets), int64 [b, S] on the CPU
 
 
+def batch_to(t: Tensor, device: torch.device) -> Tensor:
+    """A batch tensor on the compute device: CPU batches go through pinned memory, without a host
+    sync; one already there (a caller that moved it first) is taken as it is."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass
 class StepStats:
     loss: float  # mean training loss of the step's micro-batches, over all ranks

@@ -34,7 +34,7 @@ from torch import Tensor
 from fitgpt.dist import DistContext
 from fitgpt.engine import comm
 from fitgpt.engine.activation import checkpoint_blocks
-from fitgpt.engine.base import Batch, Engine, StepStats
+from fitgpt.engine.base import Batch, Engine, StepStats, batch_to
 from fitgpt.engine.chunk import Chunk, padded
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.layout import chunk_layout
@@ -150,6 +150,7 @@ class ChunkEngine(Engine):
         if ecfg.checkpointing != "off":
             checkpoint_blocks(model, to_host=ecfg.checkpointing == "cpu")
         self.model = model
+        self.hooks: list = []  # handles of the engine's hooks, removed at close()
         self.hosted = [c for c, h in zip(self.chunks, self.homes) if h != "device"]
         self.host_opt = None
         if self.hosted:
@@ -215,7 +216,8 @@ class ChunkEngine(Engine):
     def _register_grad_hooks(self) -> None:
         for c in self.chunks:
             for p in c.params:
-                p.register_post_accumulate_grad_hook(lambda _p, c=c: self._on_param_grad(c))
+                h = p.register_post_accumulate_grad_hook(lambda _p, c=c: self._on_param_grad(c))
+                self.hooks.append(h)
 
     def _on_param_grad(self, c: Chunk) -> None:
         c.grads_seen += 1
@@ -285,9 +287,11 @@ class ChunkEngine(Engine):
                 if prv is not None:
                     self._gather(prv)
 
-            module.register_forward_pre_hook(pre_forward)
-            module.register_forward_hook(post_forward)
-            module.register_full_backward_pre_hook(pre_backward)
+            self.hooks += [
+                module.register_forward_pre_hook(pre_forward),
+                module.register_forward_hook(post_forward),
+                module.register_full_backward_pre_hook(pre_backward),
+            ]
 
     def _gather(self, c: Chunk) -> None:
         if c.resident:
@@ -329,9 +333,7 @@ class ChunkEngine(Engine):
 
     # ---- the step -----------------------------------------------------------------------------
     def _to_device(self, t: Tensor) -> Tensor:
-        if self.cuda and t.device.type == "cpu":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)  # already there (a caller that moved it first): no copy
+        return batch_to(t, self.device)
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepStats:
         n, scale = len(micro_batches), self.scaler.scale
@@ -399,7 +401,8 @@ class ChunkEngine(Engine):
         by_index = {c.spec.index: c for c in self.hosted}
         for module, c in zip(self.model.blocks, self.blocks):
             if c.spec.index in by_index:
-                module.register_forward_pre_hook(lambda _m, _a, c=c: self.host_opt.wait(c))
+                h = module.register_forward_pre_hook(lambda _m, _a, c=c: self.host_opt.wait(c))
+                self.hooks.append(h)
 
     def _sync_host(self) -> None:
         """Wait for every pending host update and apply delayed ones (before eval, checkpoints
@@ -587,6 +590,12 @@ class ChunkEngine(Engine):
         return out
 
     def close(self) -> None:
+        """Stop the host optimizer, remove the disk tier's files, and release every buffer: the
+        hooks (which refer back to the engine through tensors the garbage collector does not
+        see into) are removed, so dropping the engine frees its GPU and host memory."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
         if self.host_opt is not None:
             self.host_opt.close()  # joins the worker, then removes the disk tier's files
         if self.cuda:

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fitgpt.dist import DistContext
 from fitgpt.engine import comm
 from fitgpt.engine.activation import checkpoint_blocks
-from fitgpt.engine.base import Batch, Engine, StepStats
+from fitgpt.engine.base import Batch, Engine, StepStats, batch_to
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.layout import chunk_layout
 from fitgpt.engine.scaler import LossScaler
@@ -91,9 +91,7 @@ class TorchEngine(Engine):
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        return batch_to(t, self.device)
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepStats:
         for g in self.opt.param_groups:
