@@ -99,6 +99,9 @@ def describe_engine(engine) -> dict:
         "offload_optimizer": e.offload_optimizer,
         "offload_params": e.offload_params,
         "offload_fraction": e.offload_fraction,
+        "nvme_fraction": e.nvme_fraction,
+        "delayed_update": e.delayed_update,
+        "host_moments": e.host_moments,
     }
 
 
