@@ -420,6 +420,8 @@ class ChunkEngine(Engine):
         """--delayed-update: copy the new weights the host optimizer left in the pinned buffers
         into the model (host→device on the compute stream; between steps nothing reads them).
         The worker overwrites a buffer only after its copy has landed (`reusable` events)."""
+        if not self.next_weights:
+            return  # no delayed updates in this run
         gathers = []
         for c in self.hosted:
             if not self.host_opt.wait_delayed(c):
