@@ -93,7 +93,7 @@ class ChunkEngine(Engine):
             weights_on_host=streams,
             delayed=ecfg.delayed_update,
         )
-        self.pinned = PinnedArena(self.device.type == "cuda")  # streamed weights, delayed updates
+        self.pinned = PinnedArena(self.cuda)  # streamed weights, delayed updates
         # compressed moments of host-homed chunks decode into one shared fp32 pair (the worker
         # updates one chunk at a time): 8 bytes per element of the largest such chunk
         ram = [
