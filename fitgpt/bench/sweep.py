@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,8 @@ from rich.console import Console
 
 from fitgpt.bench.config import BenchConfig
 from fitgpt.bench.systems import get_system
-from fitgpt.dist.launch import SAFE_ENV
+from fitgpt.dist.env import child_env
+from fitgpt.dist.launch import command
 
 console = Console(stderr=True)
 
@@ -88,32 +88,9 @@ def run_one(spec: SweepSpec, system: str, layers: int, workdir: Path, cap_bytes:
     spec_path.write_text(json.dumps(trial_spec))
     for stale in workdir.glob(f"{result.name}.rank*"):
         stale.unlink()  # a previous attempt's per-rank results must not count for this one
-    env = {
-        **os.environ,
-        **SAFE_ENV,
-        "PYTHONUNBUFFERED": "1",
-        # torchrun would give every process one OpenMP thread; the host-side work (CPU optimizers,
-        # data) of every system gets its share of the cores instead
-        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // spec.gpus)),
-        # the same allocator setting for every system: less fragmentation near the limit
-        "PYTORCH_CUDA_ALLOC_CONF": os.environ.get(
-            "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"
-        ),
-    }
-    if spec.gpus > 1:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={spec.gpus}",
-            "-m",
-            "fitgpt.bench.trial",
-            str(spec_path),
-            str(result),
-        ]
-    else:
-        cmd = [sys.executable, "-m", "fitgpt.bench.trial", str(spec_path), str(result)]
+    # the environment and command line of `fitgpt train --gpus N` (fitgpt.dist.launch)
+    env = child_env(spec.gpus)
+    cmd = command(spec.gpus, "fitgpt.bench.trial", [str(spec_path), str(result)])
     log = workdir / f"{system}-{layers}.log"
     t0 = time.time()
     with open(log, "w") as logf:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from fitgpt.bench.config import BenchConfig
+from fitgpt.bench.peers import LR
 from fitgpt.dist import DistContext
 from fitgpt.engine.base import Batch
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
@@ -41,53 +42,60 @@ class System:
         return {k: (bench.checkpointing if v == "bench" else v) for k, v in self.fixed.items()}
 
 
-class EngineRunner:
-    """A fitgpt engine (or the plain torch one) behind the Runner interface."""
+class TrainerRunner:
+    """fitgpt's engines as `fitgpt train` runs them: the run is resolved and planned by the same
+    call (fitgpt.train.setup.setup_run) and each step is the trainer's own (Trainer.step_once),
+    so a setting that makes a trial fast makes `fitgpt train` fast too."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.engine = trainer.engine
 
     def step(self, micro_batches: list[Batch]) -> float:
-        return self.engine.train_step(micro_batches, lr=1e-4).loss  # ends in a host sync
+        stats, _, _ = self.trainer.step_once(micro_batches)  # ends in a host sync
+        return stats.loss
 
 
-def fitgpt_system(fixed: dict | None = None, precision: str = "auto"):
-    """fitgpt's engine with the planner choosing every field not in `fixed` (an ablation fixes
-    one technique off and lets the planner do its best with the rest)."""
+def trained(fixed: dict, precision: str = "auto"):
+    """A system run by the trainer, with the planner choosing every engine field not in `fixed`
+    (an ablation fixes one technique off and lets the planner do its best with the rest). When
+    nothing is predicted to fit, the leanest plan is tried anyway: capacity is measured, never
+    assumed."""
 
     def build(model: ModelConfig, bench: BenchConfig, ctx: DistContext) -> Runner:
-        from fitgpt.engine.factory import build_engine
+        import tempfile
 
-        # auto: bf16 on GPUs (the protocol), fp32 on CPUs (CPU bf16 is ~20x slower)
-        pcfg = PrecisionConfig(precision=precision).resolved(ctx.device.type)
-        f = {k: (bench.checkpointing if v == "bench" else v) for k, v in (fixed or {}).items()}
-        ecfg = planned(model, bench, ctx, pcfg.precision, {"engine": "zero", **f})
-        return EngineRunner(build_engine(model, ecfg, pcfg, OptimConfig(), ctx, bench.seed))
+        from fitgpt.data.config import DataConfig
+        from fitgpt.train.config import TrainConfig
+        from fitgpt.train.loop import RunConfig, Trainer
+        from fitgpt.train.setup import setup_run
+
+        train = TrainConfig(
+            steps=bench.warmup + bench.steps,
+            micro_batch=bench.micro_batch,
+            grad_accum=bench.grad_accum,
+            lr=LR,
+            min_lr=LR,
+            warmup=0,
+            eval_every=0,
+            save=False,
+            seed=bench.seed,
+            out=tempfile.mkdtemp(prefix="fitgpt-trial-"),
+            device=ctx.device.type,
+        )
+        run = RunConfig(
+            model=model,
+            data=DataConfig(data="uniform"),
+            train=train,
+            engine=EngineConfig(nvme_path=bench.nvme_path),
+            precision=PrecisionConfig(precision=precision),
+            optim=OptimConfig(),
+        )
+        f = {k: (bench.checkpointing if v == "bench" else v) for k, v in fixed.items()}
+        log = print if ctx.is_main else (lambda *_: None)
+        return TrainerRunner(Trainer(setup_run(run, ctx, f, force=True, log=log), ctx))
 
     return build
-
-
-def planned(
-    model: ModelConfig, bench: BenchConfig, ctx: DistContext, precision: str, fixed: dict
-) -> EngineConfig:
-    """The planner's plan for this trial; when nothing is predicted to fit, the leanest plan is
-    tried anyway (force): capacity is measured, never assumed."""
-    from fitgpt.plan import hardware, rates
-    from fitgpt.plan.memory import Workload
-    from fitgpt.plan.planner import choose
-
-    hw = hardware.detect(gpus=ctx.world, device=ctx.device.type, nvme=bench.nvme_path or None)
-    work = Workload(model, bench.micro_batch, ctx.world, precision, ctx.device.type)
-    chosen, _ = choose(work, bench.grad_accum, hw, rates.load(hw.gpu_name), fixed, force=True)
-    return chosen.ecfg
-
-
-def ddp(model: ModelConfig, bench: BenchConfig, ctx: DistContext) -> Runner:
-    from fitgpt.engine.factory import build_engine
-
-    ecfg = EngineConfig(engine="ddp", checkpointing=bench.checkpointing)
-    pcfg = PrecisionConfig("auto").resolved(ctx.device.type)
-    return EngineRunner(build_engine(model, ecfg, pcfg, OptimConfig(), ctx, bench.seed))
 
 
 def peer(module: str, builder: str) -> Callable[[ModelConfig, BenchConfig, DistContext], Runner]:
@@ -107,7 +115,7 @@ def _fitgpt(
     name: str, help_: str, fixed: dict | None = None, precision: str = "auto", **bench
 ) -> System:
     fixed = {"engine": "zero", **(fixed or {})}
-    return System(name, help_, fitgpt_system(fixed, precision), bench, fixed, precision)
+    return System(name, help_, trained(fixed, precision), bench, fixed, precision)
 
 
 SYSTEMS: dict[str, System] = {
@@ -141,7 +149,7 @@ SYSTEMS: dict[str, System] = {
             "ddp",
             "PyTorch: fp32 weights + fused AdamW on the GPU, bf16 autocast, DDP across "
             "ranks (the seed's baseline)",
-            ddp,
+            trained({"engine": "ddp", "checkpointing": "bench"}),
             fixed={"engine": "ddp", "checkpointing": "bench"},
         ),
         System(

@@ -27,8 +27,10 @@ from fitgpt.bench.systems import get_system
 from fitgpt.data.source import BatchLoader
 from fitgpt.data.synthetic import UniformSource
 from fitgpt.dist import init_distributed
+from fitgpt.dist.env import configure_process
 from fitgpt.errors import UserError
 from fitgpt.train.metrics import peak_flops
+from fitgpt.train.setup import OutOfMemory
 
 
 def peak_rss_bytes() -> int:
@@ -79,6 +81,8 @@ def classify(exc: BaseException) -> tuple[str, str]:
     text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
     if isinstance(exc, OverCap):
         return "oom-cap", text
+    if isinstance(exc, OutOfMemory):
+        return f"oom-{exc.where}", text
     if isinstance(exc, torch.cuda.OutOfMemoryError) or "CUDA out of memory" in str(exc):
         return "oom-gpu", text
     if isinstance(exc, MemoryError) or "host RAM" in str(exc):
@@ -128,6 +132,7 @@ def run_trial(spec: dict) -> dict:
     system = get_system(spec["system"])
     bench = BenchConfig(**{**bench.to_dict(), **system.bench_changes})
     model = bench.model(spec["layers"])
+    configure_process()  # as `fitgpt train` does, before CUDA and the process group start
     ctx = init_distributed(spec.get("device", "auto"), timeout_s=spec.get("dist_timeout", 300))
     rec = {
         "system": system.name,

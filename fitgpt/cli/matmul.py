@@ -12,17 +12,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 
 from fitgpt.cli.args import add_config_args, explicit
 from fitgpt.dist.context import init_distributed, shutdown, under_torchrun
 from fitgpt.errors import UserError
 from fitgpt.matmul.config import MatmulConfig
-
-# What every process we launch gets in its environment: NVLink SHARP (NVLS) multicast and
-# symmetric-memory multicast are off on our GPU machines (they hang there).
-LAUNCH_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
 def register(subparsers) -> None:
@@ -143,10 +138,6 @@ def forwarded_flags(args: argparse.Namespace) -> list[str]:
 
 def launch(args: argparse.Namespace) -> int:
     """Run this command again under torchrun with --gpus processes; its exit status is ours."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(args.gpus), "-m", "fitgpt", "matmul", *forwarded_flags(args),
-    ]  # fmt: skip
-    env = {**os.environ, **LAUNCH_ENV}
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.gpus)))
-    return subprocess.run(cmd, env=env).returncode
+    from fitgpt.dist.launch import relaunch
+
+    return relaunch(args.gpus, ["matmul", *forwarded_flags(args)])

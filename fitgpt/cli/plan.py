@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from fitgpt.cli.args import add_config_args, config_from_args, explicit
+from fitgpt.data.config import DataConfig
 from fitgpt.engine.config import EngineConfig, PrecisionConfig
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
@@ -33,6 +34,11 @@ def register(sub) -> None:
     )
     p.add_argument("--preset", default="tiny", help="named model config (default: tiny)")
     add_config_args(p.add_argument_group("model"), ModelConfig)
+    add_config_args(
+        p.add_argument_group("data (its tokenizer sets the vocabulary, as in `fitgpt train`)"),
+        DataConfig,
+        skip=("split",),
+    )
     p.add_argument(
         "--micro-batch", type=int, default=8, help="sequences per micro-batch per GPU (default: 8)"
     )
@@ -50,10 +56,12 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fitgpt.plan import hardware, rates
-    from fitgpt.plan.memory import Workload
+    from fitgpt.plan.memory import GPU_SAFETY_MARGIN, GiB, Workload, gpu_budget
     from fitgpt.plan.planner import choose, plan, refusal, why
 
     model = config_from_args(args, ModelConfig, get_preset(args.preset))
+    if args.data is not None or args.tokenizer is not None:
+        model = vocabulary_of(args, model)
     if args.micro_batch < 1 or args.grad_accum < 1:
         raise UserError("--micro-batch and --grad-accum must be at least 1")
     hw = hardware.detect(args.gpus, args.gpu_mem, args.cpu_mem, args.nvme, args.device)
@@ -67,6 +75,11 @@ def run(args: argparse.Namespace) -> int:
         f"{args.micro_batch} × {args.grad_accum} accumulation × seq {model.seq_len}, {prec.precision}"
     )
     print(f"machine: {hw.describe()}; rates: {r.source}")
+    if hw.device == "cuda":
+        print(
+            f"GPU budget: {gpu_budget(hw.gpu_mem) / GiB:.1f} of {hw.gpu_mem / GiB:.1f} GiB per GPU "
+            f"(a {100 * GPU_SAFETY_MARGIN:.0f}% safety margin: docs/planner.md)"
+        )
     cands = plan(work, args.grad_accum, hw, r, fixed)
     print_table(cands, work, args.grad_accum, hw)
     if not cands[0].fits:
@@ -74,6 +87,14 @@ def run(args: argparse.Namespace) -> int:
     chosen, _ = choose(work, args.grad_accum, hw, r, fixed)
     print(f"chosen: {chosen.name} — {why(chosen, cands)}")
     return 0
+
+
+def vocabulary_of(args: argparse.Namespace, model: ModelConfig) -> ModelConfig:
+    """The model with the vocabulary of the data's tokenizer, resolved as `fitgpt train` does."""
+    from fitgpt.train.setup import model_for_data
+
+    data = config_from_args(args, DataConfig, DataConfig(data=args.data or "stdlib"))
+    return model_for_data(model, data)
 
 
 def print_table(cands, work, grad_accum: int, hw) -> None:

@@ -12,14 +12,16 @@ from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
 from fitgpt.train.config import TrainConfig
 
+DEFAULT_PRESET = "tiny"
+
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
     """The flags of a run (shared by `train`, `plan` and the benchmark harness)."""
     p.add_argument(
         "--preset",
-        default="tiny",
+        default=None,
         help="named model config (see `fitgpt presets`); "
-        "the model flags below override its fields (default: tiny)",
+        f"the model flags below override its fields (default: {DEFAULT_PRESET})",
     )
     add_config_args(p.add_argument_group("model"), ModelConfig)
     add_config_args(p.add_argument_group("data"), DataConfig)
@@ -30,19 +32,47 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_config_from_args(args: argparse.Namespace):
+    """The run a fresh `fitgpt train` asks for: the preset with the model flags applied, the
+    Python standard library as data unless --data says otherwise."""
     from fitgpt.train.loop import RunConfig
 
     data = config_from_args(
         args, DataConfig, DataConfig(data="stdlib") if args.data is None else None
     )
     return RunConfig(
-        model=config_from_args(args, ModelConfig, get_preset(args.preset)),
+        model=config_from_args(args, ModelConfig, get_preset(args.preset or DEFAULT_PRESET)),
         data=data,
         train=config_from_args(args, TrainConfig),
         engine=config_from_args(args, EngineConfig),
         precision=config_from_args(args, PrecisionConfig),
         optim=config_from_args(args, OptimConfig),
     )
+
+
+def resolve_command(args: argparse.Namespace):
+    """(the run, the checkpoint to resume from or None, notes to print). With --resume the
+    checkpoint's own config is the base and the flags given are checked against it."""
+    from fitgpt.train import checkpoint as ckpt_io
+    from fitgpt.train.resume import PARTS, find_checkpoint, resumed_config
+
+    if args.resume is None:
+        return run_config_from_args(args), None, []
+    out = args.out or TrainConfig().out
+    ckpt = find_checkpoint(args.resume, out)
+    if ckpt is None:
+        note = f"--resume: {out} holds no checkpoint yet; starting a new run there"
+        return run_config_from_args(args), None, [note]
+    meta = ckpt_io.load_meta(ckpt)
+    given = {part: explicit(args, cls) for part, cls in PARTS.items()}
+    if args.resume and args.out is None:
+        given["train"]["out"] = str(ckpt.parent)  # continue in the run folder of CKPT
+    preset = get_preset(args.preset) if args.preset else None
+    run, changes = resumed_config(meta, ckpt, given, preset)
+    notes = [
+        f"resume: {ckpt} with its own config"
+        + (f"; changed {', '.join(changes)}" if changes else "")
+    ]
+    return run, ckpt, notes
 
 
 def register(sub) -> None:
@@ -90,21 +120,26 @@ def run(args: argparse.Namespace) -> int:
 
         argv = strip_flag(sys.argv[1:], "--gpus")
         return relaunch(args.gpus, argv)
-    run_cfg = run_config_from_args(args)  # validates every config before anything is allocated
+    run_cfg, ckpt, notes = resolve_command(args)  # validates every config before allocating
     from fitgpt.dist import init_distributed, shutdown
+    from fitgpt.dist.env import configure_process
     from fitgpt.train.loop import train
+    from fitgpt.train.setup import setup_run
 
+    configure_process(run_cfg.train.cpu_threads)  # before CUDA, NCCL and the first CPU kernel
     ctx = init_distributed(run_cfg.train.device, run_cfg.train.dist_timeout)
     try:
-        if args.plan == "auto":
-            from fitgpt.plan.apply import plan_engine
 
-            def log(msg: str) -> None:
-                if ctx.is_main:
-                    print(msg, flush=True)
+        def log(msg: str) -> None:
+            if ctx.is_main:
+                print(msg, flush=True)
 
-            run_cfg = plan_engine(run_cfg, ctx, explicit(args, EngineConfig), args.force, log)
-        train(run_cfg, ctx, resume=args.resume, overwrite=args.overwrite)
+        for note in notes:
+            log(note)
+        fixed = explicit(args, EngineConfig) if args.plan == "auto" else None
+        run_cfg = setup_run(run_cfg, ctx, fixed, args.force, log)
+        resume = None if ckpt is None else str(ckpt)
+        train(run_cfg, ctx, resume=resume, overwrite=args.overwrite)
     finally:
         shutdown(ctx)
     return 0

@@ -50,6 +50,14 @@ def _prefix_exists(prefix: str) -> bool:
     return Path(prefix + ".bin").is_file() and Path(prefix + ".idx").is_file()
 
 
+def data_tokenizer(cfg: DataConfig) -> Tokenizer | None:
+    """The tokenizer of a run on this data; None for synthetic data, whose vocabulary is the
+    model's own. Its vocabulary decides the model's embedding, so it is resolved before planning."""
+    if cfg.data in ("synthetic", "uniform"):
+        return None
+    return load_tokenizer(cfg.tokenizer_spec())
+
+
 def open_data(
     cfg: DataConfig, seq_len: int, vocab_size: int, seed: int
 ) -> tuple[SampleSource, SampleSource, Tokenizer | None]:
@@ -57,8 +65,8 @@ def open_data(
     from fitgpt.data.synthetic import synthetic_splits
     from fitgpt.data.text import stdlib_text, text_splits
 
+    tok = data_tokenizer(cfg)
     if cfg.data == "stdlib":
-        tok = load_tokenizer(cfg.tokenizer_spec())
         tokens = np.asarray(tok.encode(stdlib_text()), dtype=np.int32)
         return (*text_splits(tokens, seq_len, tok.vocab_size, seed), tok)
     if cfg.data in ("synthetic", "uniform"):
@@ -70,7 +78,6 @@ def open_data(
         )
     from fitgpt.data.gpt_dataset import open_megatron_splits
 
-    tok = load_tokenizer(cfg.tokenizer_spec())
     train, valid = open_megatron_splits(
         cfg.data, cfg.split, seq_len, seed, vocab_size=tok.vocab_size
     )

@@ -55,10 +55,23 @@ class BatchLoader:
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def state_dict(self) -> dict:
-        return {"position": self.position}
+        return {"position": self.position, "micro_batch": self.micro_batch, "world": self.world}
 
     def load_state_dict(self, state: dict) -> None:
-        self.position = int(state["position"])
+        """Continue where a loader stopped, also one of another micro-batch size or world size:
+        the position is re-counted from the global samples consumed."""
+        from fitgpt.errors import UserError
+
+        samples = int(state["position"]) * state.get("micro_batch", self.micro_batch)
+        samples *= state.get("world", self.world)
+        per_step = self.micro_batch * self.world
+        if samples % per_step:
+            raise UserError(
+                f"the run consumed {samples} samples, not a multiple of --micro-batch "
+                f"{self.micro_batch} × {self.world} ranks; resume with a micro-batch and rank "
+                "count whose product divides it"
+            )
+        self.position = samples // per_step
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:

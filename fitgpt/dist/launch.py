@@ -1,22 +1,21 @@
 """`--gpus N`: start torchrun's launcher on this machine with the same command minus --gpus.
 
+The one launcher of fitgpt: `train`, `probe`, `matmul`, the benchmark harness and the capacity
+search all start their processes here, with the environment of `fitgpt.dist.env.child_env`.
+
 For several machines, run `torchrun --nnodes M --node-rank i --rdzv-endpoint HOST:PORT ...
--m fitgpt train ...` on each machine instead; fitgpt joins whatever job torchrun sets up.
+-m fitgpt train ...` on each machine instead; fitgpt joins whatever job torchrun sets up, and
+every process sets itself up the same way (`fitgpt.dist.env.configure_process`).
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
-# NVLink multicast (NVLS) is kept off: on shared hosts a program using it can take the GPUs
-# out of service. It costs little for the collectives fitgpt issues.
-SAFE_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+from fitgpt.dist.env import SAFE_ENV, child_env
+
+__all__ = ["SAFE_ENV", "command", "relaunch", "strip_flag"]
 
 
 def strip_flag(argv: list[str], flag: str) -> list[str]:
@@ -34,18 +33,23 @@ def strip_flag(argv: list[str], flag: str) -> list[str]:
     return out
 
 
-def relaunch(nproc: int, argv: list[str]) -> int:
-    """Run `python -m fitgpt <argv>` under torchrun with nproc processes; return its exit code."""
-    env = {**os.environ, **{k: os.environ.get(k, v) for k, v in SAFE_ENV.items()}}
-    cmd = [
+def command(nproc: int, module: str, argv: list[str], torchrun: bool | None = None) -> list[str]:
+    """`python -m module argv` under torchrun with `nproc` processes on this machine (by default
+    only when nproc > 1: one process needs no rendezvous)."""
+    if not (nproc > 1 if torchrun is None else torchrun):
+        return [sys.executable, "-m", module, *argv]
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
         "--standalone",
+        f"--nproc-per-node={nproc}",
         "-m",
-        "fitgpt",
+        module,
         *argv,
     ]
-    return subprocess.call(cmd, env=env)
+
+
+def relaunch(nproc: int, argv: list[str], module: str = "fitgpt") -> int:
+    """Run `python -m fitgpt <argv>` under torchrun with nproc processes; return its exit code."""
+    return subprocess.call(command(nproc, module, argv, torchrun=True), env=child_env(nproc))

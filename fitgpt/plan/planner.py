@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from fitgpt.engine.config import EngineConfig
 from fitgpt.errors import UserError
 from fitgpt.plan.hardware import Hardware
-from fitgpt.plan.memory import Estimate, GiB, Workload, estimate, layout_of
+from fitgpt.plan.memory import (
+    GPU_SAFETY_MARGIN,
+    Estimate,
+    GiB,
+    Workload,
+    estimate,
+    gpu_budget,
+    layout_of,
+)
 from fitgpt.plan.rates import Rates
 from fitgpt.plan.throughput import step_time
 
@@ -87,7 +95,7 @@ def evaluate(
     est = estimate(work, ecfg, layout)
     t = step_time(work, ecfg, grad_accum, rates)
     ranks_here = hw.gpus if hw.device == "cuda" else work.world
-    gpu_short = est.compute_total - hw.gpu_mem if hw.device == "cuda" else 0
+    gpu_short = est.compute_total - gpu_budget(hw.gpu_mem) if hw.device == "cuda" else 0
     host_short = est.host_total * ranks_here - hw.cpu_mem if hw.cpu_mem else 0
     disk = sum(est.nvme.values()) * ranks_here
     disk_short = 0
@@ -203,7 +211,10 @@ def why(chosen: Candidate, cands: list[Candidate]) -> str:
     fitting = [c for c in cands if c.fits]
     if chosen.est.compute:
         budget = chosen.est.compute_total - chosen.gpu_short
-        room = f"peak {chosen.est.compute_total / GiB:.1f} of {budget / GiB:.1f} GiB per GPU"
+        room = (
+            f"peak {chosen.est.compute_total / GiB:.1f} of {budget / GiB:.1f} GiB per GPU "
+            f"(the GPU less a {100 * GPU_SAFETY_MARGIN:.0f}% safety margin)"
+        )
     else:
         room = f"{chosen.est.host_total / GiB:.1f} GiB of host RAM per rank"
     if len(fitting) == 1:
@@ -260,7 +271,8 @@ def refusal(
     need = []
     if lean.gpu_short > 0:
         need.append(
-            f"{lean.est.compute_total / GiB:.1f} GiB per GPU (has {hw.gpu_mem / GiB:.1f}, short by {lean.gpu_short / GiB:.1f})"
+            f"{lean.est.compute_total / GiB:.1f} GiB per GPU (may use {gpu_budget(hw.gpu_mem) / GiB:.1f} "
+            f"of {hw.gpu_mem / GiB:.1f}, short by {lean.gpu_short / GiB:.1f})"
         )
     if lean.host_short > 0:
         need.append(

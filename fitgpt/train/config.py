@@ -36,6 +36,14 @@ class TrainConfig:
     device: str = field(
         default="auto", metadata={"help": "auto (GPU if there is one), cuda or cpu"}
     )
+    cpu_threads: int = field(
+        default=0,
+        metadata={
+            "help": "CPU threads per process for the host optimizer and CPU compute; 0: the "
+            "cores this process may use shared out between the processes on this machine "
+            "(torchrun alone would give each one thread)"
+        },
+    )
     dist_timeout: float = field(
         default=600.0,
         metadata={
@@ -50,7 +58,7 @@ class TrainConfig:
                 raise UserError(
                     f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1"
                 )
-        for name in ("warmup", "eval_every", "eval_batches", "save_every"):
+        for name in ("warmup", "eval_every", "eval_batches", "save_every", "cpu_threads"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0")
         if self.dist_timeout <= 0:

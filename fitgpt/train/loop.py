@@ -19,7 +19,7 @@ import torch
 from fitgpt.data.config import DataConfig, open_data
 from fitgpt.data.source import BatchLoader
 from fitgpt.dist import DistContext
-from fitgpt.engine.base import Engine
+from fitgpt.engine.base import Engine, StepStats
 from fitgpt.engine.comm import CollectiveError
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
@@ -30,6 +30,7 @@ from fitgpt.train import checkpoint as ckpt_io
 from fitgpt.train.config import TrainConfig
 from fitgpt.train.metrics import MetricsLog, format_line, peak_flops
 from fitgpt.train.schedule import lr_at
+from fitgpt.train.setup import OutOfMemory, is_oom, oom_message, phase_of
 
 
 @dataclass(frozen=True)
@@ -88,10 +89,11 @@ class Trainer:
             run.data, run.model.seq_len, run.model.vocab_size, self.cfg.seed
         )
         if self.tokenizer is not None and self.tokenizer.vocab_size != run.model.vocab_size:
-            run = dataclasses.replace(
-                run, model=run.model.replace(vocab_size=self.tokenizer.vocab_size)
+            # the planner priced run.model: building another model would void its prediction
+            raise UserError(
+                f"the model's vocabulary ({run.model.vocab_size}) is not the tokenizer's "
+                f"({self.tokenizer.vocab_size}): make the run with fitgpt.train.setup.setup_run"
             )
-            self.run = run
         self.model_cfg = run.model
         run = self.run = dataclasses.replace(run, precision=run.precision.resolved(ctx.device.type))
         torch.manual_seed(self.cfg.seed + ctx.rank)  # dropout masks differ per rank, as in DDP
@@ -182,6 +184,21 @@ class Trainer:
                 os._exit(17)
             time.sleep(3600)
 
+    def step_once(self, micro: list | None = None) -> tuple[StepStats, float, float]:
+        """One optimizer step on `micro` (default: the next micro-batches of the run's data):
+        (its stats, its seconds without reading the data, its lr). The benchmark harness runs
+        these same steps on the batches every system of a sweep shares."""
+        cfg = self.cfg
+        lr = lr_at(self.step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
+        if micro is None:
+            micro = [self.loader.next() for _ in range(cfg.grad_accum)]
+        self._maybe_inject_fault()
+        t0 = time.perf_counter()
+        stats = self._guarded_step(micro, lr)  # ends in a host sync: the timing is real
+        dt = time.perf_counter() - t0
+        self.step += 1
+        return stats, dt, lr
+
     def fit(self) -> dict:
         cfg, ctx = self.cfg, self.ctx
         tokens_per_step = cfg.micro_batch * cfg.grad_accum * ctx.world * self.model_cfg.seq_len
@@ -189,18 +206,12 @@ class Trainer:
             ctx,
             f"model {self.model_cfg.num_params() / 1e6:.2f} M parameters, engine "
             f"{self.run.engine.engine}, {ctx.world} rank(s) on {ctx.device}, "
-            f"{tokens_per_step:,} tokens per step",
+            f"{tokens_per_step:,} tokens per step, {torch.get_num_threads()} CPU threads per rank",
         )
         window, losses, history = [], [], []
         on_cuda = ctx.device.type == "cuda"
         while self.step < cfg.steps:
-            lr = lr_at(self.step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
-            micro = [self.loader.next() for _ in range(cfg.grad_accum)]
-            self._maybe_inject_fault()
-            t0 = time.perf_counter()
-            stats = self._guarded_step(micro, lr)  # ends in a host sync: the timing is real
-            dt = time.perf_counter() - t0
-            self.step += 1
+            stats, dt, lr = self.step_once()
             window.append(dt)
             losses.append(stats.loss)
             self.skipped += stats.skipped
@@ -252,10 +263,18 @@ def train(
 ) -> dict:
     out = Path(run.train.out)
     prepare_run_dir(out, resume is not None, overwrite, ctx)
-    trainer = Trainer(run, ctx)
+    trainer = None
     try:
+        trainer = Trainer(run, ctx)
         if resume is not None:
             trainer.resume(Path(resume) if resume else out)
         return trainer.fit()
+    except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
+        where = is_oom(e)
+        if where is None:
+            raise
+        step = f"step {trainer.step + 1}" if trainer is not None else "start-up"
+        raise OutOfMemory(oom_message(run, ctx, where, phase_of(e, step)), where) from None
     finally:
-        trainer.engine.close()
+        if trainer is not None:
+            trainer.engine.close()

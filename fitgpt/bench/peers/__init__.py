@@ -26,7 +26,7 @@ from fitgpt.engine.config import OptimConfig
 from fitgpt.model import GPT
 from fitgpt.model.gpt import alibi_slopes
 
-LR = 1e-4  # the constant learning rate every system in a sweep trains at (systems.EngineRunner)
+LR = 1e-4  # the constant learning rate every system in a sweep trains at (systems.trained)
 
 
 def ensure_group(ctx: DistContext, timeout_s: float = 600.0) -> DistContext:

@@ -1,0 +1,138 @@
+"""Making a run ready: the one path from a RunConfig to the run that is planned and built.
+
+`fitgpt train` (however it is launched) and the benchmark harness both go through `setup_run`:
+
+    configure_process ─> resolve_run (vocabulary, precision) ─> plan_engine ─> Trainer
+
+so the planner prices exactly the model the engine builds. Before this, the trainer swapped the
+tokenizer's vocabulary in after planning: a 38-layer model with GPT-2's 50,304-row embedding was
+planned with the tiny preset's 256 rows and ran out of GPU memory at its first forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+
+import torch
+
+from fitgpt.dist import DistContext
+from fitgpt.errors import UserError
+
+
+class OutOfMemory(UserError):
+    """A run ran out of GPU or host memory; the message names what, where, and what would fit."""
+
+    def __init__(self, msg: str, where: str) -> None:
+        super().__init__(msg)
+        self.where = where  # "gpu" or "host"
+
+
+def model_for_data(model, data):
+    """The model config with the vocabulary of the data's tokenizer (synthetic data keeps the
+    model's own)."""
+    from fitgpt.data.config import data_tokenizer
+
+    tok = data_tokenizer(data)
+    if tok is not None and tok.vocab_size != model.vocab_size:
+        return model.replace(vocab_size=tok.vocab_size)
+    return model
+
+
+def resolve_run(run, device_type: str):
+    """`run` with everything that changes the model settled: the vocabulary (model_for_data)
+    and the precision for this device."""
+    return dataclasses.replace(
+        run,
+        model=model_for_data(run.model, run.data),
+        precision=run.precision.resolved(device_type),
+    )
+
+
+def setup_run(run, ctx: DistContext, fixed: dict | None, force: bool = False, log=print):
+    """The run as it will be built: resolved, then planned (`fixed`: the engine fields the user
+    set; None: no planning, the engine config is used as given)."""
+    run = resolve_run(run, ctx.device.type)
+    if fixed is None:
+        return run
+    from fitgpt.plan.apply import plan_engine
+
+    return plan_engine(run, ctx, fixed, force, log)
+
+
+# ---- out of memory ---------------------------------------------------------------------------
+def is_oom(e: BaseException) -> str | None:
+    """'gpu', 'host' or None: whether an exception is running out of memory, and of which."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return "gpu"
+    text = str(e)
+    if isinstance(e, MemoryError) or "can't allocate memory" in text:
+        return "host"
+    if isinstance(e, RuntimeError) and "CUDA error: out of memory" in text:
+        return "gpu"
+    return None
+
+
+def phase_of(e: BaseException, default: str) -> str:
+    """Which part of a step failed, read from the frames the exception passed through."""
+    names = [f.name for f in traceback.extract_tb(e.__traceback__)]
+    for key, phase in (
+        ("_update", "the optimizer update"),
+        ("backward", "the backward pass"),
+        ("forward", "the forward pass"),
+        ("save", "the checkpoint write"),
+        ("__init__", "building the engine"),
+    ):
+        if any(key in n for n in reversed(names)):
+            return f"{phase} ({default})"
+    return default
+
+
+def oom_message(run, ctx: DistContext, where: str, phase: str) -> str:
+    """One line: what ran out, at which phase, the plan's prediction, and a plan that would fit."""
+    from fitgpt.plan import hardware, rates
+    from fitgpt.plan.memory import GiB, Workload, estimate
+    from fitgpt.plan.planner import choose
+
+    work = Workload(
+        run.model, run.train.micro_batch, ctx.world, run.precision.precision, ctx.device.type
+    )
+    est = estimate(work, run.engine)
+    if where == "gpu":
+        predicted = f"the plan predicted {est.compute_total / GiB:.1f} GiB per GPU"
+    else:
+        predicted = f"the plan predicted {est.host_total / GiB:.1f} GiB of host RAM per rank"
+    hw = hardware.detect(gpus=ctx.world, device=ctx.device.type)
+    # what the planner picks when what ran out holds 15% less than the plan predicted it needs
+    if where == "gpu" and est.compute:
+        hw = dataclasses.replace(hw, gpu_mem=int(0.85 * min(hw.gpu_mem, est.compute_total)))
+    else:
+        need = est.host_total * (hw.gpus if hw.device == "cuda" else ctx.world)
+        hw = dataclasses.replace(hw, cpu_mem=int(0.85 * min(hw.cpu_mem or need, need)))
+    try:
+        lean, _ = choose(work, run.train.grad_accum, hw, rates.load(hw.gpu_name))
+        advice = f"a plan that needs 15% less: {engine_flags(lean.ecfg)}"
+    except UserError:
+        advice = (
+            "no plan needs 15% less at this size: train fewer layers or a smaller --micro-batch"
+        )
+    what = "GPU memory" if where == "gpu" else "host RAM"
+    return f"ran out of {what} during {phase}; {predicted}; {advice}"
+
+
+def engine_flags(ecfg) -> str:
+    """The command-line flags that select this engine config (the fields off their defaults)."""
+    from fitgpt.engine.config import EngineConfig
+
+    base = EngineConfig()
+    out = []
+    for f in dataclasses.fields(EngineConfig):
+        v = getattr(ecfg, f.name)
+        if v == getattr(base, f.name) and f.name not in ("engine", "zero_stage"):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(flag if v else f"--no-{flag[2:]}")
+        else:
+            out.append(f"{flag} {round(v, 4) if isinstance(v, float) else v}")
+    return " ".join(out)
