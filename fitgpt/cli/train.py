@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from fitgpt.cli.args import add_config_args, config_from_args, explicit
@@ -109,10 +110,22 @@ def register(sub) -> None:
     p.add_argument(
         "--force", action="store_true", help="train even if the planner predicts it will not fit"
     )
+    p.add_argument(
+        "--cpu-mem",
+        default=None,
+        help="host RAM the run may fill, e.g. 240GB (default: what the kernel reports available, "
+        "less a 5%% reserve); for machines that report less RAM than they give",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.cpu_mem is not None:
+        from fitgpt.plan.hardware import parse_bytes
+
+        if parse_bytes(args.cpu_mem, "--cpu-mem") <= 0:
+            raise UserError(f"--cpu-mem {args.cpu_mem} must be a positive size, e.g. 240GB")
+        os.environ["FITGPT_CPU_MEM"] = args.cpu_mem  # the planner, the engine and every rank
     if args.gpus is not None:
         if args.gpus < 1:
             raise UserError(f"--gpus {args.gpus} must be at least 1")

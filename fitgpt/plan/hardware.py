@@ -49,7 +49,11 @@ HOST_RESERVE_MIN = 4 << 30
 
 
 def host_usable() -> int:
-    """The host bytes a plan may fill now (0 when unknown)."""
+    """The host bytes a plan may fill now (0 when unknown): FITGPT_CPU_MEM when the user stated
+    it (`fitgpt train --cpu-mem`), else what the kernel says is available less a reserve."""
+    stated = os.environ.get("FITGPT_CPU_MEM")
+    if stated:
+        return parse_bytes(stated, "--cpu-mem")
     avail = host_available()
     return max(0, avail - max(HOST_RESERVE_MIN, int(HOST_RESERVE_FRACTION * avail))) if avail else 0
 

@@ -1,0 +1,226 @@
+"""Issue 10's scenario: the commands a user types, at the sizes fitgpt exists for.
+
+Every step is a `fitgpt` command line (run as `python3 -m fitgpt`, which is what the installed
+`fitgpt` script does), on data made by `fitgpt data preprocess` from real text (the Python
+standard library's own source, GPT-2's tokenizer). Each step's command, exit status, wall time,
+last lines of output, and the figures of its run folder (median step time after two warm-up
+steps, TFLOP/s, GPU peak, the planner's prediction) go to one JSON line in $OUT/user_path.jsonl;
+a table is printed last.
+
+    python3 benchmarks/user_path.py h100 --out $OUT     # nvidia-h100-x1: ~8 B, checkpoint, resume,
+                                                       #   generate, export; the harness beside it
+    python3 benchmarks/user_path.py x2 --out $OUT       # nvidia-h200-x2: --gpus 2 at 20 B and the
+                                                       #   largest size the planner accepts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+WORK = Path(os.environ.get("USER_PATH_WORK", "/tmp/user_path"))
+DATA = WORK / "data" / "pystd"
+# ANCHORS' batch: micro-batch 8 x 4 accumulation steps x seq 1024 per GPU
+BATCH = ["--micro-batch", "8", "--grad-accum", "4", "--eval-every", "0"]
+EIGHT_B = ["--preset", "6.7b", "--layers", "38"]  # 7.86 B with GPT-2's vocabulary, tied head
+
+
+def fitgpt(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "fitgpt", *argv]
+
+
+def step(out: Path, name: str, cmd: list[str], run_dir: Path | None = None, **extra) -> dict:
+    """Run one command as a user would; record what it printed and what its run folder holds."""
+    t0 = time.time()
+    print(f"\n$ {' '.join(cmd[2:])}", flush=True)
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    rec = {
+        "name": name,
+        "command": "fitgpt " + " ".join(cmd[3:]),
+        "rc": p.returncode,
+        "wall_s": round(time.time() - t0, 1),
+        "stdout_tail": p.stdout[-3000:],
+        "stderr_tail": p.stderr[-3000:],
+        "traceback": "Traceback" in p.stderr,
+        **extra,
+    }
+    print(p.stdout[-1500:], p.stderr[-1500:], sep="\n", flush=True)
+    if run_dir is not None:
+        rec.update(run_figures(run_dir, p.stdout))
+    with open(out / "user_path.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    return rec
+
+
+def run_figures(run_dir: Path, stdout: str) -> dict:
+    """Median step figures after two warm-up steps (metrics.jsonl at --log-every 1), and the plan
+    line the command printed."""
+    out: dict = {}
+    m = re.search(r"plan: (.*?) \(predicted ([\d.]+) GiB per rank, ([\d.]+) s/step\)", stdout)
+    if m:
+        out.update(plan=m.group(1), predicted_gib=float(m.group(2)), predicted_s=float(m.group(3)))
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return out
+    recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    train = [r for r in recs if r.get("kind") == "train"]
+    timed = train[2:] or train
+    if timed:
+        ms = statistics.median(r["ms_per_step"] for r in timed)
+        out.update(
+            steps=[r["step"] for r in train],
+            losses=[r["loss"] for r in train],
+            step_s=ms / 1000,
+            tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
+            tflops=statistics.median(r.get("tflops", 0) for r in timed),
+            peak_gib=max(r.get("peak_gib", 0) for r in train),
+        )
+    return out
+
+
+def make_data(out: Path) -> None:
+    """Real text as JSONL (one document per standard-library file), preprocessed with GPT-2."""
+    if DATA.with_suffix(".bin").is_file():
+        return
+    DATA.parent.mkdir(parents=True, exist_ok=True)
+    src = DATA.parent / "pystd.jsonl"
+    root = Path(sysconfig.get_paths()["stdlib"])
+    with open(src, "w") as f:
+        for p in sorted(root.rglob("*.py")):
+            try:
+                f.write(json.dumps({"text": p.read_text(encoding="utf-8")}) + "\n")
+            except (UnicodeDecodeError, OSError):
+                continue
+    step(
+        out,
+        "preprocess",
+        fitgpt(
+            "data", "preprocess", "--input", str(src), "--json-key", "text",
+            "--output-prefix", str(DATA), "--workers", "8", "--append-eod",
+        ),
+    )  # fmt: skip
+
+
+def h100(out: Path) -> None:
+    make_data(out)
+    runs = WORK / "runs"
+    shutil.rmtree(runs, ignore_errors=True)
+    eight = runs / "8b"
+    common = [*EIGHT_B, "--data", str(DATA), *BATCH, "--log-every", "1"]
+    # 1. as a new user types it: the full checkpoint (~94 GB) cannot fit the 64 GB disk
+    step(out, "8b refused", fitgpt("train", *common, "--steps", "6", "--out", str(eight)))
+    # 2. with the option the refusal names: weights-only checkpoints
+    step(
+        out,
+        "8b train",
+        fitgpt("train", *common, "--steps", "6", "--save-optimizer", "none", "--out", str(eight)),
+        run_dir=eight,
+    )
+    # 3. resume by the run folder alone (the optimizer restarts: weights-only checkpoint)
+    step(
+        out,
+        "8b resume",
+        fitgpt("train", "--out", str(eight), "--resume", "--steps", "10", "--no-save"),
+        run_dir=eight,
+    )
+    step(
+        out,
+        "8b generate",
+        fitgpt("generate", "--ckpt", str(eight), "--prompt", "def main(", "--max-new-tokens", "40"),
+    )
+    step(
+        out,
+        "8b export hf",
+        fitgpt(
+            "export", "--ckpt", str(eight), "--format", "hf", "--dtype", "bf16",
+            "--out", str(runs / "8b-hf"),
+        ),
+    )  # fmt: skip
+    shutil.rmtree(runs, ignore_errors=True)
+    # 4. the harness, same model and batch (tied head, GPT-2 vocabulary), random tokens
+    sweep = out / "harness_8b.jsonl"
+    step(
+        out,
+        "8b harness",
+        fitgpt(
+            "bench", "sweep", "--systems", "fitgpt", "--sizes", "38", "--hidden", "4096",
+            "--heads", "32", "--tie-embeddings", "--micro-batch", "8", "--grad-accum", "4",
+            "--warmup", "2", "--steps", "4", "--out", str(sweep),
+        ),
+    )  # fmt: skip
+
+
+def x2(out: Path) -> None:
+    make_data(out)
+    runs = WORK / "runs"
+    shutil.rmtree(runs, ignore_errors=True)
+    common = ["--data", str(DATA), *BATCH, "--log-every", "1", "--no-save", "--steps", "6"]
+    twenty = runs / "20b"
+    step(
+        out,
+        "20b --gpus 2",
+        fitgpt("train", "--gpus", "2", "--preset", "20b", *common, "--out", str(twenty)),
+        run_dir=twenty,
+    )
+    # the largest 20b-shaped model the planner accepts on this machine
+    layers = largest_layers()
+    big = runs / "largest"
+    step(
+        out,
+        f"largest --gpus 2 ({layers} layers)",
+        fitgpt(
+            "train", "--gpus", "2", "--preset", "20b", "--layers", str(layers), *common,
+            "--out", str(big),
+        ),
+        run_dir=big,
+        layers=layers,
+    )  # fmt: skip
+
+
+def largest_layers() -> int:
+    """What `fitgpt plan` names as the most layers of the 20b preset's width that fit here."""
+    cmd = fitgpt(
+        "plan", "--preset", "20b", "--layers", "400", "--gpus", "2", "--tokenizer", "gpt2",
+        "--micro-batch", "8", "--grad-accum", "4",
+    )  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    m = re.search(r"what fits: (\d+) layers", p.stderr + p.stdout)
+    if not m:
+        raise SystemExit(f"no size found in: {p.stderr[-500:]}")
+    return int(m.group(1))
+
+
+def table(out: Path) -> None:
+    rows = [json.loads(x) for x in (out / "user_path.jsonl").read_text().splitlines()]
+    print("\n| step | rc | wall s | step s | predicted s | TFLOP/s | peak GiB | predicted GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['name']} | {r['rc']} | {r['wall_s']} | {r.get('step_s', '')} | "
+            f"{r.get('predicted_s', '')} | {r.get('tflops', '')} | {r.get('peak_gib', '')} | "
+            f"{r.get('predicted_gib', '')} |"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("machine", choices=["h100", "x2"])
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    {"h100": h100, "x2": x2}[a.machine](out)
+    table(out)
+
+
+if __name__ == "__main__":
+    main()
