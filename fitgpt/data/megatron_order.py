@@ -22,12 +22,14 @@ documents of T tokens in all, sequence length S and seed:
 
 Only the seed, not the split, seeds the RandomState: Megatron gives every split the same seed.
 Everything is vectorised numpy; `MegatronSamples` reads a batch with one gather from the
-memory-mapped .bin. Building costs what Megatron's does (the two RandomState shuffles dominate:
-about 0.2 s per million document-index entries or samples on a quiet 2-core box), so, like
-Megatron, large indices are cached: as .npy files in PREFIX.index-cache/, named by everything
-they depend on, written under temporary names and memory-mapped when read (a node's ranks
-share the pages). Samples past N do not exist in Megatron (its dataset has N samples and an
-index past them is an error), so `get` raises a UserError for them instead of wrapping.
+memory-mapped .bin. Building costs what Megatron's does, the RandomState shuffles dominating: a
+split of 10M documents with 2.4M samples takes 1.7 s of CPU (Megatron's own code, C++ sample
+index included: 1.8 s), 2 epochs of it with 9.8M samples 4.7 s. So, like Megatron, large indices
+are cached: as .npy files in PREFIX.index-cache/, named by everything they depend on, written
+under temporary names and memory-mapped when read (a node's ranks share the pages).
+
+Samples past N do not exist in Megatron (its dataset has N samples and an index past them is an
+error), so `get` raises a UserError for them instead of wrapping into another epoch.
 """
 
 from __future__ import annotations
