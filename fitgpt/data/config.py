@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -26,14 +27,30 @@ class DataConfig:
     tokenizer: str = field(
         default="auto",
         metadata={
-            "help": "bytes, gpt2, or VOCAB.json,MERGES.txt; auto: bytes for stdlib, gpt2 else"
+            "help": "bytes, gpt2, VOCAB.json,MERGES.txt, a tokenizer.json or a directory holding "
+            "one (or vocab.json + merges.txt); none: pre-tokenized data, ids < --vocab-size; "
+            "auto: bytes for stdlib, gpt2 else"
         },
     )
     split: str = field(
         default="969,30,1", metadata={"help": "train,valid,test weights for a Megatron dataset"}
     )
+    sample_order: Literal["fitgpt", "megatron"] = field(
+        default="fitgpt",
+        metadata={
+            "help": "order of a Megatron dataset's samples: fitgpt (epochs reshuffled, no end) or "
+            "megatron (Megatron-LM GPTDataset's order for the same seed, split and seq_len)"
+        },
+    )
 
     def __post_init__(self) -> None:
+        if self.sample_order not in ("fitgpt", "megatron"):
+            raise UserError(f"--sample-order {self.sample_order!r}: use fitgpt or megatron")
+        if self.tokenizer == "none" and self.data == "stdlib":
+            raise UserError(
+                "--tokenizer none is for pre-tokenized .bin/.idx data; stdlib is text and needs "
+                "a tokenizer (bytes, gpt2, ...)"
+            )
         if self.data not in BUILTIN and not _prefix_exists(self.data):
             raise UserError(
                 f"--data {self.data}: not one of {', '.join(BUILTIN)} and no {self.data}.bin/.idx "
@@ -51,17 +68,26 @@ def _prefix_exists(prefix: str) -> bool:
 
 
 def data_tokenizer(cfg: DataConfig) -> Tokenizer | None:
-    """The tokenizer of a run on this data; None for synthetic data, whose vocabulary is the
-    model's own. Its vocabulary decides the model's embedding, so it is resolved before planning."""
-    if cfg.data in ("synthetic", "uniform"):
-        return None
+    """The tokenizer of a run on this data; None for synthetic and pre-tokenized data, whose
+    vocabulary is the model's own. Its vocabulary decides the model's embedding, so it is resolved before planning."""
+    if cfg.data in ("synthetic", "uniform") or cfg.tokenizer_spec() == "none":
+        return None  # none: pre-tokenized data, the model's vocabulary bounds the ids
     return load_tokenizer(cfg.tokenizer_spec())
 
 
 def open_data(
-    cfg: DataConfig, seq_len: int, vocab_size: int, seed: int
+    cfg: DataConfig,
+    seq_len: int,
+    vocab_size: int,
+    seed: int,
+    *,
+    num_samples: tuple[int | None, int | None] = (None, None),
 ) -> tuple[SampleSource, SampleSource, Tokenizer | None]:
-    """(train, valid, tokenizer). `vocab_size` is the model's, used only by synthetic data."""
+    """(train, valid, tokenizer). `vocab_size` is the model's: synthetic data uses it, and with
+    `--tokenizer none` it is the vocabulary the .bin is checked against (the tokenizer is None).
+    `num_samples` (train, valid) are the samples the run will draw; only `--sample-order
+    megatron` uses them, since Megatron fixes its order for the run's length (None: one epoch).
+    """
     from fitgpt.data.synthetic import synthetic_splits
     from fitgpt.data.text import stdlib_text, text_splits
 
@@ -79,6 +105,13 @@ def open_data(
     from fitgpt.data.gpt_dataset import open_megatron_splits
 
     train, valid = open_megatron_splits(
-        cfg.data, cfg.split, seq_len, seed, vocab_size=tok.vocab_size
+        cfg.data,
+        cfg.split,
+        seq_len,
+        seed,
+        vocab_size=vocab_size if tok is None else tok.vocab_size,
+        vocab_source="--vocab-size" if tok is None else "tokenizer",
+        sample_order=cfg.sample_order,
+        num_samples=num_samples,
     )
     return train, valid, tok

@@ -1,8 +1,8 @@
 """GPT samples from a Megatron .bin/.idx pair: train/valid/test splits, any number of epochs.
 
-Splits are contiguous document ranges, in file order (Megatron's semantics): with weights w and D
-documents, split i holds documents [round(D·W_i), round(D·W_{i+1})) where W is the cumulative
-weight fraction. A split with weight > 0 that gets no document is an error naming every count and
+Splits are contiguous document ranges, in file order, with Megatron's exact boundaries: with weights
+w and D documents, split i holds documents [round(D·W_i), round(D·W_{i+1})) where W is the
+cumulative weight fraction and round is Python's (half to even), see `split_ranges`. A split with weight > 0 that gets no document is an error naming every count and
 suggesting weights that work; weight 0 means "no such split". (For GPT, Megatron's unit is the
 sequence; preprocessing writes one sequence per document, so the two agree.)
 
@@ -33,11 +33,15 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fitgpt.data.indexed import IndexedDataset
 from fitgpt.errors import UserError
+
+if TYPE_CHECKING:
+    from fitgpt.data.source import SampleSource  # imports torch, which the data tools never need
 
 SPLITS = ("train", "valid", "test")
 EPOCHS_KEPT = 2  # a batch can straddle one epoch boundary: keep the two epochs it touches
@@ -58,10 +62,21 @@ def parse_split(split: str) -> tuple[float, float, float]:
 
 
 def split_ranges(split: str, num_docs: int) -> dict[str, tuple[int, int]]:
-    """Document range [lo, hi) of each split; raises if a weighted split gets no document."""
+    """Document range [lo, hi) of each split; raises if a weighted split gets no document.
+
+    Megatron-LM's arithmetic, float for float (megatron/core/datasets: `normalize` in utils.py,
+    `convert_split_vector_to_split_matrix` in blended_megatron_dataset_config.py, and
+    `BlendedMegatronDatasetBuilder._build_megatron_dataset_splits`): the weights are divided by
+    their numpy sum, the bookends are running Python float sums of those fractions (the last one
+    is not forced to 1.0), and each bookend b becomes round(b * D): Python's round, half to
+    even, so 90,10,0 over 25 documents gives train [0, 22), not [0, 23).
+    """
     w = parse_split(split)
-    cum = np.cumsum(w) / sum(w)
-    bounds = [0, *(math.floor(num_docs * c + 0.5) for c in cum[:-1]), num_docs]
+    fractions = (np.array(w, dtype=np.float64) / np.sum(w)).tolist()
+    bookends = [0.0]
+    for f in fractions:
+        bookends.append(bookends[-1] + f)
+    bounds = [round(b * float(num_docs)) for b in bookends]  # Python floats: half to even
     ranges = {name: (bounds[i], bounds[i + 1]) for i, name in enumerate(SPLITS)}
     empty = [n for n, wi in zip(SPLITS, w) if wi > 0 and ranges[n][0] == ranges[n][1]]
     if empty:
@@ -90,26 +105,68 @@ def _suggest(w: tuple[float, float, float], num_docs: int) -> str:
 
 
 def open_megatron_splits(
-    prefix: str, split: str, seq_len: int, seed: int, *, vocab_size: int | None = None
-) -> tuple[GPTSamples, GPTSamples]:
-    """(train, valid) sources of the .bin/.idx pair at `prefix`."""
+    prefix: str,
+    split: str,
+    seq_len: int,
+    seed: int,
+    *,
+    vocab_size: int | None = None,
+    vocab_source: str = "tokenizer",
+    sample_order: str = "fitgpt",
+    num_samples: tuple[int | None, int | None] = (None, None),
+) -> tuple[SampleSource, SampleSource]:
+    """(train, valid) sources of the .bin/.idx pair at `prefix`.
+
+    vocab_source ("tokenizer" or "--vocab-size") only words the error when the data holds an id
+    >= vocab_size. num_samples (train, valid) is used by sample_order "megatron" alone, which
+    fixes the order for that many samples up front (None: one epoch).
+    """
     if parse_split(split)[1] == 0:
         raise UserError(
             f"--split {split} gives the valid split weight 0, but training validates; "
             "give it a weight, e.g. --split 969,30,1"
         )
     data = IndexedDataset(prefix)
-    vocab = _vocab_size(data, vocab_size)
-    train = GPTSamples(data, split, "train", seq_len, seed, vocab)
-    return train, GPTSamples(data, split, "valid", seq_len, seed, vocab)
+    vocab = _vocab_size(data, vocab_size, vocab_source)
+    args = (data, split, seq_len, seed, vocab, sample_order)
+    return _samples(*args, "train", num_samples[0]), _samples(*args, "valid", num_samples[1])
 
 
 def open_megatron_split(
-    prefix: str, split: str, name: str, seq_len: int, seed: int, *, vocab_size: int | None = None
-) -> GPTSamples:
+    prefix: str,
+    split: str,
+    name: str,
+    seq_len: int,
+    seed: int,
+    *,
+    vocab_size: int | None = None,
+    vocab_source: str = "tokenizer",
+    sample_order: str = "fitgpt",
+    num_samples: int | None = None,
+) -> SampleSource:
     """One split ('train', 'valid' or 'test') of the .bin/.idx pair at `prefix`."""
     data = IndexedDataset(prefix)
-    return GPTSamples(data, split, name, seq_len, seed, _vocab_size(data, vocab_size))
+    vocab = _vocab_size(data, vocab_size, vocab_source)
+    return _samples(data, split, seq_len, seed, vocab, sample_order, name, num_samples)
+
+
+def _samples(
+    data: IndexedDataset,
+    split: str,
+    seq_len: int,
+    seed: int,
+    vocab: int,
+    order: str,
+    name: str,
+    num_samples: int | None,
+) -> SampleSource:
+    if order == "fitgpt":
+        return GPTSamples(data, split, name, seq_len, seed, vocab)
+    if order == "megatron":
+        from fitgpt.data.megatron_order import MegatronSamples  # it imports this module
+
+        return MegatronSamples(data, split, name, seq_len, seed, vocab, num_samples)
+    raise UserError(f"--sample-order {order!r}: use fitgpt or megatron")
 
 
 @dataclass
@@ -267,17 +324,22 @@ def _save_atomic(path: Path, a: np.ndarray) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _vocab_size(data: IndexedDataset, vocab_size: int | None) -> int:
-    """The tokenizer's vocabulary (checked against the data), else the largest token + 1."""
+def _vocab_size(data: IndexedDataset, vocab_size: int | None, source: str = "tokenizer") -> int:
+    """The given vocabulary (checked against the data), else the largest token + 1."""
     top = max_token(data)
     if vocab_size is None:
         return top + 1
-    if top >= vocab_size:
+    if top < vocab_size:
+        return vocab_size
+    if source == "tokenizer":
         raise UserError(
             f"{data.prefix}.bin holds token id {top} but the tokenizer has {vocab_size} tokens; "
             "pass the --tokenizer the data was made with"
         )
-    return vocab_size
+    raise UserError(
+        f"{data.prefix}.bin holds token id {top} but --vocab-size is {vocab_size}; "
+        f"pass --vocab-size {top + 1} or more"
+    )
 
 
 def max_token(data: IndexedDataset) -> int:

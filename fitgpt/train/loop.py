@@ -85,8 +85,15 @@ class Trainer:
     def __init__(self, run: RunConfig, ctx: DistContext) -> None:
         self.run, self.ctx, self.cfg = run, ctx, run.train
         self.out = Path(self.cfg.out)
+        c = self.cfg
+        # the samples this run draws (Megatron's sample order is fixed for a run's length)
+        per_batch = c.micro_batch * ctx.world
         train_src, self.val_src, self.tokenizer = open_data(
-            run.data, run.model.seq_len, run.model.vocab_size, self.cfg.seed
+            run.data,
+            run.model.seq_len,
+            run.model.vocab_size,
+            c.seed,
+            num_samples=(c.steps * c.grad_accum * per_batch, c.eval_batches * per_batch),
         )
         if self.tokenizer is not None and self.tokenizer.vocab_size != run.model.vocab_size:
             # the planner priced run.model: building another model would void its prediction
