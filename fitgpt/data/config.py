@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fitgpt.data.source import SampleSource
+from fitgpt.data import sidecar
 from fitgpt.data.tokenizer import Tokenizer, load_tokenizer
 from fitgpt.errors import UserError
+
+if TYPE_CHECKING:  # source.py imports torch (~4 s on a busy 2-core box): not for `fitgpt --help`
+    from fitgpt.data.source import SampleSource
 
 BUILTIN = ("stdlib", "synthetic", "uniform")
 
@@ -26,7 +30,8 @@ class DataConfig:
     tokenizer: str = field(
         default="auto",
         metadata={
-            "help": "bytes, gpt2, or VOCAB.json,MERGES.txt; auto: bytes for stdlib, gpt2 else"
+            "help": "bytes, gpt2, VOCAB.json,MERGES.txt, or a DIR; auto: for a PREFIX the one "
+            "recorded with the data (gpt2 if none), bytes for stdlib, gpt2 else"
         },
     )
     split: str = field(
@@ -41,8 +46,16 @@ class DataConfig:
             )
 
     def tokenizer_spec(self) -> str:
+        """The tokenizer spec this data trains with: --tokenizer when given; for auto, a
+        Megatron PREFIX's recorded tokenizer (fitgpt/data/sidecar.py: its absolute spec if that
+        loads with the recorded fingerprint, else the spec as given), else bytes for stdlib and
+        gpt2 for the rest (a PREFIX without a record, or one of fake data)."""
         if self.tokenizer != "auto":
             return self.tokenizer
+        if self.data not in BUILTIN:
+            recorded = sidecar.recorded_tokenizer(self.data)
+            if recorded is not None:
+                return recorded.name
         return "bytes" if self.data == "stdlib" else "gpt2"
 
 
@@ -71,6 +84,7 @@ def open_data(
     from fitgpt.data.gpt_dataset import open_megatron_splits
 
     tok = load_tokenizer(cfg.tokenizer_spec())
+    sidecar.check(cfg.data, tok, "cannot train on it")  # an explicit --tokenizer must match
     train, valid = open_megatron_splits(
         cfg.data, cfg.split, seq_len, seed, vocab_size=tok.vocab_size
     )
