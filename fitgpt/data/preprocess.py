@@ -126,6 +126,7 @@ class PreprocessReport:
     dropped_empty: int = 0  # documents with no tokens
     replaced_utf8: int = 0  # lines kept with U+FFFD in place of bad bytes
     shown: list[str] = field(default_factory=list)  # the first problems, as FILE:LINE: message
+    printed: int = 0  # of `shown`, printed as warnings so far
 
     @property
     def tokens_per_s(self) -> float:
@@ -181,12 +182,14 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessReport:
         ) as out,
     ):
         for chunk in out:
-            _take(chunk, writer, report, cfg, bar)
+            _take(chunk, writer, report, cfg)
+            _warn(report, bar)
             report.seconds = time.perf_counter() - start
             docs, toks, mbps = report.documents, report.tokens, report.mb_per_s
             bar.update(task, completed=raw.tell(), docs=docs, tokens=toks, mbps=mbps)
         for line, err in damage:
-            _damaged(cfg, report, bar, line, err)
+            _damaged(cfg, report, line, err)
+        _warn(report, bar)
         if report.documents == 0:  # raised inside `with`: the writer removes its temporaries
             raise _no_documents(cfg, report)
     report.seconds = time.perf_counter() - start
@@ -194,21 +197,14 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessReport:
     return report
 
 
-def _damaged(cfg: PreprocessConfig, report: PreprocessReport, bar, line: int, err: str) -> None:
+def _damaged(cfg: PreprocessConfig, report: PreprocessReport, line: int, err: str) -> None:
     where = f"{cfg.input}:{line}: the gzip stream is damaged here ({err})"
     if cfg.on_error == "fail":
         raise UserError(
             f"{where}; repair the file, or pass --on-error skip to keep the lines before"
         )
-    _problem(
-        cfg,
-        report,
-        bar,
-        line,
-        "damaged gzip stream (rest of file)",
-        where + "; the rest is skipped",
-        "skip",
-    )
+    why, msg = "damaged gzip stream (rest of file)", where + "; the rest is skipped"
+    _problem(cfg, report, line, why, msg, "skip")
 
 
 def _no_documents(cfg: PreprocessConfig, report: PreprocessReport) -> UserError:
@@ -227,9 +223,9 @@ def _no_documents(cfg: PreprocessConfig, report: PreprocessReport) -> UserError:
 
 
 def _problem(
-    cfg: PreprocessConfig, report: PreprocessReport, bar, line: int, why: str, msg: str, policy
+    cfg: PreprocessConfig, report: PreprocessReport, line: int, why: str, msg: str, policy: str
 ) -> None:
-    """Count (and show the first MAX_SHOWN of) one skipped line, or stop under policy 'fail'."""
+    """Count (and keep the first MAX_SHOWN of) one skipped line, or stop under policy 'fail'."""
     where = msg if msg.startswith(f"{cfg.input}:") else f"{cfg.input}:{line}: {msg}"
     if policy == "fail":
         fix = "--on-bad-utf8 replace" if why == "invalid UTF-8" else "--on-error skip"
@@ -237,15 +233,23 @@ def _problem(
     report.skipped[why] += 1
     if len(report.shown) < MAX_SHOWN:
         report.shown.append(where)
-        bar.console.print(f"warning: {where}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _warn(report: PreprocessReport, bar) -> None:
+    """Print the problems kept since the last call, once there is a document: an input that
+    gives none ends in one error line (naming the first problem) instead of a page of warnings."""
+    if report.documents:
+        for where in report.shown[report.printed :]:
+            bar.console.print(f"warning: {where}", markup=False, highlight=False, soft_wrap=True)
+        report.printed = len(report.shown)
 
 
 def _take(
-    chunk: _Chunk, writer: IndexedWriter, report: PreprocessReport, cfg: PreprocessConfig, bar
+    chunk: _Chunk, writer: IndexedWriter, report: PreprocessReport, cfg: PreprocessConfig
 ) -> None:
     """Account for one encoded chunk (in input order) and append its documents."""
     for line, why, message, fatal in chunk.problems:
-        _problem(cfg, report, bar, line, why, message, "fail" if fatal else "skip")
+        _problem(cfg, report, line, why, message, "fail" if fatal else "skip")
     writer.add(chunk.tokens, chunk.lengths)
     report.documents += len(chunk.lengths)
     report.tokens += int(chunk.tokens.size)
