@@ -323,15 +323,14 @@ def _children(pid: int) -> dict[int, str]:
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
         if int(fields[1]) == pid and fields[0] != "Z":
-            out[int(stat.parent.name)] = cmd
+            out[int(stat.parent.name)] = _cmdline(int(stat.parent.name))
     return out
 
 
-def _children_cmd(pid: int) -> str:
+def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
@@ -373,5 +372,5 @@ def test_workers_exit_when_the_parent_is_killed(tmp_path):
     finally:  # on failure, leave no stray process behind
         parent.kill()
         for p, c in kids.items():  # only if still the same program (pids are reused)
-            if _alive(p) and _children_cmd(p) == c:
+            if _alive(p) and _cmdline(p) == c:
                 os.kill(p, signal.SIGKILL)
