@@ -15,7 +15,13 @@ N sequences and M document-index entries (M = documents + 1), is:
 
 GPT preprocessing writes one sequence per document, so the document index is 0, 1, ..., N.
 docs/data.md has the same table. Files are written under temporary names and renamed when
-complete (.bin first, .idx last), so a crash never leaves an .idx that looks valid.
+complete (.bin first, .idx last), so a crash never leaves an .idx that looks valid; a failed
+write (full disk) removes every temporary.
+
+Opening a pair validates all of it (sizes, lengths, contiguous pointers that exactly fill the
+.bin, a document index from 0 to N that never decreases), so a damaged index is one error line
+naming the first bad entry instead of silently wrong samples. The tokenizer that made a pair is
+recorded beside it, in PREFIX.fitgpt.json (sidecar.py), which Megatron's reader never opens.
 """
 
 from __future__ import annotations
