@@ -182,3 +182,10 @@ def test_a_record_that_cannot_be_written_takes_the_pair_with_it(tmp_path):
     ):
         sidecar.write(str(tmp_path / "p"), load_tokenizer("bytes"))
     assert files(tmp_path) == set()
+
+
+def test_rewriting_a_pair_removes_its_old_record(tmp_path):
+    prefix = _corpus(tmp_path, "bytes")
+    with IndexedWriter(prefix, np.uint16) as w:  # e.g. a tool that records nothing
+        w.add(np.arange(5), np.array([5]))
+    assert sidecar.read(prefix) is None and not sidecar.path(prefix).exists()

@@ -410,20 +410,20 @@ def _die_with_parent(parent: int) -> None:
     that polls the parent pid once a second: the fallback, and a check for a parent that died
     before prctl took effect.
     """
+    if not parent:
+        return
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             pr_set_pdeathsig = 1
             ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)  # the parent died before prctl took effect
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
         os._exit(1)  # reparented: the main process is gone
 
-    if not parent:
-        return
-    if os.getppid() != parent:
-        os._exit(1)
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 

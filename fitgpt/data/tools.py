@@ -165,10 +165,10 @@ def clean(cfg: CleanConfig, progress: bool = False) -> CleanReport:
                     _fix_document(data, int(d), tok, w, report)
             bar.advance(task, hi - lo)
         report.documents_out, report.tokens_out = w.num_documents, w.num_tokens
-    if tok is not None:  # every document was decoded with it, some re-encoded
-        sidecar.write(cfg.output_prefix, tok, made_by="fitgpt data clean")
-    elif record is not None:
+    if record is not None:  # the tokenizer used, if any, had the recorded fingerprint
         sidecar.carry(cfg.output_prefix, record, made_by="fitgpt data clean")
+    elif tok is not None:  # no record: the one every document was decoded (or re-encoded) with
+        sidecar.write(cfg.output_prefix, tok, made_by="fitgpt data clean")
     report.dropped = Counter({k: v for k, v in report.dropped.items() if v})
     return report
 
