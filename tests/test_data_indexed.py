@@ -105,3 +105,105 @@ def test_corrupt_files_are_named(tmp_path):
     (tmp_path / "c.bin").write_bytes((tmp_path / "c.bin").read_bytes()[:-2])
     with pytest.raises(UserError, match="truncated"):
         IndexedDataset(str(tmp_path / "c"))
+
+
+def _corrupt(tmp_path, edit) -> str:
+    """A 3-sequence, 2-document pair whose .idx arrays (or .bin) `edit` changes in place."""
+    with IndexedWriter(str(tmp_path / "v"), np.uint16) as w:
+        w.add(np.arange(9), np.array([4, 3, 2]), doc_ends=np.array([2, 3]))
+    raw = bytearray((tmp_path / "v.idx").read_bytes())
+    arrays = {
+        "lengths": np.frombuffer(raw, np.int32, 3, 34),
+        "pointers": np.frombuffer(raw, np.int64, 3, 46),
+        "docs": np.frombuffer(raw, np.int64, 3, 70),
+    }
+    edit(arrays, raw, tmp_path / "v.bin")
+    (tmp_path / "v.idx").write_bytes(bytes(raw))
+    return str(tmp_path / "v")
+
+
+def _set(name, i, value):
+    def edit(a, raw, bin_path):
+        a[name][i] = value
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (_set("lengths", 1, -1), "v.idx: sequence 1 has length -1, negative"),
+        (
+            _set("lengths", 2, 2**31 - 1),
+            r"v.idx: sequence 2 \(2147483647 tokens from byte 14\) runs",
+        ),
+        (_set("lengths", 0, 5), "v.idx: sequence 1 starts at byte 8, but the sequences before it"),
+        (_set("pointers", 0, 2), "v.idx: sequence 0 starts at byte 2, but .* end at byte 0"),
+        (_set("pointers", 2, -8), "v.idx: sequence 2 starts at byte -8"),
+        (_set("docs", 0, 1), "v.idx: document index entry 0 is 1, not 0"),
+        (_set("docs", 1, 9), r"v.idx: document index entry 1 is 9, outside 0\.\.3"),
+        (_set("docs", 1, -1), r"v.idx: document index entry 1 is -1, outside 0\.\.3"),
+        (_set("docs", 2, 2), r"v.idx: document index entry 2 \(the last\) is 2, not the seq"),
+        (
+            lambda a, raw, b: a["docs"].__setitem__(slice(1, 3), [3, 2]),
+            r"v.idx: document index entry 2 is 2, below entry 1 \(3\)",
+        ),
+        (
+            lambda a, raw, b: b.write_bytes(b.read_bytes() + b"\0\0"),
+            "v.bin has 20 bytes but .*v.idx describes 18",
+        ),
+        (
+            lambda a, raw, b: raw.__setitem__(slice(18, 34), struct.pack("<QQ", 5, 1)),
+            r"v.idx has 94 bytes but its header promises 5 sequences and 1 document entries \(102",
+        ),
+        (  # 12·5 + 8·0 = 12·3 + 8·3: the size matches, the contents do not
+            lambda a, raw, b: raw.__setitem__(slice(18, 34), struct.pack("<QQ", 5, 0)),
+            "v.idx: sequence 0 starts at byte 8",
+        ),
+    ],
+)
+def test_every_rule_names_the_file_and_first_bad_entry(tmp_path, edit, message):
+    prefix = _corrupt(tmp_path, edit)
+    with pytest.raises(UserError, match=message) as e:
+        IndexedDataset(prefix)
+    assert "\n" not in str(e.value)
+
+
+def test_megatron_multimodal_modes_are_read_past(tmp_path):
+    prefix = _corrupt(tmp_path, lambda a, raw, b: None)
+    with open(prefix + ".idx", "ab") as f:
+        f.write(b"\x00\x01\x00")  # one int8 mode per sequence
+    d = IndexedDataset(prefix)
+    assert [d[i].tolist() for i in range(3)] == [[0, 1, 2, 3], [4, 5, 6], [7, 8]]
+
+
+def test_a_huge_count_fails_before_any_allocation(tmp_path):
+    import tracemalloc
+
+    prefix = _corrupt(tmp_path, lambda a, raw, b: struct.pack_into("<Q", raw, 18, 2**64 - 1))
+    tracemalloc.start()
+    try:
+        with pytest.raises(UserError, match="18446744073709551615 sequences"):
+            IndexedDataset(prefix)
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+
+
+def test_writer_removes_temporaries_when_a_write_fails(tmp_path):
+    """A real failing write: RLIMIT_FSIZE makes the kernel refuse bytes past 16 KiB (EFBIG), and
+    closing the buffered file then fails again, which must not keep the temporaries."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, hard))
+    try:
+        with (
+            pytest.raises(UserError, match=r"w: cannot write w\.bin/w\.idx .*File too large"),
+            IndexedWriter(str(tmp_path / "w"), np.uint16) as w,
+        ):
+            for _ in range(50):
+                w.add(np.arange(1000), np.array([1000]))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert list(tmp_path.iterdir()) == []

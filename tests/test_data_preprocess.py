@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_refusal import assert_refused, files, run_in_process, run_process
 
 from fitgpt.cli import main
 from fitgpt.data.indexed import IndexedDataset
@@ -24,10 +30,10 @@ def _jsonl(path, lines: list[bytes | str]) -> str:
     return str(path)
 
 
-def _run(tmp_path, src, **kw):
+def _run(tmp_path, src, output="out", **kw):
     kw.setdefault("workers", 0)
     kw.setdefault("progress", False)
-    return preprocess(PreprocessConfig(input=src, output_prefix=str(tmp_path / "out"), **kw))
+    return preprocess(PreprocessConfig(input=src, output_prefix=str(tmp_path / output), **kw))
 
 
 def _texts(prefix, tok="gpt2"):
@@ -143,14 +149,43 @@ def test_missing_input_and_bad_flags(tmp_path):
         _run(tmp_path, src, tokenizer="bytes", append_eod=True)
 
 
-def test_damaged_gzip_is_reported(tmp_path):
-    src = tmp_path / "in.jsonl.gz"
-    with gzip.open(src, "wt") as f:
-        f.writelines(json.dumps({"text": "x" * 50}) + "\n" for _ in range(2000))
-    src.write_bytes(src.read_bytes()[:-40])
-    with pytest.raises(UserError, match="damaged"):
-        _run(tmp_path, str(src))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl.gz"]
+def _damaged_gzip(path, lines=4000):
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps({"text": f"line {i} " + "x" * 50}) + "\n" for i in range(lines))
+    path.write_bytes(path.read_bytes()[:-40])  # cut inside the last deflate block
+    return str(path)
+
+
+def test_damaged_gzip_keeps_the_lines_before_or_fails_in_one_line(tmp_path):
+    src = _damaged_gzip(tmp_path / "in.jsonl.gz")
+    r = _run(tmp_path, src)  # --on-error skip (the default)
+    assert r.skipped == {"damaged gzip stream (rest of file)": 1} and 1000 < r.documents < 4000
+    texts = _texts(r.prefix)
+    assert texts == [f"line {i} " + "x" * 50 for i in range(r.documents)]  # a clean prefix
+    assert r.shown == [f"{src}:{r.documents + 1}: " + r.shown[0].split(": ", 1)[1]]
+    assert "gzip stream is damaged" in r.shown[0]
+    before = files(tmp_path)
+    with pytest.raises(
+        UserError, match=f"in.jsonl.gz:{r.documents + 1}: the gzip stream is damaged"
+    ):
+        _run(tmp_path, src, on_error="fail", json_key="text")
+    assert files(tmp_path) == before  # the earlier output untouched, no temporaries
+
+
+@pytest.mark.parametrize(
+    "line, why",
+    [
+        ("[" * 200_000 + "]" * 200_000, "nested too deeply"),
+        ('{"text": "big", "n": ' + "7" * 5000 + "}", "4300 digits"),
+    ],
+)
+def test_valid_but_extreme_json_is_a_line_error(tmp_path, line, why):
+    src = _jsonl(tmp_path / "x.jsonl", [json.dumps({"text": "kept"}), line, '{"text": "too"}'])
+    r = _run(tmp_path, src)
+    assert r.skipped == {"malformed JSON": 1} and _texts(r.prefix) == ["kept", "too"]
+    assert r.shown[0].startswith(f"{src}:2: ") and why in r.shown[0]
+    with pytest.raises(UserError, match=f"x.jsonl:2: .*{why}.*--on-error skip"):
+        _run(tmp_path, src, on_error="fail", output="other")
 
 
 def test_cli_preprocess(tmp_path, capsys):
@@ -192,3 +227,150 @@ def test_cli_preprocess(tmp_path, capsys):
         )
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err.count("\n") == 0 and f"{src}:5:" in err
+
+
+# ---- refusals through the real CLI: exit 2, one line naming the input, nothing left behind ----
+def _preprocess_cli(src, out, *extra, **kw):
+    return run_process(
+        "data", "preprocess", "--input", src, "--output-prefix", out, "--workers", "0", "--quiet",
+        *extra, **kw,
+    )  # fmt: skip
+
+
+def test_wrong_json_key_or_empty_input_is_refused(tmp_path):
+    src = _jsonl(tmp_path / "in.jsonl", [json.dumps({"body": t, "id": 1}) for t in DOCS])
+    before = files(tmp_path)
+    r = _preprocess_cli(src, tmp_path / "o")
+    line = assert_refused(r.returncode, r.stderr, src, "no documents", "4 missing key 'text'")
+    assert "keys: body, id" in line and "--json-key" in line
+    assert files(tmp_path) == before
+    (tmp_path / "empty.jsonl").write_text("\n  \n")
+    with pytest.raises(UserError, match=r"empty\.jsonl: no documents in 2 lines"):
+        _run(tmp_path, str(tmp_path / "empty.jsonl"))
+    assert files(tmp_path) == {"in.jsonl", "empty.jsonl"}
+
+
+def test_not_gzip_and_other_compressions_are_refused(tmp_path, capsys):
+    fake_gz = tmp_path / "in.jsonl.gz"
+    fake_gz.write_bytes(b"\x00\x01 not gzip at all\n" * 10)
+    xz = tmp_path / "in.jsonl.xz"
+    xz.write_bytes(b"\xfd7zXZ\x00" + b"\x00" * 40)
+    before = files(tmp_path)
+    for src, what in ((fake_gz, "is named .gz but is not gzip"), (xz, "is xz-compressed")):
+        argv = ["data", "preprocess", "--input", src, "--output-prefix", tmp_path / "o", "--quiet"]
+        code, err = run_in_process(capsys, *argv)
+        assert what in assert_refused(code, err, src)
+    assert files(tmp_path) == before
+
+
+def _big_input(path, mb: float) -> str:
+    text = stdlib_text(200_000)
+    docs = [json.dumps({"text": text[i : i + 2000]}) for i in range(0, len(text), 2000)]
+    block = "\n".join(docs) + "\n"
+    path.write_text(block * max(1, int(mb * 1e6 / len(block))))
+    return str(path)
+
+
+def test_file_size_limit_during_write_leaves_no_temporaries(tmp_path):
+    """A full disk simulated by RLIMIT_FSIZE: the write fails with EFBIG, a real OS error on the
+    real write path (the tmpfs test below gives a real ENOSPC where namespaces allow mounts)."""
+    import resource
+
+    src = _big_input(tmp_path / "in.jsonl", 0.5)
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    r = _preprocess_cli(src, out / "c", preexec_fn=limit)
+    assert "File too large" in assert_refused(r.returncode, r.stderr, out / "c_text_document")
+    assert files(out) == set()
+
+
+def test_full_tmpfs_leaves_no_temporaries(tmp_path):
+    """A real full disk: a 256 KiB tmpfs, mounted in a user+mount namespace (skipped where the
+    kernel or container forbids that)."""
+    import shutil
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    src = _big_input(tmp_path / "in.jsonl", 0.5)
+    disk, err = tmp_path / "disk", tmp_path / "stderr.txt"
+    disk.mkdir()
+    script = (
+        'mount -t tmpfs -o size=256k tmpfs "$1" || exit 99; shift; '
+        '"$@" 2>"$ERR" >/dev/null; echo "rc=$?"; ls -A "$DISK"'
+    )
+    cmd = [sys.executable, "-m", "fitgpt", "data", "preprocess", "--input", src, "--workers", "0"]
+    cmd += ["--output-prefix", str(disk / "c"), "--quiet"]
+    env = {**os.environ, "ERR": str(err), "DISK": str(disk)}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    r = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, "sh", str(disk), *cmd],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    if r.returncode == 99 or "rc=" not in r.stdout:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()[:200]}")
+    rc, *left = r.stdout.split()
+    line = assert_refused(int(rc.removeprefix("rc=")), err.read_text(), disk / "c_text_document")
+    assert "No space left on device" in line and left == []
+
+
+def _children(pid: int) -> dict[int, str]:
+    """{pid: command line} of the live (not zombie) children of `pid`, from /proc."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out[int(stat.parent.name)] = _cmdline(int(stat.parent.name))
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_exit_when_the_parent_is_killed(tmp_path):
+    src = _big_input(tmp_path / "in.jsonl", 40)  # ~10 s of tokenizing: the parent is busy
+    cmd = [sys.executable, "-m", "fitgpt", "data", "preprocess", "--input", src, "--quiet"]
+    cmd += ["--output-prefix", str(tmp_path / "o"), "--workers", "2"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    parent = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kids: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 90
+        workers: dict[int, str] = {}
+        while time.monotonic() < deadline and parent.poll() is None:
+            kids = _children(parent.pid)
+            workers = {p: c for p, c in kids.items() if "spawn_main" in c}
+            if len(workers) == 2:
+                break
+            time.sleep(0.2)
+        assert len(workers) == 2, f"workers never started (exit {parent.poll()})"
+        kids = _children(parent.pid)  # the workers and multiprocessing's resource tracker
+        parent.kill()  # SIGKILL: no cleanup code runs in the parent
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(map(_alive, kids)):
+            time.sleep(0.1)
+        assert not [c for p, c in kids.items() if _alive(p)], "children outlived the parent"
+    finally:  # on failure, leave no stray process behind
+        parent.kill()
+        for p, c in kids.items():  # only if still the same program (pids are reused)
+            if _alive(p) and _cmdline(p) == c:
+                os.kill(p, signal.SIGKILL)

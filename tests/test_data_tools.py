@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import unicodedata
 
 import numpy as np
 import pytest
+from cli_refusal import assert_refused, files, run_in_process, run_process
 
 from fitgpt.cli import main
 from fitgpt.data.indexed import IndexedDataset, IndexedWriter
@@ -116,3 +118,64 @@ def test_cli_fake_clean_merge_inspect(tmp_path, capsys):
     assert "20,000 uint16 tokens" in out and "under 100 tokens" in out and "MMIDIDX" in out
     assert run("data", "inspect", p + "/missing") == 2
     assert "missing.bin does not exist" in capsys.readouterr().err
+
+
+# ---- refusals: exit 2, one stderr line naming the input, no file left behind --------------------
+def _pair(tmp_path) -> str:
+    fake(FakeConfig(output_prefix=str(tmp_path / "p"), tokens=2000, vocab=300, doc_len=40))
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "q.bin").mkdir()  # where an output's .bin would go
+    (tmp_path / "in.jsonl").write_text('{"text": "hello"}\n')
+    return str(tmp_path / "p")
+
+
+REFUSALS = [  # (argv with {t} for the test directory, what the line must name)
+    ("data fake --output-prefix {t}/adir/", ["{t}/adir/", "ends in a directory"]),
+    ("data fake --output-prefix {t}/dir", ["{t}/dir is a directory"]),
+    ("data fake --output-prefix {t}/afile/x", ["{t}/afile is a file, not a directory"]),
+    ("data fake --output-prefix {t}/q", ["{t}/q.bin is a directory"]),
+    ("data fake --output-prefix {t}/f --seed -1", ["--seed -1"]),
+    ("data fake --output-prefix {t}/f --tokens 0", ["--tokens 0"]),
+    ("data inspect {t}/p --docs -1", ["--docs -1"]),
+    ("data inspect {t}/p --chars 0", ["--chars 0"]),
+    ("data inspect {t}/missing", ["{t}/missing.bin does not exist"]),
+    ("data clean --input {t}/p --output-prefix {t}/dir/", ["{t}/dir/"]),
+    ("data clean --input {t}/p --output-prefix {t}/q", ["{t}/q.bin is a directory"]),
+    ("data clean --input {t}/p --output-prefix {t}/./p", ["is the input"]),
+    ("data clean --input {t}/p --output-prefix {t}/c --min-tokens -1", ["--min-tokens -1"]),
+    ("data merge {t}/p {t}/p --output-prefix {t}/dir", ["{t}/dir is a directory"]),
+    ("data merge {t}/p {t}/missing --output-prefix {t}/m", ["{t}/missing.bin"]),
+    ("data preprocess --input {t}/in.jsonl --output-prefix {t}/afile/c", ["{t}/afile is a file"]),
+    ("data preprocess --input {t}/in.jsonl --output-prefix {t}/x --workers 100000", ["--workers"]),
+    ("data preprocess --input {t}/nope.jsonl --output-prefix {t}/x", ["{t}/nope.jsonl"]),
+]
+
+
+@pytest.mark.parametrize("argv, names", REFUSALS, ids=[a for a, _ in REFUSALS])
+def test_bad_input_is_refused_in_one_line(tmp_path, capsys, argv, names):
+    _pair(tmp_path)
+    t = str(tmp_path)
+    before = files(tmp_path)
+    code, err = run_in_process(capsys, *argv.format(t=t).split())
+    assert_refused(code, err, *(n.format(t=t) for n in names))
+    assert files(tmp_path) == before
+
+
+def test_unwritable_output_is_refused_before_work(tmp_path, capsys):
+    import tempfile
+
+    try:  # sysfs refuses new files even to root; skip where it does not
+        os.close(tempfile.mkstemp(dir="/sys")[0])
+        pytest.skip("/sys is writable here")
+    except OSError:
+        pass
+    code, err = run_in_process(capsys, "data", "fake", "--output-prefix", "/sys/fitgpt/x")
+    assert "cannot write in /sys" in assert_refused(code, err, "/sys/fitgpt/x")
+
+
+def test_directory_prefix_refused_by_the_real_cli(tmp_path):
+    (tmp_path / "adir").mkdir()
+    r = run_process("data", "fake", "--output-prefix", "adir/", "--tokens", "1000", cwd=tmp_path)
+    assert_refused(r.returncode, r.stderr, "--output-prefix 'adir/' ends in a directory")
+    assert files(tmp_path) == set()  # no hidden adir/.bin, adir/.idx

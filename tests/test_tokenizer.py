@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from cli_refusal import assert_refused, files, run_in_process, run_process
 
 from fitgpt.cli import main
 from fitgpt.data.tokenizer import ByteTokenizer, gpt2_files, load_tokenizer, train_tokenizer
@@ -202,3 +203,34 @@ def test_tokenizer_json_and_none_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match=r"holds neither tokenizer\.json nor vocab\.json"):
         load_tokenizer(str(tmp_path / "empty"))
+
+
+@pytest.mark.parametrize(
+    "name, content, key, names",
+    [
+        ("empty.txt", "", "text", ["empty.txt: no text to train on"]),
+        ("blank.txt", "\n  \n\n", "text", ["blank.txt: no text to train on"]),
+        ("k.jsonl", '{"body": "abc"}\n' * 5, "text", ["k.jsonl", "--json-key 'text'"]),
+        ("x.jsonl.gz", "not gzip", "text", ["x.jsonl.gz: cannot read it (BadGzipFile"]),
+    ],
+)
+def test_train_without_text_is_refused_in_one_line(tmp_path, capsys, name, content, key, names):
+    (tmp_path / name).write_text(content)
+    out = tmp_path / "tok"
+    code, err = run_in_process(
+        capsys, "tokenizer", "train", "--input", tmp_path / name, "--vocab-size", "300",
+        "--output", out, "--json-key", key,
+    )  # fmt: skip
+    assert_refused(code, err, *names)
+    assert files(tmp_path) == {name}  # no 257-token tokenizer, no output directory
+
+
+def test_train_output_that_is_a_file_is_refused_before_training(tmp_path):
+    (tmp_path / "c.txt").write_text("abc abd abe\n" * 30)
+    (tmp_path / "out").write_text("a file")
+    r = run_process(
+        "tokenizer", "train", "--input", "c.txt", "--vocab-size", "280", "--output", "out",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert_refused(r.returncode, r.stderr, "--output out is a file, not a directory")
+    assert files(tmp_path) == {"c.txt", "out"} and (tmp_path / "out").read_text() == "a file"

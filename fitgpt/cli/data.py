@@ -82,14 +82,16 @@ def register(sub) -> None:
     mg = cmds.add_parser(
         "merge",
         help="concatenate several .bin/.idx pairs into one",
-        description="Concatenate .bin/.idx pairs in the order given, keeping document boundaries.",
+        description="Concatenate .bin/.idx pairs in the order given, keeping document boundaries. "
+        "Inputs recorded with different tokenizers are refused (unless --force).",
     )
     mg.add_argument("inputs", nargs="+", metavar="PREFIX", help="input prefixes, in order")
     mg.add_argument("--output-prefix", required=True, metavar="PREFIX", help="the merged pair")
     mg.add_argument(
         "--force",
         action="store_true",
-        help="merge 16-bit and 32-bit token files (different tokenizers) into int32 anyway",
+        help="merge inputs of different tokenizers anyway (16-bit and 32-bit ones into int32); "
+        "the output then records no tokenizer",
     )
     mg.set_defaults(func=_merge)
 
@@ -101,10 +103,16 @@ def register(sub) -> None:
     )
     ins.add_argument("prefix", metavar="PREFIX", help="prefix of the .bin/.idx pair")
     ins.add_argument(
-        "--tokenizer", default="gpt2", help="decode with this (or none) (default: gpt2)"
+        "--tokenizer",
+        default="auto",
+        metavar="SPEC",
+        help="decode with this, or none; auto: the tokenizer recorded with the data, gpt2 if "
+        "none is (default: auto)",
     )
-    ins.add_argument("--docs", type=int, default=1, help="documents to decode (default: 1)")
-    ins.add_argument("--chars", type=int, default=400, help="characters shown per document")
+    ins.add_argument("--docs", type=int, default=1, help="documents to decode, 0+ (default: 1)")
+    ins.add_argument(
+        "--chars", type=int, default=400, help="characters shown per document (default: 400)"
+    )
     ins.set_defaults(func=_inspect)
 
 
@@ -113,7 +121,7 @@ def _count(text: str) -> int:
     scale = {"k": 10**3, "m": 10**6, "g": 10**9}.get(text[-1:].lower(), 1)
     try:
         return int(float(text[:-1] if scale > 1 else text) * scale)
-    except ValueError as e:
+    except (ValueError, OverflowError) as e:  # 'x', 'nan'; 'inf'
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a count like 1000000, 1e6 or 100M"
         ) from e

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from fitgpt.data.source import SampleSource
+from fitgpt.data import sidecar
 from fitgpt.data.tokenizer import Tokenizer, load_tokenizer
 from fitgpt.errors import UserError
+
+if TYPE_CHECKING:  # source.py imports torch (~4 s on a busy 2-core box): not for `fitgpt --help`
+    from fitgpt.data.source import SampleSource
 
 BUILTIN = ("stdlib", "synthetic", "uniform")
 
@@ -29,7 +32,7 @@ class DataConfig:
         metadata={
             "help": "bytes, gpt2, VOCAB.json,MERGES.txt, a tokenizer.json or a directory holding "
             "one (or vocab.json + merges.txt); none: pre-tokenized data, ids < --vocab-size; "
-            "auto: bytes for stdlib, gpt2 else"
+            "auto: for a PREFIX the one recorded with the data (gpt2 if none), bytes for stdlib"
         },
     )
     split: str = field(
@@ -58,8 +61,16 @@ class DataConfig:
             )
 
     def tokenizer_spec(self) -> str:
+        """The tokenizer spec this data trains with: --tokenizer when given; for auto, a
+        Megatron PREFIX's recorded tokenizer (fitgpt/data/sidecar.py: its absolute spec if that
+        loads with the recorded fingerprint, else the spec as given), else bytes for stdlib and
+        gpt2 for the rest (a PREFIX without a record, or one of fake data)."""
         if self.tokenizer != "auto":
             return self.tokenizer
+        if self.data not in BUILTIN:
+            recorded = sidecar.recorded_tokenizer(self.data)
+            if recorded is not None:
+                return recorded.name
         return "bytes" if self.data == "stdlib" else "gpt2"
 
 
@@ -68,11 +79,15 @@ def _prefix_exists(prefix: str) -> bool:
 
 
 def data_tokenizer(cfg: DataConfig) -> Tokenizer | None:
-    """The tokenizer of a run on this data; None for synthetic and pre-tokenized data, whose
-    vocabulary is the model's own. Its vocabulary decides the model's embedding, so it is resolved before planning."""
+    """The tokenizer of a run on this data (checked against the one recorded with a PREFIX);
+    None for synthetic and pre-tokenized data, whose vocabulary is the model's own. Its
+    vocabulary decides the model's embedding, so it is resolved before planning."""
     if cfg.data in ("synthetic", "uniform") or cfg.tokenizer_spec() == "none":
         return None  # none: pre-tokenized data, the model's vocabulary bounds the ids
-    return load_tokenizer(cfg.tokenizer_spec())
+    tok = load_tokenizer(cfg.tokenizer_spec())
+    if cfg.data not in BUILTIN:
+        sidecar.check(cfg.data, tok, "cannot train on it")  # an explicit --tokenizer must match
+    return tok
 
 
 def open_data(

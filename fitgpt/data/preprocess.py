@@ -8,19 +8,31 @@ two chunks per worker are in flight, so memory stays constant whatever the input
 Per line: blank lines are ignored; malformed JSON, a line that is not an object, a missing key or
 a non-string value is skipped and counted (or fatal with --on-error fail); non-UTF-8 bytes are
 replaced by U+FFFD and counted (or the line skipped, or fatal, by --on-bad-utf8); a document with
-no tokens is dropped and counted. Every problem is reported as FILE:LINE.
+no tokens is dropped and counted. JSON that is valid but beyond the parser (nesting too deep,
+an integer of more than 4,300 digits) counts as malformed. A damaged gzip stream ends the input at
+the last whole line read: skipped and reported (or fatal) like a bad line. Every problem is
+reported as FILE:LINE.
+
+Failures leave nothing behind: an input giving no documents is an error (no empty pair), the
+output location is checked before any work, and a failed write (full disk) removes every
+temporary (IndexedWriter). Worker processes die with the main process, even when it is killed
+with SIGKILL (Linux: PR_SET_PDEATHSIG; elsewhere a watchdog thread).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gzip
 import itertools
 import json
 import multiprocessing as mp
 import os
 import signal
+import sys
+import threading
 import time
+import zlib
 from collections import Counter, deque
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -31,11 +43,21 @@ from typing import BinaryIO, Literal
 
 import numpy as np
 
+from fitgpt.data import sidecar
 from fitgpt.data.indexed import IndexedWriter, token_dtype
+from fitgpt.data.outputs import check_prefix
 from fitgpt.data.tokenizer import load_tokenizer
 from fitgpt.errors import UserError
 
 MAX_SHOWN = 10  # problems printed as they happen; the rest are only counted
+WORKERS_PER_CORE = 4  # more only adds memory (two chunks in flight per worker)
+# Other compressions, by their first bytes: named in the error instead of read as garbage.
+OTHER_MAGIC = {
+    b"BZh": "bzip2",
+    b"\xfd7zXZ": "xz",
+    b"\x28\xb5\x2f\xfd": "zstd",
+    b"PK\x03\x04": "zip",
+}
 
 
 @dataclass(frozen=True)
@@ -71,6 +93,12 @@ class PreprocessConfig:
             raise UserError(f"--input {self.input} does not exist; pass a .jsonl or .jsonl.gz file")
         if self.workers < 0:
             raise UserError(f"--workers {self.workers} is negative; use 1 or more (0 = inline)")
+        most = WORKERS_PER_CORE * (os.cpu_count() or 1)
+        if self.workers > most:
+            raise UserError(
+                f"--workers {self.workers} is more than {WORKERS_PER_CORE} per core ({most} "
+                f"here); use at most the number of cores, {os.cpu_count()}"
+            )
         if self.on_error not in ("skip", "fail"):
             raise UserError(f"--on-error {self.on_error} is not skip or fail")
         if self.on_bad_utf8 not in ("replace", "skip", "fail"):
@@ -98,6 +126,7 @@ class PreprocessReport:
     dropped_empty: int = 0  # documents with no tokens
     replaced_utf8: int = 0  # lines kept with U+FFFD in place of bad bytes
     shown: list[str] = field(default_factory=list)  # the first problems, as FILE:LINE: message
+    printed: int = 0  # of `shown`, printed as warnings so far
 
     @property
     def tokens_per_s(self) -> float:
@@ -123,7 +152,9 @@ class PreprocessReport:
 
 
 def preprocess(cfg: PreprocessConfig) -> PreprocessReport:
-    """Tokenize `cfg.input` into `cfg.prefix`.bin/.idx; the outputs appear only when complete."""
+    """Tokenize `cfg.input` into `cfg.prefix`.bin/.idx (+ the tokenizer record, sidecar.py);
+    the outputs appear only when complete, and only if they hold at least one document."""
+    check_prefix(cfg.prefix)
     tok = load_tokenizer(cfg.tokenizer)
     if cfg.append_eod and tok.eod_id is None:
         raise UserError(
@@ -131,38 +162,94 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessReport:
         )
     dtype = token_dtype(tok.vocab_size)
     state = _State(
-        cfg.tokenizer, cfg.json_key, cfg.append_eod, cfg.on_error, cfg.on_bad_utf8, dtype.str
+        cfg.tokenizer,
+        cfg.json_key,
+        cfg.append_eod,
+        cfg.on_error,
+        cfg.on_bad_utf8,
+        dtype.str,
+        parent_pid=os.getpid(),
     )
     report = PreprocessReport(prefix=cfg.prefix, dtype=dtype.name)
+    damage: list[tuple[int, str]] = []  # (first unread line, error) of a damaged gzip stream
     start = time.perf_counter()
     with (
         _open_input(cfg.input) as (stream, raw),
         IndexedWriter(cfg.prefix, dtype) as writer,
         _progress_bar(cfg.progress, os.path.getsize(cfg.input)) as (bar, task),
-        contextlib.closing(_encoded(_chunks(stream, cfg.chunk_bytes), cfg.workers, state)) as out,
+        contextlib.closing(
+            _encoded(_chunks(stream, cfg.chunk_bytes, damage), cfg.workers, state)
+        ) as out,
     ):
         for chunk in out:
-            _take(chunk, writer, report, cfg, bar)
+            _take(chunk, writer, report, cfg)
+            _warn(report, bar)
             report.seconds = time.perf_counter() - start
             docs, toks, mbps = report.documents, report.tokens, report.mb_per_s
             bar.update(task, completed=raw.tell(), docs=docs, tokens=toks, mbps=mbps)
+        for line, err in damage:
+            _damaged(cfg, report, line, err)
+        _warn(report, bar)
+        if report.documents == 0:  # raised inside `with`: the writer removes its temporaries
+            raise _no_documents(cfg, report)
     report.seconds = time.perf_counter() - start
+    sidecar.write(cfg.prefix, tok, made_by="fitgpt data preprocess")
     return report
 
 
+def _damaged(cfg: PreprocessConfig, report: PreprocessReport, line: int, err: str) -> None:
+    where = f"{cfg.input}:{line}: the gzip stream is damaged here ({err})"
+    if cfg.on_error == "fail":
+        raise UserError(
+            f"{where}; repair the file, or pass --on-error skip to keep the lines before"
+        )
+    why, msg = "damaged gzip stream (rest of file)", where + "; the rest is skipped"
+    _problem(cfg, report, line, why, msg, "skip")
+
+
+def _no_documents(cfg: PreprocessConfig, report: PreprocessReport) -> UserError:
+    """One line: why the input gave nothing, with the first problem (a wrong --json-key shows
+    the keys the lines do have)."""
+    if not report.lines and not report.skipped:
+        return UserError(f"{cfg.input}: the input holds no lines; nothing written")
+    why = [f"{n:,} {r}" for r, n in sorted(report.skipped.items())]
+    if report.dropped_empty:
+        why.append(f"{report.dropped_empty:,} empty documents")
+    first = f"; line {report.shown[0][len(cfg.input) + 1 :]}" if report.shown else ""
+    return UserError(
+        f"{cfg.input}: no documents in {report.lines:,} lines ({', '.join(why) or 'all blank'})"
+        f"{first}; nothing written"
+    )
+
+
+def _problem(
+    cfg: PreprocessConfig, report: PreprocessReport, line: int, why: str, msg: str, policy: str
+) -> None:
+    """Count (and keep the first MAX_SHOWN of) one skipped line, or stop under policy 'fail'."""
+    where = msg if msg.startswith(f"{cfg.input}:") else f"{cfg.input}:{line}: {msg}"
+    if policy == "fail":
+        fix = "--on-bad-utf8 replace" if why == "invalid UTF-8" else "--on-error skip"
+        raise UserError(f"{where}; fix the line or pass {fix}")
+    report.skipped[why] += 1
+    if len(report.shown) < MAX_SHOWN:
+        report.shown.append(where)
+
+
+def _warn(report: PreprocessReport, bar) -> None:
+    """Print the problems kept since the last call, once there is a document: an input that
+    gives none ends in one error line (naming the first problem) instead of a page of warnings."""
+    if report.documents:
+        for where in report.shown[report.printed :]:
+            bar.console.print(f"warning: {where}", markup=False, highlight=False, soft_wrap=True)
+        report.printed = len(report.shown)
+
+
 def _take(
-    chunk: _Chunk, writer: IndexedWriter, report: PreprocessReport, cfg: PreprocessConfig, bar
+    chunk: _Chunk, writer: IndexedWriter, report: PreprocessReport, cfg: PreprocessConfig
 ) -> None:
     """Account for one encoded chunk (in input order) and append its documents."""
     for line, why, message, fatal in chunk.problems:
-        where = f"{cfg.input}:{line}: {message}"
-        if fatal:
-            fix = "--on-bad-utf8 replace" if why == "invalid UTF-8" else "--on-error skip"
-            raise UserError(f"{where}; fix the line or pass {fix}")
-        report.skipped[why] += 1
-        if len(report.shown) < MAX_SHOWN:
-            report.shown.append(where)
-            bar.console.print(f"warning: {where}", markup=False, highlight=False, soft_wrap=True)
+        _problem(cfg, report, line, why, message, "fail" if fatal else "skip")
     writer.add(chunk.tokens, chunk.lengths)
     report.documents += len(chunk.lengths)
     report.tokens += int(chunk.tokens.size)
@@ -176,8 +263,17 @@ def _take(
 def _open_input(path: str) -> Iterator[tuple[BinaryIO, BinaryIO]]:
     """(stream of uncompressed bytes, the raw file, whose position drives the progress bar)."""
     with open(path, "rb") as raw:
-        gz = raw.read(2) == b"\x1f\x8b"
+        head = raw.read(6)
         raw.seek(0)
+        gz = head[:2] == b"\x1f\x8b"
+        other = next((name for magic, name in OTHER_MAGIC.items() if head.startswith(magic)), None)
+        if other:
+            raise UserError(f"{path} is {other}-compressed; only gzip is read: decompress it first")
+        if not gz and path.endswith(".gz"):
+            raise UserError(
+                f"{path} is named .gz but is not gzip (it starts with {head!r}); rename or "
+                "recompress it"
+            )
         if not gz:
             yield raw, raw
             return
@@ -185,17 +281,34 @@ def _open_input(path: str) -> Iterator[tuple[BinaryIO, BinaryIO]]:
             yield stream, raw  # type: ignore[misc]
 
 
-def _chunks(stream: BinaryIO, size: int) -> Iterator[tuple[bytes, int]]:
-    """(~size bytes ending at a line end, number of its first line)."""
-    line = 1
+def _chunks(
+    stream: BinaryIO, size: int, damage: list[tuple[int, str]]
+) -> Iterator[tuple[bytes, int]]:
+    """(~size bytes ending at a line end, number of its first line).
+
+    A stream that fails to read (a damaged or truncated gzip: zlib.error, EOFError,
+    BadGzipFile) ends here, after the whole lines read so far; (first unread line, error) goes
+    to `damage` for the caller to skip or fail on, in input order, after the last chunk.
+    """
+    line, block = 1, bytearray()
     try:
-        while block := stream.read(size):
+        while True:
+            # In pieces of 16 KiB: a read that fails (damaged gzip) loses only its own piece.
+            block = bytearray()
+            while len(block) < size and (piece := stream.read(min(size - len(block), 1 << 14))):
+                block += piece
+            if not block:
+                return
             if not block.endswith(b"\n"):
                 block += stream.readline()
-            yield block, line
+            yield bytes(block), line
             line += block.count(b"\n")
-    except (OSError, EOFError) as e:  # gzip raises these for a damaged or truncated file
-        raise UserError(f"--input: cannot read past line {line}: {e}; the file is damaged") from e
+    except (OSError, EOFError, zlib.error) as e:
+        whole = bytes(block[: block.rfind(b"\n") + 1])  # the whole lines read before the damage
+        if whole:
+            yield whole, line
+            line += whole.count(b"\n")
+        damage.append((line, f"{type(e).__name__}: {e}"))
 
 
 @contextlib.contextmanager
@@ -262,6 +375,7 @@ class _State:
     on_error: str
     on_bad_utf8: str
     dtype: str
+    parent_pid: int = 0  # the main process: workers exit when it is gone
 
 
 @dataclass
@@ -280,11 +394,37 @@ _WORKER: dict = {}
 
 def _init(state: _State) -> None:
     if mp.parent_process() is not None:
+        _die_with_parent(state.parent_pid)
         # One thread per worker: the worker count is the number of cores used.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         # Ctrl-C is the main process's to handle: it stops the pool and removes the temporaries.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER.update(state=state, tok=load_tokenizer(state.tokenizer))
+
+
+def _die_with_parent(parent: int) -> None:
+    """End this worker when the main process dies, even by SIGKILL (no cleanup runs there).
+
+    Linux: the kernel sends SIGKILL on the parent's exit (PR_SET_PDEATHSIG; the pool starts its
+    workers from the main thread, whose exit is the process's). Everywhere, also a daemon thread
+    that polls the parent pid once a second: the fallback, and a check for a parent that died
+    before prctl took effect.
+    """
+    if not parent:
+        return
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)  # the parent died before prctl took effect
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)  # reparented: the main process is gone
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def _encode(block: bytes, first_line: int) -> _Chunk:
@@ -331,6 +471,11 @@ def _document(raw: bytes, state: _State) -> tuple[str, tuple[str, str, bool] | N
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         return "", ("malformed JSON", f"malformed JSON ({e.msg} at column {e.colno})", err), fixed
+    except RecursionError:  # valid JSON nested deeper than the parser's recursion limit
+        return "", ("malformed JSON", "JSON nested too deeply to parse", err), fixed
+    except ValueError as e:  # valid JSON the parser refuses: an integer over 4,300 digits
+        why = str(e).split(";")[0]
+        return "", ("malformed JSON", f"JSON the parser refuses ({why})", err), fixed
     if not isinstance(obj, dict):
         kind = type(obj).__name__
         return "", ("not a JSON object", f"a JSON {kind}, not an object", err), fixed

@@ -197,6 +197,16 @@ def train_tokenizer(
     for f in inputs:
         if not Path(f).is_file():
             raise UserError(f"tokenizer training input {f} does not exist; pass existing files")
+    from fitgpt.data.outputs import check_dir
+
+    check_dir(output, "--output", files=("vocab.json", "merges.txt"))
+    # Reads up to the first text (the whole input only when there is none): an empty input or a
+    # wrong --json-key would otherwise give a tokenizer of the 256 bytes and <|endoftext|>.
+    if not any(text.strip() for text in _training_texts(inputs, json_key)):
+        raise UserError(
+            f"{', '.join(inputs)}: no text to train on (empty, or no JSON line has a string under "
+            f"--json-key {json_key!r}); pass the files or key that hold the text; nothing written"
+        )
     tok = ByteLevelBPETokenizer()
     tok.train_from_iterator(
         _training_texts(inputs, json_key),
@@ -219,20 +229,29 @@ def train_tokenizer(
 
 def _training_texts(inputs: list[str], json_key: str) -> Iterator[str]:
     """Lines of plain text files; the `json_key` string of each line of .jsonl(.gz) files."""
+    import zlib
+
+    for f in inputs:
+        try:
+            yield from _file_texts(f, json_key)
+        except (OSError, EOFError, zlib.error) as e:  # a damaged or non-gzip .gz
+            raise UserError(f"{f}: cannot read it ({type(e).__name__}: {e}); repair it") from e
+
+
+def _file_texts(f: str, json_key: str) -> Iterator[str]:
     import gzip
     import json
 
-    for f in inputs:
-        is_json = ".jsonl" in Path(f).name or Path(f).suffix == ".json"
-        opener = gzip.open if Path(f).suffix == ".gz" else open
-        with opener(f, "rt", encoding="utf-8", errors="replace") as lines:
-            for n, line in enumerate(lines, 1):
-                if not is_json:
-                    yield line
-                    continue
-                try:
-                    text = json.loads(line).get(json_key) if line.strip() else None
-                except (json.JSONDecodeError, AttributeError) as e:
-                    raise UserError(f"{f}:{n}: not a JSON object ({e}); fix the line") from e
-                if isinstance(text, str):
-                    yield text
+    is_json = ".jsonl" in Path(f).name or Path(f).suffix == ".json"
+    opener = gzip.open if Path(f).suffix == ".gz" else open
+    with opener(f, "rt", encoding="utf-8", errors="replace") as lines:
+        for n, line in enumerate(lines, 1):
+            if not is_json:
+                yield line
+                continue
+            try:
+                text = json.loads(line).get(json_key) if line.strip() else None
+            except (ValueError, AttributeError, RecursionError) as e:  # not JSON, or too deep
+                raise UserError(f"{f}:{n}: not a JSON object ({e}); fix the line") from e
+            if isinstance(text, str):
+                yield text

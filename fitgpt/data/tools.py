@@ -1,7 +1,10 @@
 """Tools over .bin/.idx pairs: make fake data, clean, merge, inspect.
 
 All of them stream in chunks of about CHUNK_TOKENS tokens, so memory stays bounded whatever the
-corpus size, and write through IndexedWriter (temporary names, renamed when complete).
+corpus size, and write through IndexedWriter (temporary names, renamed when complete). Each pair
+written gets its tokenizer record (sidecar.py): fake records "no tokenizer" and its vocabulary,
+clean and merge carry their inputs' record, and clean, merge and inspect refuse a tokenizer that
+differs from the record. Output prefixes are checked before any work (outputs.py).
 """
 
 from __future__ import annotations
@@ -9,12 +12,14 @@ from __future__ import annotations
 import unicodedata
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
+from fitgpt.data import sidecar
 from fitgpt.data.indexed import IndexedDataset, IndexedWriter, token_dtype
-from fitgpt.data.tokenizer import load_tokenizer
+from fitgpt.data.outputs import check_prefix
 from fitgpt.errors import UserError
 
 CHUNK_TOKENS = 1 << 24  # 16M tokens: 32-64 MiB per chunk in flight
@@ -44,12 +49,15 @@ class FakeConfig:
             raise UserError(f"--structure {self.structure} is not markov or uniform")
         if self.doc_len < 1:
             raise UserError(f"--doc-len {self.doc_len} must be at least 1")
+        if self.seed < 0:
+            raise UserError(f"--seed {self.seed} must be 0 or more")
 
 
 def fake(cfg: FakeConfig, progress: bool = False) -> IndexedDataset:
     """`cfg.tokens` synthetic tokens cut into documents."""
     from fitgpt.data.synthetic import markov_tokens, uniform_tokens  # imports torch: only here
 
+    check_prefix(cfg.output_prefix)
     rng = np.random.default_rng([cfg.seed, 1])  # document lengths; tokens use their own streams
     with IndexedWriter(cfg.output_prefix, token_dtype(cfg.vocab)) as w, _bar(progress) as bar:
         task = bar.add_task("fake", total=cfg.tokens)
@@ -61,6 +69,7 @@ def fake(cfg: FakeConfig, progress: bool = False) -> IndexedDataset:
                 toks = uniform_tokens(n, cfg.vocab, seed=cfg.seed * 1_000_003 + i)
             w.add(toks, _doc_lengths(rng, n, cfg.doc_len))
             bar.advance(task, n)
+    sidecar.write(cfg.output_prefix, None, vocab_size=cfg.vocab, made_by="fitgpt data fake")
     return IndexedDataset(cfg.output_prefix)
 
 
@@ -91,12 +100,18 @@ class CleanConfig:
             "UTF-8), re-encode it if NFC normalisation changes it"
         },
     )
-    tokenizer: str = field(default="gpt2", metadata={"help": "tokenizer of the data"})
+    tokenizer: str = field(
+        default="auto",
+        metadata={
+            "help": "tokenizer of the data, for --fix-unicode; auto: the one recorded with the "
+            "data, else gpt2"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.min_tokens < 0:
             raise UserError(f"--min-tokens {self.min_tokens} must be 0 or more")
-        if self.input == self.output_prefix:
+        if _same_prefix(self.input, self.output_prefix):
             raise UserError(f"--output-prefix {self.output_prefix} is the input; pick a new prefix")
 
 
@@ -125,7 +140,11 @@ class CleanReport:
 def clean(cfg: CleanConfig, progress: bool = False) -> CleanReport:
     """Copy the documents of `cfg.input` that pass the filters to `cfg.output_prefix`."""
     data = IndexedDataset(cfg.input)
-    tok = load_tokenizer(cfg.tokenizer) if cfg.fix_unicode else None
+    check_prefix(cfg.output_prefix)
+    record = sidecar.read(cfg.input)
+    tok = None
+    if cfg.fix_unicode:
+        tok = sidecar.tokenizer_for(cfg.input, cfg.tokenizer, "cannot clean it (--fix-unicode)")
     if tok is not None and data.num_tokens and data.max_token() >= tok.vocab_size:
         raise UserError(
             f"{cfg.input} holds token ids up to {data.max_token()}, beyond the {tok.vocab_size} "
@@ -146,6 +165,10 @@ def clean(cfg: CleanConfig, progress: bool = False) -> CleanReport:
                     _fix_document(data, int(d), tok, w, report)
             bar.advance(task, hi - lo)
         report.documents_out, report.tokens_out = w.num_documents, w.num_tokens
+    if record is not None:  # the tokenizer used, if any, had the recorded fingerprint
+        sidecar.carry(cfg.output_prefix, record, made_by="fitgpt data clean")
+    elif tok is not None:  # no record: the one every document was decoded (or re-encoded) with
+        sidecar.write(cfg.output_prefix, tok, made_by="fitgpt data clean")
     report.dropped = Counter({k: v for k, v in report.dropped.items() if v})
     return report
 
@@ -203,13 +226,16 @@ def merge(inputs: list[str], output_prefix: str, force: bool = False, progress: 
 
     Token dtypes must agree, or be widened within 16 bits (uint8 into uint16). Megatron picks
     uint16 for vocabularies under 65500 and int32 above, so a 16-bit input next to a 32-bit one
-    means two different tokenizers: an error unless `force`.
+    means two different tokenizers: an error unless `force`. Inputs whose records name different
+    tokenizers are refused the same way.
     """
     if len(inputs) < 2:
         raise UserError(f"merge needs at least two input prefixes, got {len(inputs)}")
-    if output_prefix in inputs:
+    if any(_same_prefix(p, output_prefix) for p in inputs):
         raise UserError(f"--output-prefix {output_prefix} is also an input; pick a new prefix")
     sets = [IndexedDataset(p) for p in inputs]
+    check_prefix(output_prefix)
+    record = _merged_record(inputs, force)
     for d in sets:
         if d.dtype.kind not in "iu":
             raise UserError(f"{d.prefix}.idx holds {d.dtype} values, not token ids")
@@ -229,21 +255,56 @@ def merge(inputs: list[str], output_prefix: str, force: bool = False, progress: 
             for lo, hi in _document_chunks(d, doc_tokens):
                 _copy_documents(d, np.arange(lo, hi), w)
                 bar.advance(task, int(doc_tokens[lo:hi].sum()))
+    if record is not None:
+        common, vocab = record
+        sidecar.carry(output_prefix, common, "fitgpt data merge", vocab_size=vocab)
     return IndexedDataset(output_prefix)
 
 
+def _merged_record(inputs: list[str], force: bool) -> tuple[dict, int] | None:
+    """(the inputs' common tokenizer record, the largest vocabulary), or None when any input
+    has no record; inputs recording different tokenizers are refused unless `force`."""
+    records = [sidecar.read(p) for p in inputs]
+    known = [(p, r) for p, r in zip(inputs, records) if r is not None]
+    if len({r["fingerprint"] for _, r in known}) > 1:
+        if not force:
+            kinds = ", ".join(f"{p}: {sidecar.describe(r)}" for p, r in known)
+            raise UserError(
+                f"the inputs were made with different tokenizers ({kinds}); merging mixes their "
+                "ids: pass --force to merge anyway (the output then records no tokenizer)"
+            )
+        return None
+    if len(known) < len(inputs):
+        return None  # a pair made elsewhere: its tokenizer is unknown, so the output's is too
+    return records[0], max(r["vocab_size"] for r in records)  # type: ignore[index]
+
+
+def _same_prefix(a: str, b: str) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
+
+
 # ---- inspect -----------------------------------------------------------------------------------
-def inspect(prefix: str, tokenizer: str = "gpt2", documents: int = 1, chars: int = 400) -> str:
-    """A one-screen description: counts, dtype, length statistics and histogram, decoded text."""
+def inspect(prefix: str, tokenizer: str = "auto", documents: int = 1, chars: int = 400) -> str:
+    """A one-screen description: counts, dtype, length statistics and histogram, decoded text.
+
+    `tokenizer` auto decodes with the tokenizer recorded with the data (gpt2 without a record,
+    nothing for fake data); 'none' decodes nothing.
+    """
     from fitgpt.data.gpt_dataset import max_token
 
+    if documents < 0:
+        raise UserError(f"--docs {documents} is negative; pass how many documents to decode (0+)")
+    if chars < 1:
+        raise UserError(f"--chars {chars} must be at least 1")
     data = IndexedDataset(prefix)
+    tok, about = _inspect_tokenizer(prefix, tokenizer)
     lengths = _document_tokens(data)
     top = max_token(data)  # one pass over the .bin, then cached next to it
     lines = [
         f"{prefix}.bin/.idx: MMIDIDX version 1, {data.dtype.name} tokens",
         f"  documents  {data.num_documents:,} ({data.num_sequences:,} sequences)",
         f"  tokens     {data.num_tokens:,}, largest id {top} (a vocabulary of >= {top + 1})",
+        f"  tokenizer  {about}",
     ]
     if data.num_documents:
         lines.append(
@@ -251,19 +312,32 @@ def inspect(prefix: str, tokenizer: str = "gpt2", documents: int = 1, chars: int
             f"mean {lengths.mean():,.1f}  max {lengths.max():,} tokens"
         )
         lines += ["  documents by length in tokens:", *_histogram(lengths)]
-    if tokenizer == "none" or not data.num_documents:
+    if tok is None or not data.num_documents:
         return "\n".join(lines)
-    tok = load_tokenizer(tokenizer)
     if top >= tok.vocab_size:
-        lines.append(f"  (not decoded: ids reach {top}, beyond {tokenizer}'s {tok.vocab_size})")
+        lines.append(f"  (not decoded: ids reach {top}, beyond {tok.name}'s {tok.vocab_size})")
         return "\n".join(lines)
     for d in range(min(documents, data.num_documents)):
         seqs = range(int(data.doc_idx[d]), int(data.doc_idx[d + 1]))
         ids = [int(t) for s in seqs for t in data[s]]
         text = tok.decode(ids)
         cut = f" ... ({len(text) - chars:,} more characters)" if len(text) > chars else ""
-        lines.append(f"  document {d} ({len(ids):,} tokens, {tokenizer}): {text[:chars]!r}{cut}")
+        lines.append(f"  document {d} ({len(ids):,} tokens, {tok.name}): {text[:chars]!r}{cut}")
     return "\n".join(lines)
+
+
+def _inspect_tokenizer(prefix: str, spec: str):
+    """(tokenizer to decode with or None, one line about the data's tokenizer record)."""
+    record = sidecar.read(prefix)
+    recorded = (
+        f"{sidecar.describe(record)}, recorded in {sidecar.path(prefix).name}"
+        if record is not None
+        else "not recorded (a pair made outside fitgpt)"
+    )
+    if spec == "none" or (spec == "auto" and record is not None and record["tokenizer"] is None):
+        return None, recorded
+    tok = sidecar.tokenizer_for(prefix, spec, "cannot decode it")
+    return tok, recorded + ("" if record is not None else f"; decoding with {tok.name}")
 
 
 def _histogram(lengths: np.ndarray, width: int = 40) -> list[str]:
