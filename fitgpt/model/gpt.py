@@ -188,7 +188,17 @@ class GPT(nn.Module):
     def head(self, x_BTH: Tensor) -> Tensor:
         x = self.ln_f(x_BTH)
         w = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, w)  # [B, T, V]
+        logits = F.linear(x, w)  # [B, T, V]: the matmul keeps the tensor-core friendly width
+        padded, real = logits.shape[-1], self.cfg.vocab_size
+        if padded == real:
+            return logits
+        # The padded rows are no tokens: -inf keeps them out of the softmax and out of sampling.
+        # Without it, imported weights (padded rows zero) give those rows logit 0, above every
+        # real token of a pretrained GPT-2 (whose logits are far below 0). An out-of-place add
+        # of a [V] vector: its backward passes the gradient through without a copy.
+        mask_V = torch.zeros(padded, device=logits.device, dtype=logits.dtype)
+        mask_V[real:] = float("-inf")
+        return logits + mask_V
 
     def alibi_bias(self, T: int, past: int, device) -> Tensor:
         """[N, T, P+T] additive bias: -slope·distance on and below the diagonal, -inf above."""
