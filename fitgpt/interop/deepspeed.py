@@ -201,7 +201,8 @@ def _precision(r: _Reader, cfg: dict) -> None:
             "neither enabled: DeepSpeed would train in fp32; fitgpt's --precision auto (bf16 "
             "on GPUs) applies, pass --precision fp32 to match",
         )
-    _loss_scale(r, fp16)
+    if on.get("fp16", True):  # the scaler's keys matter when fp16 is on, or "auto"
+        _loss_scale(r, fp16)
     for k in bf16:
         if k != "enabled":
             r.note(f"bf16.{k}", "ignored: fitgpt's bf16 keeps fp32 master weights and gradients")
