@@ -49,6 +49,21 @@ def run(args: argparse.Namespace) -> int:
         f"imported {args.source} -> {r.ckpt}: {c.num_params():,} parameters ({c.n_layer} layers, "
         f"hidden {c.n_embd}, {c.n_head} heads, {c.seq_len} positions, vocabulary {c.vocab_size} "
         f"padded to {c.padded_vocab_size}, {head}), tokenizer {r.tokenizer}; "
-        f"{r.seconds:.1f} s, peak RSS {r.peak_rss_bytes / 2**30:.2f} GiB"
+        f"{r.seconds:.1f} s, peak RSS {r.peak_rss_bytes / 2**30:.2f} GiB; "
+        f"model flags: {model_flags(c)}"
     )
     return 0
+
+
+def model_flags(cfg) -> str:
+    """The `fitgpt train` flags that build this architecture: a preset's name if one matches."""
+    from fitgpt.model import PRESETS
+
+    for name, preset in PRESETS.items():
+        if preset == cfg:
+            return f"--preset {name}"
+    flags = (
+        f"--layers {cfg.n_layer} --hidden {cfg.n_embd} --heads {cfg.n_head} "
+        f"--seq-len {cfg.seq_len} --vocab-size {cfg.vocab_size}"
+    )
+    return flags + ("" if cfg.tie_embeddings else " --no-tie-embeddings")
