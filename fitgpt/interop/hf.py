@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from fitgpt.errors import UserError
@@ -96,15 +95,13 @@ def hf_shape(m: TensorMap, fit_shape: tuple[int, ...], cfg: ModelConfig) -> tupl
     return (cfg.vocab_size, *shape[1:]) if m.vocab_rows else shape
 
 
-def to_fitgpt(m: TensorMap, t: Tensor, cfg: ModelConfig) -> Tensor:
-    """An HF tensor in fitgpt's layout, fp32; vocabulary rows zero-padded to the padded size."""
-    t = t.to(torch.float32)
-    if m.transpose:
-        t = t.t()
-    if m.vocab_rows and cfg.padded_vocab_size > t.shape[0]:
-        pad = torch.zeros(cfg.padded_vocab_size - t.shape[0], *t.shape[1:], dtype=t.dtype)
-        t = torch.cat([t, pad])
-    return t.contiguous()
+def copy_to_fitgpt(m: TensorMap, t: Tensor, out: Tensor) -> None:
+    """Copy HF tensor `t` into `out`, its place in fitgpt's layout (fp32): Conv1D weights
+    transposed, vocabulary rows beyond HF's zero. No intermediate copy is made."""
+    src = t.t() if m.transpose else t
+    rows = src.shape[0]
+    out[:rows].copy_(src)  # converts bf16/fp16 checkpoints to fp32 on the way
+    out[rows:].zero_()  # the padded vocabulary rows (empty for every other tensor)
 
 
 def to_hf(m: TensorMap, t: Tensor, cfg: ModelConfig) -> Tensor:

@@ -5,10 +5,13 @@ safetensors file per chunk, fp32 `master` only) and a meta.json like the trainer
 `"optimizer_state": false`: whatever engine, ZeRO stage, placement and world size loads it
 starts the optimizer fresh. The HF tokenizer files are copied to RUN/tokenizer/.
 
-Memory: the model is never held twice. Tensors are read one at a time (safetensors reads only
-the bytes of the tensor asked for; a pytorch_model.bin is memory-mapped), and only one chunk's
-flat fp32 buffer is assembled at a time, written, and freed: peak host RAM is about the largest
-chunk (the embedding, V·h·4 bytes) plus one tensor.
+Memory: the model is never held twice. Tensors are read one at a time (from safetensors by plain
+file reads of that tensor's bytes, see safetensors_stream.py; a pytorch_model.bin is
+memory-mapped, so its pages stay resident but reclaimable), and only one chunk's flat fp32
+buffer is assembled at a time, written, and freed: peak host RAM is about twice the largest
+chunk (the embedding, 4·V·h bytes): its buffer plus the tensor being read, or plus the copy
+safetensors makes while writing it. Measured: 0.74 GiB peak RSS for a 204 M-parameter model
+(0.81 GB of fp32 weights), 0.29 GiB of it torch itself.
 """
 
 from __future__ import annotations
@@ -28,8 +31,15 @@ from torch import Tensor
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
 from fitgpt.engine.state_io import Piece, fsync_write_json, write_pieces
 from fitgpt.errors import UserError
-from fitgpt.interop.hf import TensorMap, hf_shape, model_config_from_hf, tensor_maps, to_fitgpt
+from fitgpt.interop.hf import (
+    TensorMap,
+    copy_to_fitgpt,
+    hf_shape,
+    model_config_from_hf,
+    tensor_maps,
+)
 from fitgpt.interop.hf_tokenizer import copy_hf_tokenizer
+from fitgpt.interop.safetensors_stream import SafetensorsReader
 from fitgpt.model import GPT, ModelConfig
 from fitgpt.model.config import GPT2_VOCAB
 
@@ -62,24 +72,13 @@ class HFWeights:
     """The tensors of an HF checkpoint by canonical name, each read only when asked for."""
 
     def __init__(self, files: list[Path]) -> None:
-        from safetensors import safe_open
-
-        self._where: dict[str, tuple[object, str]] = {}
-        self._handles = []
+        self._where: dict[str, tuple[SafetensorsReader | dict[str, Tensor], str]] = {}
         for f in files:
             try:
-                if f.suffix == ".safetensors":
-                    h = safe_open(str(f), framework="pt")
-                    self._handles.append(h)
-                    keys = list(h.keys())
-                else:
-                    h = _load_bin(f)
-                    keys = list(h)
-            except UserError:
-                raise
-            except Exception as e:  # safetensors and torch raise their own error types
+                h = SafetensorsReader(f) if f.suffix == ".safetensors" else _load_bin(f)
+            except Exception as e:  # truncated, not safetensors, not a pickle: all unreadable
                 raise UserError(f"{f} is unreadable ({e}); is it a complete checkpoint?") from e
-            for k in keys:
+            for k in h:
                 name = canonical(k)
                 if name is not None:
                     self._where[name] = (h, k)
@@ -88,11 +87,11 @@ class HFWeights:
         if name not in self._where:
             return None
         h, k = self._where[name]
-        return tuple(h[k].shape) if isinstance(h, dict) else tuple(h.get_slice(k).get_shape())
+        return tuple(h[k].shape) if isinstance(h, dict) else h.shape(k)
 
     def get(self, name: str) -> Tensor:
         h, k = self._where[name]
-        return h[k] if isinstance(h, dict) else h.get_tensor(k)
+        return h[k] if isinstance(h, dict) else h.get(k)
 
 
 def _load_bin(f: Path) -> dict[str, Tensor]:
@@ -166,9 +165,9 @@ def chunk_pieces(
         flat = torch.empty(c.numel, dtype=torch.float32)
         for s in c.slots:
             m = by_name[s.name]
-            t = to_fitgpt(m, weights.get(m.hf), cfg)
-            flat[s.offset : s.offset + s.numel].copy_(t.view(-1))
-            del t  # the HF tensor and its converted copy go before the next one is read
+            t = weights.get(m.hf)
+            copy_to_fitgpt(m, t, flat[s.offset : s.offset + s.numel].view(s.shape))
+            del t  # freed before the next tensor is read
         yield Piece(c.index, 0, c.numel, {"master": flat})
         if progress is not None:
             progress(c.index + 1, len(layout))

@@ -1,10 +1,15 @@
-"""A safetensors file written one tensor at a time.
+"""safetensors files written and read one tensor at a time.
 
 `safetensors.torch.save_file` needs every tensor in memory at once; for a model bigger than host
 RAM that is the whole model twice (our chunks plus the converted copies). The format is simple
 enough to stream: 8 bytes of little-endian header length, a JSON header giving each tensor's
 dtype, shape and [begin, end) byte range in the data section, then the data. We know every shape
 up front, so the header is written first and the tensors follow in the order it lists them.
+
+Reading: `safe_open` memory-maps the file, and every page a read touches stays mapped (and
+counted in the process's RSS) until the file is closed: reading a whole model tensor by tensor
+would show the whole file as resident. `SafetensorsReader` reads each tensor with plain file
+reads into a buffer of its own, so only the tensor being converted is held.
 """
 
 from __future__ import annotations
@@ -18,6 +23,39 @@ import torch
 from torch import Tensor
 
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+READ_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+READ_DTYPES["F64"] = torch.float64
+
+
+class SafetensorsReader:
+    """The tensors of one safetensors file, each read from disk only when asked for."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        self.base, self.entries = 8 + n, header
+        for name, e in header.items():
+            if e["dtype"] not in READ_DTYPES:
+                raise ValueError(f"tensor {name} has dtype {e['dtype']}, not a float type")
+
+    def __iter__(self):
+        return iter(self.entries)  # the tensor names, as for a dict of tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name]["shape"])
+
+    def get(self, name: str) -> Tensor:
+        e = self.entries[name]
+        begin, end = e["data_offsets"]
+        buf = torch.empty(end - begin, dtype=torch.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self.base + begin)
+            if f.readinto(memoryview(buf.numpy())) != end - begin:
+                raise ValueError(f"{self.path} is truncated inside tensor {name}")
+        return buf.view(READ_DTYPES[e["dtype"]]).view(e["shape"])
 
 
 class SafetensorsWriter:
