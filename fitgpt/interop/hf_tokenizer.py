@@ -34,7 +34,8 @@ HF_TOKENIZER_FILES = (
 
 # ---- import ------------------------------------------------------------------------------------
 def copy_hf_tokenizer(src: Path, dest: Path) -> bool:
-    """Copy the tokenizer files in `src` into `dest` (created); True when fitgpt can load them."""
+    """Copy the tokenizer files in `src` into `dest` (created); True when they hold a vocabulary
+    (vocab.json + merges.txt, or a tokenizer.json that a tokenizer.json loader reads)."""
     present = [n for n in HF_TOKENIZER_FILES if (src / n).is_file()]
     if not present:
         return False
@@ -43,7 +44,8 @@ def copy_hf_tokenizer(src: Path, dest: Path) -> bool:
         shutil.copyfile(src / name, dest / name)
     if not (dest / "vocab.json").is_file() and (dest / "tokenizer.json").is_file():
         _vocab_merges_from_tokenizer_json(dest / "tokenizer.json", dest)
-    return (dest / "vocab.json").is_file() and (dest / "merges.txt").is_file()
+    has_bpe = (dest / "vocab.json").is_file() and (dest / "merges.txt").is_file()
+    return has_bpe or (dest / "tokenizer.json").is_file()
 
 
 def _vocab_merges_from_tokenizer_json(path: Path, dest: Path) -> None:
