@@ -8,9 +8,9 @@ starts the optimizer fresh. The HF tokenizer files are copied to RUN/tokenizer/.
 Memory: the model is never held twice. Tensors are read one at a time (from safetensors by plain
 file reads of that tensor's bytes, see safetensors_stream.py; a pytorch_model.bin is
 memory-mapped, so its pages stay resident but reclaimable), and only one chunk's flat fp32
-buffer is assembled at a time, written, and freed: peak host RAM is about twice the largest
-chunk (the embedding, 4·V·h bytes): its buffer plus the tensor being read, or plus the copy
-safetensors makes while writing it. Measured: 0.74 GiB peak RSS for a 204 M-parameter model
+buffer is assembled at a time, written, and freed: peak host RAM is a small multiple of the
+largest chunk (its buffer, the tensor being read, the copy safetensors makes while writing; the
+previous chunk until the writer lets it go), never the model. Measured: 0.74 GiB peak RSS for a 204 M-parameter model
 (0.81 GB of fp32 weights), 0.29 GiB of it torch itself.
 """
 
