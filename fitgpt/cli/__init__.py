@@ -21,6 +21,7 @@ COMMANDS: list[str] = [
     "data",
     "tokenizer",
     "export",
+    "import_hf",
     "matmul",
     "plan",
     "probe",

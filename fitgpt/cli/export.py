@@ -1,7 +1,8 @@
-"""`fitgpt export`: a checkpoint's weights as one safetensors file of whole parameters."""
+"""`fitgpt export`: a checkpoint's weights as one safetensors file, or as a Hugging Face folder."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -12,28 +13,67 @@ from fitgpt.errors import UserError
 def register(sub) -> None:
     p = sub.add_parser(
         "export",
-        help="write a checkpoint's weights as one safetensors file",
-        description="Gather the fp32 master weights of a checkpoint (any engine, any "
-        "world size) into whole parameters named as in fitgpt/model/gpt.py.",
+        help="write a checkpoint's weights as one safetensors file or a Hugging Face folder",
+        description="Gather the fp32 master weights of a checkpoint (any engine, any world "
+        "size). --format fitgpt (default): one .safetensors file of whole parameters named as "
+        "in fitgpt/model/gpt.py. --format hf: a folder that GPT2LMHeadModel.from_pretrained "
+        "and AutoTokenizer.from_pretrained load offline (see docs/interop.md).",
     )
     p.add_argument("--ckpt", required=True, help="checkpoint folder, or a run folder (its newest)")
-    p.add_argument("--out", required=True, help="output .safetensors path")
+    p.add_argument("--out", required=True, help="output .safetensors path (fitgpt) or folder (hf)")
+    p.add_argument(
+        "--format",
+        choices=["fitgpt", "hf"],
+        default="fitgpt",
+        help="fitgpt: one safetensors file, fitgpt names; hf: a Hugging Face GPT-2 folder "
+        "(default: fitgpt)",
+    )
     p.add_argument(
         "--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="(default: fp32)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="hf: the tokenizer to write, when the checkpoint records none or its files moved",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace --out if it exists (once complete)"
     )
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
+    if not Path(args.ckpt).exists():
+        raise UserError(
+            f"--ckpt {args.ckpt} does not exist; pass a run folder or a step_* checkpoint"
+        )
+    if Path(args.out).exists() and not args.overwrite:
+        raise UserError(f"--out {args.out} already exists; pass --overwrite to replace it")
+    if args.format == "hf":
+        return run_hf(args)
+    return run_fitgpt(args)
+
+
+def run_hf(args: argparse.Namespace) -> int:
+    from fitgpt.interop.hf_export import export_hf
+
+    r = export_hf(Path(args.ckpt), Path(args.out), args.dtype, args.overwrite, args.tokenizer)
+    c = r.cfg
+    tok = f"tokenizer {r.tokenizer}" if r.tokenizer else "no tokenizer (the run recorded none)"
+    print(
+        f"wrote {r.out}: GPT2LMHeadModel, {r.params:,} values in {args.dtype} ({c.n_layer} "
+        f"layers, hidden {c.n_embd}, vocabulary {c.vocab_size} cut from {c.padded_vocab_size}"
+        f"{', zero biases' if not c.bias else ''}), {tok}"
+    )
+    return 0
+
+
+def run_fitgpt(args: argparse.Namespace) -> int:
     import torch
     from safetensors.torch import save_file
 
     from fitgpt.infer.generate import load_model
 
-    if not Path(args.ckpt).exists():
-        raise UserError(
-            f"--ckpt {args.ckpt} does not exist; pass a run folder or a step_* checkpoint"
-        )
     model, meta = load_model(Path(args.ckpt), torch.device("cpu"))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}

@@ -15,7 +15,11 @@ def register(sub) -> None:
     p.add_argument("--ckpt", required=True, help="checkpoint folder, or a run folder (its newest)")
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--interactive", action="store_true", help="read prompts until you type `stop`")
-    p.add_argument("--tokenizer", default=None, help="override the checkpoint's tokenizer")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the checkpoint's tokenizer from other files (refused if its vocabulary differs)",
+    )
     p.add_argument("--device", default="auto", help="auto, cuda or cpu")
     from fitgpt.infer.generate import SampleConfig
 
@@ -35,12 +39,27 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--ckpt {path} does not exist; pass a run folder or a step_* checkpoint")
     device = pick_device(args.device)
     model, meta = load_model(path, device)
-    tok = tokenizer_for(meta, args.tokenizer)
+    tok = tokenizer_for(meta, args.tokenizer, model.cfg)
+    told = False
 
     def once(prompt: str) -> None:
-        ids = tok.encode(prompt) or ([tok.eod_id] if tok.eod_id is not None else [10])
-        out = generate(model, torch.tensor([ids], device=device), cfg)
-        print(tok.decode(out[0].tolist()), flush=True)
+        nonlocal told
+        ids = tok.encode(prompt)
+        seeded = not ids  # an empty prompt starts from the end-of-document token (or a newline)
+        if seeded:
+            ids = [tok.eod_id if tok.eod_id is not None else 10]
+        if len(ids) + cfg.max_new_tokens > model.cfg.seq_len and not told:
+            told = True
+            print(
+                f"note: prompt and output exceed the model's context of {model.cfg.seq_len} "
+                f"tokens; each new token sees the last {model.cfg.seq_len}",
+                file=sys.stderr,
+            )
+        x = torch.tensor([ids], device=device)
+        out = generate(model, x, cfg, eos_id=tok.eod_id, vocab_size=tok.vocab_size)[0].tolist()
+        if tok.eod_id is not None and not cfg.ignore_eos and out[-1] == tok.eod_id:
+            out = out[:-1]  # the stop token ends the text; it is not printed
+        print(tok.decode(out[1:] if seeded else out), flush=True)
 
     if not args.interactive:
         once(args.prompt)

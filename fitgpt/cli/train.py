@@ -116,7 +116,35 @@ def register(sub) -> None:
         help="host RAM the run may fill, e.g. 240GB (default: what the kernel reports available, "
         "less a 5%% reserve); for machines that report less RAM than they give",
     )
+    p.add_argument(
+        "--deepspeed-config",
+        default=None,
+        metavar="FILE.json",
+        help="take batch, precision, ZeRO, offload, optimizer and schedule settings from a "
+        "DeepSpeed config; flags you type win; every key not honoured is named "
+        "(docs/interop.md)",
+    )
     p.set_defaults(func=run)
+
+
+def apply_deepspeed_flags(args: argparse.Namespace) -> None:
+    """Set the flags a DeepSpeed config maps to, as if typed, unless typed already."""
+    from fitgpt.interop.deepspeed import apply_deepspeed_config
+
+    parts = {"train": TrainConfig, "engine": EngineConfig, "precision": PrecisionConfig}
+    parts["optim"] = OptimConfig
+    typed = {part: explicit(args, cls) for part, cls in parts.items()}
+    changes, notes = apply_deepspeed_config(args.deepspeed_config, typed)
+    for values in changes.values():
+        for name, value in values.items():
+            setattr(args, name, value)  # the flags' dest is the field name
+    if os.environ.get("RANK", "0") == "0":
+        said = " ".join(
+            f"--{n.replace('_', '-')} {v}" for vals in changes.values() for n, v in vals.items()
+        )
+        print(f"--deepspeed-config {args.deepspeed_config}: {said or 'sets no flag'}", flush=True)
+        for line in notes:
+            print(f"--deepspeed-config {args.deepspeed_config}: {line}", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
 
         argv = strip_flag(sys.argv[1:], "--gpus")
         return relaunch(args.gpus, argv)
+    if args.deepspeed_config:
+        apply_deepspeed_flags(args)
     run_cfg, ckpt, notes = resolve_command(args)  # validates every config before allocating
     from fitgpt.dist import init_distributed, shutdown
     from fitgpt.dist.env import configure_process

@@ -1,4 +1,10 @@
-"""Sampling from a trained checkpoint: KV cache, temperature, top-k, top-p."""
+"""Sampling from a trained checkpoint: KV cache, temperature, top-k, top-p.
+
+Each new token is predicted from the last seq_len tokens at most: a prompt or an output longer
+than the model's context slides the window (the KV cache is rebuilt for each token once the
+window slides, since learned positions shift), and never shortens the output. Generation stops
+at the tokenizer's end-of-document token unless `ignore_eos` is set.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +30,10 @@ class SampleConfig:
         default=1.0, metadata={"help": "keep the smallest set with this much probability"}
     )
     seed: int = field(default=0, metadata={"help": "sampling seed"})
+    ignore_eos: bool = field(
+        default=False,
+        metadata={"help": "keep generating past the tokenizer's end-of-document token"},
+    )
 
     def __post_init__(self) -> None:
         if (
@@ -62,13 +72,40 @@ def load_model(path: Path, device: torch.device) -> tuple[GPT, dict]:
     return model.eval(), meta
 
 
-def tokenizer_for(meta: dict, override: str | None) -> Tokenizer:
-    spec = override or meta.get("tokenizer")
+def tokenizer_for(meta: dict, override: str | None, cfg: ModelConfig) -> Tokenizer:
+    """The checkpoint's tokenizer, or `override` if it fits the model: never one with more
+    tokens than the model's vocabulary, nor another vocabulary than the one recorded."""
+    recorded = meta.get("tokenizer")
+    spec = override or recorded
     if spec is None:
         raise UserError(
             "this checkpoint was trained without a tokenizer (synthetic data); pass --tokenizer"
         )
-    return load_tokenizer(spec)
+    tok = load_tokenizer(spec)
+    if tok.vocab_size > cfg.vocab_size:
+        raise UserError(
+            f"--tokenizer {spec}: {tok.vocab_size} tokens, but the model knows {cfg.vocab_size}; "
+            f"pass the tokenizer it was trained with{f' ({recorded})' if recorded else ''}"
+        )
+    if override and recorded and override != recorded and not _same_vocabulary(tok, recorded):
+        raise UserError(
+            f"--tokenizer {override} is another vocabulary than the checkpoint's ({recorded}); "
+            "drop --tokenizer, or pass one with the same tokens"
+        )
+    return tok
+
+
+def _same_vocabulary(tok: Tokenizer, recorded: str) -> bool:
+    """True when `tok` has the tokens of tokenizer `recorded`, or when `recorded` cannot be
+    loaded any more (its files moved: the override is how the user points at them)."""
+    try:
+        ref = load_tokenizer(recorded)
+    except UserError:
+        return True
+    if (tok.vocab_size, tok.eod_id) != (ref.vocab_size, ref.eod_id):
+        return False
+    # every token's text: ~0.4 s for GPT-2's 50257, paid only when an override names other files
+    return all(tok.decode([i]) == ref.decode([i]) for i in range(tok.vocab_size))
 
 
 def filter_logits(logits_BV: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -92,25 +129,65 @@ def pick(logits_BV: Tensor, cfg: SampleConfig, gen: torch.Generator) -> Tensor:
     return torch.multinomial(probs, 1, generator=gen)
 
 
+class _Window:
+    """The model's view of the sequence: its last seq_len tokens, through a KV cache if asked.
+
+    `logits` is the next-token distribution [B, V]. While the sequence fits the context, each
+    new token is one cached step; once it does not, every step re-reads the last seq_len tokens
+    (the positions of the kept tokens change, so the cache cannot be reused)."""
+
+    def __init__(self, model: GPT, idx_BT: Tensor, use_cache: bool) -> None:
+        self.model, self.use_cache, self.S = model, use_cache, model.cfg.seq_len
+        self.seq_BT = idx_BT
+        self.logits = self._read_window()
+
+    def _read_window(self) -> Tensor:
+        window_BT = self.seq_BT[:, -self.S :]
+        if not self.use_cache:
+            return self.model(window_BT)[:, -1]
+        dtype = next(self.model.parameters()).dtype
+        self.cache = KVCache(self.model.cfg, window_BT.shape[0], window_BT.device, dtype)
+        return self.model(window_BT, cache=self.cache)[:, -1]
+
+    def push(self, nxt_B1: Tensor) -> None:
+        self.seq_BT = torch.cat([self.seq_BT, nxt_B1], dim=1)
+        if self.use_cache and self.cache.length < self.S:
+            self.logits = self.model(nxt_B1, cache=self.cache)[:, -1]
+        else:
+            self.logits = self._read_window()
+
+
 @torch.no_grad()
-def generate(model: GPT, idx_BT: Tensor, cfg: SampleConfig, use_cache: bool = True) -> Tensor:
-    """Prompt plus new tokens, [B, T + new]. Generation stops at the model's context length."""
-    S = model.cfg.seq_len
-    if idx_BT.shape[1] >= S:
-        idx_BT = idx_BT[:, -(S - 1) :]  # keep the end of a long prompt
+def generate(
+    model: GPT,
+    idx_BT: Tensor,
+    cfg: SampleConfig,
+    use_cache: bool = True,
+    eos_id: int | None = None,
+    vocab_size: int | None = None,
+) -> Tensor:
+    """Prompt plus up to max_new_tokens new tokens, [B, T + n].
+
+    n is max_new_tokens unless every row has produced `eos_id` (kept, as the last token; rows
+    that ended first are padded with it), and `cfg.ignore_eos` is off. Ids at or above
+    `vocab_size` (a tokenizer smaller than the model's vocabulary) are never sampled."""
     gen = torch.Generator(device=idx_BT.device).manual_seed(cfg.seed)
-    steps = min(cfg.max_new_tokens, S - idx_BT.shape[1])
-    if not use_cache:
-        for _ in range(steps):
-            nxt = pick(model(idx_BT)[:, -1], cfg, gen)
-            idx_BT = torch.cat([idx_BT, nxt], dim=1)
-        return idx_BT
-    dtype = next(model.parameters()).dtype
-    cache = KVCache(model.cfg, idx_BT.shape[0], idx_BT.device, dtype)
-    logits = model(idx_BT, cache=cache)[:, -1]
-    for i in range(steps):
-        nxt = pick(logits, cfg, gen)
-        idx_BT = torch.cat([idx_BT, nxt], dim=1)
-        if i + 1 < steps:
-            logits = model(nxt, cache=cache)[:, -1]
-    return idx_BT
+    stop = None if cfg.ignore_eos else eos_id
+    window = _Window(model, idx_BT, use_cache)
+    done_B = torch.zeros(idx_BT.shape[0], dtype=torch.bool, device=idx_BT.device)
+    out = [idx_BT]
+    for i in range(cfg.max_new_tokens):
+        logits_BV = window.logits
+        if vocab_size is not None and vocab_size < logits_BV.shape[-1]:
+            logits_BV = logits_BV.clone()
+            logits_BV[:, vocab_size:] = float("-inf")
+        nxt = pick(logits_BV, cfg, gen)
+        if stop is not None:
+            nxt = nxt.masked_fill(done_B[:, None], stop)
+            done_B |= nxt[:, 0] == stop
+        out.append(nxt)
+        if stop is not None and bool(done_B.all()):  # host sync per token: cheap next to a step
+            break
+        if i + 1 < cfg.max_new_tokens:
+            window.push(nxt)
+    return torch.cat(out, dim=1)

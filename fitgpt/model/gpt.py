@@ -188,7 +188,18 @@ class GPT(nn.Module):
     def head(self, x_BTH: Tensor) -> Tensor:
         x = self.ln_f(x_BTH)
         w = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, w)  # [B, T, V]
+        logits = F.linear(x, w)  # [B, T, V]: the matmul keeps the tensor-core friendly width
+        real = self.cfg.vocab_size
+        if logits.shape[-1] > real:
+            # The padded rows are no tokens: -inf keeps them out of the softmax and out of
+            # sampling. Without it, imported weights (padded rows zero) give those rows logit 0,
+            # above every real token of a pretrained GPT-2 (whose logits are far below 0). Written
+            # in place outside autograd: it costs B·T·(V - vocab) writes, not a pass over the
+            # logits; the linear's backward needs only its inputs, and the gradient reaching
+            # these entries is 0 anyway (their softmax probability is 0, no target is there).
+            with torch.no_grad():
+                logits[..., real:] = float("-inf")
+        return logits
 
     def alibi_bias(self, T: int, past: int, device) -> Tensor:
         """[N, T, P+T] additive bias: -slope·distance on and below the diagonal, -inf above."""

@@ -1,0 +1,1 @@
+"""Bringing models in and taking them out: Hugging Face GPT-2 checkpoints, DeepSpeed configs."""
