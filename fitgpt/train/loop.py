@@ -30,7 +30,7 @@ from fitgpt.train import checkpoint as ckpt_io
 from fitgpt.train.config import TrainConfig
 from fitgpt.train.metrics import MetricsLog, format_line, peak_flops
 from fitgpt.train.schedule import lr_at
-from fitgpt.train.setup import OutOfMemory, is_oom, oom_message, phase_of
+from fitgpt.train.setup import OutOfMemory, is_oom, oom_message, phase_of, resolve_run
 
 
 @dataclass(frozen=True)
@@ -268,6 +268,7 @@ def _is_backend_error(e: RuntimeError) -> bool:
 def train(
     run: RunConfig, ctx: DistContext, resume: str | None = None, overwrite: bool = False
 ) -> dict:
+    run = resolve_run(run, ctx.device.type)  # a no-op for a run setup_run made (and planned)
     out = Path(run.train.out)
     prepare_run_dir(out, resume is not None, overwrite, ctx)
     trainer = None
