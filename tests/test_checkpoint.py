@@ -91,7 +91,7 @@ def test_a_run_whose_checkpoints_cannot_fit_is_refused_before_step_1(tmp_path, m
     assert "\n" not in msg
     for needle in ("one checkpoint of this run is", "needs", "free", "--save-optimizer none"):
         assert needle in msg, msg
-    assert "--keep 1" in msg and "--no-save" in msg and "--out" in msg
+    assert "--keep 1" in msg and "--save-every 0" in msg and "--no-save" in msg and "--out" in msg
     assert not ckpt_io.step_dirs(tmp_path) and not (tmp_path / "metrics.jsonl").exists()
     # each option the message names is accepted
     train(run_config(tmp_path, steps=4, save_every=2, keep=1), CPU)
@@ -164,7 +164,9 @@ def test_weights_only_checkpoints_generate_export_and_resume_fresh(tmp_path, eng
     capsys.readouterr()
     trainer = Trainer(run_config(tmp_path, steps=6, engine=engine), CPU)
     trainer.resume(ckpt)
-    assert "optimizer state starts fresh: the checkpoint holds weights only" in capsys.readouterr().out
+    assert (
+        "optimizer state starts fresh: the checkpoint holds weights only" in capsys.readouterr().out
+    )
     assert trainer.step == 4 and trainer.loader.state_dict() == meta["trainer"]["data"]
     assert trainer.engine.extra_state()["optimizer_step"] == 0
     for (n, p), q in zip(weights(trainer.engine).items(), ref.parameters()):

@@ -130,7 +130,7 @@ def verify(ckpt: Path) -> dict:
         for name, digest in meta.get("file_sha256", {}).items():
             if _sha256(ckpt / name) != digest:
                 raise CorruptCheckpoint(f"{ckpt / name} does not match its SHA-256: it is damaged")
-        missing = [k for k in ("step", "world", "layout", "config", "trainer") if k not in meta]
+        missing = [k for k in ("step", "world", "layout", "config") if k not in meta]
         if missing:
             raise KeyError(", ".join(missing))
     except (KeyError, TypeError, AttributeError, OSError) as e:

@@ -355,23 +355,25 @@ class Trainer:
 
     def _diverged(self, guard: DivergenceGuard, lr: float) -> None:
         """Stop a diverged run in one line. The checkpoint saved just before the first unhealthy
-        step holds the weights that produced it: it is set aside, never resumed."""
-        moved = ""
-        if guard.first_unhealthy is not None:
-            suspect = self.out / f"step_{guard.first_unhealthy - 1:08d}"
-            if (suspect / "meta.json").is_file():
-                aside = self.out / f"diverged.{suspect.name}"
-                if self.ctx.is_main:
-                    shutil.rmtree(aside, ignore_errors=True)
-                    os.replace(suspect, aside)
-                moved = f"; {suspect.name}, whose weights gave the first bad step, is now {aside}"
-        last = self._newest() if self.ctx.is_main else None
-        good = f"; the last good checkpoint is {last}" if last else "; no good checkpoint exists"
-        raise Diverged(
+        step holds the weights that produced it: rank 0 sets it aside, never to be resumed."""
+        what = (
             f"training diverged: {guard.streak} steps in a row (steps {guard.first_bad}-"
             f"{self.step}) had a NaN/inf loss or a skipped update (latest loss {guard.last_loss})"
-            f"; nothing was saved from them{moved}{good}; lower --lr (now {lr:.3g}) or raise "
-            "--warmup, or pass --max-bad-steps 0 to train on"
+        )
+        if not self.ctx.is_main:
+            raise Diverged(f"{what}; rank 0 names the last good checkpoint")
+        moved = ""
+        suspect = self.out / f"step_{(guard.first_unhealthy or 1) - 1:08d}"
+        if guard.first_unhealthy is not None and (suspect / "meta.json").is_file():
+            aside = self.out / f"diverged.{suspect.name}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(suspect, aside)
+            moved = f"; {suspect.name}, whose weights gave the first bad step, is now {aside}"
+        last = self._newest()
+        good = f"; the last good checkpoint is {last}" if last else "; no good checkpoint exists"
+        raise Diverged(
+            f"{what}; nothing was saved from them{moved}{good}; lower --lr (now {lr:.3g}) or "
+            "raise --warmup, or pass --max-bad-steps 0 to train on"
         )
 
 

@@ -148,6 +148,33 @@ def copies_to_add(existing: int, saves: int, keep: int) -> int:
     return max(min(existing + saves, keep + 1) - existing, 1)
 
 
+def _options(
+    size: CheckpointSize, free: int, optimizer: bool, existing: int, saves: int, keep: int
+) -> list[str]:
+    """The smallest changes of --save-optimizer, --save-every and --keep that fit, fewest first."""
+    found = []
+    for opt in (optimizer, False) if optimizer else (False,):
+        for n_saves in (saves, 1) if saves > 1 else (saves,):
+            k = next(
+                (
+                    k
+                    for k in range(keep, 0, -1)
+                    if copies_to_add(existing, n_saves, k) * size.of(opt) <= free
+                ),
+                None,
+            )
+            if k is None:
+                continue
+            flags = (
+                [f"--save-optimizer none ({human(size.weights)} each)"] if opt != optimizer else []
+            )
+            flags += ["--save-every 0 (one save, at the end)"] if n_saves != saves else []
+            flags += [f"--keep {k}"] if k != keep else []
+            if flags:
+                found.append(" + ".join(flags))
+    return sorted(found, key=lambda f: f.count("--"))[:3]
+
+
 def check_room(
     out: Path, size: CheckpointSize, optimizer: bool, existing: int, saves: int, keep: int
 ) -> None:
@@ -158,12 +185,7 @@ def check_room(
     if need <= free:
         return
     what = "fp32 weights and both Adam moments" if optimizer else "fp32 weights only"
-    options = []
-    if optimizer and copies * size.weights <= free:
-        options.append(f"--save-optimizer none ({human(size.weights)} each, weights only)")
-    fit = free // one  # copies the free space holds; --keep K needs K + 1 of them
-    if 2 <= fit < copies:
-        options.append(f"--keep {fit - 1}")
+    options = _options(size, free, optimizer, existing, saves, keep)
     options += ["--no-save", "an --out on a larger disk"]
     raise UserError(
         f"--out {out}: one checkpoint of this run is {human(one)} ({what}); with --keep {keep}, "
