@@ -205,6 +205,8 @@ def test_re_run_steps_are_logged_once(tmp_path):
     lines = strict_lines(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in lines if r["kind"] == "train"] == [2, 4, 6, 8, 10, 12]
     assert [r["step"] for r in lines if r["kind"] == "eval"] == [4, 8, 12]
+    last = [r for r in lines if r["kind"] == "train"][-1]  # progress: elapsed and left
+    assert last["eta_s"] == 0 and last["elapsed_s"] > 0
 
 
 def test_a_diverged_run_stops_in_one_line_and_keeps_the_last_good_checkpoint(tmp_path):
