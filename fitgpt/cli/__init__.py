@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"fitgpt {args.command}: {e}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
-        print(f"fitgpt {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # train's Interrupted says what was saved and how to resume
+        print(f"fitgpt {args.command}: {e or 'interrupted'}", file=sys.stderr)
         sys.exit(130)
     sys.exit(code or 0)

@@ -50,12 +50,14 @@ class Engine(ABC):
         """Mean loss of one batch (no gradients), averaged over ranks."""
 
     @abstractmethod
-    def save_state(self, folder: Path) -> None:
-        """Write this rank's share of weights and optimizer state into `folder` (state_io)."""
+    def save_state(self, folder: Path, optimizer: bool = True) -> None:
+        """Write this rank's share of weights and (unless optimizer=False) optimizer state into
+        `folder` (state_io)."""
 
     @abstractmethod
-    def load_state(self, folder: Path, extra: dict) -> None:
-        """Load weights and optimizer state saved by any engine at any world size."""
+    def load_state(self, folder: Path, extra: dict, optimizer: bool = True) -> None:
+        """Load weights and optimizer state saved by any engine at any world size; with
+        optimizer=False only the weights, the optimizer and loss scaler starting fresh."""
 
     @abstractmethod
     def extra_state(self) -> dict:

@@ -507,13 +507,13 @@ class ChunkEngine(Engine):
     def _writes(self) -> bool:
         return self.stage >= 1 or self.ctx.rank == 0  # stage 0 is replicated: rank 0 writes
 
-    def save_state(self, folder: Path) -> None:
+    def save_state(self, folder: Path, optimizer: bool = True) -> None:
         self._sync_host()
         if not self._writes():
             return
-        write_pieces(folder, self.ctx.rank, self._pieces())
+        write_pieces(folder, self.ctx.rank, self._pieces(KINDS if optimizer else KINDS[:1]))
 
-    def _pieces(self):
+    def _pieces(self, kinds: tuple[str, ...]):
         """Each chunk's state as a Piece, one at a time: a disk-homed chunk is read in, written
         by write_pieces, and freed before the next, so saving needs no more host RAM than a step."""
         for c in self.chunks:
@@ -523,8 +523,9 @@ class ChunkEngine(Engine):
                 continue
             if c.on_disk:
                 self.disk.read_in(c)
-            c.decode_moments()  # compressed moments: into the shared scratch, saved as fp32
-            tensors = dict(zip(KINDS, (c.master[:k], c.exp_avg[:k], c.exp_avg_sq[:k])))
+            if len(kinds) > 1:
+                c.decode_moments()  # compressed moments: into the shared scratch, saved as fp32
+            tensors = dict(zip(kinds, (c.master[:k], c.exp_avg[:k], c.exp_avg_sq[:k])))
             # safetensors exports through numpy, which pins a storage's size for good: a
             # disk-homed chunk's buffers must stay resizable, so it hands over copies
             tensors = {n: (t.clone() if c.on_disk else t.float().cpu()) for n, t in tensors.items()}
@@ -532,17 +533,19 @@ class ChunkEngine(Engine):
             c.free_state()
 
     @torch.no_grad()
-    def load_state(self, folder: Path, extra: dict) -> None:
+    def load_state(self, folder: Path, extra: dict, optimizer: bool = True) -> None:
+        """Weights and optimizer state; with optimizer=False (a weights-only checkpoint) the
+        weights alone, the moments zero and the optimizer's step 0, as in a fresh run."""
         self._sync_host()
         reader = StateReader(folder)
-        step = float(extra.get("optimizer_step", 0))
+        step = float(extra.get("optimizer_step", 0)) if optimizer else 0.0
         for c, opt in zip(self.chunks, self.optimizers):
             lo, hi = c.unpadded(c.opt_lo, c.opt_hi)
             k = max(0, hi - lo)
             c.alloc_state()  # a disk-homed chunk: its buffers back, filled from the checkpoint
             for kind, buf in zip(KINDS, (c.master, c.exp_avg, c.exp_avg_sq)):
-                buf.zero_()  # the padding beyond k stays zero
-                if k:
+                buf.zero_()  # the padding beyond k stays zero; so do fresh moments
+                if k and (optimizer or kind == "master"):
                     buf[:k].copy_(reader.read(c.spec.index, kind, lo, hi))
             for st in opt.state.values():
                 st["step"].fill_(step)
@@ -550,7 +553,8 @@ class ChunkEngine(Engine):
             self._weights_from_master(c)
             if c.on_disk:
                 self.disk.write_out(c)
-        self.scaler.load_state_dict(extra["scaler"])
+        if optimizer:
+            self.scaler.load_state_dict(extra["scaler"])
         self.steps_done = int(step)
 
     def _weights_from_master(self, c: Chunk) -> None:

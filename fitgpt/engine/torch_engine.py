@@ -150,7 +150,7 @@ class TorchEngine(Engine):
             [getter(params[s.name]).detach().reshape(-1).float().cpu() for s in chunk.slots]
         )
 
-    def save_state(self, folder: Path) -> None:
+    def save_state(self, folder: Path, optimizer: bool = True) -> None:
         if not self.ctx.is_main:
             return  # every rank holds the same replicated state: rank 0 writes it once
 
@@ -161,34 +161,30 @@ class TorchEngine(Engine):
 
             return get
 
+        getters = {"master": lambda p: p}
+        if optimizer:
+            getters.update(exp_avg=moment("exp_avg"), exp_avg_sq=moment("exp_avg_sq"))
         pieces = (
-            Piece(
-                c.index,
-                0,
-                c.numel,
-                {
-                    "master": self._flat(c, lambda p: p),
-                    "exp_avg": self._flat(c, moment("exp_avg")),
-                    "exp_avg_sq": self._flat(c, moment("exp_avg_sq")),
-                },
-            )
+            Piece(c.index, 0, c.numel, {k: self._flat(c, g) for k, g in getters.items()})
             for c in self.layout
         )
         write_pieces(folder, 0, pieces)
 
     @torch.no_grad()
-    def load_state(self, folder: Path, extra: dict) -> None:
+    def load_state(self, folder: Path, extra: dict, optimizer: bool = True) -> None:
+        """Weights and optimizer state; with optimizer=False (a weights-only checkpoint) the
+        weights alone and no optimizer state, as in a fresh run (AdamW starts it at step 1)."""
         reader = StateReader(folder)
         params = dict(self.model.named_parameters())
-        step = int(extra.get("optimizer_step", 0))
+        step = int(extra.get("optimizer_step", 0)) if optimizer else 0
+        kinds = ("master", "exp_avg", "exp_avg_sq") if optimizer else ("master",)
         for c in self.layout:
-            flat = {
-                k: reader.read(c.index, k, 0, c.numel) for k in ("master", "exp_avg", "exp_avg_sq")
-            }
+            flat = {k: reader.read(c.index, k, 0, c.numel) for k in kinds}
             for s in c.slots:
                 p = params[s.name]
                 view = {k: v[s.offset : s.offset + s.numel].view(s.shape) for k, v in flat.items()}
                 p.copy_(view["master"])
+                self.opt.state.pop(p, None)
                 if step > 0:
                     self.opt.state[p] = {
                         # fused AdamW keeps its step counter as a float32 tensor on the device
@@ -196,7 +192,8 @@ class TorchEngine(Engine):
                         "exp_avg": view["exp_avg"].to(p.device, p.dtype).clone(),
                         "exp_avg_sq": view["exp_avg_sq"].to(p.device, p.dtype).clone(),
                     }
-        self.scaler.load_state_dict(extra["scaler"])
+        if optimizer:
+            self.scaler.load_state_dict(extra["scaler"])
 
     def extra_state(self) -> dict:
         steps = [int(st["step"].item()) for st in self.opt.state.values() if "step" in st]

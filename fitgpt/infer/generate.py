@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from fitgpt.data.tokenizer import Tokenizer, load_tokenizer
+from fitgpt.engine.layout import chunk_layout
 from fitgpt.engine.state_io import StateReader
 from fitgpt.errors import UserError
 from fitgpt.model import GPT, KVCache, ModelConfig
@@ -48,26 +49,23 @@ class SampleConfig:
 
 
 def load_model(path: Path, device: torch.device) -> tuple[GPT, dict]:
-    """The checkpoint's weights in a plain GPT on `device` (bf16 on GPUs, fp32 on CPUs)."""
+    """The checkpoint's weights in a plain GPT on `device` (bf16 on GPUs, fp32 on CPUs), read
+    with the trainer's checks: checksums, sizes, the layout against the model's own, CRCs."""
     ckpt = ckpt_io.resolve(path)
     meta = ckpt_io.load_meta(ckpt)
     cfg = ModelConfig.from_dict(meta["config"]["model"])
     with torch.device("meta"):
         model = GPT(cfg)
+    layout = chunk_layout(model)  # the model's own layout: a tampered one cannot load
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model.to_empty(device=device).to(dtype)
-    reader = StateReader(ckpt)
     params = dict(model.named_parameters())
-    from fitgpt.engine.layout import ChunkSpec
-
-    with torch.no_grad():
-        for c in (ChunkSpec.from_dict(d) for d in meta["layout"]):
+    with ckpt_io.pointing_back(ckpt), torch.no_grad():
+        ckpt_io.check_layout(meta, layout, ckpt)
+        reader = StateReader(ckpt)
+        for c in layout:
             flat = reader.read(c.index, "master", 0, c.numel)
             for s in c.slots:
-                if s.name not in params:
-                    raise UserError(
-                        f"{ckpt} has parameter {s.name} that this model lacks; wrong checkpoint?"
-                    )
                 params[s.name].copy_(flat[s.offset : s.offset + s.numel].view(s.shape))
     return model.eval(), meta
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
-from fitgpt.engine.state_io import Piece, fsync_write_json, write_pieces
+from fitgpt.engine.state_io import Piece, write_pieces
 from fitgpt.errors import UserError
 from fitgpt.interop.hf import (
     TensorMap,
@@ -42,6 +42,7 @@ from fitgpt.interop.hf_tokenizer import copy_hf_tokenizer
 from fitgpt.interop.safetensors_stream import SafetensorsReader
 from fitgpt.model import GPT, ModelConfig
 from fitgpt.model.config import GPT2_VOCAB
+from fitgpt.train.checkpoint import write_meta
 
 # In the order they are looked for: one file, or an index over shards, safetensors first.
 WEIGHT_FILES = (
@@ -219,8 +220,7 @@ def import_hf(
         spec = _import_tokenizer(config_path.parent, tmp / TOKENIZER_DIR, out, cfg)
         step = tmp / CHECKPOINT_DIR
         write_pieces(step, 0, chunk_pieces(weights, layout, cfg, progress))
-        meta = imported_meta(cfg, layout, spec, out, src, hf_cfg, step)
-        fsync_write_json(step / "meta.json", meta)
+        write_meta(step, imported_meta(cfg, layout, spec, out, src, hf_cfg))
         _swap_into_place(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -251,12 +251,11 @@ def imported_meta(
     out: Path,
     src: Path,
     hf_cfg: dict,
-    step: Path,
 ) -> dict:
-    """meta.json as train/checkpoint.py writes it, for a weights-only checkpoint at step 0."""
+    """meta.json as train/checkpoint.py writes it, for a weights-only checkpoint at step 0
+    (write_meta adds the format, file sizes and checksums)."""
     from fitgpt.data.config import DataConfig
     from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
-    from fitgpt.train.checkpoint import FORMAT, VERSION
     from fitgpt.train.config import TrainConfig
     from fitgpt.train.loop import RunConfig
 
@@ -265,8 +264,6 @@ def imported_meta(
         cfg, data, TrainConfig(out=str(out)), EngineConfig(), PrecisionConfig(), OptimConfig()
     )
     return {
-        "format": FORMAT,
-        "version": VERSION,
         "step": 0,
         "world": 1,
         "layout": [c.to_dict() for c in layout],
@@ -276,5 +273,4 @@ def imported_meta(
         "tokenizer": tokenizer,
         "trainer": {"step": 0, "skipped": 0, "data": {"position": 0}},
         "imported_from": {"format": "hf-gpt2", "path": str(src.resolve()), "config": hf_cfg},
-        "files": {p.name: p.stat().st_size for p in sorted(step.iterdir())},
     }

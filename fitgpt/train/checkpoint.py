@@ -1,14 +1,20 @@
-"""Run checkpoints: atomic, verified, the last K kept, resumable exactly.
+"""Run checkpoints: atomic, checksummed, the last K kept, resumable exactly.
 
 A checkpoint is the folder run/step_XXXXXXXX holding the engine's state files (state_io), each
 rank's RNG state, and meta.json (written last, by rank 0) with the configs, the chunk layout,
-the trainer's state and the byte size of every file. Everything is first written into
+the trainer's state, the byte size of every file, a SHA-256 of every small file (indexes, RNG
+states) and a SHA-256 of meta.json's own content. Everything is first written into
 run/.step_XXXXXXXX.tmp and the folder is renamed only when complete, so a crash or Ctrl-C can
 never leave a folder that looks like a checkpoint; a checkpoint is never overwritten in place.
+A save that fails in any rank (full disk, I/O error, an exception, a dead rank) removes the
+temporary folder, keeps every earlier checkpoint and ends the run in one line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import json
 import os
 import shutil
@@ -18,11 +24,19 @@ import torch
 
 from fitgpt.dist import DistContext
 from fitgpt.engine.base import Engine
-from fitgpt.engine.state_io import CorruptCheckpoint, fsync_write_json
+from fitgpt.engine.comm import CollectiveError
+from fitgpt.engine.layout import ChunkSpec
+from fitgpt.engine.state_io import CorruptCheckpoint
 from fitgpt.errors import UserError
+from fitgpt.train.consensus import all_ok
 
 FORMAT = "fitgpt-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: checksums of meta.json and of every file; 1 (sizes and tensor CRCs) still reads
+FAULT_ENV = "FITGPT_SAVE_FAULT"  # RANK:STEP:enospc|eio|error|die, for the failure tests
+
+
+class SaveFailed(UserError):
+    """A checkpoint could not be written; its temporary folder is gone, earlier ones are kept."""
 
 
 def step_dirs(run_dir: Path) -> list[Path]:
@@ -45,61 +59,82 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(run_dir: Path, step: int, engine: Engine, meta: dict, ctx: DistContext, keep: int) -> Path:
-    final = run_dir / f"step_{step:08d}"
-    tmp = run_dir / f".step_{step:08d}.tmp"
-    if ctx.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save are never valid
-        tmp.mkdir(parents=True)
-    ctx.barrier()
-    engine.save_state(tmp)
-    torch.save(rng_state(), tmp / f"rng-r{ctx.rank:03d}.pt")
-    ctx.barrier()
-    if ctx.is_main:
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-        full = {
-            "format": FORMAT,
-            "version": VERSION,
-            "step": step,
-            "world": ctx.world,
-            "layout": [c.to_dict() for c in engine.layout],
-            "engine_state": engine.extra_state(),
-            **meta,
-            "files": files,
-        }
-        fsync_write_json(tmp / "meta.json", full)
-        old = run_dir / f".step_{step:08d}.old"
-        if final.exists():  # re-saving a step after a resume: swap, never delete before the rename
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-        for stale in step_dirs(run_dir)[:-keep]:
-            shutil.rmtree(stale, ignore_errors=True)
-    ctx.barrier()
-    return final
+# ---- meta.json: written and read with its checksum -------------------------------------------
+def _canonical(meta: dict) -> str:
+    return json.dumps(meta, indent=1)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_meta(folder: Path, meta: dict) -> None:
+    """Complete `meta` with the format, the size of every file in `folder`, the SHA-256 of every
+    file that is not a state file (those carry CRCs in their index) and the checksum of meta's
+    own content, and write it as folder/meta.json (fsynced, renamed into place). Any writer of
+    fitgpt checkpoints (the trainer, an importer) ends with this call."""
+    names = sorted(p.name for p in folder.iterdir() if p.name != "meta.json")
+    body = {
+        "format": FORMAT,
+        "version": VERSION,
+        **meta,
+        "files": {n: (folder / n).stat().st_size for n in names},
+        "file_sha256": {n: _sha256(folder / n) for n in names if not n.endswith(".safetensors")},
+    }
+    body["checksum"] = hashlib.sha256(_canonical(body).encode()).hexdigest()
+    tmp = folder / "meta.json.tmp"
+    with open(tmp, "w") as f:
+        f.write(_canonical(body))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / "meta.json")
+
+
+def _read_meta(path: Path) -> dict:
+    """meta.json parsed, its checksum and exact bytes checked (any edit, even of whitespace)."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+        meta = json.loads(text)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpoint(f"{path} is unreadable or not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CorruptCheckpoint(f"{path.parent} is not a fitgpt checkpoint (no format {FORMAT!r})")
+    version = meta.get("version", 1)
+    if not isinstance(version, int) or version > VERSION:
+        raise CorruptCheckpoint(f"{path}: version {version!r} is not one this fitgpt reads")
+    if version >= 2 or "checksum" in meta:  # version 1 predates checksums
+        body = {k: v for k, v in meta.items() if k != "checksum"}
+        ok = meta.get("checksum") == hashlib.sha256(_canonical(body).encode()).hexdigest()
+        if not ok or _canonical(meta) != text:
+            raise CorruptCheckpoint(f"{path} does not match its checksum: it was damaged or edited")
+    return meta
 
 
 def verify(ckpt: Path) -> dict:
-    """meta.json of a complete, untruncated checkpoint, or CorruptCheckpoint naming the problem."""
+    """meta.json of a complete checkpoint whose files all have their recorded sizes and small
+    files their recorded SHA-256, or CorruptCheckpoint naming the problem. The state files'
+    headers are checked by StateReader when it opens them, their tensors when they are read."""
     meta_path = ckpt / "meta.json"
     if not meta_path.is_file():
         raise CorruptCheckpoint(
             f"{ckpt} has no meta.json: it is incomplete or not a fitgpt checkpoint"
         )
+    meta = _read_meta(meta_path)
     try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CorruptCheckpoint(f"{meta_path} is not valid JSON ({e})") from e
-    if meta.get("format") != FORMAT:
-        raise CorruptCheckpoint(
-            f"{ckpt} is not a fitgpt checkpoint (format {meta.get('format')!r})"
-        )
-    for name, size in meta["files"].items():
-        f = ckpt / name
-        actual = f.stat().st_size if f.exists() else -1
-        if actual != size:
-            state = "missing" if actual < 0 else f"{actual} bytes instead of {size}"
-            raise CorruptCheckpoint(f"{f} is {state}: the checkpoint is truncated or damaged")
+        for name, size in meta["files"].items():
+            f = ckpt / name
+            actual = f.stat().st_size if f.is_file() else -1
+            if actual != size:
+                state = "missing" if actual < 0 else f"{actual} bytes instead of {size}"
+                raise CorruptCheckpoint(f"{f} is {state}: the checkpoint is truncated or damaged")
+        for name, digest in meta.get("file_sha256", {}).items():
+            if _sha256(ckpt / name) != digest:
+                raise CorruptCheckpoint(f"{ckpt / name} does not match its SHA-256: it is damaged")
+        missing = [k for k in ("step", "world", "layout", "config") if k not in meta]
+        if missing:
+            raise KeyError(", ".join(missing))
+    except (KeyError, TypeError, AttributeError, OSError) as e:
+        raise CorruptCheckpoint(f"{meta_path} is malformed ({type(e).__name__}: {e})") from None
     return meta
 
 
@@ -124,10 +159,11 @@ def previous_good(ckpt: Path) -> Path | None:
     return None
 
 
-def load_meta(ckpt: Path) -> dict:
-    """verify() with a message that points at the previous good checkpoint when there is one."""
+@contextlib.contextmanager
+def pointing_back(ckpt: Path):
+    """CorruptCheckpoint raised inside gets the previous good checkpoint appended, in one line."""
     try:
-        return verify(ckpt)
+        yield
     except CorruptCheckpoint as e:
         prev = previous_good(ckpt)
         hint = (
@@ -135,10 +171,196 @@ def load_meta(ckpt: Path) -> dict:
             if prev
             else ""
         )
-        raise CorruptCheckpoint(f"{e}{hint}") from None
+        raise CorruptCheckpoint(f"{e}{hint}".replace("\n", " ")) from None
+
+
+def load_meta(ckpt: Path) -> dict:
+    """verify() with a message that points at the previous good checkpoint when there is one."""
+    with pointing_back(ckpt):
+        return verify(ckpt)
+
+
+def check_layout(meta: dict, layout: list[ChunkSpec], ckpt: Path) -> None:
+    """The layout recorded in meta must be the one of the model its config describes."""
+    try:
+        saved = [ChunkSpec.from_dict(d) for d in meta["layout"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpoint(f"{ckpt}/meta.json: its layout is malformed ({e})") from None
+    if saved != list(layout):
+        raise CorruptCheckpoint(
+            f"{ckpt}/meta.json: its chunk layout does not match the model it describes"
+        )
+
+
+def holds_optimizer(meta: dict) -> bool:
+    """False for a weights-only checkpoint (`--save-optimizer none`, or an imported model)."""
+    return meta.get("optimizer_state", True) is not False
+
+
+def load_state(ckpt: Path, meta: dict, engine: Engine, ctx: DistContext) -> None:
+    """The engine's weights (and optimizer state, when the checkpoint holds it) and this rank's
+    RNG state, every file checked; damage ends in the one-line previous-good message."""
+    with pointing_back(ckpt):
+        check_layout(meta, engine.layout, ckpt)
+        engine.load_state(ckpt, meta.get("engine_state", {}), optimizer=holds_optimizer(meta))
+        if meta["world"] == ctx.world:
+            load_rng(ckpt, ctx.rank)
 
 
 def load_rng(ckpt: Path, rank: int) -> None:
     f = ckpt / f"rng-r{rank:03d}.pt"
-    if f.exists():
-        set_rng_state(torch.load(f, weights_only=True))
+    if not f.exists():
+        return
+    try:
+        state = torch.load(f, weights_only=True)
+        set_rng_state(state)
+    except Exception as e:  # an unpicklable or wrong-typed file (checksums make this rare)
+        raise CorruptCheckpoint(f"{f} is unreadable ({type(e).__name__})") from None
+
+
+# ---- writing ------------------------------------------------------------------------------
+def clean_stale(run_dir: Path) -> None:
+    """Leftovers of a save that was killed: a `.tmp` folder is never valid and goes; an `.old`
+    folder is a complete checkpoint set aside for a re-save of its step, and goes back if the
+    new one never arrived. Run by rank 0 while it holds the run folder's lock."""
+    for old in run_dir.glob(".step_*.old"):
+        final = run_dir / old.name[1:-4]
+        if not final.exists() and (old / "meta.json").is_file():
+            os.replace(old, final)
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+    for tmp in run_dir.glob(".step_*.tmp"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _maybe_inject_fault(rank: int, step: int) -> None:
+    """FITGPT_SAVE_FAULT=RANK:STEP:KIND fails one rank's save after its state files are written:
+    enospc/eio raise that OSError, error a RuntimeError, die ends the process (a kill)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    r, s, kind = spec.split(":")
+    if int(r) != rank or int(s) != step:
+        return
+    if kind == "die":
+        os._exit(17)
+    if kind in ("enospc", "eio"):
+        code = errno.ENOSPC if kind == "enospc" else errno.EIO
+        raise OSError(code, os.strerror(code) + " (injected)")
+    raise RuntimeError("injected save failure")
+
+
+def _write_files(tmp: Path, step: int, engine: Engine, ctx: DistContext, optimizer: bool):
+    """This rank's files; the exception that stopped them, or None."""
+    try:
+        engine.save_state(tmp, optimizer=optimizer)
+        _maybe_inject_fault(ctx.rank, step)
+        torch.save(rng_state(), tmp / f"rng-r{ctx.rank:03d}.pt")
+    except (Exception, KeyboardInterrupt) as e:
+        return e
+    return None
+
+
+def _publish(run_dir: Path, tmp: Path, final: Path, meta: dict, keep: int) -> None:
+    """Rank 0: meta.json last, then the rename; an existing folder of the same step (a re-save
+    after a resume) is set aside first and deleted only once the new one is in place."""
+    write_meta(tmp, meta)
+    old = run_dir / f".{final.name}.old"
+    if final.exists():
+        os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if old.exists():
+            os.replace(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    prune(run_dir, keep)
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints (rank 0)."""
+    for stale in step_dirs(run_dir)[:-keep]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def save(
+    run_dir: Path,
+    step: int,
+    engine: Engine,
+    meta: dict,
+    ctx: DistContext,
+    keep: int,
+    optimizer: bool = True,
+    explain=None,
+) -> Path:
+    """Write step_XXXXXXXX (weights only when optimizer=False). On failure in any rank the
+    temporary folder is removed and SaveFailed raised in every rank; `explain(cause, error)`
+    gives the sentence that follows the cause (sizes, free space, options)."""
+    final = run_dir / f"step_{step:08d}"
+    tmp = run_dir / f".step_{step:08d}.tmp"
+    failure: BaseException | None = None
+    try:
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save are never valid
+            tmp.mkdir(parents=True)
+    except OSError as e:
+        failure = e
+    label = f"checkpoint {final.name}"
+    try:
+        if all_ok(ctx, failure is None, f"{label}: folder made"):
+            failure = _write_files(tmp, step, engine, ctx, optimizer)
+        if all_ok(ctx, failure is None, f"{label}: every rank wrote its files") and ctx.is_main:
+            full = {
+                "step": step,
+                "world": ctx.world,
+                "optimizer_state": optimizer,
+                "layout": [c.to_dict() for c in engine.layout],
+                "engine_state": engine.extra_state(),
+                **meta,
+            }
+            try:
+                _publish(run_dir, tmp, final, full, keep)
+            except (Exception, KeyboardInterrupt) as e:
+                failure = e
+        ok = all_ok(ctx, failure is None, f"{label}: rank 0 renamed it")
+    except CollectiveError:
+        if ctx.is_main:  # a dead rank writes nothing more: the partial folder can go
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if ok:
+        return final
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if isinstance(failure, KeyboardInterrupt):
+        raise failure
+    raise _failed(run_dir, final, failure, explain) from failure
+
+
+def is_disk_full(e: BaseException | None) -> bool:
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e)  # safetensors wraps the OS error in its own type
+    return "No space left" in text or "StorageFull" in text or "os error 28" in text
+
+
+def _failed(run_dir: Path, final: Path, e: BaseException | None, explain) -> SaveFailed:
+    if e is None:
+        cause = "another rank failed to write its files (see its message)"
+    elif is_disk_full(e):
+        cause = "the disk is full (No space left on device)"
+    elif isinstance(e, OSError):
+        cause = f"{e.strerror or e} ({getattr(e, 'filename', None) or run_dir})"
+    else:
+        cause = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+    earlier = [p for p in step_dirs(run_dir) if p != final]
+    kept = (
+        f"the earlier checkpoints are kept (newest {earlier[-1]}: resume from it with --resume)"
+        if earlier
+        else "there is no earlier checkpoint"
+    )
+    detail = explain(cause, e) if explain else ""
+    return SaveFailed(
+        f"checkpoint {final} could not be written: {cause}; {detail}the partial folder was "
+        f"removed and {kept}"
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from fitgpt.errors import UserError
 
@@ -26,6 +27,22 @@ class TrainConfig:
     keep: int = field(default=3, metadata={"help": "checkpoints kept (older ones are deleted)"})
     save: bool = field(
         default=True, metadata={"help": "write checkpoints (--no-save for throughput runs)"}
+    )
+    save_optimizer: Literal["full", "none"] = field(
+        default="full",
+        metadata={
+            "help": "full: checkpoints hold the weights and the Adam moments (12 bytes per "
+            "parameter with the RNG and index files aside: resumes exactly); none: the fp32 "
+            "weights only (4 bytes per parameter: for generate and export; a resume starts "
+            "the optimizer state fresh)"
+        },
+    )
+    max_bad_steps: int = field(
+        default=20,
+        metadata={
+            "help": "stop with an error after this many steps in a row whose loss is NaN/inf "
+            "or whose update was skipped (0 = never)"
+        },
     )
     seed: int = field(
         default=0, metadata={"help": "seed of initialisation, data order and dropout"}
@@ -58,9 +75,18 @@ class TrainConfig:
                 raise UserError(
                     f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1"
                 )
-        for name in ("warmup", "eval_every", "eval_batches", "save_every", "cpu_threads"):
+        for name in (
+            "warmup",
+            "eval_every",
+            "eval_batches",
+            "save_every",
+            "max_bad_steps",
+            "cpu_threads",
+        ):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.save_optimizer not in ("full", "none"):
+            raise UserError(f"--save-optimizer {self.save_optimizer!r}: use full or none")
         if self.dist_timeout <= 0:
             raise UserError(f"--dist-timeout {self.dist_timeout} must be > 0 seconds")
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):

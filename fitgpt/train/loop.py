@@ -7,6 +7,8 @@ engine for the sharded or tiered one changes nothing here.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import os
 import shutil
 import statistics
@@ -23,12 +25,16 @@ from fitgpt.engine.base import Engine, StepStats
 from fitgpt.engine.comm import CollectiveError
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
-from fitgpt.engine.state_io import CorruptCheckpoint
+from fitgpt.engine.scaler import LossScaler
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
+from fitgpt.plan.memory import layout_of
 from fitgpt.train import checkpoint as ckpt_io
+from fitgpt.train import space
 from fitgpt.train.config import TrainConfig
+from fitgpt.train.guard import Diverged, DivergenceGuard, Interrupted, StopRequest
 from fitgpt.train.metrics import MetricsLog, format_line, peak_flops
+from fitgpt.train.rundir import open_run_dir
 from fitgpt.train.schedule import lr_at
 from fitgpt.train.setup import OutOfMemory, is_oom, oom_message, phase_of, resolve_run
 
@@ -53,20 +59,6 @@ def say(ctx: DistContext, msg: str) -> None:
         print(msg, flush=True)
 
 
-def prepare_run_dir(out: Path, resume: bool, overwrite: bool, ctx: DistContext) -> None:
-    existing = ckpt_io.step_dirs(out)
-    if existing and not resume and not overwrite:
-        raise UserError(
-            f"{out} already holds checkpoints ({existing[-1].name}); pass --resume to continue, "
-            "--overwrite to start over, or another --out"
-        )
-    if ctx.is_main:
-        if overwrite and not resume and out.exists():
-            shutil.rmtree(out)
-        out.mkdir(parents=True, exist_ok=True)
-    ctx.barrier()
-
-
 def check_same_architecture(meta: dict, model_cfg: ModelConfig, ckpt: Path) -> None:
     saved = ModelConfig.from_dict(meta["config"]["model"])
     if saved != model_cfg:
@@ -82,7 +74,9 @@ def check_same_architecture(meta: dict, model_cfg: ModelConfig, ckpt: Path) -> N
 
 
 class Trainer:
-    def __init__(self, run: RunConfig, ctx: DistContext) -> None:
+    def __init__(self, run: RunConfig, ctx: DistContext, check_room: bool = False) -> None:
+        """`check_room`: refuse a run whose checkpoints cannot fit its disk before the engine
+        allocates anything (a resumed run is checked after its resume, in fit())."""
         self.run, self.ctx, self.cfg = run, ctx, run.train
         self.out = Path(self.cfg.out)
         c = self.cfg
@@ -103,13 +97,15 @@ class Trainer:
             )
         self.model_cfg = run.model
         run = self.run = dataclasses.replace(run, precision=run.precision.resolved(ctx.device.type))
+        self.loader = BatchLoader(train_src, self.cfg.micro_batch, ctx.rank, ctx.world)
+        self.step = 0
+        self.skipped = 0  # fp16 steps skipped on overflow, over the whole run
+        if check_room:
+            self.preflight()
         torch.manual_seed(self.cfg.seed + ctx.rank)  # dropout masks differ per rank, as in DDP
         self.engine: Engine = build_engine(
             run.model, run.engine, run.precision, run.optim, ctx, self.cfg.seed
         )
-        self.loader = BatchLoader(train_src, self.cfg.micro_batch, ctx.rank, ctx.world)
-        self.step = 0
-        self.skipped = 0  # fp16 steps skipped on overflow, over the whole run
         self.log = MetricsLog(self.out, ctx.is_main)
         self.peak = peak_flops(ctx.device)
 
@@ -125,31 +121,78 @@ class Trainer:
             },
         }
 
+    @functools.cached_property
+    def ckpt_size(self) -> space.CheckpointSize:
+        """Bytes of one checkpoint of this run, full and weights-only, from the model's chunk
+        layout (the engine's own, computed without allocating)."""
+        e = self.run.engine
+        layout = layout_of(self.model_cfg)
+        meta = {
+            **self.meta(),
+            "layout": [c.to_dict() for c in layout],
+            # what the engines' extra_state() holds: the optimizer's step and the loss scaler
+            "engine_state": {
+                "optimizer_step": 0,
+                "scaler": LossScaler(self.run.precision).state_dict(),
+            },
+        }
+        sharded = e.engine == "zero" and e.zero_stage >= 1
+        meta_bytes = len(json.dumps(meta, indent=1))
+        return space.checkpoint_size(layout, self.ctx.world, sharded, meta_bytes)
+
+    def preflight(self) -> None:
+        """Before step 1: refuse, in one line with the options, a run whose checkpoints cannot
+        fit on --out's disk. fit() calls it; calling it earlier as well is harmless."""
+        if not self.cfg.save:
+            return
+        space.check_room(
+            self.out,
+            self.ckpt_size,
+            self.cfg.save_optimizer == "full",
+            existing=len(ckpt_io.step_dirs(self.out)),
+            saves=space.saves_in_run(self.step, self.cfg.steps, self.cfg.save_every),
+            keep=self.cfg.keep,
+        )
+
     def save(self) -> Path:
-        path = ckpt_io.save(self.out, self.step, self.engine, self.meta(), self.ctx, self.cfg.keep)
-        say(self.ctx, f"saved {path}")
+        optimizer = self.cfg.save_optimizer == "full"
+        path = ckpt_io.save(
+            self.out,
+            self.step,
+            self.engine,
+            self.meta(),
+            self.ctx,
+            self.cfg.keep + 1,  # the extra one goes after the next healthy step (_prune)
+            optimizer=optimizer,
+            explain=space.explain_failure(self.out, self.ckpt_size, optimizer),
+        )
+        self.saved_step, self.prune_owed = self.step, True
+        say(self.ctx, f"saved {path}" + ("" if optimizer else " (weights only)"))
         return path
 
     def resume(self, where: Path) -> None:
+        """Continue from a checkpoint, or from --out's newest; --out with none yet starts
+        fresh (so a restart loop needs no first-time case)."""
+        if where.absolute() == self.out.absolute() and not ckpt_io.step_dirs(self.out):
+            say(self.ctx, f"--resume: {self.out} holds no checkpoint yet; starting at step 0")
+            self.log.drop_after(0)
+            return
         ckpt = ckpt_io.resolve(where)
         meta = ckpt_io.load_meta(ckpt)
         check_same_architecture(meta, self.model_cfg, ckpt)
-        try:
-            self.engine.load_state(ckpt, meta["engine_state"])
-        except CorruptCheckpoint as e:
-            prev = ckpt_io.previous_good(ckpt)
-            hint = (
-                f"; the previous good checkpoint is {prev}: resume from it with --resume {prev}"
-                if prev
-                else ""
-            )
-            raise CorruptCheckpoint(f"{e}{hint}") from None
-        self.step = meta["trainer"]["step"]
-        self.skipped = meta["trainer"].get("skipped", 0)
-        self.loader.load_state_dict(meta["trainer"]["data"])
-        if meta["world"] == self.ctx.world:
-            ckpt_io.load_rng(ckpt, self.ctx.rank)
-        say(self.ctx, f"resumed from {ckpt} at step {self.step}")
+        ckpt_io.load_state(ckpt, meta, self.engine, self.ctx)
+        trainer = meta.get("trainer", {})  # an imported model may carry no trainer state
+        self.step = trainer.get("step", meta["step"])
+        self.skipped = trainer.get("skipped", 0)
+        if "data" in trainer:
+            self.loader.load_state_dict(trainer["data"])
+        self.log.drop_after(self.step)  # the steps after it are run, and logged, again
+        fresh = (
+            ""
+            if ckpt_io.holds_optimizer(meta)
+            else "; optimizer state starts fresh: the checkpoint holds weights only"
+        )
+        say(self.ctx, f"resumed from {ckpt} at step {self.step}{fresh}")
 
     # ---- evaluation ---------------------------------------------------------------------------
     def evaluate(self) -> dict:
@@ -208,55 +251,162 @@ class Trainer:
 
     def fit(self) -> dict:
         cfg, ctx = self.cfg, self.ctx
-        tokens_per_step = cfg.micro_batch * cfg.grad_accum * ctx.world * self.model_cfg.seq_len
+        self.preflight()
         say(
             ctx,
             f"model {self.model_cfg.num_params() / 1e6:.2f} M parameters, engine "
             f"{self.run.engine.engine}, {ctx.world} rank(s) on {ctx.device}, "
-            f"{tokens_per_step:,} tokens per step, {torch.get_num_threads()} CPU threads per rank",
+            f"{self.tokens_per_step:,} tokens per step, {torch.get_num_threads()} CPU threads "
+            "per rank",
         )
-        window, losses, history = [], [], []
-        on_cuda = ctx.device.type == "cuda"
-        while self.step < cfg.steps:
-            stats, dt, lr = self.step_once()
-            window.append(dt)
-            losses.append(stats.loss)
-            self.skipped += stats.skipped
-            if self.step % cfg.log_every == 0 or self.step == cfg.steps:
-                ms = 1000 * statistics.median(window)
-                rec = {
-                    "kind": "train",
-                    "step": self.step,
-                    "loss": stats.loss,
-                    "lr": lr,
-                    "loss_scale": stats.loss_scale,
-                    "skipped": self.skipped,
-                    "grad_norm": stats.grad_norm,
-                    "ms_per_step": ms,
-                    "tokens_per_s": tokens_per_step / (ms / 1000),
-                }
-                flops = self.model_cfg.flops_per_token() * rec["tokens_per_s"] / ctx.world
-                if on_cuda:
-                    rec["tflops"] = flops / 1e12  # per GPU
-                    rec["peak_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
-                    if self.peak:
-                        rec["mfu"] = flops / self.peak
-                self.log.write(rec)
-                say(ctx, format_line(rec))
-                history.append(rec)
-                window = []
-            if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
-                ev = self.evaluate()
-                self.log.write(ev)
-                say(
-                    ctx,
-                    f"eval step {self.step} | val loss {ev['val_loss']:.4f} | ppl {ev['val_ppl']:.2f}",
-                )
-            due = (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps
-            if cfg.save and due:
-                self.save()
+        fp16 = self.run.precision.precision == "fp16"
+        self.guard = DivergenceGuard(cfg.max_bad_steps, dynamic_scale=fp16)
+        self.saved_step, self.prune_owed, self.save_owed = None, False, False
+        self.window, losses, history = [], [], []
+        self.t_start = time.perf_counter()
+        with StopRequest() as stop:
+            try:
+                while self.step < cfg.steps:
+                    stats, dt, lr = self.step_once()
+                    self.window.append(dt)
+                    losses.append(stats.loss)
+                    history += self._after_step(stats, lr)
+                    if stop.requested(ctx):
+                        self._stop(stop)
+            except KeyboardInterrupt as e:  # a second Ctrl-C: no save, say where to resume
+                if isinstance(e, Interrupted):
+                    raise
+                raise Interrupted(self._resume_hint(f"interrupted at step {self.step}")) from None
+        self._prune()
+        if self.save_owed:
+            say(ctx, self._resume_hint(f"step {self.step} was not saved: {self.guard.why()}"))
         self.log.close()
         return {"losses": losses, "history": history}
+
+    def _after_step(self, stats, lr: float) -> list[dict]:
+        """Divergence check, log line, evaluation and checkpoint of the step just taken."""
+        cfg, guard, logged = self.cfg, self.guard, []
+        self.skipped += stats.skipped
+        guard.record(self.step, stats.loss, stats.skipped)
+        if guard.healthy:
+            self._prune()  # the newest checkpoint's weights gave a finite loss
+        if self.step % cfg.log_every == 0 or self.step == cfg.steps or guard.tripped:
+            logged.append(self._log_step(stats, lr, self.window, self.t_start))
+            self.window = []
+        if guard.tripped:
+            self._diverged(guard, lr)
+        if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+            self._evaluate_and_log()
+        due = (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps
+        self.save_owed = self._maybe_save(self.save_owed or due, self.save_owed, guard)
+        return logged
+
+    @property
+    def tokens_per_step(self) -> int:
+        cfg = self.cfg
+        return cfg.micro_batch * cfg.grad_accum * self.ctx.world * self.model_cfg.seq_len
+
+    def _log_step(self, stats, lr: float, window: list[float], t_start: float) -> dict:
+        """One log line and metrics record; the ETA is the steps left at the median step time."""
+        ctx, ms = self.ctx, 1000 * statistics.median(window)
+        rec = {
+            "kind": "train",
+            "step": self.step,
+            "loss": stats.loss,
+            "lr": lr,
+            "loss_scale": stats.loss_scale,
+            "skipped": self.skipped,
+            "grad_norm": stats.grad_norm,
+            "ms_per_step": ms,
+            "tokens_per_s": self.tokens_per_step / (ms / 1000),
+        }
+        flops = self.model_cfg.flops_per_token() * rec["tokens_per_s"] / ctx.world
+        if ctx.device.type == "cuda":
+            rec["tflops"] = flops / 1e12  # per GPU
+            rec["peak_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
+            if self.peak:
+                rec["mfu"] = flops / self.peak
+        rec["elapsed_s"] = time.perf_counter() - t_start
+        rec["eta_s"] = (self.cfg.steps - self.step) * ms / 1000
+        self.log.write(rec)
+        say(ctx, format_line(rec))
+        return rec
+
+    def _evaluate_and_log(self) -> None:
+        ev = self.evaluate()
+        self.log.write(ev)
+        say(
+            self.ctx,
+            f"eval step {self.step} | val loss {ev['val_loss']:.4f} | ppl {ev['val_ppl']:.2f}",
+        )
+
+    def _maybe_save(self, wanted: bool, pending: bool, guard: DivergenceGuard) -> bool:
+        """Save if wanted, unless the latest step is unhealthy (its weights may be broken): the
+        save then waits for a healthy step. Returns whether a save is still owed."""
+        if not (self.cfg.save and wanted):
+            return False
+        if guard.healthy:
+            self.save()
+            return False
+        if not pending:
+            say(self.ctx, f"step {self.step}: checkpoint postponed, {guard.why()}")
+        return True
+
+    def _prune(self) -> None:
+        """Checkpoints beyond --keep go once a healthy step has shown the newest one's weights
+        to be good (save() keeps one extra until then: at most keep + 1, as while writing)."""
+        if self.prune_owed and self.ctx.is_main:
+            ckpt_io.prune(self.out, self.cfg.keep)
+        self.prune_owed = False
+
+    def _newest(self) -> Path | None:
+        found = ckpt_io.step_dirs(self.out)
+        return found[-1] if found else None
+
+    def _resume_hint(self, what: str) -> str:
+        last = self._newest()
+        if last is None:
+            return f"{what}; no checkpoint was written, so a new run starts from step 0"
+        return f"{what}; the last checkpoint is {last}: resume with fitgpt train --out {self.out} --resume"
+
+    def _stop(self, stop: StopRequest) -> None:
+        """SIGINT/SIGTERM: save the current step (unless saving is off or the step unhealthy),
+        then end with the resume command in one line."""
+        guard = self.guard
+        what = f"stopped by {stop.name or 'a signal to another rank'} at step {self.step}"
+        if self.cfg.save and self.saved_step != self.step and guard.healthy:
+            self.save()  # a failure here ends in SaveFailed's own line, naming the last one
+        self._prune()
+        if self.saved_step == self.step:
+            raise Interrupted(
+                f"{what}; saved {self.out / f'step_{self.step:08d}'}: resume with "
+                f"fitgpt train --out {self.out} --resume"
+            )
+        reason = "--no-save" if not self.cfg.save else guard.why()
+        raise Interrupted(self._resume_hint(f"{what}, not saved ({reason})"))
+
+    def _diverged(self, guard: DivergenceGuard, lr: float) -> None:
+        """Stop a diverged run in one line. The checkpoint saved just before the first unhealthy
+        step holds the weights that produced it: rank 0 sets it aside, never to be resumed."""
+        what = (
+            f"training diverged: {guard.streak} steps in a row (steps {guard.first_bad}-"
+            f"{self.step}) had a NaN/inf loss or a skipped update (latest loss {guard.last_loss})"
+        )
+        if not self.ctx.is_main:
+            raise Diverged(f"{what}; rank 0 names the last good checkpoint")
+        moved = ""
+        suspect = self.out / f"step_{(guard.first_unhealthy or 1) - 1:08d}"
+        if guard.first_unhealthy is not None and (suspect / "meta.json").is_file():
+            aside = self.out / f"diverged.{suspect.name}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(suspect, aside)
+            moved = f"; {suspect.name}, whose weights gave the first bad step, is now {aside}"
+        last = self._newest()
+        good = f"; the last good checkpoint is {last}" if last else "; no good checkpoint exists"
+        raise Diverged(
+            f"{what}; nothing was saved from them{moved}{good}; lower --lr (now {lr:.3g}) or "
+            "raise --warmup, or pass --max-bad-steps 0 to train on"
+        )
 
 
 def _is_backend_error(e: RuntimeError) -> bool:
@@ -270,10 +420,10 @@ def train(
 ) -> dict:
     run = resolve_run(run, ctx.device.type)  # a no-op for a run setup_run made (and planned)
     out = Path(run.train.out)
-    prepare_run_dir(out, resume is not None, overwrite, ctx)
+    lock = open_run_dir(out, resume is not None, overwrite, ctx)  # run folder: locked, checked
     trainer = None
     try:
-        trainer = Trainer(run, ctx)
+        trainer = Trainer(run, ctx, check_room=resume is None)
         if resume is not None:
             trainer.resume(Path(resume) if resume else out)
         return trainer.fit()
@@ -286,3 +436,5 @@ def train(
     finally:
         if trainer is not None:
             trainer.engine.close()
+        if lock is not None:
+            lock.release()

@@ -2,15 +2,24 @@
 
 Model FLOPs follow the ANCHORS protocol: (6·N + 12·L·h·S) per token, recompute not counted, so
 MFU here compares directly with the peers' figures.
+
+metrics.jsonl is strict JSON, one object per line: a NaN or infinite value (a diverging loss,
+an fp16 overflow's gradient norm) is written as null. On a resume the records of steps after
+the checkpoint's are dropped (the file is rewritten and renamed into place), so re-run steps
+appear once.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import time
 from pathlib import Path
 
 import torch
+
+from fitgpt.errors import UserError
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s, matched by substring of the device name.
 PEAK_BF16 = {
@@ -56,8 +65,12 @@ class MetricsLog:
         if not self.enabled:
             return
         record = {"time": round(time.time(), 3), **record}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        line = json.dumps(strict(record), allow_nan=False)
+        try:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+        except OSError as e:
+            raise UserError(f"{self.path}: cannot append a record ({e.strerror})") from None
         if self.tb is not None:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k not in ("step", "time"):
@@ -65,9 +78,44 @@ class MetricsLog:
                         f"{record.get('kind', 'train')}/{k}", v, record.get("step", 0)
                     )
 
+    def drop_after(self, step: int) -> None:
+        """Keep the records of steps <= `step` (a resume from that step logs the rest again);
+        a line a killed run left half-written goes too."""
+        if not self.enabled or not self.path.is_file():
+            return
+        kept = []
+        for line in self.path.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(rec, dict) or rec.get("step", 0) <= step:
+                kept.append(line + "\n")
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.path)
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def strict(value):
+    """`value` with every NaN/inf float replaced by None (JSON null)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
+
+
+def duration(seconds: float) -> str:
+    s = int(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s"
 
 
 def format_line(r: dict) -> str:
@@ -86,4 +134,6 @@ def format_line(r: dict) -> str:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     if "peak_gib" in r:
         parts.append(f"peak {r['peak_gib']:.1f} GiB")
+    if "eta_s" in r:
+        parts.append(f"{duration(r['elapsed_s'])} elapsed, {duration(r['eta_s'])} left")
     return " | ".join(parts)
