@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -56,6 +57,8 @@ def resolve_command(args: argparse.Namespace):
     from fitgpt.train import checkpoint as ckpt_io
     from fitgpt.train.resume import PARTS, find_checkpoint, resumed_config
 
+    if args.init_from is not None:
+        return init_config(args), None, []
     if args.resume is None:
         return run_config_from_args(args), None, []
     out = args.out or TrainConfig().out
@@ -76,6 +79,25 @@ def resolve_command(args: argparse.Namespace):
     return run, ckpt, notes
 
 
+def init_config(args: argparse.Namespace):
+    """The run `--init-from SRC` asks for: SRC's architecture, everything else from the flags."""
+    from fitgpt.train.init_from import find_source, model_from_source
+
+    if args.resume is not None:
+        raise UserError(
+            "--init-from starts a new run from a model's weights, --resume continues a run: "
+            "pass one of them"
+        )
+    run = run_config_from_args(args)  # data, training and engine flags, validated
+    args.init_source = find_source(args.init_from)
+    asked = explicit(args, ModelConfig)
+    if args.preset:  # a preset named explicitly counts as its fields given (not its vocabulary)
+        given = get_preset(args.preset).to_dict()
+        asked = {**{k: v for k, v in given.items() if k != "vocab_size"}, **asked}
+    model = model_from_source(args.init_source, asked, run.data)
+    return dataclasses.replace(run, model=model)
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "train",
@@ -92,6 +114,14 @@ def register(sub) -> None:
         default=None,
         metavar="CKPT",
         help="continue from a checkpoint folder, or (no value) from the newest in --out",
+    )
+    p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="SRC",
+        help="start a new run from the weights of SRC: a fitgpt run or checkpoint, or a Hugging "
+        "Face GPT-2 folder (config.json + weights); its architecture, this command's data and "
+        "settings, a fresh optimizer (docs/interop.md)",
     )
     p.add_argument(
         "--overwrite", action="store_true", help="delete --out's checkpoints and start over"
@@ -182,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
         fixed = explicit(args, EngineConfig) if args.plan == "auto" else None
         run_cfg = setup_run(run_cfg, ctx, fixed, args.force, log)
         resume = None if ckpt is None else str(ckpt)
-        train(run_cfg, ctx, resume=resume, overwrite=args.overwrite)
+        init = getattr(args, "init_source", None)
+        train(run_cfg, ctx, resume=resume, overwrite=args.overwrite, init_from=init)
     finally:
         shutdown(ctx)
     return 0

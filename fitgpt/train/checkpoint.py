@@ -197,13 +197,17 @@ def holds_optimizer(meta: dict) -> bool:
     return meta.get("optimizer_state", True) is not False
 
 
-def load_state(ckpt: Path, meta: dict, engine: Engine, ctx: DistContext) -> None:
-    """The engine's weights (and optimizer state, when the checkpoint holds it) and this rank's
-    RNG state, every file checked; damage ends in the one-line previous-good message."""
+def load_state(
+    ckpt: Path, meta: dict, engine: Engine, ctx: DistContext, weights_only: bool = False
+) -> None:
+    """The engine's weights (and optimizer state, when the checkpoint holds it and a run is
+    resumed rather than started from it: `weights_only`) and this rank's RNG state, every file
+    checked; damage ends in the one-line previous-good message."""
     with pointing_back(ckpt):
         check_layout(meta, engine.layout, ckpt)
-        engine.load_state(ckpt, meta.get("engine_state", {}), optimizer=holds_optimizer(meta))
-        if meta["world"] == ctx.world:
+        optimizer = holds_optimizer(meta) and not weights_only
+        engine.load_state(ckpt, meta.get("engine_state", {}), optimizer=optimizer)
+        if meta["world"] == ctx.world and not weights_only:
             load_rng(ckpt, ctx.rank)
 
 

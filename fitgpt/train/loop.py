@@ -33,6 +33,7 @@ from fitgpt.train import checkpoint as ckpt_io
 from fitgpt.train import space
 from fitgpt.train.config import TrainConfig
 from fitgpt.train.guard import Diverged, DivergenceGuard, Interrupted, StopRequest
+from fitgpt.train.init_from import FREE, InitSource, checkpoint_of, drop_scratch
 from fitgpt.train.metrics import MetricsLog, format_line, peak_flops
 from fitgpt.train.rundir import open_run_dir
 from fitgpt.train.schedule import lr_at
@@ -61,11 +62,12 @@ def say(ctx: DistContext, msg: str) -> None:
 
 def check_same_architecture(meta: dict, model_cfg: ModelConfig, ckpt: Path) -> None:
     saved = ModelConfig.from_dict(meta["config"]["model"])
-    if saved != model_cfg:
+    free = {k: getattr(model_cfg, k) for k in FREE}  # not the weights' shape: may differ
+    if dataclasses.replace(saved, **free) != model_cfg:
         diff = {
             k: (v, getattr(model_cfg, k))
             for k, v in saved.to_dict().items()
-            if getattr(model_cfg, k) != v
+            if getattr(model_cfg, k) != v and k not in FREE
         }
         raise UserError(
             f"{ckpt} holds another architecture (saved vs asked: {diff}); "
@@ -100,6 +102,7 @@ class Trainer:
         self.loader = BatchLoader(train_src, self.cfg.micro_batch, ctx.rank, ctx.world)
         self.step = 0
         self.skipped = 0  # fp16 steps skipped on overflow, over the whole run
+        self.source: str | None = None  # --init-from
         if check_room:
             self.preflight()
         torch.manual_seed(self.cfg.seed + ctx.rank)  # dropout masks differ per rank, as in DDP
@@ -114,6 +117,7 @@ class Trainer:
         return {
             "config": self.run.to_dict(),
             "tokenizer": self.tokenizer.name if self.tokenizer is not None else None,
+            "init_from": self.source,
             "trainer": {
                 "step": self.step,
                 "skipped": self.skipped,
@@ -193,6 +197,20 @@ class Trainer:
             else "; optimizer state starts fresh: the checkpoint holds weights only"
         )
         say(self.ctx, f"resumed from {ckpt} at step {self.step}{fresh}")
+
+    def init_from(self, source: InitSource) -> None:
+        """Start from `source`'s weights: optimizer, step count and data position stay fresh."""
+        ckpt = checkpoint_of(source, self.out, self.ctx)
+        try:
+            meta = ckpt_io.load_meta(ckpt)
+            check_same_architecture(meta, self.model_cfg, ckpt)
+            ckpt_io.load_state(ckpt, meta, self.engine, self.ctx, weights_only=True)
+        finally:
+            drop_scratch(self.out, self.ctx)
+        self.source = str(source.path)
+        say(
+            self.ctx, f"initialised from {source.path}: its weights; optimizer, step and data fresh"
+        )
 
     # ---- evaluation ---------------------------------------------------------------------------
     def evaluate(self) -> dict:
@@ -416,7 +434,11 @@ def _is_backend_error(e: RuntimeError) -> bool:
 
 
 def train(
-    run: RunConfig, ctx: DistContext, resume: str | None = None, overwrite: bool = False
+    run: RunConfig,
+    ctx: DistContext,
+    resume: str | None = None,
+    overwrite: bool = False,
+    init_from: InitSource | None = None,
 ) -> dict:
     run = resolve_run(run, ctx.device.type)  # a no-op for a run setup_run made (and planned)
     out = Path(run.train.out)
@@ -426,6 +448,8 @@ def train(
         trainer = Trainer(run, ctx, check_room=resume is None)
         if resume is not None:
             trainer.resume(Path(resume) if resume else out)
+        elif init_from is not None:
+            trainer.init_from(init_from)
         return trainer.fit()
     except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
         where = is_oom(e)
