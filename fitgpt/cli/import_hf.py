@@ -21,8 +21,8 @@ def register(sub) -> None:
         "pytorch_model.bin, sharded or not)",
         description="Read an HF GPT2LMHeadModel checkpoint tensor by tensor (never the whole "
         "model twice in RAM) into RUN/step_00000000/, in the engines' own state files, and copy "
-        "its tokenizer files to RUN/tokenizer/. Fine-tune with `fitgpt train --out RUN --resume` "
-        "and the model flags the summary line prints. See docs/interop.md.",
+        "its tokenizer files to RUN/tokenizer/. Fine-tune with `fitgpt train --init-from RUN --data "
+        "PREFIX --out NEW`. See docs/interop.md.",
     )
     h.add_argument("source", metavar="DIR_OR_FILE", help="checkpoint folder, or its weight file")
     h.add_argument("--out", required=True, metavar="RUN", help="run folder to create")
