@@ -28,21 +28,25 @@ import time
 from pathlib import Path
 
 WORK = Path(os.environ.get("USER_PATH_WORK", "/tmp/user_path"))
-DATA = WORK / "data" / "pystd"
+DATA = WORK / "data" / "pystd_text_document"  # what preprocess names --output-prefix .../pystd
 # ANCHORS' batch: micro-batch 8 x 4 accumulation steps x seq 1024 per GPU
 BATCH = ["--micro-batch", "8", "--grad-accum", "4", "--eval-every", "0"]
 EIGHT_B = ["--preset", "6.7b", "--layers", "38"]  # 7.86 B with GPT-2's vocabulary, tied head
+# the same model in the harness's terms (tied head, GPT-2's vocabulary)
+HARNESS = ["--sizes", "38", "--hidden", "4096", "--heads", "32", "--tie-embeddings"]
 
 
 def fitgpt(*argv: str) -> list[str]:
     return [sys.executable, "-m", "fitgpt", *argv]
 
 
-def step(out: Path, name: str, cmd: list[str], run_dir: Path | None = None, **extra) -> dict:
+def step(
+    out: Path, name: str, cmd: list[str], run_dir: Path | None = None, env=None, **extra
+) -> dict:
     """Run one command as a user would; record what it printed and what its run folder holds."""
     t0 = time.time()
     print(f"\n$ {' '.join(cmd[2:])}", flush=True)
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     rec = {
         "name": name,
         "command": "fitgpt " + " ".join(cmd[3:]),
@@ -89,13 +93,14 @@ def run_figures(run_dir: Path, stdout: str) -> dict:
 
 def make_data(out: Path) -> None:
     """Real text as JSONL (one document per standard-library file), preprocessed with GPT-2."""
-    if DATA.with_suffix(".bin").is_file():
+    if Path(f"{DATA}.bin").is_file():
         return
     DATA.parent.mkdir(parents=True, exist_ok=True)
-    src = DATA.parent / "pystd.jsonl"
+    src = DATA.parent / "pystd.jsonl"  # one JSON line per file
     root = Path(sysconfig.get_paths()["stdlib"])
     with open(src, "w") as f:
-        for p in sorted(root.rglob("*.py")):
+        files = sorted(root.rglob("*.py"))
+        for p in files[:700] if os.environ.get("FITGPT_REHEARSAL_FREE") else files:
             try:
                 f.write(json.dumps({"text": p.read_text(encoding="utf-8")}) + "\n")
             except (UnicodeDecodeError, OSError):
@@ -105,7 +110,8 @@ def make_data(out: Path) -> None:
         "preprocess",
         fitgpt(
             "data", "preprocess", "--input", str(src), "--json-key", "text",
-            "--output-prefix", str(DATA), "--workers", "8", "--append-eod",
+            "--output-prefix", str(DATA.parent / "pystd"), "--workers", str(min(8, os.cpu_count() or 1)),
+            "--append-eod",
         ),
     )  # fmt: skip
 
@@ -117,7 +123,8 @@ def h100(out: Path) -> None:
     eight = runs / "8b"
     common = [*EIGHT_B, "--data", str(DATA), *BATCH, "--log-every", "1"]
     # 1. as a new user types it: the full checkpoint (~94 GB) cannot fit the 64 GB disk
-    step(out, "8b refused", fitgpt("train", *common, "--steps", "6", "--out", str(eight)))
+    fake = {"FITGPT_FAKE_FREE_BYTES": "1000000"} if os.environ.get("FITGPT_REHEARSAL_FREE") else {}
+    step(out, "8b refused", fitgpt("train", *common, "--steps", "6", "--out", str(eight)), env=fake)
     # 2. with the option the refusal names: weights-only checkpoints
     step(
         out,
@@ -152,11 +159,15 @@ def h100(out: Path) -> None:
         out,
         "8b harness",
         fitgpt(
-            "bench", "sweep", "--systems", "fitgpt", "--sizes", "38", "--hidden", "4096",
-            "--heads", "32", "--tie-embeddings", "--micro-batch", "8", "--grad-accum", "4",
-            "--warmup", "2", "--steps", "4", "--out", str(sweep),
+            "bench", "sweep", "--systems", "fitgpt", *HARNESS, "--warmup", "2", "--steps", "4",
+            "--out", str(sweep),
         ),
     )  # fmt: skip
+
+
+# nvidia-h200-x2's RAM grows as it is used (MemTotal reads ~31 GiB at the start of 256): a user
+# of such a machine states what it gives, as `fitgpt plan --cpu-mem` and `train --cpu-mem` allow
+X2_RAM = ["--cpu-mem", "230GiB"]
 
 
 def x2(out: Path) -> None:
@@ -164,6 +175,7 @@ def x2(out: Path) -> None:
     runs = WORK / "runs"
     shutil.rmtree(runs, ignore_errors=True)
     common = ["--data", str(DATA), *BATCH, "--log-every", "1", "--no-save", "--steps", "6"]
+    common += X2_RAM
     twenty = runs / "20b"
     step(
         out,
@@ -190,7 +202,7 @@ def largest_layers() -> int:
     """What `fitgpt plan` names as the most layers of the 20b preset's width that fit here."""
     cmd = fitgpt(
         "plan", "--preset", "20b", "--layers", "400", "--gpus", "2", "--tokenizer", "gpt2",
-        "--micro-batch", "8", "--grad-accum", "4",
+        "--micro-batch", "8", "--grad-accum", "4", *X2_RAM,
     )  # fmt: skip
     p = subprocess.run(cmd, capture_output=True, text=True)
     m = re.search(r"what fits: (\d+) layers", p.stderr + p.stdout)
@@ -211,11 +223,26 @@ def table(out: Path) -> None:
         )
 
 
+def rehearse() -> None:
+    """--small: the same steps on a CPU at toy sizes, to check the script before a device call
+    (the free-space probe is told the disk holds 1 MB, so the first train is refused)."""
+    global BATCH, EIGHT_B, HARNESS
+    BATCH = ["--micro-batch", "2", "--grad-accum", "2", "--eval-every", "0", "--device", "cpu"]
+    EIGHT_B = ["--preset", "gpt2-125m", "--layers", "2", "--hidden", "64", "--heads", "4"]
+    EIGHT_B += ["--seq-len", "64"]
+    HARNESS = ["--sizes", "2", "--hidden", "64", "--heads", "4", "--seq-len", "64"]
+    HARNESS += ["--tie-embeddings", "--micro-batch", "2", "--grad-accum", "2", "--device", "cpu"]
+    os.environ["FITGPT_REHEARSAL_FREE"] = "1"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("machine", choices=["h100", "x2"])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--small", action="store_true", help="rehearse on a CPU at toy sizes")
     a = ap.parse_args()
+    if a.small:
+        rehearse()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     {"h100": h100, "x2": x2}[a.machine](out)
