@@ -28,12 +28,14 @@ def run(args) -> int:
     import torch
     from safetensors.torch import save_file
 
+    from fitgpt.cli.outputs import check_writable_file
     from fitgpt.infer.generate import load_model
 
     if not Path(args.ckpt).exists():
         raise UserError(
             f"--ckpt {args.ckpt} does not exist; pass a run folder or a step_* checkpoint"
         )
+    check_writable_file(args.out, "--out")  # [cli helper, issue 21] before loading anything
     model, meta = load_model(Path(args.ckpt), torch.device("cpu"))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}

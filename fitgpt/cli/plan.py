@@ -32,14 +32,26 @@ def register(sub) -> None:
         "chosen one first. Nothing is allocated.",
     )
     p.add_argument("--preset", default="tiny", help="named model config (default: tiny)")
-    add_config_args(p.add_argument_group("model"), ModelConfig)
+    add_config_args(
+        p.add_argument_group("model"),
+        ModelConfig,
+        defaults=get_preset("tiny"),
+        default_text="from --preset; tiny: {}",
+    )
     p.add_argument(
         "--micro-batch", type=int, default=8, help="sequences per micro-batch per GPU (default: 8)"
     )
     p.add_argument("--grad-accum", type=int, default=4, help="micro-batches per step (default: 4)")
-    p.add_argument("--device", default="auto", help="auto, cuda or cpu (default: auto)")
+    p.add_argument(
+        "--device", choices=["auto", "cuda", "cpu"], default="auto", help="(default: auto)"
+    )
     add_hardware_args(p)
-    add_config_args(p.add_argument_group("fix part of the plan"), EngineConfig, skip=("nvme_path",))
+    add_config_args(
+        p.add_argument_group("fix part of the plan (the planner chooses what you do not set)"),
+        EngineConfig,
+        skip=("nvme_path",),
+        planned_text="the planner's choice",
+    )
     add_config_args(
         p.add_argument_group("precision"),
         PrecisionConfig,

@@ -21,10 +21,21 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         help="named model config (see `fitgpt presets`); "
         "the model flags below override its fields (default: tiny)",
     )
-    add_config_args(p.add_argument_group("model"), ModelConfig)
-    add_config_args(p.add_argument_group("data"), DataConfig)
+    add_config_args(
+        p.add_argument_group("model"),
+        ModelConfig,
+        defaults=get_preset("tiny"),
+        default_text="from --preset; tiny: {}",
+    )
+    add_config_args(p.add_argument_group("data"), DataConfig, defaults=DataConfig(data="stdlib"))
     add_config_args(p.add_argument_group("training"), TrainConfig)
-    add_config_args(p.add_argument_group("engine and memory"), EngineConfig)
+    add_config_args(
+        p.add_argument_group(
+            "engine and memory (with --plan auto, the planner chooses what you do not set)"
+        ),
+        EngineConfig,
+        planned_text="the planner's choice; with --plan off: {}",
+    )
     add_config_args(p.add_argument_group("precision"), PrecisionConfig)
     add_config_args(p.add_argument_group("optimizer"), OptimConfig)
 
@@ -91,6 +102,12 @@ def run(args: argparse.Namespace) -> int:
         argv = strip_flag(sys.argv[1:], "--gpus")
         return relaunch(args.gpus, argv)
     run_cfg = run_config_from_args(args)  # validates every config before anything is allocated
+    # [cli helper, issue 21] the run folder can be written; CPU runs use only the idle cores
+    from fitgpt.cli.outputs import check_writable_dir
+    from fitgpt.dist.threads import set_cpu_threads
+
+    check_writable_dir(run_cfg.train.out, "--out")
+    set_cpu_threads(run_cfg.train.device)
     from fitgpt.dist import init_distributed, shutdown
     from fitgpt.train.loop import train
 
