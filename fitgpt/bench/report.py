@@ -29,6 +29,7 @@ def sweep_chart(results: list[dict], path: Path, title: str = "") -> None:
     """Samples/s and model TFLOP/s against parameters; each line ends at its capacity (★)."""
     systems = sorted({r["system"] for r in results}, key=lambda s: (is_peer(s), s))
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    drawn = False
     for s in systems:
         ok = sorted(
             (r for r in results if r["system"] == s and r["status"] == "ok"),
@@ -36,6 +37,7 @@ def sweep_chart(results: list[dict], path: Path, title: str = "") -> None:
         )
         if not ok:
             continue
+        drawn = True
         x = [r["params"] / 1e9 for r in ok]
         style = "--" if is_peer(s) else "-"
         width = 3.0 if s == "fitgpt" else 1.5  # the planner's choice stands out from its ablations
@@ -60,7 +62,11 @@ def sweep_chart(results: list[dict], path: Path, title: str = "") -> None:
     # linear from zero, so ratios read honestly there
     axes[0].set_yscale("log")
     axes[1].set_ylim(bottom=0)
-    axes[1].legend(fontsize=8, loc="best")
+    if drawn:
+        axes[1].legend(fontsize=8, loc="best")
+    else:
+        for ax in axes:
+            ax.text(0.5, 0.5, "no trial trained", ha="center", transform=ax.transAxes)
     dev = next((r.get("device") for r in results if r.get("device")), "")
     fig.suptitle(title or f"Throughput against model size — {dev} (★ = largest that trained)")
     _save(fig, path)

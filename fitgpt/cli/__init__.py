@@ -75,15 +75,29 @@ def _outputs(args: argparse.Namespace) -> list[tuple[str, str]]:
     return out
 
 
-def _quiet_broken_pipe() -> None:
-    """The reader of stdout went away (`| head`): as the Python docs advise, point stdout at
-    devnull so the interpreter's final flush raises nothing, and exit without a word."""
+def _drop_stdout() -> None:
+    """Point stdout at devnull, as the Python docs advise for a closed pipe: what is still
+    buffered is dropped, so the interpreter's last flush at exit raises (and prints) nothing."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError):  # stdout without a file descriptor (captured in tests)
         pass
+
+
+def _quiet_broken_pipe() -> None:
+    """The reader of stdout went away (`| head`): exit without a word."""
+    _drop_stdout()
     sys.exit(1)
+
+
+def _stdout_broken() -> bool:
+    """Whether stdout itself fails to flush (a full disk behind `> file`)."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        return True
+    return False
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,9 +116,12 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:
         _quiet_broken_pipe()
     except OSError as e:
-        line = _os_error_line(e, args)
+        # an error without a path of its own names the command's output, or stdout if none
+        line = _os_error_line(e, _outputs(args) or [("stdout", "")])
         if line is None:
             raise
+        if _stdout_broken():
+            _drop_stdout()
         print(f"{name}: error: {line}", file=sys.stderr)
         sys.exit(2)
     except RuntimeError as e:
@@ -120,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(code or 0)
 
 
-def _os_error_line(e: OSError, args: argparse.Namespace) -> str | None:
+def _os_error_line(e: OSError, outputs: list[tuple[str, str]]) -> str | None:
     from fitgpt.cli.outputs import describe_os_error
 
-    return describe_os_error(e, _outputs(args))
+    return describe_os_error(e, outputs)

@@ -27,13 +27,16 @@ def register(sub) -> None:
     s.add_argument("--sizes", required=True, help="layer counts (1,4,8) or sizes (0.6b,2b,4.4b)")
     s.add_argument("--gpus", type=int, default=1, help="GPUs (processes) per trial (default: 1)")
     s.add_argument(
-        "--device", choices=["auto", "cuda", "cpu"], default="auto", help="(default: auto)"
+        "--device",
+        choices=["auto", "cuda", "cpu"],
+        default="auto",
+        help="where to run: auto (a GPU if there is one), cuda or cpu (default: auto)",
     )
     s.add_argument("--out", required=True, help="results file (JSON lines); re-running resumes it")
     s.add_argument(
         "--cap",
         default=None,
-        help="memory budget per rank, e.g. 40GB (a real allocator "
+        help="memory budget per GPU (process), e.g. 40GB (a real allocator "
         "cap on GPUs; on CPUs a cap on the engine's state bytes)",
     )
     s.add_argument(

@@ -49,7 +49,10 @@ def register(sub) -> None:
     )
     p.add_argument("--gpus", type=int, default=1, help="GPUs per trial (default: 1)")
     p.add_argument(
-        "--device", choices=["auto", "cuda", "cpu"], default="auto", help="(default: auto)"
+        "--device",
+        choices=["auto", "cuda", "cpu"],
+        default="auto",
+        help="where to run: auto (a GPU if there is one), cuda or cpu (default: auto)",
     )
     p.add_argument(
         "--start", type=int, default=None, help="first layer count to try (default: the prediction)"
@@ -58,7 +61,7 @@ def register(sub) -> None:
     p.add_argument(
         "--cap",
         default=None,
-        help="memory budget per rank, e.g. 40GB: a real allocator cap on "
+        help="memory budget per GPU (process), e.g. 40GB: a real allocator cap on "
         "GPUs; on CPUs a cap on the engine's state bytes (for tests)",
     )
     p.add_argument("--out", default=None, help="append every trial as a JSON line to this file")

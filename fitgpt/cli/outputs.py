@@ -121,12 +121,28 @@ def _size(n: float) -> str:
     return f"{n} B"  # unreachable
 
 
+def _output_of(path: str, outputs: list[tuple[str, str]]) -> tuple[str, str] | None:
+    """The (flag, value) whose path `path` is, lies under, or lies on the way to (a temporary
+    file beside a prefix, a file standing where its folder should be)."""
+    p = os.path.abspath(path)
+    for flag, value in outputs:
+        if not value:
+            continue
+        v = os.path.abspath(value)
+        if p == v or p.startswith(v) or v.startswith(p + os.sep):
+            return flag, value
+    return None
+
+
 def describe_os_error(e: OSError, outputs: list[tuple[str, str]]) -> str | None:
     """One line for an OSError a command let escape; None when it is not about a path (then it
     is a bug, and keeps its traceback). `outputs` are the command's output flags and values,
     named when the error carries no path itself (a write() on a full disk has none)."""
     path = str(e.filename) if e.filename is not None else None
-    where = path or (" ".join(outputs[0]) if outputs else None)
+    where = path or (" ".join(outputs[0]).strip() if outputs else None)
+    flag = _output_of(path, outputs) if path else None
+    if flag is not None:  # the path belongs to an output the user named: name the flag too
+        where = f"{' '.join(flag)}: {path}" if path != flag[1] else " ".join(flag)
     if isinstance(e, BrokenPipeError):
         return None  # the caller ends quietly
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -135,7 +151,7 @@ def describe_os_error(e: OSError, outputs: list[tuple[str, str]]) -> str | None:
         needed = getattr(e, "needed_bytes", None)  # set by code that knows the size it wrote
         if needed:
             parts.append(f"needed {_size(needed)}")
-        disk = path or (outputs[0][1] if outputs else None)
+        disk = path or (outputs[0][1] if outputs and outputs[0][1] else None)
         free = _free_bytes(Path(disk)) if disk else None
         if free is not None:
             parts.append(f"{_size(free)} free")
@@ -150,6 +166,8 @@ def describe_os_error(e: OSError, outputs: list[tuple[str, str]]) -> str | None:
         return f"{where}: is a folder where a file is expected; name a file"
     if isinstance(e, NotADirectoryError):
         return f"{where}: part of this path is a file, not a folder; fix the path"
+    if isinstance(e, FileExistsError):
+        return f"{where}: already exists, as a file where a folder must go; choose another path"
     if isinstance(e, FileNotFoundError):
         return f"{where}: no such file or folder; check the path (create the folder first)"
     if path is not None:
