@@ -113,14 +113,16 @@ def demo(load: int, tmp: Path) -> dict:
         time.sleep(1.0)
         loadavg = os.getloadavg()[0]
         out = tmp / "demo"
-        train_s, _ = fitgpt([*DEMO_TRAIN, "--out", str(out)], {})
+        train_s, log = fitgpt([*DEMO_TRAIN, "--out", str(out)], {})
         gen_s, sample = fitgpt([*DEMO_GENERATE, "--ckpt", str(out)], {})
     finally:
         stop_load(procs)
+    # the rule says so when it takes fewer threads than cores (fitgpt/dist/threads.py)
+    note = next((ln for ln in log.splitlines() if ln.startswith("cpu: ")), "")
     row = {
         "part": "demo",
         "load_procs": load,
-        "threads": "fitgpt's rule",
+        "threads": f"fitgpt's rule: {note or 'all cores'}",
         "train_s": round(train_s, 1),
         "generate_s": round(gen_s, 1),
         "total_s": round(train_s + gen_s, 1),
@@ -132,14 +134,31 @@ def demo(load: int, tmp: Path) -> dict:
     return row
 
 
+def ratios(rows: list[dict]) -> list[str]:
+    """One line per load level: each thread setting's step time against 1 thread's."""
+    out = []
+    for n in sorted({r["load_procs"] for r in rows if r["part"] == "matrix"}):
+        at = {
+            r["threads"]: r["ms_per_step"]
+            for r in rows
+            if r["part"] == "matrix" and r["load_procs"] == n
+        }
+        if "1" not in at:
+            continue
+        rel = ", ".join(f"{k} threads {v / at['1']:.2f}×" for k, v in at.items() if k != "1")
+        out.append(f"- {n} competing processes: step time against 1 thread: {rel}")
+    return out
+
+
 def readme(rows: list[dict], meta: dict) -> str:
     lines = [
-        f"# `make demo` on {meta['cores']} CPU cores, idle and loaded — {meta['date']}",
+        f"# `make demo` on {meta['cores']} CPU cores, with and without a competing load — "
+        f"{meta['date']}",
         "",
         f"Made by `python benchmarks/demo_load.py {' '.join(meta['argv'])}` on {meta['host']} "
         f"({meta['cpu']}). Competing load: {meta['load']} busy-looping Python processes "
         "(`while True: pass`). The load average before each run shows what else the machine "
-        "was doing.",
+        "was doing besides (0 competing processes is idle only where it is near 0).",
         "",
         "## The thread matrix (demo's training command, --steps "
         f"{meta['steps']}, no eval, no checkpoint)",
@@ -153,13 +172,17 @@ def readme(rows: list[dict], meta: dict) -> str:
                 f"| {r['load_procs']} | {r['threads']} | {r['ms_per_step']:.0f} | "
                 f"{r['wall_s']:.1f} | {r['loadavg_1min_before']:.2f} |"
             )
+    lines += ["", *ratios(rows)]
     for r in rows:
         if r["part"] == "demo":
             lines += [
                 "",
-                f"## `make demo` under {r['load_procs']} competing processes (fitgpt's thread rule)",
+                f"## `make demo` under {r['load_procs']} competing processes",
                 "",
-                "| train s | generate s | total s | ms/step | load avg before |",
+                f"Threads: {r['threads']}.",
+                "",
+                "| train s | generate s | total s | ms/step (mean, with evals and saves) | "
+                "load avg before |",
                 "|---|---|---|---|---|",
                 f"| {r['train_s']:.0f} | {r['generate_s']:.0f} | {r['total_s']:.0f} | "
                 f"{r['ms_per_step']:.0f} | {r['loadavg_1min_before']:.2f} |",
@@ -173,7 +196,14 @@ def main() -> None:
     p.add_argument("--load", type=int, default=os.cpu_count() or 2, help="busy processes")
     p.add_argument("--skip-demo", action="store_true", help="the matrix only")
     p.add_argument("--out", default=None, help="default: benchmarks/results/demo_cpu_DATE")
+    p.add_argument(
+        "--readme-only", metavar="DIR", help="rewrite DIR/README.md from DIR/results.json"
+    )
     args = p.parse_args()
+    if args.readme_only:
+        saved = json.loads((Path(args.readme_only) / "results.json").read_text())
+        (Path(args.readme_only) / "README.md").write_text(readme(saved["runs"], saved["meta"]))
+        return
     # a SIGTERM unwinds through the `finally` blocks, so no busy loop outlives the script
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     date = datetime.date.today().isoformat()

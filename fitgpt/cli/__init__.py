@@ -49,9 +49,22 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.set_defaults(_prog=self.prog)  # the deepest (sub)command parsed wins
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """As argparse's, but an unknown flag is blamed on the subcommand it was given to."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            prog = getattr(ns, "_prog", self.prog)
+            self.exit(
+                2,
+                f"{prog}: error: unrecognized arguments: {' '.join(extras)} "
+                f"(see `{prog} --help`)\n",
+            )
+        return ns
 
 
 def build_parser() -> argparse.ArgumentParser:

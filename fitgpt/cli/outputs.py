@@ -27,6 +27,10 @@ def _name(flag: str, path: str | Path) -> str:
     return f"{flag} {path}" if flag else str(path)
 
 
+def _why(e: OSError) -> str:
+    return (e.strerror or str(e)).lower()
+
+
 def _nearest_existing(path: Path) -> Path:
     """`path` itself or its closest ancestor that exists (a file or a folder)."""
     p = path.absolute()
@@ -41,7 +45,7 @@ def _probe_write(folder: Path, flag: str, path: str | Path) -> None:
         fd, name = tempfile.mkstemp(dir=folder, prefix=".fitgpt-write-check-")
     except OSError as e:
         raise UserError(
-            f"{_name(flag, path)}: cannot write in {folder} ({e.strerror.lower()}); "
+            f"{_name(flag, path)}: cannot write in {folder} ({_why(e)}); "
             "choose a location you can write"
         ) from None
     os.close(fd)
@@ -64,9 +68,7 @@ def check_writable_file(path: str | Path, flag: str) -> Path:
     creates them); nothing is created here."""
     p = Path(path)
     if p.is_dir():
-        raise UserError(
-            f"{_name(flag, path)}: is a folder; name a file (for example {p / 'out'}...)"
-        )
+        raise UserError(f"{_name(flag, path)}: is a folder; name a file (inside it, or elsewhere)")
     if str(path).endswith(os.sep):
         raise UserError(f"{_name(flag, path)}: ends in {os.sep}; name a file, not a folder")
     _check_ancestors(p, flag, path)
@@ -76,7 +78,7 @@ def check_writable_file(path: str | Path, flag: str) -> Path:
                 pass
         except OSError as e:
             raise UserError(
-                f"{_name(flag, path)}: cannot be written ({e.strerror.lower()}); choose another path"
+                f"{_name(flag, path)}: cannot be written ({_why(e)}); choose another path"
             ) from None
     return p
 
@@ -114,11 +116,11 @@ def _free_bytes(path: Path) -> int | None:
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
-    return f"{n} B"  # unreachable
+    return f"{n:.1f} TB"
 
 
 def _output_of(path: str, outputs: list[tuple[str, str]]) -> tuple[str, str] | None:
@@ -156,8 +158,8 @@ def describe_os_error(e: OSError, outputs: list[tuple[str, str]]) -> str | None:
         if free is not None:
             parts.append(f"{_size(free)} free")
         return ", ".join(parts) + "; free some space or write to another disk"
-    if where is None:
-        return None
+    if path is None:
+        return None  # not about a path: a bug, or something this line could not explain
     if e.errno == errno.EROFS:
         return f"{where}: the file system is read-only; choose a location on a writable disk"
     if isinstance(e, PermissionError):
@@ -170,6 +172,4 @@ def describe_os_error(e: OSError, outputs: list[tuple[str, str]]) -> str | None:
         return f"{where}: already exists, as a file where a folder must go; choose another path"
     if isinstance(e, FileNotFoundError):
         return f"{where}: no such file or folder; check the path (create the folder first)"
-    if path is not None:
-        return f"{where}: {(e.strerror or str(e)).lower()}; check the path"
-    return None
+    return f"{where}: {_why(e)}; check the path"

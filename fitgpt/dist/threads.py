@@ -3,10 +3,9 @@
 PyTorch's CPU kernels run on OpenMP threads, one per core by default, and the threads of one
 operation wait for each other by spinning. When another program holds one of the cores, the
 thread sharing it is descheduled for whole time slices while its partner spins: on the 2-core
-box the demo's step took 4.5x longer with 2 threads than with 1 once other work ran beside it
-(benchmarks/results/demo_cpu_2026-11-23/). Idle, 2 threads are about 1.7x faster than 1. The
-loss from a busy core is larger than the gain from a free one, so the rule counts the cores
-that are busy at start-up, rounds up, and leaves them alone:
+box, shared with other work, the demo's steps took 1.6-5x longer with 2 threads than with 1
+(benchmarks/results/demo_cpu_2026-11-23/). On an idle box every core is kept (the script's
+row without competing processes measures that case when the box is quiet). The rule counts the cores that are busy at start-up, rounds up, and leaves them alone:
 
     threads = max(1, min(cores per process, cores - busy cores rounded up))
 
