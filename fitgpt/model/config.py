@@ -37,8 +37,8 @@ class ModelConfig:
     vocab_size: int = field(
         default=GPT2_VOCAB,
         metadata={
-            "help": "vocabulary size (text data: the tokenizer's, whatever is given here); "
-            "the embedding is padded to a multiple of 128"
+            "help": "vocabulary size, padded to a multiple of 128 in the embedding; training "
+            "on text data uses its tokenizer's instead"
         },
     )
     bias: bool = field(default=True, metadata={"help": "biases in linear layers and LayerNorms"})
