@@ -17,7 +17,11 @@ class BenchConfig:
     micro_batch: int = field(default=8, metadata={"help": "sequences per micro-batch per GPU"})
     grad_accum: int = field(default=4, metadata={"help": "micro-batches per optimizer step"})
     tie_embeddings: bool = field(
-        default=False, metadata={"help": "the ANCHORS figures used an untied output head"}
+        default=False,
+        metadata={
+            "help": "share the input embedding with the output head (the benchmark protocol "
+            "unties them)"
+        },
     )
     checkpointing: str = field(
         default="full", metadata={"help": "activation checkpointing of every system: full or off"}
@@ -29,7 +33,10 @@ class BenchConfig:
     )
     seed: int = field(default=0, metadata={"help": "seed of weights and random tokens"})
     nvme_path: str = field(
-        default="", metadata={"help": "folder for fitgpt's nvme tier (empty: no disk tier)"}
+        default="",
+        metadata={
+            "help": "folder on a fast disk for fitgpt's optimizer state in files (--offload-optimizer nvme)"
+        },
     )
 
     def __post_init__(self) -> None:

@@ -29,6 +29,7 @@ def sweep_chart(results: list[dict], path: Path, title: str = "") -> None:
     """Samples/s and model TFLOP/s against parameters; each line ends at its capacity (★)."""
     systems = sorted({r["system"] for r in results}, key=lambda s: (is_peer(s), s))
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    drawn = False
     for s in systems:
         ok = sorted(
             (r for r in results if r["system"] == s and r["status"] == "ok"),
@@ -36,6 +37,7 @@ def sweep_chart(results: list[dict], path: Path, title: str = "") -> None:
         )
         if not ok:
             continue
+        drawn = True
         x = [r["params"] / 1e9 for r in ok]
         style = "--" if is_peer(s) else "-"
         width = 3.0 if s == "fitgpt" else 1.5  # the planner's choice stands out from its ablations
@@ -60,7 +62,11 @@ def sweep_chart(results: list[dict], path: Path, title: str = "") -> None:
     # linear from zero, so ratios read honestly there
     axes[0].set_yscale("log")
     axes[1].set_ylim(bottom=0)
-    axes[1].legend(fontsize=8, loc="best")
+    if drawn:
+        axes[1].legend(fontsize=8, loc="best")
+    else:
+        for ax in axes:
+            ax.text(0.5, 0.5, "no trial trained", ha="center", transform=ax.transAxes)
     dev = next((r.get("device") for r in results if r.get("device")), "")
     fig.suptitle(title or f"Throughput against model size — {dev} (★ = largest that trained)")
     _save(fig, path)
@@ -115,20 +121,45 @@ def sweep_table(results: list[dict]) -> str:
             continue
         big = max(ok, key=lambda r: r["params"])
         gpu = f"{big['gpu_peak_gib']:.1f} GiB" if "gpu_peak_gib" in big else "—"
+        host = big.get("host_rss_total_gib", big.get("host_rss_peak_gib"))
         lines.append(
             f"| {s} | {big['params'] / 1e9:.2f} B | {big.get('tflops', 0):.0f} TFLOP/s, "
             f"{big['tokens_per_s']:,.0f} tok/s | {gpu} | "
-            f"{big.get('host_rss_total_gib', big['host_rss_peak_gib']):.1f} GiB | {stop} |"
+            f"{'—' if host is None else f'{host:.1f} GiB'} | {stop} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def write_report(results_path: Path, out_dir: Path) -> tuple[Path, Path]:
+def read_sweep(path: Path) -> list[dict]:
+    """The trials of a sweep's results file, checked: a UserError naming the file when no line
+    is a trial record or a record lacks what the chart and table read. A line that is not JSON
+    is skipped, as the sweep itself does (a line cut short by a crash; the trial reruns)."""
     from fitgpt.bench.sweep import read_results
+    from fitgpt.errors import UserError
 
-    results = read_results(results_path)
+    what = "pass the .jsonl that `fitgpt bench sweep` or `fitgpt capacity --out` wrote"
+    results = [r for r in read_results(path) if isinstance(r, dict)]
+    if not results:
+        raise UserError(f"{path}: holds no trial record (empty, or no line is JSON); {what}")
+    for i, r in enumerate(results):
+        need = ["system", "status", "params", "layers"]
+        need += ["tokens_per_s"] if r.get("status") == "ok" else ["reason"]
+        missing = [k for k in need if k not in r]
+        if missing:
+            raise UserError(
+                f"{path}: record {i + 1} lacks {', '.join(missing)}; not a sweep's results: {what}"
+            )
+    return results
+
+
+def write_report(
+    results_path: Path, out_dir: Path, results: list[dict] | None = None
+) -> tuple[Path, Path]:
+    """The chart (PNG) and table (markdown) of a sweep, each written under a temporary name."""
+    if results is None:
+        results = read_sweep(results_path)
     out_dir.mkdir(parents=True, exist_ok=True)
-    png, md = out_dir / (results_path.stem + ".png"), out_dir / (results_path.stem + ".md")
+    png, md = report_paths(results_path, out_dir)
     sweep_chart(results, png)
     tmp = md.with_name(md.name + ".tmp")
     dev = next((r.get("device") for r in results if r.get("device")), "unknown device")
@@ -140,13 +171,51 @@ def write_report(results_path: Path, out_dir: Path) -> tuple[Path, Path]:
     return png, md
 
 
-def run_chart(run_dir: Path, out: Path | None = None) -> Path:
-    """Loss, throughput and memory over steps from a training run's metrics.jsonl."""
-    rows = [
-        json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()
-    ]
+def report_paths(results_path: Path, out_dir: Path) -> tuple[Path, Path]:
+    """Where `write_report` puts the chart and the table."""
+    return out_dir / (results_path.stem + ".png"), out_dir / (results_path.stem + ".md")
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl; a UserError naming the file when it holds no
+    training record (a run that ended before its first log line) or a line that is not JSON
+    (other than a last line cut short by a crash, which is skipped)."""
+    from fitgpt.errors import UserError
+
+    lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                continue  # cut short by a crash mid-write
+            raise UserError(
+                f"{path}: line {i + 1} is not JSON ({line[:40]!r}); pass the metrics.jsonl "
+                "a `fitgpt train` run wrote"
+            ) from None
+        if not isinstance(rec, dict):
+            raise UserError(f"{path}: line {i + 1} is not a JSON object; not a metrics file")
+        rows.append(rec)
     train = [r for r in rows if r.get("kind") == "train"]
-    evals = [r for r in rows if r.get("kind") == "eval"]
+    if not train:
+        raise UserError(
+            f"{path}: no training records (the run logged no step yet); chart it once it has "
+            "passed --log-every steps"
+        )
+    need = ("step", "loss", "tokens_per_s")
+    bad = next((r for r in train if any(k not in r for k in need)), None)
+    if bad is not None:
+        raise UserError(f"{path}: a training record lacks {'/'.join(need)}; not a metrics file")
+    return rows
+
+
+def run_chart(run_dir: Path, out: Path | None = None, rows: list[dict] | None = None) -> Path:
+    """Loss, throughput and memory over steps from a training run's metrics.jsonl."""
+    if rows is None:
+        rows = read_metrics(run_dir / "metrics.jsonl")
+    train = [r for r in rows if r.get("kind") == "train"]
+    evals = [r for r in rows if r.get("kind") == "eval" and "val_loss" in r]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
     if evals:

@@ -23,12 +23,32 @@ def _dest(f: dataclasses.Field, prefix: str) -> str:
     return prefix + f.name
 
 
+def _shown(value: Any) -> str:
+    """A default as help text: on/off for switches, "not set" for an empty string."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value == "" or value is None:
+        return "not set"
+    return str(value)
+
+
 def add_config_args(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     cls: type,
     prefix: str = "",
     skip: tuple[str, ...] = (),
+    defaults: Any = None,
+    default_text: str = "{}",
+    planned_text: str | None = None,
 ) -> None:
+    """One flag per field of `cls`, its help ending in the default the command really uses.
+
+    defaults: an instance of `cls` whose values are the command's defaults when they are not
+    the dataclass's own (train's model flags come from the tiny preset, its data is stdlib).
+    default_text: how the default reads, "{}" standing for the value: "from --preset; tiny: {}"
+    gives "(default: from --preset; tiny: 4)"; without "{}" the text alone.
+    planned_text: the same for the fields the planner chooses (metadata "planned"), e.g.
+    "the planner's choice; with --plan off: {}"."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip or f.metadata.get("cli") is False:
@@ -36,8 +56,14 @@ def add_config_args(
         tp = hints[f.name]
         if get_origin(tp) is typing.Union or type(tp).__name__ == "UnionType":
             tp = next(a for a in get_args(tp) if a is not type(None))
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        help_ = f"{f.metadata.get('help', '')} (default: {default})"
+        if defaults is not None:
+            default = getattr(defaults, f.name)
+        elif f.default is not dataclasses.MISSING:
+            default = f.default
+        else:
+            default = f.default_factory()  # type: ignore[misc]
+        text = planned_text if planned_text and f.metadata.get("planned") else default_text
+        help_ = f"{f.metadata.get('help', '')} (default: {text.format(_shown(default))})"
         kw: dict[str, Any] = {"dest": _dest(f, prefix), "default": None, "help": help_}
         if tp is bool:
             parser.add_argument(_flag(f), action=argparse.BooleanOptionalAction, **kw)
@@ -45,7 +71,8 @@ def add_config_args(
             choices = list(get_args(tp))
             parser.add_argument(_flag(f), choices=choices, type=type(choices[0]), **kw)
         else:
-            parser.add_argument(_flag(f), type=tp, metavar=f.name.upper(), **kw)
+            metavar = _flag(f)[2:].upper().replace("-", "_")
+            parser.add_argument(_flag(f), type=tp, metavar=metavar, **kw)
 
 
 def explicit(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:

@@ -12,7 +12,7 @@ from fitgpt.errors import UserError
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmark sweeps and their reports")
-    bsub = p.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
+    bsub = p.add_subparsers(dest="bench_command", metavar="SUBCOMMAND", required=True)
     s = bsub.add_parser(
         "sweep",
         help="train every (system, size) pair briefly, each in its own process",
@@ -26,12 +26,17 @@ def register(sub) -> None:
     )
     s.add_argument("--sizes", required=True, help="layer counts (1,4,8) or sizes (0.6b,2b,4.4b)")
     s.add_argument("--gpus", type=int, default=1, help="GPUs (processes) per trial (default: 1)")
-    s.add_argument("--device", default="auto", help="auto, cuda or cpu (default: auto)")
+    s.add_argument(
+        "--device",
+        choices=["auto", "cuda", "cpu"],
+        default="auto",
+        help="where to run: auto (a GPU if there is one), cuda or cpu (default: auto)",
+    )
     s.add_argument("--out", required=True, help="results file (JSON lines); re-running resumes it")
     s.add_argument(
         "--cap",
         default=None,
-        help="memory budget per rank, e.g. 40GB (a real allocator "
+        help="memory budget per GPU (process), e.g. 40GB (a real allocator "
         "cap on GPUs; on CPUs a cap on the engine's state bytes)",
     )
     s.add_argument(
@@ -49,7 +54,6 @@ def register(sub) -> None:
         "--out-dir", default=None, help="where to write the PNG and .md (default: beside it)"
     )
     r.set_defaults(func=run_report)
-    p.set_defaults(func=lambda a: p.print_help() or 2)
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -74,16 +78,32 @@ def run_sweep(args: argparse.Namespace) -> int:
         cap,
         args.budget,
     )
-    results = sweep(spec, Path(args.out))
+    from fitgpt.cli.outputs import check_writable_dir, check_writable_file
+
+    out = check_writable_file(args.out, "--out")
+    check_writable_dir(out.with_name(out.stem + ".logs"), "--out")  # the trials' logs go beside
+    results = sweep(spec, out)
     return 0 if results else 1
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from fitgpt.bench.report import write_report
+    from fitgpt.bench.report import read_sweep, report_paths, write_report
+    from fitgpt.cli.outputs import check_readable_file, check_writable_dir, check_writable_file
 
-    path = Path(args.results)
-    if not path.is_file():
-        raise UserError(f"{path} does not exist; pass the .jsonl a sweep wrote")
-    png, md = write_report(path, Path(args.out_dir) if args.out_dir else path.parent)
+    what = "the .jsonl a sweep wrote"
+    path = check_readable_file(args.results, "", what)
+    out_dir = Path(args.out_dir) if args.out_dir else path.parent
+    flag = "--out-dir" if args.out_dir else "the results' folder"
+    check_writable_dir(out_dir, flag)
+    for p in report_paths(path, out_dir):
+        check_writable_file(p, flag)
+    results = read_sweep(path)
+    png, md = write_report(path, out_dir, results)
+    ok = sum(r["status"] == "ok" for r in results)
     print(f"wrote {png} and {md}")
+    if not ok:
+        print(
+            f"note: none of the {len(results)} trials in {path} trained; the table lists why "
+            "each failed, and the chart is empty"
+        )
     return 0

@@ -33,7 +33,14 @@ def register(sub) -> None:
         default=None,
         help="shorthand: ddp, or zero with --zero-stage",
     )
-    p.add_argument("--zero-stage", type=int, default=None, help="with --engine zero: 0-3")
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[0, 1, 2, 3],
+        default=None,
+        help="with --engine zero: what each GPU keeps only its share of (see `fitgpt train "
+        "--help`)",
+    )
     p.add_argument(
         "--plan",
         choices=["auto"],
@@ -41,7 +48,12 @@ def register(sub) -> None:
         help="auto: fitgpt's planner chooses (the default)",
     )
     p.add_argument("--gpus", type=int, default=1, help="GPUs per trial (default: 1)")
-    p.add_argument("--device", default="auto", help="auto, cuda or cpu (default: auto)")
+    p.add_argument(
+        "--device",
+        choices=["auto", "cuda", "cpu"],
+        default="auto",
+        help="where to run: auto (a GPU if there is one), cuda or cpu (default: auto)",
+    )
     p.add_argument(
         "--start", type=int, default=None, help="first layer count to try (default: the prediction)"
     )
@@ -49,7 +61,7 @@ def register(sub) -> None:
     p.add_argument(
         "--cap",
         default=None,
-        help="memory budget per rank, e.g. 40GB: a real allocator cap on "
+        help="memory budget per GPU (process), e.g. 40GB: a real allocator cap on "
         "GPUs; on CPUs a cap on the engine's state bytes (for tests)",
     )
     p.add_argument("--out", default=None, help="append every trial as a JSON line to this file")
@@ -69,6 +81,21 @@ def system_name(args: argparse.Namespace) -> str:
     return "fitgpt"
 
 
+def check_args(args: argparse.Namespace) -> Path | None:
+    """The numbers in range and --out writable, before the first trial; the --out path."""
+    if args.gpus < 1:
+        raise UserError(f"--gpus {args.gpus}: must be at least 1")
+    if args.max_trials < 1:
+        raise UserError(f"--max-trials {args.max_trials}: must be at least 1")
+    if args.start is not None and args.start < 1:
+        raise UserError(f"--start {args.start}: a layer count, at least 1")
+    if args.out is None:
+        return None
+    from fitgpt.cli.outputs import check_writable_file
+
+    return check_writable_file(args.out, "--out")
+
+
 def run(args: argparse.Namespace) -> int:
     from fitgpt.bench.sweep import SweepSpec, append_result, run_one
     from fitgpt.bench.systems import get_system
@@ -78,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from fitgpt.plan.memory import GiB, Workload, estimate
     from fitgpt.plan.planner import largest_layers, plan
 
+    out = check_args(args)
     bench = dataclasses.replace(config_from_args(args, BenchConfig), warmup=1, steps=2)
     system = get_system(system_name(args))
     bench = dataclasses.replace(bench, **system.bench_changes)
@@ -119,7 +147,6 @@ def run(args: argparse.Namespace) -> int:
     )
     spec = SweepSpec((system.name,), (), bench, args.gpus, args.device)
     records: dict[int, dict] = {}
-    out = Path(args.out) if args.out else None
 
     with tempfile.TemporaryDirectory(prefix="fitgpt-capacity-") as tmp:
 

@@ -72,8 +72,10 @@ def run_fitgpt(args: argparse.Namespace) -> int:
     import torch
     from safetensors.torch import save_file
 
+    from fitgpt.cli.outputs import check_writable_file
     from fitgpt.infer.generate import load_model
 
+    check_writable_file(args.out, "--out")  # before loading anything
     model, meta = load_model(Path(args.ckpt), torch.device("cpu"))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}

@@ -59,7 +59,18 @@ def run(args: argparse.Namespace) -> int:
         raise
 
 
+def check_outputs(cfg: MatmulConfig, json_path: str | None) -> None:
+    """C's .npy and the JSON record can be written: checked before anything is computed."""
+    from fitgpt.cli.outputs import check_writable_file
+
+    if cfg.out is not None:
+        check_writable_file(cfg.out, "--out")
+    if json_path is not None:
+        check_writable_file(json_path, "--json")
+
+
 def _run(args: argparse.Namespace) -> int:
+    check_outputs(config_from(args), args.json)
     if args.gpus is not None:
         if args.gpus < 1:
             raise UserError(f"--gpus {args.gpus}: must be at least 1")

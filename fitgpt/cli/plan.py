@@ -13,7 +13,12 @@ from fitgpt.model import ModelConfig, get_preset
 
 def add_hardware_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("hardware (detected when not given)")
-    g.add_argument("--gpus", type=int, default=None, help="GPUs (data-parallel ranks) to plan for")
+    g.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="GPUs to plan for (each trains on its share of the batch)",
+    )
     g.add_argument("--gpu-mem", default=None, help="memory per GPU, e.g. 80GB or 79GiB")
     g.add_argument(
         "--cpu-mem",
@@ -21,7 +26,12 @@ def add_hardware_args(p: argparse.ArgumentParser) -> None:
         help="usable host RAM, e.g. 125GB (some machines "
         "report less than they give: say what you know)",
     )
-    g.add_argument("--nvme", default=None, help="folder for the NVMe tier, or a size like 64GB")
+    g.add_argument(
+        "--nvme",
+        default=None,
+        help="a folder on a fast disk the plan may keep optimizer state in, or a size like "
+        "64GB to plan for such a disk",
+    )
 
 
 def register(sub) -> None:
@@ -33,19 +43,34 @@ def register(sub) -> None:
         "chosen one first. Nothing is allocated.",
     )
     p.add_argument("--preset", default="tiny", help="named model config (default: tiny)")
-    add_config_args(p.add_argument_group("model"), ModelConfig)
+    add_config_args(
+        p.add_argument_group("model"),
+        ModelConfig,
+        defaults=get_preset("tiny"),
+        default_text="from --preset; tiny: {}",
+    )
     add_config_args(
         p.add_argument_group("data (its tokenizer sets the vocabulary, as in `fitgpt train`)"),
         DataConfig,
-        skip=("split",),
+        skip=("split", "sample_order"),
     )
     p.add_argument(
         "--micro-batch", type=int, default=8, help="sequences per micro-batch per GPU (default: 8)"
     )
     p.add_argument("--grad-accum", type=int, default=4, help="micro-batches per step (default: 4)")
-    p.add_argument("--device", default="auto", help="auto, cuda or cpu (default: auto)")
+    p.add_argument(
+        "--device",
+        choices=["auto", "cuda", "cpu"],
+        default="auto",
+        help="where to run: auto (a GPU if there is one), cuda or cpu (default: auto)",
+    )
     add_hardware_args(p)
-    add_config_args(p.add_argument_group("fix part of the plan"), EngineConfig, skip=("nvme_path",))
+    add_config_args(
+        p.add_argument_group("fix part of the plan (the planner chooses what you do not set)"),
+        EngineConfig,
+        skip=("nvme_path",),
+        planned_text="the planner's choice",
+    )
     add_config_args(
         p.add_argument_group("precision"),
         PrecisionConfig,

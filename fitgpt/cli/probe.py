@@ -21,12 +21,18 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from fitgpt.cli.outputs import check_writable_dir
     from fitgpt.errors import UserError
+    from fitgpt.plan.rates import cache_path
 
     if args.nvme and not os.path.isdir(args.nvme):
         raise UserError(
             f"--nvme {args.nvme}: not a folder; pass an existing folder on the disk to measure"
         )
+    if args.nvme:
+        check_writable_dir(args.nvme, "--nvme")  # the disk test writes a file there
+    # the rates are cached here at the end: refuse now, not after the measurements
+    check_writable_dir(cache_path("").parent, "the probe cache (FITGPT_CACHE)")
     if args.gpus is not None:
         if args.gpus < 1:
             raise UserError(f"--gpus {args.gpus} must be at least 1")

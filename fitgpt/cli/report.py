@@ -15,12 +15,18 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from fitgpt.bench.report import run_chart
+    from fitgpt.bench.report import read_metrics, run_chart
+    from fitgpt.cli.outputs import check_writable_file
 
     run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: not a folder; pass the --out folder of a `fitgpt train` run")
     if not (run_dir / "metrics.jsonl").is_file():
         raise UserError(
             f"{run_dir} has no metrics.jsonl; pass the --out folder of a `fitgpt train` run"
         )
-    print(f"wrote {run_chart(run_dir, Path(args.out) if args.out else None)}")
+    out = Path(args.out) if args.out else run_dir / "report.png"
+    check_writable_file(out, "--out" if args.out else "the chart")
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    print(f"wrote {run_chart(run_dir, out, rows)}")
     return 0

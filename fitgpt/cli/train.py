@@ -25,10 +25,21 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         help="named model config (see `fitgpt presets`); "
         f"the model flags below override its fields (default: {DEFAULT_PRESET})",
     )
-    add_config_args(p.add_argument_group("model"), ModelConfig)
-    add_config_args(p.add_argument_group("data"), DataConfig)
+    add_config_args(
+        p.add_argument_group("model"),
+        ModelConfig,
+        defaults=get_preset("tiny"),
+        default_text="from --preset; tiny: {}",
+    )
+    add_config_args(p.add_argument_group("data"), DataConfig, defaults=DataConfig(data="stdlib"))
     add_config_args(p.add_argument_group("training"), TrainConfig)
-    add_config_args(p.add_argument_group("engine and memory"), EngineConfig)
+    add_config_args(
+        p.add_argument_group(
+            "engine and memory (with --plan auto, the planner chooses what you do not set)"
+        ),
+        EngineConfig,
+        planned_text="the planner's choice; with --plan off: {}",
+    )
     add_config_args(p.add_argument_group("precision"), PrecisionConfig)
     add_config_args(p.add_argument_group("optimizer"), OptimConfig)
 
@@ -194,12 +205,16 @@ def run(args: argparse.Namespace) -> int:
     if args.deepspeed_config:
         apply_deepspeed_flags(args)
     run_cfg, ckpt, notes = resolve_command(args)  # validates every config before allocating
+    from fitgpt.cli.outputs import check_writable_dir
+
+    check_writable_dir(run_cfg.train.out, "--out")
     from fitgpt.dist import init_distributed, shutdown
     from fitgpt.dist.env import configure_process
     from fitgpt.train.loop import train
     from fitgpt.train.setup import setup_run
 
-    configure_process(run_cfg.train.cpu_threads)  # before CUDA, NCCL and the first CPU kernel
+    # before CUDA, NCCL and the first CPU kernel
+    configure_process(run_cfg.train.cpu_threads, run_cfg.train.device)
     ctx = init_distributed(run_cfg.train.device, run_cfg.train.dist_timeout)
     try:
 

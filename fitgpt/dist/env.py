@@ -58,7 +58,10 @@ def threads_per_rank(requested: int = 0, device_type: str = "cuda") -> int:
     user = os.environ.get("OMP_NUM_THREADS", "")
     if user.isdigit() and int(user) > 0 and "TORCHELASTIC_RUN_ID" not in os.environ:
         return int(user)
-    del device_type  # one rule for now: CPU compute and host optimizers share cores the same way
+    if device_type == "cpu":  # CPU compute: the cores other programs leave idle (threads.py)
+        from fitgpt.dist.threads import busy_cores, cpu_threads
+
+        return cpu_threads(local_ranks(), busy_cores())
     return max(1, cores_available() // local_ranks())
 
 
@@ -73,16 +76,15 @@ def child_env(nproc: int) -> dict[str, str]:
     return env
 
 
-def configure_process(cpu_threads: int = 0, device_type: str = "cuda") -> int:
-    """Set this process up for training; call before the first CUDA allocation or collective.
-
-    Returns the number of torch threads it chose.
-    """
+def configure_process(cpu_threads: int = 0, device: str = "auto") -> int:
+    """Set this process up for training on `device` (auto, cpu, cuda); call before the first
+    CUDA allocation or collective. Returns the number of torch threads it chose."""
     for k, v in SAFE_ENV.items():
         os.environ.setdefault(k, v)  # read by NCCL when the process group starts
     # read by the CUDA caching allocator at its first allocation, not at import
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)
-    threads = threads_per_rank(cpu_threads, device_type)
+    gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    threads = threads_per_rank(cpu_threads, "cuda" if gpu else "cpu")
     # New threads (the host optimizer's worker) take this value at their first parallel kernel.
     torch.set_num_threads(threads)
     return threads

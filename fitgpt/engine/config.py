@@ -74,63 +74,84 @@ class EngineConfig:
     engine: Literal["ddp", "zero"] = field(
         default="zero",
         metadata={
-            "help": "ddp: plain PyTorch (DistributedDataParallel across ranks); zero: "
-            "fitgpt's chunked engine (ZeRO stages, CPU/NVMe tiers)"
+            "help": "ddp: plain PyTorch (DistributedDataParallel: every GPU holds all the "
+            "state); zero: fitgpt's engine, which can split the state across GPUs "
+            "(--zero-stage) and keep part of it in host RAM or on disk (--offload-*)",
+            "planned": True,
         },
     )
     zero_stage: int = field(
         default=0,
         metadata={
-            "help": "zero engine: 0 replicate, 1 shard optimizer state, 2 also gradients, "
-            "3 also weights"
+            "help": "with --engine zero, what each of N GPUs keeps only 1/N of: 0 nothing "
+            "(each holds everything), 1 the optimizer state, 2 also the gradients, 3 also the "
+            "weights",
+            "planned": True,
         },
     )
     checkpointing: Literal["off", "full", "cpu"] = field(
         default="off",
         metadata={
-            "help": "activation checkpointing per block; cpu keeps the checkpoints in "
-            "pinned host memory"
+            "help": "activation checkpointing: full keeps only each transformer block's input "
+            "and recomputes the rest in the backward pass (much less memory, ~1/3 more "
+            "compute); cpu does the same with those inputs in host RAM",
+            "planned": True,
         },
     )
     offload_optimizer: Tier = field(
-        default="none", metadata={"help": "home of fp32 master weights and Adam moments"}
+        default="none",
+        metadata={
+            "help": "where the fp32 master weights and Adam moments of the offloaded blocks "
+            "live: none (GPU), cpu (host RAM; their optimizer step runs on the CPU), nvme "
+            "(files in --nvme-path)",
+            "planned": True,
+        },
     )
     offload_params: Tier = field(
         default="none",
         metadata={
-            "help": "home of the working (bf16) weights of the offloaded blocks: cpu keeps them "
-            "in pinned host RAM and streams each block to the GPU just ahead of its forward and "
-            "backward (needs --offload-optimizer cpu or nvme)"
+            "help": "where the working (bf16) weights of the offloaded blocks live: cpu keeps "
+            "them in host RAM and copies each block to the GPU just before it runs (needs "
+            "--offload-optimizer cpu or nvme)",
+            "planned": True,
         },
     )
     offload_fraction: float = field(
         default=1.0,
         metadata={
-            "help": "fraction of the chunks whose state goes to the offload tier (the last "
-            "blocks first)"
+            "help": "with --offload-optimizer: the share of the transformer blocks that are "
+            "offloaded (the last blocks first; the rest stay on the GPU)",
+            "planned": True,
         },
     )
     nvme_fraction: float = field(
         default=1.0,
         metadata={
             "help": "with --offload-optimizer nvme: the share of the offloaded blocks whose "
-            "optimizer state lives in files (the last ones); the rest stays in host RAM"
+            "optimizer state lives in files (the last ones); the rest stays in host RAM",
+            "planned": True,
         },
     )
-    nvme_path: str = field(default="", metadata={"help": "folder for NVMe-tier files"})
+    nvme_path: str = field(
+        default="",
+        metadata={
+            "help": "folder on a fast disk for the disk tier's files (--offload-optimizer "
+            "nvme); with --plan auto, giving it lets the planner use the disk"
+        },
+    )
     host_moments: Literal["fp32", "bf16", "int8"] = field(
         default="fp32",
         metadata={
-            "help": "storage of the Adam moments of host-homed chunks: bf16 (4 bytes per "
-            "parameter fewer) or int8 block-wise (6 fewer) fit more in RAM; opt-in, see "
-            "docs/offload.md for their effect on the loss"
+            "help": "storage of the Adam moments of blocks offloaded to host RAM: bf16 (4 "
+            "bytes per parameter fewer) or int8 block-wise (6 fewer) fit more in RAM; opt-in, "
+            "see docs/offload.md for their effect on the loss"
         },
     )
 
     delayed_update: bool = field(
         default=False,
         metadata={
-            "help": "one-step-delayed update of the offloaded blocks (ZeRO-Offload's DPU): the "
+            "help": "one-step-delayed update of the offloaded blocks (ZeRO-Offload's 'delayed parameter update'): the "
             "host optimizer's step overlaps the whole next forward and backward, which then use "
             "weights one step old; off by default, see docs/offload.md for its effect on the loss"
         },

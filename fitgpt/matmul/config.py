@@ -34,7 +34,10 @@ class MatmulConfig:
     )
     layout: Layout = field(
         default="rows",
-        metadata={"help": "rows: A by rows, B broadcast in column panels; 2d: SUMMA on a q×q grid"},
+        metadata={
+            "help": "rows: each GPU holds a band of A's rows and receives B in column panels; "
+            "2d: A, B and C in q×q blocks over q² GPUs (the SUMMA algorithm)"
+        },
     )
     out_of_core: bool = field(
         default=False,
@@ -50,7 +53,9 @@ class MatmulConfig:
     out: str | None = field(default=None, metadata={"help": "write C to this .npy file"})
     panel: int = field(
         default=0,
-        metadata={"help": "columns per broadcast panel (rows, 2d); 0: auto, at most 4096"},
+        metadata={
+            "help": "columns of B (or of A's block) sent to every GPU at once; 0: auto, at most 4096"
+        },
     )
     tile_rows: int = field(default=0, metadata={"help": "out-of-core C tile rows; 0: auto"})
     tile_cols: int = field(default=0, metadata={"help": "out-of-core C tile columns; 0: auto"})

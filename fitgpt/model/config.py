@@ -26,12 +26,20 @@ class ModelConfig:
     """A GPT-2 style decoder. Every field is a CLI flag of `fitgpt train`."""
 
     n_layer: int = field(default=12, metadata={"help": "transformer blocks", "flag": "layers"})
-    n_embd: int = field(default=768, metadata={"help": "hidden size h", "flag": "hidden"})
-    n_head: int = field(default=12, metadata={"help": "attention heads", "flag": "heads"})
-    seq_len: int = field(default=1024, metadata={"help": "context length S (tokens)"})
+    n_embd: int = field(
+        default=768, metadata={"help": "hidden size (the width of every layer)", "flag": "hidden"}
+    )
+    n_head: int = field(
+        default=12,
+        metadata={"help": "attention heads (must divide the hidden size)", "flag": "heads"},
+    )
+    seq_len: int = field(default=1024, metadata={"help": "context length: tokens per sequence"})
     vocab_size: int = field(
         default=GPT2_VOCAB,
-        metadata={"help": "tokenizer vocabulary; the embedding is padded to a multiple of 128"},
+        metadata={
+            "help": "vocabulary size, padded to a multiple of 128 in the embedding; training "
+            "on text data uses its tokenizer's instead"
+        },
     )
     bias: bool = field(default=True, metadata={"help": "biases in linear layers and LayerNorms"})
     dropout: float = field(default=0.0, metadata={"help": "dropout on embeddings, attention, MLP"})

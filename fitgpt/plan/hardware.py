@@ -33,11 +33,18 @@ UNITS = {
 
 
 def parse_bytes(text: str, what: str) -> int:
-    """'80GB' (10^9), '125GiB' (2^30), '64' (GiB). Raises a UserError naming `what`."""
+    """'80GB' (10^9), '125GiB' (2^30), '64' (GiB). Raises a UserError naming `what`, also for
+    sizes under one byte: a zero budget is never meant (it used to read as "unlimited")."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in UNITS:
-        raise UserError(f"{what} {text!r}: write a size like 80GB, 125GiB or 64 (GiB)")
-    return int(float(m.group(1)) * UNITS[m.group(2).lower()])
+        raise UserError(f"{what} {text!r}: write a positive size like 80GB, 125GiB or 64 (GiB)")
+    n = int(float(m.group(1)) * UNITS[m.group(2).lower()])
+    if n < 1:
+        raise UserError(
+            f"{what} {text!r}: a size must be more than 0; give what the machine has "
+            "(e.g. 64GB), or leave the flag out to measure it"
+        )
+    return n
 
 
 # Host RAM a plan may fill: MemAvailable less a reserve for what the kernel and the process do

@@ -11,7 +11,9 @@ from fitgpt.errors import UserError
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = field(default=400, metadata={"help": "optimizer steps to train for"})
-    micro_batch: int = field(default=24, metadata={"help": "sequences per micro-batch per rank"})
+    micro_batch: int = field(
+        default=24, metadata={"help": "sequences per micro-batch per GPU (per process)"}
+    )
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     lr: float = field(default=2e-3, metadata={"help": "peak learning rate"})
     min_lr: float = field(default=2e-4, metadata={"help": "learning rate at the end of the cosine"})
@@ -64,8 +66,8 @@ class TrainConfig:
     dist_timeout: float = field(
         default=600.0,
         metadata={
-            "help": "seconds a collective may wait for the other ranks before the job ends "
-            "with the rank and operation named (a dead or hung rank)"
+            "help": "multi-GPU runs: seconds one process waits for the others in a "
+            "communication before the job ends naming the process that died or hangs"
         },
     )
 

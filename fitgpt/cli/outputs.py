@@ -1,0 +1,175 @@
+"""Output locations checked before the work that fills them, and OS errors told in one line.
+
+Every command that writes calls `check_writable_file` / `check_writable_dir` on its outputs
+before any expensive work (a 20 s probe, a capacity trial, a matrix product), so a typo in a
+path costs nothing. The check writes a probe file in the nearest existing folder of the path
+and removes it: `os.access` says yes to root on paths root cannot write either (/proc, a
+read-only mount), and the real write is the only test that is never wrong. It creates no
+folder: a command that fails later leaves nothing behind.
+
+`describe_os_error` is what the CLI's top level prints for an OSError that escaped a command:
+one line naming the path and the fix.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from fitgpt.errors import UserError
+
+
+def _name(flag: str, path: str | Path) -> str:
+    """How an error names the input: `--out runs/x`, or the bare path for a positional one."""
+    return f"{flag} {path}" if flag else str(path)
+
+
+def _why(e: OSError) -> str:
+    return (e.strerror or str(e)).lower()
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path` itself or its closest ancestor that exists (a file or a folder)."""
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _probe_write(folder: Path, flag: str, path: str | Path) -> None:
+    """Create and remove a file in `folder`; a UserError naming `flag path` if that fails."""
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".fitgpt-write-check-")
+    except OSError as e:
+        raise UserError(
+            f"{_name(flag, path)}: cannot write in {folder} ({_why(e)}); "
+            "choose a location you can write"
+        ) from None
+    os.close(fd)
+    os.unlink(name)
+
+
+def _check_ancestors(path: Path, flag: str, shown: str | Path) -> None:
+    """The folders above `path` exist or can be made, and the nearest existing one is writable."""
+    base = _nearest_existing(path.parent)
+    if not base.is_dir():
+        raise UserError(
+            f"{_name(flag, shown)}: {base} is a file, not a folder; choose a path inside a folder"
+        )
+    _probe_write(base, flag, shown)
+
+
+def check_writable_file(path: str | Path, flag: str) -> Path:
+    """Refuse an output file that could not be written: a folder at the path, a file where a
+    folder of the path should be, no permission. Its missing folders are allowed (the command
+    creates them); nothing is created here."""
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{_name(flag, path)}: is a folder; name a file (inside it, or elsewhere)")
+    if str(path).endswith(os.sep):
+        raise UserError(f"{_name(flag, path)}: ends in {os.sep}; name a file, not a folder")
+    _check_ancestors(p, flag, path)
+    if p.exists():
+        try:
+            with open(p, "ab"):  # opens for writing, changes nothing
+                pass
+        except OSError as e:
+            raise UserError(
+                f"{_name(flag, path)}: cannot be written ({_why(e)}); choose another path"
+            ) from None
+    return p
+
+
+def check_writable_dir(path: str | Path, flag: str) -> Path:
+    """Refuse an output folder that could not be filled: a file at the path or above it, no
+    permission. A missing folder is allowed (the command creates it); nothing is created here."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UserError(f"{_name(flag, path)}: is a file, not a folder; name a folder")
+    if p.is_dir():
+        _probe_write(p, flag, path)
+    else:
+        _check_ancestors(p, flag, path)
+    return p
+
+
+def check_readable_file(path: str | Path, flag: str, what: str) -> Path:
+    """An input file that exists, is a file, and is not empty; `what` says what to pass instead."""
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{_name(flag, path)}: is a folder; pass {what}")
+    if not p.is_file():
+        raise UserError(f"{_name(flag, path)}: no such file; pass {what}")
+    if p.stat().st_size == 0:
+        raise UserError(f"{_name(flag, path)}: the file is empty; pass {what}")
+    return p
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        return shutil.disk_usage(_nearest_existing(path)).free
+    except OSError:
+        return None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _output_of(path: str, outputs: list[tuple[str, str]]) -> tuple[str, str] | None:
+    """The (flag, value) whose path `path` is, lies under, or lies on the way to (a temporary
+    file beside a prefix, a file standing where its folder should be)."""
+    p = os.path.abspath(path)
+    for flag, value in outputs:
+        if not value:
+            continue
+        v = os.path.abspath(value)
+        if p == v or p.startswith(v) or v.startswith(p + os.sep):
+            return flag, value
+    return None
+
+
+def describe_os_error(e: OSError, outputs: list[tuple[str, str]]) -> str | None:
+    """One line for an OSError a command let escape; None when it is not about a path (then it
+    is a bug, and keeps its traceback). `outputs` are the command's output flags and values,
+    named when the error carries no path itself (a write() on a full disk has none)."""
+    path = str(e.filename) if e.filename is not None else None
+    where = path or (" ".join(outputs[0]).strip() if outputs else None)
+    flag = _output_of(path, outputs) if path else None
+    if flag is not None:  # the path belongs to an output the user named: name the flag too
+        where = f"{' '.join(flag)}: {path}" if path != flag[1] else " ".join(flag)
+    if isinstance(e, BrokenPipeError):
+        return None  # the caller ends quietly
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = "no space left on the disk" if e.errno == errno.ENOSPC else "disk quota exceeded"
+        parts = [f"{where}: {what}" if where else what]
+        needed = getattr(e, "needed_bytes", None)  # set by code that knows the size it wrote
+        if needed:
+            parts.append(f"needed {_size(needed)}")
+        disk = path or (outputs[0][1] if outputs and outputs[0][1] else None)
+        free = _free_bytes(Path(disk)) if disk else None
+        if free is not None:
+            parts.append(f"{_size(free)} free")
+        return ", ".join(parts) + "; free some space or write to another disk"
+    if path is None:
+        return None  # not about a path: a bug, or something this line could not explain
+    if e.errno == errno.EROFS:
+        return f"{where}: the file system is read-only; choose a location on a writable disk"
+    if isinstance(e, PermissionError):
+        return f"{where}: permission denied; choose a path you may use, or fix its permissions"
+    if isinstance(e, IsADirectoryError):
+        return f"{where}: is a folder where a file is expected; name a file"
+    if isinstance(e, NotADirectoryError):
+        return f"{where}: part of this path is a file, not a folder; fix the path"
+    if isinstance(e, FileExistsError):
+        return f"{where}: already exists, as a file where a folder must go; choose another path"
+    if isinstance(e, FileNotFoundError):
+        return f"{where}: no such file or folder; check the path (create the folder first)"
+    return f"{where}: {_why(e)}; check the path"
