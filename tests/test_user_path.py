@@ -110,8 +110,8 @@ def test_a_run_on_megatron_data_resumes_by_its_folder_alone(tmp_path):
     assert sorted(after) == [5, 6, 7, 8] and all(after[s] == before[s] for s in after)
     # what the data order or the saved state depend on must agree
     for flags, field in (
-        (["--hidden", "64", "--heads", "4"], "n_embd"),
-        (["--data", "stdlib"], "data"),
+        (["--hidden", "64", "--heads", "4"], "--hidden 32"),
+        (["--data", "stdlib"], "--data"),
         (["--seed", "3"], "--seed"),
     ):
         r = fitgpt("train", "--out", str(run), "--resume", *flags)

@@ -52,6 +52,13 @@ def register(sub) -> None:
 
 def _train(args: argparse.Namespace) -> None:
     from fitgpt.data.tokenizer import train_tokenizer
+    from fitgpt.errors import UserError
+
+    if args.min_frequency < 1:
+        raise UserError(
+            f"--min-frequency {args.min_frequency}: a merged pair must occur at least once; "
+            "use 1 or more (default 2)"
+        )
 
     tok = train_tokenizer(
         args.input, args.vocab_size, args.output, args.min_frequency, args.json_key
@@ -78,4 +85,11 @@ def _decode(args: argparse.Namespace) -> None:
         ids = [int(t) for t in raw.replace("[", " ").replace("]", " ").replace(",", " ").split()]
     except ValueError as e:
         raise UserError(f"decode input {raw[:40]!r} is not a list of token ids ({e})") from e
-    print(load_tokenizer(args.tokenizer).decode(ids))
+    tok = load_tokenizer(args.tokenizer)
+    bad = [i for i in ids if not 0 <= i < tok.vocab_size]
+    if bad:
+        raise UserError(
+            f"decode input: id {bad[0]} is not a token of {args.tokenizer} (ids 0 to "
+            f"{tok.vocab_size - 1}); pass ids the tokenizer made"
+        )
+    print(tok.decode(ids))

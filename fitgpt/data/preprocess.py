@@ -154,6 +154,7 @@ class PreprocessReport:
 def preprocess(cfg: PreprocessConfig) -> PreprocessReport:
     """Tokenize `cfg.input` into `cfg.prefix`.bin/.idx (+ the tokenizer record, sidecar.py);
     the outputs appear only when complete, and only if they hold at least one document."""
+    check_prefix(cfg.output_prefix)  # as typed: `adir/` would write `adir/_text_document`
     check_prefix(cfg.prefix)
     tok = load_tokenizer(cfg.tokenizer)
     if cfg.append_eod and tok.eod_id is None:
@@ -330,7 +331,11 @@ def _progress_bar(enabled: bool, total: int):
         TextColumn("{task.fields[mbps]:.2f} MB/s"),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=Console(stderr=True), disable=not enabled) as bar:
+    # transient: the bar is cleared when it ends, so a failure leaves only its one error line
+    # (the summary printed on success says what the bar said)
+    with Progress(
+        *columns, console=Console(stderr=True), disable=not enabled, transient=True
+    ) as bar:
         yield bar, bar.add_task("preprocess", total=total, docs=0, tokens=0, mbps=0.0)
 
 

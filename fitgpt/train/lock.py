@@ -55,6 +55,7 @@ class RunLock:
 
     def __init__(self, path: Path, fd: int) -> None:
         self.path, self.fd = path, fd
+        self.created = False  # whether the run that holds it created the run folder
 
     @classmethod
     def acquire(cls, out: Path, note: Callable[[str], None]) -> RunLock:

@@ -35,7 +35,7 @@ from fitgpt.train.config import TrainConfig
 from fitgpt.train.guard import Diverged, DivergenceGuard, Interrupted, StopRequest
 from fitgpt.train.init_from import FREE, InitSource, checkpoint_of, drop_scratch
 from fitgpt.train.metrics import MetricsLog, format_line, peak_flops
-from fitgpt.train.rundir import open_run_dir
+from fitgpt.train.rundir import close_run_dir, open_run_dir
 from fitgpt.train.schedule import lr_at
 from fitgpt.train.setup import OutOfMemory, is_oom, oom_message, phase_of, resolve_run
 
@@ -443,14 +443,16 @@ def train(
     run = resolve_run(run, ctx.device.type)  # a no-op for a run setup_run made (and planned)
     out = Path(run.train.out)
     lock = open_run_dir(out, resume is not None, overwrite, ctx)  # run folder: locked, checked
-    trainer = None
+    trainer, failed = None, True
     try:
         trainer = Trainer(run, ctx, check_room=resume is None)
         if resume is not None:
             trainer.resume(Path(resume) if resume else out)
         elif init_from is not None:
             trainer.init_from(init_from)
-        return trainer.fit()
+        out_ = trainer.fit()
+        failed = False
+        return out_
     except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
         where = is_oom(e)
         if where is None:
@@ -460,5 +462,4 @@ def train(
     finally:
         if trainer is not None:
             trainer.engine.close()
-        if lock is not None:
-            lock.release()
+        close_run_dir(out, lock, failed)

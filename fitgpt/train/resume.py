@@ -36,6 +36,12 @@ PARTS = {
 FIXED = {"train": ("seed",)}
 
 
+def _flag(cls, name: str) -> str:
+    """The command-line flag of a config field (--layers for n_layer)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return "--" + f.metadata.get("flag", name).replace("_", "-")
+
+
 def find_checkpoint(resume: str, out: str) -> Path | None:
     """The checkpoint `--resume [CKPT]` names: CKPT (which must hold one), or the newest in
     --out (None when --out holds none yet: the run starts fresh)."""
@@ -76,15 +82,16 @@ def resumed_config(meta: dict, ckpt: Path, explicit: dict[str, dict], preset: Mo
         given = {k: v for k, v in preset.to_dict().items() if k != "vocab_size"}
         asked["model"] = {**given, **asked.get("model", {})}
     changes = []
-    for part in ("model", "data"):
+    for part in ("data", "model"):  # the data first: it also decides the vocabulary
         for name, value in asked.get(part, {}).items():
             old = getattr(saved[part], name)
             same = _same_data(saved[part], name, value) if part == "data" else old == value
             if not same:
+                flag = _flag(PARTS[part], name)
                 raise UserError(
-                    f"--resume: {ckpt} was trained with {part} {name}={old!r}, this command asks "
-                    f"{name}={value!r}; drop the flag to continue that run, or start a new run "
-                    "with another --out"
+                    f"--resume: {ckpt} was trained with {flag} {old}, this command asks {flag} "
+                    f"{value}; drop the flag to continue that run, or start a new run with "
+                    "another --out"
                 )
     for part in ("train", "engine", "precision", "optim"):
         for name, value in asked.get(part, {}).items():

@@ -6,6 +6,7 @@ all-reduce, so a refusal ends every rank at once instead of leaving them at a ba
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,7 @@ def _clear(out: Path) -> None:
 
 
 def _open(out: Path, resume: bool, overwrite: bool, note: Callable[[str], None]) -> RunLock:
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -38,6 +40,7 @@ def _open(out: Path, resume: bool, overwrite: bool, note: Callable[[str], None])
         lock = RunLock.acquire(out, note)
     except OSError as e:
         raise UserError(f"--out {out}: cannot write its lock file ({e.strerror})") from None
+    lock.created = created  # a run that fails before writing anything leaves no folder
     try:
         existing = ckpt_io.step_dirs(out)
         if existing and not resume and not overwrite:
@@ -57,6 +60,17 @@ def _open(out: Path, resume: bool, overwrite: bool, note: Callable[[str], None])
     return lock
 
 
+def close_run_dir(out: Path, lock: RunLock | None, failed: bool) -> None:
+    """Release the lock; after a failure, remove the run folder if this run created it and
+    wrote nothing in it (a refusal at start-up leaves no empty folder behind)."""
+    if lock is None:
+        return
+    lock.release()
+    if failed and lock.created:
+        with contextlib.suppress(OSError):  # not empty: something was written, keep it
+            out.rmdir()
+
+
 def open_run_dir(out: Path, resume: bool, overwrite: bool, ctx: DistContext) -> RunLock | None:
     """Lock `out` for this run (rank 0), refuse to start over an existing run unless asked, and
     remove what killed saves left behind. The caller releases the lock when the run ends."""
@@ -67,7 +81,6 @@ def open_run_dir(out: Path, resume: bool, overwrite: bool, ctx: DistContext) -> 
         except UserError as e:
             error = e
     if not all_ok(ctx, error is None, "open the run folder"):
-        if lock is not None:
-            lock.release()
+        close_run_dir(out, lock, failed=True)
         raise error or UserError(f"--out {out}: rank 0 could not open it (see its message)")
     return lock
