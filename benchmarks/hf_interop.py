@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -27,19 +28,26 @@ from user_path import DATA, WORK, fitgpt, make_data, step
 HF = WORK / "hf"
 
 
+SMALL = False  # --small: toy shapes on the CPU, to check the script before a device call
+DEV = "cuda"
+
+
 def save_hf(path: Path, n_layer: int, n_embd: int, n_head: int, dtype: str) -> float:
     """A random-weight GPT2LMHeadModel saved by transformers (built on the GPU: fast init)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     t0 = time.time()
+    if SMALL:
+        n_layer, n_embd, n_head = 2, 64, 4
     cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=1024)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEV):
         model = GPT2LMHeadModel(cfg)
     model.to(getattr(torch, dtype)).save_pretrained(path)
     del model
-    torch.cuda.empty_cache()
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
     return time.time() - t0
 
 
@@ -54,13 +62,13 @@ def held_out_losses(ckpt: Path, exported: Path) -> dict:
     from fitgpt.infer.generate import load_model
 
     _, valid, _tok = open_data(DataConfig(data=str(DATA)), 1024, 50257, 0)
-    x, y = BatchLoader(valid, 4).next()
-    x, y = x.cuda(), y.cuda()
+    x, y = BatchLoader(valid, 1 if SMALL else 4).next()
+    x, y = x.to(DEV), y.to(DEV)
     ours, _ = load_model(ckpt, torch.device("cpu"))  # fp32 weights
     with torch.no_grad():
-        mine = ours.cuda()(x, y).item()
+        mine = ours.to(DEV)(x, y).item()
         del ours
-        hf = GPT2LMHeadModel.from_pretrained(exported, dtype=torch.float32).cuda().eval()
+        hf = GPT2LMHeadModel.from_pretrained(exported, dtype=torch.float32).to(DEV).eval()
         logits = hf(input_ids=x).logits.float()
         theirs = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1)).item()
     return {"fitgpt_loss": mine, "transformers_loss": theirs, "abs_diff": abs(mine - theirs)}
@@ -69,7 +77,14 @@ def held_out_losses(ckpt: Path, exported: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    out = Path(ap.parse_args().out)
+    ap.add_argument("--small", action="store_true", help="toy shapes on the CPU (a rehearsal)")
+    a = ap.parse_args()
+    out = Path(a.out)
+    if a.small:
+        global SMALL, DEV
+        SMALL, DEV = True, "cpu"
+        os.environ["FITGPT_REHEARSAL_FREE"] = "1"
+    device = ["--device", "cpu"] if SMALL else []
     out.mkdir(parents=True, exist_ok=True)
     make_data(out)
     runs = WORK / "runs"
@@ -83,10 +98,11 @@ def main() -> None:
         out,
         "xl fine-tune",
         fitgpt(
-            "train", "--init-from", str(imported), "--data", str(DATA), "--steps", "50",
-            "--micro-batch", "8", "--grad-accum", "1", "--lr", "3e-5", "--min-lr", "3e-6",
+            "train", "--init-from", str(imported), "--data", str(DATA),
+            "--steps", "3" if SMALL else "50", "--micro-batch", "1" if SMALL else "8",
+            "--grad-accum", "1", "--lr", "3e-5", "--min-lr", "3e-6",
             "--warmup", "5", "--eval-every", "0", "--log-every", "1", "--save-optimizer", "none",
-            "--out", str(tuned),
+            "--out", str(tuned), *device,
         ),
         run_dir=tuned,
     )  # fmt: skip

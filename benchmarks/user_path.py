@@ -7,8 +7,9 @@ last lines of output, and the figures of its run folder (median step time after 
 steps, TFLOP/s, GPU peak, the planner's prediction) go to one JSON line in $OUT/user_path.jsonl;
 a table is printed last.
 
-    python3 benchmarks/user_path.py h100 --out $OUT     # nvidia-h100-x1: ~8 B, checkpoint, resume,
-                                                       #   generate, export; the harness beside it
+    python3 benchmarks/user_path.py h100 --stage a --out $OUT   # nvidia-h100-x1: ~8 B with a
+                                                  #   checkpoint, the harness beside it
+    python3 benchmarks/user_path.py h100 --stage b --out $OUT   # resume, generate, export
     python3 benchmarks/user_path.py x2 --out $OUT       # nvidia-h200-x2: --gpus 2 at 20 B and the
                                                        #   largest size the planner accepts
 """
@@ -116,53 +117,49 @@ def make_data(out: Path) -> None:
     )  # fmt: skip
 
 
-def h100(out: Path) -> None:
+def h100(out: Path, stage: str) -> None:
+    """Stage a: data, the refusal, the 8 B run with weights-only checkpoints, the harness beside
+    it. Stage b: resume, generate and export from that run (trained again if this machine is
+    not the one stage a ran on)."""
     make_data(out)
     runs = WORK / "runs"
-    shutil.rmtree(runs, ignore_errors=True)
     eight = runs / "8b"
     common = [*EIGHT_B, "--data", str(DATA), *BATCH, "--log-every", "1"]
-    # 1. as a new user types it: the full checkpoint (~94 GB) cannot fit the 64 GB disk
-    fake = {"FITGPT_FAKE_FREE_BYTES": "1000000"} if os.environ.get("FITGPT_REHEARSAL_FREE") else {}
-    step(out, "8b refused", fitgpt("train", *common, "--steps", "6", "--out", str(eight)), env=fake)
-    # 2. with the option the refusal names: weights-only checkpoints
-    step(
-        out,
-        "8b train",
-        fitgpt("train", *common, "--steps", "6", "--save-optimizer", "none", "--out", str(eight)),
-        run_dir=eight,
-    )
-    # 3. resume by the run folder alone (the optimizer restarts: weights-only checkpoint)
-    step(
-        out,
-        "8b resume",
-        fitgpt("train", "--out", str(eight), "--resume", "--steps", "10", "--no-save"),
-        run_dir=eight,
-    )
-    step(
-        out,
-        "8b generate",
-        fitgpt("generate", "--ckpt", str(eight), "--prompt", "def main(", "--max-new-tokens", "40"),
-    )
-    step(
-        out,
-        "8b export hf",
-        fitgpt(
-            "export", "--ckpt", str(eight), "--format", "hf", "--dtype", "bf16",
-            "--out", str(runs / "8b-hf"),
-        ),
+    train_8b = fitgpt(
+        "train", *common, "--steps", "6", "--save-optimizer", "none", "--out", str(eight)
     )  # fmt: skip
-    shutil.rmtree(runs, ignore_errors=True)
-    # 4. the harness, same model and batch (tied head, GPT-2 vocabulary), random tokens
-    sweep = out / "harness_8b.jsonl"
-    step(
-        out,
-        "8b harness",
-        fitgpt(
+    if stage == "a":
+        shutil.rmtree(runs, ignore_errors=True)
+        # 1. as a new user types it: the full checkpoint (~94 GB) cannot fit the 64 GB disk
+        rehearsal = os.environ.get("FITGPT_REHEARSAL_FREE")
+        fake = {"FITGPT_FAKE_FREE_BYTES": "1000000"} if rehearsal else {}
+        cmd = fitgpt("train", *common, "--steps", "6", "--out", str(eight))
+        step(out, "8b refused", cmd, env=fake)
+        # 2. with the option the refusal names: weights-only checkpoints
+        step(out, "8b train", train_8b, run_dir=eight)
+        # 3. the harness, same model and batch (tied head, GPT-2 vocabulary), random tokens
+        sweep = out / "harness_8b.jsonl"
+        cmd = fitgpt(
             "bench", "sweep", "--systems", "fitgpt", *HARNESS, "--warmup", "2", "--steps", "4",
             "--out", str(sweep),
-        ),
+        )  # fmt: skip
+        step(out, "8b harness", cmd)
+        return
+    if not list(eight.glob("step_*/meta.json")):
+        step(out, "8b train (again: a fresh machine)", train_8b, run_dir=eight)
+    # 4. resume by the run folder alone (the optimizer restarts: weights-only checkpoint)
+    cmd = fitgpt("train", "--out", str(eight), "--resume", "--steps", "10", "--no-save")
+    step(out, "8b resume", cmd, run_dir=eight)
+    cmd = fitgpt(
+        "generate", "--ckpt", str(eight), "--prompt", "def main(", "--max-new-tokens", "40"
+    )
+    step(out, "8b generate", cmd)
+    cmd = fitgpt(
+        "export", "--ckpt", str(eight), "--format", "hf", "--dtype", "bf16",
+        "--out", str(runs / "8b-hf"),
     )  # fmt: skip
+    step(out, "8b export hf", cmd)
+    shutil.rmtree(runs, ignore_errors=True)
 
 
 # nvidia-h200-x2's RAM grows as it is used (MemTotal reads ~31 GiB at the start of 256): a user
@@ -240,12 +237,16 @@ def main() -> None:
     ap.add_argument("machine", choices=["h100", "x2"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--small", action="store_true", help="rehearse on a CPU at toy sizes")
+    ap.add_argument("--stage", choices=["a", "b"], default="a", help="h100: the call's part")
     a = ap.parse_args()
     if a.small:
         rehearse()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    {"h100": h100, "x2": x2}[a.machine](out)
+    if a.machine == "h100":
+        h100(out, a.stage)
+    else:
+        x2(out)
     table(out)
 
 
