@@ -14,6 +14,7 @@ from fitgpt.data.indexed import IndexedWriter
 from fitgpt.dist import DistContext
 from fitgpt.errors import UserError
 from fitgpt.infer.generate import tokenizer_for
+from fitgpt.model import ModelConfig
 from fitgpt.train import checkpoint as ckpt_io
 from fitgpt.train.loop import train
 
@@ -56,4 +57,5 @@ def test_train_on_pretokenized_data_with_tokenizer_none(tmp_path):
     meta = ckpt_io.load_meta(ckpt_io.resolve(tmp_path / "run"))
     assert meta["tokenizer"] is None and meta["config"]["model"]["vocab_size"] == 60000
     with pytest.raises(UserError, match="trained without a tokenizer"):
-        tokenizer_for(meta, None)  # `fitgpt generate` asks for --tokenizer
+        model = ModelConfig.from_dict(meta["config"]["model"])
+        tokenizer_for(meta, None, model)  # `fitgpt generate` asks for --tokenizer
