@@ -160,6 +160,7 @@ class Trainer:
 
     def save(self) -> Path:
         optimizer = self.cfg.save_optimizer == "full"
+        t0 = time.perf_counter()
         path = ckpt_io.save(
             self.out,
             self.step,
@@ -171,7 +172,9 @@ class Trainer:
             explain=space.explain_failure(self.out, self.ckpt_size, optimizer),
         )
         self.saved_step, self.prune_owed = self.step, True
-        say(self.ctx, f"saved {path}" + ("" if optimizer else " (weights only)"))
+        size = self.ckpt_size.of(optimizer) / 1e9
+        what = "" if optimizer else "weights only, "
+        say(self.ctx, f"saved {path} ({what}{size:.1f} GB in {time.perf_counter() - t0:.1f} s)")
         return path
 
     def resume(self, where: Path) -> None:
