@@ -119,6 +119,25 @@ def test_a_run_on_megatron_data_resumes_by_its_folder_alone(tmp_path):
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("data", ["stdlib", "synthetic", "uniform"])
+def test_every_built_in_data_kind_resumes_by_its_folder_alone(tmp_path, data):
+    run = tmp_path / "run"
+    extra = ["--vocab-size", "64"] if data != "stdlib" else []
+    first = fitgpt(
+        "train", "--data", data, *extra, *SMALL, "--steps", "4", "--save-every", "2",
+        "--log-every", "1", "--out", str(run),
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-2000:]
+    import shutil
+
+    shutil.rmtree(run / "step_00000004")
+    again = fitgpt("train", "--out", str(run), "--resume")
+    assert again.returncode == 0, again.stderr[-2000:]
+    before, after = losses(first.stdout), losses(again.stdout)
+    assert sorted(after) == [3, 4] and all(after[s] == before[s] for s in after)
+
+
 def test_resume_with_no_checkpoint_yet_starts_the_run(tmp_path):
     r = fitgpt(
         "train", "--data", "synthetic", "--vocab-size", "64", *SMALL, "--steps", "2",
