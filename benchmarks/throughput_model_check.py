@@ -17,6 +17,19 @@ from fitgpt.plan.memory import Workload
 from fitgpt.plan.throughput import step_time
 
 
+def engine_fields(rec: dict, layers: int) -> dict:
+    """A trial record's engine config; records before 2026-11-23 kept the offloaded blocks as a
+    share of them (offload_fraction, nvme_fraction), which stood for a whole number of blocks."""
+    rec = dict(rec)
+    share = rec.pop("offload_fraction", None)
+    nvme = rec.pop("nvme_fraction", None)
+    if share is not None:
+        rec["offload_blocks"] = int(share * layers + 0.5)
+        if nvme is not None:
+            rec["nvme_blocks"] = int(nvme * rec["offload_blocks"] + 0.5)
+    return rec
+
+
 def main(path: str) -> None:
     r0 = rates.DEFAULTS["H100"]
     print(f"{'system':<20}{'L':>3}  {'plan':<34}{'measured s':>11}{'predicted s':>12}{'error':>8}")
@@ -26,14 +39,16 @@ def main(path: str) -> None:
         if r["status"] != "ok" or "engine" not in r or r["engine"].get("engine") != "zero":
             continue
         bench = BenchConfig(**r.get("bench_effective", r["bench"]))
-        ecfg = EngineConfig(**r["engine"])
+        ecfg = EngineConfig(**engine_fields(r["engine"], r["layers"]))
         prec = "fp32" if r["system"] == "fitgpt-no-mixed" else "bf16"
         work = Workload(bench.model(r["layers"]), bench.micro_batch, 1, prec, "cuda")
         t = step_time(work, ecfg, bench.grad_accum, r0)["total"]
         err = t / r["step_s"] - 1
         errs.append(abs(err))
         plan = f"ckpt {ecfg.checkpointing}, " + (
-            f"{ecfg.offload_fraction:.0%} on host" if ecfg.offload_optimizer != "none" else "on GPU"
+            f"{ecfg.offload_blocks} of {r['layers']} blocks on host"
+            if ecfg.offload_optimizer != "none"
+            else "on GPU"
         )
         print(
             f"{r['system']:<20}{r['layers']:>3}  {plan:<34}{r['step_s']:>11.2f}{t:>12.2f}{err:>+8.0%}"

@@ -32,12 +32,12 @@ from fitgpt.model import ModelConfig
 
 MICRO, ACCUM = 8, 4
 CASES = [
-    (8, dict(offload_fraction=1.0), 5),
-    (8, dict(offload_fraction=1.0, offload_params="cpu"), 5),
-    (8, dict(offload_fraction=1.0, offload_params="cpu", delayed_update=True), 5),
-    (38, dict(offload_fraction=24 / 38), 4),
-    (38, dict(offload_fraction=24 / 38, delayed_update=True), 4),
-    (38, dict(offload_fraction=1.0, offload_params="cpu"), 4),
+    (8, dict(), 5),  # every block offloaded
+    (8, dict(offload_params="cpu"), 5),
+    (8, dict(offload_params="cpu", delayed_update=True), 5),
+    (38, dict(offload_blocks=24), 4),
+    (38, dict(offload_blocks=24, delayed_update=True), 4),
+    (38, dict(offload_params="cpu"), 4),
 ]
 
 

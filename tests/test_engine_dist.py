@@ -59,7 +59,7 @@ def two_rank_worker(rank: int, world: int, tmp: str) -> None:
     results["bf16_stage3"] = losses(EngineConfig(engine="zero", zero_stage=3), ctx, "bf16")[0]
     for stage in (1, 2, 3):  # the host tier across ranks: each rank's shard updated on its host
         ecfg = EngineConfig(
-            engine="zero", zero_stage=stage, offload_optimizer="cpu", offload_fraction=0.5
+            engine="zero", zero_stage=stage, offload_optimizer="cpu", offload_blocks=1
         )
         results[f"offload{stage}"] = losses(ecfg, ctx)[0]
     # streamed weights: each rank's shard in host RAM, brought in and all-gathered per use
@@ -67,7 +67,7 @@ def two_rank_worker(rank: int, world: int, tmp: str) -> None:
         engine="zero",
         zero_stage=3,
         offload_optimizer="cpu",
-        offload_fraction=0.5,
+        offload_blocks=1,
         offload_params="cpu",
     )
     results["stream3"] = losses(ecfg, ctx)[0]
@@ -81,7 +81,7 @@ def two_rank_worker(rank: int, world: int, tmp: str) -> None:
             engine="zero",
             zero_stage=stage,
             offload_optimizer="cpu",
-            offload_fraction=0.5,
+            offload_blocks=1,
             delayed_update=True,
             delayed_update_after=10,
         )
@@ -117,7 +117,7 @@ def test_two_ranks_match_one_process_and_resume_across_world_sizes(tmp_path, glo
         EngineConfig(
             engine="zero",
             offload_optimizer="cpu",
-            offload_fraction=0.5,
+            offload_blocks=1,
             delayed_update=True,
             delayed_update_after=10,
         ),

@@ -31,17 +31,17 @@ def losses(steps: int = 20, **engine) -> list[float]:
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
-@pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
-def test_every_placement_trains_like_all_on_device(stage, fraction):
+@pytest.mark.parametrize("blocks", [1, 2, 4])  # of MODEL's 4
+def test_every_placement_trains_like_all_on_device(stage, blocks):
     ref = losses(zero_stage=stage)
-    got = losses(zero_stage=stage, offload_optimizer="cpu", offload_fraction=fraction)
+    got = losses(zero_stage=stage, offload_optimizer="cpu", offload_blocks=blocks)
     assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-6
 
 
 def test_placement_puts_the_last_blocks_on_the_host():
     e = build_engine(
         MODEL,
-        EngineConfig(engine="zero", offload_optimizer="cpu", offload_fraction=0.5),
+        EngineConfig(engine="zero", offload_optimizer="cpu", offload_blocks=2),
         PrecisionConfig("fp32"),
         OptimConfig(),
         CPU,
@@ -59,7 +59,7 @@ def test_resume_across_placements(tmp_path):
         n_layer=4,
         engine="zero",
         offload_optimizer="cpu",
-        offload_fraction=0.5,
+        offload_blocks=2,
     )
     full = train(cfg, CPU)
     shutil.rmtree(tmp_path / "step_00000012")
@@ -86,11 +86,11 @@ def test_tier_flags_that_cannot_work_are_refused_in_one_line(change, match):
 
 
 # ---- parameter streaming: the offloaded blocks' weights in host RAM ----------------------------
-@pytest.mark.parametrize("stage,fraction", [(0, 0.5), (0, 1.0), (2, 0.5), (3, 1.0)])
-def test_streamed_weights_train_like_all_on_device(stage, fraction):
+@pytest.mark.parametrize("stage,blocks", [(0, 2), (0, 4), (2, 2), (3, 4)])
+def test_streamed_weights_train_like_all_on_device(stage, blocks):
     ref = losses(zero_stage=stage)
     got = losses(
-        zero_stage=stage, offload_optimizer="cpu", offload_params="cpu", offload_fraction=fraction
+        zero_stage=stage, offload_optimizer="cpu", offload_params="cpu", offload_blocks=blocks
     )
     assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-6
 
@@ -105,7 +105,7 @@ def test_streamed_weights_live_on_the_host_and_the_model_predicts_them():
     from fitgpt.plan.memory import Workload, zero_state
 
     ecfg = EngineConfig(
-        engine="zero", offload_optimizer="cpu", offload_params="cpu", offload_fraction=0.5
+        engine="zero", offload_optimizer="cpu", offload_params="cpu", offload_blocks=2
     )
     e = build_engine(MODEL, ecfg, PrecisionConfig("fp32"), OptimConfig(), CPU)
     x = torch.randint(0, MODEL.vocab_size, (2, MODEL.seq_len + 1))
@@ -129,7 +129,7 @@ def test_streamed_weights_live_on_the_host_and_the_model_predicts_them():
 
 
 def test_resume_from_streamed_weights_into_resident_ones(tmp_path):
-    kw = dict(n_layer=4, engine="zero", offload_optimizer="cpu", offload_fraction=0.5)
+    kw = dict(n_layer=4, engine="zero", offload_optimizer="cpu", offload_blocks=2)
     full = train(run_config(tmp_path, steps=12, save_every=6, **kw, offload_params="cpu"), CPU)
     shutil.rmtree(tmp_path / "step_00000012")
     resumed = train(run_config(tmp_path, steps=12, **kw), CPU, resume="")
@@ -153,7 +153,7 @@ def test_delayed_update_is_exact_until_its_first_step():
 def test_delayed_update_applies_the_host_weights_one_step_late():
     x = torch.randint(0, MODEL.vocab_size, (2, MODEL.seq_len + 1), generator=torch.Generator())
     batch = [(x[:, :-1], x[:, 1:])]
-    base = dict(engine="zero", offload_optimizer="cpu", offload_fraction=1.0)
+    base = dict(engine="zero", offload_optimizer="cpu")
     ref = build_engine(MODEL, EngineConfig(**base), PrecisionConfig("fp32"), OptimConfig(), CPU)
     ecfg = EngineConfig(**base, delayed_update=True, delayed_update_after=0)
     dpu = build_engine(MODEL, ecfg, PrecisionConfig("fp32"), OptimConfig(), CPU)
@@ -173,7 +173,7 @@ def test_delayed_update_applies_the_host_weights_one_step_late():
 
 
 def test_delayed_update_saves_and_resumes(tmp_path):
-    kw = dict(n_layer=4, engine="zero", offload_optimizer="cpu", offload_fraction=0.5)
+    kw = dict(n_layer=4, engine="zero", offload_optimizer="cpu", offload_blocks=2)
     kw.update(delayed_update=True, delayed_update_after=2)
     full = train(run_config(tmp_path, steps=12, save_every=6, **kw), CPU)
     shutil.rmtree(tmp_path / "step_00000012")
@@ -207,22 +207,22 @@ def test_a_placement_larger_than_the_free_host_ram_is_refused_before_allocating(
 
 
 # ---- the nvme tier: optimizer state in files ----------------------------------------------------
-def nvme(tmp_path, fraction=1.0, nvme_fraction=1.0, **kw) -> dict:
+def nvme(tmp_path, blocks=None, nvme_blocks=None, **kw) -> dict:
     # nvme_path first: run_config applies fields one at a time, each validated
     return dict(
         nvme_path=str(tmp_path),
-        nvme_fraction=nvme_fraction,
-        offload_fraction=fraction,
+        nvme_blocks=nvme_blocks,
+        offload_blocks=blocks,
         offload_optimizer="nvme",
         **kw,
     )
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
-@pytest.mark.parametrize("fraction,nvme_fraction", [(1.0, 1.0), (0.75, 0.34), (0.5, 1.0)])
-def test_every_nvme_placement_trains_like_all_on_device(stage, fraction, nvme_fraction, tmp_path):
+@pytest.mark.parametrize("blocks,nvme_blocks", [(4, 4), (3, 1), (2, 2)])  # of MODEL's 4
+def test_every_nvme_placement_trains_like_all_on_device(stage, blocks, nvme_blocks, tmp_path):
     ref = losses(zero_stage=stage)
-    got = losses(zero_stage=stage, **nvme(tmp_path, fraction, nvme_fraction))
+    got = losses(zero_stage=stage, **nvme(tmp_path, blocks, nvme_blocks))
     assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-6
 
 
@@ -290,7 +290,7 @@ def test_a_placement_needing_more_disk_than_free_is_refused_with_the_shortfall(t
 def test_resume_across_nvme_and_host_placements(tmp_path):
     disk = tmp_path / "disk"
     disk.mkdir()
-    cfg = run_config(tmp_path, steps=12, save_every=6, n_layer=4, engine="zero", **nvme(disk, 0.5))
+    cfg = run_config(tmp_path, steps=12, save_every=6, n_layer=4, engine="zero", **nvme(disk, 2))
     full = train(cfg, CPU)
     shutil.rmtree(tmp_path / "step_00000012")
     # saved with half the blocks' optimizer on disk; resumed with it in host RAM
@@ -301,7 +301,7 @@ def test_resume_across_nvme_and_host_placements(tmp_path):
             n_layer=4,
             engine="zero",
             offload_optimizer="cpu",
-            offload_fraction=0.75,
+            offload_blocks=3,
         ),
         CPU,
         resume="",
@@ -312,8 +312,8 @@ def test_resume_across_nvme_and_host_placements(tmp_path):
 # ---- compressed moments of host-homed chunks -----------------------------------------------------
 @pytest.mark.parametrize("kind,tol", [("bf16", 0.02), ("int8", 0.05)])
 def test_compressed_host_moments_train_close_to_fp32_moments(kind, tol):
-    ref = losses(offload_optimizer="cpu", offload_fraction=1.0)
-    got = losses(offload_optimizer="cpu", offload_fraction=1.0, host_moments=kind)
+    ref = losses(offload_optimizer="cpu")
+    got = losses(offload_optimizer="cpu", host_moments=kind)
     assert got[0] == ref[0]  # the first forward is before any update
     assert max(abs(a - b) for a, b in zip(got, ref)) < tol
     assert got != ref  # the compressed stores were really used
@@ -326,7 +326,7 @@ def test_compressed_moments_hold_fewer_bytes_and_the_model_predicts_them():
     held = {}
     for kind in ("fp32", "bf16", "int8"):
         ecfg = EngineConfig(
-            engine="zero", offload_optimizer="cpu", offload_fraction=0.5, host_moments=kind
+            engine="zero", offload_optimizer="cpu", offload_blocks=2, host_moments=kind
         )
         e = build_engine(MODEL, ecfg, PrecisionConfig("fp32"), OptimConfig(), CPU)
         rep = e.memory_report()["host"]
@@ -338,7 +338,7 @@ def test_compressed_moments_hold_fewer_bytes_and_the_model_predicts_them():
 
 
 def test_resume_from_int8_moments_into_fp32_moments(tmp_path):
-    kw = dict(n_layer=4, engine="zero", offload_optimizer="cpu", offload_fraction=0.5)
+    kw = dict(n_layer=4, engine="zero", offload_optimizer="cpu", offload_blocks=2)
     full = train(run_config(tmp_path, steps=12, save_every=6, host_moments="int8", **kw), CPU)
     shutil.rmtree(tmp_path / "step_00000012")
     resumed = train(run_config(tmp_path, steps=12, **kw), CPU, resume="")

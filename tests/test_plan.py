@@ -106,8 +106,8 @@ def test_predicted_state_equals_engine_report_one_rank(stage, precision, offload
         engine="zero",
         zero_stage=stage,
         offload_optimizer=tier,
-        offload_fraction=offload or 1.0,
-        nvme_fraction=0.5,
+        offload_blocks=round(TINY.n_layer * (offload or 1.0)),
+        nvme_blocks=round(TINY.n_layer * (offload or 1.0) * 0.5),
         nvme_path=str(tmp_path),
     )
     e = build_engine(TINY, ecfg, PrecisionConfig(precision), OptimConfig(), CPU)
@@ -172,10 +172,8 @@ def test_more_gpus_or_the_host_tier_fit_what_one_gpu_cannot():
     assert chosen.ecfg.zero_stage >= 2
     # one GPU with the host tier: the GPU filled first, only the last blocks' optimizer offloaded
     hosted, _ = choose(Workload(m, 8, 1, "bf16"), 4, one, r)
-    assert hosted.ecfg.offload_optimizer == "cpu" and 0 < hosted.ecfg.offload_fraction < 1
-    fewer = dataclasses.replace(
-        hosted.ecfg, offload_fraction=hosted.ecfg.offload_fraction - 1 / m.n_layer
-    )
+    assert hosted.ecfg.offload_optimizer == "cpu" and 0 < hosted.ecfg.offload_blocks < m.n_layer
+    fewer = dataclasses.replace(hosted.ecfg, offload_blocks=hosted.ecfg.offload_blocks - 1)
     assert estimate(Workload(m, 8, 1, "bf16"), fewer).compute_total > gpu_budget(one.gpu_mem)
 
 
@@ -301,7 +299,7 @@ def test_the_planner_spills_the_last_blocks_to_nvme_only_when_host_ram_is_short(
     )
     chosen, _ = choose(work, 4, hw, DEFAULTS["H100"])
     e = chosen.ecfg
-    assert chosen.fits and e.offload_optimizer == "nvme" and 0 < e.nvme_fraction < 1
+    assert chosen.fits and e.offload_optimizer == "nvme" and 0 < e.nvme_blocks < e.offload_blocks
     assert 0 < sum(chosen.est.nvme.values()) <= 51 * GiB
     assert chosen.est.host_total <= 122 * GiB
     # the same model with RAM for all of it keeps the disk out; with too little disk it refuses

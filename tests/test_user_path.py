@@ -14,6 +14,7 @@ from helpers import run_config
 from fitgpt.dist import DistContext
 from fitgpt.dist.env import configure_process
 from fitgpt.errors import UserError
+from fitgpt.plan.apply import Fixed
 from fitgpt.plan.memory import Workload, zero_state
 from fitgpt.train.loop import Trainer
 from fitgpt.train.setup import setup_run
@@ -40,7 +41,7 @@ def test_planning_sees_the_vocabulary_the_engine_builds(tmp_path):
     run = run_config(tmp_path, data="stdlib", tokenizer="gpt2", engine="zero", micro_batch=2)
     with pytest.raises(UserError, match="not the tokenizer's"):
         Trainer(run, CPU)  # a run the planner did not see is never built
-    planned = setup_run(run, CPU, fixed={"engine": "zero"}, **QUIET)
+    planned = setup_run(run, CPU, Fixed.of({"engine": "zero"}), **QUIET)
     assert planned.model.vocab_size == 50257
     trainer = Trainer(planned, CPU)
     try:

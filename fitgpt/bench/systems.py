@@ -56,6 +56,36 @@ class TrainerRunner:
         return stats.loss
 
 
+def bench_run(model: ModelConfig, bench: BenchConfig, precision: str, device: str, out: str = ""):
+    """The RunConfig of a benchmark trial: `fitgpt train` on random tokens at the bench's batch,
+    at a constant learning rate, saving nothing (the planner prices exactly this run)."""
+    from fitgpt.data.config import DataConfig
+    from fitgpt.train.config import TrainConfig
+    from fitgpt.train.loop import RunConfig
+
+    train = TrainConfig(
+        steps=bench.warmup + bench.steps,
+        micro_batch=bench.micro_batch,
+        grad_accum=bench.grad_accum,
+        lr=LR,
+        min_lr=LR,
+        warmup=0,
+        eval_every=0,
+        save=False,
+        seed=bench.seed,
+        out=out or "runs/bench",
+        device=device,
+    )
+    return RunConfig(
+        model=model,
+        data=DataConfig(data="uniform"),
+        train=train,
+        engine=EngineConfig(nvme_path=bench.nvme_path),
+        precision=PrecisionConfig(precision=precision),
+        optim=OptimConfig(),
+    )
+
+
 def trained(fixed: dict, precision: str = "auto"):
     """A system run by the trainer, with the planner choosing every engine field not in `fixed`
     (an ablation fixes one technique off and lets the planner do its best with the rest). When
@@ -65,33 +95,13 @@ def trained(fixed: dict, precision: str = "auto"):
     def build(model: ModelConfig, bench: BenchConfig, ctx: DistContext) -> Runner:
         import tempfile
 
-        from fitgpt.data.config import DataConfig
-        from fitgpt.train.config import TrainConfig
-        from fitgpt.train.loop import RunConfig, Trainer
+        from fitgpt.plan.apply import Fixed
+        from fitgpt.train.loop import Trainer
         from fitgpt.train.setup import setup_run
 
-        train = TrainConfig(
-            steps=bench.warmup + bench.steps,
-            micro_batch=bench.micro_batch,
-            grad_accum=bench.grad_accum,
-            lr=LR,
-            min_lr=LR,
-            warmup=0,
-            eval_every=0,
-            save=False,
-            seed=bench.seed,
-            out=tempfile.mkdtemp(prefix="fitgpt-trial-"),
-            device=ctx.device.type,
-        )
-        run = RunConfig(
-            model=model,
-            data=DataConfig(data="uniform"),
-            train=train,
-            engine=EngineConfig(nvme_path=bench.nvme_path),
-            precision=PrecisionConfig(precision=precision),
-            optim=OptimConfig(),
-        )
-        f = {k: (bench.checkpointing if v == "bench" else v) for k, v in fixed.items()}
+        out = tempfile.mkdtemp(prefix="fitgpt-trial-")
+        run = bench_run(model, bench, precision, ctx.device.type, out)
+        f = Fixed.of({k: (bench.checkpointing if v == "bench" else v) for k, v in fixed.items()})
         log = print if ctx.is_main else (lambda *_: None)
         return TrainerRunner(Trainer(setup_run(run, ctx, f, force=True, log=log), ctx))
 

@@ -102,8 +102,8 @@ def describe_engine(engine) -> dict:
         "checkpointing": e.checkpointing,
         "offload_optimizer": e.offload_optimizer,
         "offload_params": e.offload_params,
-        "offload_fraction": e.offload_fraction,
-        "nvme_fraction": e.nvme_fraction,
+        "offload_blocks": e.offload_blocks,
+        "nvme_blocks": e.nvme_blocks,
         "delayed_update": e.delayed_update,
         "host_moments": e.host_moments,
     }

@@ -91,3 +91,45 @@ def config_from_args(
     """`base` (or the defaults) with the explicitly set flags applied; __post_init__ validates."""
     changes = explicit(args, cls, prefix)
     return dataclasses.replace(base, **changes) if base is not None else cls(**changes)
+
+
+# ---- offload shares: the command line's only fractions -------------------------------------
+def add_fraction_flags(p) -> None:
+    """--offload-fraction / --nvme-fraction: a share of the blocks, turned into the engine's
+    integer --offload-blocks / --nvme-blocks once the model's layer count is known."""
+    p.add_argument(
+        "--offload-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="--offload-blocks as a share of the transformer blocks (rounded to whole blocks)",
+    )
+    p.add_argument(
+        "--nvme-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="--nvme-blocks as a share of the offloaded blocks (rounded to whole blocks)",
+    )
+
+
+def blocks_from_fractions(args: argparse.Namespace, n_layer: int) -> None:
+    """Set --offload-blocks / --nvme-blocks from the shares given, as if typed. The one place a
+    fraction of blocks becomes a count: everything after the command line counts blocks."""
+    from fitgpt.errors import UserError
+
+    for share, count in (("offload_fraction", "offload_blocks"), ("nvme_fraction", "nvme_blocks")):
+        f = getattr(args, share, None)
+        if f is None:
+            continue
+        flag = "--" + share.replace("_", "-")
+        if not 0.0 <= f <= 1.0:
+            raise UserError(f"{flag} {f} must lie in [0, 1]")
+        if getattr(args, count, None) is not None:
+            raise UserError(f"{flag} and --{count.replace('_', '-')} say the same thing: give one")
+        of = (
+            n_layer
+            if share == "offload_fraction" or args.offload_blocks is None
+            else args.offload_blocks
+        )
+        setattr(args, count, round(f * of))

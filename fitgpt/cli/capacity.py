@@ -98,47 +98,30 @@ def check_args(args: argparse.Namespace) -> Path | None:
 
 def run(args: argparse.Namespace) -> int:
     from fitgpt.bench.sweep import SweepSpec, append_result, run_one
-    from fitgpt.bench.systems import get_system
-    from fitgpt.plan import hardware, rates
-    from fitgpt.plan.capacity import search
-    from fitgpt.plan.hardware import parse_bytes
-    from fitgpt.plan.memory import GiB, Workload, estimate
-    from fitgpt.plan.planner import largest_layers, plan
+    from fitgpt.bench.systems import bench_run, get_system
+    from fitgpt.plan import rates
+    from fitgpt.plan.apply import Fixed
+    from fitgpt.plan.capacity import find_capacity, predicted_largest, predicted_peak_gib
 
     out = check_args(args)
     bench = dataclasses.replace(config_from_args(args, BenchConfig), warmup=1, steps=2)
     system = get_system(system_name(args))
     bench = dataclasses.replace(bench, **system.bench_changes)
-    cap = parse_bytes(args.cap, "--cap") if args.cap else 0
-    hw = hardware.detect(args.gpus, None, None, None, args.device)
-    if cap:
-        # GPUs: the allocator cap is the GPU budget. CPUs: the cap counts state bytes only, so
-        # the process baseline the memory model adds is granted on top of it.
-        from fitgpt.plan.memory import HOST_BASE
-
-        hw = (
-            dataclasses.replace(hw, gpu_mem=cap)
-            if hw.device == "cuda"
-            else dataclasses.replace(hw, cpu_mem=cap + HOST_BASE["cpu"])
-        )
-    prec = "fp32" if (system.precision == "fp32" or hw.device == "cpu") else "bf16"
-    fixed = system.plan_fixed(bench)
+    hw, cap = capped_hardware(args)
+    fixed = None if system.fixed is None else Fixed.of(system.plan_fixed(bench))
     r = rates.load(hw.gpu_name)
-    work = Workload(bench.model(1), bench.micro_batch, args.gpus, prec, hw.device)
 
-    def predicted_peak(layers: int) -> float | None:
-        if fixed is None:
-            return None
-        w = dataclasses.replace(work, model=bench.model(layers))
-        best = plan(w, bench.grad_accum, hw, r, fixed)[0]
-        est = estimate(w, best.ecfg)
-        return (est.compute_peak if est.compute else est.host_total) / GiB
+    def planned(layers: int):
+        return bench_run(bench.model(layers), bench, system.precision, hw.device)
+
+    def predicted(layers: int) -> float | None:
+        return None if fixed is None else predicted_peak_gib(planned(layers), hw, r, fixed)
 
     start = args.start
     if start is None:
         if fixed is None:
             raise UserError(f"system {system.name} has no memory model: pass --start LAYERS")
-        start = max(1, largest_layers(work, bench.grad_accum, hw, r, fixed))
+        start = predicted_largest(planned(1), hw, r, fixed)
     print(
         f"capacity of {system.name}: hidden {bench.hidden}, micro-batch {bench.micro_batch}, "
         f"{args.gpus} GPU(s); predicted largest {start} layers "
@@ -146,54 +129,46 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     spec = SweepSpec((system.name,), (), bench, args.gpus, args.device)
-    records: dict[int, dict] = {}
-
     with tempfile.TemporaryDirectory(prefix="fitgpt-capacity-") as tmp:
 
-        def trial(layers: int) -> bool:
+        def trial(layers: int) -> dict:
             rec = run_one(spec, system.name, layers, Path(tmp), cap)
-            rec["predicted_peak_gib"] = predicted_peak(layers)
-            rec["kind"] = "capacity"
-            records[layers] = rec
             if out:
                 out.parent.mkdir(parents=True, exist_ok=True)
-                append_result(out, rec)
-            mem = rec.get("gpu_peak_gib", rec.get("host_rss_peak_gib", 0))
-            pred = rec["predicted_peak_gib"]
-            print(
-                f"  trial {len(records)}: {layers} layers ({rec['params'] / 1e9:.2f} B) {rec['status']}"
-                f"{'' if rec['status'] == 'ok' else ': ' + rec['reason'][:100]}; measured peak "
-                f"{mem:.1f} GiB, predicted {pred if pred is None else f'{pred:.1f} GiB'}",
-                flush=True,
-            )
-            return rec["status"] == "ok"
+                append_result(out, {**rec, "predicted_peak_gib": predicted(layers)})
+            return rec
 
-        result = search(trial, start, args.max_trials)
-    if not result.largest_ok:
-        print(
-            f"no size trained ({len(result.trials)} trials); smallest tried failed: "
-            f"{records[min(records)]['reason'][:200]}"
+        found = find_capacity(
+            trial, start, args.max_trials, predicted, lambda m: print(m, flush=True)
         )
+    best = found.best()
+    if best is None:
+        smallest = found.records[min(found.records)]
+        print(f"no size trained ({len(found.result.trials)} trials); smallest tried failed: "
+              f"{smallest['reason'][:200]}")  # fmt: skip
         return 1
-    best = records[result.largest_ok]
+    print(json.dumps(found.summary(system.name)))
+    fail = found.result.first_fail
     print(
-        json.dumps(
-            {
-                "system": system.name,
-                "largest_layers": result.largest_ok,
-                "params": best["params"],
-                "tflops": best.get("tflops"),
-                "tokens_per_s": best.get("tokens_per_s"),
-                "gpu_peak_gib": best.get("gpu_peak_gib"),
-                "host_rss_peak_gib": best.get("host_rss_peak_gib"),
-                "predicted_peak_gib": best["predicted_peak_gib"],
-                "first_fail": result.first_fail,
-                "trials": len(result.trials),
-            }
-        )
-    )
-    print(
-        f"largest that trained: {result.largest_ok} layers = {best['params'] / 1e9:.2f} B parameters"
-        f" ({best.get('tflops', 0):.0f} TFLOP/s per GPU){'' if result.first_fail is None else f'; {result.first_fail} layers failed'}"
+        f"largest that trained: {found.result.largest_ok} layers = {best['params'] / 1e9:.2f} B "
+        f"parameters ({best.get('tflops', 0):.0f} TFLOP/s per GPU)"
+        + ("" if fail is None else f"; {fail} layers failed")
     )
     return 0
+
+
+def capped_hardware(args: argparse.Namespace):
+    """(this machine as the planner sees it, the --cap in bytes or 0): with a cap, GPUs get it
+    as their memory (a real allocator cap in each trial); CPUs count state bytes only, so the
+    process baseline the memory model adds is granted on top of it."""
+    from fitgpt.plan import hardware
+    from fitgpt.plan.hardware import parse_bytes
+    from fitgpt.plan.memory import HOST_BASE
+
+    cap = parse_bytes(args.cap, "--cap") if args.cap else 0
+    hw = hardware.detect(args.gpus, None, None, None, args.device)
+    if cap and hw.device == "cuda":
+        hw = dataclasses.replace(hw, gpu_mem=cap)
+    elif cap:
+        hw = dataclasses.replace(hw, cpu_mem=cap + HOST_BASE["cpu"])
+    return hw, cap

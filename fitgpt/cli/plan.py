@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from fitgpt.cli.args import add_config_args, config_from_args, explicit
+from fitgpt.cli.args import (
+    add_config_args,
+    add_fraction_flags,
+    blocks_from_fractions,
+    config_from_args,
+    explicit,
+)
 from fitgpt.data.config import DataConfig
 from fitgpt.engine.config import EngineConfig, PrecisionConfig
 from fitgpt.errors import UserError
@@ -71,6 +77,7 @@ def register(sub) -> None:
         skip=("nvme_path",),
         planned_text="the planner's choice",
     )
+    add_fraction_flags(p)
     add_config_args(
         p.add_argument_group("precision"),
         PrecisionConfig,
@@ -81,8 +88,8 @@ def register(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fitgpt.plan import hardware, rates
-    from fitgpt.plan.memory import GPU_SAFETY_MARGIN, GiB, Workload, gpu_budget
-    from fitgpt.plan.planner import choose, plan, refusal, why
+    from fitgpt.plan.apply import Fixed, plan_run
+    from fitgpt.plan.memory import GPU_SAFETY_MARGIN, GiB, gpu_budget
 
     model = config_from_args(args, ModelConfig, get_preset(args.preset))
     if args.data is not None or args.tokenizer is not None:
@@ -90,28 +97,38 @@ def run(args: argparse.Namespace) -> int:
     if args.micro_batch < 1 or args.grad_accum < 1:
         raise UserError("--micro-batch and --grad-accum must be at least 1")
     hw = hardware.detect(args.gpus, args.gpu_mem, args.cpu_mem, args.nvme, args.device)
-    prec = config_from_args(args, PrecisionConfig).resolved(hw.device)
-    fixed = explicit(args, EngineConfig)
-    r = rates.load(hw.gpu_name)
-    work = Workload(model, args.micro_batch, hw.gpus, prec.precision, hw.device)
+    blocks_from_fractions(args, model.n_layer)
+    run = planned_run(args, model)
+    plans = plan_run(run, hw, rates.load(hw.gpu_name), Fixed.of(explicit(args, EngineConfig)))
+    work = plans.work
     print(
         f"model {args.preset if not explicit(args, ModelConfig) else 'custom'}: "
         f"{model.num_params() / 1e9:.2f} B parameters ({model.n_layer}×{model.n_embd}), micro-batch "
-        f"{args.micro_batch} × {args.grad_accum} accumulation × seq {model.seq_len}, {prec.precision}"
+        f"{args.micro_batch} × {args.grad_accum} accumulation × seq {model.seq_len}, {work.precision}"
     )
-    print(f"machine: {hw.describe()}; rates: {r.source}")
+    print(f"machine: {hw.describe()}; rates: {plans.rates.source}")
     if hw.device == "cuda":
         print(
             f"GPU budget: {gpu_budget(hw.gpu_mem) / GiB:.1f} of {hw.gpu_mem / GiB:.1f} GiB per GPU "
             f"(a {100 * GPU_SAFETY_MARGIN:.0f}% safety margin: docs/planner.md)"
         )
-    cands = plan(work, args.grad_accum, hw, r, fixed)
-    print_table(cands, work, args.grad_accum, hw)
-    if not cands[0].fits:
-        raise UserError(refusal(work, args.grad_accum, hw, r, cands, fixed))
-    chosen, _ = choose(work, args.grad_accum, hw, r, fixed)
-    print(f"chosen: {chosen.name} — {why(chosen, cands)}")
+    print_table(plans.candidates, work, args.grad_accum, hw)
+    if not plans.fits:
+        raise UserError(plans.refusal())
+    print(f"chosen: {plans.summary().removeprefix('plan: ')}")
     return 0
+
+
+def planned_run(args: argparse.Namespace, model: ModelConfig):
+    """The run `fitgpt train` would make of these flags, for the planner (nothing is opened)."""
+    from fitgpt.engine.config import OptimConfig
+    from fitgpt.train.config import TrainConfig
+    from fitgpt.train.loop import RunConfig
+
+    train = TrainConfig(micro_batch=args.micro_batch, grad_accum=args.grad_accum)
+    data = DataConfig(data="synthetic")  # the vocabulary is already the data's (vocabulary_of)
+    prec = config_from_args(args, PrecisionConfig)
+    return RunConfig(model, data, train, EngineConfig(), prec, OptimConfig())
 
 
 def vocabulary_of(args: argparse.Namespace, model: ModelConfig) -> ModelConfig:

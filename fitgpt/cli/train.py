@@ -7,7 +7,13 @@ import dataclasses
 import os
 import sys
 
-from fitgpt.cli.args import add_config_args, config_from_args, explicit
+from fitgpt.cli.args import (
+    add_config_args,
+    add_fraction_flags,
+    blocks_from_fractions,
+    config_from_args,
+    explicit,
+)
 from fitgpt.data.config import DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
@@ -40,6 +46,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         EngineConfig,
         planned_text="the planner's choice; with --plan off: {}",
     )
+    add_fraction_flags(p)
     add_config_args(p.add_argument_group("precision"), PrecisionConfig)
     add_config_args(p.add_argument_group("optimizer"), OptimConfig)
 
@@ -64,7 +71,19 @@ def run_config_from_args(args: argparse.Namespace):
 
 def resolve_command(args: argparse.Namespace):
     """(the run, the checkpoint to resume from or None, notes to print). With --resume the
-    checkpoint's own config is the base and the flags given are checked against it."""
+    checkpoint's own config is the base and the flags given are checked against it; shares of
+    blocks (--offload-fraction) become block counts once the model is known."""
+    run, ckpt, notes = _resolve_command(args)
+    if args.offload_fraction is not None or args.nvme_fraction is not None:
+        blocks_from_fractions(args, run.model.n_layer)
+        engine = dataclasses.replace(
+            run.engine, offload_blocks=args.offload_blocks, nvme_blocks=args.nvme_blocks
+        )
+        run = dataclasses.replace(run, engine=engine)
+    return run, ckpt, notes
+
+
+def _resolve_command(args: argparse.Namespace):
     from fitgpt.train import checkpoint as ckpt_io
     from fitgpt.train.resume import PARTS, find_checkpoint, resumed_config
 
@@ -210,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
     check_writable_dir(run_cfg.train.out, "--out")
     from fitgpt.dist import init_distributed, shutdown
     from fitgpt.dist.env import configure_process
+    from fitgpt.plan.apply import Fixed
     from fitgpt.train.loop import train
     from fitgpt.train.setup import setup_run
 
@@ -224,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
 
         for note in notes:
             log(note)
-        fixed = explicit(args, EngineConfig) if args.plan == "auto" else None
+        fixed = Fixed.of(explicit(args, EngineConfig)) if args.plan == "auto" else None
         run_cfg = setup_run(run_cfg, ctx, fixed, args.force, log)
         resume = None if ckpt is None else str(ckpt)
         init = getattr(args, "init_source", None)

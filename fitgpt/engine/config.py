@@ -116,19 +116,21 @@ class EngineConfig:
             "planned": True,
         },
     )
-    offload_fraction: float = field(
-        default=1.0,
+    offload_blocks: int | None = field(
+        default=None,
         metadata={
-            "help": "with --offload-optimizer: the share of the transformer blocks that are "
-            "offloaded (the last blocks first; the rest stay on the GPU)",
+            "help": "with --offload-optimizer: how many transformer blocks are offloaded, the "
+            "last ones first (the rest stay on the GPU); default: all of them. "
+            "--offload-fraction F says it as a share of the blocks",
             "planned": True,
         },
     )
-    nvme_fraction: float = field(
-        default=1.0,
+    nvme_blocks: int | None = field(
+        default=None,
         metadata={
-            "help": "with --offload-optimizer nvme: the share of the offloaded blocks whose "
-            "optimizer state lives in files (the last ones); the rest stays in host RAM",
+            "help": "with --offload-optimizer nvme: how many of the offloaded blocks keep their "
+            "optimizer state in files (the last ones); the rest stay in host RAM; default: all. "
+            "--nvme-fraction F says it as a share of the offloaded blocks",
             "planned": True,
         },
     )
@@ -174,10 +176,9 @@ class EngineConfig:
                 "--engine ddp shards and offloads nothing; use --engine zero for "
                 "--zero-stage/--offload-*"
             )
-        if not 0.0 <= self.offload_fraction <= 1.0:
-            raise UserError(f"--offload-fraction {self.offload_fraction} must lie in [0, 1]")
-        if not 0.0 <= self.nvme_fraction <= 1.0:
-            raise UserError(f"--nvme-fraction {self.nvme_fraction} must lie in [0, 1]")
+        for name in ("offload_blocks", "nvme_blocks"):
+            if (getattr(self, name) or 0) < 0:
+                raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 0")
         if self.offload_params == "nvme":
             raise UserError(
                 "--offload-params nvme: weights stream from host RAM only; use --offload-params "

@@ -1,28 +1,209 @@
-"""Where each chunk's optimizer state lives: one function, used by the engine and the planner.
+"""Where every chunk's state lives, in which format, and what it costs: one value, the Placement.
 
-Three tiers, filled in order GPU, host RAM, disk. The GPU is filled first: only the last `offload_fraction` of the transformer blocks send their
-fp32 master weights and Adam moments to the offload tier. The last blocks go first because the
-next step's forward needs the first blocks first: their updates (on the GPU) are ready at once,
-while the host finishes the last blocks' updates during that forward.
+It is computed once, from the model's chunk layout, the engine config and the world size, and
+everything that needs those facts reads it: the planner's memory and step-time models
+(plan/memory.py, plan/throughput.py), the host-RAM and disk checks, the engine (which builds each
+chunk from its ChunkPlan) and the checkpoint writer. So the bytes the planner prices are the
+bytes the engine holds, by construction (tests/test_plan.py checks them against the tensors).
+
+Tiers are filled in the order GPU, host RAM, disk. Only the last `offload_blocks` transformer
+blocks send their fp32 master weights and Adam moments to the offload tier: the next step's
+forward needs the first blocks first, so their updates (on the GPU) are ready at once while the
+host finishes the last blocks' updates during that forward. Of the offloaded blocks the last
+`nvme_blocks` keep that state in files (their updates are needed last); the disk is ~30× slower
+to stream than host RAM.
+
+Shape legend (elements, per chunk): n the parameters, N = n padded to a multiple of world·ALIGN,
+s = N/W one rank's shard; a rank's optimizer range is s at ZeRO stage ≥ 1, else N.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.layout import ChunkSpec
+from fitgpt.engine.moments import store_nbytes
+from fitgpt.errors import UserError
+
+ALIGN = 128  # shard boundaries on 256-byte multiples (bf16): aligned NCCL and vector loads
+HOST_SLOTS = 3  # chunks in flight between the GPU and the host optimizer (pinned staging)
+MAX_INFLIGHT = 2  # gradient reductions in flight at once: bounds the transient full gradients
+
+
+def padded(n: int, world: int) -> int:
+    m = world * ALIGN
+    return -(-n // m) * m
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """One chunk on one rank: its sizes, and the home and format of each kind of state."""
+
+    spec: ChunkSpec
+    N: int  # padded elements of the whole chunk
+    shard: int  # N / world
+    opt_elems: int  # this rank's optimizer range
+    home: str  # master weights and moments: "device", "cpu" (host RAM) or "nvme" (files)
+    moments: str  # the moments' format: fp32, or bf16/int8 for chunks in host RAM
+    weights: str  # working weights: "device", "sharded" (stage 3, gathered per use), "host"
+
+    @property
+    def block(self) -> bool:
+        return self.spec.name.startswith("block.")
+
+    @property
+    def offloaded(self) -> bool:
+        return self.home != "device"
+
+    @property
+    def on_disk(self) -> bool:
+        return self.home == "nvme"
+
+    @property
+    def streamed(self) -> bool:
+        """Working weights in pinned host RAM, copied in just before each use."""
+        return self.weights == "host"
+
+
+@dataclass(frozen=True)
+class Placement:
+    chunks: tuple[ChunkPlan, ...]
+    world: int
+    stage: int
+    w: int  # bytes of one working element: 2 (bf16/fp16) or 4 (fp32)
+    offloaded_blocks: int
+    nvme_blocks: int
+    delayed: bool  # --delayed-update: a pinned buffer per offloaded chunk for its new weights
+
+    @classmethod
+    def of(cls, layout: list[ChunkSpec], ecfg: EngineConfig, world: int, w: int) -> Placement:
+        """The placement of `layout` under `ecfg` on `world` ranks; a block count the model
+        does not have is refused in one line."""
+        blocks = [c for c in layout if c.name.startswith("block.")]
+        k = offloaded_blocks(ecfg, len(blocks))
+        d = disk_blocks(ecfg, k)
+        homes = {c.index: "device" for c in layout}
+        for j, c in enumerate(blocks[len(blocks) - k :]):
+            homes[c.index] = "nvme" if j >= k - d else "cpu"
+        stage = ecfg.zero_stage if ecfg.engine == "zero" else 0
+        chunks = tuple(_chunk(c, homes[c.index], ecfg, world, stage) for c in layout)
+        return cls(chunks, world, stage, w, k, d, ecfg.delayed_update)
+
+    # ---- views ----------------------------------------------------------------------------
+    @property
+    def hosted(self) -> list[ChunkPlan]:
+        return [c for c in self.chunks if c.offloaded]
+
+    @property
+    def streams(self) -> bool:
+        return any(c.streamed for c in self.chunks)
+
+    def offloaded_elems(self) -> int:
+        """Optimizer elements this rank updates on the host (host RAM and disk tiers)."""
+        return sum(c.opt_elems for c in self.hosted)
+
+    def on_disk_elems(self) -> int:
+        return sum(c.opt_elems for c in self.chunks if c.on_disk)
+
+    def streamed_elems(self) -> int:
+        """Working-weight elements this rank streams in from host RAM per use of every block."""
+        return sum(c.shard for c in self.chunks if c.streamed)
+
+    # ---- bytes ----------------------------------------------------------------------------
+    def state_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes of persistent state this rank holds, {"device": ..., "host": ..., "nvme": ...}:
+        exactly what ChunkEngine.memory_report() measures ("device" is the compute device)."""
+        w = self.w
+        dev = {"weights": 0, "weight_shards": 0, "grads": 0, "master_weights": 0, "optimizer": 0}
+        host = {"master_weights": 0, "optimizer": 0, "host_staging": 0}
+        nvme = {"master_weights": 0, "optimizer": 0}
+        for c in self.chunks:
+            if c.streamed:
+                host["weights"] = host.get("weights", 0) + c.shard * w  # pinned
+            elif c.weights == "sharded":
+                dev["weight_shards"] += c.shard * w
+            else:
+                dev["weights"] += c.N * w
+            dev["grads"] += (c.N * w if self.stage <= 1 else 0) + (c.shard * w if self.stage else 0)
+            where = {"device": dev, "cpu": host, "nvme": nvme}[c.home]
+            if c.offloaded or w != 4:  # fp32 compute on the device: the weights are the master
+                where["master_weights"] += c.opt_elems * 4
+            where["optimizer"] += 2 * store_nbytes(c.moments, c.opt_elems)
+            if c.offloaded and self.delayed:  # the pinned buffer new weights wait in for a step
+                host["delayed_weights"] = host.get("delayed_weights", 0) + c.opt_elems * w
+        biggest = max((c.opt_elems for c in self.hosted), default=0)
+        if biggest:
+            # the host optimizer: staging buffers in the working dtype, one fp32 gradient
+            host["host_staging"] = HOST_SLOTS * biggest * w + 4 * biggest
+        compressed = [c.opt_elems for c in self.chunks if c.moments != "fp32"]
+        if compressed:
+            host["moment_scratch"] = 8 * max(compressed)  # decoded into one shared fp32 pair
+        out = {"device": dev, "host": host}
+        disk = [c.opt_elems for c in self.chunks if c.on_disk]
+        if disk:
+            host["nvme_swap"] = HOST_SLOTS * 12 * max(disk)  # one disk chunk's state per slot
+            out["nvme"] = nvme
+        return out
+
+    def host_bytes(self) -> int:
+        """Host RAM this rank's offloaded state takes (0 with nothing offloaded)."""
+        return sum(self.state_bytes()["host"].values()) if self.hosted else 0
+
+    def disk_bytes(self) -> int:
+        return sum(self.state_bytes().get("nvme", {}).values())
+
+    def describe(self) -> str:
+        """One line: where the blocks' state lives."""
+        n = sum(1 for c in self.chunks if c.block)
+        where = "all on the device"
+        if self.offloaded_blocks:
+            where = (
+                f"the optimizer state of the last {self.offloaded_blocks} of {n} blocks on the host"
+            )
+            if self.nvme_blocks:
+                where += f" ({self.nvme_blocks} of them in files)"
+            if self.streams:
+                where += ", their weights streamed from host RAM"
+        return f"ZeRO stage {self.stage} on {self.world} rank(s), {where}"
+
+
+def offloaded_blocks(ecfg: EngineConfig, blocks: int) -> int:
+    """How many (last) blocks send their optimizer state to the offload tier."""
+    if ecfg.offload_optimizer == "none":
+        return 0
+    k = blocks if ecfg.offload_blocks is None else ecfg.offload_blocks
+    if k > blocks:
+        raise UserError(f"--offload-blocks {k}: the model has {blocks} transformer blocks")
+    return k
+
+
+def disk_blocks(ecfg: EngineConfig, offloaded: int) -> int:
+    """How many of the offloaded blocks keep their optimizer state in files."""
+    if ecfg.offload_optimizer != "nvme":
+        return 0
+    d = offloaded if ecfg.nvme_blocks is None else ecfg.nvme_blocks
+    if d > offloaded:
+        raise UserError(
+            f"--nvme-blocks {d}: only {offloaded} blocks are offloaded; use at most that many"
+        )
+    return d
+
+
+def _chunk(c: ChunkSpec, home: str, ecfg: EngineConfig, world: int, stage: int) -> ChunkPlan:
+    N = padded(c.numel, world)
+    s = N // world
+    block = c.name.startswith("block.")
+    if ecfg.offload_params == "cpu" and home != "device" and block:
+        weights = "host"
+    elif stage >= 3 and block:
+        weights = "sharded"  # the embedding and head stay resident: the tied one is used twice
+    else:
+        weights = "device"
+    moments = ecfg.host_moments if home == "cpu" else "fp32"
+    return ChunkPlan(c, N, s, s if stage >= 1 else N, home, moments, weights)
 
 
 def optimizer_homes(layout: list[ChunkSpec], ecfg: EngineConfig) -> list[str]:
-    """Per chunk: "device" (the compute device), "cpu" or "nvme"."""
-    homes = ["device"] * len(layout)
-    if ecfg.offload_optimizer == "none":
-        return homes
-    blocks = [i for i, c in enumerate(layout) if c.name.startswith("block.")]
-    k = round(len(blocks) * ecfg.offload_fraction)
-    offloaded = blocks[len(blocks) - k :]
-    # the nvme tier takes the last of the offloaded blocks (their updates are needed last); the
-    # rest of them stay in host RAM, which is ~30x faster to stream than the disk
-    d = round(k * ecfg.nvme_fraction) if ecfg.offload_optimizer == "nvme" else 0
-    for j, i in enumerate(offloaded):
-        homes[i] = "nvme" if j >= k - d else "cpu"
-    return homes
+    """Per chunk: "device", "cpu" or "nvme" (the engine's view until it reads the Placement)."""
+    return [c.home for c in Placement.of(layout, ecfg, 1, 2).chunks]

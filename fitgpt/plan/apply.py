@@ -1,41 +1,117 @@
-"""`--plan auto`: let the planner fill in the engine fields the user did not set."""
+"""The one way a run is planned: `plan_run(run, hardware, rates, fixed)`.
+
+`fitgpt train` (through `plan_engine`, on rank 0), `fitgpt plan` (which prints every candidate),
+`fitgpt capacity` and the benchmark harness all call it with the same typed inputs: the resolved
+run config (its model is the one the engine will build), the machine, its measured rates, and
+the engine fields the user fixed. What comes back is every candidate with its Placement, bytes
+and step time, the chosen one first, and the one-line refusal when none fits.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
 from fitgpt.dist import DistContext
+from fitgpt.engine.config import EngineConfig
+from fitgpt.errors import UserError
 from fitgpt.plan import hardware, rates
+from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import GiB, Workload
-from fitgpt.plan.planner import choose, why
+from fitgpt.plan.planner import Candidate, plan, refusal, why
+from fitgpt.plan.rates import Rates
+
+ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 
-def plan_engine(run, ctx: DistContext, fixed: dict, force: bool, log=print):
-    """`run` with its EngineConfig replaced by the planner's choice (fields in `fixed` kept).
+@dataclass(frozen=True)
+class Fixed:
+    """The engine fields a user set (flags, a DeepSpeed config, a benchmark system's ablation);
+    the planner chooses the rest. Names are checked against EngineConfig's fields."""
+
+    fields: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, values: dict[str, Any] | None = None) -> Fixed:
+        values = dict(values or {})
+        unknown = set(values) - ENGINE_FIELDS
+        if unknown:
+            raise ValueError(f"not engine fields: {sorted(unknown)}")
+        return cls(tuple(sorted(values.items())))
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.fields)
+
+
+@dataclass
+class Plans:
+    """Every candidate plan of one run, the chosen (fastest that fits) first."""
+
+    candidates: list[Candidate]
+    work: Workload
+    grad_accum: int
+    hw: Hardware
+    rates: Rates
+    fixed: Fixed
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    @property
+    def fits(self) -> bool:
+        return self.best.fits
+
+    def refusal(self) -> str:
+        """One line: the leanest plan's shortfall and what would fit instead."""
+        w, r, f = self.work, self.rates, self.fixed.as_dict()
+        return refusal(w, self.grad_accum, self.hw, r, self.candidates, f)
+
+    def summary(self) -> str:
+        """The line `fitgpt train` prints: the plan, its prediction, and why it was chosen."""
+        c = self.best
+        mem = c.est.compute_total if c.est.compute else c.est.host_total
+        return (
+            f"plan: {c.name} (predicted {mem / GiB:.1f} GiB per rank, "
+            f"{c.time['total']:.2f} s/step) — {why(c, self.candidates)}"
+        )
+
+
+def workload_of(run, world: int, device: str) -> Workload:
+    """What the memory and step-time models price for `run` on `world` ranks of `device`."""
+    prec = run.precision.resolved(device).precision
+    return Workload(run.model, run.train.micro_batch, world, prec, device)
+
+
+def plan_run(run, hw: Hardware, r: Rates, fixed: Fixed) -> Plans:
+    """Every plan for `run` on `hw`, the chosen one first (nothing allocated)."""
+    work = workload_of(run, hw.gpus, hw.device)  # ranks: GPUs, or a CPU run's processes
+    f = {**fixed.as_dict(), "nvme_path": run.engine.nvme_path}  # the disk the user offered
+    cands = plan(work, run.train.grad_accum, hw, r, f)
+    return Plans(cands, work, run.train.grad_accum, hw, r, fixed)
+
+
+def plan_engine(run, ctx: DistContext, fixed: Fixed, force: bool, log=print):
+    """`run` with its EngineConfig replaced by the planner's choice (fixed fields kept).
 
     Rank 0 decides and broadcasts, so every rank of a multi-machine job runs the same plan even
     when their free memory differs. Refuses (UserError) before anything is allocated when the
-    plan cannot fit, unless `force`.
+    plan cannot fit, unless `force` (then the leanest plan is tried: capacity is measured).
     """
     decision = [None]
     if ctx.is_main:
-        hw = hardware.detect(
-            gpus=ctx.world, device=ctx.device.type, nvme=run.engine.nvme_path or None
-        )
-        prec = run.precision.resolved(ctx.device.type).precision
-        work = Workload(run.model, run.train.micro_batch, ctx.world, prec, ctx.device.type)
-        r = rates.load(hw.gpu_name)
-        fixed = {**fixed, "nvme_path": run.engine.nvme_path}
         try:
-            chosen, cands = choose(work, run.train.grad_accum, hw, r, fixed, force)
-            decision[0] = (dataclasses.asdict(chosen.ecfg), None)
-            mem = chosen.est.compute_total if chosen.est.compute else chosen.est.host_total
-            log(
-                f"plan: {chosen.name} (predicted {mem / GiB:.1f} GiB per rank, "
-                f"{chosen.time['total']:.2f} s/step) — {why(chosen, cands)}"
+            hw = hardware.detect(
+                gpus=ctx.world, device=ctx.device.type, nvme=run.engine.nvme_path or None
             )
+            plans = plan_run(run, hw, rates.load(hw.gpu_name), fixed)
+            if not plans.fits and not force:
+                raise UserError(plans.refusal() + " (--force tries anyway)")
+            decision[0] = (dataclasses.asdict(plans.best.ecfg), None)
+            log(plans.summary())
         except Exception as e:  # a refusal must reach every rank, not only rank 0
             decision[0] = (None, e)
     if ctx.distributed:
@@ -43,6 +119,4 @@ def plan_engine(run, ctx: DistContext, fixed: dict, force: bool, log=print):
     ecfg, err = decision[0]
     if err is not None:
         raise err
-    from fitgpt.engine.config import EngineConfig
-
     return dataclasses.replace(run, engine=EngineConfig(**ecfg))

@@ -62,3 +62,74 @@ def search(
         else:
             bad = mid
     return SearchResult(ok or 0, bad, sorted(seen.items()))
+
+
+# ---- the search over real trials, with the planner's prediction beside each ----------------------
+@dataclass
+class Capacity:
+    """What `fitgpt capacity` found: the search, and every trial's record by layer count."""
+
+    result: SearchResult
+    records: dict[int, dict]
+
+    def best(self) -> dict | None:
+        return self.records.get(self.result.largest_ok)
+
+    def summary(self, system: str) -> dict:
+        best = self.best() or {}
+        keys = ("params", "tflops", "tokens_per_s", "gpu_peak_gib", "host_rss_peak_gib")
+        return {
+            "system": system,
+            "largest_layers": self.result.largest_ok,
+            **{k: best.get(k) for k in keys},
+            "predicted_peak_gib": best.get("predicted_peak_gib"),
+            "first_fail": self.result.first_fail,
+            "trials": len(self.result.trials),
+        }
+
+
+def predicted_peak_gib(run, hw, rates, fixed) -> float:
+    """The chosen plan's predicted peak per rank (GPU allocator peak, or host RAM on CPUs)."""
+    from fitgpt.plan.apply import plan_run
+    from fitgpt.plan.memory import GiB
+
+    est = plan_run(run, hw, rates, fixed).best.est
+    return (est.compute_peak if est.compute else est.host_total) / GiB
+
+
+def predicted_largest(run, hw, rates, fixed) -> int:
+    """The most layers of `run`'s width that the planner predicts to fit here (at least 1)."""
+    from fitgpt.plan.apply import workload_of
+    from fitgpt.plan.planner import largest_layers
+
+    work = workload_of(run, hw.gpus, hw.device)
+    return max(1, largest_layers(work, run.train.grad_accum, hw, rates, fixed.as_dict()))
+
+
+def find_capacity(
+    trial: Callable[[int], dict],
+    start: int,
+    max_trials: int,
+    predicted: Callable[[int], float | None],
+    log: Callable[[str], None] = print,
+) -> Capacity:
+    """Search (above) with `trial(layers)` a real training run's record (status "ok" when it
+    trained); each record gets the prediction beside its measured peak, and one log line."""
+    records: dict[int, dict] = {}
+
+    def run(layers: int) -> bool:
+        rec = trial(layers)
+        rec["predicted_peak_gib"] = predicted(layers)
+        rec["kind"] = "capacity"
+        records[layers] = rec
+        mem = rec.get("gpu_peak_gib", rec.get("host_rss_peak_gib", 0))
+        pred = rec["predicted_peak_gib"]
+        why = "" if rec["status"] == "ok" else ": " + rec["reason"][:100]
+        log(
+            f"  trial {len(records)}: {layers} layers ({rec['params'] / 1e9:.2f} B) "
+            f"{rec['status']}{why}; measured peak {mem:.1f} GiB, predicted "
+            f"{pred if pred is None else f'{pred:.1f} GiB'}"
+        )
+        return rec["status"] == "ok"
+
+    return Capacity(search(run, start, max_trials), records)

@@ -16,11 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fitgpt.engine.chunk import padded
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
-from fitgpt.engine.moments import store_nbytes
-from fitgpt.engine.placement import optimizer_homes
+from fitgpt.engine.placement import MAX_INFLIGHT, Placement
 from fitgpt.model import GPT, ModelConfig
 
 GiB = 2**30
@@ -33,7 +31,6 @@ HOST_DIST = int(0.3 * GiB)  # more with W > 1: NCCL/gloo state (1.5 GiB measured
 CUDA_CONTEXT = int(0.6 * GiB)
 NCCL_BUFFERS = int(0.5 * GiB)
 FRAGMENTATION = 0.04
-MAX_INFLIGHT = 2  # mirrors fitgpt.engine.chunked.MAX_INFLIGHT
 # A plan may fill each GPU only up to its memory less this share. Over the 113 GPU trials
 # recorded in benchmarks/results/ (2026-11-22, H100 and H200, 0.1-14 B, every engine and tier)
 # the model's allocator peak was 0.7% to 15% ABOVE the measured one, never below, and its total
@@ -92,57 +89,16 @@ def layout_of(model: ModelConfig) -> list[ChunkSpec]:
 
 
 # ---- persistent state ------------------------------------------------------------------------
+def placement_of(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None = None):
+    """The Placement the engine would execute for this workload and plan."""
+    return Placement.of(layout or layout_of(work.model), ecfg, work.world, work.w)
+
+
 def zero_state(
     work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None = None
 ) -> dict[str, dict[str, int]]:
-    """Exactly what ChunkEngine.memory_report() returns: {"device": {...}, "host": {...}} and,
-    with the nvme tier, {"nvme": {...}} (the host holds the optimizer state of host-homed chunks,
-    the swap buffers of disk-homed ones and the host optimizer's staging; the disk the rest)."""
-    layout = layout or layout_of(work.model)
-    W, w, stage = work.world, work.w, ecfg.zero_stage
-    dev = {"weights": 0, "weight_shards": 0, "grads": 0, "master_weights": 0, "optimizer": 0}
-    host = {"master_weights": 0, "optimizer": 0, "host_staging": 0}
-    nvme = {"master_weights": 0, "optimizer": 0}
-    biggest_hosted = biggest_disk = biggest_scratch = 0
-    for c, home in zip(layout, optimizer_homes(layout, ecfg)):
-        N = padded(c.numel, W)
-        s = N // W
-        if streamed(ecfg, c, home):
-            host["weights"] = host.get("weights", 0) + s * w  # pinned; in on the GPU per use
-        elif stage >= 3 and c.name.startswith("block."):
-            dev["weight_shards"] += s * w
-        else:
-            dev["weights"] += N * w
-        dev["grads"] += (N * w if stage <= 1 else 0) + (s * w if stage >= 1 else 0)
-        opt = s if stage >= 1 else N
-        where = {"device": dev, "cpu": host, "nvme": nvme}[home]
-        if home != "device" or w != 4:  # fp32 compute on the device aliases the weights
-            where["master_weights"] += opt * 4
-        compressed = home == "cpu" and ecfg.host_moments != "fp32"
-        where["optimizer"] += 2 * (store_nbytes(ecfg.host_moments, opt) if compressed else opt * 4)
-        if compressed:
-            biggest_scratch = max(biggest_scratch, opt)
-        if home != "device":
-            biggest_hosted = max(biggest_hosted, opt)
-            if ecfg.delayed_update:  # the pinned buffer the new weights wait in for a step
-                host["delayed_weights"] = host.get("delayed_weights", 0) + opt * w
-        if home == "nvme":
-            biggest_disk = max(biggest_disk, opt)
-    if biggest_hosted:
-        # HostOptimizer: 3 staging buffers in the working dtype and one fp32 gradient buffer
-        host["host_staging"] = 3 * biggest_hosted * w + 4 * biggest_hosted
-    if biggest_scratch:
-        host["moment_scratch"] = 8 * biggest_scratch  # compressed moments decode into fp32 here
-    out = {"device": dev, "host": host}
-    if biggest_disk:
-        host["nvme_swap"] = 3 * 12 * biggest_disk  # one disk-homed chunk's state per slot
-        out["nvme"] = nvme
-    return out
-
-
-def streamed(ecfg: EngineConfig, c: ChunkSpec, home: str) -> bool:
-    """Whether a chunk's working weights live in host RAM (--offload-params cpu)."""
-    return ecfg.offload_params == "cpu" and home != "device" and c.name.startswith("block.")
+    """Exactly what ChunkEngine.memory_report() returns (engine/placement.py computes it)."""
+    return placement_of(work, ecfg, layout).state_bytes()
 
 
 def torch_state(work: Workload) -> dict[str, int]:
@@ -205,27 +161,22 @@ def estimate(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None 
             phase_a["ddp_bucket_rebuild"] = 4 * n
         phases = {"activations": phase_a}
     else:
-        both = zero_state(work, ecfg, layout)
+        placement = placement_of(work, ecfg, layout)
+        both = placement.state_bytes()
         state = both["device"]
         est.host.update({f"offloaded_{k}": v for k, v in both["host"].items()})
         est.nvme.update(both.get("nvme", {}))
-        homes = optimizer_homes(layout, ecfg)
-        blocks = [c for c in layout if c.name.startswith("block.")]
-        big = max((padded(c.numel, W) for c in layout), default=0)
-        big_block = max((padded(c.numel, W) for c in blocks), default=0)
+        big = max((c.N for c in placement.chunks), default=0)
+        big_block = max((c.N for c in placement.chunks if c.block), default=0)
         phase_a = dict(state, **act)
-        if ecfg.zero_stage >= 3 or any(streamed(ecfg, c, h) for c, h in zip(layout, homes)):
+        if ecfg.zero_stage >= 3 or placement.streams:
             # the block in use and the prefetched one (gathered, or streamed in from the host)
             phase_a["gathered_weights"] = 2 * big_block * w
         if ecfg.zero_stage >= 2:
             # autograd's per-parameter gradients of one block, plus the flat copies and shards of
             # the reductions in flight
             phase_a["grad_transients"] = big * w + (MAX_INFLIGHT + 1) * (big + big // W) * w
-        opt_big = max(
-            ((padded(c.numel, W) // W) if ecfg.zero_stage >= 1 else padded(c.numel, W))
-            for c, home in zip(layout, homes)
-            if home == "device"
-        )
+        opt_big = max(c.opt_elems for c in placement.chunks if not c.offloaded)
         phase_b = dict(state, update_fp32_grad=opt_big * 4)  # one chunk's gradient in fp32
         phases = {"activations": phase_a, "optimizer update": phase_b}
     name, peak = max(phases.items(), key=lambda kv: sum(kv[1].values()))

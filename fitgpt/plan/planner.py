@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fitgpt.engine.config import EngineConfig
+from fitgpt.engine.placement import Placement
 from fitgpt.errors import UserError
 from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import (
@@ -22,6 +23,7 @@ from fitgpt.plan.memory import (
     estimate,
     gpu_budget,
     layout_of,
+    placement_of,
 )
 from fitgpt.plan.rates import Rates
 from fitgpt.plan.throughput import step_time
@@ -35,6 +37,7 @@ class Candidate:
     gpu_short: int  # bytes over the GPU budget (<= 0: fits)
     host_short: int
     disk_short: int = 0  # bytes of the nvme tier over the disk's free space
+    placement: Placement | None = None  # the zero engine's (None for ddp)
 
     @property
     def fits(self) -> bool:
@@ -46,9 +49,11 @@ class Candidate:
         base = "ddp" if e.engine == "ddp" else f"zero-{e.zero_stage}"
         off = ""
         if e.offload_optimizer != "none":
-            off = f", optimizer of {100 * e.offload_fraction:.0f}% of blocks offloaded"
+            p = self.placement
+            n = sum(1 for c in p.chunks if c.block)
+            off = f", optimizer of {p.offloaded_blocks} of {n} blocks offloaded"
             if e.offload_optimizer == "nvme":
-                off += f" ({100 * e.nvme_fraction:.0f}% of those on nvme, the rest on cpu)"
+                off += f" ({p.nvme_blocks} of those on nvme, the rest on cpu)"
             else:
                 off += " to cpu"
             if e.offload_params == "cpu":
@@ -92,8 +97,10 @@ def enumerate_plans(world: int, fixed: dict) -> list[EngineConfig]:
 def evaluate(
     work: Workload, grad_accum: int, hw: Hardware, rates: Rates, ecfg: EngineConfig, layout=None
 ) -> Candidate:
+    layout = layout or layout_of(work.model)
+    placement = placement_of(work, ecfg, layout) if ecfg.engine == "zero" else None
     est = estimate(work, ecfg, layout)
-    t = step_time(work, ecfg, grad_accum, rates)
+    t = step_time(work, ecfg, grad_accum, rates, placement)
     ranks_here = hw.gpus if hw.device == "cuda" else work.world
     gpu_short = est.compute_total - gpu_budget(hw.gpu_mem) if hw.device == "cuda" else 0
     host_short = est.host_total * ranks_here - hw.cpu_mem if hw.cpu_mem else 0
@@ -102,7 +109,7 @@ def evaluate(
     if disk:
         # nvme_free is already net of the spare room the store leaves (engine/nvme.py)
         disk_short = disk - hw.nvme_free if hw.nvme_path else disk
-    return Candidate(ecfg, est, t, gpu_short, host_short, disk_short)
+    return Candidate(ecfg, est, t, gpu_short, host_short, disk_short, placement)
 
 
 def plan(
@@ -138,7 +145,7 @@ def offloaded_variant(
     if e.engine != "zero" or fixed.get("offload_optimizer") == "none" or hw.device != "cuda":
         return None
     forced = fixed.get("offload_optimizer") == "cpu"
-    if "offload_fraction" in fixed or (base.fits and not forced):
+    if "offload_blocks" in fixed or (base.fits and not forced):
         return None  # the fraction was given (base already is that plan), or nothing to offload
     if fixed.get("offload_optimizer") == "nvme" or (
         fixed.get("offload_optimizer") != "cpu" and hw.nvme_path
@@ -153,7 +160,7 @@ def offloaded_variant(
         cfg = dataclasses.replace(
             e,
             offload_optimizer="cpu",
-            offload_fraction=k / L,
+            offload_blocks=k,
             offload_params="cpu" if stream else "none",
         )
         return evaluate(work, grad_accum, hw, rates, cfg, layout)
@@ -185,8 +192,8 @@ def spill_variant(
         cfg = dataclasses.replace(
             e,
             offload_optimizer="nvme",
-            offload_fraction=k / L,
-            nvme_fraction=d / max(1, k),
+            offload_blocks=k,
+            nvme_blocks=d,
             nvme_path=hw.nvme_path or e.nvme_path,
         )
         return evaluate(work, grad_accum, hw, rates, cfg, layout)

@@ -10,7 +10,8 @@ optimizer fused AdamW streams ~36 bytes per parameter of its range through devic
 from __future__ import annotations
 
 from fitgpt.engine.config import EngineConfig
-from fitgpt.plan.memory import Workload
+from fitgpt.engine.placement import Placement
+from fitgpt.plan.memory import Workload, placement_of
 from fitgpt.plan.rates import Rates
 
 FP32_FRACTION = (
@@ -39,8 +40,14 @@ OVERHEAD = {"ddp": 0.11, 0: 0.0, 1: 0.0, 2: 0.03, 3: 0.06}
 
 
 def step_time(
-    work: Workload, ecfg: EngineConfig, grad_accum: int, rates: Rates
+    work: Workload,
+    ecfg: EngineConfig,
+    grad_accum: int,
+    rates: Rates,
+    placement: Placement | None = None,
 ) -> dict[str, float]:
+    """Seconds per optimizer step, term by term; `placement` (the engine's, from the planner)
+    says what the host tier and weight streaming move."""
     m, W = work.model, work.world
     n = m.num_params()
     tokens = work.micro_batch * m.seq_len * grad_accum  # per rank
@@ -83,15 +90,16 @@ def step_time(
         # autocast re-casts the fp32 weights every micro-batch (and again when recomputing)
         casts = grad_accum * (2 if ecfg.checkpointing != "off" else 1)
         out["autocast_casts"] = casts * n * 6 / (rates.hbm_gbps * 1e9)
-    if ecfg.engine == "zero" and ecfg.offload_optimizer != "none":
-        out["host_optimizer"] = host_optimizer_exposed(work, ecfg, grad_accum, compute, rates)
-    if ecfg.engine == "zero" and ecfg.offload_params == "cpu":
-        # streamed blocks' weights come in from host RAM before each forward and each backward
-        # of every micro-batch, on a side stream behind the compute of the block before
-        k = round(m.n_layer * ecfg.offload_fraction)
-        per_block = (12 * m.n_embd**2 + 13 * m.n_embd) / (W if ecfg.zero_stage >= 3 else 1)
-        moved = 2 * grad_accum * k * per_block * work.w
-        out["weight_stream"] = max(0.0, moved / (rates.h2d_gbps * 1e9) - 0.9 * compute)
+    if ecfg.engine == "zero" and ecfg.offloads:
+        placement = placement or placement_of(work, ecfg)
+        out["host_optimizer"] = host_optimizer_exposed(
+            work, ecfg, grad_accum, compute, rates, placement
+        )
+        if placement.streams:
+            # streamed blocks' weights come in from host RAM before each forward and each
+            # backward of every micro-batch, on a side stream behind the block before
+            moved = 2 * grad_accum * placement.streamed_elems() * work.w
+            out["weight_stream"] = max(0.0, moved / (rates.h2d_gbps * 1e9) - 0.9 * compute)
     key = "ddp" if ecfg.engine == "ddp" else ecfg.zero_stage
     out["engine_overhead"] = compute * OVERHEAD[key]
     out["total"] = sum(out.values())
@@ -99,20 +107,23 @@ def step_time(
 
 
 def host_optimizer_exposed(
-    work: Workload, ecfg: EngineConfig, grad_accum: int, compute: float, rates: Rates
+    work: Workload,
+    ecfg: EngineConfig,
+    grad_accum: int,
+    compute: float,
+    rates: Rates,
+    placement: Placement,
 ) -> float:
     """Seconds per step the host optimizer adds: its work for the offloaded blocks (AdamW, the
     conversions, PCIe both ways, pipelined chunk by chunk) minus what overlaps with the GPU — the
     next forward of the device-homed blocks before the first offloaded one."""
     m = work.model
-    per_block = 12 * m.n_embd**2 + 13 * m.n_embd
-    k = round(m.n_layer * ecfg.offload_fraction)
-    n_off = k * per_block / (work.world if ecfg.zero_stage >= 1 else 1)
+    k = placement.offloaded_blocks
+    n_off = placement.offloaded_elems()  # this rank's optimizer elements on the host tiers
     host = n_off / rates.cpu_adam_params_per_s  # the whole pipeline: upcast, AdamW, cast back
     pcie = n_off * work.w * (1 / (rates.d2h_gbps * 1e9) + 1 / (rates.h2d_gbps * 1e9))
     # the nvme tier: the disk-homed blocks' 12 bytes of fp32 state read in and written back
-    d = round(k * ecfg.nvme_fraction) if ecfg.offload_optimizer == "nvme" else 0
-    on_disk = 12 * d * per_block / (work.world if ecfg.zero_stage >= 1 else 1)
+    on_disk = 12 * placement.on_disk_elems()
     disk = on_disk / (rates.nvme_read_gbps * 1e9) + on_disk / (rates.nvme_write_gbps * 1e9)
     work_s = max(host, pcie, disk)
     forward_first_micro = compute / grad_accum / 3  # forward is about a third of a micro-batch

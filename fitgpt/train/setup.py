@@ -49,9 +49,9 @@ def resolve_run(run, device_type: str):
     )
 
 
-def setup_run(run, ctx: DistContext, fixed: dict | None, force: bool = False, log=print):
+def setup_run(run, ctx: DistContext, fixed, force: bool = False, log=print):
     """The run as it will be built: resolved, then planned (`fixed`: the engine fields the user
-    set; None: no planning, the engine config is used as given)."""
+    set, a plan.apply.Fixed; None: no planning, the engine config is used as given)."""
     run = resolve_run(run, ctx.device.type)
     if fixed is None:
         return run
@@ -91,13 +91,10 @@ def phase_of(e: BaseException, default: str) -> str:
 def oom_message(run, ctx: DistContext, where: str, phase: str) -> str:
     """One line: what ran out, at which phase, the plan's prediction, and a plan that would fit."""
     from fitgpt.plan import hardware, rates
-    from fitgpt.plan.memory import GiB, Workload, estimate
-    from fitgpt.plan.planner import choose
+    from fitgpt.plan.apply import Fixed, plan_run, workload_of
+    from fitgpt.plan.memory import GiB, estimate
 
-    work = Workload(
-        run.model, run.train.micro_batch, ctx.world, run.precision.precision, ctx.device.type
-    )
-    est = estimate(work, run.engine)
+    est = estimate(workload_of(run, ctx.world, ctx.device.type), run.engine)
     if where == "gpu":
         predicted = f"the plan predicted {est.compute_total / GiB:.1f} GiB per GPU"
     else:
@@ -109,10 +106,10 @@ def oom_message(run, ctx: DistContext, where: str, phase: str) -> str:
     else:
         need = est.host_total * (hw.gpus if hw.device == "cuda" else ctx.world)
         hw = dataclasses.replace(hw, cpu_mem=int(0.85 * min(hw.cpu_mem or need, need)))
-    try:
-        lean, _ = choose(work, run.train.grad_accum, hw, rates.load(hw.gpu_name))
-        advice = f"a plan that needs 15% less: {engine_flags(lean.ecfg)}"
-    except UserError:
+    plans = plan_run(run, hw, rates.load(hw.gpu_name), Fixed())
+    if plans.fits:
+        advice = f"a plan that needs 15% less: {engine_flags(plans.best.ecfg)}"
+    else:
         advice = (
             "no plan needs 15% less at this size: train fewer layers or a smaller --micro-batch"
         )
