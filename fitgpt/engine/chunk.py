@@ -17,13 +17,22 @@ Buffers, by ZeRO stage (a stage shards everything the stages below it shard):
   master, exp_avg, exp_avg_sq      fp32 over the optimizer range: [N] at stage 0, else [s].
                                    Live on `opt_device` (GPU or host: the offload tier). With
                                    fp32 compute on the same device, master aliases the weights.
+
+A chunk also owns its optimizer (torch's fused AdamW over views of master and the moments, one
+param group per weight-decay range) and its in-flight state between the engine's parts: the
+handle of a weight fetch in flight (engine/fetch.py) and, with --delayed-update, the pinned
+buffer the host optimizer leaves the next weights in and the event that frees it
+(engine/update.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
+from fitgpt.engine.config import OptimConfig
 from fitgpt.engine.layout import ChunkSpec
 from fitgpt.engine.moments import make_store
 from fitgpt.engine.pinned import PinnedArena
@@ -126,6 +135,63 @@ class Chunk:
         # [0, decay_end) of the optimizer range gets weight decay (layout puts decayed params first)
         self.decay_end = max(0, min(spec.decay_numel, self.opt_hi) - self.opt_lo)
         self.grads_seen = 0  # params whose gradient is complete in the current backward
+
+        self.optimizer: torch.optim.AdamW | None = None  # build_optimizer(), once state exists
+        self.fetch_work = None  # handle of this chunk's weight gather / host→device copy in flight
+        # --delayed-update (host-homed chunks): pinned [opt range] working-dtype buffer the host
+        # optimizer writes the next weights into, and the event after which it may do so again
+        self.next_weights: Tensor | None = None
+        self.next_weights_free: torch.cuda.Event | None = None
+
+    # ---- construction ------------------------------------------------------------------------
+    def bind(self, model: nn.Module) -> None:
+        """Make the chunk's parameter views the model's parameters (replacing meta tensors)."""
+        for slot, p in zip(self.spec.slots, self.params):
+            owner, _, leaf = slot.name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, p)
+
+    @torch.no_grad()
+    def init_weights(self, init: Callable[[str, Tensor], None]) -> None:
+        """Each parameter made whole in fp32 by `init(name, tensor)` (the model's seeded
+        initialiser), then scattered into the chunk's buffers: the same initial weights at every
+        world size, stage and tier. Transient: one chunk in fp32 (4·N bytes), freed on return."""
+        flat = torch.zeros(self.N, dtype=torch.float32, device=self.device)
+        for s in self.spec.slots:
+            init(s.name, flat[s.offset : s.offset + s.numel].view(s.shape))
+        self.weight.copy_(flat)
+        if self.transient_weight:
+            self.weight_shard.copy_(flat[self.lo : self.hi])
+        if not self.master_aliases_weight:
+            self.master.copy_(flat[self.opt_lo : self.opt_hi])
+        self.free_weight()  # stage 3: the full block weights live only while gathered
+
+    @property
+    def group_ranges(self) -> list[tuple[int, int]]:
+        """The optimizer's param groups as [lo, hi) of the optimizer range: decayed, then not."""
+        d, m = self.decay_end, self.opt_hi - self.opt_lo
+        return [r for r in ((0, d), (d, m)) if r[1] > r[0]]
+
+    def build_optimizer(self, ocfg: OptimConfig) -> torch.optim.AdamW:
+        """torch's fused AdamW over the chunk's flat fp32 views; its moments are our buffers.
+        Must run while the state is resident (a disk-homed chunk: before its first write-out)."""
+        d, m = self.decay_end, self.opt_hi - self.opt_lo
+        views = [
+            (self.master[:d], self.exp_avg[:d], self.exp_avg_sq[:d], ocfg.weight_decay),
+            (self.master[d:m], self.exp_avg[d:m], self.exp_avg_sq[d:m], 0.0),
+        ]
+        views = [v for v in views if v[0].numel() > 0]
+        groups = [{"params": [p], "weight_decay": w} for p, *_, w in views]
+        opt = torch.optim.AdamW(
+            groups, lr=0.0, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, fused=True
+        )
+        for p, ea, es, _ in views:
+            opt.state[p] = {
+                "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                "exp_avg": ea,
+                "exp_avg_sq": es,
+            }
+        self.optimizer = opt
+        return opt
 
     # ---- ranges --------------------------------------------------------------------------
     @property
