@@ -75,7 +75,29 @@ class Chunk:
         self.opt_lo, self.opt_hi = (self.lo, self.hi) if shard_opt else (0, self.N)
         self.dtype, self.device, self.opt_device = dtype, device, opt_device
 
-        self.weight = torch.zeros(self.N, dtype=dtype, device=device)
+        self.offloaded = offloaded  # state homed on the offload tier (host memory), not the device
+        # nvme tier: the fp32 state lives in files; these host buffers hold it only between
+        # alloc_state() and free_state() (storage resized to 0 and back, as stage-3 weights)
+        self.on_disk = on_disk
+        self._alloc_weights(pinned)
+        self._alloc_grads(shard_opt)
+        self._alloc_opt_state(shard_opt, moments, moment_scratch)
+        # [0, decay_end) of the optimizer range gets weight decay (layout puts decayed params first)
+        self.decay_end = max(0, min(spec.decay_numel, self.opt_hi) - self.opt_lo)
+        self.grads_seen = 0  # params whose gradient is complete in the current backward
+
+        self.optimizer: torch.optim.AdamW | None = None  # build_optimizer(), once state exists
+        self.fetch_work = None  # handle of this chunk's weight gather / host→device copy in flight
+        # --delayed-update (host-homed chunks): pinned [opt range] working-dtype buffer the host
+        # optimizer writes the next weights into, and the event after which it may do so again
+        self.next_weights: Tensor | None = None
+        self.next_weights_free: torch.cuda.Event | None = None
+
+    # ---- construction ------------------------------------------------------------------------
+    def _alloc_weights(self, pinned: PinnedArena | None) -> None:
+        """weight [N] and the parameters cut from it; weight_shard [s] (its own buffer, pinned
+        host RAM for a streamed chunk, else a view of weight)."""
+        self.weight = torch.zeros(self.N, dtype=self.dtype, device=self.device)
         self.resident = True
         # The model's parameters: views into the flat buffer (they share its storage, so resizing
         # the storage to 0 and back frees and restores every parameter at once). They are cut
@@ -84,31 +106,35 @@ class Chunk:
         # not mistaken for in-place edits of tensors autograd saved in forward.
         alias = self.weight.data
         self.params = [
-            nn.Parameter(alias[s.offset : s.offset + s.numel].view(s.shape)) for s in spec.slots
+            nn.Parameter(alias[s.offset : s.offset + s.numel].view(s.shape))
+            for s in self.spec.slots
         ]
-        if stream_weights:
+        if self.streamed:
             assert pinned is not None
-            self.weight_shard = pinned.zeros(self.s, dtype)
-        elif shard_weights:
-            self.weight_shard = torch.zeros(self.s, dtype=dtype, device=device)
+            self.weight_shard = pinned.zeros(self.s, self.dtype)
+        elif self.shard_weights:
+            self.weight_shard = torch.zeros(self.s, dtype=self.dtype, device=self.device)
         else:
             self.weight_shard = self.weight[self.lo : self.hi]
 
+    def _alloc_grads(self, shard_opt: bool) -> None:
+        """grad [N] (stages 0-1; the params' .grad are views of it) and grad_shard [s]."""
         self.grad: Tensor | None = None
-        if not shard_grads:
-            self.grad = torch.zeros(self.N, dtype=dtype, device=device)
-            for p, slot in zip(self.params, spec.slots):
+        if not self.shard_grads:
+            self.grad = torch.zeros(self.N, dtype=self.dtype, device=self.device)
+            for p, slot in zip(self.params, self.spec.slots):
                 p.grad = self.grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
-        self.grad_shard = torch.zeros(self.s, dtype=dtype, device=device) if shard_opt else None
+        self.grad_shard = (
+            torch.zeros(self.s, dtype=self.dtype, device=self.device) if shard_opt else None
+        )
 
-        m = self.opt_hi - self.opt_lo
-
-        self.offloaded = offloaded  # state homed on the offload tier (host memory), not the device
-        # nvme tier: the fp32 state lives in files; these host buffers hold it only between
-        # alloc_state() and free_state() (storage resized to 0 and back, as stage-3 weights)
-        self.on_disk = on_disk
+    def _alloc_opt_state(
+        self, shard_opt: bool, moments: str, moment_scratch: tuple[Tensor, Tensor] | None
+    ) -> None:
+        """fp32 master and the two moments over the optimizer range, on opt_device."""
+        m, opt_device = self.opt_hi - self.opt_lo, self.opt_device
         self.master_aliases_weight = (
-            dtype == torch.float32 and opt_device == device and not offloaded
+            self.dtype == torch.float32 and opt_device == self.device and not self.offloaded
         )
         if self.master_aliases_weight:
             # fp32 compute: the working weights are the master copy, no second fp32 buffer.
@@ -124,7 +150,7 @@ class Chunk:
         # bytes per element.
         self.m_store = self.v_store = None
         if moments != "fp32":
-            assert moment_scratch is not None and offloaded and not on_disk
+            assert moment_scratch is not None and self.offloaded and not self.on_disk
             self.m_store = make_store(moments, m, signed=True)
             self.v_store = make_store(moments, m, signed=False)
             self.exp_avg, self.exp_avg_sq = (t[:m] for t in moment_scratch)
@@ -132,18 +158,7 @@ class Chunk:
             self.exp_avg = torch.zeros(m, dtype=torch.float32, device=opt_device)
             self.exp_avg_sq = torch.zeros(m, dtype=torch.float32, device=opt_device)
         self.state_resident = True
-        # [0, decay_end) of the optimizer range gets weight decay (layout puts decayed params first)
-        self.decay_end = max(0, min(spec.decay_numel, self.opt_hi) - self.opt_lo)
-        self.grads_seen = 0  # params whose gradient is complete in the current backward
 
-        self.optimizer: torch.optim.AdamW | None = None  # build_optimizer(), once state exists
-        self.fetch_work = None  # handle of this chunk's weight gather / host→device copy in flight
-        # --delayed-update (host-homed chunks): pinned [opt range] working-dtype buffer the host
-        # optimizer writes the next weights into, and the event after which it may do so again
-        self.next_weights: Tensor | None = None
-        self.next_weights_free: torch.cuda.Event | None = None
-
-    # ---- construction ------------------------------------------------------------------------
     def bind(self, model: nn.Module) -> None:
         """Make the chunk's parameter views the model's parameters (replacing meta tensors)."""
         for slot, p in zip(self.spec.slots, self.params):
