@@ -107,7 +107,8 @@ class ChunkEngine(Engine):
     def _placement(self) -> tuple[list[str], bool]:
         """Per chunk, where its optimizer state lives ("device", "cpu", "nvme"), and whether the
         offloaded blocks' weights are streamed from host RAM; refuses what cannot run here. The
-        engine's only reads of the offload settings are here and in _new_chunk."""
+        offload settings are read only during construction (here, _shared_host_state,
+        _new_chunk, the delayed-update buffers): after it, the parts see chunks and flags."""
         ecfg = self.ecfg
         homes = optimizer_homes(self.layout, ecfg)
         streams = ecfg.offload_params == "cpu" and any(h != "device" for h in homes)
@@ -186,16 +187,16 @@ class ChunkEngine(Engine):
         """The engine's parts, and their hooks on the model (handles removed at close())."""
         blocks, modules = self.blocks, list(self.model.blocks)
         after = self.ecfg.delayed_update_after
-        self.update = TieredUpdate(self.chunks, self.host_opt, self.peers, self.stage, after)
+        self.updater = TieredUpdate(self.chunks, self.host_opt, self.peers, self.stage, after)
         self.reducer = GradReducer(self.peers, self.stage, self.dtype, self.device)
-        self.fetch = WeightFetch(self.peers, self.device, self.host_opt, bool(self.streamed))
+        self.fetcher = WeightFetch(self.peers, self.device, self.host_opt, bool(self.streamed))
         self.state_io = ChunkStateIO(self.chunks, self.disk, self.peers, self.stage)
         self.hooks: list = []
         if self.host_opt is not None:  # before the fetch hooks: a gather sees updated shards
-            self.hooks += self.update.register_host_waits(modules, blocks)
+            self.hooks += self.updater.register_host_waits(modules, blocks)
         self.hooks += self.reducer.register(self.chunks)
         if self.stage >= 3 or self.streamed:
-            self.hooks += self.fetch.register(modules, blocks)
+            self.hooks += self.fetcher.register(modules, blocks)
         self.clock = StepClock(self.device)
         self.steps_done = 0
 
@@ -223,7 +224,7 @@ class ChunkEngine(Engine):
         if not overflow:
             clip = self.ocfg.grad_clip
             coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
-            self.update.step(lr, coef / scale, self.steps_done)
+            self.updater.step(lr, coef / scale, self.steps_done)
         self.scaler.update(overflow)
         self.reducer.zero_grads(self.chunks)
         self.steps_done += 1
@@ -242,7 +243,7 @@ class ChunkEngine(Engine):
     def _sync_host(self) -> None:
         """Every host update landed and delayed ones applied: eval, checkpoints and generation
         see the newest weights."""
-        self.update.sync()
+        self.updater.sync()
 
     # ---- state --------------------------------------------------------------------------------
     def save_state(self, folder: Path, optimizer: bool = True) -> None:
@@ -270,7 +271,7 @@ class ChunkEngine(Engine):
         """A fresh GPT holding the full current weights (gathered from the shards)."""
         self._sync_host()
         return self.state_io.inference_model(
-            self.model_cfg, self.device, self.dtype, self.fetch.ensure
+            self.model_cfg, self.device, self.dtype, self.fetcher.ensure
         )
 
     # ---- accounting and lifetime --------------------------------------------------------------
