@@ -185,7 +185,7 @@ def test_delayed_update_saves_and_resumes(tmp_path):
 
 
 def test_a_placement_larger_than_the_free_host_ram_is_refused_before_allocating():
-    from fitgpt.engine.chunked import check_host_room, host_state_bytes
+    from fitgpt.engine.accounting import check_host_room, host_state_bytes
     from fitgpt.engine.layout import chunk_layout
     from fitgpt.model import GPT
     from fitgpt.plan.hardware import host_available

@@ -17,13 +17,22 @@ Buffers, by ZeRO stage (a stage shards everything the stages below it shard):
   master, exp_avg, exp_avg_sq      fp32 over the optimizer range: [N] at stage 0, else [s].
                                    Live on `opt_device` (GPU or host: the offload tier). With
                                    fp32 compute on the same device, master aliases the weights.
+
+A chunk also owns its optimizer (torch's fused AdamW over views of master and the moments, one
+param group per weight-decay range) and its in-flight state between the engine's parts: the
+handle of a weight fetch in flight (engine/fetch.py) and, with --delayed-update, the pinned
+buffer the host optimizer leaves the next weights in and the event that frees it
+(engine/update.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
+from fitgpt.engine.config import OptimConfig
 from fitgpt.engine.layout import ChunkSpec
 from fitgpt.engine.moments import make_store
 from fitgpt.engine.pinned import PinnedArena
@@ -66,7 +75,29 @@ class Chunk:
         self.opt_lo, self.opt_hi = (self.lo, self.hi) if shard_opt else (0, self.N)
         self.dtype, self.device, self.opt_device = dtype, device, opt_device
 
-        self.weight = torch.zeros(self.N, dtype=dtype, device=device)
+        self.offloaded = offloaded  # state homed on the offload tier (host memory), not the device
+        # nvme tier: the fp32 state lives in files; these host buffers hold it only between
+        # alloc_state() and free_state() (storage resized to 0 and back, as stage-3 weights)
+        self.on_disk = on_disk
+        self._alloc_weights(pinned)
+        self._alloc_grads(shard_opt)
+        self._alloc_opt_state(shard_opt, moments, moment_scratch)
+        # [0, decay_end) of the optimizer range gets weight decay (layout puts decayed params first)
+        self.decay_end = max(0, min(spec.decay_numel, self.opt_hi) - self.opt_lo)
+        self.grads_seen = 0  # params whose gradient is complete in the current backward
+
+        self.optimizer: torch.optim.AdamW | None = None  # build_optimizer(), once state exists
+        self.fetch_work = None  # handle of this chunk's weight gather / host→device copy in flight
+        # --delayed-update (host-homed chunks): pinned [opt range] working-dtype buffer the host
+        # optimizer writes the next weights into, and the event after which it may do so again
+        self.next_weights: Tensor | None = None
+        self.next_weights_free: torch.cuda.Event | None = None
+
+    # ---- construction ------------------------------------------------------------------------
+    def _alloc_weights(self, pinned: PinnedArena | None) -> None:
+        """weight [N] and the parameters cut from it; weight_shard [s] (its own buffer, pinned
+        host RAM for a streamed chunk, else a view of weight)."""
+        self.weight = torch.zeros(self.N, dtype=self.dtype, device=self.device)
         self.resident = True
         # The model's parameters: views into the flat buffer (they share its storage, so resizing
         # the storage to 0 and back frees and restores every parameter at once). They are cut
@@ -75,31 +106,35 @@ class Chunk:
         # not mistaken for in-place edits of tensors autograd saved in forward.
         alias = self.weight.data
         self.params = [
-            nn.Parameter(alias[s.offset : s.offset + s.numel].view(s.shape)) for s in spec.slots
+            nn.Parameter(alias[s.offset : s.offset + s.numel].view(s.shape))
+            for s in self.spec.slots
         ]
-        if stream_weights:
+        if self.streamed:
             assert pinned is not None
-            self.weight_shard = pinned.zeros(self.s, dtype)
-        elif shard_weights:
-            self.weight_shard = torch.zeros(self.s, dtype=dtype, device=device)
+            self.weight_shard = pinned.zeros(self.s, self.dtype)
+        elif self.shard_weights:
+            self.weight_shard = torch.zeros(self.s, dtype=self.dtype, device=self.device)
         else:
             self.weight_shard = self.weight[self.lo : self.hi]
 
+    def _alloc_grads(self, shard_opt: bool) -> None:
+        """grad [N] (stages 0-1; the params' .grad are views of it) and grad_shard [s]."""
         self.grad: Tensor | None = None
-        if not shard_grads:
-            self.grad = torch.zeros(self.N, dtype=dtype, device=device)
-            for p, slot in zip(self.params, spec.slots):
+        if not self.shard_grads:
+            self.grad = torch.zeros(self.N, dtype=self.dtype, device=self.device)
+            for p, slot in zip(self.params, self.spec.slots):
                 p.grad = self.grad[slot.offset : slot.offset + slot.numel].view(slot.shape)
-        self.grad_shard = torch.zeros(self.s, dtype=dtype, device=device) if shard_opt else None
+        self.grad_shard = (
+            torch.zeros(self.s, dtype=self.dtype, device=self.device) if shard_opt else None
+        )
 
-        m = self.opt_hi - self.opt_lo
-
-        self.offloaded = offloaded  # state homed on the offload tier (host memory), not the device
-        # nvme tier: the fp32 state lives in files; these host buffers hold it only between
-        # alloc_state() and free_state() (storage resized to 0 and back, as stage-3 weights)
-        self.on_disk = on_disk
+    def _alloc_opt_state(
+        self, shard_opt: bool, moments: str, moment_scratch: tuple[Tensor, Tensor] | None
+    ) -> None:
+        """fp32 master and the two moments over the optimizer range, on opt_device."""
+        m, opt_device = self.opt_hi - self.opt_lo, self.opt_device
         self.master_aliases_weight = (
-            dtype == torch.float32 and opt_device == device and not offloaded
+            self.dtype == torch.float32 and opt_device == self.device and not self.offloaded
         )
         if self.master_aliases_weight:
             # fp32 compute: the working weights are the master copy, no second fp32 buffer.
@@ -115,7 +150,7 @@ class Chunk:
         # bytes per element.
         self.m_store = self.v_store = None
         if moments != "fp32":
-            assert moment_scratch is not None and offloaded and not on_disk
+            assert moment_scratch is not None and self.offloaded and not self.on_disk
             self.m_store = make_store(moments, m, signed=True)
             self.v_store = make_store(moments, m, signed=False)
             self.exp_avg, self.exp_avg_sq = (t[:m] for t in moment_scratch)
@@ -123,9 +158,55 @@ class Chunk:
             self.exp_avg = torch.zeros(m, dtype=torch.float32, device=opt_device)
             self.exp_avg_sq = torch.zeros(m, dtype=torch.float32, device=opt_device)
         self.state_resident = True
-        # [0, decay_end) of the optimizer range gets weight decay (layout puts decayed params first)
-        self.decay_end = max(0, min(spec.decay_numel, self.opt_hi) - self.opt_lo)
-        self.grads_seen = 0  # params whose gradient is complete in the current backward
+
+    def bind(self, model: nn.Module) -> None:
+        """Make the chunk's parameter views the model's parameters (replacing meta tensors)."""
+        for slot, p in zip(self.spec.slots, self.params):
+            owner, _, leaf = slot.name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, p)
+
+    @torch.no_grad()
+    def init_weights(self, init: Callable[[str, Tensor], None]) -> None:
+        """Each parameter made whole in fp32 by `init(name, tensor)` (the model's seeded
+        initialiser), then scattered into the chunk's buffers: the same initial weights at every
+        world size, stage and tier. Transient: one chunk in fp32 (4·N bytes), freed on return."""
+        flat = torch.zeros(self.N, dtype=torch.float32, device=self.device)
+        for s in self.spec.slots:
+            init(s.name, flat[s.offset : s.offset + s.numel].view(s.shape))
+        self.weight.copy_(flat)
+        if self.transient_weight:
+            self.weight_shard.copy_(flat[self.lo : self.hi])
+        if not self.master_aliases_weight:
+            self.master.copy_(flat[self.opt_lo : self.opt_hi])
+        self.free_weight()  # stage 3: the full block weights live only while gathered
+
+    @property
+    def group_ranges(self) -> list[tuple[int, int]]:
+        """The optimizer's param groups as [lo, hi) of the optimizer range: decayed, then not."""
+        d, m = self.decay_end, self.opt_hi - self.opt_lo
+        return [r for r in ((0, d), (d, m)) if r[1] > r[0]]
+
+    def build_optimizer(self, ocfg: OptimConfig) -> torch.optim.AdamW:
+        """torch's fused AdamW over the chunk's flat fp32 views; its moments are our buffers.
+        Must run while the state is resident (a disk-homed chunk: before its first write-out)."""
+        d, m = self.decay_end, self.opt_hi - self.opt_lo
+        views = [
+            (self.master[:d], self.exp_avg[:d], self.exp_avg_sq[:d], ocfg.weight_decay),
+            (self.master[d:m], self.exp_avg[d:m], self.exp_avg_sq[d:m], 0.0),
+        ]
+        views = [v for v in views if v[0].numel() > 0]
+        groups = [{"params": [p], "weight_decay": w} for p, *_, w in views]
+        opt = torch.optim.AdamW(
+            groups, lr=0.0, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, fused=True
+        )
+        for p, ea, es, _ in views:
+            opt.state[p] = {
+                "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                "exp_avg": ea,
+                "exp_avg_sq": es,
+            }
+        self.optimizer = opt
+        return opt
 
     # ---- ranges --------------------------------------------------------------------------
     @property

@@ -62,3 +62,28 @@ def all_reduce(t: Tensor, group, world: int, async_op: bool = False):
     if group is None or world == 1:
         return Done()
     return dist.all_reduce(t, group=group, async_op=async_op) or Done()
+
+
+class Peers:
+    """One rank's data-parallel group, as the engine's parts use it: `world` ranks, this one
+    `rank`, the collectives above bound to the group (None on one process: copies or nothing),
+    and wait() that names the operation when another rank fails."""
+
+    def __init__(self, group, world: int, rank: int) -> None:
+        self.group, self.world, self.rank = group, world, rank
+
+    def all_gather(self, out_full: Tensor, shard: Tensor, async_op: bool = True):
+        return all_gather(out_full, shard, self.group, self.world, async_op)
+
+    def reduce_scatter(self, out_shard: Tensor, full: Tensor, async_op: bool = True):
+        return reduce_scatter(out_shard, full, self.group, self.world, async_op)
+
+    def all_reduce(self, t: Tensor, async_op: bool = True):
+        return all_reduce(t, self.group, self.world, async_op)
+
+    def wait(self, work, label: str) -> None:
+        wait(work, label, self.rank)
+
+    def wait_all(self, works: list[tuple[object, str]]) -> None:
+        for work, label in works:
+            wait(work, label, self.rank)

@@ -16,23 +16,14 @@ made under the same root removes it (its pid is gone).
 
 Direct I/O: files are opened with O_DIRECT where the filesystem accepts it (probed once at
 start; tmpfs and some network filesystems refuse it, and the store falls back to the page cache
-with `direct = False`). O_DIRECT bypasses the page cache, so optimizer state streamed through
-the tier does not evict the host memory the rest of training needs, but it requires the buffer
-address, the file offset and the length to be multiples of 4096. Tensor memory is not page
-aligned, so every block goes through a page-aligned bounce buffer (an anonymous mmap); a
-block's tail is padded with zeros up to the next 4096 on write and the pad is dropped on read.
-
-Costs: one extra memory copy per byte each way (tensor <-> bounce buffer), and
-`workers × block_bytes` bytes of bounce buffers (64 MiB by default; the kernel commits the pages
-on first use). Buffered I/O (no O_DIRECT) uses the bounce buffers too, so the caller's tensors are
-never exported through numpy (which would pin their storage's size); the page cache then holds
-whatever the kernel decides to keep.
+with `direct = False`), so optimizer state streamed through the tier does not evict the host
+memory the rest of training needs. Every block goes through a page-aligned bounce buffer, one
+per worker (engine/aligned_io.py says why and what it costs): `workers × block_bytes` bytes
+(64 MiB by default; the kernel commits the pages on first use).
 """
 
 from __future__ import annotations
 
-import errno
-import mmap
 import os
 import queue
 import re
@@ -45,12 +36,20 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
+from fitgpt.engine.aligned_io import (
+    PAGE,
+    Bounce,
+    bytes_of,
+    direct_works,
+    presize,
+    read_block,
+    round_up,
+    write_block,
+)
 from fitgpt.errors import UserError
 
-PAGE = 4096  # O_DIRECT alignment of buffer addresses, file offsets and lengths
 GiB = 1 << 30
 # Free space the store leaves on the disk: filling a disk to the last byte breaks the logger,
 # checkpoints and whatever else shares the disk, and ext4 reserves blocks that df still counts.
@@ -120,15 +119,6 @@ class _Key:
     reading: int = 0  # reads in flight
 
 
-class _Bounce:
-    """A page-aligned buffer (anonymous mmaps start on a page) seen as bytes and as a tensor."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.mm = mmap.mmap(-1, nbytes)
-        self.mv = memoryview(self.mm)
-        self.t = torch.frombuffer(self.mm, dtype=torch.uint8)
-
-
 class NvmeStore:
     """Files of flat CPU tensors under a private scratch folder; see the module docstring.
 
@@ -162,18 +152,18 @@ class NvmeStore:
         # first. Its arguments must not reference self.
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="fitgpt-nvme")
         self._cleanup = weakref.finalize(self, _remove, self.path, self._pool, os.getpid())
-        works = direct is not False and _direct_works(self.path)
+        works = direct is not False and direct_works(self.path)
         if direct and not works:  # asked for, not merely tried
             self._cleanup()
             raise UserError(f"--nvme-path {root} does not support O_DIRECT; pass direct=None")
         self.direct = works
         self._flags = os.O_RDWR | (os.O_DIRECT if self.direct else 0)
-        self._bounce: queue.Queue[_Bounce] = queue.Queue()
+        self._bounce: queue.Queue[Bounce] = queue.Queue()
         # one per worker, so a block never waits for a buffer. Buffered I/O goes through them too:
         # handing the tensor's own memory to os.pwrite needs a numpy view, and a numpy export pins
         # the storage's size for good, which the disk tier's swap (resize to 0 and back) needs
         for _ in range(workers):
-            self._bounce.put(_Bounce(block_bytes))
+            self._bounce.put(Bounce(block_bytes))
         self._keys: dict[str, _Key] = {}
         self._lock = threading.Lock()  # guards _keys' flags and the counters
         self._count = {"bytes_read": 0, "bytes_written": 0, "reads": 0, "writes": 0}
@@ -191,10 +181,10 @@ class NvmeStore:
             raise ValueError(f"nvme key {key!r}: nbytes={nbytes} must be >= 0")
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:64]
         path = os.path.join(self.path, f"{len(self._keys):05d}-{safe}.bin")
-        size = _round_up(nbytes, PAGE)
+        size = round_up(nbytes, PAGE)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            _presize(fd, size)
+            presize(fd, size)
         except OSError as e:
             os.close(fd)
             os.unlink(path)
@@ -210,7 +200,7 @@ class NvmeStore:
     def write(self, key: str, src: Tensor) -> Future:
         """Copy src's bytes into the key's file; src must stay untouched until the future is done."""
         self._check_open()
-        u8 = _bytes_of(src, "src")
+        u8 = bytes_of(src, "src")
         k = self._entry(key)
         n = u8.numel()
         if n > k.capacity:
@@ -231,7 +221,7 @@ class NvmeStore:
         """Copy the key's last complete write into dst (same byte count); dst is off limits until
         the future is done."""
         self._check_open()
-        u8 = _bytes_of(dst, "dst")
+        u8 = bytes_of(dst, "dst")
         k = self._entry(key)
         with self._lock:
             if not k.valid:
@@ -288,10 +278,7 @@ class NvmeStore:
         fd = os.open(path, self._flags)  # no O_CREAT: a file deleted under us is an error
         buf = self._bounce.get()
         try:
-            m = _round_up(n, PAGE)
-            buf.t[:n].copy_(u8[off : off + n])
-            buf.t[n:m].zero_()  # pad the tail to a whole page
-            _pwrite_all(fd, buf.mv[:m], off)
+            write_block(fd, buf, u8, off, n)
         finally:
             self._bounce.put(buf)
             os.close(fd)
@@ -302,8 +289,7 @@ class NvmeStore:
         fd = os.open(path, self._flags)
         buf = self._bounce.get()
         try:
-            _pread_all(fd, buf.mv[: _round_up(n, PAGE)], off)  # the pad is read, unused
-            u8[off : off + n].copy_(buf.t[:n])
+            read_block(fd, buf, u8, off, n)
         finally:
             self._bounce.put(buf)
             os.close(fd)
@@ -356,63 +342,3 @@ def _remove(path: str, pool: ThreadPoolExecutor, pid: int) -> None:
         return
     pool.shutdown(wait=False)  # close() has already waited; at exit the threads are joined
     shutil.rmtree(path, ignore_errors=True)
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def _bytes_of(t: Tensor, name: str) -> Tensor:
-    """The tensor's memory as a flat uint8 view (no copy)."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous CPU tensor, got {t.device} {t.stride()}")
-    return t.reshape(-1).view(torch.uint8)
-
-
-def _presize(fd: int, size: int) -> None:
-    """Reserve the file's blocks up front (posix_fallocate), or at least set its length."""
-    if size and hasattr(os, "posix_fallocate"):
-        try:
-            os.posix_fallocate(fd, 0, size)
-            return
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # the filesystem cannot: fall back
-                raise
-    os.ftruncate(fd, size)
-
-
-def _pwrite_all(fd: int, mv: memoryview, off: int) -> None:
-    while len(mv):
-        done = os.pwrite(fd, mv, off)
-        mv, off = mv[done:], off + done
-
-
-def _pread_all(fd: int, mv: memoryview, off: int) -> None:
-    while len(mv):
-        got = os.preadv(fd, [mv], off)
-        if got == 0:
-            raise OSError(f"unexpected end of file at offset {off}")
-        mv, off = mv[got:], off + got
-
-
-def _direct_works(folder: str) -> bool:
-    """Write and read back one page with O_DIRECT; False if the filesystem refuses it."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    probe = os.path.join(folder, "direct-probe")
-    buf = _Bounce(PAGE)
-    buf.t.fill_(0x5A)
-    try:
-        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-        try:
-            _pwrite_all(fd, buf.mv, 0)
-            buf.t.zero_()
-            _pread_all(fd, buf.mv, 0)
-        finally:
-            os.close(fd)
-        return bool((buf.t == 0x5A).all())
-    except OSError:
-        return False
-    finally:
-        if os.path.exists(probe):
-            os.unlink(probe)

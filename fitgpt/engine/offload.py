@@ -30,6 +30,7 @@ import queue
 import threading
 import time
 import weakref
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -103,8 +104,8 @@ class HostOptimizer:
         for i in range(slots):
             self.free.put(i)
         self.jobs: queue.Queue = queue.Queue()
-        self.pending: dict[int, list] = {}  # chunk index -> [done flag, host→device event]
-        self.delayed: dict[int, list] = {}  # the same, for updates applied at the next step
+        self.pending: dict[int, _Done] = {}  # chunk index -> its update's completion
+        self.delayed: dict[int, _Done] = {}  # the same, for updates applied at the next step
         self.error: BaseException | None = None
         self.busy_s = 0.0  # worker time spent in AdamW and conversions (for the step breakdown)
         self.wait_s = 0.0  # time the main thread waited for the worker
@@ -124,18 +125,17 @@ class HostOptimizer:
     def submit(
         self,
         c: Chunk,
-        opt: torch.optim.Optimizer,
-        ranges: list[tuple[int, int]],
         lr: float,
         grad_mul: float,
         target: Tensor,
         delayed: bool = False,
         target_free: torch.cuda.Event | None = None,
     ) -> None:
-        """Start chunk c's update. `target` receives its new weights: the device weights, or a
-        host buffer (streamed weights; a delayed update's buffer, which the worker overwrites
-        only once `target_free` has completed). A delayed update is waited for by
-        wait_delayed(), not by wait(): the next forward does not wait for it."""
+        """Start chunk c's update (its optimizer, over its param groups). `target` receives its
+        new weights: the device weights, or a host buffer (streamed weights; a delayed update's
+        buffer, which the worker overwrites only once `target_free` has completed). A delayed
+        update is waited for by wait_delayed(), not by wait(): the next forward does not wait
+        for it."""
         t0 = time.perf_counter()
         slot = self.free.get()  # back-pressure: at most `slots` chunks in flight
         self.slot_wait_s += time.perf_counter() - t0
@@ -155,37 +155,34 @@ class HostOptimizer:
             d2h = None
         # a disk-homed chunk's reads start now and overlap the worker's update of earlier chunks
         reads = self.disk.read_in_async(c) if c.on_disk else []
-        done = threading.Event()
-        entry = [done, None]  # the worker fills in the host→device event, then sets done
-        (self.delayed if delayed else self.pending)[c.spec.index] = entry
-        job = (c, opt, ranges, lr, grad_mul, slot, buf, d2h, entry, target, target_free, reads)
+        job = _Job(c, lr, grad_mul, slot, buf, d2h, target, target_free, reads)
+        (self.delayed if delayed else self.pending)[c.spec.index] = job.done
         self.jobs.put(job)
 
     def wait(self, c: Chunk) -> None:
         """Make the compute stream wait for chunk c's new weights (the host waits only if the
         worker has not finished the chunk yet)."""
-        entry = self.pending.pop(c.spec.index, None)
-        if entry is None:
+        done = self.pending.pop(c.spec.index, None)
+        if done is None:
             return
-        t0 = time.perf_counter()
-        entry[0].wait()
-        self.wait_s += time.perf_counter() - t0
-        if self.error is not None:
-            raise RuntimeError(f"the host optimizer failed on {c.spec.name}") from self.error
-        if entry[1] is not None:
-            torch.cuda.current_stream(self.device).wait_event(entry[1])
+        self._wait_done(c, done)
+        if done.h2d is not None:
+            torch.cuda.current_stream(self.device).wait_event(done.h2d)
 
     def wait_delayed(self, c: Chunk) -> bool:
         """Wait (on the host) for chunk c's delayed update; False if none is outstanding."""
-        entry = self.delayed.pop(c.spec.index, None)
-        if entry is None:
+        done = self.delayed.pop(c.spec.index, None)
+        if done is None:
             return False
+        self._wait_done(c, done)
+        return True
+
+    def _wait_done(self, c: Chunk, done: _Done) -> None:
         t0 = time.perf_counter()
-        entry[0].wait()
+        done.flag.wait()
         self.wait_s += time.perf_counter() - t0
         if self.error is not None:
             raise RuntimeError(f"the host optimizer failed on {c.spec.name}") from self.error
-        return True
 
     def drain(self, chunks: list[Chunk]) -> None:
         for c in chunks:
@@ -208,51 +205,85 @@ class HostOptimizer:
             job = self.jobs.get()
             if job is None:
                 return
-            c, opt, ranges, lr, mul, slot, buf, d2h, entry, target, target_free, reads = job
             try:
-                if d2h is not None:
-                    d2h[1].synchronize()  # host waits for the gradient to land
-                    self.d2h_s += d2h[0].elapsed_time(d2h[1]) / 1000.0
-                t_io = time.perf_counter()
-                for f in reads:
-                    f.result()  # the chunk's state, read from disk
-                self.disk_wait_s += time.perf_counter() - t_io
-                t0 = time.perf_counter()
-                c.decode_moments()  # compressed moments: into the shared fp32 scratch
-                g = self.g32[: buf.numel()]
-                torch.mul(buf, mul, out=g)  # upcast to fp32, scaled by clip / loss scale
-                for group, (lo, hi) in zip(opt.param_groups, ranges):
-                    group["lr"] = lr
-                    group["params"][0].grad = g[lo:hi]
-                opt.step()
-                for group in opt.param_groups:
-                    group["params"][0].grad = None
-                c.encode_moments()
-                if target_free is not None:
-                    target_free.synchronize()  # its last copy to the GPU has landed
-                # fp32 master → working dtype: into the staging buffer for the GPU, or straight
-                # into a host target (streamed weights, a delayed update's buffer)
-                buf.copy_(c.master) if target.is_cuda else target.copy_(c.master)
-                self.busy_s += time.perf_counter() - t0
-                if target.is_cuda:
-                    with torch.cuda.stream(self.stream):
-                        h2d_start = torch.cuda.Event(enable_timing=True)
-                        h2d_start.record(self.stream)
-                        target.copy_(buf, non_blocking=True)
-                        h2d = torch.cuda.Event(enable_timing=True)
-                        h2d.record(self.stream)
-                    h2d.synchronize()  # the staging buffer is reusable only after this copy
-                    self.h2d_s += h2d_start.elapsed_time(h2d) / 1000.0
-                    entry[1] = h2d  # the main thread may already be waiting on `entry`
-                if c.on_disk:
-                    t_io = time.perf_counter()
-                    self.disk.write_out(c)
-                    self.disk_wait_s += time.perf_counter() - t_io
+                self._step(job)
+                self._copy_back(job)
             except BaseException as e:  # surfaced to the main thread at its next wait()
                 self.error = e
             finally:
-                self.free.put(slot)
-                entry[0].set()
+                self.free.put(job.slot)
+                job.done.flag.set()
+
+    def _step(self, job: _Job) -> None:
+        """Wait for the gradient (and a disk-homed chunk's state), then AdamW in host RAM."""
+        c, buf = job.c, job.buf
+        if job.d2h is not None:
+            job.d2h[1].synchronize()  # host waits for the gradient to land
+            self.d2h_s += job.d2h[0].elapsed_time(job.d2h[1]) / 1000.0
+        t_io = time.perf_counter()
+        for f in job.reads:
+            f.result()  # the chunk's state, read from disk
+        self.disk_wait_s += time.perf_counter() - t_io
+        t0 = time.perf_counter()
+        c.decode_moments()  # compressed moments: into the shared fp32 scratch
+        g = self.g32[: buf.numel()]
+        torch.mul(buf, job.grad_mul, out=g)  # upcast to fp32, scaled by clip / loss scale
+        opt = c.optimizer
+        for group, (lo, hi) in zip(opt.param_groups, c.group_ranges):
+            group["lr"] = job.lr
+            group["params"][0].grad = g[lo:hi]
+        opt.step()
+        for group in opt.param_groups:
+            group["params"][0].grad = None
+        c.encode_moments()
+        if job.target_free is not None:
+            job.target_free.synchronize()  # its last copy to the GPU has landed
+        # fp32 master → working dtype: into the staging buffer for the GPU, or straight
+        # into a host target (streamed weights, a delayed update's buffer)
+        buf.copy_(c.master) if job.target.is_cuda else job.target.copy_(c.master)
+        self.busy_s += time.perf_counter() - t0
+
+    def _copy_back(self, job: _Job) -> None:
+        """The new weights to a device target (side stream), and a disk-homed state written out."""
+        if job.target.is_cuda:
+            with torch.cuda.stream(self.stream):
+                h2d_start = torch.cuda.Event(enable_timing=True)
+                h2d_start.record(self.stream)
+                job.target.copy_(job.buf, non_blocking=True)
+                h2d = torch.cuda.Event(enable_timing=True)
+                h2d.record(self.stream)
+            h2d.synchronize()  # the staging buffer is reusable only after this copy
+            self.h2d_s += h2d_start.elapsed_time(h2d) / 1000.0
+            job.done.h2d = h2d  # the main thread may already be waiting on `done`
+        if job.c.on_disk:
+            t_io = time.perf_counter()
+            self.disk.write_out(job.c)
+            self.disk_wait_s += time.perf_counter() - t_io
+
+
+@dataclass
+class _Done:
+    """A submitted chunk's completion: `flag` is set by the worker once the chunk is updated,
+    after it has filled in `h2d` (the host→device copy's event; None for a host target)."""
+
+    flag: threading.Event = field(default_factory=threading.Event)
+    h2d: torch.cuda.Event | None = None
+
+
+@dataclass
+class _Job:
+    """One chunk's host update, from submit() to the worker."""
+
+    c: Chunk
+    lr: float
+    grad_mul: float  # clip coefficient / loss scale
+    slot: int  # index of the staging buffer, returned to `free` when the job ends
+    buf: Tensor  # that buffer: the gradient, then the new weights (working dtype)
+    d2h: tuple[torch.cuda.Event, torch.cuda.Event] | None  # the gradient copy's events (CUDA)
+    target: Tensor  # receives the new weights: device weights, or a host buffer
+    target_free: torch.cuda.Event | None  # a delayed update's buffer: writable after this
+    reads: list[concurrent.futures.Future]  # a disk-homed chunk's state being read in
+    done: _Done = field(default_factory=_Done)
 
 
 def _stop(ref: weakref.ref) -> None:

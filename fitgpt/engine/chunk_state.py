@@ -1,0 +1,103 @@
+"""State I/O of the chunked engine: checkpoints in and out, and a plain model for sampling.
+
+The files are state_io's: per chunk and rank, the rank's range [lo, hi) of the chunk's unpadded
+flat buffer, fp32 master weights and (full checkpoints) the two Adam moments, readable at any
+world size, stage and tier. This rank's range is its optimizer range (stage 0: the whole chunk,
+written by rank 0 alone; stages 1-3: its shard s = N/W), cut to the unpadded n.
+
+Host memory: chunks are written and read one at a time. A disk-homed chunk's state is read in
+(12 bytes per element), handed over, and freed before the next, so a save or a load needs no
+more host RAM than a step; compressed moments are decoded into the shared fp32 scratch and
+saved as fp32. Loading ends with the weights rebuilt from the master copy: an all-gather of the
+shards (stages 1-2), or only this rank's shard (stage 3, streamed chunks: fetched before use).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from fitgpt.engine.chunk import Chunk
+from fitgpt.engine.comm import Peers
+from fitgpt.engine.offload import DiskTier
+from fitgpt.engine.state_io import KINDS, Piece, StateReader, write_pieces
+from fitgpt.model import GPT, ModelConfig
+
+
+class ChunkStateIO:
+    def __init__(self, chunks: list[Chunk], disk: DiskTier | None, peers: Peers, stage: int):
+        self.chunks, self.disk, self.peers, self.stage = chunks, disk, peers, stage
+
+    def save(self, folder: Path, optimizer: bool) -> None:
+        """Write this rank's pieces into `folder` (stage 0 is replicated: rank 0 writes)."""
+        if self.stage >= 1 or self.peers.rank == 0:
+            write_pieces(folder, self.peers.rank, self.pieces(KINDS if optimizer else KINDS[:1]))
+
+    def pieces(self, kinds: tuple[str, ...]) -> Iterator[Piece]:
+        """Each chunk's state as a Piece, one at a time: a disk-homed chunk is read in, written
+        by write_pieces, and freed before the next, so saving needs no more host RAM than a step."""
+        for c in self.chunks:
+            lo, hi = c.unpadded(c.opt_lo, c.opt_hi)
+            k = hi - lo
+            if k <= 0:
+                continue
+            if c.on_disk:
+                self.disk.read_in(c)
+            if len(kinds) > 1:
+                c.decode_moments()  # compressed moments: into the shared scratch, saved as fp32
+            tensors = dict(zip(kinds, (c.master[:k], c.exp_avg[:k], c.exp_avg_sq[:k])))
+            # safetensors exports through numpy, which pins a storage's size for good: a
+            # disk-homed chunk's buffers must stay resizable, so it hands over copies
+            tensors = {n: (t.clone() if c.on_disk else t.float().cpu()) for n, t in tensors.items()}
+            yield Piece(c.spec.index, lo, hi, tensors)
+            c.free_state()
+
+    @torch.no_grad()
+    def load(self, folder: Path, step: float, optimizer: bool) -> None:
+        """Weights and optimizer state; with optimizer=False the weights alone, the moments zero
+        (and `step` given as 0: the optimizer's step count as in a fresh run)."""
+        reader = StateReader(folder)
+        for c in self.chunks:
+            lo, hi = c.unpadded(c.opt_lo, c.opt_hi)
+            k = max(0, hi - lo)
+            c.alloc_state()  # a disk-homed chunk: its buffers back, filled from the checkpoint
+            for kind, buf in zip(KINDS, (c.master, c.exp_avg, c.exp_avg_sq)):
+                buf.zero_()  # the padding beyond k stays zero; so do fresh moments
+                if k and (optimizer or kind == "master"):
+                    buf[:k].copy_(reader.read(c.spec.index, kind, lo, hi))
+            for st in c.optimizer.state.values():
+                st["step"].fill_(step)
+            c.encode_moments()
+            self._weights_from_master(c)
+            if c.on_disk:
+                self.disk.write_out(c)
+
+    def _weights_from_master(self, c: Chunk) -> None:
+        if c.master_aliases_weight:
+            src = c.weight_shard if self.stage >= 1 else c.weight
+        else:
+            src = c.master
+        if self.stage == 0 and not c.streamed:
+            c.weight.copy_(src)
+            return
+        c.weight_shard.copy_(src)
+        if not c.transient_weight:
+            self.peers.all_gather(c.weight, c.weight_shard, async_op=False)
+
+    @torch.no_grad()
+    def inference_model(
+        self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ensure: Callable
+    ) -> GPT:
+        """A fresh GPT holding the full current weights; `ensure(c)` brings a chunk's full
+        weights in (stage 3 and streamed chunks), one chunk at a time."""
+        model = GPT(cfg).to(device, dtype)
+        params = dict(model.named_parameters())
+        for c in self.chunks:
+            if c.transient_weight:
+                ensure(c)
+            for s in c.spec.slots:
+                params[s.name].copy_(c.weight[s.offset : s.offset + s.numel].view(s.shape))
+            c.free_weight()
+        return model.eval()

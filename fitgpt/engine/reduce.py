@@ -1,0 +1,126 @@
+"""Gradient reduction: every chunk's gradient summed over the W data-parallel ranks, overlapped
+with the rest of the backward.
+
+A post-accumulate-grad hook on every parameter counts the chunk's finished gradients; when the
+last one lands, the chunk's backward is complete for this micro-batch and its reduction is
+launched asynchronously (on GPU: on NCCL's stream, which the compute stream waits for later, no
+host sync). Per ZeRO stage, with n the chunk's parameters, N = n padded, s = N/W:
+  stage 0  grad [N] accumulates every micro-batch in place (the params' .grad are views of it);
+           at the last micro-batch it is all-reduced: 2·(W-1)/W·N elements sent per rank.
+  stage 1  the same accumulation; at the last micro-batch it is reduce-scattered into
+           grad_shard [s]: (W-1)/W·N elements sent.
+  stage 2  no persistent full gradient: at every micro-batch autograd's per-parameter gradients
+  and 3    are flattened into a transient [N], reduce-scattered into a transient [s], freed, and
+           the [s] is added into the accumulator grad_shard when the collective completes.
+The 1/W of the data-parallel mean is folded into the backward's loss scaling, so collectives sum.
+
+At most MAX_INFLIGHT reductions are in flight: launching one more first completes the oldest.
+This bounds the transient buffers of stages 2-3 at (MAX_INFLIGHT + 1) · (N + s) working-dtype
+elements of the largest chunk (the memory model in plan/memory.py prices the same figure).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from fitgpt.engine.chunk import Chunk
+from fitgpt.engine.comm import Peers
+
+MAX_INFLIGHT = 2  # gradient reductions in flight at once: bounds the transient full-grad buffers
+
+
+class GradReducer:
+    def __init__(self, peers: Peers, stage: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.peers, self.stage, self.dtype, self.device = peers, stage, dtype, device
+        # (handle, label, on completion, tensors the collective reads or writes until then)
+        self.pending: deque[tuple[object, str, Callable[[], None] | None, tuple]] = deque()
+        self.last_micro = True  # set by the step: stages 0-1 reduce at the last micro-batch only
+
+    def register(self, chunks: list[Chunk]) -> list:
+        """Hook every parameter of every chunk; returns the handles (removed at close)."""
+        hooks = []
+        for c in chunks:
+            for p in c.params:
+                hooks.append(p.register_post_accumulate_grad_hook(lambda _p, c=c: self._on_grad(c)))
+        return hooks
+
+    def _on_grad(self, c: Chunk) -> None:
+        c.grads_seen += 1
+        if c.grads_seen < len(c.params):
+            return
+        c.grads_seen = 0  # the chunk's backward is complete for this micro-batch
+        c.free_weight()  # stage 3 and streamed chunks: the weights' memory is freed here
+        if self.stage >= 2:
+            self._reduce_scatter_now(c)
+        elif self.last_micro:
+            if self.stage == 1:
+                work = self.peers.reduce_scatter(c.grad_shard, c.grad)
+                self._launch(work, f"reduce-scatter gradients of {c.spec.name}")
+            else:
+                work = self.peers.all_reduce(c.grad)
+                self._launch(work, f"all-reduce gradients of {c.spec.name}")
+
+    def _reduce_scatter_now(self, c: Chunk) -> None:
+        """Stages 2-3: flatten this micro-batch's gradients, reduce-scatter them into a transient
+        shard, and free the full gradients; the shard is added to the accumulator on completion."""
+        full = torch.empty(c.N, dtype=self.dtype, device=self.device)
+        torch.cat([p.grad.reshape(-1) for p in c.params], out=full[: c.n])
+        full[c.n :].zero_()
+        for p in c.params:
+            p.grad = None  # autograd's per-parameter gradients are freed here
+        part = torch.empty(c.s, dtype=self.dtype, device=self.device)
+        work = self.peers.reduce_scatter(part, full)
+        label = f"reduce-scatter gradients of {c.spec.name}"
+        self._launch(work, label, lambda: c.grad_shard.add_(part), keep=(full, part))
+
+    def _launch(
+        self, work, label: str, finish: Callable[[], None] | None = None, keep: tuple = ()
+    ) -> None:
+        self.pending.append((work, label, finish, keep))
+        while len(self.pending) > MAX_INFLIGHT:
+            self._finish_one()
+
+    def _finish_one(self) -> None:
+        work, label, finish, _keep = self.pending.popleft()
+        self.peers.wait(work, label)  # on GPU: the compute stream waits, no host sync
+        if finish is not None:
+            finish()  # the transients in _keep are freed when this entry is dropped
+
+    def finish_all(self) -> None:
+        """Complete every reduction still in flight (after the last backward)."""
+        while self.pending:
+            self._finish_one()
+
+    def totals(self, loss_avg: Tensor, chunks: list[Chunk]) -> tuple[Tensor, Tensor]:
+        """The step's loss averaged over ranks and the squared global gradient norm, as fp32
+        device scalars (no host sync here). Stages 1-3: each rank holds a different shard of the
+        reduced gradient, so the squares are summed over ranks too."""
+        sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        for c in chunks:
+            sq += torch.linalg.vector_norm(c.opt_grad, dtype=torch.float32).square()
+        if self.peers.world > 1:
+            if self.stage >= 1:
+                self.peers.wait(self.peers.all_reduce(sq), "all-reduce grad norm")
+            self.peers.wait(self.peers.all_reduce(loss_avg), "all-reduce loss")
+            loss_avg /= self.peers.world
+        return loss_avg, sq
+
+    def mean(self, t: Tensor) -> Tensor:
+        """t averaged over ranks, in place (a blocking all-reduce: evaluation only)."""
+        if self.peers.world > 1:
+            self.peers.all_reduce(t, async_op=False)
+            t /= self.peers.world
+        return t
+
+    @staticmethod
+    def zero_grads(chunks: list[Chunk]) -> None:
+        """Clear the accumulated gradients for the next step."""
+        for c in chunks:
+            if c.grad is not None:
+                c.grad.zero_()
+            elif c.grad_shard is not None:
+                c.grad_shard.zero_()

@@ -1,0 +1,133 @@
+"""The tiered update: one AdamW step per chunk, run where the chunk's optimizer state lives.
+
+Per step, after the gradients are reduced and the global norm is known (grad_mul folds the clip
+coefficient and 1/loss-scale into the gradient):
+  1. host-homed chunks first, in forward order (HostOptimizer, engine/offload.py): each chunk's
+     reduced gradient is copied device→host on a side stream, the worker thread steps the fp32
+     state in host RAM (or read in from the disk tier) and copies the new weights back. Their
+     copies and host AdamW start at once and run while the GPU does step 2;
+  2. device-homed chunks: the reduced gradient upcast to a transient fp32 copy (4 bytes per
+     element of one chunk), torch's fused AdamW over the fp32 master and moments, the master cast
+     back into the working-dtype weights (or this rank's shard of them);
+  3. stages 1-2 on several ranks (weights replicated, state sharded): every chunk's updated shard
+     is all-gathered into the full weights, (W-1)/W·N elements received per rank; the host-homed
+     chunks' gathers wait for the host first. Stage 3 gathers only the embedding and head (the
+     blocks are gathered before use, engine/fetch.py).
+The next forward waits for a host-homed block's new weights just before the block runs (a
+forward pre-hook: `register_host_waits`), so the host's work overlaps the forward of the blocks
+before it.
+
+--delayed-update: from step `delayed_after` on, the host optimizer writes the new weights into a
+pinned buffer per chunk (`c.next_weights`, 2 bytes per element in bf16) instead of the model;
+they are copied in at the next step's update (host→device on the compute stream, between steps
+nothing reads them), so the host's step overlaps the whole next forward and backward, which use
+weights one step old. The worker overwrites a buffer only once its last copy has landed
+(`c.next_weights_free`, a CUDA event).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from fitgpt.engine.chunk import Chunk
+from fitgpt.engine.comm import Peers
+from fitgpt.engine.offload import HostOptimizer
+
+
+class TieredUpdate:
+    def __init__(
+        self,
+        chunks: list[Chunk],
+        host_opt: HostOptimizer | None,
+        peers: Peers,
+        stage: int,
+        delayed_after: int,
+    ) -> None:
+        self.chunks, self.host_opt, self.peers, self.stage = chunks, host_opt, peers, stage
+        self.hosted = [c for c in chunks if c.offloaded]
+        self.cuda = any(c.device.type == "cuda" for c in chunks)
+        # the host-homed chunks of stages 1-2 on several ranks: weights replicated, state sharded
+        self.regather_hosted = peers.world > 1 and stage in (1, 2)
+        self.delayed = any(c.next_weights is not None for c in self.hosted)
+        self.delayed_after = delayed_after
+
+    def register_host_waits(self, modules: list[nn.Module], blocks: list[Chunk]) -> list:
+        """The next forward waits for a host-homed block's new weights just before the block
+        (register before the weight-fetch hooks, so a stage-3 gather sees updated shards)."""
+        return [
+            module.register_forward_pre_hook(lambda _m, _a, c=c: self.host_opt.wait(c))
+            for module, c in zip(modules, blocks)
+            if c.offloaded
+        ]
+
+    def step(self, lr: float, grad_mul: float, steps_done: int) -> None:
+        """Update every chunk from its reduced gradient times grad_mul (see the module doc)."""
+        gathers, delay = [], False
+        if self.host_opt is not None:
+            self.apply_delayed()  # the previous step's delayed weights, before new updates
+            delay = self.delayed and steps_done >= self.delayed_after
+            for c in self.hosted:
+                target = c.next_weights if delay else self.home_weights(c)
+                free, c.next_weights_free = c.next_weights_free, None
+                self.host_opt.submit(c, lr, grad_mul, target, delayed=delay, target_free=free)
+        for c in self.chunks:
+            if c.offloaded:
+                continue
+            self._device_step(c, lr, grad_mul)
+            if self.stage >= 1 and not c.shard_weights:
+                gathers.append(self._gather_updated(c))
+        if self.regather_hosted and not delay:
+            # the other ranks need this rank's updated shard: wait for the host, then gather
+            for c in self.hosted:
+                self.host_opt.wait(c)
+                gathers.append(self._gather_updated(c))
+        self.peers.wait_all(gathers)
+
+    def _device_step(self, c: Chunk, lr: float, grad_mul: float) -> None:
+        opt = c.optimizer
+        g32 = c.opt_grad.float()  # transient fp32 copy of one chunk's gradient
+        if grad_mul != 1.0:
+            g32.mul_(grad_mul)
+        for group, (lo, hi) in zip(opt.param_groups, c.group_ranges):
+            group["lr"] = lr
+            group["params"][0].grad = g32[lo:hi]
+        opt.step()
+        for group in opt.param_groups:
+            group["params"][0].grad = None
+        del g32  # freed here
+        if not c.master_aliases_weight:
+            c.weight_shard.copy_(c.master) if self.stage >= 1 else c.weight.copy_(c.master)
+
+    def _gather_updated(self, c: Chunk) -> tuple[object, str]:
+        work = self.peers.all_gather(c.weight, c.weight_shard)
+        return work, f"all-gather updated weights of {c.spec.name}"
+
+    def home_weights(self, c: Chunk) -> Tensor:
+        """Where a host-homed chunk's updated weights go: the device weights (or this rank's
+        shard of them), or for a streamed chunk its pinned host copy."""
+        return c.weight_shard if (self.stage >= 1 or c.streamed) else c.weight
+
+    def apply_delayed(self) -> None:
+        """--delayed-update: copy the new weights the host optimizer left in the pinned buffers
+        into the model, and (stages 1-2, several ranks) all-gather them."""
+        if not self.delayed:
+            return  # no delayed updates in this run
+        gathers = []
+        for c in self.hosted:
+            if not self.host_opt.wait_delayed(c):
+                continue
+            self.home_weights(c).copy_(c.next_weights, non_blocking=True)
+            if self.cuda:
+                c.next_weights_free = torch.cuda.Event()
+                c.next_weights_free.record()
+            if self.regather_hosted:
+                gathers.append(self._gather_updated(c))
+        self.peers.wait_all(gathers)
+
+    def sync(self) -> None:
+        """Wait for every pending host update and apply delayed ones (before eval, checkpoints
+        and generation: they see the newest weights)."""
+        if self.host_opt is not None:
+            self.host_opt.drain(self.hosted)
+            self.apply_delayed()
