@@ -27,6 +27,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -117,12 +118,12 @@ def demo(load: int, tmp: Path) -> dict:
         gen_s, sample = fitgpt([*DEMO_GENERATE, "--ckpt", str(out)], {})
     finally:
         stop_load(procs)
-    # the rule says so when it takes fewer threads than cores (fitgpt/dist/threads.py)
-    note = next((ln for ln in log.splitlines() if ln.startswith("cpu: ")), "")
+    # the trainer's first line says how many threads the rule gave (fitgpt/dist/threads.py)
+    m = re.search(r"(\d+) CPU threads per rank", log)
     row = {
         "part": "demo",
         "load_procs": load,
-        "threads": f"fitgpt's rule: {note or 'all cores'}",
+        "threads": f"fitgpt's rule: {m.group(1) if m else '?'}",
         "train_s": round(train_s, 1),
         "generate_s": round(gen_s, 1),
         "total_s": round(train_s + gen_s, 1),
@@ -224,6 +225,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fitgpt-demo-load-") as tmp:
         rows = matrix(args.steps, args.load, Path(tmp))
         if not args.skip_demo:
+            rows.append(demo(0, Path(tmp)))  # the README's idle figure
             rows.append(demo(args.load, Path(tmp)))
     (out / "results.json").write_text(json.dumps({"meta": meta, "runs": rows}, indent=1) + "\n")
     (out / "README.md").write_text(readme(rows, meta))

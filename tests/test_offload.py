@@ -97,7 +97,7 @@ def test_streamed_weights_train_like_all_on_device(stage, blocks):
 
 def test_streamed_weights_with_the_nvme_tier_train_like_all_on_device(tmp_path):
     ref = losses()
-    got = losses(offload_params="cpu", **nvme(tmp_path, 0.75, 0.34))
+    got = losses(offload_params="cpu", **nvme(tmp_path, 3, 1))
     assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-6
 
 
@@ -185,8 +185,9 @@ def test_delayed_update_saves_and_resumes(tmp_path):
 
 
 def test_a_placement_larger_than_the_free_host_ram_is_refused_before_allocating():
-    from fitgpt.engine.accounting import check_host_room, host_state_bytes
+    from fitgpt.engine.accounting import check_host_room
     from fitgpt.engine.layout import chunk_layout
+    from fitgpt.engine.placement import Placement
     from fitgpt.model import GPT
     from fitgpt.plan.hardware import host_available
 
@@ -194,16 +195,18 @@ def test_a_placement_larger_than_the_free_host_ram_is_refused_before_allocating(
     big = MODEL.replace(n_layer=40, n_embd=8192, n_head=64, vocab_size=50304)
     with torch.device("meta"):
         layout = chunk_layout(GPT(big))
-    homes = ["cpu" if s.name.startswith("block.") else "device" for s in layout]
-    need = host_state_bytes(layout, homes, torch.bfloat16, 1, 0)
+    every_block = Placement.of(layout, EngineConfig(offload_optimizer="cpu"), 1, 2)
+    need = every_block.host_bytes()
     assert need > host_available() > 0
     with pytest.raises(UserError, match=r"host RAM per rank .*\(short by"):
-        check_host_room(layout, homes, torch.bfloat16, 1, 0, torch.device("cuda"))
+        check_host_room(every_block, torch.device("cuda"))
     # the same placement for a model that fits passes, and nothing offloaded needs nothing
     with torch.device("meta"):
         small = chunk_layout(GPT(MODEL))
-    check_host_room(small, ["cpu"] * len(small), torch.bfloat16, 1, 0, torch.device("cuda"))
-    assert host_state_bytes(layout, ["device"] * len(layout), torch.bfloat16, 1, 0) == 0
+    check_host_room(
+        Placement.of(small, EngineConfig(offload_optimizer="cpu"), 1, 2), torch.device("cuda")
+    )
+    assert Placement.of(layout, EngineConfig(), 1, 2).host_bytes() == 0
 
 
 # ---- the nvme tier: optimizer state in files ----------------------------------------------------
@@ -230,7 +233,7 @@ def test_nvme_files_are_created_used_and_removed(tmp_path):
     (tmp_path / "keep.txt").write_text("not the engine's")
     e = build_engine(
         MODEL,
-        EngineConfig(engine="zero", **nvme(tmp_path, 0.5)),
+        EngineConfig(engine="zero", **nvme(tmp_path, 2)),
         PrecisionConfig("fp32"),
         OptimConfig(),
         CPU,

@@ -55,6 +55,27 @@ class TrainerRunner:
         stats, _, _ = self.trainer.step_once(micro_batches)  # ends in a host sync
         return stats.loss
 
+    def record(self) -> dict:
+        """The plan this trial runs, as the engine describes it, and the memory model's figures
+        for it, recorded beside the measurement."""
+        import dataclasses
+
+        from fitgpt.plan.apply import workload_of
+        from fitgpt.plan.memory import GiB, estimate
+
+        run, ctx = self.trainer.run, self.trainer.ctx
+        est = estimate(workload_of(run, ctx.world, ctx.device.type), run.engine)
+        out = {
+            "engine": dataclasses.asdict(run.engine),
+            "placement": self.engine.describe()["placement"],
+            "predicted_host_gib": est.host_total / GiB,
+            "predicted_phase": est.peak_phase,
+        }
+        if est.compute:
+            out["predicted_gpu_peak_gib"] = est.compute_peak / GiB
+            out["predicted_gpu_total_gib"] = est.compute_total / GiB
+        return out
+
 
 def bench_run(model: ModelConfig, bench: BenchConfig, precision: str, device: str, out: str = ""):
     """The RunConfig of a benchmark trial: `fitgpt train` on random tokens at the bench's batch,

@@ -92,41 +92,6 @@ def classify(exc: BaseException) -> tuple[str, str]:
     return "error", text
 
 
-def describe_engine(engine) -> dict:
-    e = getattr(engine, "ecfg", None)
-    if e is None:
-        return {}
-    return {
-        "engine": e.engine,
-        "zero_stage": e.zero_stage,
-        "checkpointing": e.checkpointing,
-        "offload_optimizer": e.offload_optimizer,
-        "offload_params": e.offload_params,
-        "offload_blocks": e.offload_blocks,
-        "nvme_blocks": e.nvme_blocks,
-        "delayed_update": e.delayed_update,
-        "host_moments": e.host_moments,
-    }
-
-
-def predict(engine, model, bench: BenchConfig, ctx) -> dict:
-    """The memory model's figures for the plan this trial runs, recorded beside the measurement."""
-    from fitgpt.plan.memory import GiB, Workload, estimate
-
-    ecfg = getattr(engine, "ecfg", None)
-    if ecfg is None:
-        return {}
-    prec = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
-        getattr(engine, "dtype", None), getattr(getattr(engine, "pcfg", None), "precision", "bf16")
-    )
-    est = estimate(Workload(model, bench.micro_batch, ctx.world, prec, ctx.device.type), ecfg)
-    out = {"predicted_host_gib": est.host_total / GiB, "predicted_phase": est.peak_phase}
-    if est.compute:
-        out["predicted_gpu_peak_gib"] = est.compute_peak / GiB
-        out["predicted_gpu_total_gib"] = est.compute_total / GiB
-    return out
-
-
 def run_trial(spec: dict) -> dict:
     bench = BenchConfig(**spec["bench"])
     system = get_system(spec["system"])
@@ -159,9 +124,8 @@ def run_trial(spec: dict) -> dict:
         runner = system.build(model, bench, ctx)
         rec["init_s"] = time.perf_counter() - t0
         check_cap(cap, runner, ctx.device)
-        if hasattr(runner, "engine"):
-            rec["engine"] = describe_engine(runner.engine)
-            rec.update(predict(runner.engine, model, bench, ctx))
+        if hasattr(runner, "record"):  # fitgpt's engines: the plan they run and its prediction
+            rec.update(runner.record())
         times, losses, phases = [], [], []
         engine = getattr(runner, "engine", None)
         for i in range(bench.warmup + bench.steps):

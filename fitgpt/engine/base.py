@@ -71,6 +71,13 @@ class Engine(ABC):
     def inference_model(self) -> GPT:
         """A plain GPT with the current weights on this rank's device, for sampling."""
 
+    def describe(self) -> dict:
+        """What this engine is and where its state lives, for logs and benchmark records:
+        {"engine": name, "placement": one line, "bytes": {tier: bytes held now}, "streams":
+        the work that runs beside the compute stream}."""
+        held = {tier: sum(kinds.values()) for tier, kinds in self.memory_report().items()}
+        return {"engine": type(self).__name__, "placement": "", "bytes": held, "streams": []}
+
     def close(self) -> None:
         """Stop background threads and remove scratch files (the nvme tier's); idempotent. Also
         done at interpreter exit, but not after os._exit or a kill."""

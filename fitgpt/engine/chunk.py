@@ -33,55 +33,42 @@ import torch
 from torch import Tensor, nn
 
 from fitgpt.engine.config import OptimConfig
-from fitgpt.engine.layout import ChunkSpec
 from fitgpt.engine.moments import make_store
 from fitgpt.engine.pinned import PinnedArena
-
-ALIGN = 128  # shard boundaries on 256-byte multiples (bf16): aligned NCCL and vector loads
-
-
-def padded(n: int, world: int) -> int:
-    m = world * ALIGN
-    return -(-n // m) * m
+from fitgpt.engine.placement import ChunkPlan
 
 
 class Chunk:
     def __init__(
         self,
-        spec: ChunkSpec,
+        plan: ChunkPlan,
         *,
+        stage: int,
         rank: int,
-        world: int,
-        shard_opt: bool,
-        shard_grads: bool,
-        shard_weights: bool,
         dtype: torch.dtype,
         device: torch.device,
-        opt_device: torch.device,
-        offloaded: bool = False,
-        on_disk: bool = False,
-        moments: str = "fp32",
         moment_scratch: tuple[Tensor, Tensor] | None = None,
-        stream_weights: bool = False,
         pinned: PinnedArena | None = None,
     ) -> None:
-        self.spec = spec
-        self.n, self.N = spec.numel, padded(spec.numel, world)
-        self.s = self.N // world
+        """The buffers `plan` (engine/placement.py) says this chunk has, on this rank."""
+        spec = self.spec = plan.spec
+        self.n, self.N, self.s = spec.numel, plan.N, plan.shard
         self.lo, self.hi = rank * self.s, (rank + 1) * self.s  # this rank's shard
-        self.shard_grads, self.shard_weights = shard_grads, shard_weights
-        self.streamed = stream_weights  # weights homed in host RAM, streamed in per use
-        self.transient_weight = shard_weights or stream_weights  # `weight` freed between uses
+        shard_opt = stage >= 1
+        self.shard_grads, self.shard_weights = stage >= 2, plan.weights == "sharded"
+        self.streamed = plan.streamed  # weights homed in host RAM, streamed in per use
+        self.transient_weight = self.shard_weights or self.streamed  # freed between uses
         self.opt_lo, self.opt_hi = (self.lo, self.hi) if shard_opt else (0, self.N)
-        self.dtype, self.device, self.opt_device = dtype, device, opt_device
+        self.dtype, self.device = dtype, device
+        self.opt_device = device if plan.home == "device" else torch.device("cpu")
 
-        self.offloaded = offloaded  # state homed on the offload tier (host memory), not the device
+        self.offloaded = plan.offloaded  # state homed on the offload tier (host memory)
         # nvme tier: the fp32 state lives in files; these host buffers hold it only between
         # alloc_state() and free_state() (storage resized to 0 and back, as stage-3 weights)
-        self.on_disk = on_disk
+        self.on_disk = plan.on_disk
         self._alloc_weights(pinned)
         self._alloc_grads(shard_opt)
-        self._alloc_opt_state(shard_opt, moments, moment_scratch)
+        self._alloc_opt_state(shard_opt, plan.moments, moment_scratch)
         # [0, decay_end) of the optimizer range gets weight decay (layout puts decayed params first)
         self.decay_end = max(0, min(spec.decay_numel, self.opt_hi) - self.opt_lo)
         self.grads_seen = 0  # params whose gradient is complete in the current backward

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from fitgpt.dist import DistContext
-from fitgpt.engine.accounting import check_host_room, memory_report, opt_elems
+from fitgpt.engine.accounting import check_host_room, memory_report
 from fitgpt.engine.activation import checkpoint_blocks
 from fitgpt.engine.base import Batch, Engine, StepStats, batch_to
 from fitgpt.engine.chunk import Chunk
@@ -43,10 +43,10 @@ from fitgpt.engine.chunk_state import ChunkStateIO
 from fitgpt.engine.comm import Peers
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.fetch import WeightFetch
-from fitgpt.engine.layout import ChunkSpec, chunk_layout
+from fitgpt.engine.layout import chunk_layout
 from fitgpt.engine.offload import DiskTier, HostOptimizer
 from fitgpt.engine.pinned import PinnedArena
-from fitgpt.engine.placement import optimizer_homes
+from fitgpt.engine.placement import Placement
 from fitgpt.engine.reduce import GradReducer
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.timing import StepClock
@@ -79,12 +79,12 @@ class ChunkEngine(Engine):
         with torch.device("meta"):
             model = GPT(model_cfg)  # no memory: every parameter is replaced by a chunk view below
         self.layout = chunk_layout(model)
-        homes, streams = self._placement()
+        self.placement = self._placement()
         self.pinned = PinnedArena(self.cuda)  # streamed weights, delayed updates
-        self.moment_scratch, self.disk = self._shared_host_state(homes)
+        self.moment_scratch, self.disk = self._shared_host_state()
         if model_cfg.position == "alibi":
             model.alibi_slopes_N = alibi_slopes(model_cfg.n_head).to(self.device)
-        self.chunks = self._build_chunks(model, homes, streams, seed)
+        self.chunks = self._build_chunks(model, seed)
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         self.blocks = [c for c in self.chunks if c.spec.name.startswith("block.")]
         if ecfg.checkpointing != "off":
@@ -104,55 +104,47 @@ class ChunkEngine(Engine):
         self._connect_parts()
 
     # ---- construction -------------------------------------------------------------------------
-    def _placement(self) -> tuple[list[str], bool]:
-        """Per chunk, where its optimizer state lives ("device", "cpu", "nvme"), and whether the
-        offloaded blocks' weights are streamed from host RAM; refuses what cannot run here. The
-        offload settings are read only during construction (here, _shared_host_state,
-        _new_chunk, the delayed-update buffers): after it, the parts see chunks and flags."""
-        ecfg = self.ecfg
-        homes = optimizer_homes(self.layout, ecfg)
-        streams = ecfg.offload_params == "cpu" and any(h != "device" for h in homes)
-        if streams and self.world > 1 and self.stage < 3:
+    def _placement(self) -> Placement:
+        """Where every chunk's state lives (engine/placement.py: the same object the planner
+        priced); refuses what cannot run here, before anything is allocated. After construction
+        the parts see chunks and their flags, never the engine config's offload fields."""
+        placement = Placement.of(self.layout, self.ecfg, self.world, self.dtype.itemsize)
+        if placement.streams and self.world > 1 and self.stage < 3:
             raise UserError(
                 f"--offload-params cpu on {self.world} ranks streams each rank's shard of the "
                 "weights: use --zero-stage 3"
             )
-        check_host_room(
-            self.layout,
-            homes,
-            self.dtype,
-            self.world,
-            self.stage,
-            self.device,
-            ecfg.host_moments,
-            weights_on_host=streams,
-            delayed=ecfg.delayed_update,
-        )
-        return homes, streams
+        check_host_room(placement, self.device)
+        return placement
 
-    def _shared_host_state(
-        self, homes: list[str]
-    ) -> tuple[tuple[Tensor, Tensor] | None, DiskTier | None]:
+    def _shared_host_state(self) -> tuple[tuple[Tensor, Tensor] | None, DiskTier | None]:
         """The host buffers that offloaded chunks share: the fp32 scratch their compressed
         moments decode into (the worker updates one chunk at a time: 8 bytes per element of the
-        largest host-homed chunk), and the disk tier, whose free space is checked here, before
+        largest such chunk), and the disk tier, whose free space is checked here, before
         anything else is allocated."""
-        elems = [opt_elems(s, self.world, self.stage) for s in self.layout]
-        ram = [n for n, h in zip(elems, homes) if h == "cpu"]
+        compressed = [c.opt_elems for c in self.placement.chunks if c.moments != "fp32"]
         scratch = None
-        if self.ecfg.host_moments != "fp32" and ram:
-            scratch = (torch.zeros(max(ram)), torch.zeros(max(ram)))
-        on_disk = {s.index: n for s, n, h in zip(self.layout, elems, homes) if h == "nvme"}
+        if compressed:
+            scratch = (torch.zeros(max(compressed)), torch.zeros(max(compressed)))
+        on_disk = {c.spec.index: c.opt_elems for c in self.placement.chunks if c.on_disk}
         disk = DiskTier(self.ecfg.nvme_path, on_disk) if on_disk else None
         return scratch, disk
 
-    def _build_chunks(self, model: GPT, homes: list[str], streams: bool, seed: int) -> list[Chunk]:
+    def _build_chunks(self, model: GPT, seed: int) -> list[Chunk]:
         """One chunk at a time: allocate, bind into the model, initialise, build its optimizer
         (its views are cut while the state is resident), and write a disk-homed chunk's state
         out, so init transients and host RAM stay at one chunk's worth."""
         chunks = []
-        for spec, home in zip(self.layout, homes):
-            c = self._new_chunk(spec, home, streams)
+        for plan in self.placement.chunks:
+            c = Chunk(
+                plan,
+                stage=self.stage,
+                rank=self.ctx.rank if self.world > 1 else 0,
+                dtype=self.dtype,
+                device=self.device,
+                moment_scratch=self.moment_scratch,
+                pinned=self.pinned,
+            )
             c.bind(model)
             c.init_weights(partial(model.init_parameter_, seed=seed))
             c.build_optimizer(self.ocfg)
@@ -160,28 +152,6 @@ class ChunkEngine(Engine):
                 self.disk.write_out(c)  # host RAM holds one disk-homed chunk's state at a time
             chunks.append(c)
         return chunks
-
-    def _new_chunk(self, spec: ChunkSpec, home: str, streams: bool) -> Chunk:
-        """The chunk's buffers, from the stage and its home."""
-        is_block = spec.name.startswith("block.")
-        return Chunk(
-            spec,
-            rank=self.ctx.rank if self.world > 1 else 0,
-            world=self.world,
-            shard_opt=self.stage >= 1,
-            shard_grads=self.stage >= 2,
-            # embed/head stay resident under stage 3: the tied embedding is used at both ends
-            shard_weights=self.stage >= 3 and is_block,
-            dtype=self.dtype,
-            device=self.device,
-            opt_device=self.device if home == "device" else torch.device("cpu"),
-            offloaded=home != "device",
-            on_disk=home == "nvme",
-            moments=self.ecfg.host_moments if home == "cpu" else "fp32",
-            moment_scratch=self.moment_scratch,
-            stream_weights=streams and home != "device" and is_block,
-            pinned=self.pinned,
-        )
 
     def _connect_parts(self) -> None:
         """The engine's parts, and their hooks on the model (handles removed at close())."""
@@ -275,6 +245,24 @@ class ChunkEngine(Engine):
         )
 
     # ---- accounting and lifetime --------------------------------------------------------------
+    def describe(self) -> dict:
+        out = super().describe()
+        streams = []
+        if self.world > 1:
+            streams.append("collectives: gradient reductions overlapped with the backward")
+        if self.stage >= 3:
+            streams.append("all-gathers of the next block's weights (prefetch)")
+        if self.streamed:
+            streams.append("host→device copies of streamed blocks' weights (copy stream)")
+        if self.host_opt is not None:
+            streams.append("the host optimizer: gradients down and weights up on a side stream, "
+                           "AdamW on a worker thread")  # fmt: skip
+        if self.disk is not None:
+            streams.append("the disk tier's reads and writes (I/O threads)")
+        out.update(engine=f"zero-{self.stage}", placement=self.placement.describe())
+        out["streams"] = streams
+        return out
+
     def memory_report(self) -> dict[str, dict[str, int]]:
         return memory_report(self.chunks, self.host_opt, self.moment_scratch, self.disk)
 

@@ -177,8 +177,9 @@ class EngineConfig:
                 "--zero-stage/--offload-*"
             )
         for name in ("offload_blocks", "nvme_blocks"):
-            if (getattr(self, name) or 0) < 0:
-                raise UserError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 0")
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise UserError(f"--{name.replace('_', '-')} {v!r} must be a whole number >= 0")
         if self.offload_params == "nvme":
             raise UserError(
                 "--offload-params nvme: weights stream from host RAM only; use --offload-params "

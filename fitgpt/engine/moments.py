@@ -37,7 +37,7 @@ from torch import Tensor
 
 from fitgpt.errors import UserError
 
-KINDS = ("fp32", "bf16", "int8")
+FORMATS = ("fp32", "bf16", "int8")  # how a moment is stored (state_io.KINDS: which state)
 
 # int8: elements sharing one fp32 scale. Each scale costs 4/2048 ≈ 0.002 bytes per element; a
 # smaller block tracks the local magnitude more closely (less error) but costs more scales.
@@ -76,8 +76,8 @@ def make_store(
 
 
 def _check_kind(kind: str) -> None:
-    if kind not in KINDS:
-        raise UserError(f"moment format {kind!r} is unknown: choose one of {', '.join(KINDS)}")
+    if kind not in FORMATS:
+        raise UserError(f"moment format {kind!r} is unknown: choose one of {', '.join(FORMATS)}")
 
 
 class MomentStore(ABC):

@@ -37,9 +37,7 @@ from torch import Tensor
 
 from fitgpt.engine.chunk import Chunk
 from fitgpt.engine.nvme import NvmeStore
-
-HOST_SLOTS = 3  # chunks in flight between the GPU and the host optimizer (pinned staging buffers)
-
+from fitgpt.engine.placement import HOST_SLOTS
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 

@@ -202,8 +202,3 @@ def _chunk(c: ChunkSpec, home: str, ecfg: EngineConfig, world: int, stage: int) 
         weights = "device"
     moments = ecfg.host_moments if home == "cpu" else "fp32"
     return ChunkPlan(c, N, s, s if stage >= 1 else N, home, moments, weights)
-
-
-def optimizer_homes(layout: list[ChunkSpec], ecfg: EngineConfig) -> list[str]:
-    """Per chunk: "device", "cpu" or "nvme" (the engine's view until it reads the Placement)."""
-    return [c.home for c in Placement.of(layout, ecfg, 1, 2).chunks]

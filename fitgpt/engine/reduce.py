@@ -29,8 +29,7 @@ from torch import Tensor
 
 from fitgpt.engine.chunk import Chunk
 from fitgpt.engine.comm import Peers
-
-MAX_INFLIGHT = 2  # gradient reductions in flight at once: bounds the transient full-grad buffers
+from fitgpt.engine.placement import MAX_INFLIGHT
 
 
 class GradReducer:

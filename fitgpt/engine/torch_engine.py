@@ -199,6 +199,14 @@ class TorchEngine(Engine):
         steps = [int(st["step"].item()) for st in self.opt.state.values() if "step" in st]
         return {"optimizer_step": max(steps, default=0), "scaler": self.scaler.state_dict()}
 
+    def describe(self) -> dict:
+        out = super().describe()
+        out.update(engine="ddp", placement="every parameter, gradient and Adam moment in fp32 on "
+                   f"the device, replicated on {self.ctx.world} rank(s)")  # fmt: skip
+        if self.ctx.world > 1:
+            out["streams"] = ["DDP's bucketed all-reduce, overlapped with the backward"]
+        return out
+
     def memory_report(self) -> dict[str, dict[str, int]]:
         def nbytes(ts):
             return sum(t.numel() * t.element_size() for t in ts if t is not None)

@@ -280,6 +280,9 @@ class Trainer:
             f"{self.tokens_per_step:,} tokens per step, {torch.get_num_threads()} CPU threads "
             "per rank",
         )
+        placement = self.engine.describe()["placement"]
+        if placement:
+            say(ctx, f"placement: {placement}")
         fp16 = self.run.precision.precision == "fp16"
         self.guard = DivergenceGuard(cfg.max_bad_steps, dynamic_scale=fp16)
         self.saved_step, self.prune_owed, self.save_owed = None, False, False
