@@ -7,4 +7,3 @@ The CLI prints it as one line without a traceback; anything else is a bug and ke
 
 class UserError(Exception):
     """A mistake in the user's input; the message says what to change."""
-
