@@ -23,7 +23,7 @@ import time
 # A core counts as busy when other programs used more than this share of it while we looked:
 # background daemons use a few percent, a competing job most of a core.
 BUSY_THRESHOLD = 0.25
-SAMPLE_S = 0.3  # how long start-up looks at the machine; costs this much once per run
+SAMPLE_S = 0.5  # how long start-up looks at the machine; costs this much once per run
 
 
 def _cpu_times() -> tuple[float, float] | None:
@@ -39,20 +39,16 @@ def _cpu_times() -> tuple[float, float] | None:
 
 
 def busy_cores(sample_s: float = SAMPLE_S) -> float | None:
-    """Cores' worth of CPU other programs use now (this process is idle while it looks): the
-    larger of a short sample of /proc/stat and the 1-minute load average, so a competing job
-    that pauses for the moment of the sample still counts."""
+    """Cores' worth of CPU other programs use now (this process is idle while it looks), from
+    a short sample of /proc/stat. Not the load average: it trails the machine by a minute, so
+    right after a busy spell an idle box read as busy and the demo took one thread instead of
+    two (170 s instead of ~110; benchmarks/results/demo_cpu_quiet_2026-11-23)."""
     a = _cpu_times()
     time.sleep(sample_s)
     b = _cpu_times()
     if a is None or b is None or b[1] <= a[1]:
         return None
-    sampled = (os.cpu_count() or 1) * (b[0] - a[0]) / (b[1] - a[1])
-    try:
-        recent = os.getloadavg()[0]
-    except OSError:
-        recent = 0.0
-    return max(sampled, min(recent, float(os.cpu_count() or 1)))
+    return (os.cpu_count() or 1) * (b[0] - a[0]) / (b[1] - a[1])
 
 
 def cpu_threads(local_ranks: int = 1, busy: float | None = None) -> int:
