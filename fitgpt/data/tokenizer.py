@@ -49,7 +49,22 @@ class ByteTokenizer:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
 
-class BPETokenizer:
+class _HFTokenizer:
+    """Encoding and decoding through a Hugging Face `tokenizers` object in `self._tok`."""
+
+    _tok: object
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class BPETokenizer(_HFTokenizer):
     """Byte-level BPE from a vocab (JSON) and merges file, GPT-2's by default."""
 
     def __init__(self, vocab_file: str | Path, merges_file: str | Path, name: str) -> None:
@@ -67,17 +82,8 @@ class BPETokenizer:
         self.vocab_size = self._tok.get_vocab_size()
         self.eod_id = self._tok.token_to_id(EOD_TEXT)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts)]
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-
-class JSONTokenizer:
+class JSONTokenizer(_HFTokenizer):
     """A Hugging Face `tokenizer.json` (the one file transformers 5's `save_pretrained` writes).
 
     vocab_size is the largest id + 1, added tokens included (their ids may lie past the base
@@ -99,15 +105,6 @@ class JSONTokenizer:
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
         eod = _declared_eos(path.parent) or EOD_TEXT
         self.eod_id = self._tok.token_to_id(eod)
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts)]
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def _declared_eos(folder: Path) -> str | None:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from fitgpt.dist.procs import pid_alive
 from fitgpt.engine.aligned_io import (
     PAGE,
     Bounce,
@@ -67,21 +68,11 @@ def remove_orphans(root: str) -> list[str]:
         return gone
     for name in os.listdir(root):
         m = re.fullmatch(r"fitgpt-scratch-(\d+)-[0-9a-f]+", name)
-        if not m or _alive(int(m.group(1))):
+        if not m or pid_alive(int(m.group(1))):
             continue
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         gone.append(os.path.join(root, name))
     return gone
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
 
 
 def disk_room(path: str) -> int:

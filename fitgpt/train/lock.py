@@ -19,19 +19,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from fitgpt.dist.procs import pid_alive
 from fitgpt.errors import UserError
 
 LOCK_NAME = "run.lock"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
 
 
 def _owner(fd: int) -> dict:
@@ -120,4 +111,4 @@ def _held_by_pid(owner: dict) -> bool:
         return False
     if owner.get("host") != socket.gethostname():
         return True
-    return isinstance(owner.get("pid"), int) and _alive(owner["pid"])
+    return isinstance(owner.get("pid"), int) and pid_alive(owner["pid"])
