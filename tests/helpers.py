@@ -34,11 +34,15 @@ def run_config(out, **overrides) -> RunConfig:
         "precision": PrecisionConfig(precision="fp32"),
         "optim": OptimConfig(),
     }
+    per_part: dict[str, dict] = {}
     for key, value in overrides.items():
         for name, cfg in parts.items():
             if key in {f.name for f in dataclasses.fields(cfg)}:
-                parts[name] = dataclasses.replace(cfg, **{key: value})
+                per_part.setdefault(name, {})[key] = value
                 break
         else:
             raise KeyError(key)
+    # one replace per sub-config: its checks see every override together
+    for name, fields in per_part.items():
+        parts[name] = dataclasses.replace(parts[name], **fields)
     return RunConfig(**parts)

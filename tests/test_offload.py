@@ -316,7 +316,7 @@ def test_resume_across_nvme_and_host_placements(tmp_path):
 @pytest.mark.parametrize("kind,tol", [("bf16", 0.02), ("int8", 0.05)])
 def test_compressed_host_moments_train_close_to_fp32_moments(kind, tol):
     ref = losses(offload_optimizer="cpu")
-    got = losses(offload_optimizer="cpu", host_moments=kind)
+    got = losses(offload_optimizer="cpu", moments=kind)
     assert got[0] == ref[0]  # the first forward is before any update
     assert max(abs(a - b) for a, b in zip(got, ref)) < tol
     assert got != ref  # the compressed stores were really used
@@ -328,9 +328,7 @@ def test_compressed_moments_hold_fewer_bytes_and_the_model_predicts_them():
 
     held = {}
     for kind in ("fp32", "bf16", "int8"):
-        ecfg = EngineConfig(
-            engine="zero", offload_optimizer="cpu", offload_blocks=2, host_moments=kind
-        )
+        ecfg = EngineConfig(engine="zero", offload_optimizer="cpu", offload_blocks=2, moments=kind)
         e = build_engine(MODEL, ecfg, PrecisionConfig("fp32"), OptimConfig(), CPU)
         rep = e.memory_report()["host"]
         pred = zero_state(Workload(MODEL, 2, 1, "fp32"), ecfg)["host"]
@@ -342,7 +340,7 @@ def test_compressed_moments_hold_fewer_bytes_and_the_model_predicts_them():
 
 def test_resume_from_int8_moments_into_fp32_moments(tmp_path):
     kw = dict(n_layer=4, engine="zero", offload_optimizer="cpu", offload_blocks=2)
-    full = train(run_config(tmp_path, steps=12, save_every=6, host_moments="int8", **kw), CPU)
+    full = train(run_config(tmp_path, steps=12, save_every=6, moments="int8", **kw), CPU)
     shutil.rmtree(tmp_path / "step_00000012")
     resumed = train(run_config(tmp_path, steps=12, **kw), CPU, resume="")
     # the checkpoint holds the decoded moments in fp32: the resumed run continues the same curve

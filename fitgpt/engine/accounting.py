@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 
 import torch
-from torch import Tensor
 
 from fitgpt.engine.chunk import Chunk
+from fitgpt.engine.compact import Scratch
 from fitgpt.engine.hostmem import host_usable
 from fitgpt.engine.offload import DiskTier, HostOptimizer
 from fitgpt.engine.placement import HOST_SLOTS, Placement
@@ -43,12 +43,12 @@ def check_host_room(placement: Placement, device: torch.device) -> None:
 def memory_report(
     chunks: list[Chunk],
     host_opt: HostOptimizer | None,
-    moment_scratch: tuple[Tensor, Tensor] | None,
+    scratch: dict[str, Scratch],
     disk: DiskTier | None,
 ) -> dict[str, dict[str, int]]:
     """Bytes held now: every chunk's buffers (Chunk.bytes_by_kind), plus the host tier's shared
-    buffers: the host optimizer's staging, the delayed-update buffers, the compressed moments'
-    fp32 scratch, and the disk tier's swap room (one chunk's state per staging slot)."""
+    buffers: the host optimizer's staging, the delayed-update buffers, the compact formats'
+    fp32 scratch per tier, and the disk tier's swap room (one chunk's state per staging slot)."""
     out: dict[str, dict[str, int]] = {}
     for c in chunks:
         for dev, kinds in c.bytes_by_kind().items():
@@ -56,14 +56,18 @@ def memory_report(
                 out.setdefault(dev, {}).setdefault(k, 0)
                 out[dev][k] += v
     if host_opt is not None:
-        out.setdefault("host", {})["host_staging"] = host_opt.nbytes()
+        h = out.setdefault("host", {})
+        h["host_staging"] = sum(t.nbytes for t in (*host_opt.staging, host_opt.g32))
+        if host_opt.wstaging:
+            h["weight_staging"] = sum(t.nbytes for t in host_opt.wstaging)
     delayed = [c.next_weights for c in chunks if c.next_weights is not None]
     if delayed:
         out["host"]["delayed_weights"] = sum(t.nbytes for t in delayed)
-    if moment_scratch is not None:
-        out["host"]["moment_scratch"] = sum(t.numel() * 4 for t in moment_scratch)
+    for tier, s in scratch.items():
+        dev = "host" if tier == "host" else chunks[0].device.type
+        out.setdefault(dev, {})["compact_scratch"] = s.nbytes()
     if disk is not None:
         # the most disk-homed chunks swapped in at once: one per staging slot
-        big = max(c.master.numel() for c in chunks if c.on_disk)
-        out["host"]["nvme_swap"] = HOST_SLOTS * 12 * big
+        big = max(sum(t.nbytes for t in c.state_tensors().values()) for c in chunks if c.on_disk)
+        out["host"]["nvme_swap"] = HOST_SLOTS * big
     return out

@@ -32,8 +32,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from fitgpt.engine.compact import CompactState, Scratch
 from fitgpt.engine.config import OptimConfig
-from fitgpt.engine.moments import make_store
 from fitgpt.engine.pinned import PinnedArena
 from fitgpt.engine.placement import ChunkPlan
 
@@ -47,14 +47,13 @@ class Chunk:
         rank: int,
         dtype: torch.dtype,
         device: torch.device,
-        moment_scratch: tuple[Tensor, Tensor] | None = None,
         pinned: PinnedArena | None = None,
     ) -> None:
         """The buffers `plan` (engine/placement.py) says this chunk has, on this rank."""
         spec = self.spec = plan.spec
         self.n, self.N, self.s = spec.numel, plan.N, plan.shard
         self.lo, self.hi = rank * self.s, (rank + 1) * self.s  # this rank's shard
-        shard_opt = stage >= 1
+        shard_opt = self.shard_opt = stage >= 1
         self.shard_grads, self.shard_weights = stage >= 2, plan.weights == "sharded"
         self.streamed = plan.streamed  # weights homed in host RAM, streamed in per use
         self.transient_weight = self.shard_weights or self.streamed  # freed between uses
@@ -68,9 +67,10 @@ class Chunk:
         self.on_disk = plan.on_disk
         self._alloc_weights(pinned)
         self._alloc_grads(shard_opt)
-        self._alloc_opt_state(shard_opt, plan.moments, moment_scratch)
         # [0, decay_end) of the optimizer range gets weight decay (layout puts decayed params first)
         self.decay_end = max(0, min(spec.decay_numel, self.opt_hi) - self.opt_lo)
+        self.compact: CompactState | None = None  # build_optimizer(): compact formats' state
+        self._alloc_opt_state(shard_opt, plan)
         self.grads_seen = 0  # params whose gradient is complete in the current backward
 
         self.optimizer: torch.optim.AdamW | None = None  # build_optimizer(), once state exists
@@ -115,36 +115,25 @@ class Chunk:
             torch.zeros(self.s, dtype=self.dtype, device=self.device) if shard_opt else None
         )
 
-    def _alloc_opt_state(
-        self, shard_opt: bool, moments: str, moment_scratch: tuple[Tensor, Tensor] | None
-    ) -> None:
-        """fp32 master and the two moments over the optimizer range, on opt_device."""
+    def _alloc_opt_state(self, shard_opt: bool, plan: ChunkPlan) -> None:
+        """fp32 master and the two moments over the optimizer range, on opt_device; a chunk in
+        compact formats (plan.compact) gets them in build_optimizer() (engine/compact.py)."""
         m, opt_device = self.opt_hi - self.opt_lo, self.opt_device
-        self.master_aliases_weight = (
-            self.dtype == torch.float32 and opt_device == self.device and not self.offloaded
-        )
+        self.plan = plan
+        self.master_aliases_weight = plan.master == "alias"
+        self.master = self.exp_avg = self.exp_avg_sq = None
+        self.state_resident = True
+        if plan.compact:
+            return
         if self.master_aliases_weight:
             # fp32 compute: the working weights are the master copy, no second fp32 buffer.
             self.master = self.weight_shard if shard_opt else self.weight
         else:
+            # host-homed state stays pageable: only the host optimizer's staging buffers take
+            # part in DMA, and torch's pinned allocator would round each chunk up to a power of 2
             self.master = torch.zeros(m, dtype=torch.float32, device=opt_device)
-        # host-homed state stays pageable: only the host optimizer's staging buffers take part in
-        # DMA, and torch's pinned allocator would round each chunk up to a power of two
-        # compressed moments (host-homed chunks only): the stores hold them between steps; the
-        # fp32 exp_avg/exp_avg_sq are views of scratch shared by every such chunk, valid only
-        # between decode_moments() and encode_moments() (the host optimizer's worker, one chunk
-        # at a time). Costs an extra pass over the moments per step; saves 4 (bf16) or ~6 (int8)
-        # bytes per element.
-        self.m_store = self.v_store = None
-        if moments != "fp32":
-            assert moment_scratch is not None and self.offloaded and not self.on_disk
-            self.m_store = make_store(moments, m, signed=True)
-            self.v_store = make_store(moments, m, signed=False)
-            self.exp_avg, self.exp_avg_sq = (t[:m] for t in moment_scratch)
-        else:
-            self.exp_avg = torch.zeros(m, dtype=torch.float32, device=opt_device)
-            self.exp_avg_sq = torch.zeros(m, dtype=torch.float32, device=opt_device)
-        self.state_resident = True
+        self.exp_avg = torch.zeros(m, dtype=torch.float32, device=opt_device)
+        self.exp_avg_sq = torch.zeros(m, dtype=torch.float32, device=opt_device)
 
     def bind(self, model: nn.Module) -> None:
         """Make the chunk's parameter views the model's parameters (replacing meta tensors)."""
@@ -153,19 +142,30 @@ class Chunk:
             setattr(model.get_submodule(owner), leaf, p)
 
     @torch.no_grad()
-    def init_weights(self, init: Callable[[str, Tensor], None]) -> None:
+    def init_weights(self, init: Callable[[str, Tensor], None], scratch: Scratch | None) -> None:
         """Each parameter made whole in fp32 by `init(name, tensor)` (the model's seeded
         initialiser), then scattered into the chunk's buffers: the same initial weights at every
-        world size, stage and tier. Transient: one chunk in fp32 (4·N bytes), freed on return."""
+        world size, stage and tier. Transient: one chunk in fp32 (4·N bytes), freed on return.
+        A compact chunk splits its master through `scratch` (its tier's)."""
         flat = torch.zeros(self.N, dtype=torch.float32, device=self.device)
         for s in self.spec.slots:
             init(s.name, flat[s.offset : s.offset + s.numel].view(s.shape))
         self.weight.copy_(flat)
         if self.transient_weight:
             self.weight_shard.copy_(flat[self.lo : self.hi])
-        if not self.master_aliases_weight:
+        if self.compact is not None:
+            # the same bf16 values the copies above wrote (both are torch's cast)
+            self.compact.load(flat[self.opt_lo : self.opt_hi], None, None, self.home_weights,
+                              scratch)  # fmt: skip
+        elif not self.master_aliases_weight:
             self.master.copy_(flat[self.opt_lo : self.opt_hi])
         self.free_weight()  # stage 3: the full block weights live only while gathered
+
+    @property
+    def home_weights(self) -> Tensor:
+        """The working weights over this rank's optimizer range, which its update writes: the
+        full weights (stage 0), else this rank's shard (pinned host RAM for a streamed chunk)."""
+        return self.weight_shard if (self.shard_opt or self.streamed) else self.weight
 
     @property
     def group_ranges(self) -> list[tuple[int, int]]:
@@ -173,10 +173,20 @@ class Chunk:
         d, m = self.decay_end, self.opt_hi - self.opt_lo
         return [r for r in ((0, d), (d, m)) if r[1] > r[0]]
 
-    def build_optimizer(self, ocfg: OptimConfig) -> torch.optim.AdamW:
+    def build_optimizer(self, ocfg: OptimConfig) -> torch.optim.AdamW | None:
         """torch's fused AdamW over the chunk's flat fp32 views; its moments are our buffers.
-        Must run while the state is resident (a disk-homed chunk: before its first write-out)."""
+        Must run while the state is resident (a disk-homed chunk: before its first write-out).
+        A chunk in compact formats gets its CompactState instead (None returned)."""
         d, m = self.decay_end, self.opt_hi - self.opt_lo
+        if self.plan.compact:
+            groups = [(0, d, ocfg.weight_decay), (d, m, 0.0)]
+            groups = [g for g in groups if g[1] > g[0]]
+            self.compact = CompactState(
+                m, self.plan.master, self.plan.moments, self.opt_device, groups,
+                (ocfg.beta1, ocfg.beta2), ocfg.eps,
+            )  # fmt: skip
+            self.optimizer = None
+            return None
         views = [
             (self.master[:d], self.exp_avg[:d], self.exp_avg_sq[:d], ocfg.weight_decay),
             (self.master[d:m], self.exp_avg[d:m], self.exp_avg_sq[d:m], 0.0),
@@ -218,33 +228,40 @@ class Chunk:
             self.weight.untyped_storage().resize_(0)
             self.resident = False
 
-    # ---- compressed moments --------------------------------------------------------------------
-    def decode_moments(self) -> None:
-        if self.m_store is not None:
-            self.m_store.decode_into(self.exp_avg)
-            self.v_store.decode_into(self.exp_avg_sq)
-
-    def encode_moments(self) -> None:
-        if self.m_store is not None:
-            self.m_store.encode_from(self.exp_avg)
-            self.v_store.encode_from(self.exp_avg_sq)
-
     # ---- nvme tier: optimizer state resident only while swapped in ---------------------------
-    def state_tensors(self) -> tuple[Tensor, Tensor, Tensor]:
-        return self.master, self.exp_avg, self.exp_avg_sq
+    def state_tensors(self) -> dict[str, Tensor]:
+        """The optimizer state's buffers by name (the disk tier keeps one file each)."""
+        if self.compact is not None:
+            return self.compact.tensors()
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    @property
+    def step_count(self) -> Tensor | None:
+        """The optimizer's step counter (a 0-d tensor), None for a chunk with no state here."""
+        if self.compact is not None:
+            return self.compact.step_count
+        states = list(self.optimizer.state.values()) if self.optimizer is not None else []
+        return states[0]["step"] if states else None
+
+    def set_step(self, step: float) -> None:
+        if self.compact is not None:
+            self.compact.step_count.fill_(step)
+        elif self.optimizer is not None:
+            for st in self.optimizer.state.values():
+                st["step"].fill_(step)
 
     def alloc_state(self) -> None:
-        """Give the fp32 state its host storage back (contents undefined until read in); the
+        """Give the state its host storage back (contents undefined until read in); the
         optimizer's views share the storage, so they see it again."""
         if not self.state_resident:
-            for t in self.state_tensors():
+            for t in self.state_tensors().values():
                 t.untyped_storage().resize_(t.numel() * t.element_size())
             self.state_resident = True
 
     def free_state(self) -> None:
-        """Return a disk-homed chunk's host copy of its state (12 bytes per element)."""
+        """Return a disk-homed chunk's host copy of its state (12 bytes per element in fp32)."""
         if self.on_disk and self.state_resident:
-            for t in self.state_tensors():
+            for t in self.state_tensors().values():
                 t.untyped_storage().resize_(0)
             self.state_resident = False
 
@@ -263,12 +280,12 @@ class Chunk:
         elif self.shard_weights:
             out[dev]["weight_shards"] = nb(self.weight_shard)
         out[dev]["grads"] = nb(self.grad) + nb(self.grad_shard)
-        if not self.master_aliases_weight:
-            out[opt]["master_weights"] = out[opt].get("master_weights", 0) + nb(self.master)
-        moments = (
-            self.m_store.nbytes() + self.v_store.nbytes()
-            if self.m_store is not None
-            else nb(self.exp_avg) + nb(self.exp_avg_sq)
-        )
+        if self.compact is not None:
+            master, moments = self.compact.master_nbytes(), self.compact.moments_nbytes()
+        else:
+            master = 0 if self.master_aliases_weight else nb(self.master)
+            moments = nb(self.exp_avg) + nb(self.exp_avg_sq)
+        if master:
+            out[opt]["master_weights"] = out[opt].get("master_weights", 0) + master
         out[opt]["optimizer"] = out[opt].get("optimizer", 0) + moments
         return out

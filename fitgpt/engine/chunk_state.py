@@ -21,14 +21,26 @@ import torch
 
 from fitgpt.engine.chunk import Chunk
 from fitgpt.engine.comm import Peers
+from fitgpt.engine.compact import Scratch
 from fitgpt.engine.offload import DiskTier
 from fitgpt.engine.state_io import KINDS, Piece, StateReader, write_pieces
 from fitgpt.model import GPT, ModelConfig
 
 
 class ChunkStateIO:
-    def __init__(self, chunks: list[Chunk], disk: DiskTier | None, peers: Peers, stage: int):
+    def __init__(
+        self,
+        chunks: list[Chunk],
+        disk: DiskTier | None,
+        peers: Peers,
+        stage: int,
+        scratch: dict[str, Scratch],
+    ) -> None:
         self.chunks, self.disk, self.peers, self.stage = chunks, disk, peers, stage
+        self.scratch = scratch  # the compact formats' pieces, per tier (engine/compact.py)
+
+    def _scratch(self, c: Chunk) -> Scratch:
+        return self.scratch["host" if c.offloaded else "device"]
 
     def save(self, folder: Path, optimizer: bool) -> None:
         """Write this rank's pieces into `folder` (stage 0 is replicated: rank 0 writes)."""
@@ -45,12 +57,18 @@ class ChunkStateIO:
                 continue
             if c.on_disk:
                 self.disk.read_in(c)
-            if len(kinds) > 1:
-                c.decode_moments()  # compressed moments: into the shared scratch, saved as fp32
-            tensors = dict(zip(kinds, (c.master[:k], c.exp_avg[:k], c.exp_avg_sq[:k])))
-            # safetensors exports through numpy, which pins a storage's size for good: a
-            # disk-homed chunk's buffers must stay resizable, so it hands over copies
-            tensors = {n: (t.clone() if c.on_disk else t.float().cpu()) for n, t in tensors.items()}
+            if c.compact is not None:
+                # compact formats are saved decoded, as fp32 (12·k bytes of host RAM for the
+                # time of this chunk's write): any run can load them into any format
+                state = c.compact.export(c.home_weights, k, self._scratch(c))
+                tensors = dict(zip(kinds, state))
+            else:
+                tensors = dict(zip(kinds, (c.master[:k], c.exp_avg[:k], c.exp_avg_sq[:k])))
+                # safetensors exports through numpy, which pins a storage's size for good: a
+                # disk-homed chunk's buffers must stay resizable, so it hands over copies
+                tensors = {
+                    n: (t.clone() if c.on_disk else t.float().cpu()) for n, t in tensors.items()
+                }
             yield Piece(c.spec.index, lo, hi, tensors)
             c.free_state()
 
@@ -63,18 +81,38 @@ class ChunkStateIO:
             lo, hi = c.unpadded(c.opt_lo, c.opt_hi)
             k = max(0, hi - lo)
             c.alloc_state()  # a disk-homed chunk: its buffers back, filled from the checkpoint
-            for kind, buf in zip(KINDS, (c.master, c.exp_avg, c.exp_avg_sq)):
-                buf.zero_()  # the padding beyond k stays zero; so do fresh moments
-                if k and (optimizer or kind == "master"):
-                    buf[:k].copy_(reader.read(c.spec.index, kind, lo, hi))
-            for st in c.optimizer.state.values():
-                st["step"].fill_(step)
-            c.encode_moments()
+            if c.compact is not None:
+                self._load_compact(c, reader, lo, hi, optimizer)
+            else:
+                for kind, buf in zip(KINDS, (c.master, c.exp_avg, c.exp_avg_sq)):
+                    buf.zero_()  # the padding beyond k stays zero; so do fresh moments
+                    if k and (optimizer or kind == "master"):
+                        buf[:k].copy_(reader.read(c.spec.index, kind, lo, hi))
+            c.set_step(step)
             self._weights_from_master(c)
             if c.on_disk:
                 self.disk.write_out(c)
 
+    def _load_compact(self, c: Chunk, reader: StateReader, lo: int, hi: int, opt: bool) -> None:
+        """fp32 values from the checkpoint, stored in the chunk's formats; a split master writes
+        its working weights (this rank's range) as it goes."""
+        k = max(0, hi - lo)
+        got = {
+            kind: reader.read(c.spec.index, kind, lo, hi) if k and (opt or kind == "master")
+            else None
+            for kind in KINDS
+        }  # fmt: skip
+        master = got["master"] if got["master"] is not None else torch.zeros(0)
+        c.compact.load(master, got["exp_avg"], got["exp_avg_sq"], c.home_weights,
+                       self._scratch(c))  # fmt: skip
+
     def _weights_from_master(self, c: Chunk) -> None:
+        """The working weights from the master (a compact chunk wrote its range already), and
+        the full weights gathered from the shards where they are resident."""
+        if c.compact is not None:
+            if self.stage >= 1 and not c.transient_weight:
+                self.peers.all_gather(c.weight, c.weight_shard, async_op=False)
+            return
         if c.master_aliases_weight:
             src = c.weight_shard if self.stage >= 1 else c.weight
         else:

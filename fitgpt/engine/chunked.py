@@ -41,6 +41,7 @@ from fitgpt.engine.base import Batch, Engine, StepStats, batch_to
 from fitgpt.engine.chunk import Chunk
 from fitgpt.engine.chunk_state import ChunkStateIO
 from fitgpt.engine.comm import Peers
+from fitgpt.engine.compact import Scratch, piece_elems
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.fetch import WeightFetch
 from fitgpt.engine.layout import chunk_layout
@@ -81,7 +82,7 @@ class ChunkEngine(Engine):
         self.layout = chunk_layout(model)
         self.placement = self._placement()
         self.pinned = PinnedArena(self.cuda)  # streamed weights, delayed updates
-        self.moment_scratch, self.disk = self._shared_host_state()
+        self.scratch, self.disk = self._shared_state()
         if model_cfg.position == "alibi":
             model.alibi_slopes_N = alibi_slopes(model_cfg.n_head).to(self.device)
         self.chunks = self._build_chunks(model, seed)
@@ -94,8 +95,17 @@ class ChunkEngine(Engine):
         self.streamed = [c for c in self.chunks if c.streamed]
         self.host_opt = None
         if self.hosted:
-            biggest = max(c.opt_hi - c.opt_lo for c in self.hosted)
-            self.host_opt = HostOptimizer(self.device, self.dtype, biggest, disk=self.disk)
+            hosted = self.placement.hosted
+            split_dev = [c.opt_elems for c in hosted if c.master == "split" and not c.streamed]
+            self.host_opt = HostOptimizer(
+                self.device,
+                self.dtype,
+                max(c.opt_elems for c in hosted),
+                disk=self.disk,
+                plain_elems=max((c.opt_elems for c in hosted if not c.compact), default=0),
+                weight_elems=max(split_dev, default=0) if self.cuda else 0,
+                scratch=self.scratch.get("host"),
+            )
         if ecfg.delayed_update:
             # per host-homed chunk, a pinned buffer the host optimizer writes the new weights
             # into; they reach the model at the next step's update (2 bytes/element in bf16)
@@ -108,7 +118,14 @@ class ChunkEngine(Engine):
         """Where every chunk's state lives (engine/placement.py: the same object the planner
         priced); refuses what cannot run here, before anything is allocated. After construction
         the parts see chunks and their flags, never the engine config's offload fields."""
-        placement = Placement.of(self.layout, self.ecfg, self.world, self.dtype.itemsize)
+        placement = Placement.of(
+            self.layout, self.ecfg, self.world, self.dtype.itemsize, self.device.type
+        )
+        if self.dtype == torch.float16 and any(c.master == "split" for c in placement.chunks):
+            raise UserError(
+                "--master split shares the master's high half with bf16 working weights: use "
+                "--precision bf16, or --master fp32 with fp16"
+            )
         if placement.streams and self.world > 1 and self.stage < 3:
             raise UserError(
                 f"--offload-params cpu on {self.world} ranks streams each rank's shard of the "
@@ -117,16 +134,18 @@ class ChunkEngine(Engine):
         check_host_room(placement, self.device)
         return placement
 
-    def _shared_host_state(self) -> tuple[tuple[Tensor, Tensor] | None, DiskTier | None]:
-        """The host buffers that offloaded chunks share: the fp32 scratch their compressed
-        moments decode into (the worker updates one chunk at a time: 8 bytes per element of the
-        largest such chunk), and the disk tier, whose free space is checked here, before
-        anything else is allocated."""
-        compressed = [c.opt_elems for c in self.placement.chunks if c.moments != "fp32"]
-        scratch = None
-        if compressed:
-            scratch = (torch.zeros(max(compressed)), torch.zeros(max(compressed)))
-        on_disk = {c.spec.index: c.opt_elems for c in self.placement.chunks if c.on_disk}
+    def _shared_state(self) -> tuple[dict[str, Scratch], DiskTier | None]:
+        """What chunks share: the fp32 scratch the compact formats are stepped through, one per
+        tier that has them ("device": the main thread's, "host": the host optimizer worker's;
+        engine/compact.py), and the disk tier, whose free space is checked here, before anything
+        else is allocated."""
+        scratch = {}
+        for tier, homes in (("device", ("device",)), ("host", ("cpu", "nvme"))):
+            elems = [c.opt_elems for c in self.placement.chunks if c.compact and c.home in homes]
+            if elems:
+                dev = self.device if tier == "device" else torch.device("cpu")
+                scratch[tier] = Scratch(min(max(elems), piece_elems(dev)), dev)
+        on_disk = {c.spec.index: c.state_layout() for c in self.placement.chunks if c.on_disk}
         disk = DiskTier(self.ecfg.nvme_path, on_disk) if on_disk else None
         return scratch, disk
 
@@ -142,25 +161,29 @@ class ChunkEngine(Engine):
                 rank=self.ctx.rank if self.world > 1 else 0,
                 dtype=self.dtype,
                 device=self.device,
-                moment_scratch=self.moment_scratch,
                 pinned=self.pinned,
             )
             c.bind(model)
-            c.init_weights(partial(model.init_parameter_, seed=seed))
             c.build_optimizer(self.ocfg)
+            c.init_weights(partial(model.init_parameter_, seed=seed), self.scratch_of(c))
             if c.on_disk:
                 self.disk.write_out(c)  # host RAM holds one disk-homed chunk's state at a time
             chunks.append(c)
         return chunks
 
+    def scratch_of(self, c: Chunk) -> Scratch | None:
+        return self.scratch.get("host" if c.offloaded else "device")
+
     def _connect_parts(self) -> None:
         """The engine's parts, and their hooks on the model (handles removed at close())."""
         blocks, modules = self.blocks, list(self.model.blocks)
         after = self.ecfg.delayed_update_after
-        self.updater = TieredUpdate(self.chunks, self.host_opt, self.peers, self.stage, after)
+        self.updater = TieredUpdate(
+            self.chunks, self.host_opt, self.peers, self.stage, after, self.scratch.get("device")
+        )
         self.reducer = GradReducer(self.peers, self.stage, self.dtype, self.device)
         self.fetcher = WeightFetch(self.peers, self.device, self.host_opt, bool(self.streamed))
-        self.state_io = ChunkStateIO(self.chunks, self.disk, self.peers, self.stage)
+        self.state_io = ChunkStateIO(self.chunks, self.disk, self.peers, self.stage, self.scratch)
         self.hooks: list = []
         if self.host_opt is not None:  # before the fetch hooks: a gather sees updated shards
             self.hooks += self.updater.register_host_waits(modules, blocks)
@@ -231,7 +254,7 @@ class ChunkEngine(Engine):
         self.steps_done = int(step)
 
     def extra_state(self) -> dict:
-        steps = [st["step"] for c in self.chunks for st in c.optimizer.state.values()]
+        steps = [c.step_count for c in self.chunks if c.step_count is not None]
         return {
             "optimizer_step": int(steps[0].item()) if steps else 0,
             "scaler": self.scaler.state_dict(),
@@ -264,7 +287,7 @@ class ChunkEngine(Engine):
         return out
 
     def memory_report(self) -> dict[str, dict[str, int]]:
-        return memory_report(self.chunks, self.host_opt, self.moment_scratch, self.disk)
+        return memory_report(self.chunks, self.host_opt, self.scratch, self.disk)
 
     def breakdown(self) -> dict[str, float]:
         """Seconds per phase of the last completed step (GPU time between phase boundaries), and

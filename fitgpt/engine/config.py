@@ -141,12 +141,29 @@ class EngineConfig:
             "nvme); with --plan auto, giving it lets the planner use the disk"
         },
     )
-    host_moments: Literal["fp32", "bf16", "int8"] = field(
-        default="fp32",
+    master: Literal["auto", "fp32", "split"] = field(
+        default="auto",
         metadata={
-            "help": "storage of the Adam moments of blocks offloaded to host RAM: bf16 (4 "
-            "bytes per parameter fewer) or int8 block-wise (6 fewer) fit more in RAM; opt-in, "
-            "see docs/offload.md for their effect on the loss"
+            "help": "storage of the fp32 master weights: split keeps each as the bf16 working "
+            "weight plus a 16-bit remainder (2 bytes per parameter instead of 4, the same "
+            "values; bf16 compute only); auto: fp32 unless the plan needs the room",
+            "planned": True,
+        },
+    )
+    moments: Literal["auto", "fp32", "bf16", "int8"] = field(
+        default="auto",
+        metadata={
+            "help": "storage of the Adam moments of the offloaded blocks (host RAM and disk): "
+            "bf16 (4 bytes per parameter fewer) or int8 block-wise (6 fewer); auto: fp32 "
+            "unless the plan needs the room. See docs/offload.md for their effect on the loss",
+            "planned": True,
+        },
+    )
+    device_moments: Literal["auto", "fp32", "bf16", "int8"] = field(
+        default="auto",
+        metadata={
+            "help": "the same for the blocks whose optimizer state stays on the GPU",
+            "planned": True,
         },
     )
 
@@ -197,6 +214,17 @@ class EngineConfig:
             )
         if self.delayed_update_after < 0:
             raise UserError(f"--delayed-update-after {self.delayed_update_after} must be >= 0")
+        compact = self.master == "split" or {self.moments, self.device_moments} - {"auto", "fp32"}
+        if self.engine == "ddp" and compact:
+            raise UserError(
+                "--engine ddp keeps torch's fp32 optimizer state; use --engine zero for "
+                "--master split and compact --moments/--device-moments"
+            )
+        if self.master == "split" and self.delayed_update:
+            raise UserError(
+                "--master split rebuilds the master from the current working weights, which a "
+                "--delayed-update run holds a step behind: use --master fp32 with it"
+            )
         if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
             raise UserError("an nvme tier needs --nvme-path DIR on a disk with room for it")
 

@@ -66,6 +66,15 @@ def store_nbytes(kind: str, numel: int) -> int:
     return numel * (4 if kind == "fp32" else 2)
 
 
+def store_layout(kind: str, numel: int) -> dict[str, int]:
+    """The tensors of one store of `kind` over `numel` values: {name: bytes}."""
+    _check_kind(kind)
+    if kind == "int8":
+        nblocks = -(-numel // BLOCK)
+        return {"q": nblocks * BLOCK, "scale": 4 * nblocks}
+    return {"data": numel * (4 if kind == "fp32" else 2)}
+
+
 def make_store(
     kind: str, numel: int, signed: bool, device: torch.device | str = "cpu"
 ) -> MomentStore:
@@ -83,8 +92,10 @@ def _check_kind(kind: str) -> None:
 class MomentStore(ABC):
     """One moment (m or v) of a flat buffer of `numel` elements, in some storage format.
 
-    decode_into / encode_from convert to and from an fp32 tensor of exactly numel elements.
-    Checkpoints hold the decoded fp32 values, so a store needs no state_dict of its own.
+    decode / encode convert elements [lo, hi) to and from an fp32 tensor of hi - lo elements
+    (lo a multiple of BLOCK, so int8 blocks are never split); the optimizer steps a chunk one
+    such piece at a time (engine/compact.py). Checkpoints hold the decoded fp32 values, so a
+    store needs no state_dict of its own.
     """
 
     kind = ""
@@ -96,22 +107,32 @@ class MomentStore(ABC):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def fp32(self, lo: int, hi: int) -> Tensor | None:
+        """The stored values themselves when they are fp32 (no copy), else None."""
+        return None
+
     @abstractmethod
+    def decode(self, lo: int, hi: int, out: Tensor) -> None:
+        """Write stored elements [lo, hi), as fp32, into `out` (hi - lo elements)."""
+
+    @abstractmethod
+    def encode(self, lo: int, hi: int, src: Tensor) -> None:
+        """Store the fp32 values of `src` as elements [lo, hi)."""
+
     def decode_into(self, out: Tensor) -> None:
-        """Write the stored values, as fp32, into `out` (numel elements)."""
+        self.decode(0, self.numel, out)
 
-    @abstractmethod
     def encode_from(self, src: Tensor) -> None:
-        """Store the fp32 values of `src` (numel elements) in this format."""
+        self.encode(0, self.numel, src)
 
-    def _check_fp32(self, t: Tensor) -> None:
-        if t.dtype != torch.float32 or t.shape != (self.numel,):
-            raise ValueError(f"expected fp32 [{self.numel}], got {t.dtype} {list(t.shape)}")
+    def _check(self, lo: int, hi: int, t: Tensor) -> None:
+        if t.dtype != torch.float32 or t.shape != (hi - lo,) or not 0 <= lo <= hi <= self.numel:
+            raise ValueError(f"expected fp32 [{hi - lo}] in [0, {self.numel}], got {t.dtype} "
+                             f"{list(t.shape)} for [{lo}, {hi})")  # fmt: skip
 
 
 class Fp32Store(MomentStore):
-    """Plain fp32: decode/encode are copies (the reference the other formats are tested against;
-    the engine keeps fp32 moments as plain tensors, with no extra pass)."""
+    """Plain fp32: the optimizer steps the stored values in place (fp32() hands them over)."""
 
     kind = "fp32"
 
@@ -119,13 +140,16 @@ class Fp32Store(MomentStore):
         super().__init__(numel, signed, device)
         self.tensors["data"] = torch.zeros(numel, dtype=torch.float32, device=device)
 
-    def decode_into(self, out: Tensor) -> None:
-        self._check_fp32(out)
-        out.copy_(self.tensors["data"])
+    def fp32(self, lo: int, hi: int) -> Tensor | None:
+        return self.tensors["data"][lo:hi]
 
-    def encode_from(self, src: Tensor) -> None:
-        self._check_fp32(src)
-        self.tensors["data"].copy_(src)
+    def decode(self, lo: int, hi: int, out: Tensor) -> None:
+        self._check(lo, hi, out)
+        out.copy_(self.tensors["data"][lo:hi])
+
+    def encode(self, lo: int, hi: int, src: Tensor) -> None:
+        self._check(lo, hi, src)
+        self.tensors["data"][lo:hi].copy_(src)
 
 
 class Bf16Store(MomentStore):
@@ -143,13 +167,13 @@ class Bf16Store(MomentStore):
         super().__init__(numel, signed, device)
         self.tensors["data"] = torch.zeros(numel, dtype=torch.bfloat16, device=device)
 
-    def decode_into(self, out: Tensor) -> None:
-        self._check_fp32(out)
-        out.copy_(self.tensors["data"])  # exact: every bf16 is an fp32
+    def decode(self, lo: int, hi: int, out: Tensor) -> None:
+        self._check(lo, hi, out)
+        out.copy_(self.tensors["data"][lo:hi])  # exact: every bf16 is an fp32
 
-    def encode_from(self, src: Tensor) -> None:
-        self._check_fp32(src)
-        self.tensors["data"].copy_(src)  # round to nearest even
+    def encode(self, lo: int, hi: int, src: Tensor) -> None:
+        self._check(lo, hi, src)
+        self.tensors["data"][lo:hi].copy_(src)  # round to nearest even
 
 
 class Int8Store(MomentStore):
@@ -184,31 +208,34 @@ class Int8Store(MomentStore):
         self.tensors["q"] = torch.zeros(nblocks * BLOCK, dtype=dtype, device=device)
         self.tensors["scale"] = torch.zeros(nblocks, dtype=torch.float32, device=device)
 
-    def decode_into(self, out: Tensor) -> None:
-        self._check_fp32(out)
-        for lo, hi in self._passes():
-            full = (hi - lo) // BLOCK * BLOCK
+    def decode(self, lo: int, hi: int, out: Tensor) -> None:
+        self._check(lo, hi, out)
+        for a, b in self._passes(lo, hi):
+            full = (b - a) // BLOCK * BLOCK
             if full:
-                self._decode_rows(lo, full, out[lo : lo + full].view(-1, BLOCK))
-            if lo + full < hi:  # the last, partial block: decode whole into a small temporary
+                self._decode_rows(a, full, out[a - lo : a - lo + full].view(-1, BLOCK))
+            if a + full < b:  # the last, partial block: decode whole into a small temporary
                 row = torch.empty(1, BLOCK, dtype=torch.float32, device=self.device)
-                self._decode_rows(lo + full, BLOCK, row)
-                out[lo + full : hi].copy_(row[0, : hi - lo - full])
+                self._decode_rows(a + full, BLOCK, row)
+                out[a - lo + full : b - lo].copy_(row[0, : b - a - full])
 
-    def encode_from(self, src: Tensor) -> None:
-        self._check_fp32(src)
-        for lo, hi in self._passes():
-            full = (hi - lo) // BLOCK * BLOCK
+    def encode(self, lo: int, hi: int, src: Tensor) -> None:
+        self._check(lo, hi, src)
+        for a, b in self._passes(lo, hi):
+            full = (b - a) // BLOCK * BLOCK
             if full:
-                self._encode_rows(lo, full, src[lo : lo + full].view(-1, BLOCK))
-            if lo + full < hi:  # the last, partial block: zero-padded, zeros leave absmax alone
+                self._encode_rows(a, full, src[a - lo : a - lo + full].view(-1, BLOCK))
+            if a + full < b:  # the last, partial block: zero-padded, zeros leave absmax alone
                 row = torch.zeros(1, BLOCK, dtype=torch.float32, device=self.device)
-                row[0, : hi - lo - full].copy_(src[lo + full : hi])
-                self._encode_rows(lo + full, BLOCK, row)
+                row[0, : b - a - full].copy_(src[a - lo + full : b - lo])
+                self._encode_rows(a + full, BLOCK, row)
 
-    def _passes(self) -> list[tuple[int, int]]:
-        """[lo, hi) element ranges of at most WORK elements; every lo is on a block boundary."""
-        return [(lo, min(lo + WORK, self.numel)) for lo in range(0, self.numel, WORK)]
+    def _passes(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """[a, b) ranges of at most WORK elements covering [lo, hi); every a on a block
+        boundary (a partial block only at the end of the store)."""
+        if lo % BLOCK or (hi % BLOCK and hi != self.numel):
+            raise ValueError(f"int8 moments: [{lo}, {hi}) splits a block of {BLOCK}")
+        return [(a, min(a + WORK, hi)) for a in range(lo, hi, WORK)]
 
     def _rows(self, lo: int, n: int) -> tuple[Tensor, Tensor]:
         """The storage of elements [lo, lo+n) as q_RB and scale_R (lo, n multiples of BLOCK)."""

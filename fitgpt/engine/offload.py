@@ -36,40 +36,34 @@ import torch
 from torch import Tensor
 
 from fitgpt.engine.chunk import Chunk
+from fitgpt.engine.compact import Scratch
 from fitgpt.engine.nvme import NvmeStore
 from fitgpt.engine.placement import HOST_SLOTS
 
-STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
-
 
 class DiskTier:
-    """The fp32 optimizer state of disk-homed chunks, one file per chunk and kind, in a scratch
-    folder under `path` that is removed at exit (engine/nvme.py). The free space is checked for
-    the whole tier before anything is written."""
+    """The optimizer state of disk-homed chunks, one file per chunk and tensor (in its formats:
+    compact ones move fewer bytes), in a scratch folder under `path` that is removed at exit
+    (engine/nvme.py). The free space is checked for the whole tier before anything is written."""
 
-    def __init__(self, path: str, elems: dict[int, int]) -> None:
-        """elems: chunk index -> elements of its optimizer range on this rank."""
-        self.store = NvmeStore(path, need_bytes=12 * sum(elems.values()))
-        for index, n in elems.items():
-            for kind in STATE_KINDS:
-                self.store.alloc(f"{index}.{kind}", 4 * n)
+    def __init__(self, path: str, layouts: dict[int, dict[str, int]]) -> None:
+        """layouts: chunk index -> {tensor name: bytes} of its optimizer state on this rank."""
+        need = sum(sum(lay.values()) for lay in layouts.values())
+        self.store = NvmeStore(path, need_bytes=need)
+        for index, lay in layouts.items():
+            for name, nbytes in lay.items():
+                self.store.alloc(f"{index}.{name}", nbytes)
 
     def write_out(self, c: Chunk) -> None:
         """Write the chunk's state to its files, wait, and free its host buffers."""
-        futs = [
-            self.store.write(f"{c.spec.index}.{k}", t)
-            for k, t in zip(STATE_KINDS, c.state_tensors())
-        ]
+        futs = [self.store.write(f"{c.spec.index}.{k}", t) for k, t in c.state_tensors().items()]
         for f in futs:
             f.result()
         c.free_state()
 
     def read_in_async(self, c: Chunk) -> list[concurrent.futures.Future]:
         c.alloc_state()
-        return [
-            self.store.read(f"{c.spec.index}.{k}", t)
-            for k, t in zip(STATE_KINDS, c.state_tensors())
-        ]
+        return [self.store.read(f"{c.spec.index}.{k}", t) for k, t in c.state_tensors().items()]
 
     def read_in(self, c: Chunk) -> None:
         for f in self.read_in_async(c):
@@ -90,14 +84,26 @@ class HostOptimizer:
         max_elems: int,
         slots: int = HOST_SLOTS,
         disk: DiskTier | None = None,
+        *,
+        plain_elems: int | None = None,
+        weight_elems: int = 0,
+        scratch: Scratch | None = None,
     ) -> None:
-        self.disk = disk
+        """Staging for chunks of up to max_elems elements; an fp32 gradient for those in fp32
+        formats (up to plain_elems, default max_elems); and for split masters whose working
+        weights are on the GPU a second pinned buffer per slot that brings them down (up to
+        weight_elems). `scratch`: the compact formats' pieces (engine/compact.py)."""
+        self.disk, self.scratch = disk, scratch
         self.device, self.cuda = device, device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.staging = [
             torch.empty(max_elems, dtype=dtype, pin_memory=self.cuda) for _ in range(slots)
         ]
-        self.g32 = torch.empty(max_elems, dtype=torch.float32)  # the worker's own fp32 gradient
+        self.wstaging = [
+            torch.empty(weight_elems, dtype=dtype, pin_memory=self.cuda) for _ in range(slots)
+        ] if weight_elems else []  # fmt: skip
+        plain = max_elems if plain_elems is None else plain_elems
+        self.g32 = torch.empty(plain, dtype=torch.float32)  # the worker's own fp32 gradient
         self.free: queue.Queue[int] = queue.Queue()
         for i in range(slots):
             self.free.put(i)
@@ -117,7 +123,8 @@ class HostOptimizer:
         atexit.register(_stop, weakref.ref(self))
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.staging, self.g32))
+        bufs = (*self.staging, *self.wstaging, self.g32)
+        return sum(t.numel() * t.element_size() for t in bufs)
 
     # ---- main thread ----------------------------------------------------------------------------
     def submit(
@@ -139,21 +146,29 @@ class HostOptimizer:
         self.slot_wait_s += time.perf_counter() - t0
         src = c.opt_grad
         buf = self.staging[slot][: src.numel()]
+        # a split master's high half: the working weights, brought down beside the gradient
+        wbuf = None
+        if c.compact is not None and c.compact.master == "split" and target.device.type != "cpu":
+            wbuf = self.wstaging[slot][: src.numel()]
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # gradient is final
             with torch.cuda.stream(self.stream):
                 d2h = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 d2h[0].record(self.stream)  # timing only: the copy's own span, not its queueing
                 buf.copy_(src, non_blocking=True)
+                if wbuf is not None:
+                    wbuf.copy_(target, non_blocking=True)
                 d2h[1].record(self.stream)
             # the compute stream zeroes this gradient after the step: not before the copy is done
             torch.cuda.current_stream(self.device).wait_event(d2h[1])
         else:
             buf.copy_(src)
+            if wbuf is not None:
+                wbuf.copy_(target)
             d2h = None
         # a disk-homed chunk's reads start now and overlap the worker's update of earlier chunks
         reads = self.disk.read_in_async(c) if c.on_disk else []
-        job = _Job(c, lr, grad_mul, slot, buf, d2h, target, target_free, reads)
+        job = _Job(c, lr, grad_mul, slot, buf, d2h, target, target_free, reads, wbuf)
         (self.delayed if delayed else self.pending)[c.spec.index] = job.done
         self.jobs.put(job)
 
@@ -214,7 +229,7 @@ class HostOptimizer:
 
     def _step(self, job: _Job) -> None:
         """Wait for the gradient (and a disk-homed chunk's state), then AdamW in host RAM."""
-        c, buf = job.c, job.buf
+        c = job.c
         if job.d2h is not None:
             job.d2h[1].synchronize()  # host waits for the gradient to land
             self.d2h_s += job.d2h[0].elapsed_time(job.d2h[1]) / 1000.0
@@ -223,7 +238,14 @@ class HostOptimizer:
             f.result()  # the chunk's state, read from disk
         self.disk_wait_s += time.perf_counter() - t_io
         t0 = time.perf_counter()
-        c.decode_moments()  # compressed moments: into the shared fp32 scratch
+        if c.compact is not None:
+            self._step_compact(job)
+        else:
+            self._step_fp32(job)
+        self.busy_s += time.perf_counter() - t0
+
+    def _step_fp32(self, job: _Job) -> None:
+        c, buf = job.c, job.buf
         g = self.g32[: buf.numel()]
         torch.mul(buf, job.grad_mul, out=g)  # upcast to fp32, scaled by clip / loss scale
         opt = c.optimizer
@@ -233,13 +255,23 @@ class HostOptimizer:
         opt.step()
         for group in opt.param_groups:
             group["params"][0].grad = None
-        c.encode_moments()
         if job.target_free is not None:
             job.target_free.synchronize()  # its last copy to the GPU has landed
         # fp32 master → working dtype: into the staging buffer for the GPU, or straight
         # into a host target (streamed weights, a delayed update's buffer)
         buf.copy_(c.master) if job.target.is_cuda else job.target.copy_(c.master)
-        self.busy_s += time.perf_counter() - t0
+
+    def _step_compact(self, job: _Job) -> None:
+        """Compact formats (engine/compact.py): stepped piece by piece in the worker's scratch.
+        The new weights go where the fp32 path puts them; a split master reads its high half
+        from there first (a host target holds it already; device weights came down in wbuf)."""
+        if job.target_free is not None:
+            job.target_free.synchronize()
+        out = job.target if not job.target.is_cuda else job.buf
+        if job.wbuf is not None:
+            out = job.wbuf  # the high half in, the new weights out; copied up from here
+        job.c.compact.step(out, job.buf, job.grad_mul, job.lr, self.scratch, False)
+        job.out = out
 
     def _copy_back(self, job: _Job) -> None:
         """The new weights to a device target (side stream), and a disk-homed state written out."""
@@ -247,7 +279,7 @@ class HostOptimizer:
             with torch.cuda.stream(self.stream):
                 h2d_start = torch.cuda.Event(enable_timing=True)
                 h2d_start.record(self.stream)
-                job.target.copy_(job.buf, non_blocking=True)
+                job.target.copy_(job.out, non_blocking=True)
                 h2d = torch.cuda.Event(enable_timing=True)
                 h2d.record(self.stream)
             h2d.synchronize()  # the staging buffer is reusable only after this copy
@@ -281,7 +313,12 @@ class _Job:
     target: Tensor  # receives the new weights: device weights, or a host buffer
     target_free: torch.cuda.Event | None  # a delayed update's buffer: writable after this
     reads: list[concurrent.futures.Future]  # a disk-homed chunk's state being read in
+    wbuf: Tensor | None = None  # a split master's working weights, brought down (pinned)
+    out: Tensor | None = None  # the new weights for a device target: buf, or wbuf
     done: _Done = field(default_factory=_Done)
+
+    def __post_init__(self) -> None:
+        self.out = self.buf
 
 
 def _stop(ref: weakref.ref) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fitgpt.engine.compact import PIECE, state_layout
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.layout import ChunkSpec
 from fitgpt.engine.moments import store_nbytes
@@ -45,8 +46,25 @@ class ChunkPlan:
     shard: int  # N / world
     opt_elems: int  # this rank's optimizer range
     home: str  # master weights and moments: "device", "cpu" (host RAM) or "nvme" (files)
-    moments: str  # the moments' format: fp32, or bf16/int8 for chunks in host RAM
+    moments: str  # the moments' format: fp32, bf16 or int8 (engine/moments.py)
     weights: str  # working weights: "device", "sharded" (stage 3, gathered per use), "host"
+    # the master's format: "alias" (fp32 compute on its device: the working weights are the
+    # master), "fp32", or "split" (the bf16 working weight plus an int16 remainder)
+    master: str = "fp32"
+
+    @property
+    def compact(self) -> bool:
+        """State kept by engine/compact.py (stepped in pieces through fp32 scratch)."""
+        return self.master == "split" or self.moments != "fp32"
+
+    def state_layout(self) -> dict[str, int]:
+        """{name: bytes} of this rank's optimizer-state tensors (the disk tier's files)."""
+        return state_layout(self.opt_elems, self.master, self.moments, self.compact)
+
+    def state_nbytes(self) -> int:
+        """Bytes of this rank's master weights and moments (what the disk tier moves)."""
+        per = {"alias": 0, "fp32": 4, "split": 2}[self.master]
+        return per * self.opt_elems + 2 * store_nbytes(self.moments, self.opt_elems)
 
     @property
     def block(self) -> bool:
@@ -75,11 +93,20 @@ class Placement:
     offloaded_blocks: int
     nvme_blocks: int
     delayed: bool  # --delayed-update: a pinned buffer per offloaded chunk for its new weights
+    device: str = "cuda"  # the compute device's type (the compact update's piece size)
 
     @classmethod
-    def of(cls, layout: list[ChunkSpec], ecfg: EngineConfig, world: int, w: int) -> Placement:
-        """The placement of `layout` under `ecfg` on `world` ranks; a block count the model
-        does not have is refused in one line."""
+    def of(
+        cls,
+        layout: list[ChunkSpec],
+        ecfg: EngineConfig,
+        world: int,
+        w: int,
+        device: str = "cuda",
+    ) -> Placement:
+        """The placement of `layout` under `ecfg` on `world` ranks (w bytes per working
+        element, compute on `device`); a block count the model does not have is refused in one
+        line. Formats left "auto" are fp32 here: the planner replaces them before pricing."""
         blocks = [c for c in layout if c.name.startswith("block.")]
         k = offloaded_blocks(ecfg, len(blocks))
         d = disk_blocks(ecfg, k)
@@ -87,13 +114,17 @@ class Placement:
         for j, c in enumerate(blocks[len(blocks) - k :]):
             homes[c.index] = "nvme" if j >= k - d else "cpu"
         stage = ecfg.zero_stage if ecfg.engine == "zero" else 0
-        chunks = tuple(_chunk(c, homes[c.index], ecfg, world, stage) for c in layout)
-        return cls(chunks, world, stage, w, k, d, ecfg.delayed_update)
+        chunks = tuple(_chunk(c, homes[c.index], ecfg, world, stage, w) for c in layout)
+        return cls(chunks, world, stage, w, k, d, ecfg.delayed_update, device)
 
     # ---- views ----------------------------------------------------------------------------
     @property
     def hosted(self) -> list[ChunkPlan]:
         return [c for c in self.chunks if c.offloaded]
+
+    @property
+    def compact(self) -> bool:
+        return any(c.compact for c in self.chunks)
 
     @property
     def streams(self) -> bool:
@@ -127,24 +158,40 @@ class Placement:
                 dev["weights"] += c.N * w
             dev["grads"] += (c.N * w if self.stage <= 1 else 0) + (c.shard * w if self.stage else 0)
             where = {"device": dev, "cpu": host, "nvme": nvme}[c.home]
-            if c.offloaded or w != 4:  # fp32 compute on the device: the weights are the master
-                where["master_weights"] += c.opt_elems * 4
+            where["master_weights"] += {"alias": 0, "fp32": 4, "split": 2}[c.master] * c.opt_elems
             where["optimizer"] += 2 * store_nbytes(c.moments, c.opt_elems)
             if c.offloaded and self.delayed:  # the pinned buffer new weights wait in for a step
                 host["delayed_weights"] = host.get("delayed_weights", 0) + c.opt_elems * w
         biggest = max((c.opt_elems for c in self.hosted), default=0)
         if biggest:
-            # the host optimizer: staging buffers in the working dtype, one fp32 gradient
-            host["host_staging"] = HOST_SLOTS * biggest * w + 4 * biggest
-        compressed = [c.opt_elems for c in self.chunks if c.moments != "fp32"]
-        if compressed:
-            host["moment_scratch"] = 8 * max(compressed)  # decoded into one shared fp32 pair
+            # the host optimizer: staging buffers in the working dtype, and an fp32 gradient
+            # for chunks in fp32 formats (compact ones upcast piece by piece in their scratch)
+            plain = max((c.opt_elems for c in self.hosted if not c.compact), default=0)
+            host["host_staging"] = HOST_SLOTS * biggest * w + 4 * plain
+        # a split master whose working weights are on the GPU: the worker needs their bits too
+        fetched = [c.opt_elems for c in self.hosted if c.master == "split" and not c.streamed]
+        if fetched and self.device == "cuda":
+            host["weight_staging"] = HOST_SLOTS * max(fetched) * w
+        for tier, home in ((dev, ("device",)), (host, ("cpu", "nvme"))):
+            elems = [c.opt_elems for c in self.chunks if c.compact and c.home in home]
+            if elems:
+                tier["compact_scratch"] = 16 * min(max(elems), self._piece(home[0]))
         out = {"device": dev, "host": host}
-        disk = [c.opt_elems for c in self.chunks if c.on_disk]
+        disk = [c.state_nbytes() for c in self.chunks if c.on_disk]
         if disk:
-            host["nvme_swap"] = HOST_SLOTS * 12 * max(disk)  # one disk chunk's state per slot
+            host["nvme_swap"] = HOST_SLOTS * max(disk)  # one disk chunk's state per slot
             out["nvme"] = nvme
         return out
+
+    def _piece(self, home: str) -> int:
+        """Elements per piece of the compact update's scratch (engine/compact.py)."""
+        return PIECE["cuda" if home == "device" and self.device == "cuda" else "cpu"]
+
+    def disk_traffic(self) -> tuple[int, int]:
+        """Bytes this rank reads from and writes to the disk tier per optimizer step (every
+        disk-homed chunk's state, in its formats, read in and written back once)."""
+        b = sum(c.state_nbytes() for c in self.chunks if c.on_disk)
+        return b, b
 
     def host_bytes(self) -> int:
         """Host RAM this rank's offloaded state takes (0 with nothing offloaded)."""
@@ -190,7 +237,9 @@ def disk_blocks(ecfg: EngineConfig, offloaded: int) -> int:
     return d
 
 
-def _chunk(c: ChunkSpec, home: str, ecfg: EngineConfig, world: int, stage: int) -> ChunkPlan:
+def _chunk(
+    c: ChunkSpec, home: str, ecfg: EngineConfig, world: int, stage: int, w: int
+) -> ChunkPlan:
     N = padded(c.numel, world)
     s = N // world
     block = c.name.startswith("block.")
@@ -200,5 +249,12 @@ def _chunk(c: ChunkSpec, home: str, ecfg: EngineConfig, world: int, stage: int) 
         weights = "sharded"  # the embedding and head stay resident: the tied one is used twice
     else:
         weights = "device"
-    moments = ecfg.host_moments if home == "cpu" else "fp32"
-    return ChunkPlan(c, N, s, s if stage >= 1 else N, home, moments, weights)
+    moments = ecfg.moments if home != "device" else ecfg.device_moments
+    moments = "fp32" if moments == "auto" else moments
+    if w == 4:
+        # fp32 compute: a device-homed master is the weights themselves; an offloaded one has
+        # no bf16 half to share, so a split master is a plain fp32 one
+        master = "alias" if home == "device" else "fp32"
+    else:
+        master = "split" if ecfg.master == "split" else "fp32"
+    return ChunkPlan(c, N, s, s if stage >= 1 else N, home, moments, weights, master)

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from fitgpt.engine.chunk import Chunk
 from fitgpt.engine.comm import Peers
+from fitgpt.engine.compact import Scratch
 from fitgpt.engine.offload import HostOptimizer
 
 
@@ -43,8 +44,11 @@ class TieredUpdate:
         peers: Peers,
         stage: int,
         delayed_after: int,
+        scratch: Scratch | None = None,
     ) -> None:
+        """scratch: the compact formats' pieces on the compute device (engine/compact.py)."""
         self.chunks, self.host_opt, self.peers, self.stage = chunks, host_opt, peers, stage
+        self.scratch = scratch
         self.hosted = [c for c in chunks if c.offloaded]
         self.cuda = any(c.device.type == "cuda" for c in chunks)
         # the host-homed chunks of stages 1-2 on several ranks: weights replicated, state sharded
@@ -85,6 +89,10 @@ class TieredUpdate:
         self.peers.wait_all(gathers)
 
     def _device_step(self, c: Chunk, lr: float, grad_mul: float) -> None:
+        if c.compact is not None:
+            # piece by piece through the device scratch: no whole-chunk fp32 gradient
+            c.compact.step(c.home_weights, c.opt_grad, grad_mul, lr, self.scratch, True)
+            return
         opt = c.optimizer
         g32 = c.opt_grad.float()  # transient fp32 copy of one chunk's gradient
         if grad_mul != 1.0:

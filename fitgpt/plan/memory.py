@@ -91,7 +91,7 @@ def layout_of(model: ModelConfig) -> list[ChunkSpec]:
 # ---- persistent state ------------------------------------------------------------------------
 def placement_of(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None = None):
     """The Placement the engine would execute for this workload and plan."""
-    return Placement.of(layout or layout_of(work.model), ecfg, work.world, work.w)
+    return Placement.of(layout or layout_of(work.model), ecfg, work.world, work.w, work.device)
 
 
 def zero_state(
@@ -176,8 +176,9 @@ def estimate(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None 
             # autograd's per-parameter gradients of one block, plus the flat copies and shards of
             # the reductions in flight
             phase_a["grad_transients"] = big * w + (MAX_INFLIGHT + 1) * (big + big // W) * w
-        opt_big = max(c.opt_elems for c in placement.chunks if not c.offloaded)
-        phase_b = dict(state, update_fp32_grad=opt_big * 4)  # one chunk's gradient in fp32
+        # one chunk's gradient in fp32 (compact chunks step in pieces: their scratch is state)
+        plain = [c.opt_elems for c in placement.chunks if not c.offloaded and not c.compact]
+        phase_b = dict(state, update_fp32_grad=max(plain, default=0) * 4)
         phases = {"activations": phase_a, "optimizer update": phase_b}
     name, peak = max(phases.items(), key=lambda kv: sum(kv[1].values()))
     if work.device == "cpu":

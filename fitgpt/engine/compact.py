@@ -1,0 +1,231 @@
+"""Compact optimizer state: a chunk's master weights and Adam moments in fewer bytes, stepped in
+pieces through fp32 scratch.
+
+Mixed-precision AdamW keeps 16 bytes per parameter; 12 of them are the fp32 master and the two
+fp32 moments. A chunk whose plan gives it a compact format (engine/placement.py: ChunkPlan.master,
+ChunkPlan.moments) keeps its state here instead:
+
+  master "split"   the fp32 master is the chunk's bf16 working weight (its high 16 bits, the
+                   weight the forward uses anyway) plus an int16 remainder: 2 bytes, not 4.
+  master "fp32"    a plain fp32 master (with compact moments only).
+  moments          fp32, bf16 or block-wise int8 stores (engine/moments.py): 8, 4 or ~2 bytes.
+
+The split is exact. Write the fp32 master's bits as an integer x = H·2^16 + L (L the low 16
+bits). torch's cast to bf16 rounds to nearest even: hi = H when L < 0x8000, H + 1 when
+L > 0x8000, and on a tie (L = 0x8000) whichever of the two is even. The remainder r = x - hi·2^16
+then lies in [-32768, 32768]; -32768 and every value below 32768 fit in int16 and give x back to
+the bit as hi·2^16 + r. The one value that does not fit, +32768, is a tie rounded down to an even
+H: it is stored as 32767, so that master comes back one fp32 ulp (2^-23 of its magnitude) lower.
+Its bf16 rounding is still H, so the working weight the forward uses is exactly torch's cast
+of the master (the same bf16 values as a plain fp32-master run) after every step, and the master
+differs from a plain run's only at those ties, about one element update in 2^17, by one ulp.
+(Rounding ties away from zero instead would make the master exact, but then the working weight
+would differ from torch's cast by one bf16 ulp at every tie; the forward is what users compare.)
+
+The update: per piece of at most PIECE elements (a multiple of the int8 block), the master is
+joined from (working weight, remainder) and the moments decoded into fp32 scratch, torch's fused
+AdamW kernel (torch._fused_adamw_, the kernel torch.optim.AdamW(fused=True) calls) steps the
+piece, and the results are split and encoded back; the new working weights are written to
+`out`. Elementwise, so the result equals one fused step over the whole chunk. The scratch is
+four fp32 pieces per device, shared by every compact chunk there (one chunk is stepped at a time
+per device: the main thread for the GPU, the host optimizer's worker for host RAM): on the host
+1 Mi elements (16 MiB, inside the CPU's caches, so DRAM sees only the compact bytes), on a GPU
+16 Mi (256 MiB: kernel launches stay few).
+
+Costs per element and step, over fp32 state: the split master reads and writes 4 bytes instead
+of 8 but adds the integer join and split; bf16 moments one cast each way; int8 moments a
+block-wise absmax, a rounding and (v) a square root and a square. Measured on the host tier:
+benchmarks/host_adamw_formats.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fitgpt.engine.moments import MomentStore, make_store, store_layout
+
+PIECE = {"cpu": 1 << 20, "cuda": 1 << 24}  # elements per piece; multiples of BLOCK
+MASTERS = ("fp32", "split")
+
+
+def piece_elems(device: torch.device) -> int:
+    return PIECE["cuda" if device.type == "cuda" else "cpu"]
+
+
+def split_master(x32: Tensor, hi: Tensor, rem: Tensor) -> None:
+    """hi = x32 cast to bf16 (round to nearest even), rem = the int16 remainder (module doc)."""
+    hi.copy_(x32)
+    r = x32.view(torch.int32) - (hi.view(torch.int16).to(torch.int32) << 16)
+    rem.copy_(r.clamp_(max=32767))  # +32768 (a tie rounded down) is stored one ulp low
+
+
+def join_master(hi: Tensor, rem: Tensor, out32: Tensor) -> None:
+    """out32 = the fp32 master that (hi, rem) hold."""
+    bits = out32.view(torch.int32)
+    torch.bitwise_left_shift(hi.view(torch.int16).to(torch.int32), 16, out=bits)
+    bits.add_(rem)
+
+
+def state_layout(numel: int, master: str, moments: str, compact: bool) -> dict[str, int]:
+    """{name: bytes} of a chunk's optimizer-state tensors, as Chunk.state_tensors() names them
+    (the disk tier sizes one file each before anything is allocated)."""
+    if not compact:
+        return {k: 4 * numel for k in ("master", "exp_avg", "exp_avg_sq")}
+    out = {"master": numel * (2 if master == "split" else 4)}
+    for moment in ("exp_avg", "exp_avg_sq"):
+        out.update({f"{moment}.{k}": b for k, b in store_layout(moments, numel).items()})
+    return out
+
+
+class Scratch:
+    """Four fp32 pieces (master, m, v, gradient) on one device, shared by its compact chunks."""
+
+    def __init__(self, elems: int, device: torch.device) -> None:
+        self.elems = elems
+        self.bufs = [torch.empty(elems, dtype=torch.float32, device=device) for _ in range(4)]
+
+    def nbytes(self) -> int:
+        return 16 * self.elems
+
+
+class CompactState:
+    """One chunk's optimizer state over its optimizer range of `numel` elements on `device`:
+    master ("split": an int16 remainder beside the working weights; "fp32") and two moment
+    stores; `groups` are the (lo, hi, weight_decay) param groups of that range."""
+
+    def __init__(
+        self,
+        numel: int,
+        master: str,
+        moments: str,
+        device: torch.device,
+        groups: list[tuple[int, int, float]],
+        betas: tuple[float, float],
+        eps: float,
+    ) -> None:
+        assert master in MASTERS
+        self.numel, self.master, self.moments, self.device = numel, master, moments, device
+        self.groups, self.betas, self.eps = groups, betas, eps
+        dtype = torch.int16 if master == "split" else torch.float32
+        self.master_data = torch.zeros(numel, dtype=dtype, device=device)
+        self.m: MomentStore = make_store(moments, numel, signed=True, device=device)
+        self.v: MomentStore = make_store(moments, numel, signed=False, device=device)
+        self.step_count = torch.zeros((), dtype=torch.float32, device=device)
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Every buffer of the state, by name (the disk tier keeps one file each)."""
+        out = {"master": self.master_data}
+        out.update({f"exp_avg.{k}": t for k, t in self.m.tensors.items()})
+        out.update({f"exp_avg_sq.{k}": t for k, t in self.v.tensors.items()})
+        return out
+
+    def master_nbytes(self) -> int:
+        return self.master_data.numel() * self.master_data.element_size()
+
+    def moments_nbytes(self) -> int:
+        return self.m.nbytes() + self.v.nbytes()
+
+    def _pieces(self, P: int) -> list[tuple[int, int]]:
+        return [(lo, min(lo + P, self.numel)) for lo in range(0, self.numel, P)]
+
+    # ---- the step -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(
+        self,
+        weights: Tensor,
+        grad: Tensor,
+        grad_mul: float,
+        lr: float,
+        scratch: Scratch,
+        upcast_first: bool,
+    ) -> None:
+        """One AdamW step from `grad` (working dtype, times grad_mul), writing the new working
+        weights into `weights` ([numel], working dtype). A split master reads its high half from
+        `weights` first: they must hold the weights of the last step (or of the load).
+        upcast_first: scale the gradient in fp32 (the device update's order) rather than in its
+        own dtype on the way to fp32 (the host optimizer's one-pass conversion), so that each
+        tier's compact step equals its fp32 step."""
+        self.step_count += 1
+        sp, sm, sv, sg = scratch.bufs
+        for lo, hi in self._pieces(scratch.elems):
+            k = hi - lo
+            p = self._master_in(weights, lo, hi, sp[:k])
+            m, v = (self._moment_in(st, lo, hi, s[:k]) for st, s in ((self.m, sm), (self.v, sv)))
+            g = sg[:k]
+            if upcast_first:
+                g.copy_(grad[lo:hi])
+                g.mul_(grad_mul)
+            else:
+                torch.mul(grad[lo:hi], grad_mul, out=g)  # one pass: scaled, then upcast
+            for a, b, wd in self.groups:
+                a, b = max(a, lo) - lo, min(b, hi) - lo
+                if b > a:
+                    torch._fused_adamw_(
+                        [p[a:b]], [g[a:b]], [m[a:b]], [v[a:b]], [], [self.step_count],
+                        lr=lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=wd,
+                        eps=self.eps,
+                        amsgrad=False, maximize=False,
+                    )  # fmt: skip
+            for st, t in ((self.m, m), (self.v, v)):
+                if st.fp32(lo, hi) is None:
+                    st.encode(lo, hi, t)
+            self._master_out(p, weights, lo, hi)
+
+    def _master_in(self, weights: Tensor, lo: int, hi: int, buf: Tensor) -> Tensor:
+        if self.master == "fp32":
+            return self.master_data[lo:hi]
+        join_master(weights[lo:hi], self.master_data[lo:hi], buf)
+        return buf
+
+    def _moment_in(self, store: MomentStore, lo: int, hi: int, buf: Tensor) -> Tensor:
+        direct = store.fp32(lo, hi)
+        if direct is not None:
+            return direct
+        store.decode(lo, hi, buf)
+        return buf
+
+    def _master_out(self, p: Tensor, weights: Tensor, lo: int, hi: int) -> None:
+        if self.master == "split":
+            split_master(p, weights[lo:hi], self.master_data[lo:hi])
+        else:
+            weights[lo:hi].copy_(p)
+
+    # ---- whole-state conversion (initialisation and checkpoints) ------------------------------
+    @torch.no_grad()
+    def load(
+        self, master: Tensor, m: Tensor | None, v: Tensor | None, weights: Tensor, scratch: Scratch
+    ) -> None:
+        """Set the state from fp32 values (any device, k <= numel elements; the rest zero; m and v
+        None: zero) and write the matching working weights into `weights`."""
+        sp, sm, sv, _ = scratch.bufs
+        k = master.numel()
+        for lo, hi in self._pieces(scratch.elems):
+            n = hi - lo
+            for src, buf, store in ((master, sp, None), (m, sm, self.m), (v, sv, self.v)):
+                buf[:n].zero_()
+                if src is not None and lo < k:
+                    buf[: min(hi, k) - lo].copy_(src[lo : min(hi, k)])
+                if store is not None:
+                    store.encode(lo, hi, buf[:n])
+            if self.master == "split":
+                split_master(sp[:n], weights[lo:hi], self.master_data[lo:hi])
+            else:
+                self.master_data[lo:hi].copy_(sp[:n])
+                weights[lo:hi].copy_(sp[:n])
+
+    @torch.no_grad()
+    def export(self, weights: Tensor, k: int, scratch: Scratch) -> tuple[Tensor, Tensor, Tensor]:
+        """The first k elements of master, m and v as fp32 CPU tensors (12·k bytes of host RAM,
+        freed by the caller: checkpoints hold fp32 whatever the format)."""
+        out = [torch.empty(k, dtype=torch.float32) for _ in range(3)]
+        sp, sm, sv, _ = scratch.bufs
+        for lo, hi in self._pieces(scratch.elems):
+            if lo >= k:
+                break
+            n, e = hi - lo, min(hi, k) - lo
+            p = self._master_in(weights, lo, hi, sp[:n])
+            m, v = (self._moment_in(st, lo, hi, s[:n]) for st, s in ((self.m, sm), (self.v, sv)))
+            for dst, src in zip(out, (p, m, v)):
+                dst[lo : lo + e].copy_(src[:e])
+        return out[0], out[1], out[2]
