@@ -86,6 +86,7 @@ class ChunkEngine(Engine):
         if model_cfg.position == "alibi":
             model.alibi_slopes_N = alibi_slopes(model_cfg.n_head).to(self.device)
         self.chunks = self._build_chunks(model, seed)
+        self._warm_up_codecs()
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         self.blocks = [c for c in self.chunks if c.spec.name.startswith("block.")]
         if ecfg.checkpointing != "off":
@@ -170,6 +171,19 @@ class ChunkEngine(Engine):
                 self.disk.write_out(c)  # host RAM holds one disk-homed chunk's state at a time
             chunks.append(c)
         return chunks
+
+    def _warm_up_codecs(self) -> None:
+        """Compile the host tier's fused codecs (engine/codec.py) here, on the main thread,
+        once per format, rather than inside the host optimizer's first step."""
+        seen = set()
+        for c in self.chunks:
+            if (
+                c.offloaded
+                and c.compact is not None
+                and (c.plan.master, c.plan.moments) not in seen
+            ):
+                seen.add((c.plan.master, c.plan.moments))
+                c.compact.warm_up(self.scratch["host"])
 
     def scratch_of(self, c: Chunk) -> Scratch | None:
         return self.scratch.get("host" if c.offloaded else "device")

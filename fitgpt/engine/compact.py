@@ -40,31 +40,42 @@ benchmarks/host_adamw_formats.py.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
-from fitgpt.engine.moments import MomentStore, make_store, store_layout
+from fitgpt.engine import codec
+from fitgpt.engine.moments import BLOCK, MomentStore, make_store, store_layout
 
 PIECE = {"cpu": 1 << 20, "cuda": 1 << 24}  # elements per piece; multiples of BLOCK
-MASTERS = ("fp32", "split")
+MASTERS = ("alias", "fp32", "split")  # alias: fp32 compute, the weights are the master
 
 
 def piece_elems(device: torch.device) -> int:
-    return PIECE["cuda" if device.type == "cuda" else "cpu"]
+    """Elements per piece on `device` (FITGPT_HOST_PIECE overrides the host's, for
+    benchmarks/host_adamw_formats.py; a multiple of the int8 block)."""
+    if device.type == "cuda":
+        return PIECE["cuda"]
+    return int(os.environ.get("FITGPT_HOST_PIECE", PIECE["cpu"]))
 
 
-def split_master(x32: Tensor, hi: Tensor, rem: Tensor) -> None:
-    """hi = x32 cast to bf16 (round to nearest even), rem = the int16 remainder (module doc)."""
+def split_master(x32: Tensor, hi: Tensor, rem: Tensor, tmp: Tensor | None = None) -> None:
+    """hi = x32 cast to bf16 (round to nearest even), rem = the int16 remainder (module doc).
+    `tmp`: an fp32 buffer like x32 to work in (else one is allocated)."""
     hi.copy_(x32)
-    r = x32.view(torch.int32) - (hi.view(torch.int16).to(torch.int32) << 16)
-    rem.copy_(r.clamp_(max=32767))  # +32768 (a tie rounded down) is stored one ulp low
+    t = torch.empty_like(x32) if tmp is None else tmp
+    t.copy_(hi)  # hi's bits in the high half: hi·2^16 as an int32
+    r = t.view(torch.int32)
+    torch.sub(x32.view(torch.int32), r, out=r)
+    r.clamp_(max=32767)  # +32768 (a tie rounded down) is stored one ulp low
+    rem.copy_(r)
 
 
 def join_master(hi: Tensor, rem: Tensor, out32: Tensor) -> None:
     """out32 = the fp32 master that (hi, rem) hold."""
-    bits = out32.view(torch.int32)
-    torch.bitwise_left_shift(hi.view(torch.int16).to(torch.int32), 16, out=bits)
-    bits.add_(rem)
+    out32.copy_(hi)  # exact: hi·2^16 as an int32
+    out32.view(torch.int32).add_(rem)
 
 
 def state_layout(numel: int, master: str, moments: str, compact: bool) -> dict[str, int]:
@@ -72,7 +83,7 @@ def state_layout(numel: int, master: str, moments: str, compact: bool) -> dict[s
     (the disk tier sizes one file each before anything is allocated)."""
     if not compact:
         return {k: 4 * numel for k in ("master", "exp_avg", "exp_avg_sq")}
-    out = {"master": numel * (2 if master == "split" else 4)}
+    out = {"master": numel * {"split": 2, "fp32": 4, "alias": 0}[master]}
     for moment in ("exp_avg", "exp_avg_sq"):
         out.update({f"{moment}.{k}": b for k, b in store_layout(moments, numel).items()})
     return out
@@ -108,7 +119,8 @@ class CompactState:
         self.numel, self.master, self.moments, self.device = numel, master, moments, device
         self.groups, self.betas, self.eps = groups, betas, eps
         dtype = torch.int16 if master == "split" else torch.float32
-        self.master_data = torch.zeros(numel, dtype=dtype, device=device)
+        self.master_data = torch.zeros(0 if master == "alias" else numel, dtype=dtype,
+                                       device=device)  # fmt: skip
         self.m: MomentStore = make_store(moments, numel, signed=True, device=device)
         self.v: MomentStore = make_store(moments, numel, signed=False, device=device)
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
@@ -148,10 +160,18 @@ class CompactState:
         tier's compact step equals its fp32 step."""
         self.step_count += 1
         sp, sm, sv, sg = scratch.bufs
+        kern = codec.kernels(self.master, self.moments, self.device)
         for lo, hi in self._pieces(scratch.elems):
             k = hi - lo
-            p = self._master_in(weights, lo, hi, sp[:k])
-            m, v = (self._moment_in(st, lo, hi, s[:k]) for st, s in ((self.m, sm), (self.v, sv)))
+            fused = kern is not None and k == scratch.elems  # whole pieces: one compiled shape
+            if fused:
+                p, m, v = self._targets(weights, lo, hi, sp[:k], sm[:k], sv[:k])
+                kern[0](weights[lo:hi], self.master_data[lo:hi], *self._stored(lo, hi), p, m, v)
+            else:
+                p = self._master_in(weights, lo, hi, sp[:k])
+                m, v = (
+                    self._moment_in(st, lo, hi, s[:k]) for st, s in ((self.m, sm), (self.v, sv))
+                )
             g = sg[:k]
             if upcast_first:
                 g.copy_(grad[lo:hi])
@@ -167,12 +187,54 @@ class CompactState:
                         eps=self.eps,
                         amsgrad=False, maximize=False,
                     )  # fmt: skip
+            if fused:
+                w_out = (
+                    weights[lo:hi].view(torch.int16) if self.master == "split" else weights[lo:hi]
+                )
+                kern[1](p, m, v, w_out, self.master_data[lo:hi], *self._stored(lo, hi))
+                continue
             for st, t in ((self.m, m), (self.v, v)):
                 if st.fp32(lo, hi) is None:
                     st.encode(lo, hi, t)
-            self._master_out(p, weights, lo, hi)
+            self._master_out(p, weights, lo, hi, g)  # g: done with, the split's workspace
+
+    def _targets(self, weights: Tensor, lo: int, hi: int, sp: Tensor, sm: Tensor, sv: Tensor):
+        """Where a piece's fp32 master and moments are stepped: the stored values themselves
+        for fp32 formats (the weights for an alias), else the scratch they are decoded into."""
+        p = {"fp32": self.master_data[lo:hi], "alias": weights[lo:hi]}.get(self.master, sp)
+        m, v = (st.fp32(lo, hi) for st in (self.m, self.v))
+        return p, (sm if m is None else m), (sv if v is None else v)
+
+    def _stored(self, lo: int, hi: int) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """A piece of each moment's stored tensors (bf16: the values; int8: q and its scales)."""
+        out = []
+        for st in (self.m, self.v):
+            if st.kind == "int8":
+                out.append((st.tensors["q"][lo:hi], st.tensors["scale"][lo // BLOCK : hi // BLOCK]))
+            elif st.kind == "bf16":
+                out.append((st.tensors["data"][lo:hi],))
+            else:
+                out.append(())
+        return out[0], out[1]
+
+    def warm_up(self, scratch: Scratch) -> None:
+        """Compile this format's kernels now, on the calling thread, over a full piece of
+        throw-away tensors (not the state); a failure falls back to eager."""
+        kern = codec.kernels(self.master, self.moments, self.device)
+        if kern is None or self.numel < scratch.elems:
+            return
+        P = scratch.elems
+        twin = CompactState(P, self.master, self.moments, self.device, [(0, P, 0.0)],
+                            self.betas, self.eps)  # fmt: skip
+        w = torch.zeros(P, dtype=torch.bfloat16)
+        try:
+            twin.step(w, torch.zeros(P, dtype=torch.bfloat16), 1.0, 0.0, scratch, False)
+        except Exception as e:
+            codec.disable(self.master, self.moments, e)
 
     def _master_in(self, weights: Tensor, lo: int, hi: int, buf: Tensor) -> Tensor:
+        if self.master == "alias":
+            return weights[lo:hi]
         if self.master == "fp32":
             return self.master_data[lo:hi]
         join_master(weights[lo:hi], self.master_data[lo:hi], buf)
@@ -185,10 +247,10 @@ class CompactState:
         store.decode(lo, hi, buf)
         return buf
 
-    def _master_out(self, p: Tensor, weights: Tensor, lo: int, hi: int) -> None:
+    def _master_out(self, p: Tensor, weights: Tensor, lo: int, hi: int, tmp: Tensor) -> None:
         if self.master == "split":
-            split_master(p, weights[lo:hi], self.master_data[lo:hi])
-        else:
+            split_master(p, weights[lo:hi], self.master_data[lo:hi], tmp)
+        elif self.master == "fp32":
             weights[lo:hi].copy_(p)
 
     # ---- whole-state conversion (initialisation and checkpoints) ------------------------------
@@ -209,9 +271,11 @@ class CompactState:
                 if store is not None:
                     store.encode(lo, hi, buf[:n])
             if self.master == "split":
-                split_master(sp[:n], weights[lo:hi], self.master_data[lo:hi])
-            else:
+                split_master(sp[:n], weights[lo:hi], self.master_data[lo:hi], scratch.bufs[3][:n])
+            elif self.master == "fp32":
                 self.master_data[lo:hi].copy_(sp[:n])
+                weights[lo:hi].copy_(sp[:n])
+            else:
                 weights[lo:hi].copy_(sp[:n])
 
     @torch.no_grad()
