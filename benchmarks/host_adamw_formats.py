@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from fitgpt.engine.compact import CompactState, Scratch, piece_elems
+from fitgpt.engine.compact import CompactState, Scratch, piece_elems, upcast_scaled
 
 FORMATS = [  # (master, moments)
     ("fp32", "fp32"),
@@ -51,7 +51,7 @@ def fp32_update(n: int, reps: int, warmup: int) -> tuple[list[float], float]:
     times = []
     for i in range(warmup + reps):
         t0 = time.perf_counter()
-        torch.mul(buf, 0.5, out=g32)
+        upcast_scaled(buf, 0.5, g32)
         master.grad = g32
         opt.step()
         master.grad = None
@@ -71,7 +71,7 @@ def compact_update(n: int, master: str, moments: str, reps: int, warmup: int):
     times = []
     for i in range(warmup + reps):
         t0 = time.perf_counter()
-        st.step(weights, grad, 0.5, LR, scratch, upcast_first=False)
+        st.step(weights, grad, 0.5, LR, scratch)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     nbytes = (st.master_nbytes() + st.moments_nbytes()) / n

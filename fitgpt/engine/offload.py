@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from fitgpt.engine.chunk import Chunk
-from fitgpt.engine.compact import Scratch
+from fitgpt.engine.compact import Scratch, upcast_scaled
 from fitgpt.engine.nvme import NvmeStore
 from fitgpt.engine.placement import HOST_SLOTS
 
@@ -247,7 +247,7 @@ class HostOptimizer:
     def _step_fp32(self, job: _Job) -> None:
         c, buf = job.c, job.buf
         g = self.g32[: buf.numel()]
-        torch.mul(buf, job.grad_mul, out=g)  # upcast to fp32, scaled by clip / loss scale
+        upcast_scaled(buf, job.grad_mul, g)
         opt = c.optimizer
         for group, (lo, hi) in zip(opt.param_groups, c.group_ranges):
             group["lr"] = job.lr
@@ -270,7 +270,7 @@ class HostOptimizer:
         out = job.target if not job.target.is_cuda else job.buf
         if job.wbuf is not None:
             out = job.wbuf  # the high half in, the new weights out; copied up from here
-        job.c.compact.step(out, job.buf, job.grad_mul, job.lr, self.scratch, False)
+        job.c.compact.step(out, job.buf, job.grad_mul, job.lr, self.scratch)
         job.out = out
 
     def _copy_back(self, job: _Job) -> None:

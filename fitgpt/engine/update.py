@@ -91,7 +91,7 @@ class TieredUpdate:
     def _device_step(self, c: Chunk, lr: float, grad_mul: float) -> None:
         if c.compact is not None:
             # piece by piece through the device scratch: no whole-chunk fp32 gradient
-            c.compact.step(c.home_weights, c.opt_grad, grad_mul, lr, self.scratch, True)
+            c.compact.step(c.home_weights, c.opt_grad, grad_mul, lr, self.scratch)
             return
         opt = c.optimizer
         g32 = c.opt_grad.float()  # transient fp32 copy of one chunk's gradient
