@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import user_path  # noqa: E402  (its real-text data: `fitgpt data preprocess` on the stdlib)
+import user_path  # (its real-text data: `fitgpt data preprocess` on the stdlib)
 
 WORK = Path("/tmp/compact_loss")
 MODEL = ["--layers", "48", "--hidden", "1600", "--heads", "25", "--seq-len", "1024"]
@@ -56,7 +56,7 @@ def run(names: list[str], out: Path) -> int:
         cmd = [sys.executable, "-m", "fitgpt", "train", "--data", str(user_path.DATA),
                *MODEL, *SCHEDULE, *PLAN, *RUNS[name], "--out", str(folder)]  # fmt: skip
         print("$ fitgpt " + " ".join(cmd[3:]), flush=True)
-        log = open(out / f"{name}.log", "w")
+        log = open(out / f"{name}.log", "w")  # noqa: SIM115 - open while the run lives
         procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), time.time())
     bad = 0
     for name, (p, t0) in procs.items():
