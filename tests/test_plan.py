@@ -282,6 +282,9 @@ def test_capacity_cli_on_cpu_with_a_budget_finds_the_true_boundary(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     assert summary["largest_layers"] == truth and summary["first_fail"] == truth + 1
+    # fp32 compute on a roomy CPU: the planner keeps fp32 state, and says so
+    assert summary["formats"] == {"master": "fp32", "moments": "fp32", "device_moments": "fp32"}
+    assert "its optimizer state: master fp32, moments fp32" in r.stdout
     trials = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(trials) <= 5 and all("predicted_peak_gib" in t for t in trials)
 

@@ -40,23 +40,33 @@ LADDER: tuple[Formats, ...] = (
 )
 
 
+# Each field's formats, least compact first (every field climbs the ladder in this order).
+ORDER = {"master": ("fp32", "split"), "moments": ("fp32", "bf16", "int8")}
+
+
+def allowed(name: str, value: str, split_ok: bool) -> str:
+    """`value` for an auto field, or the most compact format below it the planner may use."""
+    order = ORDER["master" if name == "master" else "moments"]
+    ok = [f for f in order[: order.index(value) + 1] if f == "fp32" or f in AUTO_FORMATS]
+    ok = [f for f in ok if f != "split" or split_ok]
+    return ok[-1]
+
+
 def rungs(fixed: dict, precision: str) -> list[Formats]:
-    """The ladder as this run may climb it: the fields the user fixed as fixed, the rest from
-    each rung, compact formats only from AUTO_FORMATS, repeats dropped. A split master shares its
-    high half with bf16 working weights: under fp32 compute the master is the weights (or plain
-    fp32 for offloaded chunks), fp16 and the delayed update refuse it, so there it stays fp32."""
+    """The ladder as this run may climb it: the fields the user fixed as fixed; the rest from
+    each rung, a format outside AUTO_FORMATS replaced by the most compact one below it; repeats
+    dropped. A split master shares its high half with bf16 working weights: under fp32 compute
+    the master is the weights (or plain fp32 for offloaded chunks), and fp16 and the delayed
+    update refuse it, so there it stays fp32."""
     split_ok = precision == "bf16" and not fixed.get("delayed_update")
     out: list[Formats] = []
     for rung in LADDER:
-        fmt = []
-        for name, value in zip(FIELDS, rung):
-            chosen = fixed.get(name, "auto")
-            if chosen == "auto":
-                chosen = value if value == "fp32" or value in AUTO_FORMATS else "fp32"
-                chosen = "fp32" if chosen == "split" and not split_ok else chosen
-            fmt.append(chosen)
-        if tuple(fmt) not in out:
-            out.append((fmt[0], fmt[1], fmt[2]))
+        a, b, c = (
+            fixed[name] if fixed.get(name, "auto") != "auto" else allowed(name, value, split_ok)
+            for name, value in zip(FIELDS, rung)
+        )
+        if (a, b, c) not in out:
+            out.append((a, b, c))
     return out
 
 
