@@ -5,18 +5,23 @@ Hardware is simulated (Hardware objects, as in test_plan.py): the H100 box of AN
 of its benchmark protocol (hidden 4096, untied head, micro-batch 8 × 4)."""
 
 import dataclasses
+import math
 import re
 
 import pytest
+import torch
+from helpers import TINY, run_config
 
 from fitgpt.bench.config import BenchConfig
 from fitgpt.bench.systems import SYSTEMS, bench_run
 from fitgpt.cli import main
+from fitgpt.dist import DistContext
 from fitgpt.engine.config import EngineConfig
+from fitgpt.engine.factory import build_engine
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
 from fitgpt.plan import formats
-from fitgpt.plan.apply import Fixed
+from fitgpt.plan.apply import Fixed, plan_run
 from fitgpt.plan.capacity import predicted_largest
 from fitgpt.plan.formats import LADDER, rungs
 from fitgpt.plan.hardware import Hardware
@@ -24,6 +29,7 @@ from fitgpt.plan.memory import GiB, Workload, placement_of
 from fitgpt.plan.planner import choose, plan
 from fitgpt.plan.rates import DEFAULTS
 from fitgpt.plan.throughput import FP32_HOST_BYTES, host_optimizer_exposed, host_update_cost
+from fitgpt.train.setup import setup_run
 
 R = DEFAULTS["H100"]
 H100 = Hardware("cuda", 1, int(79.2 * GiB), "NVIDIA H100 80GB HBM3", int(118 * GiB), 16)
@@ -205,3 +211,26 @@ def test_the_plan_table_shows_formats_and_disk_writes(capsys):
     row = chosen_row(out)
     assert row[4] != "fp32/fp32/fp32" and row[4].startswith("split/")
     assert "split master" in out.splitlines()[-1] and "disk tier" not in out
+
+
+# ---- the chosen formats reach the engine ----------------------------------------------------
+def test_train_builds_the_engine_in_the_formats_the_planner_chose(monkeypatch, tmp_path):
+    """`fitgpt train`'s path (setup_run: rank 0 plans, the EngineConfig is handed over) on a CPU
+    whose stated RAM (--cpu-mem) holds the tiny model's state only in compact formats."""
+    run = run_config(tmp_path, engine="zero", precision="bf16")
+    ctx = DistContext(0, 1, 0, torch.device("cpu"))
+    cpu = Hardware("cpu", 1, 0, "cpu", 64 * GiB, 1)
+
+    def need(fixed: dict) -> int:  # the leanest plan's
+        return min(c.est.host_total for c in plan_run(run, cpu, R, Fixed.of(fixed)).candidates)
+
+    fp32, least = need(FP32_STATE), need(fixed_rung(LADDER[-1]))
+    monkeypatch.setenv("FITGPT_CPU_MEM", f"{(fp32 + least) // 2 / 1e6}MB")
+    said = []
+    planned = setup_run(run, ctx, Fixed(), log=said.append)
+    e = planned.engine
+    assert e.device_moments != "fp32" and e.master == "split" and "split master" in said[0]
+    engine = build_engine(planned.model, e, planned.precision, planned.optim, ctx)
+    assert all(c.compact is not None for c in engine.chunks)  # every chunk in compact formats
+    x = torch.randint(0, TINY.vocab_size, (2, TINY.seq_len + 1))
+    assert math.isfinite(engine.train_step([(x[:, :-1], x[:, 1:])], 1e-3).loss)
