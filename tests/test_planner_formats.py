@@ -20,7 +20,7 @@ from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
-from fitgpt.plan import formats
+from fitgpt.plan import formats, throughput
 from fitgpt.plan.apply import Fixed, plan_run
 from fitgpt.plan.capacity import predicted_largest
 from fitgpt.plan.formats import LADDER, rungs
@@ -164,6 +164,16 @@ def test_the_host_update_costs_the_bytes_its_formats_move():
         exposed(("fp32", "fp32", "fp32"), R) * 18 / FP32_HOST_BYTES
     )
     assert exposed(("split", "int8", "fp32"), R) < exposed(("split", "bf16", "fp32"), R)
+
+
+def test_measured_host_rates_replace_the_byte_count(monkeypatch):
+    w, e = offloaded(("split", "bf16", "fp32"))
+    chunk = next(c for c in placement_of(w, e).hosted)
+    monkeypatch.setitem(throughput.HOST_VS_FP32, ("split", "bf16"), 1.3)  # slower than fp32
+    assert host_update_cost(chunk, 2) == 1.3
+    assert exposed(("split", "bf16", "fp32"), R) == pytest.approx(
+        exposed(("fp32", "fp32", "fp32"), R) * 1.3
+    )
 
 
 def test_a_split_master_brings_the_weights_down_and_the_disk_moves_the_formats_bytes():

@@ -52,10 +52,12 @@ OVERHEAD = {"ddp": 0.11, 0: 0.0, 1: 0.0, 2: 0.03, 3: 0.06}
 # the gradient (w), the master (split: bf16 half and remainder in and out, 8; fp32: in and out
 # plus the new working weights, 8 + w) and the stored moments in and out.
 # PLACEHOLDER: counted, not measured. benchmarks/host_adamw_formats.py times every format on the
-# H100's host; its vs_fp32 column replaces host_update_cost's ratios when it has run there (on
-# the 2-core CPU box, 4 M elements, the compact formats ran 0.8-2.1x the fp32 time, not the
-# 0.35-0.65x these bytes predict: the pieces' extra passes cost compute there).
+# H100's host: its vs_fp32 column goes into HOST_VS_FP32, {(master, moments): time per element
+# over the fp32 pipeline's}, which then replaces the byte count. (Timed once on the shared 2-core
+# CPU box at 4 M elements, the compact formats took 0.8-2.1x the fp32 time, not the 0.35-0.65x
+# these bytes predict: there the pieces' extra passes cost compute.)
 FP32_HOST_BYTES = 40.0
+HOST_VS_FP32: dict[tuple[str, str], float] = {}
 FP32_DEVICE_BYTES = 36.0  # the GPU's fused AdamW over fp32 state (the optimizer term)
 # On the GPU the compact pieces (16 Mi elements, 256 MiB of scratch) do not fit its caches, so
 # each pass over them goes to HBM: the gradient copied into scratch and scaled (w + 12), the fused
@@ -75,8 +77,11 @@ def cached_compact_bytes(c: ChunkPlan, w: int) -> float:
 
 def host_update_cost(c: ChunkPlan, w: int) -> float:
     """Seconds per element of a host-homed chunk's update, in units of the fp32 pipeline's
-    (1.0 for fp32 state; fewer bytes, less time)."""
-    return cached_compact_bytes(c, w) / FP32_HOST_BYTES if c.compact else 1.0
+    (1.0 for fp32 state; measured where HOST_VS_FP32 has the formats, else their bytes)."""
+    if not c.compact:
+        return 1.0
+    measured = HOST_VS_FP32.get((c.master, c.moments))
+    return measured if measured is not None else cached_compact_bytes(c, w) / FP32_HOST_BYTES
 
 
 def device_update_bytes(c: ChunkPlan, w: int, cuda: bool) -> float:
