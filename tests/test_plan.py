@@ -31,6 +31,7 @@ from fitgpt.plan.rates import DEFAULTS
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 H100 = Hardware("cuda", 1, int(79.2 * GiB), "NVIDIA H100 80GB HBM3", int(125 * GiB), 16)
+FP32_STATE = {"master": "fp32", "moments": "fp32", "device_moments": "fp32"}  # no compact formats
 
 
 def reported(engine) -> dict:
@@ -152,7 +153,7 @@ def test_planner_picks_a_fitting_plan_and_refuses_with_the_shortfall():
         c.time["total"] for c in cands if c.fits
     )
     with pytest.raises(UserError, match=r"do not fit.*short by .*what fits: \d+ layers"):
-        choose(Workload(get_preset("13b"), 8, 1, "bf16"), 4, H100, r)
+        choose(Workload(get_preset("13b"), 8, 1, "bf16"), 4, H100, r, FP32_STATE)
     # an explicit plan predicted not to fit is refused too, and --force lets it through
     big = Workload(get_preset("6.7b"), 8, 1, "bf16")
     with pytest.raises(UserError, match="do not fit"):
@@ -166,7 +167,7 @@ def test_more_gpus_or_the_host_tier_fit_what_one_gpu_cannot():
     one = Hardware("cuda", 1, int(139 * GiB), "NVIDIA H200", int(250 * GiB), 32)
     two = Hardware("cuda", 2, int(139 * GiB), "NVIDIA H200", int(250 * GiB), 32)
     m = get_preset("13b")
-    on_device = {"offload_optimizer": "none"}
+    on_device = {"offload_optimizer": "none", **FP32_STATE}
     assert not any(c.fits for c in plan(Workload(m, 8, 1, "bf16"), 4, one, r, on_device))
     chosen, _ = choose(Workload(m, 8, 2, "bf16"), 4, two, r, on_device)
     assert chosen.ecfg.zero_stage >= 2
@@ -199,6 +200,12 @@ def test_plan_cli_refuses_before_allocating():
             "125GB",
             "--device",
             "cuda",
+            "--master",
+            "fp32",
+            "--moments",
+            "fp32",
+            "--device-moments",
+            "fp32",
         ],
         capture_output=True,
         text=True,
@@ -275,6 +282,9 @@ def test_capacity_cli_on_cpu_with_a_budget_finds_the_true_boundary(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
     assert summary["largest_layers"] == truth and summary["first_fail"] == truth + 1
+    # fp32 compute on a roomy CPU: the planner keeps fp32 state, and says so
+    assert summary["formats"] == {"master": "fp32", "moments": "fp32", "device_moments": "fp32"}
+    assert "its optimizer state: master fp32, moments fp32" in r.stdout
     trials = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(trials) <= 5 and all("predicted_peak_gib" in t for t in trials)
 
@@ -297,13 +307,16 @@ def test_the_planner_spills_the_last_blocks_to_nvme_only_when_host_ram_is_short(
     hw = dataclasses.replace(
         H100, cpu_mem=int(122 * GiB), nvme_path="(planned)", nvme_free=int(51 * GiB)
     )
-    chosen, _ = choose(work, 4, hw, DEFAULTS["H100"])
+    chosen, _ = choose(work, 4, hw, DEFAULTS["H100"])  # fp32 state fits, with the disk
     e = chosen.ecfg
     assert chosen.fits and e.offload_optimizer == "nvme" and 0 < e.nvme_blocks < e.offload_blocks
+    assert chosen.formats == ("fp32", "fp32", "fp32") and chosen.disk_written > 0
     assert 0 < sum(chosen.est.nvme.values()) <= 51 * GiB
     assert chosen.est.host_total <= 122 * GiB
     # the same model with RAM for all of it keeps the disk out; with too little disk it refuses
     roomy, _ = choose(work, 4, dataclasses.replace(hw, cpu_mem=int(400 * GiB)), DEFAULTS["H100"])
     assert roomy.ecfg.offload_optimizer == "cpu"
     with pytest.raises(UserError, match="do not fit"):
-        choose(work, 4, dataclasses.replace(hw, nvme_free=int(5 * GiB)), DEFAULTS["H100"])
+        choose(
+            work, 4, dataclasses.replace(hw, nvme_free=int(5 * GiB)), DEFAULTS["H100"], FP32_STATE
+        )

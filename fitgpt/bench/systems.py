@@ -168,6 +168,11 @@ SYSTEMS: dict[str, System] = {
             "fitgpt without CPU/NVMe offload",
             {"offload_optimizer": "none", "offload_params": "none"},
         ),
+        _fitgpt(
+            "fitgpt-no-compact",
+            "fitgpt with fp32 optimizer state (no split master, no bf16/int8 moments)",
+            {"master": "fp32", "moments": "fp32", "device_moments": "fp32"},
+        ),
         *[
             _fitgpt(
                 f"zero{k}",

@@ -101,7 +101,15 @@ def run(args: argparse.Namespace) -> int:
     from fitgpt.bench.systems import bench_run, get_system
     from fitgpt.plan import rates
     from fitgpt.plan.apply import Fixed
-    from fitgpt.plan.capacity import find_capacity, predicted_largest, predicted_peak_gib
+    from fitgpt.plan.capacity import (
+        describe_formats,
+        find_capacity,
+        formats_of,
+        predicted_largest,
+        predicted_peak_gib,
+        predicted_plan,
+    )
+    from fitgpt.plan.formats import FIELDS
 
     out = check_args(args)
     bench = dataclasses.replace(config_from_args(args, BenchConfig), warmup=1, steps=2)
@@ -122,10 +130,14 @@ def run(args: argparse.Namespace) -> int:
         if fixed is None:
             raise UserError(f"system {system.name} has no memory model: pass --start LAYERS")
         start = predicted_largest(planned(1), hw, r, fixed)
+    state = ""
+    if fixed is not None:
+        e = predicted_plan(planned(start), hw, r, fixed).ecfg
+        state = f", optimizer state: {describe_formats({k: getattr(e, k) for k in FIELDS})}"
     print(
         f"capacity of {system.name}: hidden {bench.hidden}, micro-batch {bench.micro_batch}, "
         f"{args.gpus} GPU(s); predicted largest {start} layers "
-        f"({bench.model(start).num_params() / 1e9:.2f} B)",
+        f"({bench.model(start).num_params() / 1e9:.2f} B){state}",
         flush=True,
     )
     spec = SweepSpec((system.name,), (), bench, args.gpus, args.device)
@@ -154,6 +166,9 @@ def run(args: argparse.Namespace) -> int:
         f"parameters ({best.get('tflops', 0):.0f} TFLOP/s per GPU)"
         + ("" if fail is None else f"; {fail} layers failed")
     )
+    state = describe_formats(formats_of(best))
+    if state:
+        print(f"its optimizer state: {state}")
     return 0
 
 

@@ -116,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
     if not plans.fits:
         raise UserError(plans.refusal())
     print(f"chosen: {plans.summary().removeprefix('plan: ')}")
+    wear = disk_wear(plans.best)
+    if wear:
+        print(wear)
     return 0
 
 
@@ -140,18 +143,38 @@ def vocabulary_of(args: argparse.Namespace, model: ModelConfig) -> ModelConfig:
 
 
 def print_table(cands, work, grad_accum: int, hw) -> None:
+    """One row per candidate, the chosen one marked: its memory, optimizer-state formats, disk
+    writes (when some plan uses the disk) and predicted speed; the plan's name last."""
+    from fitgpt.plan.formats import short
     from fitgpt.plan.memory import GiB
 
     tokens = work.micro_batch * work.model.seq_len * grad_accum * work.world
     flops = work.model.flops_per_token() * tokens / work.world
-    head = f"  {'plan':<28} {'fits':<4} {'GPU/rank':>9} {'host':>8} {'step s':>7} {'tokens/s':>10} {'TFLOP/s':>8}  peak phase"
-    print(head)
+    disk = any(c.disk_written for c in cands)
+    head = f"  {'fits':<4} {'GPU/rank':>9} {'host':>8}  {'state':<15}"
+    head += f" {'disk GB/step':>12} {'TB/1k steps':>11}" if disk else ""
+    print(head + f" {'step s':>7} {'tokens/s':>10} {'TFLOP/s':>8}  {'peak phase':<16} plan")
     for i, c in enumerate(cands):
         gpu = f"{c.est.compute_total / GiB:.1f}G" if c.est.compute else "-"
-        host = f"{c.est.host_total / GiB:.1f}G"
         t = c.time["total"]
-        mark = ">" if i == 0 and c.fits else " "
-        print(
-            f"{mark} {c.name:<28} {'yes' if c.fits else 'no':<4} {gpu:>9} {host:>8} {t:7.2f} "
-            f"{tokens / t:10,.0f} {flops / t / 1e12:8.0f}  {c.est.peak_phase}"
-        )
+        row = f"{'>' if i == 0 and c.fits else ' '} {'yes' if c.fits else 'no':<4} {gpu:>9} "
+        row += f"{c.est.host_total / GiB:7.1f}G  {short(c.formats):<15}"
+        if disk:
+            w = c.disk_written
+            row += f" {w / 1e9:12.1f} {w * 1000 / 1e12:11.1f}" if w else f" {'-':>12} {'-':>11}"
+        row += f" {t:7.2f} {tokens / t:10,.0f} {flops / t / 1e12:8.0f}  {c.est.peak_phase:<16} "
+        print(row + c.name)
+    print("  state: formats of the master weights / offloaded moments / device moments")
+    if disk:
+        print("  disk: bytes written to the disk tier per step on this machine (SSD wear)")
+
+
+def disk_wear(c) -> str | None:
+    """The chosen plan's disk writes as a line, or None without a disk tier."""
+    if not c.disk_written:
+        return None
+    return (
+        f"disk tier: {c.disk_written / 1e9:.1f} GB written per step on this machine, "
+        f"{c.disk_written * 1000 / 1e12:.1f} TB per 1,000 steps (SSD wear: compare the drive's "
+        "rated endurance, its TBW)"
+    )

@@ -83,17 +83,42 @@ class Capacity:
             "largest_layers": self.result.largest_ok,
             **{k: best.get(k) for k in keys},
             "predicted_peak_gib": best.get("predicted_peak_gib"),
+            "formats": formats_of(best),
             "first_fail": self.result.first_fail,
             "trials": len(self.result.trials),
         }
 
 
+def formats_of(record: dict) -> dict | None:
+    """{master, moments, device_moments} of the engine a trial ran (None for peers' trials)."""
+    from fitgpt.plan.formats import FIELDS
+
+    engine = record.get("engine")
+    return {k: engine.get(k) for k in FIELDS} if isinstance(engine, dict) else None
+
+
+def describe_formats(f: dict | None) -> str:
+    """ "master split, moments bf16 (offloaded) / fp32 (on the device)", or "" when unknown."""
+    if not f:
+        return ""
+    return (
+        f"master {f['master']}, moments {f['moments']} (offloaded) / {f['device_moments']} "
+        "(on the device)"
+    )
+
+
+def predicted_plan(run, hw, rates, fixed):
+    """The plan the planner chooses for `run` here (a Candidate; it may not fit)."""
+    from fitgpt.plan.apply import plan_run
+
+    return plan_run(run, hw, rates, fixed).best
+
+
 def predicted_peak_gib(run, hw, rates, fixed) -> float:
     """The chosen plan's predicted peak per rank (GPU allocator peak, or host RAM on CPUs)."""
-    from fitgpt.plan.apply import plan_run
     from fitgpt.plan.memory import GiB
 
-    est = plan_run(run, hw, rates, fixed).best.est
+    est = predicted_plan(run, hw, rates, fixed).est
     return (est.compute_peak if est.compute else est.host_total) / GiB
 
 

@@ -12,6 +12,7 @@ W data-parallel ranks, w bytes per working element (2 for bf16/fp16, 4 for fp32)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -84,8 +85,15 @@ class Estimate:
 
 
 def layout_of(model: ModelConfig) -> list[ChunkSpec]:
+    return list(_layout(model))
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(model: ModelConfig) -> tuple[ChunkSpec, ...]:
+    # building the model on the meta device takes ~3 ms a block; the capacity search and the
+    # refusal's "what fits" plan the same sizes many times over
     with torch.device("meta"):
-        return chunk_layout(GPT(model))
+        return tuple(chunk_layout(GPT(model)))
 
 
 # ---- persistent state ------------------------------------------------------------------------
@@ -135,8 +143,14 @@ def activation_bytes(work: Workload, checkpointing: str) -> dict[str, int]:
 
 
 # ---- the whole estimate -------------------------------------------------------------------------
-def estimate(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None = None) -> Estimate:
-    """Peak bytes per rank on each device for one training step of `work` under `ecfg`."""
+def estimate(
+    work: Workload,
+    ecfg: EngineConfig,
+    layout: list[ChunkSpec] | None = None,
+    placement: Placement | None = None,
+) -> Estimate:
+    """Peak bytes per rank on each device for one training step of `work` under `ecfg`
+    (`placement`: the zero engine's, when the caller has it already)."""
     layout = layout or layout_of(work.model)
     act = activation_bytes(work, ecfg.checkpointing)
     est = Estimate()
@@ -161,7 +175,7 @@ def estimate(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None 
             phase_a["ddp_bucket_rebuild"] = 4 * n
         phases = {"activations": phase_a}
     else:
-        placement = placement_of(work, ecfg, layout)
+        placement = placement or placement_of(work, ecfg, layout)
         both = placement.state_bytes()
         state = both["device"]
         est.host.update({f"offloaded_{k}": v for k, v in both["host"].items()})

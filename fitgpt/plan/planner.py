@@ -1,9 +1,12 @@
 """The planner: enumerate plans, predict memory and speed, keep those that fit, choose the fastest.
 
-A plan is an EngineConfig (engine, ZeRO stage, activation checkpointing, offload placement).
-Fit means: the allocator peak plus context and a fragmentation margin within each GPU, and the
-host bytes of every rank on this machine within usable RAM. A request that fits nowhere is
-refused before anything is allocated, naming the shortfall and what would fit instead.
+A plan is an EngineConfig (engine, ZeRO stage, activation checkpointing, offload placement, the
+optimizer state's storage formats). Fit means: the allocator peak plus context and a
+fragmentation margin within each GPU, the host bytes of every rank on this machine within usable
+RAM, and the disk tier within the disk's free space. The formats climb a ladder (plan/formats.py):
+fp32 state whenever some plan fits with it, else the least compact rung with which one does; of
+the plans that fit at that rung, the fastest. A request that fits nowhere is refused before
+anything is allocated, naming the shortfall and what would fit instead.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.placement import Placement
 from fitgpt.errors import UserError
+from fitgpt.plan import formats
 from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import (
     GPU_SAFETY_MARGIN,
@@ -38,10 +42,17 @@ class Candidate:
     host_short: int
     disk_short: int = 0  # bytes of the nvme tier over the disk's free space
     placement: Placement | None = None  # the zero engine's (None for ddp)
+    disk_written: int = 0  # bytes written per optimizer step to this machine's disk tier
+    rung: int = 0  # the formats' rung on the ladder this run climbs (0: fp32 unless fixed)
 
     @property
     def fits(self) -> bool:
         return self.gpu_short <= 0 and self.host_short <= 0 and self.disk_short <= 0
+
+    @property
+    def formats(self) -> formats.Formats:
+        """(master, offloaded moments, device moments) as stored; "-" for an empty tier."""
+        return formats.in_effect(self.placement)
 
     @property
     def name(self) -> str:
@@ -60,7 +71,7 @@ class Candidate:
                 off += ", their weights streamed from cpu"
             if e.delayed_update:
                 off += ", delayed update"
-        return f"{base}, checkpointing {e.checkpointing}{off}"
+        return f"{base}, checkpointing {e.checkpointing}{off}{formats.label(self.formats)}"
 
 
 def enumerate_plans(world: int, fixed: dict) -> list[EngineConfig]:
@@ -99,7 +110,7 @@ def evaluate(
 ) -> Candidate:
     layout = layout or layout_of(work.model)
     placement = placement_of(work, ecfg, layout) if ecfg.engine == "zero" else None
-    est = estimate(work, ecfg, layout)
+    est = estimate(work, ecfg, layout, placement)
     t = step_time(work, ecfg, grad_accum, rates, placement)
     ranks_here = hw.gpus if hw.device == "cuda" else work.world
     gpu_short = est.compute_total - gpu_budget(hw.gpu_mem) if hw.device == "cuda" else 0
@@ -109,31 +120,49 @@ def evaluate(
     if disk:
         # nvme_free is already net of the spare room the store leaves (engine/nvme.py)
         disk_short = disk - hw.nvme_free if hw.nvme_path else disk
-    return Candidate(ecfg, est, t, gpu_short, host_short, disk_short, placement)
+    written = placement.disk_traffic()[1] * ranks_here if placement else 0
+    return Candidate(ecfg, est, t, gpu_short, host_short, disk_short, placement, written)
 
 
 def plan(
     work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: dict | None = None
 ) -> list[Candidate]:
-    """All candidates, the chosen one first: the fastest that fits (ties: the smaller peak)."""
+    """All candidates, the chosen one first: of the least compact formats with which some plan
+    fits, the fastest plan (ties: the smaller peak); the more compact rungs are not priced."""
     fixed = fixed or {}
     layout = layout_of(work.model)
-    cands = []
-    for e in enumerate_plans(work.world, fixed):
-        base = evaluate(work, grad_accum, hw, rates, e, layout)
-        cands.append(base)
-        off = offloaded_variant(work, grad_accum, hw, rates, e, layout, fixed, base)
-        if off is not None:
-            cands.append(off)
+    bases = enumerate_plans(work.world, fixed)
+    cands: list[Candidate] = []
+    seen: set[EngineConfig] = set()
+    for rung, fmt in enumerate(formats.rungs(fixed, work.precision)):
+        for b in bases:
+            e = formats.with_formats(b, fmt)
+            if e is None:
+                continue  # this engine cannot store its state so
+            for c in plans_of(work, grad_accum, hw, rates, e, layout, fixed):
+                c.ecfg, c.rung = formats.settled(c.ecfg, c.placement, fixed), rung
+                if c.ecfg not in seen:  # a format for an empty tier repeats a lower rung's plan
+                    seen.add(c.ecfg)
+                    cands.append(c)
+        if any(c.fits for c in cands):
+            break
     cands.sort(
         key=lambda c: (
             not c.fits,
+            c.rung if c.fits else 0,
             c.time["total"] if c.fits else c.gpu_short + c.host_short + c.disk_short,
             c.est.compute_total,
             c.ecfg.engine != "zero",
         )
     )
     return cands
+
+
+def plans_of(work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: dict) -> list[Candidate]:
+    """`e` as it is, and the variant with the fewest blocks offloaded that fits (if any)."""
+    base = evaluate(work, grad_accum, hw, rates, e, layout)
+    off = offloaded_variant(work, grad_accum, hw, rates, e, layout, fixed, base)
+    return [base] if off is None else [base, off]
 
 
 def offloaded_variant(
@@ -184,9 +213,12 @@ def spill_variant(
 ) -> Candidate | None:
     """Three tiers: the fewest (last) blocks offloaded that fit the GPU, and of those the fewest
     (last) on the disk that fit the host RAM. None when host RAM alone holds them (the cpu-only
-    variant is then as good and faster) unless the user asked for nvme."""
+    variant is then as good and faster) unless the user asked for nvme. As on the host tier, the
+    offloaded blocks' weights are streamed from host RAM when their optimizer state alone leaves
+    the GPU short."""
     L = work.model.n_layer
     want_nvme = fixed.get("offload_optimizer") == "nvme"
+    stream = e.offload_params == "cpu"
 
     def with_kd(k: int, d: int) -> Candidate:
         cfg = dataclasses.replace(
@@ -195,9 +227,12 @@ def spill_variant(
             offload_blocks=k,
             nvme_blocks=d,
             nvme_path=hw.nvme_path or e.nvme_path,
+            offload_params="cpu" if stream else "none",
         )
         return evaluate(work, grad_accum, hw, rates, cfg, layout)
 
+    if with_kd(L, L).gpu_short > 0 and not stream and fixed.get("offload_params") != "none":
+        stream = True
     if with_kd(L, L).gpu_short > 0:
         return None  # not even every block on the disk fits the GPU
     lo, hi = 0, L  # the fewest offloaded blocks that fit the GPU lie in (lo, hi]
@@ -224,11 +259,17 @@ def why(chosen: Candidate, cands: list[Candidate]) -> str:
         )
     else:
         room = f"{chosen.est.host_total / GiB:.1f} GiB of host RAM per rank"
+    state = ""
+    if chosen.rung:
+        state = "no plan fits with less compact optimizer state; "
     if len(fitting) == 1:
-        return f"the only plan that fits; {room}"
+        return f"{state}the only plan that fits; {room}"
     runner_up = fitting[1]
     gain = runner_up.time["total"] / chosen.time["total"] - 1
-    return f"fastest of {len(fitting)} plans that fit, {100 * gain:.0f}% ahead of {runner_up.name}; {room}"
+    return (
+        f"{state}fastest of {len(fitting)} plans that fit, {100 * gain:.0f}% ahead of "
+        f"{runner_up.name}; {room}"
+    )
 
 
 def leanest(cands: list[Candidate]) -> Candidate:

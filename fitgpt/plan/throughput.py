@@ -4,13 +4,18 @@ compute   tokens · FLOPs/token (+ one more forward under checkpointing) at the 
           rate (probe GEMM rate × model efficiency; fp32 runs on the non-tensor-core rate).
 comm      ZeRO/DDP collectives at the probe's bus bandwidth; what overlaps with backward (or with
           forward, for stage-3 prefetches) is hidden, the rest exposed.
-optimizer fused AdamW streams ~36 bytes per parameter of its range through device memory.
+optimizer fused AdamW streams ~36 bytes per parameter of its range through device memory;
+          compact formats (engine/compact.py) step in pieces through fp32 scratch and stream more.
+host      the offloaded blocks' update on the CPU (DRAM-bound: it scales with the bytes its
+          formats move), their PCIe copies, and the disk tier's reads and writes, minus the
+          forward it overlaps with.
 """
 
 from __future__ import annotations
 
 from fitgpt.engine.config import EngineConfig
-from fitgpt.engine.placement import Placement
+from fitgpt.engine.moments import bytes_per_param
+from fitgpt.engine.placement import ChunkPlan, Placement
 from fitgpt.plan.memory import Workload, placement_of
 from fitgpt.plan.rates import Rates
 
@@ -37,6 +42,57 @@ RECOMPUTE = 0.6
 # gradient flattening and accumulation, stage-3 gathers and their allocations, and autocast's
 # per-op casts and fp32 bookkeeping in the plain PyTorch engine (ddp ran 10-13% behind zero).
 OVERHEAD = {"ddp": 0.11, 0: 0.0, 1: 0.0, 2: 0.03, 3: 0.06}
+
+# Bytes one element's update moves through memory, by storage format. The host optimizer is
+# DRAM-bound: Rates.cpu_adam_params_per_s is measured on its fp32 pipeline, which streams about
+# FP32_HOST_BYTES per element (benchmarks/results/offload_preview_h100_2026-11-22: the bf16
+# gradient in, its fp32 upcast out and in again, master and both moments in and out, the master
+# read again for the bf16 cast back); a compact chunk is charged its own bytes at the same
+# bandwidth. Its pieces stay in the CPU's caches (compact.py: 16 MiB of scratch), so DRAM sees
+# the gradient (w), the master (split: bf16 half and remainder in and out, 8; fp32: in and out
+# plus the new working weights, 8 + w) and the stored moments in and out.
+# PLACEHOLDER: counted, not measured. benchmarks/host_adamw_formats.py times every format on the
+# H100's host: its vs_fp32 column goes into HOST_VS_FP32, {(master, moments): time per element
+# over the fp32 pipeline's}, which then replaces the byte count. (Timed once on the shared 2-core
+# CPU box at 4 M elements, the compact formats took 0.8-2.1x the fp32 time, not the 0.35-0.65x
+# these bytes predict: there the pieces' extra passes cost compute.)
+FP32_HOST_BYTES = 40.0
+HOST_VS_FP32: dict[tuple[str, str], float] = {}
+FP32_DEVICE_BYTES = 36.0  # the GPU's fused AdamW over fp32 state (the optimizer term)
+# On the GPU the compact pieces (16 Mi elements, 256 MiB of scratch) do not fit its caches, so
+# each pass over them goes to HBM: the gradient copied into scratch and scaled (w + 12), the fused
+# AdamW over the fp32 pieces (28), the master joined and split again (split: ~70 over compact.py's
+# integer passes; fp32: the new weights written, 4 + w), and per moment its decode and encode
+# passes (bf16 12, int8 ~52 with the absmax, rounding and square root). PLACEHOLDER: counted from
+# engine/compact.py and engine/moments.py, not measured; a GPU check should time it.
+DEVICE_SPLIT_BYTES = 70.0
+DEVICE_MOMENT_PASSES = {"fp32": 0.0, "bf16": 12.0, "int8": 52.0}  # per moment, decode + encode
+
+
+def cached_compact_bytes(c: ChunkPlan, w: int) -> float:
+    """DRAM bytes per element of a compact chunk's update whose pieces stay in the caches."""
+    master = 8.0 if c.master == "split" else 8.0 + w
+    return w + master + 2 * bytes_per_param(c.moments)
+
+
+def host_update_cost(c: ChunkPlan, w: int) -> float:
+    """Seconds per element of a host-homed chunk's update, in units of the fp32 pipeline's
+    (1.0 for fp32 state; measured where HOST_VS_FP32 has the formats, else their bytes)."""
+    if not c.compact:
+        return 1.0
+    measured = HOST_VS_FP32.get((c.master, c.moments))
+    return measured if measured is not None else cached_compact_bytes(c, w) / FP32_HOST_BYTES
+
+
+def device_update_bytes(c: ChunkPlan, w: int, cuda: bool) -> float:
+    """Memory bytes per element of a device-homed chunk's update (on a CPU device the pieces
+    stay in the caches, as on the host tier)."""
+    if not c.compact:
+        return FP32_DEVICE_BYTES
+    if not cuda:
+        return cached_compact_bytes(c, w)
+    master = DEVICE_SPLIT_BYTES if c.master == "split" else 4.0 + w
+    return w + 12.0 + 28.0 + master + 2 * DEVICE_MOMENT_PASSES[c.moments]
 
 
 def step_time(
@@ -85,13 +141,22 @@ def step_time(
                 + (ag if ecfg.zero_stage < 3 else 0.0) * 0.5
             )
     opt_elems = n / W if (ecfg.engine == "zero" and ecfg.zero_stage >= 1) else n
-    out["optimizer"] = opt_elems * 36 / (rates.hbm_gbps * 1e9)
+    out["optimizer"] = opt_elems * FP32_DEVICE_BYTES / (rates.hbm_gbps * 1e9)
+    if ecfg.engine == "zero":
+        placement = placement or placement_of(work, ecfg)
+        extra = sum(
+            c.opt_elems
+            * (device_update_bytes(c, work.w, work.device == "cuda") - FP32_DEVICE_BYTES)
+            for c in placement.chunks
+            if c.compact and not c.offloaded
+        )
+        if extra:  # negative on a CPU device: fewer bytes than the fp32 update
+            out["compact_update"] = extra / (rates.hbm_gbps * 1e9)
     if ecfg.engine == "ddp" and work.precision != "fp32":
         # autocast re-casts the fp32 weights every micro-batch (and again when recomputing)
         casts = grad_accum * (2 if ecfg.checkpointing != "off" else 1)
         out["autocast_casts"] = casts * n * 6 / (rates.hbm_gbps * 1e9)
     if ecfg.engine == "zero" and ecfg.offloads:
-        placement = placement or placement_of(work, ecfg)
         out["host_optimizer"] = host_optimizer_exposed(
             work, ecfg, grad_accum, compute, rates, placement
         )
@@ -117,14 +182,21 @@ def host_optimizer_exposed(
     """Seconds per step the host optimizer adds: its work for the offloaded blocks (AdamW, the
     conversions, PCIe both ways, pipelined chunk by chunk) minus what overlaps with the GPU — the
     next forward of the device-homed blocks before the first offloaded one."""
-    m = work.model
+    m, w = work.model, work.w
     k = placement.offloaded_blocks
     n_off = placement.offloaded_elems()  # this rank's optimizer elements on the host tiers
-    host = n_off / rates.cpu_adam_params_per_s  # the whole pipeline: upcast, AdamW, cast back
-    pcie = n_off * work.w * (1 / (rates.d2h_gbps * 1e9) + 1 / (rates.h2d_gbps * 1e9))
-    # the nvme tier: the disk-homed blocks' 12 bytes of fp32 state read in and written back
-    on_disk = 12 * placement.on_disk_elems()
-    disk = on_disk / (rates.nvme_read_gbps * 1e9) + on_disk / (rates.nvme_write_gbps * 1e9)
+    # the whole pipeline (upcast, AdamW, cast back), at the bytes each chunk's formats move
+    host = sum(c.opt_elems * host_update_cost(c, w) for c in placement.hosted)
+    host /= rates.cpu_adam_params_per_s
+    # gradients down and new weights up; a split master whose working weights stay on the GPU
+    # needs them down too (its high half: compact.py), w bytes more per element
+    down = n_off + sum(
+        c.opt_elems for c in placement.hosted if c.master == "split" and not c.streamed
+    )
+    pcie = down * w / (rates.d2h_gbps * 1e9) + n_off * w / (rates.h2d_gbps * 1e9)
+    # the disk tier: the disk-homed chunks' state, in their formats, read in and written back
+    read, written = placement.disk_traffic()
+    disk = read / (rates.nvme_read_gbps * 1e9) + written / (rates.nvme_write_gbps * 1e9)
     work_s = max(host, pcie, disk)
     forward_first_micro = compute / grad_accum / 3  # forward is about a third of a micro-batch
     window = forward_first_micro * (m.n_layer - k) / max(1, m.n_layer)

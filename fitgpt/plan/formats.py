@@ -1,0 +1,120 @@
+"""The optimizer state's storage formats the planner chooses, least compact first.
+
+Three engine fields say how the optimizer state is stored (engine/compact.py, docs/offload.md):
+`master` (fp32, or split: the bf16 working weight plus an int16 remainder), `moments` (the Adam
+moments of the offloaded blocks, in host RAM or on disk) and `device_moments` (those of the
+chunks whose state stays on the GPU), each fp32, bf16 or block-wise int8. A field the user set
+is used as set; the planner chooses the fields left "auto": fp32 when some plan fits with it,
+else the first rung of LADDER with which one does (plan/planner.py: plan). Bytes per parameter
+and the reasons for this order: docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fitgpt.engine.config import EngineConfig
+from fitgpt.engine.placement import Placement
+from fitgpt.errors import UserError
+
+FIELDS = ("master", "moments", "device_moments")
+Formats = tuple[str, str, str]  # (master, moments of offloaded blocks, moments on the device)
+
+# The compact formats the planner may choose by itself. The lead keeps here only the formats
+# whose loss cost was measured within the run-to-run noise (issue 14: a ~1.5 B model for 1,000
+# steps, benchmarks/results/compact_loss_*); a user can still ask for any format by its flag.
+AUTO_FORMATS = ("split", "bf16", "int8")
+
+# Least compact first; each rung saves more bytes per parameter than the one before it. The split
+# master is lossless (within compact.py's one-ulp ties), so it comes first; the offloaded blocks'
+# moments before the device's, because they are most of the parameters of a model that needs
+# the room and because host RAM and the disk, not the GPU, run out first once the GPU is filled
+# by offloading blocks.
+LADDER: tuple[Formats, ...] = (
+    ("fp32", "fp32", "fp32"),
+    ("split", "fp32", "fp32"),
+    ("split", "bf16", "fp32"),
+    ("split", "bf16", "bf16"),
+    ("split", "int8", "bf16"),
+    ("split", "int8", "int8"),
+)
+
+
+# Each field's formats, least compact first (every field climbs the ladder in this order).
+ORDER = {"master": ("fp32", "split"), "moments": ("fp32", "bf16", "int8")}
+
+
+def allowed(name: str, value: str, split_ok: bool) -> str:
+    """`value` for an auto field, or the most compact format below it the planner may use."""
+    order = ORDER["master" if name == "master" else "moments"]
+    ok = [f for f in order[: order.index(value) + 1] if f == "fp32" or f in AUTO_FORMATS]
+    ok = [f for f in ok if f != "split" or split_ok]
+    return ok[-1]
+
+
+def rungs(fixed: dict, precision: str) -> list[Formats]:
+    """The ladder as this run may climb it: the fields the user fixed as fixed; the rest from
+    each rung, a format outside AUTO_FORMATS replaced by the most compact one below it; repeats
+    dropped. A split master shares its high half with bf16 working weights: under fp32 compute
+    the master is the weights (or plain fp32 for offloaded chunks), and fp16 and the delayed
+    update refuse it, so there it stays fp32."""
+    split_ok = precision == "bf16" and not fixed.get("delayed_update")
+    out: list[Formats] = []
+    for rung in LADDER:
+        a, b, c = (
+            fixed[name] if fixed.get(name, "auto") != "auto" else allowed(name, value, split_ok)
+            for name, value in zip(FIELDS, rung)
+        )
+        if (a, b, c) not in out:
+            out.append((a, b, c))
+    return out
+
+
+def with_formats(e: EngineConfig, fmt: Formats) -> EngineConfig | None:
+    """`e` storing its state in `fmt`; None where the engine cannot (ddp keeps torch's fp32)."""
+    try:
+        return dataclasses.replace(e, **dict(zip(FIELDS, fmt)))
+    except UserError:
+        return None
+
+
+def in_effect(placement: Placement | None) -> Formats:
+    """The formats a plan really stores its state in: "-" for a tier that holds no chunk (the
+    plain engine, placement None, keeps everything in fp32 on the device)."""
+    if placement is None:
+        return ("fp32", "-", "fp32")
+    master = "split" if any(c.master == "split" for c in placement.chunks) else "fp32"
+    off = {c.moments for c in placement.chunks if c.offloaded}
+    dev = {c.moments for c in placement.chunks if not c.offloaded}
+    return (master, "/".join(sorted(off)) or "-", "/".join(sorted(dev)) or "-")
+
+
+def settled(e: EngineConfig, placement: Placement | None, fixed: dict) -> EngineConfig:
+    """`e` with every format the planner chose for a tier the plan leaves empty set back to fp32
+    (nothing is stored in it: the name and the flags then say only what is used)."""
+    used = in_effect(placement)
+    changes = {}
+    for name, value in zip(FIELDS, used):
+        if name not in fixed and getattr(e, name) != "fp32" and value in ("-", "fp32"):
+            changes[name] = "fp32"
+    return dataclasses.replace(e, **changes) if changes else e
+
+
+def label(fmt: Formats) -> str:
+    """ ", split master, bf16 moments" for a name; empty when everything is fp32."""
+    master, off, dev = fmt
+    if all(f in ("fp32", "-") for f in fmt):
+        return ""
+    parts = ["split master"] if master == "split" else []
+    if off in ("-", dev) or dev == "-":
+        moments = dev if off == "-" else off
+        if moments != "fp32":
+            parts.append(f"{moments} moments")
+    else:
+        parts.append(f"{off} moments offloaded, {dev} on the GPU")
+    return ", " + ", ".join(parts)
+
+
+def short(fmt: Formats) -> str:
+    """The table's column: master/offloaded moments/device moments, e.g. split/bf16/fp32."""
+    return "/".join(fmt)

@@ -1,0 +1,246 @@
+"""The planner's choice of optimizer-state formats (plan/formats.py), their step-time terms, the
+plan table's format and disk-write columns, and the capacity they buy.
+
+Hardware is simulated (Hardware objects, as in test_plan.py): the H100 box of ANCHORS.md, models
+of its benchmark protocol (hidden 4096, untied head, micro-batch 8 × 4)."""
+
+import dataclasses
+import math
+import re
+
+import pytest
+import torch
+from helpers import TINY, run_config
+
+from fitgpt.bench.config import BenchConfig
+from fitgpt.bench.systems import SYSTEMS, bench_run
+from fitgpt.cli import main
+from fitgpt.dist import DistContext
+from fitgpt.engine.config import EngineConfig
+from fitgpt.engine.factory import build_engine
+from fitgpt.errors import UserError
+from fitgpt.model import ModelConfig, get_preset
+from fitgpt.plan import formats, throughput
+from fitgpt.plan.apply import Fixed, plan_run
+from fitgpt.plan.capacity import predicted_largest
+from fitgpt.plan.formats import LADDER, rungs
+from fitgpt.plan.hardware import Hardware
+from fitgpt.plan.memory import GiB, Workload, placement_of
+from fitgpt.plan.planner import choose, plan
+from fitgpt.plan.rates import DEFAULTS
+from fitgpt.plan.throughput import FP32_HOST_BYTES, host_optimizer_exposed, host_update_cost
+from fitgpt.train.setup import setup_run
+
+R = DEFAULTS["H100"]
+H100 = Hardware("cuda", 1, int(79.2 * GiB), "NVIDIA H100 80GB HBM3", int(118 * GiB), 16)
+FP32_STATE = {"master": "fp32", "moments": "fp32", "device_moments": "fp32"}
+
+
+def work(layers: int) -> Workload:
+    m = ModelConfig(n_layer=layers, n_embd=4096, n_head=32, tie_embeddings=False)
+    return Workload(m, 8, 1, "bf16")
+
+
+def fixed_rung(fmt: tuple[str, str, str]) -> dict:
+    return dict(zip(formats.FIELDS, fmt))
+
+
+# ---- the ladder -------------------------------------------------------------------------------
+def test_the_ladder_keeps_what_the_user_fixed_and_only_the_auto_formats(monkeypatch):
+    assert rungs({}, "bf16") == list(LADDER)
+    assert all(m == "int8" for _, m, _ in rungs({"moments": "int8"}, "bf16"))
+    assert rungs({"moments": "int8"}, "bf16")[:2] == [
+        ("fp32", "int8", "fp32"),
+        ("split", "int8", "fp32"),
+    ]
+    # no split master without bf16 working weights to share, nor with the delayed update
+    for ladder in (rungs({}, "fp32"), rungs({}, "fp16"), rungs({"delayed_update": True}, "bf16")):
+        assert ladder[0] == ("fp32", "fp32", "fp32") and all(m == "fp32" for m, _, _ in ladder)
+        assert ("fp32", "int8", "int8") in ladder
+    assert rungs(FP32_STATE, "bf16") == [("fp32", "fp32", "fp32")]
+    # the lead trims AUTO_FORMATS after the loss measurement: the ladder then stops short
+    monkeypatch.setattr(formats, "AUTO_FORMATS", ("split", "bf16"))
+    assert rungs({}, "bf16") == list(LADDER[:4])
+    assert rungs({"device_moments": "int8"}, "bf16")[-1] == ("split", "bf16", "int8")
+
+
+def test_a_model_that_fits_with_fp32_state_gets_it():
+    for w in (Workload(get_preset("2.7b"), 8, 1, "bf16"), work(38)):  # on the GPU; offloaded
+        chosen, cands = choose(w, 4, H100, R)
+        assert chosen.formats in (("fp32", "-", "fp32"), ("fp32", "fp32", "fp32"))
+        assert {c.rung for c in cands} == {0}  # no compact rung was even priced
+        assert all(getattr(chosen.ecfg, f) == "fp32" for f in formats.FIELDS)  # not "auto"
+        assert "split" not in chosen.name and "moments" not in chosen.name
+    assert choose(work(38), 4, H100, R)[0].ecfg.offload_optimizer == "cpu"
+
+
+@pytest.mark.parametrize("layers", [60, 70, 90, 100, 114])  # rungs 1 to 5
+def test_a_model_that_needs_the_room_gets_the_least_compact_formats_that_fit(layers):
+    chosen, _ = choose(work(layers), 4, H100, R)
+    fmt = tuple(getattr(chosen.ecfg, f) for f in formats.FIELDS)
+    r = LADDER.index(fmt)
+    assert r > 0 and chosen.rung == r and chosen.fits
+    assert formats.label(chosen.formats) in chosen.name and "master" in chosen.name
+    # with the rung below no plan fits; of this rung's plans that fit, the fastest is chosen
+    below = plan(work(layers), 4, H100, R, fixed_rung(LADDER[r - 1]))
+    assert not any(c.fits for c in below)
+    same = [c for c in plan(work(layers), 4, H100, R, fixed_rung(fmt)) if c.fits]
+    assert chosen.time["total"] == min(c.time["total"] for c in same)
+
+
+def test_the_formats_the_user_fixed_are_kept():
+    big = work(70)  # needs compact state
+    chosen, _ = choose(big, 4, H100, R, {"master": "fp32"})
+    assert chosen.ecfg.master == "fp32" and chosen.formats[0] == "fp32"
+    assert chosen.ecfg.moments != "fp32"  # the ladder climbs with the fields left auto
+    small, _ = choose(work(4), 4, H100, R, {"moments": "int8", "device_moments": "bf16"})
+    assert (small.ecfg.moments, small.ecfg.device_moments) == ("int8", "bf16")
+    assert small.formats == ("fp32", "-", "bf16")  # master left auto: fp32, since it fits
+    with pytest.raises(UserError, match="do not fit"):
+        choose(work(70), 4, H100, R, FP32_STATE)  # fixed formats are never made more compact
+
+
+# ---- capacity and the disk --------------------------------------------------------------------
+def test_the_largest_model_grows_with_the_formats(monkeypatch):
+    """`fitgpt capacity`'s prediction: fitgpt (formats auto) against fitgpt-no-compact (--master
+    fp32 --moments fp32 --device-moments fp32), on the same simulated H100 box."""
+    bench = BenchConfig(hidden=6144, heads=48)
+
+    def largest(system: str) -> int:
+        s = SYSTEMS[system]
+        run = bench_run(bench.model(1), bench, s.precision, "cuda")
+        return predicted_largest(run, H100, R, Fixed.of(s.plan_fixed(bench)))
+
+    fp32, auto = largest("fitgpt-no-compact"), largest("fitgpt")
+    monkeypatch.setattr(formats, "AUTO_FORMATS", ("split",))
+    split = largest("fitgpt")
+    assert fp32 < split < auto
+    assert bench.model(auto).num_params() > 1.8 * bench.model(fp32).num_params()
+
+
+def test_compact_formats_keep_state_off_the_disk():
+    w = work(68)
+    hw = dataclasses.replace(
+        H100, cpu_mem=int(122 * GiB), nvme_path="(planned)", nvme_free=int(51 * GiB)
+    )
+    fp32, _ = choose(w, 4, hw, R)  # fp32 state fits, with the disk
+    assert fp32.formats == ("fp32", "fp32", "fp32") and fp32.ecfg.nvme_blocks > 0
+    per = fp32.placement.disk_traffic()[1] / fp32.placement.on_disk_elems()
+    assert fp32.disk_written == fp32.placement.disk_traffic()[1] and per == 12
+    # bf16 moments (the user's choice): host RAM holds what fp32 state spilled to the disk
+    bf16, _ = choose(w, 4, hw, R, {"moments": "bf16"})
+    assert bf16.formats == ("fp32", "bf16", "fp32") and bf16.placement.nvme_blocks == 0
+    # and where the disk is used anyway, it holds 8 bytes per element, not 12
+    nvme = {"offload_optimizer": "nvme", "nvme_path": "/x"}
+    forced, _ = choose(w, 4, hw, R, {"moments": "bf16", **nvme})
+    assert forced.fits and forced.placement.on_disk_elems() > 0
+    assert forced.placement.disk_traffic()[1] == 8 * forced.placement.on_disk_elems()
+    # the disk ruled out: the ladder climbs until host RAM holds the state
+    ram, _ = choose(w, 4, hw, R, {"offload_optimizer": "cpu"})
+    assert ram.fits and ram.rung > 0 and ram.disk_written == 0 and ram.est.nvme == {}
+
+
+# ---- the step-time model ------------------------------------------------------------------------
+def offloaded(fmt: tuple[str, str, str], tier: str = "cpu") -> tuple[Workload, EngineConfig]:
+    """A small model with every block's optimizer state on `tier` (no forward to hide behind)."""
+    w = Workload(ModelConfig(n_layer=4, n_embd=256, n_head=4, seq_len=64), 2, 1, "bf16")
+    e = EngineConfig(offload_optimizer=tier, nvme_path="/x" if tier == "nvme" else "")
+    return w, formats.with_formats(e, fmt)
+
+
+def exposed(fmt, rates, tier: str = "cpu") -> float:
+    w, e = offloaded(fmt, tier)
+    return host_optimizer_exposed(w, e, 1, 1.0, rates, placement_of(w, e))
+
+
+def test_the_host_update_costs_the_bytes_its_formats_move():
+    w, e = offloaded(("split", "bf16", "fp32"))
+    chunk = next(c for c in placement_of(w, e).hosted)
+    assert host_update_cost(chunk, 2) == (2 + 8 + 2 * 4) / FP32_HOST_BYTES
+    w, e = offloaded(("fp32", "fp32", "fp32"))
+    assert host_update_cost(next(c for c in placement_of(w, e).hosted), 2) == 1.0
+    # all blocks offloaded, so nothing overlaps: the host term is the pipeline's time itself
+    assert exposed(("split", "bf16", "fp32"), R) == pytest.approx(
+        exposed(("fp32", "fp32", "fp32"), R) * 18 / FP32_HOST_BYTES
+    )
+    assert exposed(("split", "int8", "fp32"), R) < exposed(("split", "bf16", "fp32"), R)
+
+
+def test_measured_host_rates_replace_the_byte_count(monkeypatch):
+    w, e = offloaded(("split", "bf16", "fp32"))
+    chunk = next(c for c in placement_of(w, e).hosted)
+    monkeypatch.setitem(throughput.HOST_VS_FP32, ("split", "bf16"), 1.3)  # slower than fp32
+    assert host_update_cost(chunk, 2) == 1.3
+    assert exposed(("split", "bf16", "fp32"), R) == pytest.approx(
+        exposed(("fp32", "fp32", "fp32"), R) * 1.3
+    )
+
+
+def test_a_split_master_brings_the_weights_down_and_the_disk_moves_the_formats_bytes():
+    slow_pcie = dataclasses.replace(R, d2h_gbps=1e-3, h2d_gbps=1e-3)  # the copies dominate
+    # fp32: gradients down, weights up; split: the working weights down too (its high half)
+    ratio = exposed(("split", "fp32", "fp32"), slow_pcie) / exposed(("fp32",) * 3, slow_pcie)
+    assert ratio == pytest.approx(1.5)
+    slow_disk = dataclasses.replace(R, nvme_read_gbps=1e-3, nvme_write_gbps=1e-3)
+    fp32 = exposed(("fp32",) * 3, slow_disk, "nvme")
+    w, e = offloaded(("fp32", "fp32", "fp32"), "nvme")
+    read, written = placement_of(w, e).disk_traffic()
+    assert fp32 == pytest.approx(read / 1e6 + written / 1e6)
+    assert exposed(("split", "int8", "fp32"), slow_disk, "nvme") == pytest.approx(
+        fp32 * (2 + 2 * (1 + 4 / 2048)) / 12, rel=1e-3
+    )
+
+
+# ---- `fitgpt plan`'s table ------------------------------------------------------------------
+def plan_cli(capsys, *extra: str) -> str:
+    args = ["plan", "--preset", "6.7b", "--layers", "68", "--no-tie-embeddings", "--device"]
+    args += ["cuda", "--gpu-mem", "79.2GiB", "--cpu-mem", "122GiB", "--nvme", "51GiB", *extra]
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def chosen_row(out: str) -> list[str]:
+    return next(line for line in out.splitlines() if line.startswith(">")).split()
+
+
+def test_the_plan_table_shows_formats_and_disk_writes(capsys):
+    out = plan_cli(capsys)
+    head = next(line for line in out.splitlines() if "fits" in line)
+    assert "state" in head and "disk GB/step" in head and "TB/1k steps" in head
+    row = chosen_row(out)
+    assert row[1] == "yes" and row[4] == "fp32/fp32/fp32"
+    hw = Hardware("cuda", 1, int(79.2 * GiB), "(planned GPU)", 122 * GiB, 1, "(planned)", 51 * GiB)
+    chosen, _ = choose(work(68), 4, hw, R)
+    gb = f"{chosen.disk_written / 1e9:.1f}"
+    assert row[5] == gb and row[6] == gb  # GB per step = TB per 1,000 steps
+    assert re.search(rf"disk tier: {gb} GB written per step .* {gb} TB per 1,000 steps", out)
+    # the disk ruled out: compact formats in the row and in the plan's name, no disk figures
+    out = plan_cli(capsys, "--offload-optimizer", "cpu")
+    row = chosen_row(out)
+    assert row[4] != "fp32/fp32/fp32" and row[4].startswith("split/")
+    assert "split master" in out.splitlines()[-1] and "disk tier" not in out
+
+
+# ---- the chosen formats reach the engine ----------------------------------------------------
+def test_train_builds_the_engine_in_the_formats_the_planner_chose(monkeypatch, tmp_path):
+    """`fitgpt train`'s path (setup_run: rank 0 plans, the EngineConfig is handed over) on a CPU
+    whose stated RAM (--cpu-mem) holds the tiny model's state only in compact formats."""
+    run = run_config(tmp_path, engine="zero", precision="bf16")
+    ctx = DistContext(0, 1, 0, torch.device("cpu"))
+    cpu = Hardware("cpu", 1, 0, "cpu", 64 * GiB, 1)
+
+    def need(fixed: dict) -> int:  # the leanest plan's
+        return min(c.est.host_total for c in plan_run(run, cpu, R, Fixed.of(fixed)).candidates)
+
+    fp32, least = need(FP32_STATE), need(fixed_rung(LADDER[-1]))
+    monkeypatch.setenv("FITGPT_CPU_MEM", f"{(fp32 + least) // 2 / 1e6}MB")
+    said = []
+    planned = setup_run(run, ctx, Fixed(), log=said.append)
+    e = planned.engine
+    assert e.device_moments != "fp32" and e.master == "split" and "split master" in said[0]
+    engine = build_engine(planned.model, e, planned.precision, planned.optim, ctx)
+    assert all(c.compact is not None for c in engine.chunks)  # every chunk in compact formats
+    x = torch.randint(0, TINY.vocab_size, (2, TINY.seq_len + 1))
+    assert math.isfinite(engine.train_step([(x[:, :-1], x[:, 1:])], 1e-3).loss)
