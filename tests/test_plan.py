@@ -307,14 +307,18 @@ def test_the_planner_spills_the_last_blocks_to_nvme_only_when_host_ram_is_short(
     hw = dataclasses.replace(
         H100, cpu_mem=int(122 * GiB), nvme_path="(planned)", nvme_free=int(51 * GiB)
     )
-    chosen, _ = choose(work, 4, hw, DEFAULTS["H100"])  # fp32 state fits, with the disk
+    # fp32 state fits, with the disk (left to the planner, compact formats keep it in RAM:
+    # tests/test_planner_formats.py)
+    chosen, _ = choose(work, 4, hw, DEFAULTS["H100"], FP32_STATE)
     e = chosen.ecfg
     assert chosen.fits and e.offload_optimizer == "nvme" and 0 < e.nvme_blocks < e.offload_blocks
     assert chosen.formats == ("fp32", "fp32", "fp32") and chosen.disk_written > 0
     assert 0 < sum(chosen.est.nvme.values()) <= 51 * GiB
     assert chosen.est.host_total <= 122 * GiB
     # the same model with RAM for all of it keeps the disk out; with too little disk it refuses
-    roomy, _ = choose(work, 4, dataclasses.replace(hw, cpu_mem=int(400 * GiB)), DEFAULTS["H100"])
+    roomy, _ = choose(
+        work, 4, dataclasses.replace(hw, cpu_mem=int(400 * GiB)), DEFAULTS["H100"], FP32_STATE
+    )
     assert roomy.ecfg.offload_optimizer == "cpu"
     with pytest.raises(UserError, match="do not fit"):
         choose(

@@ -45,6 +45,19 @@ def fixed_rung(fmt: tuple[str, str, str]) -> dict:
     return dict(zip(formats.FIELDS, fmt))
 
 
+@pytest.fixture(autouse=True)
+def every_format(monkeypatch):
+    """These tests exercise the whole ladder; the shipped AUTO_FORMATS (trimmed to what the
+    loss measurement allowed) is checked by test_the_shipped_default_leaves_int8_out."""
+    monkeypatch.setattr(formats, "AUTO_FORMATS", ("split", "bf16", "int8"))
+
+
+def test_the_shipped_default_leaves_int8_out(monkeypatch):
+    monkeypatch.undo()
+    assert "int8" not in formats.AUTO_FORMATS and "bf16" in formats.AUTO_FORMATS
+    assert all("int8" not in rung for rung in rungs({}, "bf16"))
+
+
 # ---- the ladder -------------------------------------------------------------------------------
 def test_the_ladder_keeps_what_the_user_fixed_and_only_the_auto_formats(monkeypatch):
     assert rungs({}, "bf16") == list(LADDER)
@@ -123,7 +136,10 @@ def test_compact_formats_keep_state_off_the_disk():
     hw = dataclasses.replace(
         H100, cpu_mem=int(122 * GiB), nvme_path="(planned)", nvme_free=int(51 * GiB)
     )
-    fp32, _ = choose(w, 4, hw, R)  # fp32 state fits, with the disk
+    # fp32 state would fit only with the disk: a compact rung in RAM comes first
+    chosen, _ = choose(w, 4, hw, R)
+    assert chosen.rung > 0 and chosen.placement.nvme_blocks == 0 and chosen.disk_written == 0
+    fp32, _ = choose(w, 4, hw, R, FP32_STATE)  # fp32 fixed: the disk holds what RAM cannot
     assert fp32.formats == ("fp32", "fp32", "fp32") and fp32.ecfg.nvme_blocks > 0
     per = fp32.placement.disk_traffic()[1] / fp32.placement.on_disk_elems()
     assert fp32.disk_written == fp32.placement.disk_traffic()[1] and per == 12
@@ -206,21 +222,23 @@ def chosen_row(out: str) -> list[str]:
 
 
 def test_the_plan_table_shows_formats_and_disk_writes(capsys):
-    out = plan_cli(capsys)
+    fp32 = ["--master", "fp32", "--moments", "fp32", "--device-moments", "fp32"]
+    out = plan_cli(capsys, *fp32)  # fp32 state: only the disk makes room
     head = next(line for line in out.splitlines() if "fits" in line)
     assert "state" in head and "disk GB/step" in head and "TB/1k steps" in head
     row = chosen_row(out)
     assert row[1] == "yes" and row[4] == "fp32/fp32/fp32"
     hw = Hardware("cuda", 1, int(79.2 * GiB), "(planned GPU)", 122 * GiB, 1, "(planned)", 51 * GiB)
-    chosen, _ = choose(work(68), 4, hw, R)
+    chosen, _ = choose(work(68), 4, hw, R, FP32_STATE)
     gb = f"{chosen.disk_written / 1e9:.1f}"
     assert row[5] == gb and row[6] == gb  # GB per step = TB per 1,000 steps
     assert re.search(rf"disk tier: {gb} GB written per step .* {gb} TB per 1,000 steps", out)
-    # the disk ruled out: compact formats in the row and in the plan's name, no disk figures
-    out = plan_cli(capsys, "--offload-optimizer", "cpu")
-    row = chosen_row(out)
-    assert row[4] != "fp32/fp32/fp32" and row[4].startswith("split/")
-    assert "split master" in out.splitlines()[-1] and "disk tier" not in out
+    # formats left to the planner: compact state in RAM before the disk; no disk figures
+    for extra in ((), ("--offload-optimizer", "cpu")):
+        out = plan_cli(capsys, *extra)
+        row = chosen_row(out)
+        assert row[4] != "fp32/fp32/fp32" and row[4].startswith("split/")
+        assert "split master" in out.splitlines()[-1] and "disk tier:" not in out
 
 
 # ---- the chosen formats reach the engine ----------------------------------------------------
