@@ -8,6 +8,8 @@ ChunkPlan.moments) keeps its state here instead:
   master "split"   the fp32 master is the chunk's bf16 working weight (its high 16 bits, the
                    weight the forward uses anyway) plus an int16 remainder: 2 bytes, not 4.
   master "fp32"    a plain fp32 master (with compact moments only).
+  master "alias"   fp32 compute on the state's device: the fp32 working weights are the master
+                   (with compact moments only; no master buffer at all).
   moments          fp32, bf16 or block-wise int8 stores (engine/moments.py): 8, 4 or ~2 bytes.
 
 The split is exact. Write the fp32 master's bits as an integer x = H·2^16 + L (L the low 16
@@ -46,7 +48,7 @@ from torch import Tensor
 from fitgpt.engine.moments import MomentStore, make_store, store_layout
 
 PIECE = {"cpu": 1 << 20, "cuda": 1 << 24}  # elements per piece; multiples of BLOCK
-MASTERS = ("fp32", "split")
+MASTERS = ("alias", "fp32", "split")
 
 
 def piece_elems(device: torch.device) -> int:
@@ -72,7 +74,7 @@ def state_layout(numel: int, master: str, moments: str, compact: bool) -> dict[s
     (the disk tier sizes one file each before anything is allocated)."""
     if not compact:
         return {k: 4 * numel for k in ("master", "exp_avg", "exp_avg_sq")}
-    out = {"master": numel * (2 if master == "split" else 4)}
+    out = {} if master == "alias" else {"master": numel * (2 if master == "split" else 4)}
     for moment in ("exp_avg", "exp_avg_sq"):
         out.update({f"{moment}.{k}": b for k, b in store_layout(moments, numel).items()})
     return out
@@ -108,14 +110,15 @@ class CompactState:
         self.numel, self.master, self.moments, self.device = numel, master, moments, device
         self.groups, self.betas, self.eps = groups, betas, eps
         dtype = torch.int16 if master == "split" else torch.float32
-        self.master_data = torch.zeros(numel, dtype=dtype, device=device)
+        own = 0 if master == "alias" else numel  # alias: the working weights are the master
+        self.master_data = torch.zeros(own, dtype=dtype, device=device)
         self.m: MomentStore = make_store(moments, numel, signed=True, device=device)
         self.v: MomentStore = make_store(moments, numel, signed=False, device=device)
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
 
     def tensors(self) -> dict[str, Tensor]:
         """Every buffer of the state, by name (the disk tier keeps one file each)."""
-        out = {"master": self.master_data}
+        out = {} if self.master == "alias" else {"master": self.master_data}
         out.update({f"exp_avg.{k}": t for k, t in self.m.tensors.items()})
         out.update({f"exp_avg_sq.{k}": t for k, t in self.v.tensors.items()})
         return out
@@ -172,10 +175,21 @@ class CompactState:
                     st.encode(lo, hi, t)
             self._master_out(p, weights, lo, hi)
 
-    def _master_in(self, weights: Tensor, lo: int, hi: int, buf: Tensor) -> Tensor:
+    def _master_in(
+        self, weights: Tensor, lo: int, hi: int, buf: Tensor, spare: Tensor | None = None
+    ) -> Tensor:
+        """The fp32 master of [lo, hi): the stored one, the weights (alias), or joined into
+        `buf`. `spare` (the scratch's fourth piece): room to bring down working weights that
+        live on another device (a host-homed chunk's GPU weights, at checkpoint time)."""
         if self.master == "fp32":
             return self.master_data[lo:hi]
-        join_master(weights[lo:hi], self.master_data[lo:hi], buf)
+        if self.master == "alias":
+            return weights[lo:hi]
+        hi_w = weights[lo:hi]
+        if hi_w.device != self.device:
+            assert spare is not None, "a split master steps with its weights on its own device"
+            hi_w = spare.view(hi_w.dtype)[: hi - lo].copy_(hi_w)  # device → host, synchronous
+        join_master(hi_w, self.master_data[lo:hi], buf)
         return buf
 
     def _moment_in(self, store: MomentStore, lo: int, hi: int, buf: Tensor) -> Tensor:
@@ -185,11 +199,23 @@ class CompactState:
         store.decode(lo, hi, buf)
         return buf
 
-    def _master_out(self, p: Tensor, weights: Tensor, lo: int, hi: int) -> None:
-        if self.master == "split":
+    def _master_out(
+        self, p: Tensor, weights: Tensor, lo: int, hi: int, spare: Tensor | None = None
+    ) -> None:
+        """Store the fp32 master `p` of [lo, hi) and write its working weights (`spare` as in
+        _master_in: the weights split on the host, then copied up)."""
+        if self.master == "alias":
+            return  # p is weights[lo:hi] itself, already stepped in place
+        if self.master == "fp32":
+            weights[lo:hi].copy_(p)  # p is the stored master itself
+            return
+        if weights.device == self.device:
             split_master(p, weights[lo:hi], self.master_data[lo:hi])
-        else:
-            weights[lo:hi].copy_(p)
+            return
+        assert spare is not None, "a split master steps with its weights on its own device"
+        tmp = spare.view(weights.dtype)[: hi - lo]
+        split_master(p, tmp, self.master_data[lo:hi])
+        weights[lo:hi].copy_(tmp)  # host → device, synchronous (loads only)
 
     # ---- whole-state conversion (initialisation and checkpoints) ------------------------------
     @torch.no_grad()
@@ -198,7 +224,7 @@ class CompactState:
     ) -> None:
         """Set the state from fp32 values (any device, k <= numel elements; the rest zero; m and v
         None: zero) and write the matching working weights into `weights`."""
-        sp, sm, sv, _ = scratch.bufs
+        sp, sm, sv, sg = scratch.bufs
         k = master.numel()
         for lo, hi in self._pieces(scratch.elems):
             n = hi - lo
@@ -208,23 +234,24 @@ class CompactState:
                     buf[: min(hi, k) - lo].copy_(src[lo : min(hi, k)])
                 if store is not None:
                     store.encode(lo, hi, buf[:n])
-            if self.master == "split":
-                split_master(sp[:n], weights[lo:hi], self.master_data[lo:hi])
-            else:
-                self.master_data[lo:hi].copy_(sp[:n])
+            if self.master == "alias":
                 weights[lo:hi].copy_(sp[:n])
+                continue
+            if self.master == "fp32":
+                self.master_data[lo:hi].copy_(sp[:n])
+            self._master_out(sp[:n], weights, lo, hi, sg[:n])
 
     @torch.no_grad()
     def export(self, weights: Tensor, k: int, scratch: Scratch) -> tuple[Tensor, Tensor, Tensor]:
         """The first k elements of master, m and v as fp32 CPU tensors (12·k bytes of host RAM,
         freed by the caller: checkpoints hold fp32 whatever the format)."""
         out = [torch.empty(k, dtype=torch.float32) for _ in range(3)]
-        sp, sm, sv, _ = scratch.bufs
+        sp, sm, sv, sg = scratch.bufs
         for lo, hi in self._pieces(scratch.elems):
             if lo >= k:
                 break
             n, e = hi - lo, min(hi, k) - lo
-            p = self._master_in(weights, lo, hi, sp[:n])
+            p = self._master_in(weights, lo, hi, sp[:n], sg[:n])
             m, v = (self._moment_in(st, lo, hi, s[:n]) for st, s in ((self.m, sm), (self.v, sv)))
             for dst, src in zip(out, (p, m, v)):
                 dst[lo : lo + e].copy_(src[:e])
