@@ -42,6 +42,8 @@ benchmarks/host_adamw_formats.py.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 from torch import Tensor
 
@@ -84,6 +86,9 @@ class Scratch:
     """Four fp32 pieces (master, m, v, gradient) on one device, shared by its compact chunks."""
 
     def __init__(self, elems: int, device: torch.device) -> None:
+        # a multiple of 128 elements, a whole number of CPU vectors (CompactState._pieces): the
+        # engine's are PIECE (also whole int8 blocks) or its largest chunk's optimizer range
+        assert elems % 128 == 0, elems
         self.elems = elems
         self.bufs = [torch.empty(elems, dtype=torch.float32, device=device) for _ in range(4)]
 
@@ -130,7 +135,21 @@ class CompactState:
         return self.m.nbytes() + self.v.nbytes()
 
     def _pieces(self, P: int) -> list[tuple[int, int]]:
-        return [(lo, min(lo + P, self.numel)) for lo in range(0, self.numel, P)]
+        """[lo, hi) ranges of at most P elements covering the state, in order.
+
+        fp32 and bf16 moments: cut afresh from the start of each param group, so that every
+        kernel call on a piece ends where the fp32 path's one call over the group ends, or a
+        multiple of P (a multiple of 128) after its start. Why: torch's CPU kernel computes the
+        last numel % 8 (AVX2; 16 with AVX-512) elements of a call in scalar code, which rounds
+        differently from its vector code; a call ending anywhere else changes a few elements'
+        low bits, whenever a group boundary is not on a multiple of the vector width.
+        int8 moments: cut on multiples of P from 0, i.e. on whole blocks (decode and encode work
+        on whole blocks); that format is lossy anyway."""
+        cuts = {0, self.numel}
+        if self.moments != "int8":
+            cuts |= {a for a, _, _ in self.groups if 0 < a < self.numel}
+        spans = sorted(cuts)
+        return [(lo, min(lo + P, b)) for a, b in pairwise(spans) for lo in range(a, b, P)]
 
     # ---- the step -----------------------------------------------------------------------------
     @torch.no_grad()
