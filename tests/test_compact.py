@@ -71,8 +71,10 @@ def test_codec_at_the_extremes():
     hi, back = codec(x)
     assert torch.equal(back.view(I32), x.view(I32))  # -0.0 keeps its sign, inf stays inf
     assert hi[2].item() == float("inf")  # fp32's max rounds up to bf16's inf, as torch's cast does
-    nan = torch.tensor([float("nan")]).view(I32) | 0x1234
-    assert codec(nan.view(torch.float32))[1].isnan().all()  # a NaN stays a NaN
+    nan = torch.tensor([float("nan")] * 2).view(I32) | torch.tensor(
+        [0x1234, -(2**31) + 1], dtype=I32
+    )
+    assert codec(nan.view(torch.float32))[1].isnan().all()  # a NaN stays a NaN, either sign
 
 
 @pytest.mark.parametrize("high", [0x3F80, 0x3F81, -0x40C0, -0x40BF, 0x0000, 0x0001, 0x7F7F])

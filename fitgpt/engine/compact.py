@@ -17,7 +17,8 @@ bits). torch's cast to bf16 rounds to nearest even: hi = H when L < 0x8000, H + 
 L > 0x8000, and on a tie (L = 0x8000) whichever of the two is even. The remainder r = x - hi·2^16
 then lies in [-32768, 32768]; -32768 and every value below 32768 fit in int16 and give x back to
 the bit as hi·2^16 + r. The one value that does not fit, +32768, is a tie rounded down to an even
-H: it is stored as 32767, so that master comes back one fp32 ulp (2^-23 of its magnitude) lower.
+H: it is stored as 32767, so that master comes back one fp32 ulp (2^-23 of its magnitude) nearer
+zero (its bit pattern one lower).
 Its bf16 rounding is still H, so the working weight the forward uses is exactly torch's cast
 of the master (the same bf16 values as a plain fp32-master run) after every step, and the master
 differs from a plain run's only at those ties, about one element update in 2^17, by one ulp.
@@ -28,7 +29,9 @@ The update: per piece of at most PIECE elements (a multiple of the int8 block), 
 joined from (working weight, remainder) and the moments decoded into fp32 scratch, torch's fused
 AdamW kernel (torch._fused_adamw_, the kernel torch.optim.AdamW(fused=True) calls) steps the
 piece, and the results are split and encoded back; the new working weights are written to
-`out`. Elementwise, so the result equals one fused step over the whole chunk. The scratch is
+`out`. Elementwise, so the result equals one fused step over the whole chunk, bit for bit: the
+pieces are cut where the kernel's own calls over the param groups end (CompactState._pieces;
+tests/test_compact.py checks it against torch.optim.AdamW). The scratch is
 four fp32 pieces per device, shared by every compact chunk there (one chunk is stepped at a time
 per device: the main thread for the GPU, the host optimizer's worker for host RAM): on the host
 1 Mi elements (16 MiB, inside the CPU's caches, so DRAM sees only the compact bytes), on a GPU
@@ -57,17 +60,24 @@ def piece_elems(device: torch.device) -> int:
     return PIECE["cuda" if device.type == "cuda" else "cpu"]
 
 
-def split_master(x32: Tensor, hi: Tensor, rem: Tensor) -> None:
-    """hi = x32 cast to bf16 (round to nearest even), rem = the int16 remainder (module doc)."""
+def split_master(x32: Tensor, hi: Tensor, rem: Tensor, tmp: Tensor | None = None) -> None:
+    """hi = x32 cast to bf16 (round to nearest even), rem = the int16 remainder (module doc).
+    tmp: an int32 buffer of x32's size to work in (the step passes its spent gradient piece);
+    without it one is allocated for the call."""
     hi.copy_(x32)
-    r = x32.view(torch.int32) - (hi.view(torch.int16).to(torch.int32) << 16)
-    rem.copy_(r.clamp_(max=32767))  # +32768 (a tie rounded down) is stored one ulp low
+    t = torch.empty(x32.shape, dtype=torch.int32, device=x32.device) if tmp is None else tmp
+    t.copy_(hi.view(torch.int16))  # the high half, sign-extended
+    t.bitwise_left_shift_(16)
+    torch.sub(x32.view(torch.int32), t, out=t)
+    t.clamp_(max=32767)  # +32768 (a tie rounded down) is stored one ulp nearer zero
+    rem.copy_(t)
 
 
 def join_master(hi: Tensor, rem: Tensor, out32: Tensor) -> None:
-    """out32 = the fp32 master that (hi, rem) hold."""
+    """out32 = the fp32 master that (hi, rem) hold (built in place: no temporaries)."""
     bits = out32.view(torch.int32)
-    torch.bitwise_left_shift(hi.view(torch.int16).to(torch.int32), 16, out=bits)
+    bits.copy_(hi.view(torch.int16))
+    bits.bitwise_left_shift_(16)
     bits.add_(rem)
 
 
@@ -192,7 +202,7 @@ class CompactState:
             for st, t in ((self.m, m), (self.v, v)):
                 if st.fp32(lo, hi) is None:
                     st.encode(lo, hi, t)
-            self._master_out(p, weights, lo, hi)
+            self._master_out(p, weights, lo, hi, work=g.view(torch.int32))  # g is spent
 
     def _master_in(
         self, weights: Tensor, lo: int, hi: int, buf: Tensor, spare: Tensor | None = None
@@ -219,17 +229,23 @@ class CompactState:
         return buf
 
     def _master_out(
-        self, p: Tensor, weights: Tensor, lo: int, hi: int, spare: Tensor | None = None
+        self,
+        p: Tensor,
+        weights: Tensor,
+        lo: int,
+        hi: int,
+        spare: Tensor | None = None,
+        work: Tensor | None = None,
     ) -> None:
         """Store the fp32 master `p` of [lo, hi) and write its working weights (`spare` as in
-        _master_in: the weights split on the host, then copied up)."""
+        _master_in: the weights split on the host, then copied up; `work`: split_master's)."""
         if self.master == "alias":
             return  # p is weights[lo:hi] itself, already stepped in place
         if self.master == "fp32":
             weights[lo:hi].copy_(p)  # p is the stored master itself
             return
         if weights.device == self.device:
-            split_master(p, weights[lo:hi], self.master_data[lo:hi])
+            split_master(p, weights[lo:hi], self.master_data[lo:hi], work)
             return
         assert spare is not None, "a split master steps with its weights on its own device"
         tmp = spare.view(weights.dtype)[: hi - lo]
