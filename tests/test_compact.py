@@ -244,7 +244,7 @@ def run(ctx: DistContext = CPU, steps: int = STEPS, precision: str = "bf16", **e
     ecfg = EngineConfig(engine="zero", **engine)
     e = build_engine(TINY, ecfg, PrecisionConfig(precision), OptimConfig(), ctx)
     world = ctx.world if ctx.distributed else 1
-    placed = Placement.of(e.layout, ecfg, world, e.dtype.itemsize, "cpu").state_bytes()
+    placed = Placement.of(e.layout, ecfg, world, e.dtype.itemsize, ctx.device.type).state_bytes()
     report = e.memory_report()
     losses = [e.train_step(b, 3e-3).loss for b in batches(steps, world, ctx.rank)]
     weights = torch.cat([p.detach().float().flatten() for p in e.inference_model().parameters()])
@@ -366,13 +366,15 @@ def test_two_ranks_split_master_and_compact_moments(tmp_path, gloo):
 
 
 # ---- checkpoints across formats ----------------------------------------------------------------
-def save_and_resume(tmp_path, saved: dict, resumed: dict) -> tuple[list[float], list[float]]:
+def save_and_resume(
+    tmp_path, saved: dict, resumed: dict, ctx: DistContext = CPU
+) -> tuple[list[float], list[float]]:
     """12 steps saved at step 6 in `saved`'s formats; steps 7-12 again, resumed in `resumed`'s:
     (the first run's losses of steps 7-12, the resumed run's)."""
-    kw = dict(engine="zero", precision="bf16", lr=1e-2)
-    full = train(run_config(tmp_path, steps=12, save_every=6, **kw, **saved), CPU)
+    kw = dict(engine="zero", precision="bf16", lr=1e-2, device=ctx.device.type)
+    full = train(run_config(tmp_path, steps=12, save_every=6, **kw, **saved), ctx)
     shutil.rmtree(tmp_path / "step_00000012")
-    again = train(run_config(tmp_path, steps=12, **kw, **resumed), CPU, resume="")
+    again = train(run_config(tmp_path, steps=12, **kw, **resumed), ctx, resume="")
     return full["losses"][6:], again["losses"]
 
 
@@ -454,6 +456,33 @@ def test_memory_report_equals_the_placement_for_every_format(name, stage, precis
         want = Placement.of(e.layout, ecfg, 1, e.dtype.itemsize, "cpu").state_bytes()
         assert normal(e.memory_report()) == normal(want), (master, moments, device_moments)
         e.close()
+
+
+# ---- GPU checks (skipped without CUDA; run them on the device) ---------------------------------
+# What the CPU cannot reach: a host-homed split master whose working weights live on the GPU
+# (brought down beside the gradient, `weight_staging`), its initialisation and checkpoints
+# across devices, the device tier's pieces on a GPU.
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU check: run on the device")
+
+
+@GPU
+@pytest.mark.parametrize("name", TIERS)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_gpu_split_master_trains_like_the_fp32_master(stage, name, tmp_path):
+    gpu = DistContext(0, 1, 0, torch.device("cuda"))
+    kw = dict(zero_stage=stage, **tier(name, tmp_path))
+    check_split(split_facts(run(gpu, master="split", **kw), run(gpu, **kw)))
+
+
+@GPU
+def test_gpu_checkpoints_of_host_homed_split_masters(tmp_path):
+    gpu = DistContext(0, 1, 0, torch.device("cuda"))
+    fmt = dict(offload_optimizer="cpu", offload_blocks=1, master="split", moments="int8")
+    want, got = save_and_resume(tmp_path / "a", fmt, {}, gpu)  # into fp32 state
+    assert got[0] == want[0] and max(abs(a - b) for a, b in zip(got, want)) < 3e-3
+    fmt = dict(offload_optimizer="cpu", offload_blocks=1, master="split", moments="bf16")
+    want, got = save_and_resume(tmp_path / "b", fmt, fmt, gpu)
+    assert got == want  # the same formats: exact
 
 
 # ---- refusals ----------------------------------------------------------------------------------
