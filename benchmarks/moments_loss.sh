@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 for kind in fp32 bf16 int8; do
   rm -rf "/tmp/fitgpt-moments-$kind"
   $PY -m fitgpt train --preset tiny --data stdlib --steps 400 --device cpu --plan off \
-    --engine zero --offload-optimizer cpu --offload-fraction 1 --host-moments "$kind" \
+    --engine zero --offload-optimizer cpu --offload-fraction 1 --moments "$kind" \
     --eval-every 100 --log-every 10 --out "/tmp/fitgpt-moments-$kind" > "$OUT/train_$kind.log" 2>&1
   cp "/tmp/fitgpt-moments-$kind/metrics.jsonl" "$OUT/metrics_$kind.jsonl"
 done

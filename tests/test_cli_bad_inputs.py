@@ -621,7 +621,12 @@ def test_help_shows_the_defaults_the_command_uses(capsys):
     assert "(default: from --preset; tiny: 128)" in text  # hidden and seq-len
     assert "(default: stdlib)" in text and "(default: synthetic)" not in text
     assert "(default: the planner's choice; with --plan off: zero)" in text
-    assert "(default: fp32)" in text  # host moments: the planner does not choose them
+    # the state formats are planned too (docs/offload.md): auto is fp32 unless the plan needs room
+    assert "--master {auto,fp32,split} storage of the fp32 master weights" in text
+    assert (
+        "the same for the blocks whose optimizer state stays on the GPU (default: the "
+        "planner's choice; with --plan off: auto)" in text
+    )
 
 
 def test_every_flag_of_every_command_has_help():

@@ -17,9 +17,11 @@ Buffers, by ZeRO stage (a stage shards everything the stages below it shard):
   master, exp_avg, exp_avg_sq      fp32 over the optimizer range: [N] at stage 0, else [s].
                                    Live on `opt_device` (GPU or host: the offload tier). With
                                    fp32 compute on the same device, master aliases the weights.
+                                   Compact formats (plan.compact): none of these; `compact`
+                                   (engine/compact.py) holds the state in its formats instead.
 
 A chunk also owns its optimizer (torch's fused AdamW over views of master and the moments, one
-param group per weight-decay range) and its in-flight state between the engine's parts: the
+param group per weight-decay range; a compact chunk's CompactState steps the same kernel) and its in-flight state between the engine's parts: the
 handle of a weight fetch in flight (engine/fetch.py) and, with --delayed-update, the pinned
 buffer the host optimizer leaves the next weights in and the event that frees it
 (engine/update.py).

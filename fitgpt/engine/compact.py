@@ -8,6 +8,8 @@ ChunkPlan.moments) keeps its state here instead:
   master "split"   the fp32 master is the chunk's bf16 working weight (its high 16 bits, the
                    weight the forward uses anyway) plus an int16 remainder: 2 bytes, not 4.
   master "fp32"    a plain fp32 master (with compact moments only).
+  master "alias"   fp32 compute on the state's device: the fp32 working weights are the master
+                   (with compact moments only; no master buffer at all).
   moments          fp32, bf16 or block-wise int8 stores (engine/moments.py): 8, 4 or ~2 bytes.
 
 The split is exact. Write the fp32 master's bits as an integer x = H·2^16 + L (L the low 16
@@ -26,11 +28,13 @@ The update: per piece of at most PIECE elements (a multiple of the int8 block), 
 joined from (working weight, remainder) and the moments decoded into fp32 scratch, torch's fused
 AdamW kernel (torch._fused_adamw_, the kernel torch.optim.AdamW(fused=True) calls) steps the
 piece, and the results are split and encoded back; the new working weights are written to
-`out`. Elementwise, so the result equals one fused step over the whole chunk. The scratch is
+`out`. Elementwise, so the result equals one fused step over the whole chunk, bit for bit: the
+pieces are cut where the kernel's own calls over the param groups end (CompactState._pieces;
+tests/test_compact.py checks it against torch.optim.AdamW). The scratch is
 four fp32 pieces per device, shared by every compact chunk there (one chunk is stepped at a time
 per device: the main thread for the GPU, the host optimizer's worker for host RAM): on the host
-1 Mi elements (16 MiB, inside the CPU's caches, so DRAM sees only the compact bytes), on a GPU
-16 Mi (256 MiB: kernel launches stay few).
+4 Mi elements (64 MiB, mostly inside the CPU's caches), on a GPU 16 Mi
+(256 MiB: kernel launches stay few).
 
 Costs per element and step, over fp32 state: the split master reads and writes 4 bytes instead
 of 8 but adds the integer join and split; bf16 moments one cast each way; int8 moments a
@@ -41,6 +45,7 @@ benchmarks/host_adamw_formats.py.
 from __future__ import annotations
 
 import os
+from itertools import pairwise
 
 import torch
 from torch import Tensor
@@ -79,9 +84,10 @@ def upcast_scaled(grad: Tensor, mul: float, out: Tensor) -> None:
 
 def split_master(x32: Tensor, hi: Tensor, rem: Tensor, tmp: Tensor | None = None) -> None:
     """hi = x32 cast to bf16 (round to nearest even), rem = the int16 remainder (module doc).
-    `tmp`: an fp32 buffer like x32 to work in (else one is allocated)."""
+    `tmp`: a 4-byte buffer of x32's size to work in (the step passes its spent gradient piece);
+    without it one is allocated for the call."""
     hi.copy_(x32)
-    t = torch.empty_like(x32) if tmp is None else tmp
+    t = torch.empty_like(x32) if tmp is None else tmp.view(torch.float32)
     t.copy_(hi)  # hi's bits in the high half: hi·2^16 as an int32
     r = t.view(torch.int32)
     torch.sub(x32.view(torch.int32), r, out=r)
@@ -100,7 +106,7 @@ def state_layout(numel: int, master: str, moments: str, compact: bool) -> dict[s
     (the disk tier sizes one file each before anything is allocated)."""
     if not compact:
         return {k: 4 * numel for k in ("master", "exp_avg", "exp_avg_sq")}
-    out = {"master": numel * {"split": 2, "fp32": 4, "alias": 0}[master]}
+    out = {} if master == "alias" else {"master": numel * (2 if master == "split" else 4)}
     for moment in ("exp_avg", "exp_avg_sq"):
         out.update({f"{moment}.{k}": b for k, b in store_layout(moments, numel).items()})
     return out
@@ -110,6 +116,9 @@ class Scratch:
     """Four fp32 pieces (master, m, v, gradient) on one device, shared by its compact chunks."""
 
     def __init__(self, elems: int, device: torch.device) -> None:
+        # a multiple of 128 elements, a whole number of CPU vectors (CompactState._pieces): the
+        # engine's are PIECE (also whole int8 blocks) or its largest chunk's optimizer range
+        assert elems % 128 == 0, elems
         self.elems = elems
         self.bufs = [torch.empty(elems, dtype=torch.float32, device=device) for _ in range(4)]
 
@@ -144,7 +153,7 @@ class CompactState:
 
     def tensors(self) -> dict[str, Tensor]:
         """Every buffer of the state, by name (the disk tier keeps one file each)."""
-        out = {"master": self.master_data}
+        out = {} if self.master == "alias" else {"master": self.master_data}
         out.update({f"exp_avg.{k}": t for k, t in self.m.tensors.items()})
         out.update({f"exp_avg_sq.{k}": t for k, t in self.v.tensors.items()})
         return out
@@ -156,7 +165,21 @@ class CompactState:
         return self.m.nbytes() + self.v.nbytes()
 
     def _pieces(self, P: int) -> list[tuple[int, int]]:
-        return [(lo, min(lo + P, self.numel)) for lo in range(0, self.numel, P)]
+        """[lo, hi) ranges of at most P elements covering the state, in order.
+
+        fp32 and bf16 moments: cut afresh from the start of each param group, so that every
+        kernel call on a piece ends where the fp32 path's one call over the group ends, or a
+        multiple of P (a multiple of 128) after its start. Why: torch's CPU kernel computes the
+        last numel % 8 (AVX2; 16 with AVX-512) elements of a call in scalar code, which rounds
+        differently from its vector code; a call ending anywhere else changes a few elements'
+        low bits, whenever a group boundary is not on a multiple of the vector width.
+        int8 moments: cut on multiples of P from 0, i.e. on whole blocks (decode and encode work
+        on whole blocks); that format is lossy anyway."""
+        cuts = {0, self.numel}
+        if self.moments != "int8":
+            cuts |= {a for a, _, _ in self.groups if 0 < a < self.numel}
+        spans = sorted(cuts)
+        return [(lo, min(lo + P, b)) for a, b in pairwise(spans) for lo in range(a, b, P)]
 
     # ---- the step -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -197,15 +220,12 @@ class CompactState:
                         amsgrad=False, maximize=False,
                     )  # fmt: skip
             if fused:
-                w_out = (
-                    weights[lo:hi].view(torch.int16) if self.master == "split" else weights[lo:hi]
-                )
-                kern[1](p, m, v, w_out, self.master_data[lo:hi], *self._stored(lo, hi))
-                continue
-            for st, t in ((self.m, m), (self.v, v)):
-                if st.fp32(lo, hi) is None:
-                    st.encode(lo, hi, t)
-            self._master_out(p, weights, lo, hi, g)  # g: done with, the split's workspace
+                kern[1](m, v, *self._stored(lo, hi))
+            else:
+                for st, t in ((self.m, m), (self.v, v)):
+                    if st.fp32(lo, hi) is None:
+                        st.encode(lo, hi, t)
+            self._master_out(p, weights, lo, hi, work=g)  # g is spent: split_master's workspace
 
     def _stored(self, lo: int, hi: int) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         """A piece of each moment's stored tensors (bf16: the values; int8: q and its scales)."""
@@ -234,12 +254,21 @@ class CompactState:
         except Exception as e:
             codec.disable(self.moments, e)
 
-    def _master_in(self, weights: Tensor, lo: int, hi: int, buf: Tensor) -> Tensor:
-        if self.master == "alias":
-            return weights[lo:hi]
+    def _master_in(
+        self, weights: Tensor, lo: int, hi: int, buf: Tensor, spare: Tensor | None = None
+    ) -> Tensor:
+        """The fp32 master of [lo, hi): the stored one, the weights (alias), or joined into
+        `buf`. `spare` (the scratch's fourth piece): room to bring down working weights that
+        live on another device (a host-homed chunk's GPU weights, at checkpoint time)."""
         if self.master == "fp32":
             return self.master_data[lo:hi]
-        join_master(weights[lo:hi], self.master_data[lo:hi], buf)
+        if self.master == "alias":
+            return weights[lo:hi]
+        hi_w = weights[lo:hi]
+        if hi_w.device != self.device:
+            assert spare is not None, "a split master steps with its weights on its own device"
+            hi_w = spare.view(hi_w.dtype)[: hi - lo].copy_(hi_w)  # device → host, synchronous
+        join_master(hi_w, self.master_data[lo:hi], buf)
         return buf
 
     def _moment_in(self, store: MomentStore, lo: int, hi: int, buf: Tensor) -> Tensor:
@@ -249,11 +278,29 @@ class CompactState:
         store.decode(lo, hi, buf)
         return buf
 
-    def _master_out(self, p: Tensor, weights: Tensor, lo: int, hi: int, tmp: Tensor) -> None:
-        if self.master == "split":
-            split_master(p, weights[lo:hi], self.master_data[lo:hi], tmp)
-        elif self.master == "fp32":
-            weights[lo:hi].copy_(p)
+    def _master_out(
+        self,
+        p: Tensor,
+        weights: Tensor,
+        lo: int,
+        hi: int,
+        spare: Tensor | None = None,
+        work: Tensor | None = None,
+    ) -> None:
+        """Store the fp32 master `p` of [lo, hi) and write its working weights (`spare` as in
+        _master_in: the weights split on the host, then copied up; `work`: split_master's)."""
+        if self.master == "alias":
+            return  # p is weights[lo:hi] itself, already stepped in place
+        if self.master == "fp32":
+            weights[lo:hi].copy_(p)  # p is the stored master itself
+            return
+        if weights.device == self.device:
+            split_master(p, weights[lo:hi], self.master_data[lo:hi], work)
+            return
+        assert spare is not None, "a split master steps with its weights on its own device"
+        tmp = spare.view(weights.dtype)[: hi - lo]
+        split_master(p, tmp, self.master_data[lo:hi])
+        weights[lo:hi].copy_(tmp)  # host → device, synchronous (loads only)
 
     # ---- whole-state conversion (initialisation and checkpoints) ------------------------------
     @torch.no_grad()
@@ -262,7 +309,7 @@ class CompactState:
     ) -> None:
         """Set the state from fp32 values (any device, k <= numel elements; the rest zero; m and v
         None: zero) and write the matching working weights into `weights`."""
-        sp, sm, sv, _ = scratch.bufs
+        sp, sm, sv, sg = scratch.bufs
         k = master.numel()
         for lo, hi in self._pieces(scratch.elems):
             n = hi - lo
@@ -272,25 +319,24 @@ class CompactState:
                     buf[: min(hi, k) - lo].copy_(src[lo : min(hi, k)])
                 if store is not None:
                     store.encode(lo, hi, buf[:n])
-            if self.master == "split":
-                split_master(sp[:n], weights[lo:hi], self.master_data[lo:hi], scratch.bufs[3][:n])
-            elif self.master == "fp32":
+            if self.master == "alias":
+                weights[lo:hi].copy_(sp[:n])
+                continue
+            if self.master == "fp32":
                 self.master_data[lo:hi].copy_(sp[:n])
-                weights[lo:hi].copy_(sp[:n])
-            else:
-                weights[lo:hi].copy_(sp[:n])
+            self._master_out(sp[:n], weights, lo, hi, sg[:n])
 
     @torch.no_grad()
     def export(self, weights: Tensor, k: int, scratch: Scratch) -> tuple[Tensor, Tensor, Tensor]:
         """The first k elements of master, m and v as fp32 CPU tensors (12·k bytes of host RAM,
         freed by the caller: checkpoints hold fp32 whatever the format)."""
         out = [torch.empty(k, dtype=torch.float32) for _ in range(3)]
-        sp, sm, sv, _ = scratch.bufs
+        sp, sm, sv, sg = scratch.bufs
         for lo, hi in self._pieces(scratch.elems):
             if lo >= k:
                 break
             n, e = hi - lo, min(hi, k) - lo
-            p = self._master_in(weights, lo, hi, sp[:n])
+            p = self._master_in(weights, lo, hi, sp[:n], sg[:n])
             m, v = (self._moment_in(st, lo, hi, s[:n]) for st, s in ((self.m, sm), (self.v, sv)))
             for dst, src in zip(out, (p, m, v)):
                 dst[lo : lo + e].copy_(src[:e])

@@ -11,11 +11,16 @@ The next forward waits for a chunk just before its block runs (the engine's pre-
 host's work overlaps with the GPU updates of device-homed chunks and with the forward of the
 blocks before it. Torch's CPU kernels release the GIL; the main thread keeps launching GPU work.
 
-Disk-homed chunks (the nvme tier, `DiskTier`): `submit` gives the chunk's fp32 state its host
-buffers back and starts reading its three files at once, so the reads of the chunks queued behind
+Compact formats (engine/compact.py): step 2 runs piece by piece through the worker's fp32
+scratch; a split master whose working weights are on the GPU brings them down beside the
+gradient (a second pinned buffer per slot, `wstaging`), since they are its master's high half.
+
+Disk-homed chunks (the nvme tier, `DiskTier`): `submit` gives the chunk's state its host
+buffers back and starts reading its files (one per tensor, in its formats) at once, so the reads of the chunks queued behind
 the one the worker is updating overlap that update; the worker waits for its reads, steps, casts
 back, writes the state out and frees the buffers. At most `slots` chunks are in flight, so the
-host holds at most `slots` chunks' state (12 bytes per element) for the tier, whatever its size.
+host holds at most `slots` chunks' state (12 bytes per element in fp32 formats) for the tier,
+whatever its size.
 
 Costs per offloaded parameter and step: 2·w bytes over PCIe (gradient down, weights up), about
 36 bytes of host memory traffic in AdamW, one fp32 conversion. Pinned staging: `slots` buffers of

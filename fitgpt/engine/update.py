@@ -8,7 +8,9 @@ coefficient and 1/loss-scale into the gradient):
      copies and host AdamW start at once and run while the GPU does step 2;
   2. device-homed chunks: the reduced gradient upcast to a transient fp32 copy (4 bytes per
      element of one chunk), torch's fused AdamW over the fp32 master and moments, the master cast
-     back into the working-dtype weights (or this rank's shard of them);
+     back into the working-dtype weights (or this rank's shard of them); a chunk in compact
+     formats is stepped piece by piece through the device's fp32 scratch instead (no whole-chunk
+     copy; engine/compact.py);
   3. stages 1-2 on several ranks (weights replicated, state sharded): every chunk's updated shard
      is all-gathered into the full weights, (W-1)/W·N elements received per rank; the host-homed
      chunks' gathers wait for the host first. Stage 3 gathers only the embedding and head (the
