@@ -1,0 +1,92 @@
+"""Compact optimizer state on nvidia-h100-x1, as a user runs it: checks, host AdamW, 8 B, capacity.
+
+Stages (each one device call; every `fitgpt` step is a command line as a user types it, on data
+made by `fitgpt data preprocess` from the Python standard library, GPT-2's tokenizer; the
+records go to OUT/user_path.jsonl through benchmarks/user_path.py's `step`):
+  a  benchmarks/compact_check.py (the CUDA paths: split master bit-identical to fp32 master on
+     every tier, compact moments close, bytes as planned, a checkpoint across formats) and
+     tests/test_compact.py's GPU tests; benchmarks/host_adamw_formats.py on one 8 B block
+     (201 M elements) in every format; and 8 B (7.86 B, ANCHORS batch) by `fitgpt train` with
+     the planner's plan in fp32 state and with compact state (--master split --moments bf16
+     --device-moments bf16), 6 steps each.
+  b  capacity with the planner's default formats: the most layers of the ANCHORS shape (hidden
+     4096, 32 heads, seq 1024, untied head, micro-batch 8 x 4) that `fitgpt plan` accepts
+     without the disk, trained by `fitgpt train` for 3 steps; then the same with the disk
+     offered (--nvme-path), 2 steps.
+
+    python3 benchmarks/compact_h100.py a --out $OUT    # carry .whl (the GPT-2 tokenizer)
+    python3 benchmarks/compact_h100.py b --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import user_path  # (its data, its `step` recorder and its `fitgpt` command builder)
+from user_path import DATA, WORK, fitgpt, step
+
+EIGHT_B = ["--preset", "6.7b", "--layers", "38"]
+ANCHORS = ["--preset", "6.7b", "--no-tie-embeddings", "--micro-batch", "8", "--grad-accum", "4"]
+COMPACT = ["--master", "split", "--moments", "bf16", "--device-moments", "bf16"]
+NVME = "/tmp/fitgpt-nvme"
+
+
+def stage_a(out: Path) -> None:
+    py = [sys.executable]
+    step(
+        out, "compact_check", [*py, "benchmarks/compact_check.py", str(out / "compact_check.jsonl")]
+    )
+    step(out, "gpu tests", [*py, "-m", "pytest", "-q", "tests/test_compact.py", "-k", "gpu"])
+    step(out, "host adamw formats", [*py, "benchmarks/host_adamw_formats.py", "--pieces",
+                                     "4194304", "--reps", "3", "--out",
+                                     str(out / "host_adamw_formats.json")])  # fmt: skip
+    user_path.make_data(out)
+    common = [*EIGHT_B, "--data", str(DATA), "--micro-batch", "8", "--grad-accum", "4",
+              "--eval-every", "0", "--log-every", "1", "--no-save", "--steps", "6"]  # fmt: skip
+    for name, extra in (("8b fp32 state", []), ("8b compact state", COMPACT)):
+        run = WORK / "runs" / name.replace(" ", "_")
+        step(out, name, fitgpt("train", *common, *extra, "--out", str(run)), run_dir=run)
+
+
+def largest(extra: list[str]) -> int:
+    """What `fitgpt plan` names as the most layers of the ANCHORS shape that fit here."""
+    cmd = fitgpt("plan", *ANCHORS, "--layers", "400", "--tokenizer", "gpt2", *extra)
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    m = re.search(r"what fits: (\d+) layers", p.stderr + p.stdout)
+    if not m:
+        raise SystemExit(f"no size found in: {(p.stderr + p.stdout)[-800:]}")
+    return int(m.group(1))
+
+
+def stage_b(out: Path) -> None:
+    user_path.make_data(out)
+    Path(NVME).mkdir(parents=True, exist_ok=True)
+    common = [*ANCHORS, "--data", str(DATA), "--eval-every", "0", "--log-every", "1", "--no-save"]
+    disk = (["--nvme", NVME], ["--nvme-path", NVME])  # `plan` and `train` name the folder so
+    for name, (plan_extra, extra), steps in (("largest, no disk", ([], []), 3),
+                                             ("largest, disk", disk, 2)):  # fmt: skip
+        layers = largest(plan_extra)
+        run = WORK / "runs" / name.replace(" ", "_").replace(",", "")
+        cmd = fitgpt("train", *common, "--layers", str(layers), *extra, "--steps", str(steps),
+                     "--out", str(run))  # fmt: skip
+        step(out, f"{name} ({layers} layers)", cmd, run_dir=run, layers=layers)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("stage", choices=["a", "b"])
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (stage_a if a.stage == "a" else stage_b)(out)
+    user_path.table(out)
+
+
+if __name__ == "__main__":
+    main()
