@@ -24,6 +24,7 @@ import argparse
 import re
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -36,14 +37,19 @@ COMPACT = ["--master", "split", "--moments", "bf16", "--device-moments", "bf16"]
 NVME = "/tmp/fitgpt-nvme"
 
 
-def stage_a(out: Path) -> None:
+def checks(out: Path) -> None:
     py = [sys.executable]
     step(
         out, "compact_check", [*py, "benchmarks/compact_check.py", str(out / "compact_check.jsonl")]
     )
-    step(out, "gpu tests", [*py, "-m", "pytest", "-q", "tests/test_compact.py", "-k", "gpu"])
-    step(out, "host adamw formats", [*py, "benchmarks/host_adamw_formats.py", "--pieces",
-                                     "4194304", "--reps", "3", "--out",
+    step(out, "gpu tests", [*py, "-m", "pytest", "-q", "-p", "no:logging", "tests/test_compact.py",
+                            "-k", "gpu"])  # fmt: skip
+
+
+def stage_a(out: Path) -> None:
+    checks(out)
+    step(out, "host adamw formats", [sys.executable, "benchmarks/host_adamw_formats.py",
+                                     "--pieces", "4194304", "--reps", "3", "--out",
                                      str(out / "host_adamw_formats.json")])  # fmt: skip
     user_path.make_data(out)
     common = [*EIGHT_B, "--data", str(DATA), "--micro-batch", "8", "--grad-accum", "4",
@@ -63,13 +69,13 @@ def largest(extra: list[str]) -> int:
     return int(m.group(1))
 
 
-def stage_b(out: Path) -> None:
+def stage_b(out: Path, only: int | None = None) -> None:
     user_path.make_data(out)
     Path(NVME).mkdir(parents=True, exist_ok=True)
     common = [*ANCHORS, "--data", str(DATA), "--eval-every", "0", "--log-every", "1", "--no-save"]
     disk = (["--nvme", NVME], ["--nvme-path", NVME])  # `plan` and `train` name the folder so
-    for name, (plan_extra, extra), steps in (("largest, no disk", ([], []), 3),
-                                             ("largest, disk", disk, 2)):  # fmt: skip
+    cases = [("largest, no disk", ([], []), 3), ("largest, disk", disk, 2)]
+    for name, (plan_extra, extra), steps in cases if only is None else cases[only : only + 1]:
         layers = largest(plan_extra)
         run = WORK / "runs" / name.replace(" ", "_").replace(",", "")
         cmd = fitgpt("train", *common, "--layers", str(layers), *extra, "--steps", str(steps),
@@ -79,12 +85,16 @@ def stage_b(out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("stage", choices=["a", "b"])
+    ap.add_argument("stage", choices=["a", "b", "check", "b1", "b2"])
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (stage_a if a.stage == "a" else stage_b)(out)
+    if a.stage == "check":
+        checks(out)
+    else:
+        {"a": stage_a, "b": stage_b, "b1": partial(stage_b, only=0),
+         "b2": partial(stage_b, only=1)}[a.stage](out)  # fmt: skip
     user_path.table(out)
 
 

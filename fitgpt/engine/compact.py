@@ -265,7 +265,7 @@ class CompactState:
         if self.master == "alias":
             return weights[lo:hi]
         hi_w = weights[lo:hi]
-        if hi_w.device != self.device:
+        if hi_w.device.type != self.device.type:
             assert spare is not None, "a split master steps with its weights on its own device"
             hi_w = spare.view(hi_w.dtype)[: hi - lo].copy_(hi_w)  # device → host, synchronous
         join_master(hi_w, self.master_data[lo:hi], buf)
@@ -294,7 +294,7 @@ class CompactState:
         if self.master == "fp32":
             weights[lo:hi].copy_(p)  # p is the stored master itself
             return
-        if weights.device == self.device:
+        if weights.device.type == self.device.type:
             split_master(p, weights[lo:hi], self.master_data[lo:hi], work)
             return
         assert spare is not None, "a split master steps with its weights on its own device"
