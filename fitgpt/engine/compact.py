@@ -199,7 +199,8 @@ class CompactState:
         kern = codec.kernels(self.moments, self.device)
         for lo, hi in self._pieces(scratch.elems):
             k = hi - lo
-            fused = kern is not None and k == scratch.elems  # whole pieces: one compiled shape
+            # whole pieces of whole blocks only: one compiled shape, no partial int8 block
+            fused = kern is not None and k == scratch.elems and k % BLOCK == 0
             p = self._master_in(weights, lo, hi, sp[:k])
             if fused:
                 m, v = sm[:k], sv[:k]
@@ -243,8 +244,8 @@ class CompactState:
         """Compile this format's kernels now, on the calling thread, over a full piece of
         throw-away tensors (not the state); a failure falls back to eager."""
         kern = codec.kernels(self.moments, self.device)
-        if kern is None or self.numel < scratch.elems:
-            return
+        if kern is None or self.numel < scratch.elems or scratch.elems % BLOCK:
+            return  # no piece of this state would take the compiled path
         P = scratch.elems
         twin = CompactState(P, self.master, self.moments, self.device, [(0, P, 0.0)],
                             self.betas, self.eps)  # fmt: skip

@@ -51,13 +51,22 @@ OVERHEAD = {"ddp": 0.11, 0: 0.0, 1: 0.0, 2: 0.03, 3: 0.06}
 # bandwidth. Its pieces stay in the CPU's caches (compact.py: 16 MiB of scratch), so DRAM sees
 # the gradient (w), the master (split: bf16 half and remainder in and out, 8; fp32: in and out
 # plus the new working weights, 8 + w) and the stored moments in and out.
-# PLACEHOLDER: counted, not measured. benchmarks/host_adamw_formats.py times every format on the
-# H100's host: its vs_fp32 column goes into HOST_VS_FP32, {(master, moments): time per element
-# over the fp32 pipeline's}, which then replaces the byte count. (Timed once on the shared 2-core
+# The byte count is the fallback for a format not in HOST_VS_FP32 (benchmarks/
+# host_adamw_formats.py's vs_fp32 column, {(master, moments): time per element over the fp32
+# pipeline's}), which replaces it. (Timed once on the shared 2-core
 # CPU box at 4 M elements, the compact formats took 0.8-2.1x the fp32 time, not the 0.35-0.65x
 # these bytes predict: there the pieces' extra passes cost compute.)
 FP32_HOST_BYTES = 40.0
-HOST_VS_FP32: dict[tuple[str, str], float] = {}
+# Measured: benchmarks/results/compact_h100_2026-11-23/host_adamw_formats.json (H100 machine's
+# host, 16 threads, one 201 M-element block, 4 Mi pieces; fp32 state 2.05 G elements/s): seconds
+# per element over fp32's. int8 with the compiled codec (engine/codec.py), the rest eager.
+HOST_VS_FP32: dict[tuple[str, str], float] = {
+    ("split", "fp32"): 1.43,
+    ("fp32", "bf16"): 1.17,
+    ("split", "bf16"): 1.70,
+    ("fp32", "int8"): 1.24,
+    ("split", "int8"): 2.16,
+}
 FP32_DEVICE_BYTES = 36.0  # the GPU's fused AdamW over fp32 state (the optimizer term)
 # On the GPU the compact pieces (16 Mi elements, 256 MiB of scratch) do not fit its caches, so
 # each pass over them goes to HBM: the gradient copied into scratch and scaled (w + 12), the fused
