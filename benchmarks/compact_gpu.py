@@ -1,4 +1,4 @@
-"""Compact optimizer state on nvidia-h100-x1, as a user runs it: checks, host AdamW, 8 B, capacity.
+"""Compact optimizer state on the GPU machines, as a user runs it: checks, host AdamW, 8 B, capacity.
 
 Stages (each one device call; every `fitgpt` step is a command line as a user types it, on data
 made by `fitgpt data preprocess` from the Python standard library, GPT-2's tokenizer; the
@@ -12,10 +12,13 @@ records go to OUT/user_path.jsonl through benchmarks/user_path.py's `step`):
   b  capacity with the planner's default formats: the most layers of the ANCHORS shape (hidden
      4096, 32 heads, seq 1024, untied head, micro-batch 8 x 4) that `fitgpt plan` accepts
      without the disk, trained by `fitgpt train` for 3 steps; then the same with the disk
-     offered (--nvme-path), 2 steps.
+     offered (--nvme-path), 2 steps (b1 and b2: one of the two).
+  x2 (nvidia-h200-x2) `fitgpt train --gpus 2` at 40.64 B (the 20b preset's width, 89 layers),
+     which no plan fits with fp32 state (29.31 B was the largest), 2 steps.
 
-    python3 benchmarks/compact_h100.py a --out $OUT    # carry .whl (the GPT-2 tokenizer)
-    python3 benchmarks/compact_h100.py b --out $OUT
+    python3 benchmarks/compact_gpu.py a --out $OUT    # carry .whl (the GPT-2 tokenizer)
+    python3 benchmarks/compact_gpu.py b --out $OUT
+    python3 benchmarks/compact_gpu.py x2 --out $OUT   # nvidia-h200-x2
 """
 
 from __future__ import annotations
@@ -83,9 +86,18 @@ def stage_b(out: Path, only: int | None = None) -> None:
         step(out, f"{name} ({layers} layers)", cmd, run_dir=run, layers=layers)
 
 
+def stage_x2(out: Path) -> None:
+    user_path.make_data(out)
+    run = WORK / "runs" / "x2_40b"
+    cmd = fitgpt("train", "--gpus", "2", "--preset", "20b", "--layers", "89", "--data", str(DATA),
+                 "--micro-batch", "8", "--grad-accum", "4", "--eval-every", "0", "--log-every",
+                 "1", "--no-save", "--steps", "2", *user_path.X2_RAM, "--out", str(run))  # fmt: skip
+    step(out, "40.64 B --gpus 2", cmd, run_dir=run)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("stage", choices=["a", "b", "check", "b1", "b2"])
+    ap.add_argument("stage", choices=["a", "b", "check", "b1", "b2", "x2"])
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     out = Path(a.out)
@@ -93,7 +105,7 @@ def main() -> None:
     if a.stage == "check":
         checks(out)
     else:
-        {"a": stage_a, "b": stage_b, "b1": partial(stage_b, only=0),
+        {"a": stage_a, "b": stage_b, "x2": stage_x2, "b1": partial(stage_b, only=0),
          "b2": partial(stage_b, only=1)}[a.stage](out)  # fmt: skip
     user_path.table(out)
 
