@@ -263,3 +263,14 @@ def test_train_builds_the_engine_in_the_formats_the_planner_chose(monkeypatch, t
     assert all(c.compact is not None for c in engine.chunks)  # every chunk in compact formats
     x = torch.randint(0, TINY.vocab_size, (2, TINY.seq_len + 1))
     assert math.isfinite(engine.train_step([(x[:, :-1], x[:, 1:])], 1e-3).loss)
+
+
+def test_on_several_ranks_the_planner_streams_weights_only_at_stage_3():
+    """The engine refuses --offload-params cpu at stages 1-2 on several ranks: no plan the
+    planner offers may need it (found on 2×H200 at 40.64 B: zero-2 with streamed weights)."""
+    m = get_preset("20b").replace(n_layer=89, vocab_size=50304)
+    hw = Hardware("cuda", 2, 143771 * 2**20, "NVIDIA H200", 230 * GiB, 32)  # as measured
+    _, cands = choose(Workload(m, 8, 2, "bf16"), 4, hw, R)
+    streamed = [c for c in cands if c.ecfg.offload_params == "cpu"]
+    assert streamed and all(c.ecfg.zero_stage == 3 for c in streamed)
+    assert cands[0].fits

@@ -175,6 +175,13 @@ def plans_of(work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: dict) 
     return [base] if off is None else [base, off]
 
 
+def can_stream(work: Workload, e: EngineConfig, fixed: dict) -> bool:
+    """Whether the planner may stream the offloaded blocks' weights: not where the user ruled it
+    out, and on several ranks only at ZeRO stage 3 (each rank streams its shard; the engine
+    refuses stages 1-2)."""
+    return fixed.get("offload_params") != "none" and (work.world == 1 or e.zero_stage >= 3)
+
+
 def offloaded_variant(
     work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: dict, base: Candidate
 ) -> Candidate | None:
@@ -208,7 +215,7 @@ def offloaded_variant(
         (1 if forced else 0),
         L,
     )  # the fewest offloaded blocks that fit the GPU lies in (lo, hi]
-    if with_k(hi).gpu_short > 0 and not stream and fixed.get("offload_params") != "none":
+    if with_k(hi).gpu_short > 0 and not stream and can_stream(work, e, fixed):
         stream = True  # the optimizer state alone is not enough: stream the weights too
     if with_k(hi).gpu_short > 0:
         return with_k(hi)  # even all blocks on the host do not fit the GPU: report the leanest
@@ -241,7 +248,7 @@ def spill_variant(
         )
         return evaluate(work, grad_accum, hw, rates, cfg, layout)
 
-    if with_kd(L, L).gpu_short > 0 and not stream and fixed.get("offload_params") != "none":
+    if with_kd(L, L).gpu_short > 0 and not stream and can_stream(work, e, fixed):
         stream = True
     if with_kd(L, L).gpu_short > 0:
         return None  # not even every block on the disk fits the GPU
