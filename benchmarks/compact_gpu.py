@@ -12,7 +12,8 @@ records go to OUT/user_path.jsonl through benchmarks/user_path.py's `step`):
   b  capacity with the planner's default formats: the most layers of the ANCHORS shape (hidden
      4096, 32 heads, seq 1024, untied head, micro-batch 8 x 4) that `fitgpt plan` accepts
      without the disk, trained by `fitgpt train` for 3 steps; then the same with the disk
-     offered (--nvme-path), 2 steps (b1 and b2: one of the two).
+     offered (--nvme-path), 2 steps; and without the disk with int8 moments asked for (they are
+     not among the planner's default formats), 2 steps (b1, b2, b3: one of the three).
   x2 (nvidia-h200-x2) `fitgpt train --gpus 2` at 40.64 B (the 20b preset's width, 89 layers),
      which no plan fits with fp32 state (29.31 B was the largest), 2 steps.
 
@@ -77,7 +78,9 @@ def stage_b(out: Path, only: int | None = None) -> None:
     Path(NVME).mkdir(parents=True, exist_ok=True)
     common = [*ANCHORS, "--data", str(DATA), "--eval-every", "0", "--log-every", "1", "--no-save"]
     disk = (["--nvme", NVME], ["--nvme-path", NVME])  # `plan` and `train` name the folder so
-    cases = [("largest, no disk", ([], []), 3), ("largest, disk", disk, 2)]
+    int8 = (["--moments", "int8"], ["--moments", "int8"])  # opt-in: outside the default
+    cases = [("largest, no disk", ([], []), 3), ("largest, disk", disk, 2),
+             ("largest, int8 moments, no disk", int8, 2)]  # fmt: skip
     for name, (plan_extra, extra), steps in cases if only is None else cases[only : only + 1]:
         layers = largest(plan_extra)
         run = WORK / "runs" / name.replace(" ", "_").replace(",", "")
@@ -97,7 +100,7 @@ def stage_x2(out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("stage", choices=["a", "b", "check", "b1", "b2", "x2"])
+    ap.add_argument("stage", choices=["a", "b", "check", "b1", "b2", "b3", "x2"])
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     out = Path(a.out)
@@ -106,7 +109,7 @@ def main() -> None:
         checks(out)
     else:
         {"a": stage_a, "b": stage_b, "x2": stage_x2, "b1": partial(stage_b, only=0),
-         "b2": partial(stage_b, only=1)}[a.stage](out)  # fmt: skip
+         "b2": partial(stage_b, only=1), "b3": partial(stage_b, only=2)}[a.stage](out)  # fmt: skip
     user_path.table(out)
 
 
