@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -71,36 +72,59 @@ def run(names: list[str], out: Path) -> int:
 
 
 def evals(path: Path) -> dict[int, float]:
+    if path.suffix == ".log":  # a run stopped before its metrics were copied: its printed lines
+        found = re.findall(r"eval step +(\d+) \| val loss ([\d.]+)", path.read_text())
+        return {int(a): float(b) for a, b in found}
     recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     return {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
 
 
 def train_curve(path: Path) -> dict[int, float]:
+    if path.suffix == ".log":
+        found = re.findall(r"^step +(\d+) \| loss ([\d.]+)", path.read_text(), re.M)
+        return {int(a): float(b) for a, b in found}
     recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     return {r["step"]: r["loss"] for r in recs if r.get("kind") == "train" and "loss" in r}
 
 
+def source(folder: Path, name: str) -> Path | None:
+    """A run's metrics.jsonl, else its log (a run cut short keeps only what it printed)."""
+    for p in (folder / f"{name}.metrics.jsonl", folder / f"{name}.log"):
+        if p.is_file():
+            return p
+    return None
+
+
 def report(folder: Path) -> None:
     """The table (markdown, to stdout and folder/table.md) and the curves (folder/curves.png)."""
-    runs = {
-        n: folder / f"{n}.metrics.jsonl" for n in RUNS if (folder / f"{n}.metrics.jsonl").is_file()
-    }
+    runs = {n: p for n in RUNS if (p := source(folder, n)) is not None}
     val = {n: evals(p) for n, p in runs.items()}
     ref = val["fp32-s1"]
     last = max(ref)
     late = [s for s in ref if s >= last // 2]  # the second half's evaluations
     noise = _delta(val.get("fp32-s2", {}), ref, late)
     lines = [
-        "| run | formats | final val loss | Δ vs fp32-s1 (final) | mean |Δ| over the 2nd half |",
-        "|---|---|---|---|---|",
+        "| run | formats | last step | val loss there | Δ vs fp32-s1 there | mean Δ (signed) over "
+        "the evaluations 500-1000 it has | mean abs Δ over those |",
+        "|---|---|---|---|---|---|---|",
     ]
     for n, v in val.items():
         fmt = " ".join(RUNS[n][2:])
-        lines.append(f"| {n} | {fmt} | {v[last]:.4f} | {v[last] - ref[last]:+.4f} | "
-                     f"{_delta(v, ref, late):.4f} |")  # fmt: skip
+        end = max(v)
+        common = [s for s in late if s in v]
+        signed = sum(v[s] - ref[s] for s in common) / len(common) if common else float("nan")
+        lines.append(f"| {n} | {fmt} | {end} | {v[end]:.4f} | {v[end] - ref[end]:+.4f} | "
+                     f"{signed:+.4f} | {_delta(v, ref, late):.4f} |")  # fmt: skip
     lines.append(
         f"\nrun-to-run noise (fp32-s2 against fp32-s1, mean |Δ| over the 2nd half): {noise:.4f}"
     )
+    # every evaluation: each run's validation loss less fp32-s1's
+    others = [n for n in val if n != "fp32-s1"]
+    lines += ["", "| step | fp32-s1 | " + " | ".join(f"Δ {n}" for n in others) + " |",
+              "|---|---|" + "---|" * len(others)]  # fmt: skip
+    for st in sorted(ref):
+        cells = [f"{val[n][st] - ref[st]:+.4f}" if st in val[n] else "-" for n in others]
+        lines.append(f"| {st} | {ref[st]:.4f} | " + " | ".join(cells) + " |")
     text = "\n".join(lines)
     print(text)
     (folder / "table.md").write_text(text + "\n")
