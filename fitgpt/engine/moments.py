@@ -1,8 +1,9 @@
-"""Storage formats for Adam's two moments, smaller than fp32, so more optimizer state fits in RAM.
+"""Storage formats for Adam's two moments, smaller than fp32, so more optimizer state fits.
 
 Why: mixed-precision AdamW holds 16 bytes per parameter — fp32 master 4, exp_avg m 4, exp_avg_sq
-v 4, bf16 weight 2, bf16 gradient 2 — and the host tier runs out of RAM on the moments first.
-Keeping m and v in a smaller format between steps lowers the moments' 8 bytes per parameter:
+v 4, bf16 weight 2, bf16 gradient 2 — and the moments are half of it. Keeping m and v in a
+smaller format between steps, on any tier (GPU, host RAM, disk), lowers their 8 bytes per
+parameter:
 
   kind   bytes/param (m + v)   format
   fp32   8                     plain fp32 (the engine keeps these as plain tensors)
@@ -10,14 +11,15 @@ Keeping m and v in a smaller format between steps lowers the moments' 8 bytes pe
   int8   2.004                 1 byte per element plus one fp32 scale per block of BLOCK elements:
                                m as int8 with symmetric absmax, v as uint8 of sqrt(v) (see below)
 
-How the engine uses a store: around one chunk's optimizer step it decodes m and v into fp32
-scratch buffers, runs torch's fused AdamW on the scratch, and encodes them back. The math of the
+How the engine uses a store (engine/compact.py): piece by piece, it decodes m and v into fp32
+scratch, runs torch's fused AdamW kernel on the scratch, and encodes them back. The math of the
 step is unchanged; only the rounding between steps differs.
 
 Cost: one decode and one encode pass over both moments per step, on top of AdamW's own traffic
 (bf16: read 2 + write 4, then read 4 + write 2 bytes per moment element; int8 also a square root
-and a rounding pass). It is opt-in, and its effect on the loss is to be measured per model before
-it is used in earnest; the fp32 kind keeps today's behaviour exactly.
+and a rounding pass; on the host int8 goes through compiled kernels, engine/codec.py). The
+planner uses bf16 where fp32 state does not fit (its loss cost at 1.56 B was within the seed
+noise); int8 only when asked for (4-5x that noise): benchmarks/results/compact_h100_2026-11-23.
 
 A known limit of both narrow formats: with round-to-nearest, a moment whose per-step change is
 below half a quantisation step does not change at all. bf16 keeps 8 significant bits, so v·β2

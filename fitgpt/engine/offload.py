@@ -127,10 +127,6 @@ class HostOptimizer:
         # aborts the process
         atexit.register(_stop, weakref.ref(self))
 
-    def nbytes(self) -> int:
-        bufs = (*self.staging, *self.wstaging, self.g32)
-        return sum(t.numel() * t.element_size() for t in bufs)
-
     # ---- main thread ----------------------------------------------------------------------------
     def submit(
         self,
