@@ -75,6 +75,20 @@ def test_each_rank_gets_its_share_of_the_cores_not_torchruns_one(gloo, tmp_path)
     assert "2 rank(s) on cpu" in r.stdout and "4 CPU threads per rank" in r.stdout, r.stdout
 
 
+def test_a_rank_refusing_under_gpus_is_one_line_not_torchruns_traceback(tmp_path):
+    """Both ranks refuse (streamed weights on 2 ranks need ZeRO-3): the user sees the refusal
+    once, exit status 2, and neither torchrun's traceback nor its failure records."""
+    r = fitgpt(
+        "train", "--gpus", "2", "--data", "synthetic", "--vocab-size", "64", *SMALL,
+        "--engine", "zero", "--zero-stage", "2", "--offload-optimizer", "cpu",
+        "--offload-params", "cpu", "--steps", "1", "--out", str(tmp_path / "run"),
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "use --zero-stage 3" in lines[0], r.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
 def losses(stdout: str) -> dict[int, str]:
     return {int(s): loss for s, loss in re.findall(r"step +(\d+) \| loss (\S+)", stdout)}
 

@@ -41,7 +41,7 @@ def command(nproc: int, module: str, argv: list[str], torchrun: bool | None = No
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "fitgpt.dist.torchrun",  # torchrun, minus its traceback after a refusal
         "--standalone",
         f"--nproc-per-node={nproc}",
         "-m",

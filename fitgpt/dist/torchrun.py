@@ -1,0 +1,39 @@
+"""torchrun's launcher (torch.distributed.run), minus its own traceback: `--gpus N` runs this.
+
+Why: when a rank stops with fitgpt's one-line refusal (exit status 2, fitgpt.errors.UserError),
+torchrun's agent raises ChildFailedError and Python prints its traceback and a block of failure
+records after that line, so a refusal reads like a crash. Here the agent runs as torchrun runs
+it (the same argument parser and `run`), and a failed job ends with the first failed rank's exit
+status: silently after a refusal, whose line the rank printed already; otherwise with one line
+naming the rank and its status (the rank's own output above says why). The agent's own log
+lines (stopping the other ranks, the failed rank's status) are silenced: torch's elastic
+loggers are set to CRITICAL, so a rank's exit is reported once, here. A rank that crashes still
+prints its own traceback: that output is the rank's, not the agent's.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
+
+def main(argv: list[str]) -> int:
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        if code == 2:
+            return 2  # a refusal: the rank printed its one line
+        how = f"exit status {code}" if code > 0 else f"signal {-code}"
+        print(f"fitgpt: rank {rank} stopped ({how}); its output above says why", file=sys.stderr)
+        return code if code > 0 else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
