@@ -64,11 +64,9 @@ def weights(e) -> torch.Tensor:
 
 
 def bytes_match(e) -> bool:
-    from fitgpt.engine.placement import Placement
-
+    """The engine's bytes (memory_report) against the Placement's (the planner's figures)."""
     rep = e.memory_report()
     pred = e.placement.state_bytes()
-    assert isinstance(e.placement, Placement)
     got = {
         "device": rep.get(DEV.type, {}),
         "host": rep.get("host", {}),
