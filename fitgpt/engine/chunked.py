@@ -41,7 +41,7 @@ from fitgpt.engine.base import Batch, Engine, StepStats, batch_to
 from fitgpt.engine.chunk import Chunk
 from fitgpt.engine.chunk_state import ChunkStateIO
 from fitgpt.engine.comm import Peers
-from fitgpt.engine.compact import Scratch, piece_elems
+from fitgpt.engine.compact import Scratch
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.fetch import WeightFetch
 from fitgpt.engine.layout import chunk_layout
@@ -141,11 +141,10 @@ class ChunkEngine(Engine):
         engine/compact.py), and the disk tier, whose free space is checked here, before anything
         else is allocated."""
         scratch = {}
-        for tier, homes in (("device", ("device",)), ("host", ("cpu", "nvme"))):
-            elems = [c.opt_elems for c in self.placement.chunks if c.compact and c.home in homes]
-            if elems:
+        for tier in ("device", "host"):
+            if elems := self.placement.scratch_elems(tier):
                 dev = self.device if tier == "device" else torch.device("cpu")
-                scratch[tier] = Scratch(min(max(elems), piece_elems(dev)), dev)
+                scratch[tier] = Scratch(elems, dev)
         on_disk = {c.spec.index: c.state_layout() for c in self.placement.chunks if c.on_disk}
         disk = DiskTier(self.ecfg.nvme_path, on_disk) if on_disk else None
         return scratch, disk

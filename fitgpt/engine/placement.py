@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fitgpt.engine.compact import PIECE, state_layout
+import torch
+
+from fitgpt.engine.compact import piece_elems, state_layout
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.layout import ChunkSpec
 from fitgpt.engine.moments import store_nbytes
@@ -63,8 +65,7 @@ class ChunkPlan:
 
     def state_nbytes(self) -> int:
         """Bytes of this rank's master weights and moments (what the disk tier moves)."""
-        per = {"alias": 0, "fp32": 4, "split": 2}[self.master]
-        return per * self.opt_elems + 2 * store_nbytes(self.moments, self.opt_elems)
+        return sum(self.state_layout().values())
 
     @property
     def block(self) -> bool:
@@ -172,10 +173,9 @@ class Placement:
         fetched = [c.opt_elems for c in self.hosted if c.master == "split" and not c.streamed]
         if fetched and self.device == "cuda":
             host["weight_staging"] = HOST_SLOTS * max(fetched) * w
-        for tier, home in ((dev, ("device",)), (host, ("cpu", "nvme"))):
-            elems = [c.opt_elems for c in self.chunks if c.compact and c.home in home]
-            if elems:
-                tier["compact_scratch"] = 16 * min(max(elems), self._piece(home[0]))
+        for name, tier in (("device", dev), ("host", host)):
+            if self.scratch_elems(name):
+                tier["compact_scratch"] = 16 * self.scratch_elems(name)  # 4 fp32 pieces
         out = {"device": dev, "host": host}
         disk = [c.state_nbytes() for c in self.chunks if c.on_disk]
         if disk:
@@ -183,9 +183,14 @@ class Placement:
             out["nvme"] = nvme
         return out
 
-    def _piece(self, home: str) -> int:
-        """Elements per piece of the compact update's scratch (engine/compact.py)."""
-        return PIECE["cuda" if home == "device" and self.device == "cuda" else "cpu"]
+    def scratch_elems(self, tier: str) -> int:
+        """Elements per piece of the compact update's scratch on `tier` ("device": the main
+        thread's, "host": the host optimizer worker's; engine/compact.py), 0 where no chunk
+        there is compact: a piece, or the largest such chunk if it is smaller."""
+        homes = ("device",) if tier == "device" else ("cpu", "nvme")
+        elems = [c.opt_elems for c in self.chunks if c.compact and c.home in homes]
+        on = "cuda" if tier == "device" and self.device == "cuda" else "cpu"
+        return min(max(elems), piece_elems(torch.device(on))) if elems else 0
 
     def disk_traffic(self) -> tuple[int, int]:
         """Bytes this rank reads from and writes to the disk tier per optimizer step (every
