@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -249,6 +250,13 @@ def run(args: argparse.Namespace) -> int:
         resume = None if ckpt is None else str(ckpt)
         init = getattr(args, "init_source", None)
         train(run_cfg, ctx, resume=resume, overwrite=args.overwrite, init_from=init)
+    except UserError as e:
+        if not (e.agreed and ctx.distributed):
+            raise
+        print(f"fitgpt train: error: {e}", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):  # every rank printed its line before any exits
+            ctx.barrier()
+        sys.exit(2)
     finally:
         shutdown(ctx)
     return 0

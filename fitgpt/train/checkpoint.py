@@ -38,6 +38,8 @@ FAULT_ENV = "FITGPT_SAVE_FAULT"  # RANK:STEP:enospc|eio|error|die, for the failu
 class SaveFailed(UserError):
     """A checkpoint could not be written; its temporary folder is gone, earlier ones are kept."""
 
+    agreed = True  # every rank learns the outcome from the same all_ok
+
 
 def step_dirs(run_dir: Path) -> list[Path]:
     """Complete checkpoints (with meta.json) of a run, oldest first."""

@@ -82,5 +82,7 @@ def open_run_dir(out: Path, resume: bool, overwrite: bool, ctx: DistContext) -> 
             error = e
     if not all_ok(ctx, error is None, "open the run folder"):
         close_run_dir(out, lock, failed=True)
-        raise error or UserError(f"--out {out}: rank 0 could not open it (see its message)")
+        error = error or UserError(f"--out {out}: rank 0 could not open it (see its message)")
+        error.agreed = True
+        raise error
     return lock
