@@ -192,9 +192,12 @@ class ChunkEngine(Engine):
         blocks, modules = self.blocks, list(self.model.blocks)
         after = self.ecfg.delayed_update_after
         self.updater = TieredUpdate(
-            self.chunks, self.host_opt, self.peers, self.stage, after, self.scratch.get("device")
-        )
+            self.chunks, self.host_opt, self.peers, self.stage, after, self.scratch.get("device"),
+            speculative=self.ecfg.speculative_update,
+        )  # fmt: skip
         self.reducer = GradReducer(self.peers, self.stage, self.dtype, self.device)
+        if self.updater.speculative:
+            self.reducer.on_final = self.updater.on_final
         self.fetcher = WeightFetch(self.peers, self.device, self.host_opt, bool(self.streamed))
         self.state_io = ChunkStateIO(self.chunks, self.disk, self.peers, self.stage, self.scratch)
         self.hooks: list = []
@@ -215,6 +218,7 @@ class ChunkEngine(Engine):
         self.clock.close_step()  # the previous step's phases, complete since its host sync
         self.clock.mark("start")
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        self.updater.begin_step(lr, scale, self.steps_done)
         for i, (x, y) in enumerate(micro_batches):
             self.reducer.last_micro = i == n - 1
             loss = self.model(self._to_device(x), self._to_device(y))
@@ -227,10 +231,12 @@ class ChunkEngine(Engine):
         self.clock.mark("synced")
         norm = sq_v**0.5 / scale
         overflow = not (norm == norm and norm != float("inf"))
+        grad_mul = None  # an overflow: no step (speculative ones undone)
         if not overflow:
             clip = self.ocfg.grad_clip
             coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
-            self.updater.step(lr, coef / scale, self.steps_done)
+            grad_mul = coef / scale
+        self.updater.step(lr, grad_mul, self.steps_done)
         self.scaler.update(overflow)
         self.reducer.zero_grads(self.chunks)
         self.steps_done += 1
@@ -312,6 +318,8 @@ class ChunkEngine(Engine):
             out["slot_wait_total"] = self.host_opt.slot_wait_s
             out["copy_d2h_total"] = self.host_opt.d2h_s
             out["copy_h2d_total"] = self.host_opt.h2d_s
+            out["speculated_steps_total"] = self.updater.speculated_steps
+            out["rollbacks_total"] = self.updater.rollbacks
         if self.disk is not None:
             io = self.disk.stats()
             out["nvme_wait_total"] = self.host_opt.disk_wait_s  # the worker, waiting on the disk

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from fitgpt.engine import codec
 from fitgpt.engine.moments import BLOCK, MomentStore, make_store, store_layout
+from fitgpt.engine.speculate import undo_adamw_
 
 # elements per piece, multiples of BLOCK. Host: 4 Mi (64 MiB of scratch), the fastest on the
 # H100 machine's 16 cores for most formats (1 Mi pieces pay each op's thread fan-out 4x as
@@ -187,14 +188,18 @@ class CompactState:
         self,
         weights: Tensor,
         grad: Tensor,
-        grad_mul: float,
+        grad_mul: float | None,
         lr: float,
         scratch: Scratch,
+        undo_mul: float | None = None,
     ) -> None:
         """One AdamW step from `grad` (working dtype, times grad_mul), writing the new working
         weights into `weights` ([numel], working dtype). A split master reads its high half from
-        `weights` first: they must hold the weights of the last step (or of the load)."""
-        self.step_count += 1
+        `weights` first: they must hold the weights of the last step (or of the load).
+        undo_mul: first undo the last step, which used `grad` times undo_mul (a speculative step,
+        engine/speculate.py); then grad_mul=None takes no new step (an overflow)."""
+        if undo_mul is None:
+            self.step_count += 1
         sp, sm, sv, sg = scratch.bufs
         kern = codec.kernels(self.moments, self.device)
         for lo, hi in self._pieces(scratch.elems):
@@ -210,15 +215,18 @@ class CompactState:
                     self._moment_in(st, lo, hi, s[:k]) for st, s in ((self.m, sm), (self.v, sv))
                 )
             g = sg[:k]
-            upcast_scaled(grad[lo:hi], grad_mul, g)
-            for a, b, wd in self.groups:
-                a, b = max(a, lo) - lo, min(b, hi) - lo
-                if b > a:
+            if undo_mul is not None:
+                upcast_scaled(grad[lo:hi], undo_mul, g)
+                for a, b, wd in self._group_parts(lo, hi):
+                    undo_adamw_(p[a:b], g[a:b], m[a:b], v[a:b], self.step_count.item(), lr,
+                                self.betas, wd, self.eps)  # fmt: skip
+            if grad_mul is not None:
+                upcast_scaled(grad[lo:hi], grad_mul, g)
+                for a, b, wd in self._group_parts(lo, hi):
                     torch._fused_adamw_(
                         [p[a:b]], [g[a:b]], [m[a:b]], [v[a:b]], [], [self.step_count],
                         lr=lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=wd,
-                        eps=self.eps,
-                        amsgrad=False, maximize=False,
+                        eps=self.eps, amsgrad=False, maximize=False,
                     )  # fmt: skip
             if fused:
                 kern[1](m, v, *self._stored(lo, hi))
@@ -227,6 +235,14 @@ class CompactState:
                     if st.fp32(lo, hi) is None:
                         st.encode(lo, hi, t)
             self._master_out(p, weights, lo, hi, work=g)  # g is spent: split_master's workspace
+        if undo_mul is not None and grad_mul is None:
+            self.step_count -= 1
+
+    def _group_parts(self, lo: int, hi: int) -> list[tuple[int, int, float]]:
+        """(a, b, weight_decay) of each param group's part inside piece [lo, hi), as offsets
+        into the piece (one kernel call per part: see _pieces)."""
+        parts = [(max(a, lo) - lo, min(b, hi) - lo, wd) for a, b, wd in self.groups]
+        return [(a, b, wd) for a, b, wd in parts if b > a]
 
     def _stored(self, lo: int, hi: int) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         """A piece of each moment's stored tensors (bf16: the values; int8: q and its scales)."""

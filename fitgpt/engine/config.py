@@ -167,6 +167,15 @@ class EngineConfig:
         },
     )
 
+    speculative_update: bool = field(
+        default=True,
+        metadata={
+            "help": "start the offloaded blocks' host updates during the backward, as soon as "
+            "each block's gradient is reduced, guessing that the step is neither clipped nor "
+            "skipped; a wrong guess is undone and redone exactly once the norm is known "
+            "(docs/offload.md)"
+        },
+    )
     delayed_update: bool = field(
         default=False,
         metadata={

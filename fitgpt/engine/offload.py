@@ -41,9 +41,10 @@ import torch
 from torch import Tensor
 
 from fitgpt.engine.chunk import Chunk
-from fitgpt.engine.compact import Scratch, upcast_scaled
+from fitgpt.engine.compact import Scratch, piece_elems, upcast_scaled
 from fitgpt.engine.nvme import NvmeStore
 from fitgpt.engine.placement import HOST_SLOTS
+from fitgpt.engine.speculate import undo_optimizer_
 
 
 class DiskTier:
@@ -113,6 +114,12 @@ class HostOptimizer:
         for i in range(slots):
             self.free.put(i)
         self.jobs: queue.Queue = queue.Queue()
+        # submitted chunks waiting for a staging slot, and the gradient copies of staged ones
+        # the compute stream has not yet been made to wait for (flush)
+        self.lock = threading.Lock()
+        self.slot_freed = threading.Condition(self.lock)
+        self.ready: list[_Job] = []
+        self.copied: list[torch.cuda.Event] = []
         self.pending: dict[int, _Done] = {}  # chunk index -> its update's completion
         self.delayed: dict[int, _Done] = {}  # the same, for updates applied at the next step
         self.error: BaseException | None = None
@@ -132,56 +139,99 @@ class HostOptimizer:
         self,
         c: Chunk,
         lr: float,
-        grad_mul: float,
+        grad_mul: float | None,
         target: Tensor,
         delayed: bool = False,
         target_free: torch.cuda.Event | None = None,
+        undo_mul: float | None = None,
+        guarded: bool = False,
     ) -> None:
-        """Start chunk c's update (its optimizer, over its param groups). `target` receives its
-        new weights: the device weights, or a host buffer (streamed weights; a delayed update's
-        buffer, which the worker overwrites only once `target_free` has completed). A delayed
-        update is waited for by wait_delayed(), not by wait(): the next forward does not wait
-        for it."""
-        t0 = time.perf_counter()
-        slot = self.free.get()  # back-pressure: at most `slots` chunks in flight
-        self.slot_wait_s += time.perf_counter() - t0
-        src = c.opt_grad
-        buf = self.staging[slot][: src.numel()]
-        # a split master's high half: the working weights, brought down beside the gradient
-        wbuf = None
-        if c.compact is not None and c.compact.master == "split" and target.device.type != "cpu":
-            wbuf = self.wstaging[slot][: src.numel()]
+        """Queue chunk c's update (its optimizer, over its param groups); it starts as soon as a
+        staging slot is free. Its gradient must be final now: on CUDA an event marks the point
+        of the compute stream after which it is. `target` receives its new weights: the device
+        weights, or a host buffer (streamed weights; a delayed update's buffer, which the worker
+        overwrites only once `target_free` has completed). A delayed update is waited for by
+        wait_delayed(), not by wait(): the next forward does not wait for it. undo_mul: undo the
+        chunk's last step first (it used the same gradient times undo_mul; engine/speculate.py);
+        grad_mul None then takes no new step. guarded: skip the step if the gradient is not
+        finite (a speculative update before the overflow check: NaN state cannot be undone).
+        Call flush() before the gradients are zeroed."""
+        ready = None
         if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # gradient is final
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        job = _Job(c, lr, grad_mul, target, target_free, ready, undo_mul, guarded)
+        with self.lock:
+            (self.delayed if delayed else self.pending)[c.spec.index] = job.done
+            self.ready.append(job)
+        self._pump()
+
+    def flush(self) -> None:
+        """Wait until every queued chunk has its gradient staged, and (CUDA) make the compute
+        stream wait for those copies: after this the gradients may be zeroed."""
+        t0 = time.perf_counter()
+        with self.slot_freed:
+            while self.ready and self.error is None:
+                self.slot_freed.wait()
+        self.slot_wait_s += time.perf_counter() - t0
+        if self.error is not None:
+            raise RuntimeError("the host optimizer failed") from self.error
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            for ev in self.copied:
+                stream.wait_event(ev)
+        self.copied = []
+
+    def _pump(self) -> None:
+        """Stage queued chunks while slots are free (the main thread after submit(), the worker
+        after each job): earliest deadline first, i.e. the chunk the next forward needs first
+        (the lowest index), so the forward waits least."""
+        with self.lock:
+            while self.ready and not self.free.empty():
+                job = min(self.ready, key=lambda j: j.c.spec.index)
+                self.ready.remove(job)
+                self._stage(job, self.free.get_nowait())
+                self.jobs.put(job)
+
+    def _stage(self, job: _Job, slot: int) -> None:
+        """Copy the job's gradient (and a split master's working weights) into pinned staging
+        slot `slot`; on a side stream after its ready event (CUDA), so the GPU keeps working."""
+        c = job.c
+        src = c.opt_grad
+        job.slot, job.buf = slot, self.staging[slot][: src.numel()]
+        # a split master's high half: the working weights, brought down beside the gradient
+        if c.compact is not None and c.compact.master == "split" and job.target.is_cuda:
+            job.wbuf = self.wstaging[slot][: src.numel()]
+        job.out = job.buf
+        if self.cuda:
             with torch.cuda.stream(self.stream):
+                self.stream.wait_event(job.ready)  # the gradient is final
                 d2h = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 d2h[0].record(self.stream)  # timing only: the copy's own span, not its queueing
-                buf.copy_(src, non_blocking=True)
-                if wbuf is not None:
-                    wbuf.copy_(target, non_blocking=True)
+                job.buf.copy_(src, non_blocking=True)
+                if job.wbuf is not None:
+                    job.wbuf.copy_(job.target, non_blocking=True)
                 d2h[1].record(self.stream)
-            # the compute stream zeroes this gradient after the step: not before the copy is done
-            torch.cuda.current_stream(self.device).wait_event(d2h[1])
+            job.d2h = d2h
+            self.copied.append(d2h[1])  # flush(): the compute stream zeroes gradients after this
         else:
-            buf.copy_(src)
-            if wbuf is not None:
-                wbuf.copy_(target)
-            d2h = None
+            job.buf.copy_(src)
+            if job.wbuf is not None:
+                job.wbuf.copy_(job.target)
         # a disk-homed chunk's reads start now and overlap the worker's update of earlier chunks
-        reads = self.disk.read_in_async(c) if c.on_disk else []
-        job = _Job(c, lr, grad_mul, slot, buf, d2h, target, target_free, reads, wbuf)
-        (self.delayed if delayed else self.pending)[c.spec.index] = job.done
-        self.jobs.put(job)
+        job.reads = self.disk.read_in_async(c) if c.on_disk else []
 
-    def wait(self, c: Chunk) -> None:
+    def wait(self, c: Chunk) -> bool:
         """Make the compute stream wait for chunk c's new weights (the host waits only if the
-        worker has not finished the chunk yet)."""
+        worker has not finished the chunk yet). False if its update took no step (a guarded
+        update whose gradient was not finite)."""
         done = self.pending.pop(c.spec.index, None)
         if done is None:
-            return
+            return True
         self._wait_done(c, done)
         if done.h2d is not None:
             torch.cuda.current_stream(self.device).wait_event(done.h2d)
+        return done.stepped
 
     def wait_delayed(self, c: Chunk) -> bool:
         """Wait (on the host) for chunk c's delayed update; False if none is outstanding."""
@@ -220,16 +270,25 @@ class HostOptimizer:
             if job is None:
                 return
             try:
-                self._step(job)
-                self._copy_back(job)
+                if self._step(job):
+                    self._copy_back(job)
+                elif job.c.on_disk:
+                    job.c.free_state()  # read in for nothing: the files still hold it
             except BaseException as e:  # surfaced to the main thread at its next wait()
                 self.error = e
             finally:
                 self.free.put(job.slot)
                 job.done.flag.set()
+            try:
+                self._pump()  # the freed slot takes the next queued chunk at once
+            except BaseException as e:
+                self.error = e
+            with self.slot_freed:
+                self.slot_freed.notify_all()
 
-    def _step(self, job: _Job) -> None:
-        """Wait for the gradient (and a disk-homed chunk's state), then AdamW in host RAM."""
+    def _step(self, job: _Job) -> bool:
+        """Wait for the gradient (and a disk-homed chunk's state), then AdamW in host RAM.
+        False if a guarded job's gradient is not finite: no step, nothing to copy back."""
         c = job.c
         if job.d2h is not None:
             job.d2h[1].synchronize()  # host waits for the gradient to land
@@ -239,23 +298,33 @@ class HostOptimizer:
             f.result()  # the chunk's state, read from disk
         self.disk_wait_s += time.perf_counter() - t_io
         t0 = time.perf_counter()
+        # one pass over the working-dtype gradient, in speculative steps only (about 1/20 of
+        # the update's memory traffic)
+        if job.guarded and not bool(torch.isfinite(job.buf).all()):
+            job.done.stepped = False
+            return False
         if c.compact is not None:
             self._step_compact(job)
         else:
             self._step_fp32(job)
         self.busy_s += time.perf_counter() - t0
+        return True
 
     def _step_fp32(self, job: _Job) -> None:
         c, buf = job.c, job.buf
         g = self.g32[: buf.numel()]
-        upcast_scaled(buf, job.grad_mul, g)
         opt = c.optimizer
-        for group, (lo, hi) in zip(opt.param_groups, c.group_ranges):
-            group["lr"] = job.lr
-            group["params"][0].grad = g[lo:hi]
-        opt.step()
-        for group in opt.param_groups:
-            group["params"][0].grad = None
+        if job.undo_mul is not None:  # a speculative step that guessed wrong (engine/update.py)
+            upcast_scaled(buf, job.undo_mul, g)
+            undo_optimizer_(opt, g, c.group_ranges, job.lr, piece_elems(g.device))
+        if job.grad_mul is not None:
+            upcast_scaled(buf, job.grad_mul, g)
+            for group, (lo, hi) in zip(opt.param_groups, c.group_ranges):
+                group["lr"] = job.lr
+                group["params"][0].grad = g[lo:hi]
+            opt.step()
+            for group in opt.param_groups:
+                group["params"][0].grad = None
         if job.target_free is not None:
             job.target_free.synchronize()  # its last copy to the GPU has landed
         # fp32 master → working dtype: into the staging buffer for the GPU, or straight
@@ -271,7 +340,7 @@ class HostOptimizer:
         out = job.target if not job.target.is_cuda else job.buf
         if job.wbuf is not None:
             out = job.wbuf  # the high half in, the new weights out; copied up from here
-        job.c.compact.step(out, job.buf, job.grad_mul, job.lr, self.scratch)
+        job.c.compact.step(out, job.buf, job.grad_mul, job.lr, self.scratch, job.undo_mul)
         job.out = out
 
     def _copy_back(self, job: _Job) -> None:
@@ -299,27 +368,29 @@ class _Done:
 
     flag: threading.Event = field(default_factory=threading.Event)
     h2d: torch.cuda.Event | None = None
+    stepped: bool = True  # False: a guarded job found a non-finite gradient and took no step
 
 
 @dataclass
 class _Job:
-    """One chunk's host update, from submit() to the worker."""
+    """One chunk's host update, from submit() to the worker (the staging fields are filled in
+    when a slot is free: _stage)."""
 
     c: Chunk
     lr: float
-    grad_mul: float  # clip coefficient / loss scale
-    slot: int  # index of the staging buffer, returned to `free` when the job ends
-    buf: Tensor  # that buffer: the gradient, then the new weights (working dtype)
-    d2h: tuple[torch.cuda.Event, torch.cuda.Event] | None  # the gradient copy's events (CUDA)
+    grad_mul: float | None  # clip coefficient / loss scale; None: no new step (undo only)
     target: Tensor  # receives the new weights: device weights, or a host buffer
     target_free: torch.cuda.Event | None  # a delayed update's buffer: writable after this
-    reads: list[concurrent.futures.Future]  # a disk-homed chunk's state being read in
+    ready: torch.cuda.Event | None  # CUDA: the compute stream's point where the gradient is final
+    undo_mul: float | None = None  # undo the last step (its gradient times this) first
+    guarded: bool = False  # skip the step if the gradient is not finite
+    slot: int = -1  # index of the staging buffer, returned to `free` when the job ends
+    buf: Tensor | None = None  # that buffer: the gradient, then the new weights (working dtype)
+    d2h: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # the gradient copy's events
+    reads: list[concurrent.futures.Future] = field(default_factory=list)  # disk-homed state
     wbuf: Tensor | None = None  # a split master's working weights, brought down (pinned)
     out: Tensor | None = None  # the new weights for a device target: buf, or wbuf
     done: _Done = field(default_factory=_Done)
-
-    def __post_init__(self) -> None:
-        self.out = self.buf
 
 
 def _stop(ref: weakref.ref) -> None:

@@ -17,6 +17,9 @@ The 1/W of the data-parallel mean is folded into the backward's loss scaling, so
 At most MAX_INFLIGHT reductions are in flight: launching one more first completes the oldest.
 This bounds the transient buffers of stages 2-3 at (MAX_INFLIGHT + 1) · (N + s) working-dtype
 elements of the largest chunk (the memory model in plan/memory.py prices the same figure).
+
+When a chunk's last reduction of the step completes, its reduced gradient is final: `on_final`
+(the speculative update, engine/update.py) hears of it then, during the rest of the backward.
 """
 
 from __future__ import annotations
@@ -35,9 +38,12 @@ from fitgpt.engine.placement import MAX_INFLIGHT
 class GradReducer:
     def __init__(self, peers: Peers, stage: int, dtype: torch.dtype, device: torch.device) -> None:
         self.peers, self.stage, self.dtype, self.device = peers, stage, dtype, device
-        # (handle, label, on completion, tensors the collective reads or writes until then)
-        self.pending: deque[tuple[object, str, Callable[[], None] | None, tuple]] = deque()
+        # (handle, label, on completion, tensors the collective reads or writes until then, the
+        # chunk whose gradient is final once it completes, or None)
+        self.pending: deque[tuple[object, str, Callable[[], None] | None, tuple, Chunk | None]]
+        self.pending = deque()
         self.last_micro = True  # set by the step: stages 0-1 reduce at the last micro-batch only
+        self.on_final: Callable[[Chunk], None] | None = None  # hears of each final gradient
 
     def register(self, chunks: list[Chunk]) -> list:
         """Hook every parameter of every chunk; returns the handles (removed at close)."""
@@ -58,10 +64,10 @@ class GradReducer:
         elif self.last_micro:
             if self.stage == 1:
                 work = self.peers.reduce_scatter(c.grad_shard, c.grad)
-                self._launch(work, f"reduce-scatter gradients of {c.spec.name}")
+                self._launch(work, f"reduce-scatter gradients of {c.spec.name}", final=c)
             else:
                 work = self.peers.all_reduce(c.grad)
-                self._launch(work, f"all-reduce gradients of {c.spec.name}")
+                self._launch(work, f"all-reduce gradients of {c.spec.name}", final=c)
 
     def _reduce_scatter_now(self, c: Chunk) -> None:
         """Stages 2-3: flatten this micro-batch's gradients, reduce-scatter them into a transient
@@ -74,20 +80,28 @@ class GradReducer:
         part = torch.empty(c.s, dtype=self.dtype, device=self.device)
         work = self.peers.reduce_scatter(part, full)
         label = f"reduce-scatter gradients of {c.spec.name}"
-        self._launch(work, label, lambda: c.grad_shard.add_(part), keep=(full, part))
+        final = c if self.last_micro else None
+        self._launch(work, label, lambda: c.grad_shard.add_(part), keep=(full, part), final=final)
 
     def _launch(
-        self, work, label: str, finish: Callable[[], None] | None = None, keep: tuple = ()
+        self,
+        work,
+        label: str,
+        finish: Callable[[], None] | None = None,
+        keep: tuple = (),
+        final: Chunk | None = None,
     ) -> None:
-        self.pending.append((work, label, finish, keep))
+        self.pending.append((work, label, finish, keep, final))
         while len(self.pending) > MAX_INFLIGHT:
             self._finish_one()
 
     def _finish_one(self) -> None:
-        work, label, finish, _keep = self.pending.popleft()
+        work, label, finish, _keep, final = self.pending.popleft()
         self.peers.wait(work, label)  # on GPU: the compute stream waits, no host sync
         if finish is not None:
             finish()  # the transients in _keep are freed when this entry is dropped
+        if final is not None and self.on_final is not None:
+            self.on_final(final)
 
     def finish_all(self) -> None:
         """Complete every reduction still in flight (after the last backward)."""

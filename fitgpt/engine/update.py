@@ -47,8 +47,10 @@ class TieredUpdate:
         stage: int,
         delayed_after: int,
         scratch: Scratch | None = None,
+        speculative: bool = False,
     ) -> None:
-        """scratch: the compact formats' pieces on the compute device (engine/compact.py)."""
+        """scratch: the compact formats' pieces on the compute device (engine/compact.py);
+        speculative: start host-homed chunks' updates during the backward (module doc)."""
         self.chunks, self.host_opt, self.peers, self.stage = chunks, host_opt, peers, stage
         self.scratch = scratch
         self.hosted = [c for c in chunks if c.offloaded]
@@ -57,26 +59,57 @@ class TieredUpdate:
         self.regather_hosted = peers.world > 1 and stage in (1, 2)
         self.delayed = any(c.next_weights is not None for c in self.hosted)
         self.delayed_after = delayed_after
+        self.speculative = speculative and host_opt is not None
+        self.lr, self.spec_mul = 0.0, None  # this step's, from begin_step
+        self.speculated: set[int] = set()  # chunks whose update started on the guess, this step
+        self.rollbacks = 0  # steps whose guess was wrong (run total)
+        self.speculated_steps = 0  # steps that started updates on the guess (run total)
 
     def register_host_waits(self, modules: list[nn.Module], blocks: list[Chunk]) -> list:
         """The next forward waits for a host-homed block's new weights just before the block
         (register before the weight-fetch hooks, so a stage-3 gather sees updated shards)."""
+        def hook(c: Chunk) -> None:  # returns None: a pre-hook's result replaces the input
+            self.host_opt.wait(c)
+
         return [
-            module.register_forward_pre_hook(lambda _m, _a, c=c: self.host_opt.wait(c))
+            module.register_forward_pre_hook(lambda _m, _a, c=c: hook(c))
             for module, c in zip(modules, blocks)
             if c.offloaded
         ]
 
-    def step(self, lr: float, grad_mul: float, steps_done: int) -> None:
-        """Update every chunk from its reduced gradient times grad_mul (see the module doc)."""
+    def begin_step(self, lr: float, scale: float, steps_done: int) -> None:
+        """Before the step's backward: its learning rate, and whether host-homed chunks start
+        their updates during the backward, guessing grad_mul = 1/scale (no clip, no overflow).
+        Not in a delayed-update step: its updates wait for the next step anyway."""
+        self.lr = lr
+        delay = self.delayed and steps_done >= self.delayed_after
+        self.spec_mul = 1.0 / scale if self.speculative and not delay else None
+
+    def on_final(self, c: Chunk) -> None:
+        """Chunk c's reduced gradient is final (engine/reduce.py, during the backward)."""
+        if self.spec_mul is None or not c.offloaded:
+            return
+        self.host_opt.submit(c, self.lr, self.spec_mul, self.home_weights(c), guarded=True)
+        self.speculated.add(c.spec.index)
+
+    def step(self, lr: float, grad_mul: float | None, steps_done: int) -> None:
+        """Update every chunk from its reduced gradient times grad_mul (see the module doc);
+        grad_mul None: an overflow, no chunk steps (speculative updates are undone)."""
         gathers, delay = [], False
         if self.host_opt is not None:
             self.apply_delayed()  # the previous step's delayed weights, before new updates
             delay = self.delayed and steps_done >= self.delayed_after
+            self._settle(lr, grad_mul)
             for c in self.hosted:
+                if c.spec.index in self.speculated or grad_mul is None:
+                    continue
                 target = c.next_weights if delay else self.home_weights(c)
                 free, c.next_weights_free = c.next_weights_free, None
                 self.host_opt.submit(c, lr, grad_mul, target, delayed=delay, target_free=free)
+            self.speculated = set()
+            self.host_opt.flush()  # every gradient staged before they are zeroed
+        if grad_mul is None:
+            return
         for c in self.chunks:
             if c.offloaded:
                 continue
@@ -89,6 +122,25 @@ class TieredUpdate:
                 self.host_opt.wait(c)
                 gathers.append(self._gather_updated(c))
         self.peers.wait_all(gathers)
+
+    def _settle(self, lr: float, grad_mul: float | None) -> None:
+        """The guess checked: when it was right the speculative updates stand, bit-identical to
+        the exact path; when not (clipped, or an overflow), each is undone and redone with the
+        true grad_mul once it has landed (engine/speculate.py)."""
+        if not self.speculated:
+            return
+        self.speculated_steps += 1
+        if grad_mul == self.spec_mul:
+            return
+        self.rollbacks += 1
+        redo = [c for c in self.hosted if c.spec.index in self.speculated]
+        # each speculative update landed before its redo reads the weights; one that found a
+        # non-finite gradient took no step, so there is nothing to undo
+        stepped = [self.host_opt.wait(c) for c in redo]
+        for c, undo in zip(redo, stepped):
+            if undo or grad_mul is not None:
+                undo_mul = self.spec_mul if undo else None
+                self.host_opt.submit(c, lr, grad_mul, self.home_weights(c), undo_mul=undo_mul)
 
     def _device_step(self, c: Chunk, lr: float, grad_mul: float) -> None:
         if c.compact is not None:

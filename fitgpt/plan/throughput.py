@@ -8,7 +8,7 @@ optimizer fused AdamW streams ~36 bytes per parameter of its range through devic
           compact formats (engine/compact.py) step in pieces through fp32 scratch and stream more.
 host      the offloaded blocks' update on the CPU (DRAM-bound: it scales with the bytes its
           formats move), their PCIe copies, and the disk tier's reads and writes, minus the
-          forward it overlaps with.
+          backward (speculative update) and forward it overlaps with.
 """
 
 from __future__ import annotations
@@ -190,7 +190,8 @@ def host_optimizer_exposed(
 ) -> float:
     """Seconds per step the host optimizer adds: its work for the offloaded blocks (AdamW, the
     conversions, PCIe both ways, pipelined chunk by chunk) minus what overlaps with the GPU — the
-    next forward of the device-homed blocks before the first offloaded one."""
+    rest of the backward once the first offloaded block's gradient is final (the speculative
+    update), and the next forward of the device-homed blocks before the first offloaded one."""
     m, w = work.model, work.w
     k = placement.offloaded_blocks
     n_off = placement.offloaded_elems()  # this rank's optimizer elements on the host tiers
@@ -209,6 +210,12 @@ def host_optimizer_exposed(
     work_s = max(host, pcie, disk)
     forward_first_micro = compute / grad_accum / 3  # forward is about a third of a micro-batch
     window = forward_first_micro * (m.n_layer - k) / max(1, m.n_layer)
+    if ecfg.speculative_update:
+        # the updates start as each offloaded block's gradient is reduced: from the last block
+        # on, they overlap the rest of the last micro-batch's backward (two thirds of its
+        # compute). A clipped step is undone and redone after it (engine/speculate.py): not
+        # modelled, the planner prices the common, unclipped step.
+        window += compute / grad_accum * 2 / 3 * (m.n_layer - 1) / max(1, m.n_layer)
     if ecfg.delayed_update:
         window = compute  # the next step's whole forward and backward run meanwhile
     return max(0.0, work_s - window)

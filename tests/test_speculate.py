@@ -1,0 +1,169 @@
+"""The speculative update (engine/update.py, engine/speculate.py): host-homed chunks step during
+the backward on the guess "no clip, no overflow"; right guesses are bit-identical to the exact
+path, wrong ones are undone and redone within a few ulps, and counted."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_gloo
+from helpers import TINY, run_config
+
+from fitgpt.dist import DistContext, init_distributed
+from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
+from fitgpt.engine.factory import build_engine
+from fitgpt.engine.speculate import undo_adamw_
+from fitgpt.train.loop import train
+
+CPU = DistContext(0, 1, 0, torch.device("cpu"))
+MODEL = TINY.replace(n_layer=4)
+NO_CLIP, ALWAYS_CLIP = 1e6, 0.05  # the tiny model's gradient norm is 0.5-3
+
+
+def ulps(x: torch.Tensor) -> torch.Tensor:
+    return torch.nextafter(x, torch.tensor(float("inf"))) - x
+
+
+@pytest.mark.parametrize("step", [1, 2, 50, 3000])
+def test_undo_returns_within_a_few_ulps(step):
+    g = torch.Generator().manual_seed(step)
+    n = 1 << 16
+    p = torch.randn(n, generator=g) * 0.02
+    m = torch.randn(n, generator=g) * 1e-3 * (step > 1)
+    v = torch.rand(n, generator=g) * 1e-5 * (step > 1)
+    grad = torch.randn(n, generator=g) * torch.logspace(-6, 0, n)  # small to dominant
+    old = [t.clone() for t in (p, m, v)]
+    kw = dict(lr=3e-4, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8)
+    torch._fused_adamw_([p], [grad], [m], [v], [], [torch.tensor(float(step))], **kw,
+                        amsgrad=False, maximize=False)  # fmt: skip
+    new = [t.clone() for t in (p, m, v)]
+    undo_adamw_(p, grad, m, v, step, 3e-4, (0.9, 0.95), 0.1, 1e-8)
+    # against the ulp of the largest value each recurrence handled
+    scale = [
+        torch.maximum(old[0].abs(), new[0].abs()),
+        torch.maximum(torch.maximum(old[1].abs(), new[1].abs()), 0.1 * grad.abs()),
+        torch.maximum(torch.maximum(old[2], new[2]), 0.05 * grad.square()),
+    ]
+    for got, want, s, bound in zip((p, m, v), old, scale, (8, 2, 2)):
+        assert ((got - want).abs() <= bound * ulps(s)).all()
+    assert not torch.equal(new[0], old[0])  # the step did move the weights
+
+
+def run(steps: int, clip: float, precision: str = "fp32", ctx=CPU, **engine):
+    """Losses, the final weights and the rollback counters of a tiny 4-layer run."""
+    pcfg = PrecisionConfig(precision, initial_scale=2.0**22, hysteresis=1)
+    e = build_engine(MODEL, EngineConfig(engine="zero", **engine), pcfg,
+                     OptimConfig(grad_clip=clip), ctx)  # fmt: skip
+    g = torch.Generator().manual_seed(7)
+    b = 4 // ctx.world
+    losses = []
+    for _ in range(steps):
+        x = torch.randint(0, MODEL.vocab_size // 4, (8, MODEL.seq_len + 1), generator=g)
+        rows = [x[i * 4 : (i + 1) * 4][ctx.rank * b : (ctx.rank + 1) * b] for i in range(2)]
+        losses.append(e.train_step([(r[:, :-1], r[:, 1:]) for r in rows], 3e-3).loss)
+    state = e.inference_model().state_dict()
+    w = torch.cat([t.float().flatten() for t in state.values()])
+    out = e.breakdown()
+    e.close()
+    return losses, w, out.get("rollbacks_total"), out.get("speculated_steps_total")
+
+
+PLACEMENTS = {
+    "host-fp32": dict(offload_optimizer="cpu", offload_blocks=2),
+    "host-stage3-streamed": dict(
+        offload_optimizer="cpu", offload_blocks=2, offload_params="cpu", zero_stage=3
+    ),
+    "split-bf16": dict(offload_optimizer="cpu", offload_blocks=3, master="split", moments="bf16"),
+    "split-int8-stage2": dict(
+        offload_optimizer="cpu", offload_blocks=2, master="split", moments="int8", zero_stage=2
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PLACEMENTS))
+def test_right_guesses_are_bit_identical(name):
+    precision = "bf16" if "split" in name else "fp32"
+    steps = 30 if name == "host-fp32" else 10
+    ref = run(steps, NO_CLIP, precision, speculative_update=False, **PLACEMENTS[name])
+    got = run(steps, NO_CLIP, precision, **PLACEMENTS[name])
+    assert got[0] == ref[0] and torch.equal(got[1], ref[1])
+    assert got[2:] == (0, steps) and ref[2:] == (0, 0)
+
+
+def test_the_disk_tier_speculates_too(tmp_path):
+    place = dict(offload_optimizer="cpu", offload_blocks=4, nvme_blocks=2, nvme_path=str(tmp_path))
+    ref = run(8, NO_CLIP, speculative_update=False, **place)
+    got = run(8, NO_CLIP, **place)
+    assert got[0] == ref[0] and torch.equal(got[1], ref[1]) and got[2:] == (0, 8)
+    clipped = run(4, ALWAYS_CLIP, **place)
+    exact = run(4, ALWAYS_CLIP, speculative_update=False, **place)
+    assert clipped[2:] == (4, 4)
+    assert (clipped[1] - exact[1]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name", ["host-fp32", "split-bf16"])
+def test_clipped_steps_are_undone_and_redone(name):
+    precision = "bf16" if "split" in name else "fp32"
+    ref = run(12, ALWAYS_CLIP, precision, speculative_update=False, **PLACEMENTS[name])
+    got = run(12, ALWAYS_CLIP, precision, **PLACEMENTS[name])
+    assert got[2:] == (12, 12)  # every step clipped: every guess rolled back
+    # fp32: a redone step is within a few ulps of the exact one; bf16 working weights can
+    # then round one bf16 ulp (2^-8 relative) apart
+    tol = 1e-5 if precision == "fp32" else 2e-2
+    assert max(abs(a - b) for a, b in zip(got[0], ref[0])) < tol
+    assert (got[1] - ref[1]).abs().max() < tol
+
+
+def test_fp16_overflow_steps_are_skipped_exactly():
+    # a loss scale of 2^22 overflows the first steps, then halves until it fits
+    place = PLACEMENTS["host-fp32"]
+    ref = run(10, NO_CLIP, "fp16", speculative_update=False, **place)
+    got = run(10, NO_CLIP, "fp16", **place)
+    assert 0 < got[2] < 10 and got[3] == 10  # the overflowed steps were rolled back
+    # a chunk whose own gradient was finite stepped and was undone (within ulps); fp16 working
+    # weights may then round one fp16 ulp (2^-11 relative) apart
+    assert max(abs(a - b) for a, b in zip(got[0], ref[0])) < 1e-3
+    assert (got[1] - ref[1]).abs().max() < 5e-3
+
+
+def test_delayed_update_steps_do_not_speculate():
+    place = dict(PLACEMENTS["host-fp32"], delayed_update=True, delayed_update_after=3)
+    ref = run(6, NO_CLIP, speculative_update=False, **place)
+    got = run(6, NO_CLIP, **place)
+    assert got[0] == ref[0] and torch.equal(got[1], ref[1]) and got[2:] == (0, 3)
+
+
+def _two_rank(rank: int, world: int, out: str) -> None:
+    ctx = init_distributed("cpu")
+    res = {}
+    for stage in (0, 1, 2, 3):
+        place = dict(offload_optimizer="cpu", offload_blocks=2, zero_stage=stage)
+        for clip in (NO_CLIP, ALWAYS_CLIP):
+            for spec in (False, True):
+                losses, w, rb, _ = run(4, clip, ctx=ctx, speculative_update=spec, **place)
+                res[f"{stage}-{clip}-{spec}"] = {"losses": losses, "w": w.tolist(), "rb": rb}
+    if rank == 0:
+        Path(out).write_text(json.dumps(res))
+
+
+@pytest.mark.slow
+def test_two_ranks_every_stage(tmp_path):
+    out = tmp_path / "res.json"
+    run_gloo(2, _two_rank, str(out))
+    res = json.loads(out.read_text())
+    for stage in (0, 1, 2, 3):
+        ref, got = res[f"{stage}-{NO_CLIP}-False"], res[f"{stage}-{NO_CLIP}-True"]
+        assert got["losses"] == ref["losses"] and got["w"] == ref["w"] and got["rb"] == 0
+        ref, got = res[f"{stage}-{ALWAYS_CLIP}-False"], res[f"{stage}-{ALWAYS_CLIP}-True"]
+        assert got["rb"] == 4
+        assert max(abs(a - b) for a, b in zip(got["w"], ref["w"])) < 1e-5
+
+
+def test_resume_in_a_run_with_rollbacks(tmp_path):
+    kw = dict(n_layer=4, engine="zero", offload_optimizer="cpu", offload_blocks=2, grad_clip=0.05)
+    full = train(run_config(tmp_path, steps=8, save_every=4, **kw), CPU)
+    shutil.rmtree(tmp_path / "step_00000008")
+    resumed = train(run_config(tmp_path, steps=8, **kw), CPU, resume="")
+    assert resumed["losses"] == full["losses"][4:]  # the same rollbacks, the same arithmetic
