@@ -68,6 +68,7 @@ class TieredUpdate:
     def register_host_waits(self, modules: list[nn.Module], blocks: list[Chunk]) -> list:
         """The next forward waits for a host-homed block's new weights just before the block
         (register before the weight-fetch hooks, so a stage-3 gather sees updated shards)."""
+
         def hook(c: Chunk) -> None:  # returns None: a pre-hook's result replaces the input
             self.host_opt.wait(c)
 
