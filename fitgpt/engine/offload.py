@@ -173,14 +173,14 @@ class HostOptimizer:
         with self.slot_freed:
             while self.ready and self.error is None:
                 self.slot_freed.wait()
+            copied, self.copied = self.copied, []
         self.slot_wait_s += time.perf_counter() - t0
         if self.error is not None:
             raise RuntimeError("the host optimizer failed") from self.error
         if self.cuda:
             stream = torch.cuda.current_stream(self.device)
-            for ev in self.copied:
+            for ev in copied:
                 stream.wait_event(ev)
-        self.copied = []
 
     def _pump(self) -> None:
         """Stage queued chunks while slots are free (the main thread after submit(), the worker
