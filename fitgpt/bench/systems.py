@@ -169,6 +169,11 @@ SYSTEMS: dict[str, System] = {
             {"offload_optimizer": "none", "offload_params": "none"},
         ),
         _fitgpt(
+            "fitgpt-no-speculate",
+            "fitgpt with the host updates waiting for the gradient norm (no speculative update)",
+            {"speculative_update": False},
+        ),
+        _fitgpt(
             "fitgpt-no-compact",
             "fitgpt with fp32 optimizer state (no split master, no bf16/int8 moments)",
             {"master": "fp32", "moments": "fp32", "device_moments": "fp32"},
