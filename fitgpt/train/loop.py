@@ -274,10 +274,11 @@ class Trainer:
     def fit(self) -> dict:
         cfg, ctx = self.cfg, self.ctx
         self.preflight()
+        compiled = " (compiled blocks and head)" if self.engine.compiled is not None else ""
         say(
             ctx,
             f"model {self.model_cfg.num_params() / 1e6:.2f} M parameters, engine "
-            f"{self.run.engine.engine}, {ctx.world} rank(s) on {ctx.device}, "
+            f"{self.run.engine.engine}{compiled}, {ctx.world} rank(s) on {ctx.device}, "
             f"{self.tokens_per_step:,} tokens per step, {torch.get_num_threads()} CPU threads "
             "per rank",
         )
