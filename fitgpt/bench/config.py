@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
@@ -26,6 +27,13 @@ class BenchConfig:
     checkpointing: str = field(
         default="full", metadata={"help": "activation checkpointing of every system: full or off"}
     )
+    compile: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "help": "fitgpt's systems: --compile of `fitgpt train` (compiled blocks and head); "
+            "auto decides as train does, which for a sweep's few steps is off"
+        },
+    )
     warmup: int = field(default=2, metadata={"help": "optimizer steps before timing starts"})
     steps: int = field(default=4, metadata={"help": "timed optimizer steps (median reported)"})
     time_limit: float = field(
@@ -43,6 +51,8 @@ class BenchConfig:
         for k in ("hidden", "heads", "seq_len", "micro_batch", "grad_accum", "steps"):
             if getattr(self, k) < 1:
                 raise UserError(f"--{k.replace('_', '-')} must be at least 1")
+        if self.compile not in ("auto", "on", "off"):
+            raise UserError(f"--compile {self.compile!r}: use auto, on or off")
         if self.checkpointing not in ("full", "off"):
             raise UserError(f"--checkpointing {self.checkpointing!r}: use full or off")
         if self.warmup < 0 or self.time_limit <= 0:

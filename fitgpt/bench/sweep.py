@@ -166,6 +166,8 @@ def protocol_key(bench: dict) -> str:
     """What makes two trials the same trial: the protocol (width, batch, checkpointing, steps...),
     not the harness's time limit or the folder of fitgpt's disk tier."""
     harness = ("time_limit", "nvme_path")  # where and how long, not what is measured
+    # trials recorded before --compile existed ran eagerly, as auto does in a sweep's short trials
+    bench = {"compile": "auto", **bench}
     return json.dumps({k: v for k, v in bench.items() if k not in harness}, sort_keys=True)
 
 

@@ -101,7 +101,7 @@ def bench_run(model: ModelConfig, bench: BenchConfig, precision: str, device: st
         model=model,
         data=DataConfig(data="uniform"),
         train=train,
-        engine=EngineConfig(nvme_path=bench.nvme_path),
+        engine=EngineConfig(nvme_path=bench.nvme_path, compile=bench.compile),
         precision=PrecisionConfig(precision=precision),
         optim=OptimConfig(),
     )

@@ -92,6 +92,23 @@ def classify(exc: BaseException) -> tuple[str, str]:
     return "error", text
 
 
+def compile_record(engine) -> dict:
+    """`compiled` (whether regions ran compiled) and, if so, `compile_s` and dynamo's counts
+    (engine/compile.py). The compile happens in the first step, a warm-up step unless
+    --warmup 0: step_s is then the steady-state speed and compile_s the one-off cost."""
+    report = engine.compile_report() if hasattr(engine, "compile_report") else None
+    if not report or not report["regions"]:
+        return {"compiled": False}
+    return {
+        "compiled": True,
+        "compile_s": report["compile_s"],
+        "compile_regions": report["regions"],
+        "compile_eager": report["eager"],  # regions that failed to compile and ran eagerly
+        "compile_graph_breaks": report["graph_breaks"],
+        "compile_recompiles": report["recompiles"],
+    }
+
+
 def run_trial(spec: dict) -> dict:
     bench = BenchConfig(**spec["bench"])
     system = get_system(spec["system"])
@@ -164,6 +181,7 @@ def run_trial(spec: dict) -> dict:
                     if len(phases) > 1:  # the counters' growth over one timed step
                         per = (phases[-1][k] - phases[0][k]) / (len(phases) - 1)
                         rec["breakdown_s"][k.removesuffix("_total") + "_per_step"] = per
+        rec.update(compile_record(engine))
         flops = model.flops_per_token() * tokens / med / ctx.world  # per GPU, recompute not counted
         rec["tflops"] = flops / 1e12
         peak = peak_flops(ctx.device)

@@ -10,12 +10,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from fitgpt.engine.layout import ChunkSpec
 from fitgpt.model import GPT, ModelConfig
+
+if TYPE_CHECKING:
+    from fitgpt.engine.compile import CompiledRegions
 
 Batch = tuple[Tensor, Tensor]  # (inputs, targets), int64 [b, S] on the CPU
 
@@ -40,6 +44,7 @@ class Engine(ABC):
     model_cfg: ModelConfig
     layout: list[ChunkSpec]
     device: torch.device
+    compiled: CompiledRegions | None = None  # --compile on: the model's compiled regions
 
     @abstractmethod
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepStats:
@@ -77,6 +82,11 @@ class Engine(ABC):
         the work that runs beside the compute stream}."""
         held = {tier: sum(kinds.values()) for tier, kinds in self.memory_report().items()}
         return {"engine": type(self).__name__, "placement": "", "bytes": held, "streams": []}
+
+    def compile_report(self) -> dict | None:
+        """--compile on: regions, graph breaks, recompiles and compile seconds so far
+        (engine/compile.py); None when nothing is compiled."""
+        return None if self.compiled is None else self.compiled.report()
 
     def close(self) -> None:
         """Stop background threads and remove scratch files (the nvme tier's); idempotent. Also

@@ -42,6 +42,7 @@ from fitgpt.engine.chunk import Chunk
 from fitgpt.engine.chunk_state import ChunkStateIO
 from fitgpt.engine.comm import Peers
 from fitgpt.engine.compact import Scratch
+from fitgpt.engine.compile import compile_regions
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.fetch import WeightFetch
 from fitgpt.engine.layout import chunk_layout
@@ -89,7 +90,8 @@ class ChunkEngine(Engine):
         self._warm_up_codecs()
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         self.blocks = [c for c in self.chunks if c.spec.name.startswith("block.")]
-        if ecfg.checkpointing != "off":
+        self.compiled = compile_regions(model, ctx.is_main) if ecfg.compile == "on" else None
+        if ecfg.checkpointing != "off":  # after compiling: the checkpoint wraps compiled blocks
             checkpoint_blocks(model, to_host=ecfg.checkpointing == "cpu")
         self.model = model
         self.hosted = [c for c in self.chunks if c.offloaded]

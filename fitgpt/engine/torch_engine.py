@@ -20,6 +20,7 @@ from fitgpt.dist import DistContext
 from fitgpt.engine import comm
 from fitgpt.engine.activation import checkpoint_blocks
 from fitgpt.engine.base import Batch, Engine, StepStats, batch_to
+from fitgpt.engine.compile import compile_regions
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.layout import chunk_layout
 from fitgpt.engine.scaler import LossScaler
@@ -54,7 +55,8 @@ class TorchEngine(Engine):
         self.layout = chunk_layout(model)
         model.to_empty(device=self.device)
         model.reset_parameters(seed)
-        if ecfg.checkpointing != "off":
+        self.compiled = compile_regions(model, ctx.is_main) if ecfg.compile == "on" else None
+        if ecfg.checkpointing != "off":  # after compiling: the checkpoint wraps compiled blocks
             checkpoint_blocks(model, to_host=ecfg.checkpointing == "cpu")
         self.model = model
         self.module = (

@@ -230,9 +230,14 @@ class GPT(nn.Module):
         if cache is not None:
             cache.length += idx_BT.shape[1]
             return self.head(x[:, -1:])
-        logits = self.head(x)
         if targets_BT is None:
-            return logits
+            return self.head(x)
+        return self.head_loss(x, targets_BT)
+
+    def head_loss(self, x_BTH: Tensor, targets_BT: Tensor) -> Tensor:
+        """Final norm, head and mean cross-entropy (-1 targets ignored): one method, so the
+        [B, T, V] logits are a transient inside it (a compiler may fuse the three whole)."""
+        logits = self.head(x_BTH)
         # fp32 softmax: bf16 log-probabilities lose the small differences the loss is made of.
         return F.cross_entropy(
             logits.float().view(-1, logits.shape[-1]), targets_BT.reshape(-1), ignore_index=-1

@@ -119,4 +119,6 @@ def plan_engine(run, ctx: DistContext, fixed: Fixed, force: bool, log=print):
     ecfg, err = decision[0]
     if err is not None:
         raise err
+    if "compile" not in fixed.as_dict():  # the planner places state; --compile stays the run's
+        ecfg = {**ecfg, "compile": run.engine.compile}
     return dataclasses.replace(run, engine=EngineConfig(**ecfg))

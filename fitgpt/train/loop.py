@@ -23,6 +23,7 @@ from fitgpt.data.source import BatchLoader
 from fitgpt.dist import DistContext
 from fitgpt.engine.base import Engine, StepStats
 from fitgpt.engine.comm import CollectiveError
+from fitgpt.engine.compile import report_line
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.engine.scaler import LossScaler
@@ -273,10 +274,11 @@ class Trainer:
     def fit(self) -> dict:
         cfg, ctx = self.cfg, self.ctx
         self.preflight()
+        compiled = " (compiled blocks and head)" if self.engine.compiled is not None else ""
         say(
             ctx,
             f"model {self.model_cfg.num_params() / 1e6:.2f} M parameters, engine "
-            f"{self.run.engine.engine}, {ctx.world} rank(s) on {ctx.device}, "
+            f"{self.run.engine.engine}{compiled}, {ctx.world} rank(s) on {ctx.device}, "
             f"{self.tokens_per_step:,} tokens per step, {torch.get_num_threads()} CPU threads "
             "per rank",
         )
@@ -292,6 +294,8 @@ class Trainer:
             try:
                 while self.step < cfg.steps:
                     stats, dt, lr = self.step_once()
+                    if not losses:  # this process's first step compiled forward and backward
+                        self._report_compile()
                     self.window.append(dt)
                     losses.append(stats.loss)
                     history += self._after_step(stats, lr)
@@ -325,6 +329,14 @@ class Trainer:
         self.save_owed = self._maybe_save(self.save_owed or due, self.save_owed, guard)
         return logged
 
+    def _report_compile(self) -> None:
+        """--compile on: one log line and one metrics record of the compiled regions, their
+        graph breaks, recompiles and compile seconds (engine/compile.py)."""
+        report = self.engine.compile_report()
+        if report is not None:
+            self.log.write({"kind": "compile", "step": self.step, **report})
+            say(self.ctx, report_line(report))
+
     @property
     def tokens_per_step(self) -> int:
         cfg = self.cfg
@@ -350,6 +362,10 @@ class Trainer:
             rec["peak_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
             if self.peak:
                 rec["mfu"] = flops / self.peak
+        report = self.engine.compile_report()
+        rec["compiled"] = bool(report and report["regions"])
+        if report is not None:
+            rec["compile_s"] = report["compile_s"]  # so far: ms_per_step is a median beside it
         rec["elapsed_s"] = time.perf_counter() - t_start
         rec["eta_s"] = (self.cfg.steps - self.step) * ms / 1000
         self.log.write(rec)

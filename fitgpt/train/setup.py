@@ -17,6 +17,7 @@ import traceback
 import torch
 
 from fitgpt.dist import DistContext
+from fitgpt.engine.compile import ASSUMED_MFU, auto_compile
 from fitgpt.errors import UserError
 
 
@@ -40,13 +41,33 @@ def model_for_data(model, data):
 
 
 def resolve_run(run, device_type: str):
-    """`run` with everything that changes the model settled: the vocabulary (model_for_data)
-    and the precision for this device."""
-    return dataclasses.replace(
+    """`run` with everything that changes the model settled: the vocabulary (model_for_data),
+    the precision for this device, and --compile auto (auto_compile)."""
+    run = dataclasses.replace(
         run,
         model=model_for_data(run.model, run.data),
         precision=run.precision.resolved(device_type),
     )
+    if run.engine.compile != "auto":
+        return run
+    on = auto_compile(device_type, estimated_run_s(run, device_type))
+    return dataclasses.replace(
+        run, engine=dataclasses.replace(run.engine, compile="on" if on else "off")
+    )
+
+
+def estimated_run_s(run, device_type: str) -> float:
+    """Seconds of training steps `run` takes on one GPU, estimated from its model FLOPs at
+    ASSUMED_MFU of the GPU's bf16 peak (the fastest known GPU's if unknown); 0 on CPUs. Only
+    --compile auto reads it: compiling is worth it when the run is long (engine/compile.py)."""
+    if device_type != "cuda":
+        return 0.0
+    from fitgpt.train.metrics import PEAK_BF16, peak_flops
+
+    t = run.train
+    tokens = t.micro_batch * t.grad_accum * run.model.seq_len  # per rank and step
+    peak = peak_flops(torch.device("cuda")) or max(PEAK_BF16.values())
+    return t.steps * run.model.flops_per_token() * tokens / (ASSUMED_MFU * peak)
 
 
 def setup_run(run, ctx: DistContext, fixed, force: bool = False, log=print):
@@ -57,7 +78,8 @@ def setup_run(run, ctx: DistContext, fixed, force: bool = False, log=print):
         return run
     from fitgpt.plan.apply import plan_engine
 
-    return plan_engine(run, ctx, fixed, force, log)
+    # resolved again: a --compile auto the user fixed comes back from the planner unresolved
+    return resolve_run(plan_engine(run, ctx, fixed, force, log), ctx.device.type)
 
 
 # ---- out of memory ---------------------------------------------------------------------------

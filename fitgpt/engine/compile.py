@@ -1,0 +1,199 @@
+"""Regional compilation (`--compile on`): torch.compile applied to a built model, from outside.
+
+Two kinds of region are compiled (TorchInductor, dynamo's default backend):
+  blocks     each transformer block's forward in its training form (no KV cache). All blocks
+             go through one compiled function taking the block as an argument: their
+             parameters are graph inputs, not constants, so dynamo compiles it once and block
+             2..L hit its cache. Compile time does not grow with depth.
+  head       GPT.head_loss: the final LayerNorm, lm_head and cross-entropy as one graph (the
+             [B, T, V] logits and their fp32 copy become a fused transient).
+Only the forward *function* is replaced, never the module's __call__: the engine's hooks on a
+block (host-optimizer waits, stage-3 gathers and frees, streamed weights) and on its parameters
+(gradient reduction) keep running eagerly around the compiled code, as they do without it.
+Compile before activation checkpointing (the engines do): the checkpoint then wraps the
+compiled forward, and its recompute in the backward runs the compiled forward again.
+
+Chunk views: parameters are views into a chunk's flat buffer, whose storage a stage-3 or
+streamed chunk resizes to 0 between uses. Dynamo guards a parameter's size, stride, dtype and
+device, not its storage, so the swaps cause no recompile (tests/test_compile.py counts them).
+
+Costs: the first forward of each kind compiles (and its first backward: AOTAutograd compiles
+the backward lazily), tens of seconds on a GPU, more on 2 CPU cores; an evaluation (no grad,
+eval mode) compiles each kind once more; decoding with a KV cache runs eagerly (its shapes
+change every token). A region whose compilation fails (no C++ compiler, no triton) runs
+eagerly from then on, after one warning line; an error the eager forward raises too is the
+model's and propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+# compilation_time_metrics keys (seconds) that together are the compile: dynamo's frame compile
+# (tracing, AOTAutograd and the forward's Inductor codegen) and the lazily compiled backward
+TIME_KEYS = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
+
+
+def compile_errors() -> tuple[type[Exception], ...]:
+    """What a failed compilation raises: dynamo's own errors (Inductor's are wrapped in
+    BackendCompilerFailed) and Inductor's C++ toolchain errors. Anything else passes through
+    untouched: activation checkpointing stops a recompute early by raising through the region.
+    Imported here, not at the top: torch._dynamo costs 1.5 s at every command's start."""
+    import torch._dynamo.exc as dynamo_exc
+    import torch._inductor.exc as inductor_exc
+
+    return (
+        dynamo_exc.TorchDynamoException,
+        inductor_exc.CppCompileError,
+        inductor_exc.InvalidCxxCompiler,
+        inductor_exc.OperatorIssue,
+    )
+
+
+# --compile auto (train/setup.py resolve_run): compile on GPUs when the run's estimated step time
+# (its model FLOPs at ASSUMED_MFU of the GPU's peak) times GAIN, the share of it compiling is
+# assumed to save, pays back COMPILE_S, the compile time assumed: runs of 10 minutes or more.
+# GAIN: GPT-2 124 M on an H100 ran 148 ms/step eager against nanoGPT's compiled 114 (23%),
+# 1.5 B within 2% (issue 19); COMPILE_S: one block and the head, forward and backward.
+ASSUMED_MFU = 0.4
+GAIN = 0.10
+COMPILE_S = 60.0
+
+
+def auto_compile(device_type: str, run_s: float) -> bool:
+    """--compile auto's decision for a run of about `run_s` seconds of steps on `device_type`:
+    never on CPUs (a CPU run is a test or a demo: the compile would take longer than it), on
+    GPUs when GAIN·run_s >= COMPILE_S and triton (Inductor's GPU code generator) is installed."""
+    if device_type != "cuda" or GAIN * run_s < COMPILE_S:
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def _block_train(block: nn.Module, x_BTH: Tensor, alibi_NTT: Tensor | None) -> Tensor:
+    """A block's forward as training calls it; the class's forward, not the instance attribute
+    (which activation checkpointing and this module replace)."""
+    return type(block).forward(block, x_BTH, None, 0, alibi_NTT)
+
+
+def _head_loss(model: nn.Module, x_BTH: Tensor, targets_BT: Tensor) -> Tensor:
+    return type(model).head_loss(model, x_BTH, targets_BT)
+
+
+def _frames() -> int:
+    """Frames dynamo has compiled so far in this process (a compile or a recompile each)."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
+
+
+def _counters() -> tuple[int, float]:
+    """(graph breaks, compile seconds) so far in this process."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    breaks = sum(counters["graph_break"].values())
+    seconds = sum(sum(compilation_time_metrics.get(k, ())) for k in TIME_KEYS)
+    return breaks, seconds
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in str(e)
+
+
+@dataclass
+class _Kind:
+    """One compiled function and what happened to it: all blocks share one, the head has one."""
+
+    name: str
+    compiled: Callable
+    eager: Callable
+    regions: int = 0  # modules routed through it
+    compiles: int = 0  # calls during which dynamo compiled a frame
+    failed: str = ""  # the first line of the error that sent it back to eager
+
+    def __call__(self, regions: CompiledRegions, *args) -> Tensor:
+        if self.failed:
+            return self.eager(*args)
+        frames = _frames()
+        try:
+            out = self.compiled(*args)
+        except regions.errors as e:
+            if _is_oom(e):
+                raise  # memory, not the compiler: eager would not fit either
+            out = self.eager(*args)  # raises the model's own error if eager fails too
+            self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+            regions.warn(
+                f"{self.name} region(s) run eagerly, their compilation failed ({self.failed})"
+            )
+            return out
+        if _frames() != frames:
+            self.compiles += 1
+        return out
+
+
+class CompiledRegions:
+    """The compiled regions of one model, and their counters (report())."""
+
+    def __init__(self, model: nn.Module, warn: Callable[[str], None]) -> None:
+        self.warn = warn
+        self.errors = compile_errors()
+        self._start = _counters()
+        self.blocks = _Kind("block", torch.compile(_block_train), _block_train)
+        self.head = _Kind("head+loss", torch.compile(_head_loss), _head_loss)
+        for block in model.blocks:
+            self._wrap_block(block)
+        self.head.regions = 1
+        # an instance attribute shadows GPT.head_loss; GPT.forward calls self.head_loss
+        model.head_loss = lambda x, t: self.head(self, model, x, t)
+
+    def _wrap_block(self, block: nn.Module) -> None:
+        eager = block.forward
+
+        def forward(x, cache=None, layer=0, alibi_NTT=None):
+            if cache is not None:  # decoding: shapes change every token, compiling never pays
+                return eager(x, cache, layer, alibi_NTT)
+            return self.blocks(self, block, x, alibi_NTT)
+
+        block.forward = forward
+        self.blocks.regions += 1
+
+    def report(self) -> dict:
+        """Counts since this model's regions were made: `regions` compiled and running
+        compiled, `eager` regions sent back by a failure, dynamo's `graph_breaks`,
+        `recompiles` (compiles of a kind after its first: one per kind for evaluation's no-grad
+        form; more means a guard fails), and `compile_s` (seconds spent compiling)."""
+        breaks, seconds = (a - b for a, b in zip(_counters(), self._start))
+        kinds = (self.blocks, self.head)
+        return {
+            "regions": sum(k.regions for k in kinds if not k.failed),
+            "eager": sum(k.regions for k in kinds if k.failed),
+            "graph_breaks": breaks,
+            "recompiles": sum(max(0, k.compiles - 1) for k in kinds),
+            "compile_s": seconds,
+        }
+
+
+def compile_regions(model: nn.Module, is_main: bool = True) -> CompiledRegions:
+    """Compile `model`'s block forwards and its head + loss (see the module docstring); call it
+    before checkpoint_blocks. Warnings go to stderr, one line, from rank 0 only."""
+
+    def warn(msg: str) -> None:
+        if is_main:
+            print(f"warning: compile: {msg}", file=sys.stderr, flush=True)
+
+    return CompiledRegions(model, warn)
+
+
+def report_line(r: dict) -> str:
+    """The run log's line: 'compile: N regions, G graph breaks, R recompiles, T s'."""
+    eager = f", {r['eager']} eager after a failure" if r["eager"] else ""
+    return (
+        f"compile: {r['regions']} regions{eager}, {r['graph_breaks']} graph breaks, "
+        f"{r['recompiles']} recompiles, {r['compile_s']:.1f} s"
+    )

@@ -1,0 +1,135 @@
+"""--compile: compiled blocks and head + loss (fitgpt/engine/compile.py) against eager runs.
+
+Compiling on 2 CPU cores takes 10-20 s per region kind when Inductor's disk caches are cold, so
+there are two compiled cases: the chunk engine at stage 3 with activation checkpointing (weights
+whose storage is freed and restored around every use), and a compiler that cannot run. The
+rest (the flag, the auto rule, the planner keeping the flag) compiles nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+from helpers import TINY, run_config
+
+from fitgpt.dist import DistContext
+from fitgpt.engine.compile import auto_compile, report_line
+from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
+from fitgpt.engine.factory import build_engine
+from fitgpt.errors import UserError
+from fitgpt.train.loop import train
+from fitgpt.train.setup import estimated_run_s, resolve_run, setup_run
+
+CPU = DistContext(0, 1, 0, torch.device("cpu"))
+CXX = shutil.which("g++") or shutil.which("c++")
+needs_cxx = pytest.mark.skipif(
+    CXX is None, reason="no C++ compiler: TorchInductor cannot compile CPU code here"
+)
+
+
+def batches(n, b, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, TINY.vocab_size, (n * b, TINY.seq_len + 1), generator=g)
+    return [(x[i * b : (i + 1) * b, :-1], x[i * b : (i + 1) * b, 1:]) for i in range(n)]
+
+
+@pytest.mark.slow
+@needs_cxx
+def test_compiled_stage3_with_checkpointing_trains_like_eager(tmp_path, capsys):
+    """`fitgpt train --compile on` at ZeRO stage 3 with checkpointing: the same losses as eager
+    (fp32: a fused kernel's rounding only), the compile reported once in the log and in
+    metrics.jsonl; and the engine's block weights, whose storage is freed after every use,
+    cause no recompile over several steps."""
+    engine = dict(engine="zero", zero_stage=3, checkpointing="full")
+    runs = {}
+    for mode in ("off", "on"):
+        cfg = run_config(tmp_path / mode, steps=3, log_every=1, compile=mode, **engine)
+        runs[mode] = train(cfg, CPU)["losses"]
+    torch.testing.assert_close(runs["on"], runs["off"], rtol=1e-5, atol=0)
+    log = capsys.readouterr().out
+    assert log.count("compile: 3 regions, 0 graph breaks, 0 recompiles") == 1, log
+    records = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").open()]
+    (rec,) = [r for r in records if r["kind"] == "compile"]
+    assert rec["regions"] == 3 and rec["eager"] == 0 and rec["compile_s"] >= 0
+    train_recs = [r for r in records if r["kind"] == "train"]
+    assert train_recs and all(r["compiled"] for r in train_recs)
+    off = [json.loads(line) for line in (tmp_path / "off" / "metrics.jsonl").open()]
+    assert not any(r.get("compiled") for r in off) and not any("compile_s" in r for r in off)
+
+    # the engine directly: 4 steps on fresh batches, the weights freed between uses each time
+    e = build_engine(TINY, EngineConfig(compile="on", **engine), PrecisionConfig("fp32"),
+                     OptimConfig(), CPU)  # fmt: skip
+    for step in range(4):
+        e.train_step(batches(2, 2, step), 1e-3)
+        assert not e.blocks[0].resident  # its storage was resized to 0 after its backward
+    report = e.compile_report()
+    assert report["recompiles"] == 0 and report["graph_breaks"] == 0, report
+    e.close()
+
+
+@pytest.mark.slow
+@needs_cxx
+def test_a_region_that_cannot_compile_runs_eagerly_after_one_warning(capfd):
+    """Inductor pointed at a C++ compiler that does not exist (a machine without a toolchain):
+    each region kind warns once, in one line, and the steps run eagerly with eager's losses."""
+    import torch._dynamo
+    import torch._functorch.config
+    import torch._inductor.config
+
+    ecfg = EngineConfig(engine="zero", zero_stage=0, compile="on")
+    eager = build_engine(TINY, dataclasses.replace(ecfg, compile="off"), PrecisionConfig("fp32"),
+                         OptimConfig(), CPU)  # fmt: skip
+    want = [eager.train_step(batches(1, 2, s), 1e-3).loss for s in range(2)]
+    torch._dynamo.reset()  # no compiled code from an earlier test may be reused
+    with (
+        torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        e = build_engine(TINY, ecfg, PrecisionConfig("fp32"), OptimConfig(), CPU)
+        got = [e.train_step(batches(1, 2, s), 1e-3).loss for s in range(2)]
+    torch._dynamo.reset()
+    assert got == want
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning: compile:")]
+    assert len(warnings) == 2, err  # the blocks' kind and the head's, once each
+    assert "block region(s) run eagerly" in warnings[0] and "head+loss" in warnings[1]
+    assert "Traceback" not in err
+    report = e.compile_report()
+    assert report["regions"] == 0 and report["eager"] == 3
+    assert report_line(report).startswith("compile: 0 regions, 3 eager after a failure")
+
+
+def test_compile_flag_is_checked():
+    with pytest.raises(UserError, match=r"--compile 'yes': use auto, on or off"):
+        EngineConfig(compile="yes")
+    from fitgpt.bench.config import BenchConfig
+
+    with pytest.raises(UserError, match=r"--compile 'fast'"):
+        BenchConfig(compile="fast")
+
+
+def test_auto_compiles_only_long_gpu_runs():
+    """The rule: never on CPUs; on GPUs when 10% of the run's estimated step time pays back a
+    60 s compile (and triton is installed)."""
+    assert not auto_compile("cpu", 1e9)
+    assert not auto_compile("cuda", 599.0)  # under 10 minutes of steps
+    run = run_config("unused", compile="auto")
+    resolved = resolve_run(run, "cpu")
+    assert resolved.engine.compile == "off" and estimated_run_s(run, "cpu") == 0.0
+    on = run_config("unused", compile="on")
+    assert resolve_run(on, "cpu").engine.compile == "on"  # asked for: compiled, even on a CPU
+
+
+def test_the_planner_keeps_the_compile_flag(tmp_path):
+    """setup_run (train and the bench harness): the planner chooses placement, never --compile."""
+    from fitgpt.plan.apply import Fixed
+
+    run = run_config(tmp_path, engine="zero", compile="on")
+    planned = setup_run(run, CPU, Fixed(), log=lambda *_: None)
+    assert planned.engine.compile == "on"
+    fixed = setup_run(run, CPU, Fixed.of({"compile": "off"}), log=lambda *_: None)
+    assert fixed.engine.compile == "off"
