@@ -246,15 +246,17 @@ class Trainer:
 
     def _maybe_inject_fault(self) -> None:
         """FITGPT_FAULT=RANK:STEP:die|hang makes one rank fail at a step: the failure-handling
-        test uses it to check that the job ends with the rank and collective named."""
+        test uses it to check that the job ends with the rank and collective named. A hung rank
+        stops for twice --dist-timeout (the others time out meanwhile), then dies: a truly stuck
+        one would outlive torchrun's SIGTERM (a stop request it cannot act on) by 30 s."""
         spec = os.environ.get("FITGPT_FAULT")
         if not spec:
             return
         rank, step, kind = spec.split(":")
         if int(rank) == self.ctx.rank and int(step) == self.step:
-            if kind == "die":
-                os._exit(17)
-            time.sleep(3600)
+            if kind == "hang":
+                time.sleep(2 * self.cfg.dist_timeout)
+            os._exit(17)
 
     def step_once(self, micro: list | None = None) -> tuple[StepStats, float, float]:
         """One optimizer step on `micro` (default: the next micro-batches of the run's data):
