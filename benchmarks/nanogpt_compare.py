@@ -1,0 +1,156 @@
+"""Issue 19's comparison: fitgpt against karpathy/nanoGPT's train.py (compiled), same model, same
+tokens, same batch and hyper-parameters, in one run on one GPU.
+
+nanoGPT is not vendored: its user clones it next to the source tree first,
+    git clone https://github.com/karpathy/nanoGPT .nanogpt     (ignored by git; carry it)
+The data: the Python standard library's source, preprocessed by `fitgpt data preprocess` with
+GPT-2's tokenizer (benchmarks/user_path.py make_data). fitgpt trains on that prefix; nanoGPT
+reads raw uint16 token files, so the script writes the documents of fitgpt's train split to its
+train.bin and those of fitgpt's validation split to its val.bin (fitgpt's own split arithmetic:
+both systems hold out the same documents). Both: GPT-2 architecture with biases and a tied head,
+seq 1024, vocabulary 50,304, bf16, AdamW (0.9, 0.95), weight decay 0.1, clip 1.0, lr 6e-4 → 6e-5
+cosine, dropout 0. Per size: nanoGPT (compile=True), then `fitgpt train --compile on` and
+`--compile off`, each STEPS steps; ms/step is the median over the steps after the first LOG
+interval (the compile is in that one), the validation loss each system's own estimate at the
+end (nanoGPT: 200 random windows of val.bin; fitgpt: --eval-batches 200 of its split).
+
+    python3 benchmarks/nanogpt_compare.py --out $OUT [--sizes 124m,1.5b] [--steps 200]
+Writes $OUT/nanogpt_compare.jsonl (one line per system and size) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from user_path import DATA, make_data  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+NANO = ROOT / ".nanogpt"
+SIZES = {  # name: (fitgpt preset, nanoGPT n_layer, n_head, n_embd, micro-batch)
+    "124m": ("gpt2-125m", 12, 12, 768, 12),
+    "1.5b": ("gpt2-1.5b", 48, 25, 1600, 8),
+}
+ACCUM, LOG = 4, 10
+HYPER = dict(lr=6e-4, min_lr=6e-5, warmup=20)
+
+
+def nano_data() -> str:
+    """fitgpt's train and validation documents as nanoGPT's raw uint16 token files."""
+    sys.path.insert(0, str(ROOT))
+    from fitgpt.data.gpt_dataset import split_ranges
+    from fitgpt.data.indexed import IndexedDataset
+
+    data = IndexedDataset(str(DATA))
+    assert data.tokens.dtype == np.uint16, data.tokens.dtype
+    ranges = split_ranges("969,30,1", data.num_documents)  # fitgpt's default --split
+    out = NANO / "data" / "fitgpt_stdlib"
+    out.mkdir(parents=True, exist_ok=True)
+    for name, split in (("train.bin", "train"), ("val.bin", "valid")):
+        lo, hi = ranges[split]
+        first, last = data.doc_idx[lo], data.doc_idx[hi]  # sequences of those documents
+        a = data.pointers[first] // 2
+        b = data.pointers[last - 1] // 2 + data.lengths[last - 1]
+        np.asarray(data.tokens[a:b]).tofile(out / name)
+    return out.name
+
+
+def run(cmd: list[str], log: Path, cwd: Path) -> tuple[int, float]:
+    t0 = time.time()
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd).returncode
+    return rc, time.time() - t0
+
+
+def nanogpt(size: str, steps: int, dataset: str, out: Path) -> dict:
+    _, L, H, E, mb = SIZES[size]
+    log = out / f"nanogpt_{size}.log"
+    cmd = [
+        sys.executable, "train.py", f"--dataset={dataset}", f"--batch_size={mb}",
+        "--block_size=1024", f"--gradient_accumulation_steps={ACCUM}", f"--n_layer={L}",
+        f"--n_head={H}", f"--n_embd={E}", "--bias=True", "--dropout=0.0",
+        f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--warmup_iters={HYPER['warmup']}",
+        f"--learning_rate={HYPER['lr']}", f"--min_lr={HYPER['min_lr']}",
+        f"--eval_interval={steps}", "--eval_iters=200", "--log_interval=1",
+        "--always_save_checkpoint=False", "--compile=True", f"--out_dir={out / ('nano_' + size)}",
+    ]  # fmt: skip
+    rc, wall = run(cmd, log, NANO)
+    text = log.read_text()
+    ms = [float(m) for i, m in re.findall(r"iter (\d+): loss [\d.]+, time ([\d.]+)ms", text)
+          if int(i) > LOG]  # fmt: skip
+    val = re.findall(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", text)
+    return {
+        "system": "nanogpt", "size": size, "rc": rc, "wall_s": round(wall, 1),
+        "ms_per_step": statistics.median(ms) if ms else None,
+        "val_loss": float(val[-1][1]) if val and int(val[-1][0]) == steps else None,
+        "tokens_per_step": mb * ACCUM * 1024,
+    }  # fmt: skip
+
+
+def fitgpt(size: str, steps: int, compile_: str, out: Path) -> dict:
+    preset, *_, mb = SIZES[size]
+    run_dir = Path("/tmp/nanogpt_compare") / f"fitgpt_{size}_{compile_}"
+    log = out / f"fitgpt_{size}_compile-{compile_}.log"
+    cmd = [
+        sys.executable, "-m", "fitgpt", "train", "--preset", preset, "--data", str(DATA),
+        "--micro-batch", str(mb), "--grad-accum", str(ACCUM), "--steps", str(steps),
+        "--warmup", str(HYPER["warmup"]), "--lr", str(HYPER["lr"]),
+        "--min-lr", str(HYPER["min_lr"]), "--weight-decay", "0.1", "--grad-clip", "1.0",
+        "--beta2", "0.95", "--compile", compile_, "--eval-every", str(steps),
+        "--eval-batches", "200", "--log-every", str(LOG), "--no-save", "--out", str(run_dir),
+        "--overwrite",
+    ]  # fmt: skip
+    rc, wall = run(cmd, log, ROOT)
+    recs = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    ms = [r["ms_per_step"] for r in recs if r.get("kind") == "train" and r["step"] > LOG]
+    val = [r for r in recs if r.get("kind") == "eval" and r["step"] == steps]
+    comp = [r for r in recs if r.get("kind") == "compile"]
+    return {
+        "system": f"fitgpt-compile-{compile_}", "size": size, "rc": rc, "wall_s": round(wall, 1),
+        "ms_per_step": statistics.median(ms) if ms else None,
+        "val_loss": val[-1]["val_loss"] if val else None,
+        "compile_s": comp[0].get("compile_s") if comp else None,
+        "tokens_per_step": mb * ACCUM * 1024,
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--sizes", default="124m,1.5b")
+    ap.add_argument("--steps", type=int, default=200)
+    args = ap.parse_args()
+    if not (NANO / "train.py").is_file():
+        sys.exit(f"{NANO}/train.py not found: git clone https://github.com/karpathy/nanoGPT {NANO}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    make_data(args.out)
+    dataset = nano_data()
+    results = args.out / "nanogpt_compare.jsonl"
+    for size in args.sizes.split(","):
+        for rec in (
+            nanogpt(size, args.steps, dataset, args.out),
+            fitgpt(size, args.steps, "on", args.out),
+            fitgpt(size, args.steps, "off", args.out),
+        ):
+            rec["tokens_per_s"] = (
+                rec["tokens_per_step"] / rec["ms_per_step"] * 1000 if rec["ms_per_step"] else None
+            )
+            print(json.dumps(rec), flush=True)
+            with open(results, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+
+if __name__ == "__main__":
+    main()
