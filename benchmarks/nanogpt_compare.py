@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from user_path import DATA, make_data  # noqa: E402
+from user_path import DATA, make_data
 
 ROOT = Path(__file__).resolve().parent.parent
 NANO = ROOT / ".nanogpt"
