@@ -157,16 +157,27 @@ def test_compact_formats_keep_state_off_the_disk():
 
 
 # ---- the step-time model ------------------------------------------------------------------------
-def offloaded(fmt: tuple[str, str, str], tier: str = "cpu") -> tuple[Workload, EngineConfig]:
-    """A small model with every block's optimizer state on `tier` (no forward to hide behind)."""
+def offloaded(
+    fmt: tuple[str, str, str], tier: str = "cpu", speculative: bool = False
+) -> tuple[Workload, EngineConfig]:
+    """A small model with every block's optimizer state on `tier` (no forward to hide behind,
+    and without the speculative update, no backward either)."""
     w = Workload(ModelConfig(n_layer=4, n_embd=256, n_head=4, seq_len=64), 2, 1, "bf16")
-    e = EngineConfig(offload_optimizer=tier, nvme_path="/x" if tier == "nvme" else "")
+    e = EngineConfig(offload_optimizer=tier, nvme_path="/x" if tier == "nvme" else "",
+                     speculative_update=speculative)  # fmt: skip
     return w, formats.with_formats(e, fmt)
 
 
-def exposed(fmt, rates, tier: str = "cpu") -> float:
-    w, e = offloaded(fmt, tier)
+def exposed(fmt, rates, tier: str = "cpu", speculative: bool = False) -> float:
+    w, e = offloaded(fmt, tier, speculative)
     return host_optimizer_exposed(w, e, 1, 1.0, rates, placement_of(w, e))
+
+
+def test_the_speculative_update_hides_the_host_behind_the_backward():
+    slow = dataclasses.replace(R, cpu_adam_params_per_s=1e5)  # the host's work exceeds the step
+    plain = exposed(("fp32",) * 3, slow)
+    # 1 s of compute, one micro-batch: the backward after the last block's, 2/3 · 3/4 s
+    assert plain - exposed(("fp32",) * 3, slow, speculative=True) == pytest.approx(0.5)
 
 
 def test_the_host_update_costs_the_bytes_its_formats_move(monkeypatch):

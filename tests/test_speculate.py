@@ -26,6 +26,34 @@ def ulps(x: torch.Tensor) -> torch.Tensor:
     return torch.nextafter(x, torch.tensor(float("inf"))) - x
 
 
+def test_the_first_step_and_a_zero_beta_come_back_exactly():
+    g = torch.Generator().manual_seed(0)
+    for step, betas in ((1, (0.9, 0.95)), (5, (0.0, 0.0))):
+        p, grad = torch.randn(4096, generator=g), torch.randn(4096, generator=g) * 1e3
+        m, v = (torch.zeros(4096) for _ in range(2))
+        if step > 1:
+            m, v = torch.randn(4096, generator=g), torch.rand(4096, generator=g)
+        torch._fused_adamw_([p], [grad], [m], [v], [], [torch.tensor(float(step))], lr=1e-3,
+                            beta1=betas[0], beta2=betas[1], weight_decay=0.0, eps=1e-8,
+                            amsgrad=False, maximize=False)  # fmt: skip
+        undo_adamw_(p, grad, m, v, step, 1e-3, betas, 0.0, 1e-8)
+        assert torch.isfinite(p).all() and not m.any() and not v.any()
+
+
+def test_the_cautious_rule_guesses_only_after_a_clean_step():
+    place = PLACEMENTS["host-fp32"]
+    always = run(6, ALWAYS_CLIP, cautious=True, **place)
+    assert always[2:] == (0, 0)  # every step clipped: never a guess, never a rollback
+    never = run(6, NO_CLIP, cautious=True, **place)
+    assert never[2:] == (0, 5)  # every step but the first guessed, and rightly
+    ref = run(6, NO_CLIP, speculative_update=False, **place)
+    assert never[0] == ref[0] and torch.equal(never[1], ref[1])
+    # the norm falls from 2.4 to 0.49, crossing 0.65 at step 11 and back above it at step 12:
+    # one clean step, one wrong guess after it, then guesses again from step 14
+    mixed = run(14, 0.65, cautious=True, **place)
+    assert mixed[2] >= 1 and mixed[3] < 13
+
+
 @pytest.mark.parametrize("step", [1, 2, 50, 3000])
 def test_undo_returns_within_a_few_ulps(step):
     g = torch.Generator().manual_seed(step)
@@ -51,11 +79,13 @@ def test_undo_returns_within_a_few_ulps(step):
     assert not torch.equal(new[0], old[0])  # the step did move the weights
 
 
-def run(steps: int, clip: float, precision: str = "fp32", ctx=CPU, **engine):
-    """Losses, the final weights and the rollback counters of a tiny 4-layer run."""
+def run(steps: int, clip: float, precision: str = "fp32", ctx=CPU, cautious=False, **engine):
+    """Losses, the final weights and the rollback counters of a tiny 4-layer run. cautious=False
+    (the tests' default): guess at every step, so that every rule is exercised at every step."""
     pcfg = PrecisionConfig(precision, initial_scale=2.0**22, hysteresis=1)
     e = build_engine(MODEL, EngineConfig(engine="zero", **engine), pcfg,
                      OptimConfig(grad_clip=clip), ctx)  # fmt: skip
+    e.updater.cautious = cautious
     g = torch.Generator().manual_seed(7)
     b = 4 // ctx.world
     losses = []
@@ -162,8 +192,16 @@ def test_two_ranks_every_stage(tmp_path):
 
 
 def test_resume_in_a_run_with_rollbacks(tmp_path):
-    kw = dict(n_layer=4, engine="zero", offload_optimizer="cpu", offload_blocks=2, grad_clip=0.05)
-    full = train(run_config(tmp_path, steps=8, save_every=4, **kw), CPU)
-    shutil.rmtree(tmp_path / "step_00000008")
-    resumed = train(run_config(tmp_path, steps=8, **kw), CPU, resume="")
-    assert resumed["losses"] == full["losses"][4:]  # the same rollbacks, the same arithmetic
+    kw = dict(n_layer=4, engine="zero", offload_optimizer="cpu", offload_blocks=2, grad_clip=1.1)
+    full = train(run_config(tmp_path, steps=14, save_every=7, log_every=1, **kw), CPU)
+    shutil.rmtree(tmp_path / "step_00000014")
+    resumed = train(run_config(tmp_path, steps=14, log_every=1, **kw), CPU, resume="")
+    # norms here: guesses right at steps 4 and 14, wrong at 5, 7 and 11 (after the checkpoint).
+    # The same guesses (the rule's state is in the checkpoint), rollbacks and arithmetic
+    assert resumed["losses"] == full["losses"][7:]
+    first, later = full["history"][6], full["history"][-1]
+    assert later["rollbacks"] > first["rollbacks"]  # a wrong guess after the checkpoint
+    # (the counters are this process's: the resumed run's start at 0)
+    assert [r["rollbacks"] for r in resumed["history"]] == [
+        r["rollbacks"] - first["rollbacks"] for r in full["history"][7:]
+    ]

@@ -83,6 +83,10 @@ class Engine(ABC):
         held = {tier: sum(kinds.values()) for tier, kinds in self.memory_report().items()}
         return {"engine": type(self).__name__, "placement": "", "bytes": held, "streams": []}
 
+    def breakdown(self) -> dict[str, float]:
+        """Seconds per phase of the last step and run counters; engines without phases: {}."""
+        return {}
+
     def compile_report(self) -> dict | None:
         """--compile on: regions, graph breaks, recompiles and compile seconds so far
         (engine/compile.py); None when nothing is compiled."""

@@ -273,12 +273,14 @@ class ChunkEngine(Engine):
         if optimizer:
             self.scaler.load_state_dict(extra["scaler"])
         self.steps_done = int(step)
+        self.updater.last_clean = bool(extra.get("last_step_clean", False)) and optimizer
 
     def extra_state(self) -> dict:
         steps = [c.step_count for c in self.chunks if c.step_count is not None]
         return {
             "optimizer_step": int(steps[0].item()) if steps else 0,
             "scaler": self.scaler.state_dict(),
+            "last_step_clean": self.updater.last_clean,  # the speculative update's rule
         }
 
     def inference_model(self) -> GPT:

@@ -101,7 +101,10 @@ class HostOptimizer:
         weight_elems). `scratch`: the compact formats' pieces (engine/compact.py)."""
         self.disk, self.scratch = disk, scratch
         self.device, self.cuda = device, device.type == "cuda"
+        # gradients down and weights up on separate side streams: a copy up never queues behind
+        # a gradient's copy down, which waits for a point of the backward not reached yet
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.up_stream = torch.cuda.Stream(device) if self.cuda else None
         self.staging = [
             torch.empty(max_elems, dtype=dtype, pin_memory=self.cuda) for _ in range(slots)
         ]
@@ -190,7 +193,18 @@ class HostOptimizer:
             while self.ready and not self.free.empty():
                 job = min(self.ready, key=lambda j: j.c.spec.index)
                 self.ready.remove(job)
-                self._stage(job, self.free.get_nowait())
+                slot = self.free.get_nowait()
+                try:
+                    self._stage(job, slot)
+                except BaseException as e:  # e.g. no host RAM for a disk-homed chunk's state
+                    # nobody would ever finish this job: fail it, so its waiters raise
+                    self.error = self.error or e
+                    self.free.put(slot)
+                    job.done.flag.set()
+                    self.slot_freed.notify_all()
+                    if threading.current_thread() is not self.thread:
+                        raise
+                    return
                 self.jobs.put(job)
 
     def _stage(self, job: _Job, slot: int) -> None:
@@ -243,7 +257,8 @@ class HostOptimizer:
 
     def _wait_done(self, c: Chunk, done: _Done) -> None:
         t0 = time.perf_counter()
-        done.flag.wait()
+        while not done.flag.wait(0.5) and self.error is None:
+            pass  # a failed worker may never set this job's flag
         self.wait_s += time.perf_counter() - t0
         if self.error is not None:
             raise RuntimeError(f"the host optimizer failed on {c.spec.name}") from self.error
@@ -265,6 +280,8 @@ class HostOptimizer:
 
     # ---- worker thread --------------------------------------------------------------------------
     def _run(self) -> None:
+        if self.cuda:  # a new thread starts on GPU 0: a context there per rank otherwise
+            torch.cuda.set_device(self.device)
         while True:
             job = self.jobs.get()
             if job is None:
@@ -300,7 +317,7 @@ class HostOptimizer:
         t0 = time.perf_counter()
         # one pass over the working-dtype gradient, in speculative steps only (about 1/20 of
         # the update's memory traffic)
-        if job.guarded and not bool(torch.isfinite(job.buf).all()):
+        if job.guarded and not _finite(job.buf):
             job.done.stepped = False
             return False
         if c.compact is not None:
@@ -346,12 +363,12 @@ class HostOptimizer:
     def _copy_back(self, job: _Job) -> None:
         """The new weights to a device target (side stream), and a disk-homed state written out."""
         if job.target.is_cuda:
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(self.up_stream):
                 h2d_start = torch.cuda.Event(enable_timing=True)
-                h2d_start.record(self.stream)
+                h2d_start.record(self.up_stream)
                 job.target.copy_(job.out, non_blocking=True)
                 h2d = torch.cuda.Event(enable_timing=True)
-                h2d.record(self.stream)
+                h2d.record(self.up_stream)
             h2d.synchronize()  # the staging buffer is reusable only after this copy
             self.h2d_s += h2d_start.elapsed_time(h2d) / 1000.0
             job.done.h2d = h2d  # the main thread may already be waiting on `done`
@@ -391,6 +408,13 @@ class _Job:
     wbuf: Tensor | None = None  # a split master's working weights, brought down (pinned)
     out: Tensor | None = None  # the new weights for a device target: buf, or wbuf
     done: _Done = field(default_factory=_Done)
+
+
+def _finite(t: Tensor) -> bool:
+    """Whether every element of a host tensor is finite, piece by piece (isfinite's bool result
+    would otherwise be a transient of one byte per element, in host RAM)."""
+    P = piece_elems(t.device)
+    return all(bool(torch.isfinite(t[lo : lo + P]).all()) for lo in range(0, len(t), P))
 
 
 def _stop(ref: weakref.ref) -> None:

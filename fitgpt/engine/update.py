@@ -61,6 +61,12 @@ class TieredUpdate:
         self.delayed_after = delayed_after
         self.speculative = speculative and host_opt is not None
         self.lr, self.spec_mul = 0.0, None  # this step's, from begin_step
+        self.guess = 1.0  # this step's grad_mul if it is neither clipped nor skipped
+        # guess only after a step that was neither clipped nor skipped, and never at the first:
+        # a heavy clip, where an undone step is least exact, rarely follows a clean step
+        # (engine/speculate.py). Saved with checkpoints, so a resumed run guesses as before.
+        self.cautious = True
+        self.last_clean = False
         self.speculated: set[int] = set()  # chunks whose update started on the guess, this step
         self.rollbacks = 0  # steps whose guess was wrong (run total)
         self.speculated_steps = 0  # steps that started updates on the guess (run total)
@@ -82,9 +88,10 @@ class TieredUpdate:
         """Before the step's backward: its learning rate, and whether host-homed chunks start
         their updates during the backward, guessing grad_mul = 1/scale (no clip, no overflow).
         Not in a delayed-update step: its updates wait for the next step anyway."""
-        self.lr = lr
+        self.lr, self.guess = lr, 1.0 / scale
         delay = self.delayed and steps_done >= self.delayed_after
-        self.spec_mul = 1.0 / scale if self.speculative and not delay else None
+        go = self.speculative and not delay and (self.last_clean or not self.cautious)
+        self.spec_mul = self.guess if go else None
 
     def on_final(self, c: Chunk) -> None:
         """Chunk c's reduced gradient is final (engine/reduce.py, during the backward)."""
@@ -96,11 +103,12 @@ class TieredUpdate:
     def step(self, lr: float, grad_mul: float | None, steps_done: int) -> None:
         """Update every chunk from its reduced gradient times grad_mul (see the module doc);
         grad_mul None: an overflow, no chunk steps (speculative updates are undone)."""
-        gathers, delay = [], False
+        gathers, delay, undone = [], False, []
+        self.last_clean = grad_mul == self.guess
         if self.host_opt is not None:
             self.apply_delayed()  # the previous step's delayed weights, before new updates
             delay = self.delayed and steps_done >= self.delayed_after
-            self._settle(lr, grad_mul)
+            undone = self._settle(lr, grad_mul)
             for c in self.hosted:
                 if c.spec.index in self.speculated or grad_mul is None:
                     continue
@@ -110,6 +118,13 @@ class TieredUpdate:
             self.speculated = set()
             self.host_opt.flush()  # every gradient staged before they are zeroed
         if grad_mul is None:
+            if self.regather_hosted:
+                # an undone shard comes back within ulps of the old one, cast to the working
+                # dtype it may differ in the last bit: the other ranks get this rank's copy
+                for c in undone:
+                    self.host_opt.wait(c)
+                    gathers.append(self._gather_updated(c))
+                self.peers.wait_all(gathers)
             return
         for c in self.chunks:
             if c.offloaded:
@@ -124,24 +139,27 @@ class TieredUpdate:
                 gathers.append(self._gather_updated(c))
         self.peers.wait_all(gathers)
 
-    def _settle(self, lr: float, grad_mul: float | None) -> None:
+    def _settle(self, lr: float, grad_mul: float | None) -> list[Chunk]:
         """The guess checked: when it was right the speculative updates stand, bit-identical to
         the exact path; when not (clipped, or an overflow), each is undone and redone with the
-        true grad_mul once it has landed (engine/speculate.py)."""
+        true grad_mul once it has landed (engine/speculate.py). Returns the chunks undone."""
         if not self.speculated:
-            return
+            return []
         self.speculated_steps += 1
         if grad_mul == self.spec_mul:
-            return
+            return []
         self.rollbacks += 1
-        redo = [c for c in self.hosted if c.spec.index in self.speculated]
-        # each speculative update landed before its redo reads the weights; one that found a
-        # non-finite gradient took no step, so there is nothing to undo
-        stepped = [self.host_opt.wait(c) for c in redo]
-        for c, undo in zip(redo, stepped):
-            if undo or grad_mul is not None:
-                undo_mul = self.spec_mul if undo else None
+        undone = []
+        for c in [c for c in self.hosted if c.spec.index in self.speculated]:
+            # its speculative update landed before the redo reads the weights; one that found
+            # a non-finite gradient took no step, so there is nothing to undo
+            stepped = self.host_opt.wait(c)
+            if stepped or grad_mul is not None:
+                undo_mul = self.spec_mul if stepped else None
                 self.host_opt.submit(c, lr, grad_mul, self.home_weights(c), undo_mul=undo_mul)
+            if stepped:
+                undone.append(c)
+        return undone
 
     def _device_step(self, c: Chunk, lr: float, grad_mul: float) -> None:
         if c.compact is not None:

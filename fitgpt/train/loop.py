@@ -368,6 +368,10 @@ class Trainer:
         rec["compiled"] = bool(report and report["regions"])
         if report is not None:
             rec["compile_s"] = report["compile_s"]  # so far: ms_per_step is a median beside it
+        counts = self.engine.breakdown()  # the speculative update's guesses and rollbacks
+        for key in ("speculated_steps_total", "rollbacks_total"):
+            if key in counts:
+                rec[key.removesuffix("_total")] = counts[key]
         rec["elapsed_s"] = time.perf_counter() - t_start
         rec["eta_s"] = (self.cfg.steps - self.step) * ms / 1000
         self.log.write(rec)
