@@ -11,12 +11,7 @@ OUT=${OUT:-/tmp/speculate}
 RES=benchmarks/results/speculate_h100_$(date +%F)
 DEADLINE=${DEADLINE:-540}
 mkdir -p "$OUT" "$RES"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
-fi
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source benchmarks/device_env.sh  # the carried wheels (DeepSpeed), GPUs, RAM, disk
 T0=$(date +%s)
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
 run() {  # SYSTEMS SIZES TIME_LIMIT
