@@ -14,7 +14,8 @@ cosine, dropout 0. Per size: nanoGPT (compile=True), then `fitgpt train --compil
 interval (the compile is in that one), the validation loss each system's own estimate at the
 end (nanoGPT: 200 random windows of val.bin; fitgpt: --eval-batches 200 of its split).
 
-    python3 benchmarks/nanogpt_compare.py --out $OUT [--sizes 124m,1.5b] [--steps 200]
+    python3 benchmarks/nanogpt_compare.py --out $OUT [--sizes 124m,1.5b] [--steps 200[,200]]
+        [--eval-iters 200]
 Writes $OUT/nanogpt_compare.jsonl (one line per system and size) and prints a table.
 """
 
@@ -71,7 +72,7 @@ def run(cmd: list[str], log: Path, cwd: Path) -> tuple[int, float]:
     return rc, time.time() - t0
 
 
-def nanogpt(size: str, steps: int, dataset: str, out: Path) -> dict:
+def nanogpt(size: str, steps: int, dataset: str, out: Path, evals: int) -> dict:
     _, L, H, E, mb = SIZES[size]
     log = out / f"nanogpt_{size}.log"
     cmd = [
@@ -80,7 +81,7 @@ def nanogpt(size: str, steps: int, dataset: str, out: Path) -> dict:
         f"--n_head={H}", f"--n_embd={E}", "--bias=True", "--dropout=0.0",
         f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--warmup_iters={HYPER['warmup']}",
         f"--learning_rate={HYPER['lr']}", f"--min_lr={HYPER['min_lr']}",
-        f"--eval_interval={steps}", "--eval_iters=200", "--log_interval=1",
+        f"--eval_interval={steps}", f"--eval_iters={evals}", "--log_interval=1",
         "--always_save_checkpoint=False", "--compile=True", f"--out_dir={out / ('nano_' + size)}",
     ]  # fmt: skip
     rc, wall = run(cmd, log, NANO)
@@ -96,7 +97,7 @@ def nanogpt(size: str, steps: int, dataset: str, out: Path) -> dict:
     }  # fmt: skip
 
 
-def fitgpt(size: str, steps: int, compile_: str, out: Path) -> dict:
+def fitgpt(size: str, steps: int, compile_: str, out: Path, evals: int) -> dict:
     preset, *_, mb = SIZES[size]
     run_dir = Path("/tmp/nanogpt_compare") / f"fitgpt_{size}_{compile_}"
     log = out / f"fitgpt_{size}_compile-{compile_}.log"
@@ -106,7 +107,7 @@ def fitgpt(size: str, steps: int, compile_: str, out: Path) -> dict:
         "--warmup", str(HYPER["warmup"]), "--lr", str(HYPER["lr"]),
         "--min-lr", str(HYPER["min_lr"]), "--weight-decay", "0.1", "--grad-clip", "1.0",
         "--beta2", "0.95", "--compile", compile_, "--eval-every", str(steps),
-        "--eval-batches", "200", "--log-every", str(LOG), "--no-save", "--out", str(run_dir),
+        "--eval-batches", str(evals), "--log-every", str(LOG), "--no-save", "--out", str(run_dir),
         "--overwrite",
     ]  # fmt: skip
     rc, wall = run(cmd, log, ROOT)
@@ -130,19 +131,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--sizes", default="124m,1.5b")
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", default="200", help="one count, or one per size (comma-separated)")
+    ap.add_argument("--eval-iters", type=int, default=200, help="validation batches, both systems")
     args = ap.parse_args()
+    sizes = args.sizes.split(",")
+    steps = [int(x) for x in args.steps.split(",")]
+    steps = steps * len(sizes) if len(steps) == 1 else steps
     if not (NANO / "train.py").is_file():
         sys.exit(f"{NANO}/train.py not found: git clone https://github.com/karpathy/nanoGPT {NANO}")
     args.out.mkdir(parents=True, exist_ok=True)
     make_data(args.out)
     dataset = nano_data()
     results = args.out / "nanogpt_compare.jsonl"
-    for size in args.sizes.split(","):
+    for size, n in zip(sizes, steps, strict=True):
         for rec in (
-            nanogpt(size, args.steps, dataset, args.out),
-            fitgpt(size, args.steps, "on", args.out),
-            fitgpt(size, args.steps, "off", args.out),
+            nanogpt(size, n, dataset, args.out, args.eval_iters),
+            fitgpt(size, n, "on", args.out, args.eval_iters),
+            fitgpt(size, n, "off", args.out, args.eval_iters),
         ):
             rec["tokens_per_s"] = (
                 rec["tokens_per_step"] / rec["ms_per_step"] * 1000 if rec["ms_per_step"] else None
