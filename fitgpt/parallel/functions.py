@@ -1,0 +1,102 @@
+"""The communication of Megatron-style tensor parallelism, as autograd functions.
+
+Shape legend: N rows (batch·tokens), H hidden, V padded vocabulary, T ranks in the TP group,
+Vl = V/T the vocabulary rows of one rank.
+
+  copy_to_tp      f: identity forward, all-reduce of the input's gradient backward. Before a
+                  column-parallel matmul: every rank reads the whole input, and each contributes
+                  a partial input gradient through its own columns.
+  reduce_from_tp  g: all-reduce forward, identity backward. After a row-parallel matmul: the
+                  partial outputs of the T ranks summed; the gradient reaches each unchanged.
+  vocab_parallel_cross_entropy: the loss of [N, Vl] logit shards without any rank holding the
+                  [N, V] logits: a max, a sum of exponentials and the target's logit, each
+                  all-reduced over the group ([N] floats each, instead of N·V).
+
+Per transformer block that is 2 all-reduces of N·H elements forward (after attn.proj and
+mlp.proj) and 2 backward (before qkv and fc), which plan/throughput.py prices.
+
+The collectives are torch's functional ones (torch.distributed._functional_collectives): they
+return new tensors, so torch.compile traces them in a compiled block without a graph break, and
+gloo runs them on CPUs for the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+
+def all_reduce(t: Tensor, group, op: str = "sum") -> Tensor:
+    """A new tensor: t reduced over `group` (None: a group of one, t itself)."""
+    if group is None:
+        return t
+    return funcol.wait_tensor(funcol.all_reduce(t, op, group))
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+def copy_to_tp(x: Tensor, group) -> Tensor:
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: Tensor, group) -> Tensor:
+    return _ReduceFromTP.apply(x, group)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_NVl: Tensor, targets_N: Tensor, lo: int, real: int, group) -> Tensor:
+        """Mean cross-entropy over targets != -1; logits fp32, this rank's rows [lo, lo+Vl)."""
+        Vl = logits_NVl.shape[1]
+        if lo + Vl > real:  # padded vocabulary rows: no token, kept out of the softmax
+            logits_NVl = logits_NVl.clone()
+            logits_NVl[:, max(0, real - lo) :] = float("-inf")
+        top_N = all_reduce(logits_NVl.max(dim=1).values, group, "max")
+        exp_NVl = (logits_NVl - top_N[:, None]).exp_()
+        sum_N = all_reduce(exp_NVl.sum(dim=1), group)
+        mine_N = (targets_N >= lo) & (targets_N < lo + Vl)
+        local_N = (targets_N - lo).clamp_(0, Vl - 1)
+        picked_N = logits_NVl.gather(1, local_N[:, None]).squeeze(1) - top_N
+        picked_N = all_reduce(picked_N * mine_N, group)  # the target's logit, from its owner
+        valid_N = targets_N != -1
+        count = valid_N.sum()
+        loss = ((sum_N.log() - picked_N) * valid_N).sum() / count
+        exp_NVl /= sum_N[:, None]  # now the softmax, kept for backward: N·Vl fp32
+        ctx.save_for_backward(exp_NVl, local_N, mine_N & valid_N, valid_N, count)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        soft_NVl, local_N, hit_N, valid_N, count = ctx.saved_tensors
+        g_NVl = soft_NVl * (valid_N[:, None] * (grad / count))
+        rows = torch.arange(g_NVl.shape[0], device=g_NVl.device)
+        g_NVl[rows, local_N] -= hit_N * (grad / count)  # d loss / d logit = softmax - one-hot
+        return g_NVl, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_NVl: Tensor, targets_N: Tensor, lo: int, real: int, group
+) -> Tensor:
+    """Mean next-token cross-entropy (-1 targets ignored) of vocabulary-split fp32 logits; the
+    same value on every rank of the group. `real`: the unpadded vocabulary size."""
+    return _VocabParallelCE.apply(logits_NVl, targets_N, lo, real, group)
