@@ -191,6 +191,15 @@ class EngineConfig:
             "training moves fastest, where a stale update costs most)"
         },
     )
+    tensor_parallel: int = field(
+        default=1,
+        metadata={
+            "help": "split every transformer layer's weights (attention heads, MLP width) and "
+            "the vocabulary over groups of T consecutive GPUs, Megatron-style; the remaining "
+            "world/T ranks are data-parallel (ZeRO, offload as usual). T must divide the GPU "
+            "count, the head count, 4·hidden and the padded vocabulary (docs/parallel.md)"
+        },
+    )
     compile: Literal["auto", "on", "off"] = field(
         default="auto",
         metadata={
@@ -206,6 +215,10 @@ class EngineConfig:
             raise UserError(f"--compile {self.compile!r}: use auto, on or off")
         if self.engine not in ("ddp", "zero"):
             raise UserError(f"--engine {self.engine!r}: use ddp or zero")
+        if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
+            raise UserError(
+                f"--tensor-parallel {self.tensor_parallel!r} must be a whole number >= 1"
+            )
         if self.zero_stage not in (0, 1, 2, 3):
             raise UserError(f"--zero-stage {self.zero_stage}: use 0, 1, 2 or 3")
         if self.engine == "ddp" and (self.zero_stage or self.offloads):
