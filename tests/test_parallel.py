@@ -181,4 +181,6 @@ def test_bad_tensor_parallel_degrees_are_refused_in_one_line():
     with pytest.raises(UserError, match=">= 1"):
         EngineConfig(tensor_parallel=0)
     with pytest.raises(UserError, match="does not divide"):  # before any engine is built
-        build_engine(TINY, EngineConfig(tensor_parallel=2), PrecisionConfig("fp32"), OptimConfig(), CPU)
+        build_engine(
+            TINY, EngineConfig(tensor_parallel=2), PrecisionConfig("fp32"), OptimConfig(), CPU
+        )
