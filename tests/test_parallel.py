@@ -178,8 +178,8 @@ def test_bad_tensor_parallel_degrees_are_refused_in_one_line():
         check_tensor_parallel(3, TINY, 3)
     with pytest.raises(UserError, match="rank count"):
         check_tensor_parallel(2, TINY, 1)
-    with pytest.raises(UserError, match=">= 1"):
-        EngineConfig(tensor_parallel=0)
+    with pytest.raises(UserError, match="whole number >= 1, or auto"):
+        EngineConfig(tensor_parallel=-1)
     with pytest.raises(UserError, match="does not divide"):  # before any engine is built
         build_engine(
             TINY, EngineConfig(tensor_parallel=2), PrecisionConfig("fp32"), OptimConfig(), CPU

@@ -212,7 +212,8 @@ def check_tp(run_cfg, world: int) -> None:
     """Refuse a --tensor-parallel that does not divide the ranks, heads, MLP or vocabulary."""
     from fitgpt.parallel import check_tensor_parallel
 
-    check_tensor_parallel(run_cfg.engine.tensor_parallel, run_cfg.model, world)
+    if run_cfg.engine.tensor_parallel != 0:  # auto: the planner picks a T that divides
+        check_tensor_parallel(run_cfg.engine.tensor_parallel, run_cfg.model, world)
 
 
 def run(args: argparse.Namespace) -> int:

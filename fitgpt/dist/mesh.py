@@ -44,6 +44,8 @@ def dp_ranks(world: int, tp: int) -> list[list[int]]:
 
 
 def check_world(tp: int, world: int) -> None:
+    if tp == 0:
+        raise UserError("--tensor-parallel auto is the planner's to resolve: use --plan auto")
     if tp < 1 or world % tp:
         raise UserError(
             f"--tensor-parallel {tp} does not divide the {world} rank(s) of this run: use a "

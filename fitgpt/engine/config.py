@@ -197,7 +197,9 @@ class EngineConfig:
             "help": "split every transformer layer's weights (attention heads, MLP width) and "
             "the vocabulary over groups of T consecutive GPUs, Megatron-style; the remaining "
             "world/T ranks are data-parallel (ZeRO, offload as usual). T must divide the GPU "
-            "count, the head count, 4·hidden and the padded vocabulary (docs/parallel.md)"
+            "count, the head count, 4·hidden and the padded vocabulary; auto (stored as 0): "
+            "the planner picks T (docs/parallel.md)",
+            "parse": lambda v: 0 if v == "auto" else int(v),
         },
     )
     compile: Literal["auto", "on", "off"] = field(
@@ -215,10 +217,9 @@ class EngineConfig:
             raise UserError(f"--compile {self.compile!r}: use auto, on or off")
         if self.engine not in ("ddp", "zero"):
             raise UserError(f"--engine {self.engine!r}: use ddp or zero")
-        if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
-            raise UserError(
-                f"--tensor-parallel {self.tensor_parallel!r} must be a whole number >= 1"
-            )
+        tp = self.tensor_parallel
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 0:
+            raise UserError(f"--tensor-parallel {tp!r}: use a whole number >= 1, or auto")
         if self.zero_stage not in (0, 1, 2, 3):
             raise UserError(f"--zero-stage {self.zero_stage}: use 0, 1, 2 or 3")
         if self.engine == "ddp" and (self.zero_stage or self.offloads):

@@ -72,6 +72,10 @@ def unshard(name: str, shards: list[Tensor]) -> Tensor:
 def check_tensor_parallel(tp: int, cfg: ModelConfig, world: int | None = None) -> None:
     """Refuse a T the model or the job cannot be split by, in one line, before anything is built.
     `world`: the job's rank count where known."""
+    if tp == 0:
+        raise UserError(
+            "--tensor-parallel auto is the planner's to resolve: train with --plan auto, or give T"
+        )
     if tp < 1:
         raise UserError(f"--tensor-parallel {tp} must be at least 1")
     if tp == 1:
