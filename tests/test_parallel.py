@@ -23,6 +23,11 @@ from fitgpt.infer.generate import SampleConfig, generate, load_model
 from fitgpt.model import GPT, ModelConfig
 from fitgpt.parallel import check_tensor_parallel, parallelize
 from fitgpt.parallel.shard import split_rule, unshard
+from fitgpt.plan import rates
+from fitgpt.plan.hardware import Hardware
+from fitgpt.plan.memory import GiB, Workload, estimate, layout_of, torch_state, zero_state
+from fitgpt.plan.planner import plan
+from fitgpt.plan.throughput import step_time, tp_comm_time
 from fitgpt.train.loop import train
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
@@ -47,6 +52,7 @@ def step_losses(ecfg: EngineConfig, ctx: DistContext) -> dict:
         out["loss"].append(st.loss)
         out["norm"].append(st.grad_norm)
     out["shapes"] = {n: list(p.shape) for n, p in e.model.named_parameters()}
+    out["mem"] = e.memory_report()
     e.close()
     return out
 
@@ -145,6 +151,14 @@ def test_tensor_parallel_two_ranks_matches_one_process_and_checkpoints_load_anyw
     for key in ("zero0", "zero1full", "ddp"):
         assert close(res[key]["loss"], ref["loss"]), key
         assert close(res[key]["norm"], ref["norm"]), key
+    # the planner's bytes are the engine's, at T=2 (this rank's split layout)
+    work = Workload(TINY, 4, world=2, precision="fp32", device="cpu")
+    ecfg = EngineConfig(engine="zero", zero_stage=1, checkpointing="full", tensor_parallel=2)
+    nonzero = {k: v for k, v in zero_state(work, ecfg)["device"].items() if v}
+    assert {k: v for k, v in res["zero1full"]["mem"]["cpu"].items() if v} == nonzero
+    ddp, want = res["ddp"]["mem"]["cpu"], torch_state(work, layout_of(TINY, 2))
+    for kind in ("master_weights", "optimizer"):  # its gradients are freed after each step
+        assert ddp[kind] == want[kind], kind
 
     full = train(run_config(tmp_path / "ref", steps=10, save_every=5, engine="zero"), CPU)
     assert close(res["train_tp2"], full["losses"])
@@ -184,3 +198,30 @@ def test_bad_tensor_parallel_degrees_are_refused_in_one_line():
         build_engine(
             TINY, EngineConfig(tensor_parallel=2), PrecisionConfig("fp32"), OptimConfig(), CPU
         )
+
+
+def test_the_planner_prices_tensor_parallel_plans():
+    m = ModelConfig(n_layer=4, n_embd=1024, n_head=16, seq_len=2048, vocab_size=50257)
+    work = Workload(m, 2, world=2, precision="bf16", device="cuda")
+    one, two = (EngineConfig(zero_stage=1, tensor_parallel=t) for t in (1, 2))
+    # 1/T of every split weight's state; the activations inside attention/MLP and logits 1/T
+    n1, n2 = (sum(c.numel for c in layout_of(m, t)) for t in (1, 2))
+    assert n2 < 0.55 * n1
+    e1, e2 = estimate(work, one), estimate(work, two)
+    assert e2.compute["logits"] * 2 == e1.compute["logits"]
+    assert e2.compute["activations"] < 0.7 * e1.compute["activations"]
+    # the TP all-reduces: 4 per block and 2 for embedding and head per micro-batch, b·S·h·2 bytes
+    r = rates.load("(planned GPU)")
+    t2 = step_time(work, two, 3, r)
+    size = 2 * 2048 * 1024 * 2
+    assert t2["tp_comm"] == pytest.approx(
+        3 * (4 * 4 + 2) * (size / (r.bus_gbps * 1e9) + 20e-6), rel=1e-9
+    )
+    assert t2["tp_comm"] == tp_comm_time(work, two, 3, r.bus_gbps)
+    assert "tp_comm" not in step_time(work, one, 3, r)
+    # T is priced only when asked: the default plans keep T=1; auto lists T=1 and T=2
+    hw = Hardware("cuda", 2, 80 * GiB, "(planned GPU)", 500 * GiB, 16)
+    assert {c.ecfg.tensor_parallel for c in plan(work, 1, hw, r, {})} == {1}
+    auto = plan(work, 1, hw, r, {"tensor_parallel": 0})
+    assert {c.ecfg.tensor_parallel for c in auto} == {1, 2}
+    assert all(c.compared_time == c.time["total"] * c.ecfg.tensor_parallel for c in auto)
