@@ -186,6 +186,15 @@ SYSTEMS: dict[str, System] = {
             )
             for k in range(4)
         ],
+        *[
+            _fitgpt(
+                f"tp{t}",
+                f"fitgpt's engine with --tensor-parallel {t} (data-parallel over the other "
+                "ranks at ZeRO stage 0), checkpointing as --checkpointing",
+                {"tensor_parallel": t, "zero_stage": 0, "checkpointing": "bench"},
+            )
+            for t in (2, 4, 8)
+        ],
         System(
             "ddp",
             "PyTorch: fp32 weights + fused AdamW on the GPU, bf16 autocast, DDP across "
