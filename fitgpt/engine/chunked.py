@@ -347,7 +347,13 @@ class ChunkEngine(Engine):
                            "AdamW on a worker thread")  # fmt: skip
         if self.disk is not None:
             streams.append("the disk tier's reads and writes (I/O threads)")
-        out.update(engine=f"zero-{self.stage}", placement=self.placement.describe())
+        placement = self.placement.describe()
+        if self.mesh is not None:
+            placement = (
+                f"tensor-parallel {self.mesh.tp} (1/{self.mesh.tp} of each layer), {placement}"
+            )
+            streams.insert(0, "tensor-parallel all-reduces: 2 per layer forward, 2 backward")
+        out.update(engine=f"zero-{self.stage}", placement=placement)
         out["streams"] = streams
         return out
 

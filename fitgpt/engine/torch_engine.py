@@ -255,9 +255,12 @@ class TorchEngine(Engine):
 
     def describe(self) -> dict:
         out = super().describe()
+        where = f"replicated on {self.dp} rank(s)"
+        if self.mesh is not None:
+            where = f"1/{self.mesh.tp} of each layer (tensor-parallel), {where}"
         out.update(engine="ddp", placement="every parameter, gradient and Adam moment in fp32 on "
-                   f"the device, replicated on {self.ctx.world} rank(s)")  # fmt: skip
-        if self.ctx.world > 1:
+                   f"the device, {where}")  # fmt: skip
+        if self.dp > 1:
             out["streams"] = ["DDP's bucketed all-reduce, overlapped with the backward"]
         return out
 
