@@ -85,10 +85,10 @@ class TorchEngine(Engine):
         )
         params = dict(model.named_parameters())
         self.params = [params[s.name] for c in self.local_layout for s in c.slots]
-        if self.mesh is not None:  # the global norm counts a replicated gradient once
-            self.split = [p for c in self.local_layout for s in c.slots
-                          if split_rule(s.name) is not None for p in [params[s.name]]]  # fmt: skip
-            self.replicated = [p for p in self.params if all(p is not q for q in self.split)]
+        # under TP the global norm counts a replicated gradient once (_norm)
+        names = [s.name for c in self.local_layout for s in c.slots]
+        self.split = [params[n] for n in names if split_rule(n) is not None]
+        self.replicated = [params[n] for n in names if split_rule(n) is None]
         decay = [p for p in self.params if p.ndim >= 2]
         no_decay = [p for p in self.params if p.ndim < 2]
         self.opt = torch.optim.AdamW(
