@@ -10,7 +10,8 @@ runs with 20 heads of 80 (the same parameters and FLOPs) for every system. DDP r
 
 Part "seq": the longest sequence (doubling from 2048; 1024 trains in part "speed") that trains
 at micro-batch 1 for the 6.7b preset, T=2 against ZeRO-3, checkpointing off (the block
-activations, which T splits, dominate), each series stopping at its first failure.
+activations, which T splits, dominate), each series stopping at its first failure; then T=2 with
+sequence parallelism (tp2sp) if the budget has room left.
 
 Everything is appended to DIR/tp_x2.jsonl (one line per trial, `fitgpt bench sweep`'s records;
 re-running resumes) and summarised in DIR/tp_x2_summary.json. Each trial has a time limit, and
@@ -34,9 +35,18 @@ SPEED = [  # (label, layers, hidden, heads, micro-batch per rank, systems, trial
     ("gpt2-1.5b", 48, 1600, 20, 8, ("tp2", "zero3", "ddp"), 150),
     ("6.7b", 32, 4096, 32, 4, ("tp2", "zero3"), 180),
 ]
-SEQ = ("6.7b", 32, 4096, 32, ("tp2", "zero3"), 2048, 65536, 150)  # label … first, last, limit
+SEQ = (
+    "6.7b",
+    32,
+    4096,
+    32,
+    ("tp2", "zero3", "tp2sp"),
+    2048,
+    65536,
+    150,
+)  # label … first, last, limit
 TINY_SPEED = [("tiny", 2, 64, 4, 2, ("tp2", "zero3", "ddp"), 120)]
-TINY_SEQ = ("tiny", 2, 64, 4, ("tp2", "zero3"), 64, 256, 120)
+TINY_SEQ = ("tiny", 2, 64, 4, ("tp2", "zero3", "tp2sp"), 64, 128, 120)
 
 
 class Harness:

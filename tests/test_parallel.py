@@ -1,8 +1,9 @@
 """Tensor parallelism (fitgpt/parallel) on real gloo groups against one unsplit process.
 
 World 2 (T=2) and world 4 (T=2 × DP=2): the same losses and gradient norms as one process over
-20 steps (fp32, clipping active), 1/T of every split weight per rank, replicated gradients
-identical across the TP group; checkpoints saved at T=2 resume at T=1 and at ZeRO-3 on 2 ranks,
+20 steps (fp32, clipping active), with and without sequence parallelism, 1/T of every split
+weight per rank, replicated gradients identical across the TP group (with sequence parallelism
+once summed over it); checkpoints saved at T=2 resume at T=1 and at ZeRO-3 on 2 ranks,
 and load on one process for generation; bad T refused in one line.
 """
 
@@ -23,6 +24,7 @@ from fitgpt.infer.generate import SampleConfig, generate, load_model
 from fitgpt.model import GPT, ModelConfig
 from fitgpt.parallel import check_tensor_parallel, parallelize
 from fitgpt.parallel.shard import split_rule, unshard
+from fitgpt.parallel.state import sync_replicated
 from fitgpt.plan import rates
 from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import GiB, Workload, estimate, layout_of, torch_state, zero_state
@@ -69,14 +71,15 @@ def check_split_shapes(shapes: dict, tp: int) -> None:
     assert shapes["wte.weight"] == [TINY.padded_vocab_size // tp, TINY.n_embd]
 
 
-def check_layers(rank: int, tie: bool) -> None:
+def check_layers(rank: int, tie: bool, sp: bool = False) -> None:
     """The parallelized modules against the unsplit model: the same loss, the split gradients
-    the reference's parts, the replicated ones bit-identical on both TP ranks."""
+    the reference's parts, the replicated ones bit-identical on both TP ranks (with sequence
+    parallelism: once summed over the group, as the engines do)."""
     cfg = ModelConfig(**{**TINY.__dict__, "tie_embeddings": tie})
     ref = GPT(cfg)
     ref.reset_parameters(0)
     ctx = init_distributed("cpu").with_tensor_parallel(2)
-    tp = parallelize(copy.deepcopy(ref), ctx.mesh)
+    tp = parallelize(copy.deepcopy(ref), ctx.mesh, sequence_parallel=sp)
     x = torch.randint(
         0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0)
     )
@@ -84,6 +87,9 @@ def check_layers(rank: int, tie: bool) -> None:
     want.backward()
     got.backward()
     assert abs(want.item() - got.item()) < 1e-5
+    if sp:
+        rep = [p.grad for n, p in tp.named_parameters() if split_rule(n) is None]
+        sync_replicated(rep, ctx.mesh)
     grads = dict(ref.named_parameters())
     for name, p in tp.named_parameters():
         parts = [torch.empty_like(p.grad) for _ in range(2)]
@@ -91,6 +97,8 @@ def check_layers(rank: int, tie: bool) -> None:
         if split_rule(name) is None:
             assert torch.equal(parts[0], parts[1]), f"{name}: replicated gradients differ"
         torch.testing.assert_close(unshard(name, parts), grads[name].grad, msg=name)
+    if sp:
+        return  # head() of a sequence-parallel model takes this rank's tokens only
     h = torch.randn(2, 4, cfg.n_embd, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():  # full logits, gathered over the TP group (padded rows -inf)
         torch.testing.assert_close(tp.head(h), ref.head(h))
@@ -100,6 +108,7 @@ def two_rank_worker(rank: int, world: int, tmp: str) -> None:
     tmp = Path(tmp)
     check_layers(rank, tie=True)
     check_layers(rank, tie=False)
+    check_layers(rank, tie=True, sp=True)
     ctx = init_distributed("cpu")
     res = {}
     for key, ecfg in {
@@ -107,6 +116,8 @@ def two_rank_worker(rank: int, world: int, tmp: str) -> None:
         "zero1full": EngineConfig(engine="zero", zero_stage=1, checkpointing="full",
                                   tensor_parallel=2),
         "ddp": EngineConfig(engine="ddp", tensor_parallel=2),
+        "zero2sp": EngineConfig(engine="zero", zero_stage=2, tensor_parallel=2,
+                                sequence_parallel=True),
     }.items():  # fmt: skip
         res[key] = step_losses(ecfg, ctx)
         check_split_shapes(res[key].pop("shapes"), 2)
@@ -130,6 +141,9 @@ def four_rank_worker(rank: int, world: int, tmp: str) -> None:
         "offload1": EngineConfig(engine="zero", zero_stage=1, offload_optimizer="cpu",
                                  offload_blocks=1, tensor_parallel=2),
         "ddp": EngineConfig(engine="ddp", tensor_parallel=2),
+        "zero1sp": EngineConfig(engine="zero", zero_stage=1, checkpointing="full",
+                                tensor_parallel=2, sequence_parallel=True),
+        "ddpsp": EngineConfig(engine="ddp", tensor_parallel=2, sequence_parallel=True),
     }.items():  # fmt: skip
         res[key] = step_losses(ecfg, ctx)
         check_split_shapes(res[key].pop("shapes"), 2)
@@ -148,7 +162,7 @@ def test_tensor_parallel_two_ranks_matches_one_process_and_checkpoints_load_anyw
     assert max(ref["norm"]) > CLIP  # the test exercises clipping
     gloo(2, two_rank_worker, str(tmp_path))
     res = json.loads((tmp_path / "results.json").read_text())
-    for key in ("zero0", "zero1full", "ddp"):
+    for key in ("zero0", "zero1full", "ddp", "zero2sp"):
         assert close(res[key]["loss"], ref["loss"]), key
         assert close(res[key]["norm"], ref["norm"]), key
     # the planner's bytes are the engine's, at T=2 (this rank's split layout)
@@ -182,7 +196,7 @@ def test_tensor_parallel_times_data_parallel_matches_one_process(tmp_path, gloo)
     ref = step_losses(EngineConfig(engine="zero"), CPU)
     gloo(4, four_rank_worker, str(tmp_path))
     res = json.loads((tmp_path / "results.json").read_text())
-    for key in ("zero3full", "offload1", "ddp"):
+    for key in ("zero3full", "offload1", "ddp", "zero1sp", "ddpsp"):
         assert close(res[key]["loss"], ref["loss"]), key
         assert close(res[key]["norm"], ref["norm"]), key
 
@@ -194,6 +208,11 @@ def test_bad_tensor_parallel_degrees_are_refused_in_one_line():
         check_tensor_parallel(2, TINY, 1)
     with pytest.raises(UserError, match="whole number >= 1, or auto"):
         EngineConfig(tensor_parallel=-1)
+    with pytest.raises(UserError, match="add --tensor-parallel"):
+        EngineConfig(sequence_parallel=True)
+    odd = ModelConfig(**{**TINY.__dict__, "seq_len": 33})
+    with pytest.raises(UserError, match="sequence length"):
+        check_tensor_parallel(2, odd, 2, sequence_parallel=True)
     with pytest.raises(UserError, match="does not divide"):  # before any engine is built
         build_engine(
             TINY, EngineConfig(tensor_parallel=2), PrecisionConfig("fp32"), OptimConfig(), CPU
@@ -210,6 +229,8 @@ def test_the_planner_prices_tensor_parallel_plans():
     e1, e2 = estimate(work, one), estimate(work, two)
     assert e2.compute["logits"] * 2 == e1.compute["logits"]
     assert e2.compute["activations"] < 0.7 * e1.compute["activations"]
+    sp = EngineConfig(zero_stage=1, tensor_parallel=2, sequence_parallel=True)
+    assert estimate(work, sp).compute["activations"] < e2.compute["activations"]
     # the TP all-reduces: 4 per block and 2 for embedding and head per micro-batch, b·S·h·2 bytes
     r = rates.load("(planned GPU)")
     t2 = step_time(work, two, 3, r)

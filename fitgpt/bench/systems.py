@@ -195,6 +195,17 @@ SYSTEMS: dict[str, System] = {
             )
             for t in (2, 4, 8)
         ],
+        _fitgpt(
+            "tp2sp",
+            "fitgpt's engine with --tensor-parallel 2 --sequence-parallel (ZeRO stage 0 over the "
+            "other ranks), checkpointing as --checkpointing",
+            {
+                "tensor_parallel": 2,
+                "sequence_parallel": True,
+                "zero_stage": 0,
+                "checkpointing": "bench",
+            },
+        ),
         System(
             "ddp",
             "PyTorch: fp32 weights + fused AdamW on the GPU, bf16 autocast, DDP across "

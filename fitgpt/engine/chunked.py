@@ -59,6 +59,7 @@ from fitgpt.model import GPT, ModelConfig
 from fitgpt.model.gpt import alibi_slopes
 from fitgpt.parallel import check_tensor_parallel, parallelize
 from fitgpt.parallel.state import (
+    SequenceParallelGrads,
     TPGradNorm,
     TPReader,
     replicated_ranges,
@@ -98,8 +99,9 @@ class ChunkEngine(Engine):
         self.layout = chunk_layout(model)  # the unsplit model's: what checkpoints record
         self.mesh = ctx.mesh
         if self.mesh is not None:  # split 1/T of the weights before chunks are laid out
-            check_tensor_parallel(self.mesh.tp, model_cfg, ctx.world)
-            model = parallelize(model, self.mesh)
+            sp = ecfg.sequence_parallel
+            check_tensor_parallel(self.mesh.tp, model_cfg, ctx.world, sp)
+            model = parallelize(model, self.mesh, sp)
         self.local_layout = chunk_layout(model)  # this rank's chunks (the layout above at T=1)
         self.placement = self._placement()
         self.pinned = PinnedArena(self.cuda)  # streamed weights, delayed updates
@@ -222,6 +224,8 @@ class ChunkEngine(Engine):
         if self.mesh is not None:
             self.reducer.tp_norm = TPGradNorm(self.mesh)
             self.reducer.tp_ranges = [replicated_ranges(c) for c in self.local_layout]
+            if self.ecfg.sequence_parallel:
+                self.reducer.sp_sync = SequenceParallelGrads(self.mesh, self.local_layout)
         if self.updater.speculative:
             self.reducer.on_final = self.updater.on_final
         self.fetcher = WeightFetch(self.peers, self.device, self.host_opt, bool(self.streamed))

@@ -202,6 +202,15 @@ class EngineConfig:
             "parse": lambda v: 0 if v == "auto" else int(v),
         },
     )
+    sequence_parallel: bool = field(
+        default=False,
+        metadata={
+            "help": "with --tensor-parallel: split the activations between the layers "
+            "(LayerNorms, dropout, residual) along the sequence too, so each GPU keeps 1/T of "
+            "all of a layer's activations (Megatron's sequence parallelism; the same bytes "
+            "communicated). The sequence length must divide by T"
+        },
+    )
     compile: Literal["auto", "on", "off"] = field(
         default="auto",
         metadata={
@@ -220,6 +229,8 @@ class EngineConfig:
         tp = self.tensor_parallel
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 0:
             raise UserError(f"--tensor-parallel {tp!r}: use a whole number >= 1, or auto")
+        if self.sequence_parallel and tp == 1:
+            raise UserError("--sequence-parallel splits within a TP group: add --tensor-parallel T")
         if self.zero_stage not in (0, 1, 2, 3):
             raise UserError(f"--zero-stage {self.zero_stage}: use 0, 1, 2 or 3")
         if self.engine == "ddp" and (self.zero_stage or self.offloads):

@@ -52,6 +52,8 @@ class GradReducer:
         # the TP group, with each chunk's replicated ranges
         self.tp_norm: TPGradNorm | None = None
         self.tp_ranges: list[list[tuple[int, int]]] = []
+        # sequence parallelism: the replicated gradients summed over the TP group first
+        self.sp_sync: Callable[[Chunk], None] | None = None
 
     def register(self, chunks: list[Chunk]) -> list:
         """Hook every parameter of every chunk; returns the handles (removed at close)."""
@@ -66,6 +68,8 @@ class GradReducer:
         if c.grads_seen < len(c.params):
             return
         c.grads_seen = 0  # the chunk's backward is complete for this micro-batch
+        if self.sp_sync is not None and (self.stage >= 2 or self.last_micro):
+            self.sp_sync(c)  # blocking: a few elements per block, before the DP reduction
         c.free_weight()  # stage 3 and streamed chunks: the weights' memory is freed here
         if self.stage >= 2:
             self._reduce_scatter_now(c)

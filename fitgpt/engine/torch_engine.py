@@ -30,7 +30,14 @@ from fitgpt.model import GPT, ModelConfig
 from fitgpt.model.gpt import alibi_slopes
 from fitgpt.parallel import check_tensor_parallel, parallelize
 from fitgpt.parallel.shard import split_rule
-from fitgpt.parallel.state import TPGradNorm, TPReader, sharded_init, tp_pieces, unsplitter
+from fitgpt.parallel.state import (
+    TPGradNorm,
+    TPReader,
+    sharded_init,
+    sync_replicated,
+    tp_pieces,
+    unsplitter,
+)
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 DDP_BUCKET_MB = 100  # larger than DDP's 25 MB default: fewer, fuller NCCL calls for big models
@@ -60,8 +67,8 @@ class TorchEngine(Engine):
             model = GPT(model_cfg)
         self.layout = self.local_layout = chunk_layout(model)  # the unsplit model's
         if self.mesh is not None:  # this rank's 1/T of the split weights (fitgpt/parallel)
-            check_tensor_parallel(self.mesh.tp, model_cfg, ctx.world)
-            model = parallelize(model, self.mesh)
+            check_tensor_parallel(self.mesh.tp, model_cfg, ctx.world, ecfg.sequence_parallel)
+            model = parallelize(model, self.mesh, ecfg.sequence_parallel)
             self.local_layout = chunk_layout(model)
         model.to_empty(device=self.device)
         if model_cfg.position == "alibi":  # to_empty left the non-persistent slopes undefined
@@ -156,6 +163,8 @@ class TorchEngine(Engine):
                     loss = self.module(x, y)
                 (loss * (scale / n)).backward()
             loss_sum += loss.detach()
+        if self.ecfg.sequence_parallel:  # replicated gradients: partial sums over the tokens
+            sync_replicated([p.grad for p in self.replicated if p.grad is not None], self.mesh)
         grads = [p.grad for p in self.params if p.grad is not None]
         if scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / scale)

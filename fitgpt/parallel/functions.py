@@ -8,6 +8,10 @@ Vl = V/T the vocabulary rows of one rank.
                   a partial input gradient through its own columns.
   reduce_from_tp  g: all-reduce forward, identity backward. After a row-parallel matmul: the
                   partial outputs of the T ranks summed; the gradient reaches each unchanged.
+  gather_seq      sequence parallelism's f: all-gather along the sequence forward ([B, S/T, H]
+                  → [B, S, H]), reduce-scatter of the gradient backward.
+  scatter_seq     sequence parallelism's g: reduce-scatter along the sequence forward (the
+                  partial outputs summed, each rank keeping its S/T tokens), all-gather backward.
   vocab_parallel_cross_entropy: the loss of [N, Vl] logit shards without any rank holding the
                   [N, V] logits: a max, a sum of exponentials and the target's logit, each
                   all-reduced over the group ([N] floats each, instead of N·V).
@@ -22,9 +26,15 @@ gloo runs them on CPUs for the tests.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
+
+# renamed in 2.13 (all_gather_single / reduce_scatter_single), which 2.11 lacks: as engine/comm.py
+warnings.filterwarnings("ignore", message=r".*all_gather_tensor.* is deprecated")
+warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated")
 
 
 def all_reduce(t: Tensor, group, op: str = "sum") -> Tensor:
@@ -53,6 +63,50 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         return grad, None
+
+
+def _gather(x: Tensor, group, tp: int) -> Tensor:
+    """[B, S/T, …] of every rank → [B, S, …], in rank order."""
+    if group is None:
+        return x
+    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 1, group))
+
+
+def _scatter(x: Tensor, group, tp: int) -> Tensor:
+    """[B, S, …] summed over ranks, rank r keeping tokens [r·S/T, (r+1)·S/T)."""
+    if group is None:
+        return x
+    return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", 1, group))
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group, tp: int) -> Tensor:
+        ctx.group, ctx.tp = group, tp
+        return _gather(x, group, tp)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _scatter(grad, ctx.group, ctx.tp), None, None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group, tp: int) -> Tensor:
+        ctx.group, ctx.tp = group, tp
+        return _scatter(x, group, tp)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _gather(grad, ctx.group, ctx.tp), None, None
+
+
+def gather_seq(x: Tensor, group, tp: int) -> Tensor:
+    return _GatherSeq.apply(x, group, tp)
+
+
+def scatter_seq(x: Tensor, group, tp: int) -> Tensor:
+    return _ScatterSeq.apply(x, group, tp)
 
 
 def copy_to_tp(x: Tensor, group) -> Tensor:

@@ -14,6 +14,14 @@ the split parameters' elements (fitgpt/parallel/shard.py says which):
   TensorParallelGPT.head_loss  the (tied) head's logits stay split by vocabulary: the loss is
                         the vocabulary-parallel cross-entropy (parallel/functions.py).
 
+With sequence parallelism (`sequence_parallel=True`, Korthikanti et al. 2022) the residual
+stream between the layers is split along the sequence too ([B, S/T, H] per rank): the
+LayerNorms, dropout and residual adds work on 1/T of the tokens, the column-parallel layers
+all-gather their input along the sequence (instead of copying it) and the row-parallel ones
+reduce-scatter their output (instead of all-reducing it): the same bytes moved, 1/T of the
+activations outside attention and the MLP kept. The replicated parameters' gradients are then
+partial sums over each rank's tokens: the engines all-reduce them over the TP group.
+
 The attention module reads its local head count from `attn.n_head`, set to n_head/T here.
 A model built on the meta device (the engines) gets meta parameters of the local shapes; a
 model holding real weights gets each rank's slice of them (tests, conversions).
@@ -27,7 +35,13 @@ from torch import Tensor, nn
 
 from fitgpt.dist.mesh import Mesh
 from fitgpt.model import GPT
-from fitgpt.parallel.functions import copy_to_tp, reduce_from_tp, vocab_parallel_cross_entropy
+from fitgpt.parallel.functions import (
+    copy_to_tp,
+    gather_seq,
+    reduce_from_tp,
+    scatter_seq,
+    vocab_parallel_cross_entropy,
+)
 from fitgpt.parallel.shard import shard_of
 
 
@@ -45,9 +59,10 @@ class _Split:
     """Mixin: a module holding its TP group, and built from the full module it replaces."""
 
     mesh: Mesh
+    sp: bool  # sequence parallelism: inputs/outputs split along the sequence
 
     @classmethod
-    def of(cls, old: nn.Module, role: str, mesh: Mesh) -> nn.Module:
+    def of(cls, old: nn.Module, role: str, mesh: Mesh, sp: bool = False) -> nn.Module:
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         for pname, p in old.named_parameters(recurse=False):
@@ -58,18 +73,28 @@ class _Split:
         for k, v in vars(old).items():  # training, in_features, padding_idx, ...
             if not k.startswith("_"):
                 setattr(new, k, v)
-        new.mesh = mesh
+        new.mesh, new.sp = mesh, sp
         return new
+
+    def gather_in(self, x: Tensor) -> Tensor:
+        """The whole input every rank multiplies: copied in (f), or gathered along the sequence."""
+        g = self.mesh.tp_group
+        return gather_seq(x, g, self.mesh.tp) if self.sp else copy_to_tp(x, g)
+
+    def reduce_out(self, y: Tensor) -> Tensor:
+        """The T partial outputs summed (g), or summed and split along the sequence."""
+        g = self.mesh.tp_group
+        return scatter_seq(y, g, self.mesh.tp) if self.sp else reduce_from_tp(y, g)
 
 
 class ColumnParallelLinear(_Split, nn.Linear):
     def forward(self, x_NH: Tensor) -> Tensor:
-        return F.linear(copy_to_tp(x_NH, self.mesh.tp_group), self.weight, self.bias)
+        return F.linear(self.gather_in(x_NH), self.weight, self.bias)
 
 
 class RowParallelLinear(_Split, nn.Linear):
     def forward(self, x_NHl: Tensor) -> Tensor:
-        y = reduce_from_tp(F.linear(x_NHl, self.weight), self.mesh.tp_group)
+        y = self.reduce_out(F.linear(x_NHl, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -80,7 +105,7 @@ class VocabParallelEmbedding(_Split, nn.Embedding):
         other_BT = (idx_BT < lo) | (idx_BT >= lo + Vl)  # ids another rank holds
         x = F.embedding((idx_BT - lo).masked_fill(other_BT, 0), self.weight)
         x = x.masked_fill(other_BT[..., None], 0.0)
-        return reduce_from_tp(x, self.mesh.tp_group)
+        return self.reduce_out(x)
 
 
 class TensorParallelGPT(GPT):
@@ -88,10 +113,29 @@ class TensorParallelGPT(GPT):
     directly: parallelize() changes a built GPT's class, keeping its modules)."""
 
     mesh: Mesh
+    sequence_parallel: bool
+
+    def embed(self, idx_BT: Tensor, past: int = 0) -> Tensor:
+        if not self.sequence_parallel:
+            return super().embed(idx_BT, past)
+        x = self.wte(idx_BT)  # [B, T/TP, H]: this rank's tokens, reduce-scattered
+        if self.wpe is not None:
+            n = x.shape[1]
+            lo = past + self.mesh.tp_rank * n
+            x = x + self.wpe(torch.arange(lo, lo + n, device=idx_BT.device))
+        if self.emb_ln is not None:
+            x = self.emb_ln(x)
+        return F.dropout(x, self.cfg.dropout, self.training)
+
+    def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, cache=None) -> Tensor:
+        if cache is not None and self.sequence_parallel:
+            raise ValueError("a sequence-parallel model trains; sample from inference_model()")
+        return super().forward(idx_BT, targets_BT, cache)
 
     def _head_shard(self, x_BTH: Tensor) -> Tensor:
         """[B, T, Vl] logits of this rank's vocabulary rows."""
-        x = copy_to_tp(self.ln_f(x_BTH), self.mesh.tp_group)
+        g, x = self.mesh.tp_group, self.ln_f(x_BTH)
+        x = gather_seq(x, g, self.mesh.tp) if self.sequence_parallel else copy_to_tp(x, g)
         w = self.wte.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, w)
 
@@ -122,16 +166,17 @@ class TensorParallelGPT(GPT):
         return logits
 
 
-def parallelize(model: GPT, mesh: Mesh) -> TensorParallelGPT:
+def parallelize(model: GPT, mesh: Mesh, sequence_parallel: bool = False) -> TensorParallelGPT:
     """Split `model` in place over mesh's TP group (T = mesh.tp > 1); returns it."""
+    sp = sequence_parallel
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear.of(attn.qkv, "attn.qkv", mesh)
-        attn.proj = RowParallelLinear.of(attn.proj, "attn.proj", mesh)
+        attn.qkv = ColumnParallelLinear.of(attn.qkv, "attn.qkv", mesh, sp)
+        attn.proj = RowParallelLinear.of(attn.proj, "attn.proj", mesh, sp)
         attn.n_head //= mesh.tp  # whole heads per rank
-        mlp.fc = ColumnParallelLinear.of(mlp.fc, "mlp.fc", mesh)
-        mlp.proj = RowParallelLinear.of(mlp.proj, "mlp.proj", mesh)
-    model.wte = VocabParallelEmbedding.of(model.wte, "wte", mesh)
+        mlp.fc = ColumnParallelLinear.of(mlp.fc, "mlp.fc", mesh, sp)
+        mlp.proj = RowParallelLinear.of(mlp.proj, "mlp.proj", mesh, sp)
+    model.wte = VocabParallelEmbedding.of(model.wte, "wte", mesh, sp)
     if model.lm_head is not None:  # untied head: its weight split as the embedding's
         model.lm_head = ColumnParallelLinear.of(model.lm_head, "lm_head", mesh)
     if getattr(model, "alibi_slopes_N", None) is not None:
@@ -139,5 +184,5 @@ def parallelize(model: GPT, mesh: Mesh) -> TensorParallelGPT:
         slopes = model.alibi_slopes_N[mesh.tp_rank * per : (mesh.tp_rank + 1) * per].clone()
         model.register_buffer("alibi_slopes_N", slopes, persistent=False)
     model.__class__ = TensorParallelGPT
-    model.mesh = mesh
+    model.mesh, model.sequence_parallel = mesh, sp
     return model

@@ -69,7 +69,9 @@ def unshard(name: str, shards: list[Tensor]) -> Tensor:
     return torch.cat([split[r][k] for k in range(parts) for r in range(len(shards))], dim)
 
 
-def check_tensor_parallel(tp: int, cfg: ModelConfig, world: int | None = None) -> None:
+def check_tensor_parallel(
+    tp: int, cfg: ModelConfig, world: int | None = None, sequence_parallel: bool = False
+) -> None:
     """Refuse a T the model or the job cannot be split by, in one line, before anything is built.
     `world`: the job's rank count where known."""
     if tp == 0:
@@ -87,6 +89,8 @@ def check_tensor_parallel(tp: int, cfg: ModelConfig, world: int | None = None) -
     ]
     if world is not None:
         checks.insert(0, (world, "the rank count (--gpus)"))
+    if sequence_parallel:  # the residual stream is split along the sequence
+        checks.append((cfg.seq_len, "the sequence length (--seq-len), with --sequence-parallel"))
     for n, what in checks:
         if n % tp:
             ok = [d for d in range(1, tp + 1) if all(m % d == 0 for m, _ in checks)]

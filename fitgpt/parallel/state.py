@@ -79,6 +79,38 @@ class TPGradNorm:
         return sq
 
 
+def sync_replicated(grads: list[Tensor], mesh: Mesh) -> None:
+    """Sequence parallelism: the replicated parameters' gradients, partial sums over each TP
+    rank's tokens, summed over the TP group in place (one all-reduce of their concatenation:
+    the LayerNorms' and biases' few elements per block)."""
+    if mesh.tp_group is None or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=mesh.tp_group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+class SequenceParallelGrads:
+    """The chunk engine's hook for sync_replicated: called by the gradient reducer when a
+    chunk's backward is complete, before its data-parallel reduction (stages 0-1: at the last
+    micro-batch, on the accumulated flat gradient; stages 2-3: every micro-batch, on the
+    per-parameter gradients)."""
+
+    def __init__(self, mesh: Mesh, local: list[ChunkSpec]) -> None:
+        self.mesh = mesh
+        self.ranges = [replicated_ranges(c) for c in local]
+
+    def __call__(self, c) -> None:
+        if c.grad is not None:
+            parts = [c.grad[a:b] for a, b in self.ranges[c.spec.index]]
+        else:
+            parts = [p.grad for p, s in zip(c.params, c.spec.slots) if split_rule(s.name) is None]
+        sync_replicated(parts, self.mesh)
+
+
 def tp_gather(t: Tensor, mesh: Mesh, device: torch.device) -> list[Tensor]:
     """Every TP rank's `t` (equal shapes), in TP-rank order, on the CPU. Through `device` (NCCL
     moves device tensors only): a transient of T times t there."""

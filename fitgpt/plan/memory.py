@@ -139,7 +139,9 @@ def torch_state(work: Workload, layout: list[ChunkSpec] | None = None) -> dict[s
 
 
 # ---- activations ----------------------------------------------------------------------------
-def activation_bytes(work: Workload, checkpointing: str, tp: int = 1) -> dict[str, int]:
+def activation_bytes(
+    work: Workload, checkpointing: str, tp: int = 1, sp: bool = False
+) -> dict[str, int]:
     """Bytes alive at the start of the last micro-batch's backward (the activation peak).
 
     Per block, forward saves 17·sbh elements (LN inputs/outputs 4, q/k/v 3, attention output
@@ -150,11 +152,19 @@ def activation_bytes(work: Workload, checkpointing: str, tp: int = 1) -> dict[st
     Under T-way tensor parallelism the 13·sbh saved inside attention and the MLP (q/k/v, the
     attention outputs, fc and GELU outputs) are split by heads and MLP columns, the 4·sbh of the
     LayerNorms are not: (4 + 13/T)·sbh·w per block; the logits are split by vocabulary (1/T).
+    With sequence parallelism (`sp`) the residual stream and the LayerNorms' inputs are split
+    along the sequence too, but the two LayerNorm outputs are saved as all-gathered (the
+    column-parallel matmuls keep their whole input for backward; Megatron re-gathers them
+    instead, not done here): (2 + 15/T)·sbh per block, and 1/T of the rest (block inputs kept
+    by checkpointing, the embedding output, the final norm, backward's working gradients).
     """
     m, b = work.model, work.micro_batch
     a = work.w
     sbh = m.seq_len * b * m.n_embd
     per_block = (4 * sbh + 13 * sbh // tp) * a
+    if sp:
+        per_block = (2 * sbh + 15 * sbh // tp) * a
+        sbh //= tp  # the stream between the layers: S/T tokens per rank
     if checkpointing == "off":
         blocks = m.n_layer * per_block
     elif checkpointing == "full":
@@ -179,7 +189,7 @@ def estimate(
     """Peak bytes per rank on each device for one training step of `work` under `ecfg`
     (`placement`: the zero engine's, when the caller has it already)."""
     layout = rank_layout(work, ecfg, layout)
-    act = activation_bytes(work, ecfg.checkpointing, tp_of(ecfg))
+    act = activation_bytes(work, ecfg.checkpointing, tp_of(ecfg), ecfg.sequence_parallel)
     est = Estimate()
     host_dev = "cpu" if work.device == "cpu" else "cuda"
     est.host["process"] = HOST_BASE[host_dev] + (HOST_DIST if work.world > 1 else 0)

@@ -93,6 +93,8 @@ def tp_degrees(work: Workload, fixed: dict) -> list[int]:
         return [t]
     m = work.model
     sizes = (work.world, m.n_head, 4 * m.n_embd, m.padded_vocab_size)
+    if fixed.get("sequence_parallel"):
+        sizes += (m.seq_len,)
     return [d for d in range(1, work.world + 1) if all(k % d == 0 for k in sizes)]
 
 

@@ -82,7 +82,8 @@ class Trainer:
         """`check_room`: refuse a run whose checkpoints cannot fit its disk before the engine
         allocates anything (a resumed run is checked after its resume, in fit())."""
         tp = run.engine.tensor_parallel
-        check_tensor_parallel(tp, run.model, ctx.world)  # before any data or model is touched
+        # before any data or model is touched
+        check_tensor_parallel(tp, run.model, ctx.world, run.engine.sequence_parallel)
         # --tensor-parallel T: the ranks of one TP group take the same micro-batches, so data is
         # sharded by the data-parallel rank (ctx.dp_rank, ctx.dp_world; the job's at T=1)
         ctx = ctx.with_tensor_parallel(tp)
