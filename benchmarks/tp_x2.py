@@ -15,7 +15,9 @@ sequence parallelism (tp2sp) if the budget has room left.
 
 Everything is appended to DIR/tp_x2.jsonl (one line per trial, `fitgpt bench sweep`'s records;
 re-running resumes) and summarised in DIR/tp_x2_summary.json. Each trial has a time limit, and
-no trial starts once --budget seconds have passed (default 540: ~9 minutes on 2×H200).
+no trial starts once --budget seconds have passed (default 540: ~9 minutes on 2×H200). Trials
+already in DIR/tp_x2.jsonl are not run again, so `--parts seq` (or the same command) continues
+where a spent budget stopped.
 
 Usage (device):  python3 benchmarks/tp_x2.py --out DIR
 Check on CPU:    python3 benchmarks/tp_x2.py --out DIR --tiny   (gloo, a tiny model, seconds)
@@ -131,21 +133,28 @@ def print_losses(label: str, recs: dict) -> None:
 
 
 def longest_seq(h: Harness, row) -> dict:
-    """Per system, the longest sequence (doubling) that trains at micro-batch 1."""
+    """Per system, the longest sequence (doubling) that trains at micro-batch 1. The systems
+    take turns at each length, so a budget that runs out leaves them at the same depth."""
     label, layers, hidden, heads, systems, first, last, limit = row
-    out = {}
-    for system in systems:
-        best, seq, tried = None, first, []
-        while seq <= last:
+    out = {s: {"longest_seq": None, "tried": []} for s in systems}
+    alive, seq = list(systems), first
+    while alive and seq <= last:
+        for system in list(alive):
             r = h.trial(system, layers, hidden, heads, 1, seq, 1, 1, limit)
             if r is None:
-                break
-            tried.append({"seq": seq, "status": r["status"], "gpu_peak_gib": r.get("gpu_peak_gib")})
-            if r["status"] != "ok":
-                break
-            best, seq = seq, seq * 2
-        out[system] = {"longest_seq": best, "tried": tried}
-        print(f"{label} {system}: longest sequence at micro-batch 1: {best} ({tried})", flush=True)
+                alive.remove(system)
+                continue
+            out[system]["tried"].append(
+                {"seq": seq, "status": r["status"], "gpu_peak_gib": r.get("gpu_peak_gib")}
+            )
+            if r["status"] == "ok":
+                out[system]["longest_seq"] = seq
+            else:
+                alive.remove(system)
+        seq *= 2
+    for system, res in out.items():
+        print(f"{label} {system}: longest sequence at micro-batch 1: {res['longest_seq']} "
+              f"({res['tried']})", flush=True)  # fmt: skip
     return out
 
 
