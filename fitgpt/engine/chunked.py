@@ -16,6 +16,9 @@ is its own part, reached only from here:
   engine/chunk_state.py  checkpoints in and out, and a plain model for sampling
   engine/accounting.py   bytes per tier: the host-RAM check before anything is allocated, and
                          memory_report after
+Tensor parallelism (fitgpt/parallel, --tensor-parallel T) splits the model before the chunks are
+laid out: each rank's chunks hold its 1/T of the split weights, ZeRO runs over the data-parallel
+group, and checkpoints are gathered to the unsplit layout (parallel/state.py).
 The step, per micro-batch: forward (fetch hooks), backward scaled by scale/(n·W) (reduction
 hooks); then every reduction completed, the loss and global gradient norm summed over ranks (one
 host sync per step), the clip coefficient, the update, the gradients zeroed.
