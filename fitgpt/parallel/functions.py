@@ -8,10 +8,13 @@ Vl = V/T the vocabulary rows of one rank.
                   a partial input gradient through its own columns.
   reduce_from_tp  g: all-reduce forward, identity backward. After a row-parallel matmul: the
                   partial outputs of the T ranks summed; the gradient reaches each unchanged.
-  gather_seq      sequence parallelism's f: all-gather along the sequence forward ([B, S/T, H]
-                  → [B, S, H]), reduce-scatter of the gradient backward.
   scatter_seq     sequence parallelism's g: reduce-scatter along the sequence forward (the
                   partial outputs summed, each rank keeping its S/T tokens), all-gather backward.
+  gathered_linear sequence parallelism's f and the column-parallel matmul in one: all-gather
+                  along the sequence ([B, S/T, H] → [B, S, H]) then the matmul forward;
+                  backward, the input gathered again (only this rank's shard is kept: T times
+                  less, one more all-gather per use, Megatron-LM's choice) and its gradient
+                  reduce-scattered along the sequence.
   vocab_parallel_cross_entropy: the loss of [N, Vl] logit shards without any rank holding the
                   [N, V] logits: a max, a sum of exponentials and the target's logit, each
                   all-reduced over the group ([N] floats each, instead of N·V).
@@ -30,6 +33,7 @@ import warnings
 
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch import Tensor
 
 # renamed in 2.13 (all_gather_single / reduce_scatter_single), which 2.11 lacks: as engine/comm.py
@@ -79,17 +83,6 @@ def _scatter(x: Tensor, group, tp: int) -> Tensor:
     return funcol.wait_tensor(funcol.reduce_scatter_tensor(x.contiguous(), "sum", 1, group))
 
 
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, group, tp: int) -> Tensor:
-        ctx.group, ctx.tp = group, tp
-        return _gather(x, group, tp)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _scatter(grad, ctx.group, ctx.tp), None, None
-
-
 class _ScatterSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group, tp: int) -> Tensor:
@@ -101,8 +94,32 @@ class _ScatterSeq(torch.autograd.Function):
         return _gather(grad, ctx.group, ctx.tp), None, None
 
 
-def gather_seq(x: Tensor, group, tp: int) -> Tensor:
-    return _GatherSeq.apply(x, group, tp)
+class _GatheredLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_BSlH: Tensor, weight: Tensor, bias: Tensor | None, group, tp: int):
+        y = F.linear(_gather(x_BSlH, group, tp), weight, bias)  # under autocast if enabled
+        ctx.save_for_backward(x_BSlH, weight)  # the shard, not the gathered [B, S, H]
+        ctx.group, ctx.tp = group, tp
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_BSO: Tensor):
+        x, weight = ctx.saved_tensors
+        cd = grad_BSO.dtype  # the forward's compute dtype (autocast's, or the weights')
+        full_BSH = _gather(x, ctx.group, ctx.tp).to(cd)  # gathered again: freed on return
+        grad_x = _scatter(grad_BSO @ weight.to(cd), ctx.group, ctx.tp).to(x.dtype)
+        g_NO = grad_BSO.reshape(-1, grad_BSO.shape[-1])
+        grad_w = (g_NO.t() @ full_BSH.reshape(-1, full_BSH.shape[-1])).to(weight.dtype)
+        grad_b = None if ctx.bias_dtype is None else g_NO.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def gathered_linear(x: Tensor, weight: Tensor, bias: Tensor | None, group, tp: int) -> Tensor:
+    """all-gather(x along the sequence) W^T + b, keeping x's shard for backward."""
+    if group is None:
+        return F.linear(x, weight, bias)
+    return _GatheredLinear.apply(x, weight, bias, group, tp)
 
 
 def scatter_seq(x: Tensor, group, tp: int) -> Tensor:

@@ -37,7 +37,7 @@ from fitgpt.dist.mesh import Mesh
 from fitgpt.model import GPT
 from fitgpt.parallel.functions import (
     copy_to_tp,
-    gather_seq,
+    gathered_linear,
     reduce_from_tp,
     scatter_seq,
     vocab_parallel_cross_entropy,
@@ -76,11 +76,6 @@ class _Split:
         new.mesh, new.sp = mesh, sp
         return new
 
-    def gather_in(self, x: Tensor) -> Tensor:
-        """The whole input every rank multiplies: copied in (f), or gathered along the sequence."""
-        g = self.mesh.tp_group
-        return gather_seq(x, g, self.mesh.tp) if self.sp else copy_to_tp(x, g)
-
     def reduce_out(self, y: Tensor) -> Tensor:
         """The T partial outputs summed (g), or summed and split along the sequence."""
         g = self.mesh.tp_group
@@ -89,7 +84,10 @@ class _Split:
 
 class ColumnParallelLinear(_Split, nn.Linear):
     def forward(self, x_NH: Tensor) -> Tensor:
-        return F.linear(self.gather_in(x_NH), self.weight, self.bias)
+        g = self.mesh.tp_group
+        if self.sp:  # the input gathered along the sequence; only its shard kept for backward
+            return gathered_linear(x_NH, self.weight, self.bias, g, self.mesh.tp)
+        return F.linear(copy_to_tp(x_NH, g), self.weight, self.bias)
 
 
 class RowParallelLinear(_Split, nn.Linear):
@@ -135,9 +133,10 @@ class TensorParallelGPT(GPT):
     def _head_shard(self, x_BTH: Tensor) -> Tensor:
         """[B, T, Vl] logits of this rank's vocabulary rows."""
         g, x = self.mesh.tp_group, self.ln_f(x_BTH)
-        x = gather_seq(x, g, self.mesh.tp) if self.sequence_parallel else copy_to_tp(x, g)
         w = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, w)
+        if self.sequence_parallel:
+            return gathered_linear(x, w, None, g, self.mesh.tp)
+        return F.linear(copy_to_tp(x, g), w)
 
     def head_loss(self, x_BTH: Tensor, targets_BT: Tensor) -> Tensor:
         logits = self._head_shard(x_BTH)

@@ -152,19 +152,18 @@ def activation_bytes(
     Under T-way tensor parallelism the 13·sbh saved inside attention and the MLP (q/k/v, the
     attention outputs, fc and GELU outputs) are split by heads and MLP columns, the 4·sbh of the
     LayerNorms are not: (4 + 13/T)·sbh·w per block; the logits are split by vocabulary (1/T).
-    With sequence parallelism (`sp`) the residual stream and the LayerNorms' inputs are split
-    along the sequence too, but the two LayerNorm outputs are saved as all-gathered (the
-    column-parallel matmuls keep their whole input for backward; Megatron re-gathers them
-    instead, not done here): (2 + 15/T)·sbh per block, and 1/T of the rest (block inputs kept
-    by checkpointing, the embedding output, the final norm, backward's working gradients).
+    With sequence parallelism (`sp`) the residual stream and the LayerNorms are split along the
+    sequence too (the column-parallel matmuls keep their input's shard and gather it again in
+    backward): all of it 1/T, 17·sbh/T per block, the block inputs kept by checkpointing, the
+    embedding output, the final norm and backward's working gradients included.
     """
     m, b = work.model, work.micro_batch
     a = work.w
     sbh = m.seq_len * b * m.n_embd
     per_block = (4 * sbh + 13 * sbh // tp) * a
     if sp:
-        per_block = (2 * sbh + 15 * sbh // tp) * a
         sbh //= tp  # the stream between the layers: S/T tokens per rank
+        per_block = 17 * sbh * a
     if checkpointing == "off":
         blocks = m.n_layer * per_block
     elif checkpointing == "full":
