@@ -49,9 +49,6 @@ def _local_param(old: nn.Parameter, name: str, mesh: Mesh) -> nn.Parameter:
     """Rank mesh.tp_rank's part of parameter `old`, which plays the role `name` (e.g.
     'attn.qkv.weight'); a meta parameter stays meta, of the local shape."""
     with torch.no_grad():
-        if old.is_meta:
-            full = torch.empty(old.shape, device="meta", dtype=old.dtype)
-            return nn.Parameter(shard_of(name, full, mesh.tp_rank, mesh.tp).clone())
         return nn.Parameter(shard_of(name, old.detach(), mesh.tp_rank, mesh.tp).clone())
 
 
@@ -67,9 +64,8 @@ class _Split:
         nn.Module.__init__(new)
         for pname, p in old.named_parameters(recurse=False):
             setattr(new, pname, _local_param(p, f"{role}.{pname}", mesh))
-        for attr in ("bias",):  # an absent bias stays None
-            if getattr(old, attr, 0) is None:
-                new.register_parameter(attr, None)
+        if getattr(old, "bias", 0) is None:  # a Linear without bias stays without
+            new.register_parameter("bias", None)
         for k, v in vars(old).items():  # training, in_features, padding_idx, ...
             if not k.startswith("_"):
                 setattr(new, k, v)
