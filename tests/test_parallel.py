@@ -240,6 +240,8 @@ def test_the_planner_prices_tensor_parallel_plans():
     )
     assert t2["tp_comm"] == tp_comm_time(work, two, 3, r.bus_gbps)
     assert "tp_comm" not in step_time(work, one, 3, r)
+    # sequence parallelism: the column-parallel inputs gathered again in backward
+    assert step_time(work, sp, 3, r)["tp_comm"] > t2["tp_comm"]
     # T is priced only when asked: the default plans keep T=1; auto lists T=1 and T=2
     hw = Hardware("cuda", 2, 80 * GiB, "(planned GPU)", 500 * GiB, 16)
     assert {c.ecfg.tensor_parallel for c in plan(work, 1, hw, r, {})} == {1}

@@ -98,12 +98,21 @@ def tp_efficiency_hidden(hidden: int, tp: int) -> int:
 def tp_comm_time(work: Workload, ecfg: EngineConfig, grad_accum: int, bus_gbps: float) -> float:
     """Seconds per step of the TP all-reduces: 4 per block per micro-batch (6 with recompute)
     and 2 for the vocabulary-parallel embedding and head, each of b·S·h·w bytes, a ring
-    all-reduce moving 2·(T-1)/T of them per rank."""
+    all-reduce moving 2·(T-1)/T of them per rank. Sequence parallelism splits each into a
+    reduce-scatter and an all-gather (the same bytes, two launches) and gathers the inputs of
+    the 2 column-parallel matmuls per block and the head's again in backward (half an
+    all-reduce's bytes each)."""
     m, tp = work.model, tp_of(ecfg)
     per_block = 6 if ecfg.checkpointing != "off" else 4
     count = grad_accum * (m.n_layer * per_block + 2)
     size = work.micro_batch * m.seq_len * m.n_embd * work.w
-    return count * (2 * (tp - 1) / tp * size / (bus_gbps * 1e9) + TP_LATENCY_S)
+    bytes_moved = count * 2 * (tp - 1) / tp * size
+    launches = count
+    if ecfg.sequence_parallel:
+        regathers = grad_accum * (2 * m.n_layer + 1)
+        bytes_moved += regathers * (tp - 1) / tp * size
+        launches = 2 * count + regathers
+    return bytes_moved / (bus_gbps * 1e9) + launches * TP_LATENCY_S
 
 
 def cached_compact_bytes(c: ChunkPlan, w: int) -> float:
