@@ -186,6 +186,26 @@ SYSTEMS: dict[str, System] = {
             )
             for k in range(4)
         ],
+        *[
+            _fitgpt(
+                f"tp{t}",
+                f"fitgpt's engine with --tensor-parallel {t} (data-parallel over the other "
+                "ranks at ZeRO stage 0), checkpointing as --checkpointing",
+                {"tensor_parallel": t, "zero_stage": 0, "checkpointing": "bench"},
+            )
+            for t in (2, 4, 8)
+        ],
+        _fitgpt(
+            "tp2sp",
+            "fitgpt's engine with --tensor-parallel 2 --sequence-parallel (ZeRO stage 0 over the "
+            "other ranks), checkpointing as --checkpointing",
+            {
+                "tensor_parallel": 2,
+                "sequence_parallel": True,
+                "zero_stage": 0,
+                "checkpointing": "bench",
+            },
+        ),
         System(
             "ddp",
             "PyTorch: fp32 weights + fused AdamW on the GPU, bf16 autocast, DDP across "

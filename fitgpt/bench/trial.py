@@ -132,7 +132,11 @@ def run_trial(spec: dict) -> dict:
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     source = UniformSource(bench.seq_len, bench.vocab_size, bench.seed)
-    loader = BatchLoader(source, bench.micro_batch, ctx.rank, ctx.world)
+    # --tensor-parallel T: the T ranks of a TP group (consecutive ranks, dist/mesh.py) take the
+    # same micro-batches; the batch is sharded over the world/T data-parallel ranks
+    tp = max(1, (system.plan_fixed(bench) or {}).get("tensor_parallel", 1))
+    rec["tensor_parallel"] = tp
+    loader = BatchLoader(source, bench.micro_batch, ctx.rank // tp, ctx.world // tp)
     runner = None
     try:
         cap = int(spec.get("cap_bytes", 0))
@@ -155,7 +159,7 @@ def run_trial(spec: dict) -> dict:
                 times.append(time.perf_counter() - t0)
                 if hasattr(engine, "breakdown"):
                     phases.append(engine.breakdown())
-        tokens = bench.micro_batch * bench.grad_accum * bench.seq_len * ctx.world
+        tokens = bench.micro_batch * bench.grad_accum * bench.seq_len * ctx.world // tp
         med = statistics.median(times)
         rec.update(
             {

@@ -72,7 +72,8 @@ def add_config_args(
             parser.add_argument(_flag(f), choices=choices, type=type(choices[0]), **kw)
         else:
             metavar = _flag(f)[2:].upper().replace("-", "_")
-            parser.add_argument(_flag(f), type=tp, metavar=metavar, **kw)
+            # metadata "parse": a field whose flag takes more than its type (e.g. "auto")
+            parser.add_argument(_flag(f), type=f.metadata.get("parse", tp), metavar=metavar, **kw)
 
 
 def explicit(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:

@@ -148,22 +148,24 @@ def print_table(cands, work, grad_accum: int, hw) -> None:
     from fitgpt.plan.formats import short
     from fitgpt.plan.memory import GiB
 
-    tokens = work.micro_batch * work.model.seq_len * grad_accum * work.world
-    flops = work.model.flops_per_token() * tokens / work.world
     disk = any(c.disk_written for c in cands)
     head = f"  {'fits':<4} {'GPU/rank':>9} {'host':>8}  {'state':<15}"
     head += f" {'disk GB/step':>12} {'TB/1k steps':>11}" if disk else ""
-    print(head + f" {'step s':>7} {'tokens/s':>10} {'TFLOP/s':>8}  {'peak phase':<16} plan")
+    print(head + f" {'step s':>7} {'tokens/s':>10} {'TFLOP/s':>8}  {'peak phase':<16} TP plan")
     for i, c in enumerate(cands):
         gpu = f"{c.est.compute_total / GiB:.1f}G" if c.est.compute else "-"
         t = c.time["total"]
+        # a step's tokens: micro-batch × accumulation × the world/T data-parallel ranks
+        tokens = work.micro_batch * work.model.seq_len * grad_accum * work.world // c.tp
+        flops = work.model.flops_per_token() * tokens / work.world  # per GPU
         row = f"{'>' if i == 0 and c.fits else ' '} {'yes' if c.fits else 'no':<4} {gpu:>9} "
         row += f"{c.est.host_total / GiB:7.1f}G  {short(c.formats):<15}"
         if disk:
             w = c.disk_written
             row += f" {w / 1e9:12.1f} {w * 1000 / 1e12:11.1f}" if w else f" {'-':>12} {'-':>11}"
         row += f" {t:7.2f} {tokens / t:10,.0f} {flops / t / 1e12:8.0f}  {c.est.peak_phase:<16} "
-        print(row + c.name)
+        print(row + f"{c.tp:>2} {c.name}")
+    print("  TP: tensor-parallel degree (--tensor-parallel; auto prices every T that divides)")
     print("  state: formats of the master weights / offloaded moments / device moments")
     if disk:
         print("  disk: bytes written to the disk tier per step on this machine (SSD wear)")

@@ -208,6 +208,16 @@ def apply_deepspeed_flags(args: argparse.Namespace) -> None:
             print(f"--deepspeed-config {args.deepspeed_config}: {line}", flush=True)
 
 
+def check_tp(run_cfg, world: int, planned: bool) -> None:
+    """Refuse a --tensor-parallel that does not divide the ranks, heads, MLP or vocabulary (or
+    auto without the planner to resolve it)."""
+    from fitgpt.parallel import check_tensor_parallel
+
+    if run_cfg.engine.tensor_parallel != 0 or not planned:  # auto: the planner picks T
+        e = run_cfg.engine
+        check_tensor_parallel(e.tensor_parallel, run_cfg.model, world, e.sequence_parallel)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.cpu_mem is not None:
         from fitgpt.plan.hardware import parse_bytes
@@ -220,11 +230,16 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--gpus {args.gpus} must be at least 1")
         from fitgpt.dist.launch import relaunch, strip_flag
 
+        if not args.deepspeed_config:  # a --tensor-parallel the job cannot take: refused here,
+            check_tp(
+                resolve_command(args)[0], args.gpus, args.plan == "auto"
+            )  # in one line, before torchrun starts
         argv = strip_flag(sys.argv[1:], "--gpus")
         return relaunch(args.gpus, argv)
     if args.deepspeed_config:
         apply_deepspeed_flags(args)
     run_cfg, ckpt, notes = resolve_command(args)  # validates every config before allocating
+    check_tp(run_cfg, int(os.environ.get("WORLD_SIZE", 1)), args.plan == "auto")
     from fitgpt.cli.outputs import check_writable_dir
 
     check_writable_dir(run_cfg.train.out, "--out")

@@ -6,6 +6,7 @@ process group: NCCL on GPUs, gloo on CPUs. Without torchrun it returns a one-pro
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fitgpt.dist.mesh import Mesh, build_mesh
 from fitgpt.errors import UserError
 
 # A collective that waits longer than this ends the job with the rank and operation named,
@@ -27,10 +29,39 @@ class DistContext:
     local_rank: int
     device: torch.device
     group: dist.ProcessGroup | None = None  # None: a single process, nothing to communicate
+    # --tensor-parallel T > 1: the TP × DP layout (dist/mesh.py); None: every rank is
+    # data-parallel, and the dp_* properties below are the whole job's
+    mesh: Mesh | None = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.tp if self.mesh is not None else 1
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the ranks that take different micro-batches."""
+        return self.mesh.dp_rank if self.mesh is not None else self.rank
+
+    @property
+    def dp_world(self) -> int:
+        return self.mesh.dp if self.mesh is not None else self.world
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.dp_group if self.mesh is not None else self.group
+
+    def with_tensor_parallel(self, tp: int) -> DistContext:
+        """This context with a T-rank tensor-parallel layout (collective: every rank calls it).
+        T = 1, or a context that has this layout already, is returned as it is."""
+        if tp == self.tp:
+            return self
+        if self.mesh is not None:
+            raise ValueError(f"this context is laid out for T={self.tp}, not {tp}")
+        return dataclasses.replace(self, mesh=build_mesh(self.rank, self.world, tp))
 
     @property
     def distributed(self) -> bool:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from fitgpt.engine.chunk import Chunk
 from fitgpt.engine.comm import Peers
@@ -35,8 +36,10 @@ class ChunkStateIO:
         peers: Peers,
         stage: int,
         scratch: dict[str, Scratch],
+        device: torch.device | None = None,
     ) -> None:
         self.chunks, self.disk, self.peers, self.stage = chunks, disk, peers, stage
+        self.device = device or torch.device("cpu")  # where whole_chunks' collectives run
         self.scratch = scratch  # the compact formats' pieces, per tier (engine/compact.py)
 
     def _scratch(self, c: Chunk) -> Scratch:
@@ -51,32 +54,62 @@ class ChunkStateIO:
         """Each chunk's state as a Piece, one at a time: a disk-homed chunk is read in, written
         by write_pieces, and freed before the next, so saving needs no more host RAM than a step."""
         for c in self.chunks:
-            lo, hi = c.unpadded(c.opt_lo, c.opt_hi)
-            k = hi - lo
-            if k <= 0:
+            piece = self._piece(c, kinds)
+            if piece is None:
                 continue
-            if c.on_disk:
-                self.disk.read_in(c)
-            if c.compact is not None:
-                # compact formats are saved decoded, as fp32 (12·k bytes of host RAM for the
-                # time of this chunk's write): any run can load them into any format
-                state = c.compact.export(c.home_weights, k, self._scratch(c))
-                tensors = dict(zip(kinds, state))
-            else:
-                tensors = dict(zip(kinds, (c.master[:k], c.exp_avg[:k], c.exp_avg_sq[:k])))
-                # safetensors exports through numpy, which pins a storage's size for good: a
-                # disk-homed chunk's buffers must stay resizable, so it hands over copies
-                tensors = {
-                    n: (t.clone() if c.on_disk else t.float().cpu()) for n, t in tensors.items()
-                }
-            yield Piece(c.spec.index, lo, hi, tensors)
+            yield piece
             c.free_state()
 
+    def _piece(self, c: Chunk, kinds: tuple[str, ...]) -> Piece | None:
+        """This rank's range of chunk c as a Piece (None: the range is padding only); the caller
+        frees a disk-homed chunk's state (c.free_state()) once the piece is used."""
+        lo, hi = c.unpadded(c.opt_lo, c.opt_hi)
+        k = hi - lo
+        if k <= 0:
+            return None
+        if c.on_disk:
+            self.disk.read_in(c)
+        if c.compact is not None:
+            # compact formats are saved decoded, as fp32 (12·k bytes of host RAM for the
+            # time of this chunk's write): any run can load them into any format
+            state = c.compact.export(c.home_weights, k, self._scratch(c))
+            tensors = dict(zip(kinds, state))
+        else:
+            tensors = dict(zip(kinds, (c.master[:k], c.exp_avg[:k], c.exp_avg_sq[:k])))
+            # safetensors exports through numpy, which pins a storage's size for good: a
+            # disk-homed chunk's buffers must stay resizable, so it hands over copies
+            tensors = {n: (t.clone() if c.on_disk else t.float().cpu()) for n, t in tensors.items()}
+        return Piece(c.spec.index, lo, hi, tensors)
+
+    def whole_chunks(self, kinds: tuple[str, ...]) -> Iterator[tuple[Chunk, dict[str, Tensor]]]:
+        """Each chunk's whole unpadded state on every rank ({kind: [n] fp32 CPU}), one chunk at
+        a time: stages 1-3 all-gather the shards over the data-parallel group (collective:
+        every rank iterates it). Tensor parallelism's save gathers these over its group next."""
+        for c in self.chunks:
+            piece = self._piece(c, kinds)
+            if self.stage == 0 or self.peers.world == 1:
+                assert piece is not None and piece.hi - piece.lo == c.n
+                yield c, piece.tensors
+                c.free_state()
+                continue
+            whole = {}
+            for kind in kinds:
+                shard = torch.zeros(c.s, dtype=torch.float32, device=self.device)
+                if piece is not None:
+                    shard[: piece.hi - piece.lo].copy_(piece.tensors[kind])
+                full = torch.empty(c.N, dtype=torch.float32, device=self.device)
+                self.peers.all_gather(full, shard, async_op=False)
+                whole[kind] = full[: c.n].cpu()
+            if piece is not None:
+                c.free_state()
+            yield c, whole
+
     @torch.no_grad()
-    def load(self, folder: Path, step: float, optimizer: bool) -> None:
+    def load(self, folder: Path, step: float, optimizer: bool, reader=None) -> None:
         """Weights and optimizer state; with optimizer=False the weights alone, the moments zero
-        (and `step` given as 0: the optimizer's step count as in a fresh run)."""
-        reader = StateReader(folder)
+        (and `step` given as 0: the optimizer's step count as in a fresh run). `reader`: what
+        reads the ranges (default a StateReader of `folder`; tensor parallelism's TPReader)."""
+        reader = reader or StateReader(folder)
         for c in self.chunks:
             lo, hi = c.unpadded(c.opt_lo, c.opt_hi)
             k = max(0, hi - lo)
@@ -126,16 +159,23 @@ class ChunkStateIO:
 
     @torch.no_grad()
     def inference_model(
-        self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ensure: Callable
+        self,
+        cfg: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        ensure: Callable,
+        unsplit: Callable[[str, Tensor], Tensor] | None = None,
     ) -> GPT:
         """A fresh GPT holding the full current weights; `ensure(c)` brings a chunk's full
-        weights in (stage 3 and streamed chunks), one chunk at a time."""
+        weights in (stage 3 and streamed chunks), one chunk at a time; `unsplit(name, t)` (tensor
+        parallelism, collective) makes a parameter whole from every TP rank's part."""
         model = GPT(cfg).to(device, dtype)
         params = dict(model.named_parameters())
         for c in self.chunks:
             if c.transient_weight:
                 ensure(c)
             for s in c.spec.slots:
-                params[s.name].copy_(c.weight[s.offset : s.offset + s.numel].view(s.shape))
+                w = c.weight[s.offset : s.offset + s.numel].view(s.shape)
+                params[s.name].copy_(w if unsplit is None else unsplit(s.name, w))
             c.free_weight()
         return model.eval()

@@ -16,6 +16,9 @@ is its own part, reached only from here:
   engine/chunk_state.py  checkpoints in and out, and a plain model for sampling
   engine/accounting.py   bytes per tier: the host-RAM check before anything is allocated, and
                          memory_report after
+Tensor parallelism (fitgpt/parallel, --tensor-parallel T) splits the model before the chunks are
+laid out: each rank's chunks hold its 1/T of the split weights, ZeRO runs over the data-parallel
+group, and checkpoints are gathered to the unsplit layout (parallel/state.py).
 The step, per micro-batch: forward (fetch hooks), backward scaled by scale/(n·W) (reduction
 hooks); then every reduction completed, the loss and global gradient norm summed over ranks (one
 host sync per step), the clip coefficient, the update, the gradients zeroed.
@@ -51,11 +54,22 @@ from fitgpt.engine.pinned import PinnedArena
 from fitgpt.engine.placement import Placement
 from fitgpt.engine.reduce import GradReducer
 from fitgpt.engine.scaler import LossScaler
+from fitgpt.engine.state_io import KINDS, StateReader, write_pieces
 from fitgpt.engine.timing import StepClock
 from fitgpt.engine.update import TieredUpdate
 from fitgpt.errors import UserError
 from fitgpt.model import GPT, ModelConfig
 from fitgpt.model.gpt import alibi_slopes
+from fitgpt.parallel import check_tensor_parallel, parallelize
+from fitgpt.parallel.state import (
+    SequenceParallelGrads,
+    TPGradNorm,
+    TPReader,
+    replicated_ranges,
+    sharded_init,
+    tp_pieces,
+    unsplitter,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -75,17 +89,26 @@ class ChunkEngine(Engine):
         self.cuda = self.device.type == "cuda"
         self.dtype = DTYPES[pcfg.precision]
         self.scaler = LossScaler(pcfg)
-        self.world = ctx.world if ctx.distributed else 1
-        self.peers = Peers(ctx.group if ctx.distributed else None, self.world, ctx.rank)
+        # the data-parallel group: every rank, or with --tensor-parallel T the ranks sharing this
+        # rank's TP index (dist/mesh.py); ZeRO shards and gradient reductions run over it
+        ctx = self.ctx = ctx.with_tensor_parallel(ecfg.tensor_parallel)
+        self.world = ctx.dp_world if ctx.distributed else 1
+        self.peers = Peers(ctx.dp_group if self.world > 1 else None, self.world, ctx.dp_rank)
 
         with torch.device("meta"):
             model = GPT(model_cfg)  # no memory: every parameter is replaced by a chunk view below
-        self.layout = chunk_layout(model)
+        if model_cfg.position == "alibi":
+            model.alibi_slopes_N = alibi_slopes(model_cfg.n_head).to(self.device)
+        self.layout = chunk_layout(model)  # the unsplit model's: what checkpoints record
+        self.mesh = ctx.mesh
+        if self.mesh is not None:  # split 1/T of the weights before chunks are laid out
+            sp = ecfg.sequence_parallel
+            check_tensor_parallel(self.mesh.tp, model_cfg, ctx.world, sp)
+            model = parallelize(model, self.mesh, sp)
+        self.local_layout = chunk_layout(model)  # this rank's chunks (the layout above at T=1)
         self.placement = self._placement()
         self.pinned = PinnedArena(self.cuda)  # streamed weights, delayed updates
         self.scratch, self.disk = self._shared_state()
-        if model_cfg.position == "alibi":
-            model.alibi_slopes_N = alibi_slopes(model_cfg.n_head).to(self.device)
         self.chunks = self._build_chunks(model, seed)
         self._warm_up_codecs()
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
@@ -122,7 +145,7 @@ class ChunkEngine(Engine):
         priced); refuses what cannot run here, before anything is allocated. After construction
         the parts see chunks and their flags, never the engine config's offload fields."""
         placement = Placement.of(
-            self.layout, self.ecfg, self.world, self.dtype.itemsize, self.device.type
+            self.local_layout, self.ecfg, self.world, self.dtype.itemsize, self.device.type
         )
         if self.dtype == torch.float16 and any(c.master == "split" for c in placement.chunks):
             raise UserError(
@@ -156,18 +179,21 @@ class ChunkEngine(Engine):
         (its views are cut while the state is resident), and write a disk-homed chunk's state
         out, so init transients and host RAM stay at one chunk's worth."""
         chunks = []
+        init = partial(model.init_parameter_, seed=seed)
+        if self.mesh is not None:  # each rank's part of the weights an unsplit run starts from
+            init = sharded_init(init, self.layout, self.mesh)
         for plan in self.placement.chunks:
             c = Chunk(
                 plan,
                 stage=self.stage,
-                rank=self.ctx.rank if self.world > 1 else 0,
+                rank=self.ctx.dp_rank if self.world > 1 else 0,
                 dtype=self.dtype,
                 device=self.device,
                 pinned=self.pinned,
             )
             c.bind(model)
             c.build_optimizer(self.ocfg)
-            c.init_weights(partial(model.init_parameter_, seed=seed), self.scratch_of(c))
+            c.init_weights(init, self.scratch_of(c))
             if c.on_disk:
                 self.disk.write_out(c)  # host RAM holds one disk-homed chunk's state at a time
             chunks.append(c)
@@ -198,10 +224,17 @@ class ChunkEngine(Engine):
             speculative=self.ecfg.speculative_update,
         )  # fmt: skip
         self.reducer = GradReducer(self.peers, self.stage, self.dtype, self.device)
+        if self.mesh is not None:
+            self.reducer.tp_norm = TPGradNorm(self.mesh)
+            self.reducer.tp_ranges = [replicated_ranges(c) for c in self.local_layout]
+            if self.ecfg.sequence_parallel:
+                self.reducer.sp_sync = SequenceParallelGrads(self.mesh, self.local_layout)
         if self.updater.speculative:
             self.reducer.on_final = self.updater.on_final
         self.fetcher = WeightFetch(self.peers, self.device, self.host_opt, bool(self.streamed))
-        self.state_io = ChunkStateIO(self.chunks, self.disk, self.peers, self.stage, self.scratch)
+        self.state_io = ChunkStateIO(
+            self.chunks, self.disk, self.peers, self.stage, self.scratch, self.device
+        )
         self.hooks: list = []
         if self.host_opt is not None:  # before the fetch hooks: a gather sees updated shards
             self.hooks += self.updater.register_host_waits(modules, blocks)
@@ -262,14 +295,29 @@ class ChunkEngine(Engine):
     # ---- state --------------------------------------------------------------------------------
     def save_state(self, folder: Path, optimizer: bool = True) -> None:
         self._sync_host()
-        self.state_io.save(folder, optimizer)
+        if self.mesh is None:
+            self.state_io.save(folder, optimizer)
+            return
+        # tensor parallelism: whole chunks gathered over DP then TP, written by rank 0 alone in
+        # the unsplit layout (parallel/state.py), so any run can load them
+        kinds = KINDS if optimizer else KINDS[:1]
+        local = ((c.spec, t) for c, t in self.state_io.whole_chunks(kinds))
+        pieces = tp_pieces(local, self.layout, self.mesh, self.device)
+        if self.ctx.rank == 0:
+            write_pieces(folder, 0, pieces)
+        else:
+            for _ in pieces:  # every rank takes part in the gathers
+                pass
 
     def load_state(self, folder: Path, extra: dict, optimizer: bool = True) -> None:
         """Weights and optimizer state; with optimizer=False (a weights-only checkpoint) the
         weights alone, the moments zero and the optimizer's step 0, as in a fresh run."""
         self._sync_host()
         step = float(extra.get("optimizer_step", 0)) if optimizer else 0.0
-        self.state_io.load(folder, step, optimizer)
+        reader = None
+        if self.mesh is not None:  # the checkpoint's whole chunks, this rank's parts kept
+            reader = TPReader(StateReader(folder), self.layout, self.local_layout, self.mesh)
+        self.state_io.load(folder, step, optimizer, reader)
         if optimizer:
             self.scaler.load_state_dict(extra["scaler"])
         self.steps_done = int(step)
@@ -286,8 +334,9 @@ class ChunkEngine(Engine):
     def inference_model(self) -> GPT:
         """A fresh GPT holding the full current weights (gathered from the shards)."""
         self._sync_host()
+        unsplit = None if self.mesh is None else unsplitter(self.mesh, self.device)
         return self.state_io.inference_model(
-            self.model_cfg, self.device, self.dtype, self.fetcher.ensure
+            self.model_cfg, self.device, self.dtype, self.fetcher.ensure, unsplit
         )
 
     # ---- accounting and lifetime --------------------------------------------------------------
@@ -305,7 +354,13 @@ class ChunkEngine(Engine):
                            "AdamW on a worker thread")  # fmt: skip
         if self.disk is not None:
             streams.append("the disk tier's reads and writes (I/O threads)")
-        out.update(engine=f"zero-{self.stage}", placement=self.placement.describe())
+        placement = self.placement.describe()
+        if self.mesh is not None:
+            placement = (
+                f"tensor-parallel {self.mesh.tp} (1/{self.mesh.tp} of each layer), {placement}"
+            )
+            streams.insert(0, "tensor-parallel all-reduces: 2 per layer forward, 2 backward")
+        out.update(engine=f"zero-{self.stage}", placement=placement)
         out["streams"] = streams
         return out
 

@@ -191,6 +191,26 @@ class EngineConfig:
             "training moves fastest, where a stale update costs most)"
         },
     )
+    tensor_parallel: int = field(
+        default=1,
+        metadata={
+            "help": "split every transformer layer's weights (attention heads, MLP width) and "
+            "the vocabulary over groups of T consecutive GPUs, Megatron-style; the remaining "
+            "world/T ranks are data-parallel (ZeRO, offload as usual). T must divide the GPU "
+            "count, the head count, 4·hidden and the padded vocabulary; auto (stored as 0): "
+            "the planner picks T (docs/parallel.md)",
+            "parse": lambda v: 0 if v == "auto" else int(v),
+        },
+    )
+    sequence_parallel: bool = field(
+        default=False,
+        metadata={
+            "help": "with --tensor-parallel: split the activations between the layers "
+            "(LayerNorms, dropout, residual) along the sequence too, so each GPU keeps 1/T of "
+            "all of a layer's activations (Megatron's sequence parallelism; the same bytes "
+            "communicated). The sequence length must divide by T"
+        },
+    )
     compile: Literal["auto", "on", "off"] = field(
         default="auto",
         metadata={
@@ -206,6 +226,11 @@ class EngineConfig:
             raise UserError(f"--compile {self.compile!r}: use auto, on or off")
         if self.engine not in ("ddp", "zero"):
             raise UserError(f"--engine {self.engine!r}: use ddp or zero")
+        tp = self.tensor_parallel
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 0:
+            raise UserError(f"--tensor-parallel {tp!r}: use a whole number >= 1, or auto")
+        if self.sequence_parallel and tp == 1:
+            raise UserError("--sequence-parallel splits within a TP group: add --tensor-parallel T")
         if self.zero_stage not in (0, 1, 2, 3):
             raise UserError(f"--zero-stage {self.zero_stage}: use 0, 1, 2 or 3")
         if self.engine == "ddp" and (self.zero_stage or self.offloads):

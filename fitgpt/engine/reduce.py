@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -33,6 +34,9 @@ from torch import Tensor
 from fitgpt.engine.chunk import Chunk
 from fitgpt.engine.comm import Peers
 from fitgpt.engine.placement import MAX_INFLIGHT
+
+if TYPE_CHECKING:
+    from fitgpt.parallel.state import TPGradNorm
 
 
 class GradReducer:
@@ -44,6 +48,12 @@ class GradReducer:
         self.pending = deque()
         self.last_micro = True  # set by the step: stages 0-1 reduce at the last micro-batch only
         self.on_final: Callable[[Chunk], None] | None = None  # hears of each final gradient
+        # tensor parallelism (parallel/state.py): the norm's squares weighted and summed over
+        # the TP group, with each chunk's replicated ranges
+        self.tp_norm: TPGradNorm | None = None
+        self.tp_ranges: list[list[tuple[int, int]]] = []
+        # sequence parallelism: the replicated gradients summed over the TP group first
+        self.sp_sync: Callable[[Chunk], None] | None = None
 
     def register(self, chunks: list[Chunk]) -> list:
         """Hook every parameter of every chunk; returns the handles (removed at close)."""
@@ -58,6 +68,8 @@ class GradReducer:
         if c.grads_seen < len(c.params):
             return
         c.grads_seen = 0  # the chunk's backward is complete for this micro-batch
+        if self.sp_sync is not None and (self.stage >= 2 or self.last_micro):
+            self.sp_sync(c)  # blocking: a few elements per block, before the DP reduction
         c.free_weight()  # stage 3 and streamed chunks: the weights' memory is freed here
         if self.stage >= 2:
             self._reduce_scatter_now(c)
@@ -114,12 +126,17 @@ class GradReducer:
         reduced gradient, so the squares are summed over ranks too."""
         sq = torch.zeros((), device=self.device, dtype=torch.float32)
         for c in chunks:
-            sq += torch.linalg.vector_norm(c.opt_grad, dtype=torch.float32).square()
+            if self.tp_norm is None:
+                sq += torch.linalg.vector_norm(c.opt_grad, dtype=torch.float32).square()
+            else:
+                sq += self.tp_norm.local_sq(c.opt_grad, self.tp_ranges[c.spec.index], c.opt_lo)
         if self.peers.world > 1:
             if self.stage >= 1:
                 self.peers.wait(self.peers.all_reduce(sq), "all-reduce grad norm")
             self.peers.wait(self.peers.all_reduce(loss_avg), "all-reduce loss")
             loss_avg /= self.peers.world
+        if self.tp_norm is not None:
+            sq = self.tp_norm.total(sq)
         return loss_avg, sq
 
     def mean(self, t: Tensor) -> Tensor:

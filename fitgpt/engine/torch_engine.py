@@ -10,6 +10,7 @@ wrapper at all. Kept honest and tuned because every speed-up fitgpt claims is me
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,6 +27,17 @@ from fitgpt.engine.layout import chunk_layout
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import Piece, StateReader, write_pieces
 from fitgpt.model import GPT, ModelConfig
+from fitgpt.model.gpt import alibi_slopes
+from fitgpt.parallel import check_tensor_parallel, parallelize
+from fitgpt.parallel.shard import split_rule
+from fitgpt.parallel.state import (
+    TPGradNorm,
+    TPReader,
+    sharded_init,
+    sync_replicated,
+    tp_pieces,
+    unsplitter,
+)
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 DDP_BUCKET_MB = 100  # larger than DDP's 25 MB default: fewer, fuller NCCL calls for big models
@@ -48,30 +60,42 @@ class TorchEngine(Engine):
         ctx: DistContext,
         seed: int = 0,
     ) -> None:
+        ctx = ctx.with_tensor_parallel(ecfg.tensor_parallel)  # the TP × DP layout (dist/mesh.py)
         self.model_cfg, self.ecfg, self.pcfg, self.ocfg, self.ctx = model_cfg, ecfg, pcfg, ocfg, ctx
-        self.device = ctx.device
+        self.device, self.mesh = ctx.device, ctx.mesh
         with torch.device("meta"):
             model = GPT(model_cfg)
-        self.layout = chunk_layout(model)
+        self.layout = self.local_layout = chunk_layout(model)  # the unsplit model's
+        if self.mesh is not None:  # this rank's 1/T of the split weights (fitgpt/parallel)
+            check_tensor_parallel(self.mesh.tp, model_cfg, ctx.world, ecfg.sequence_parallel)
+            model = parallelize(model, self.mesh, ecfg.sequence_parallel)
+            self.local_layout = chunk_layout(model)
         model.to_empty(device=self.device)
-        model.reset_parameters(seed)
+        if model_cfg.position == "alibi":  # to_empty left the non-persistent slopes undefined
+            model.alibi_slopes_N = self._alibi_slopes()
+        self._init(model, seed)
         self.compiled = compile_regions(model, ctx.is_main) if ecfg.compile == "on" else None
         if ecfg.checkpointing != "off":  # after compiling: the checkpoint wraps compiled blocks
             checkpoint_blocks(model, to_host=ecfg.checkpointing == "cpu")
         self.model = model
+        self.dp = ctx.dp_world if ctx.distributed else 1
         self.module = (
             DDP(
                 model,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 bucket_cap_mb=DDP_BUCKET_MB,
                 gradient_as_bucket_view=True,  # grads are views into the buckets: no extra copy
-                process_group=ctx.group,
+                process_group=ctx.dp_group,  # every rank, or the ranks of this TP index
             )
-            if ctx.distributed
+            if self.dp > 1
             else model
         )
         params = dict(model.named_parameters())
-        self.params = [params[s.name] for c in self.layout for s in c.slots]
+        self.params = [params[s.name] for c in self.local_layout for s in c.slots]
+        # under TP the global norm counts a replicated gradient once (_norm)
+        names = [s.name for c in self.local_layout for s in c.slots]
+        self.split = [params[n] for n in names if split_rule(n) is not None]
+        self.replicated = [params[n] for n in names if split_rule(n) is None]
         decay = [p for p in self.params if p.ndim >= 2]
         no_decay = [p for p in self.params if p.ndim < 2]
         self.opt = torch.optim.AdamW(
@@ -86,6 +110,32 @@ class TorchEngine(Engine):
         )
         self.scaler = LossScaler(pcfg)
         self.autocast_dtype = AUTOCAST[pcfg.precision]
+
+    def _alibi_slopes(self) -> torch.Tensor:
+        slopes = alibi_slopes(self.model_cfg.n_head)
+        if self.mesh is not None:  # this rank's heads
+            per = self.model_cfg.n_head // self.mesh.tp
+            slopes = slopes[self.mesh.tp_rank * per : (self.mesh.tp_rank + 1) * per]
+        return slopes.to(self.device)
+
+    @torch.no_grad()
+    def _init(self, model: GPT, seed: int) -> None:
+        """The seeded initial weights; under TP each rank's part of the unsplit model's."""
+        init = partial(model.init_parameter_, seed=seed)
+        if self.mesh is not None:
+            init = sharded_init(init, self.layout, self.mesh)
+        for name, p in model.named_parameters():
+            init(name, p)
+
+    def _norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The global gradient norm: under TP the split gradients' squares summed over the TP
+        group, the replicated ones' (equal on every TP rank) counted once."""
+        if self.mesh is None:
+            return total_norm(grads)
+        split = [p.grad for p in self.split if p.grad is not None]
+        rep = [p.grad for p in self.replicated if p.grad is not None]
+        sq = total_norm(split).square() + total_norm(rep).square() / self.mesh.tp
+        return TPGradNorm(self.mesh).total(sq.to(self.device)).sqrt()
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -113,18 +163,20 @@ class TorchEngine(Engine):
                     loss = self.module(x, y)
                 (loss * (scale / n)).backward()
             loss_sum += loss.detach()
+        if self.ecfg.sequence_parallel:  # replicated gradients: partial sums over the tokens
+            sync_replicated([p.grad for p in self.replicated if p.grad is not None], self.mesh)
         grads = [p.grad for p in self.params if p.grad is not None]
         if scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / scale)
-        norm = total_norm(grads)
+        norm = self._norm(grads)
         if self.ocfg.grad_clip > 0:
             coef = torch.clamp(self.ocfg.grad_clip / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef)
         loss_avg = loss_sum / n
-        if self.ctx.distributed:
-            work = dist.all_reduce(loss_avg, group=self.ctx.group, async_op=True)
+        if self.dp > 1:
+            work = dist.all_reduce(loss_avg, group=self.ctx.dp_group, async_op=True)
             comm.wait(work, "all-reduce loss (after DDP's gradient all-reduce)", self.ctx.rank)
-            loss_avg /= self.ctx.world
+            loss_avg /= self.dp
         loss_v, norm_v = torch.stack([loss_avg, norm.to(loss_avg)]).tolist()  # host sync
         overflow = not (norm_v == norm_v and abs(norm_v) != float("inf"))
         if not overflow:
@@ -139,9 +191,9 @@ class TorchEngine(Engine):
         x, y = (self._to_device(t) for t in batch)
         with self._autocast():
             loss = self.model(x, y).float()
-        if self.ctx.distributed:
-            dist.all_reduce(loss, group=self.ctx.group)
-            loss /= self.ctx.world
+        if self.dp > 1:
+            dist.all_reduce(loss, group=self.ctx.dp_group)
+            loss /= self.dp
         self.model.train()
         return loss.item()
 
@@ -153,8 +205,10 @@ class TorchEngine(Engine):
         )
 
     def save_state(self, folder: Path, optimizer: bool = True) -> None:
-        if not self.ctx.is_main:
-            return  # every rank holds the same replicated state: rank 0 writes it once
+        # every data-parallel rank holds the same state: rank 0 writes it once (under TP, its
+        # TP group gathers the splits first)
+        if self.ctx.dp_rank != 0 or (self.mesh is None and not self.ctx.is_main):
+            return
 
         def moment(key):
             def get(p):
@@ -166,21 +220,28 @@ class TorchEngine(Engine):
         getters = {"master": lambda p: p}
         if optimizer:
             getters.update(exp_avg=moment("exp_avg"), exp_avg_sq=moment("exp_avg_sq"))
-        pieces = (
-            Piece(c.index, 0, c.numel, {k: self._flat(c, g) for k, g in getters.items()})
-            for c in self.layout
-        )
-        write_pieces(folder, 0, pieces)
+        local = ((c, {k: self._flat(c, g) for k, g in getters.items()}) for c in self.local_layout)
+        if self.mesh is None:
+            pieces = (Piece(c.index, 0, c.numel, t) for c, t in local)
+        else:  # whole tensors, in the unsplit layout (parallel/state.py)
+            pieces = tp_pieces(local, self.layout, self.mesh, self.device)
+        if self.ctx.is_main:
+            write_pieces(folder, 0, pieces)
+        else:
+            for _ in pieces:  # the other ranks of rank 0's TP group take part in the gathers
+                pass
 
     @torch.no_grad()
     def load_state(self, folder: Path, extra: dict, optimizer: bool = True) -> None:
         """Weights and optimizer state; with optimizer=False (a weights-only checkpoint) the
         weights alone and no optimizer state, as in a fresh run (AdamW starts it at step 1)."""
         reader = StateReader(folder)
+        if self.mesh is not None:  # the checkpoint's whole chunks, this rank's parts kept
+            reader = TPReader(reader, self.layout, self.local_layout, self.mesh)
         params = dict(self.model.named_parameters())
         step = int(extra.get("optimizer_step", 0)) if optimizer else 0
         kinds = ("master", "exp_avg", "exp_avg_sq") if optimizer else ("master",)
-        for c in self.layout:
+        for c in self.local_layout:
             flat = {k: reader.read(c.index, k, 0, c.numel) for k in kinds}
             for s in c.slots:
                 p = params[s.name]
@@ -203,9 +264,12 @@ class TorchEngine(Engine):
 
     def describe(self) -> dict:
         out = super().describe()
+        where = f"replicated on {self.dp} rank(s)"
+        if self.mesh is not None:
+            where = f"1/{self.mesh.tp} of each layer (tensor-parallel), {where}"
         out.update(engine="ddp", placement="every parameter, gradient and Adam moment in fp32 on "
-                   f"the device, replicated on {self.ctx.world} rank(s)")  # fmt: skip
-        if self.ctx.world > 1:
+                   f"the device, {where}")  # fmt: skip
+        if self.dp > 1:
             out["streams"] = ["DDP's bucketed all-reduce, overlapped with the backward"]
         return out
 
@@ -226,4 +290,11 @@ class TorchEngine(Engine):
         }
 
     def inference_model(self) -> GPT:
-        return self.model
+        if self.mesh is None:
+            return self.model
+        model = GPT(self.model_cfg).to(self.device)  # the whole weights, gathered over TP
+        unsplit = unsplitter(self.mesh, self.device)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                dict(model.named_parameters())[name].copy_(unsplit(name, p.detach()))
+        return model.eval()

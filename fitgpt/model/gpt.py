@@ -66,8 +66,11 @@ class CausalSelfAttention(nn.Module):
         layer: int = 0,
         alibi_NTT: Tensor | None = None,
     ) -> Tensor:
-        B, T, H = x_BTH.shape
-        q, k, v = self.qkv(x_BTH).split(H, dim=2)
+        qkv = self.qkv(x_BTH)
+        # q, k, v of this module's n_head heads (all of them, or 1/T under fitgpt/parallel, whose
+        # sequence parallelism gathers the tokens of x inside qkv: T is the output's)
+        B, T, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=2)
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
         past = cache.length if cache is not None else 0
         if cache is not None:
@@ -85,7 +88,7 @@ class CausalSelfAttention(nn.Module):
         else:
             mask_TK = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(past)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TK, dropout_p=drop)
-        y = y.transpose(1, 2).reshape(B, T, H)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         return F.dropout(self.proj(y), drop, self.training)
 
 

@@ -7,7 +7,10 @@ transients are first-principles estimates checked against torch.cuda.max_memory_
 GPUs (benchmarks/results/memory_*).
 
 Notation: n parameters, L layers, h hidden, S sequence, b micro-batch, V padded vocabulary,
-W data-parallel ranks, w bytes per working element (2 for bf16/fp16, 4 for fp32), sbh = S·b·h.
+W data-parallel ranks, w bytes per working element (2 for bf16/fp16, 4 for fp32), sbh = S·b·h,
+T tensor-parallel ranks (--tensor-parallel): the job's ranks are T × W; persistent state is
+priced from this rank's chunk layout (the split model's: 1/T of every split weight), and the
+activations inside attention and the MLP are 1/T per rank (fitgpt/parallel).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fitgpt.dist.mesh import Mesh
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
 from fitgpt.engine.placement import MAX_INFLIGHT, Placement
@@ -84,22 +88,40 @@ class Estimate:
         return sum(self.host.values())
 
 
-def layout_of(model: ModelConfig) -> list[ChunkSpec]:
-    return list(_layout(model))
+def layout_of(model: ModelConfig, tp: int = 1) -> list[ChunkSpec]:
+    """The chunk layout of one rank: the model's, or with tp > 1 the split model's."""
+    return list(_layout(model, max(1, tp)))
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(model: ModelConfig) -> tuple[ChunkSpec, ...]:
+def _layout(model: ModelConfig, tp: int = 1) -> tuple[ChunkSpec, ...]:
     # building the model on the meta device takes ~3 ms a block; the capacity search and the
     # refusal's "what fits" plan the same sizes many times over
     with torch.device("meta"):
-        return tuple(chunk_layout(GPT(model)))
+        m = GPT(model)
+        if tp > 1:  # the shapes of TP rank 0 (every rank's are the same); no group needed
+            from fitgpt.parallel import parallelize
+
+            m = parallelize(m, Mesh(tp, 1, 0, 0, None, None))
+        return tuple(chunk_layout(m))
+
+
+def tp_of(ecfg: EngineConfig) -> int:
+    return max(1, ecfg.tensor_parallel)  # 0 (auto) is the planner's to replace before pricing
+
+
+def rank_layout(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None):
+    """This rank's layout: `layout` (the unsplit model's, given by the caller) unless T > 1."""
+    tp = tp_of(ecfg)
+    return layout_of(work.model, tp) if tp > 1 else (layout or layout_of(work.model))
 
 
 # ---- persistent state ------------------------------------------------------------------------
 def placement_of(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None = None):
-    """The Placement the engine would execute for this workload and plan."""
-    return Placement.of(layout or layout_of(work.model), ecfg, work.world, work.w, work.device)
+    """The Placement the engine would execute for this workload and plan (over the W = world/T
+    data-parallel ranks, with this rank's layout)."""
+    dp = work.world // tp_of(ecfg)
+    return Placement.of(rank_layout(work, ecfg, layout), ecfg, dp, work.w, work.device)
 
 
 def zero_state(
@@ -109,25 +131,39 @@ def zero_state(
     return placement_of(work, ecfg, layout).state_bytes()
 
 
-def torch_state(work: Workload) -> dict[str, int]:
-    """What TorchEngine holds: fp32 parameters (the master copy), fp32 gradients, two moments."""
-    n = work.model.num_params()
+def torch_state(work: Workload, layout: list[ChunkSpec] | None = None) -> dict[str, int]:
+    """What TorchEngine holds: fp32 parameters (the master copy), fp32 gradients, two moments
+    (`layout`: this rank's, under TP)."""
+    n = sum(c.numel for c in layout) if layout else work.model.num_params()
     return {"master_weights": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
 
 
 # ---- activations ----------------------------------------------------------------------------
-def activation_bytes(work: Workload, checkpointing: str) -> dict[str, int]:
+def activation_bytes(
+    work: Workload, checkpointing: str, tp: int = 1, sp: bool = False
+) -> dict[str, int]:
     """Bytes alive at the start of the last micro-batch's backward (the activation peak).
 
     Per block, forward saves 17·sbh elements (LN inputs/outputs 4, q/k/v 3, attention output
     and its re-laid copy 2, MLP fc output and GELU output 8): 17·sbh·w bytes (flash attention:
     no S² term). Checkpointing keeps only each block's input (sbh·w) and recomputes one block at a
     time in backward. Backward's working gradients take about 8·sbh·w more.
+
+    Under T-way tensor parallelism the 13·sbh saved inside attention and the MLP (q/k/v, the
+    attention outputs, fc and GELU outputs) are split by heads and MLP columns, the 4·sbh of the
+    LayerNorms are not: (4 + 13/T)·sbh·w per block; the logits are split by vocabulary (1/T).
+    With sequence parallelism (`sp`) the residual stream and the LayerNorms are split along the
+    sequence too (the column-parallel matmuls keep their input's shard and gather it again in
+    backward): all of it 1/T, 17·sbh/T per block, the block inputs kept by checkpointing, the
+    embedding output, the final norm and backward's working gradients included.
     """
     m, b = work.model, work.micro_batch
     a = work.w
     sbh = m.seq_len * b * m.n_embd
-    per_block = 17 * sbh * a
+    per_block = (4 * sbh + 13 * sbh // tp) * a
+    if sp:
+        sbh //= tp  # the stream between the layers: S/T tokens per rank
+        per_block = 17 * sbh * a
     if checkpointing == "off":
         blocks = m.n_layer * per_block
     elif checkpointing == "full":
@@ -138,7 +174,7 @@ def activation_bytes(work: Workload, checkpointing: str) -> dict[str, int]:
     # logits in the working dtype, their fp32 copy for a stable softmax, the saved log-probs,
     # and in backward the fp32 gradient (the bf16 one replaces the logits): 2w + 8 per entry.
     per_logit = 12 if a == 4 else 2 * a + 8
-    out["logits"] = b * m.seq_len * m.padded_vocab_size * per_logit
+    out["logits"] = b * m.seq_len * m.padded_vocab_size // tp * per_logit
     return out
 
 
@@ -151,20 +187,20 @@ def estimate(
 ) -> Estimate:
     """Peak bytes per rank on each device for one training step of `work` under `ecfg`
     (`placement`: the zero engine's, when the caller has it already)."""
-    layout = layout or layout_of(work.model)
-    act = activation_bytes(work, ecfg.checkpointing)
+    layout = rank_layout(work, ecfg, layout)
+    act = activation_bytes(work, ecfg.checkpointing, tp_of(ecfg), ecfg.sequence_parallel)
     est = Estimate()
     host_dev = "cpu" if work.device == "cpu" else "cuda"
     est.host["process"] = HOST_BASE[host_dev] + (HOST_DIST if work.world > 1 else 0)
-    W, w = work.world, work.w
+    W, w = work.world // tp_of(ecfg), work.w
     if ecfg.checkpointing == "cpu" and work.device != "cpu":
         # every block's input of one micro-batch, pinned; the pinned cache rounds each buffer up
         # to a power of two (engine/activation.py)
         sbh = work.model.seq_len * work.micro_batch * work.model.n_embd
         est.host["checkpointed_inputs"] = work.model.n_layer * (1 << (sbh * w - 1).bit_length())
     if ecfg.engine == "ddp":
-        state = torch_state(work)
-        n = work.model.num_params()
+        state = torch_state(work, layout)
+        n = sum(c.numel for c in layout)
         phase_a = dict(state, **act)
         if w == 2:
             phase_a["autocast_weights"] = 2 * n  # bf16 copies of the weights, saved for backward
@@ -201,7 +237,7 @@ def estimate(
         return est
     est.compute = dict(peak)
     est.compute["outside:cuda_context"] = CUDA_CONTEXT
-    if W > 1:
+    if work.world > 1:
         est.compute["outside:nccl_buffers"] = NCCL_BUFFERS
     est.peak_phase = name
     return est

@@ -50,6 +50,16 @@ class Candidate:
         return self.gpu_short <= 0 and self.host_short <= 0 and self.disk_short <= 0
 
     @property
+    def tp(self) -> int:
+        return max(1, self.ecfg.tensor_parallel)
+
+    @property
+    def compared_time(self) -> float:
+        """Seconds for the tokens of one step without tensor parallelism: a T-way plan's step
+        takes 1/T of them (T ranks share each micro-batch), so plans compare per token."""
+        return self.time["total"] * self.tp
+
+    @property
     def formats(self) -> formats.Formats:
         """(master, offloaded moments, device moments) as stored; "-" for an empty tier."""
         return formats.in_effect(self.placement)
@@ -71,7 +81,21 @@ class Candidate:
                 off += ", their weights streamed from cpu"
             if e.delayed_update:
                 off += ", delayed update"
-        return f"{base}, checkpointing {e.checkpointing}{off}{formats.label(self.formats)}"
+        tp = f", tensor-parallel {e.tensor_parallel}" if e.tensor_parallel > 1 else ""
+        return f"{base}{tp}, checkpointing {e.checkpointing}{off}{formats.label(self.formats)}"
+
+
+def tp_degrees(work: Workload, fixed: dict) -> list[int]:
+    """The tensor-parallel degrees to price: the one the user gave (default 1), or with auto
+    (0) every T that divides the ranks, the heads, 4·hidden and the padded vocabulary."""
+    t = fixed.get("tensor_parallel", 1)
+    if t != 0:
+        return [t]
+    m = work.model
+    sizes = (work.world, m.n_head, 4 * m.n_embd, m.padded_vocab_size)
+    if fixed.get("sequence_parallel"):
+        sizes += (m.seq_len,)
+    return [d for d in range(1, work.world + 1) if all(k % d == 0 for k in sizes)]
 
 
 def enumerate_plans(world: int, fixed: dict) -> list[EngineConfig]:
@@ -136,7 +160,11 @@ def plan(
     the chosen one are not priced."""
     fixed = fixed or {}
     layout = layout_of(work.model)
-    bases = enumerate_plans(work.world, fixed)
+    bases = [
+        b
+        for t in tp_degrees(work, fixed)  # T × (world/T): the stages shard over world/T ranks
+        for b in enumerate_plans(work.world // t, {**fixed, "tensor_parallel": t})
+    ]
     cands: list[Candidate] = []
     seen: set[EngineConfig] = set()
     for rung, fmt in enumerate(formats.rungs(fixed, work.precision)):
@@ -156,7 +184,7 @@ def plan(
             not c.fits,
             uses_disk(c) if c.fits else 0,
             c.rung if c.fits else 0,
-            c.time["total"] if c.fits else c.gpu_short + c.host_short + c.disk_short,
+            c.compared_time if c.fits else c.gpu_short + c.host_short + c.disk_short,
             c.est.compute_total,
             c.ecfg.engine != "zero",
         )
@@ -179,7 +207,8 @@ def can_stream(work: Workload, e: EngineConfig, fixed: dict) -> bool:
     """Whether the planner may stream the offloaded blocks' weights: not where the user ruled it
     out, and on several ranks only at ZeRO stage 3 (each rank streams its shard; the engine
     refuses stages 1-2)."""
-    return fixed.get("offload_params") != "none" and (work.world == 1 or e.zero_stage >= 3)
+    dp = work.world // max(1, e.tensor_parallel)
+    return fixed.get("offload_params") != "none" and (dp == 1 or e.zero_stage >= 3)
 
 
 def offloaded_variant(
@@ -284,7 +313,7 @@ def why(chosen: Candidate, cands: list[Candidate]) -> str:
     if len(fitting) == 1:
         return f"{state}the only plan that fits; {room}"
     runner_up = fitting[1]
-    gain = runner_up.time["total"] / chosen.time["total"] - 1
+    gain = runner_up.compared_time / chosen.compared_time - 1
     return (
         f"{state}fastest of {len(fitting)} plans that fit, {100 * gain:.0f}% ahead of "
         f"{runner_up.name}; {room}"

@@ -6,6 +6,10 @@ comm      ZeRO/DDP collectives at the probe's bus bandwidth; what overlaps with 
           forward, for stage-3 prefetches) is hidden, the rest exposed.
 optimizer fused AdamW streams ~36 bytes per parameter of its range through device memory;
           compact formats (engine/compact.py) step in pieces through fp32 scratch and stream more.
+tp_comm   --tensor-parallel T: per block 2 all-reduces of b·S·h working elements in forward and
+          2 in backward (2 more when checkpointing recomputes the forward), plus the embedding's
+          and the head's, on the critical path (nothing overlaps them), at the bus bandwidth
+          of the GPUs of one box; compute is 1/T per rank at the efficiency of h/T-wide GEMMs.
 host      the offloaded blocks' update on the CPU (DRAM-bound: it scales with the bytes its
           formats move), their PCIe copies, and the disk tier's reads and writes, minus the
           backward (speculative update) and forward it overlaps with.
@@ -16,7 +20,7 @@ from __future__ import annotations
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.moments import bytes_per_param
 from fitgpt.engine.placement import ChunkPlan, Placement
-from fitgpt.plan.memory import Workload, placement_of
+from fitgpt.plan.memory import Workload, layout_of, placement_of, tp_of
 from fitgpt.plan.rates import Rates
 
 FP32_FRACTION = (
@@ -78,6 +82,39 @@ DEVICE_SPLIT_BYTES = 70.0
 DEVICE_MOMENT_PASSES = {"fp32": 0.0, "bf16": 12.0, "int8": 52.0}  # per moment, decode + encode
 
 
+# One all-reduce's fixed cost under tensor parallelism (NCCL's launch and synchronisation,
+# intra-node). PLACEHOLDER: not measured; benchmarks/tp_x2.py's results should set it, with
+# TP_EFFICIENCY_WIDTH below.
+TP_LATENCY_S = 20e-6
+# Under TP each rank's GEMMs are 1/T as wide in one dimension; their achieved rate is priced as
+# that of a model of hidden h/TP_EFFICIENCY_WIDTH(T). PLACEHOLDER: h/T (pessimistic), until the
+# 2×H200 measurement.
+
+
+def tp_efficiency_hidden(hidden: int, tp: int) -> int:
+    return hidden // tp
+
+
+def tp_comm_time(work: Workload, ecfg: EngineConfig, grad_accum: int, bus_gbps: float) -> float:
+    """Seconds per step of the TP all-reduces: 4 per block per micro-batch (6 with recompute)
+    and 2 for the vocabulary-parallel embedding and head, each of b·S·h·w bytes, a ring
+    all-reduce moving 2·(T-1)/T of them per rank. Sequence parallelism splits each into a
+    reduce-scatter and an all-gather (the same bytes, two launches) and gathers the inputs of
+    the 2 column-parallel matmuls per block and the head's again in backward (half an
+    all-reduce's bytes each)."""
+    m, tp = work.model, tp_of(ecfg)
+    per_block = 6 if ecfg.checkpointing != "off" else 4
+    count = grad_accum * (m.n_layer * per_block + 2)
+    size = work.micro_batch * m.seq_len * m.n_embd * work.w
+    bytes_moved = count * 2 * (tp - 1) / tp * size
+    launches = count
+    if ecfg.sequence_parallel:
+        regathers = grad_accum * (2 * m.n_layer + 1)
+        bytes_moved += regathers * (tp - 1) / tp * size
+        launches = 2 * count + regathers
+    return bytes_moved / (bus_gbps * 1e9) + launches * TP_LATENCY_S
+
+
 def cached_compact_bytes(c: ChunkPlan, w: int) -> float:
     """DRAM bytes per element of a compact chunk's update whose pieces stay in the caches."""
     master = 8.0 if c.master == "split" else 8.0 + w
@@ -113,16 +150,18 @@ def step_time(
 ) -> dict[str, float]:
     """Seconds per optimizer step, term by term; `placement` (the engine's, from the planner)
     says what the host tier and weight streaming move."""
-    m, W = work.model, work.world
-    n = m.num_params()
+    m, tp = work.model, tp_of(ecfg)
+    W = work.world // tp  # data-parallel ranks
     tokens = work.micro_batch * m.seq_len * grad_accum  # per rank
     flops = m.flops_per_token()
     if ecfg.checkpointing != "off":
-        flops += RECOMPUTE * (2.0 * n + 4.0 * m.n_layer * m.n_embd * m.seq_len)
-    rate = rates.gemm_tflops * 1e12 * efficiency(m.n_embd, rates.model_efficiency)
+        flops += RECOMPUTE * (2.0 * m.num_params() + 4.0 * m.n_layer * m.n_embd * m.seq_len)
+    n = sum(c.numel for c in layout_of(m, tp))  # this rank's parameters (1/T of the split ones)
+    hidden = tp_efficiency_hidden(m.n_embd, tp) if tp > 1 else m.n_embd
+    rate = rates.gemm_tflops * 1e12 * efficiency(hidden, rates.model_efficiency)
     if work.precision == "fp32":
         rate *= FP32_FRACTION
-    compute = tokens * flops / rate
+    compute = tokens * flops / tp / rate  # each rank computes 1/T of every layer
     if ecfg.checkpointing == "cpu":
         # block inputs down in forward and back in backward, on a side stream: exposed only
         # where the link is slower than the compute it hides behind (forward ~1/4 of a step)
@@ -133,6 +172,8 @@ def step_time(
     out = {"compute": compute}
     if ecfg.checkpointing == "cpu":
         out["activation_offload"] = exposed
+    if tp > 1:
+        out["tp_comm"] = tp_comm_time(work, ecfg, grad_accum, rates.bus_gbps)
     if W > 1:
         bw = rates.bus_gbps * 1e9
         frac = (W - 1) / W

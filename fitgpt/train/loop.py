@@ -29,6 +29,7 @@ from fitgpt.engine.factory import build_engine
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
+from fitgpt.parallel.shard import check_tensor_parallel
 from fitgpt.plan.memory import layout_of
 from fitgpt.train import checkpoint as ckpt_io
 from fitgpt.train import space
@@ -80,11 +81,17 @@ class Trainer:
     def __init__(self, run: RunConfig, ctx: DistContext, check_room: bool = False) -> None:
         """`check_room`: refuse a run whose checkpoints cannot fit its disk before the engine
         allocates anything (a resumed run is checked after its resume, in fit())."""
+        tp = run.engine.tensor_parallel
+        # before any data or model is touched
+        check_tensor_parallel(tp, run.model, ctx.world, run.engine.sequence_parallel)
+        # --tensor-parallel T: the ranks of one TP group take the same micro-batches, so data is
+        # sharded by the data-parallel rank (ctx.dp_rank, ctx.dp_world; the job's at T=1)
+        ctx = ctx.with_tensor_parallel(tp)
         self.run, self.ctx, self.cfg = run, ctx, run.train
         self.out = Path(self.cfg.out)
         c = self.cfg
         # the samples this run draws (Megatron's sample order is fixed for a run's length)
-        per_batch = c.micro_batch * ctx.world
+        per_batch = c.micro_batch * ctx.dp_world
         train_src, self.val_src, self.tokenizer = open_data(
             run.data,
             run.model.seq_len,
@@ -100,13 +107,15 @@ class Trainer:
             )
         self.model_cfg = run.model
         run = self.run = dataclasses.replace(run, precision=run.precision.resolved(ctx.device.type))
-        self.loader = BatchLoader(train_src, self.cfg.micro_batch, ctx.rank, ctx.world)
+        self.loader = BatchLoader(train_src, self.cfg.micro_batch, ctx.dp_rank, ctx.dp_world)
         self.step = 0
         self.skipped = 0  # fp16 steps skipped on overflow, over the whole run
         self.source: str | None = None  # --init-from
         if check_room:
             self.preflight()
-        torch.manual_seed(self.cfg.seed + ctx.rank)  # dropout masks differ per rank, as in DDP
+        # dropout masks differ per data-parallel rank, as in DDP, and agree within a TP group
+        # (its replicated activations must stay identical)
+        torch.manual_seed(self.cfg.seed + ctx.dp_rank)
         self.engine: Engine = build_engine(
             run.model, run.engine, run.precision, run.optim, ctx, self.cfg.seed
         )
@@ -141,7 +150,8 @@ class Trainer:
                 "scaler": LossScaler(self.run.precision).state_dict(),
             },
         }
-        sharded = e.engine == "zero" and e.zero_stage >= 1
+        # under TP, rank 0 writes every chunk whole (parallel/state.py)
+        sharded = e.engine == "zero" and e.zero_stage >= 1 and e.tensor_parallel == 1
         meta_bytes = len(json.dumps(meta, indent=1))
         return space.checkpoint_size(layout, self.ctx.world, sharded, meta_bytes)
 
@@ -218,7 +228,9 @@ class Trainer:
 
     # ---- evaluation ---------------------------------------------------------------------------
     def evaluate(self) -> dict:
-        loader = BatchLoader(self.val_src, self.cfg.micro_batch, self.ctx.rank, self.ctx.world)
+        loader = BatchLoader(
+            self.val_src, self.cfg.micro_batch, self.ctx.dp_rank, self.ctx.dp_world
+        )
         losses = [self.engine.eval_loss(loader.next()) for _ in range(self.cfg.eval_batches)]
         loss = sum(losses) / len(losses)
         return {
@@ -277,10 +289,13 @@ class Trainer:
         cfg, ctx = self.cfg, self.ctx
         self.preflight()
         compiled = " (compiled blocks and head)" if self.engine.compiled is not None else ""
+        tp_note = (
+            f" (tensor-parallel {ctx.tp} × data-parallel {ctx.dp_world})" if ctx.tp > 1 else ""
+        )
         say(
             ctx,
             f"model {self.model_cfg.num_params() / 1e6:.2f} M parameters, engine "
-            f"{self.run.engine.engine}{compiled}, {ctx.world} rank(s) on {ctx.device}, "
+            f"{self.run.engine.engine}{compiled}, {ctx.world} rank(s){tp_note} on {ctx.device}, "
             f"{self.tokens_per_step:,} tokens per step, {torch.get_num_threads()} CPU threads "
             "per rank",
         )
@@ -342,7 +357,7 @@ class Trainer:
     @property
     def tokens_per_step(self) -> int:
         cfg = self.cfg
-        return cfg.micro_batch * cfg.grad_accum * self.ctx.world * self.model_cfg.seq_len
+        return cfg.micro_batch * cfg.grad_accum * self.ctx.dp_world * self.model_cfg.seq_len
 
     def _log_step(self, stats, lr: float, window: list[float], t_start: float) -> dict:
         """One log line and metrics record; the ETA is the steps left at the median step time."""

@@ -1,0 +1,68 @@
+"""The 2-D layout of ranks for tensor parallelism: T-rank tensor-parallel (TP) groups × D-rank
+data-parallel (DP) groups, W = T·D.
+
+TP groups are T consecutive ranks (tp-major): ranks 0..T-1 form the first, so on one box a group
+is GPUs that share the fastest links (TP all-reduces run twice per layer per pass, DP reductions
+once per step). The DP group of a rank is every rank with its TP index: ranks i, i+T, i+2T, …
+
+    W = 4, T = 2:   TP groups {0,1} {2,3}     DP groups {0,2} {1,3}
+
+torch.distributed.new_group is collective over the whole world, every rank creating every group
+in the same order, even groups it is not in; `build_mesh` does exactly that, in one place.
+A group of one rank is None: the collectives of fitgpt.engine.comm treat it as a copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from fitgpt.errors import UserError
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This rank's place in the T × D layout and its two groups (None: a group of one)."""
+
+    tp: int  # T, ranks per tensor-parallel group
+    dp: int  # D, ranks per data-parallel group
+    tp_rank: int  # index inside the TP group: which 1/T of every split weight this rank holds
+    dp_rank: int  # index inside the DP group: which micro-batches and which ZeRO shard
+    tp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+
+
+def tp_ranks(world: int, tp: int) -> list[list[int]]:
+    """The TP groups: T consecutive ranks each."""
+    return [list(range(g * tp, (g + 1) * tp)) for g in range(world // tp)]
+
+
+def dp_ranks(world: int, tp: int) -> list[list[int]]:
+    """The DP groups: the ranks sharing one TP index."""
+    return [list(range(i, world, tp)) for i in range(tp)]
+
+
+def check_world(tp: int, world: int) -> None:
+    if tp == 0:
+        raise UserError("--tensor-parallel auto is the planner's to resolve: use --plan auto")
+    if tp < 1 or world % tp:
+        raise UserError(
+            f"--tensor-parallel {tp} does not divide the {world} rank(s) of this run: use a "
+            f"divisor of {world} (or --gpus a multiple of {tp})"
+        )
+
+
+def build_mesh(rank: int, world: int, tp: int) -> Mesh:
+    """Create every TP and DP group (collective: every rank calls it with the same arguments)."""
+    check_world(tp, world)
+    mine = {}
+    for kind, groups in (("tp", tp_ranks(world, tp)), ("dp", dp_ranks(world, tp))):
+        for ranks in groups:
+            # one rank: nothing to communicate; new_group is still called on every rank only for
+            # groups that do communicate, in the same order on all of them
+            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                mine[kind] = (g, ranks.index(rank))
+    (tp_group, tp_rank), (dp_group, dp_rank) = mine["tp"], mine["dp"]
+    return Mesh(tp, world // tp, tp_rank, dp_rank, tp_group, dp_group)

@@ -1,0 +1,183 @@
+"""Tensor parallelism applied to a built GPT from outside the model file (Megatron-LM's split).
+
+`parallelize(model, mesh)` swaps four kinds of modules for tensor-parallel ones that keep the
+same parameter names (so chunk layouts, checkpoints and init-by-name work unchanged) and 1/T of
+the split parameters' elements (fitgpt/parallel/shard.py says which):
+
+  ColumnParallelLinear  Y_r = X W_r^T (+ b_r): W split by output rows, the input copied in
+                        (f: its gradient all-reduced backward). attn.qkv (whole heads) and mlp.fc.
+  RowParallelLinear     Y = sum_r X_r W_r^T (+ b): W split by input columns, the partial
+                        outputs all-reduced (g), the replicated bias added once. attn.proj and
+                        mlp.proj, whose inputs are the column-parallel outputs, already split.
+  VocabParallelEmbedding  rank r looks up the ids in its rows [r·V/T, (r+1)·V/T), zeros for the
+                        rest, and the T partial embeddings are all-reduced.
+  TensorParallelGPT.head_loss  the (tied) head's logits stay split by vocabulary: the loss is
+                        the vocabulary-parallel cross-entropy (parallel/functions.py).
+
+With sequence parallelism (`sequence_parallel=True`, Korthikanti et al. 2022) the residual
+stream between the layers is split along the sequence too ([B, S/T, H] per rank): the
+LayerNorms, dropout and residual adds work on 1/T of the tokens, the column-parallel layers
+all-gather their input along the sequence (instead of copying it) and the row-parallel ones
+reduce-scatter their output (instead of all-reducing it): the same bytes moved, 1/T of the
+activations outside attention and the MLP kept. The replicated parameters' gradients are then
+partial sums over each rank's tokens: the engines all-reduce them over the TP group.
+
+The attention module reads its local head count from `attn.n_head`, set to n_head/T here.
+A model built on the meta device (the engines) gets meta parameters of the local shapes; a
+model holding real weights gets each rank's slice of them (tests, conversions).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fitgpt.dist.mesh import Mesh
+from fitgpt.model import GPT
+from fitgpt.parallel.functions import (
+    copy_to_tp,
+    gathered_linear,
+    reduce_from_tp,
+    scatter_seq,
+    vocab_parallel_cross_entropy,
+)
+from fitgpt.parallel.shard import shard_of
+
+
+def _local_param(old: nn.Parameter, name: str, mesh: Mesh) -> nn.Parameter:
+    """Rank mesh.tp_rank's part of parameter `old`, which plays the role `name` (e.g.
+    'attn.qkv.weight'); a meta parameter stays meta, of the local shape."""
+    with torch.no_grad():
+        return nn.Parameter(shard_of(name, old.detach(), mesh.tp_rank, mesh.tp).clone())
+
+
+class _Split:
+    """Mixin: a module holding its TP group, and built from the full module it replaces."""
+
+    mesh: Mesh
+    sp: bool  # sequence parallelism: inputs/outputs split along the sequence
+
+    @classmethod
+    def of(cls, old: nn.Module, role: str, mesh: Mesh, sp: bool = False) -> nn.Module:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        for pname, p in old.named_parameters(recurse=False):
+            setattr(new, pname, _local_param(p, f"{role}.{pname}", mesh))
+        if getattr(old, "bias", 0) is None:  # a Linear without bias stays without
+            new.register_parameter("bias", None)
+        for k, v in vars(old).items():  # training, in_features, padding_idx, ...
+            if not k.startswith("_"):
+                setattr(new, k, v)
+        new.mesh, new.sp = mesh, sp
+        return new
+
+    def reduce_out(self, y: Tensor) -> Tensor:
+        """The T partial outputs summed (g), or summed and split along the sequence."""
+        g = self.mesh.tp_group
+        return scatter_seq(y, g, self.mesh.tp) if self.sp else reduce_from_tp(y, g)
+
+
+class ColumnParallelLinear(_Split, nn.Linear):
+    def forward(self, x_NH: Tensor) -> Tensor:
+        g = self.mesh.tp_group
+        if self.sp:  # the input gathered along the sequence; only its shard kept for backward
+            return gathered_linear(x_NH, self.weight, self.bias, g, self.mesh.tp)
+        return F.linear(copy_to_tp(x_NH, g), self.weight, self.bias)
+
+
+class RowParallelLinear(_Split, nn.Linear):
+    def forward(self, x_NHl: Tensor) -> Tensor:
+        y = self.reduce_out(F.linear(x_NHl, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(_Split, nn.Embedding):
+    def forward(self, idx_BT: Tensor) -> Tensor:
+        Vl = self.weight.shape[0]
+        lo = self.mesh.tp_rank * Vl
+        other_BT = (idx_BT < lo) | (idx_BT >= lo + Vl)  # ids another rank holds
+        x = F.embedding((idx_BT - lo).masked_fill(other_BT, 0), self.weight)
+        x = x.masked_fill(other_BT[..., None], 0.0)
+        return self.reduce_out(x)
+
+
+class TensorParallelGPT(GPT):
+    """A GPT whose modules `parallelize` swapped; only the head differs in code (never built
+    directly: parallelize() changes a built GPT's class, keeping its modules)."""
+
+    mesh: Mesh
+    sequence_parallel: bool
+
+    def embed(self, idx_BT: Tensor, past: int = 0) -> Tensor:
+        if not self.sequence_parallel:
+            return super().embed(idx_BT, past)
+        x = self.wte(idx_BT)  # [B, T/TP, H]: this rank's tokens, reduce-scattered
+        if self.wpe is not None:
+            n = x.shape[1]
+            lo = past + self.mesh.tp_rank * n
+            x = x + self.wpe(torch.arange(lo, lo + n, device=idx_BT.device))
+        if self.emb_ln is not None:
+            x = self.emb_ln(x)
+        return F.dropout(x, self.cfg.dropout, self.training)
+
+    def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, cache=None) -> Tensor:
+        if cache is not None and self.sequence_parallel:
+            raise ValueError("a sequence-parallel model trains; sample from inference_model()")
+        return super().forward(idx_BT, targets_BT, cache)
+
+    def _head_shard(self, x_BTH: Tensor) -> Tensor:
+        """[B, T, Vl] logits of this rank's vocabulary rows."""
+        g, x = self.mesh.tp_group, self.ln_f(x_BTH)
+        w = self.wte.weight if self.lm_head is None else self.lm_head.weight
+        if self.sequence_parallel:
+            return gathered_linear(x, w, None, g, self.mesh.tp)
+        return F.linear(copy_to_tp(x, g), w)
+
+    def head_loss(self, x_BTH: Tensor, targets_BT: Tensor) -> Tensor:
+        logits = self._head_shard(x_BTH)
+        lo = self.mesh.tp_rank * logits.shape[-1]
+        # fp32 softmax, as GPT.head_loss: the [B·T, Vl] fp32 copy is this rank's 1/T of it
+        return vocab_parallel_cross_entropy(
+            logits.float().view(-1, logits.shape[-1]),
+            targets_BT.reshape(-1),
+            lo,
+            self.cfg.vocab_size,
+            self.mesh.tp_group,
+        )
+
+    @torch.no_grad()
+    def head(self, x_BTH: Tensor) -> Tensor:
+        """Full [B, T, V] logits on every rank (an all-gather of the shards; no gradient): for
+        evaluation code that asks for logits. Training uses head_loss, which never gathers."""
+        part = self._head_shard(x_BTH).contiguous()
+        if self.mesh.tp_group is None:
+            logits = part
+        else:
+            parts = [torch.empty_like(part) for _ in range(self.mesh.tp)]
+            torch.distributed.all_gather(parts, part, group=self.mesh.tp_group)
+            logits = torch.cat(parts, dim=-1)
+        logits[..., self.cfg.vocab_size :] = float("-inf")
+        return logits
+
+
+def parallelize(model: GPT, mesh: Mesh, sequence_parallel: bool = False) -> TensorParallelGPT:
+    """Split `model` in place over mesh's TP group (T = mesh.tp > 1); returns it."""
+    sp = sequence_parallel
+    for block in model.blocks:
+        attn, mlp = block.attn, block.mlp
+        attn.qkv = ColumnParallelLinear.of(attn.qkv, "attn.qkv", mesh, sp)
+        attn.proj = RowParallelLinear.of(attn.proj, "attn.proj", mesh, sp)
+        attn.n_head //= mesh.tp  # whole heads per rank
+        mlp.fc = ColumnParallelLinear.of(mlp.fc, "mlp.fc", mesh, sp)
+        mlp.proj = RowParallelLinear.of(mlp.proj, "mlp.proj", mesh, sp)
+    model.wte = VocabParallelEmbedding.of(model.wte, "wte", mesh, sp)
+    if model.lm_head is not None:  # untied head: its weight split as the embedding's
+        model.lm_head = ColumnParallelLinear.of(model.lm_head, "lm_head", mesh)
+    if getattr(model, "alibi_slopes_N", None) is not None:
+        per = model.cfg.n_head // mesh.tp  # this rank's heads' slopes
+        slopes = model.alibi_slopes_N[mesh.tp_rank * per : (mesh.tp_rank + 1) * per].clone()
+        model.register_buffer("alibi_slopes_N", slopes, persistent=False)
+    model.__class__ = TensorParallelGPT
+    model.mesh, model.sequence_parallel = mesh, sp
+    return model
