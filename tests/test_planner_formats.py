@@ -173,11 +173,12 @@ def exposed(fmt, rates, tier: str = "cpu", speculative: bool = False) -> float:
     return host_optimizer_exposed(w, e, 1, 1.0, rates, placement_of(w, e))
 
 
-def test_the_speculative_update_hides_the_host_behind_the_backward():
+def test_the_speculative_update_is_priced_as_the_clipped_step():
+    """Measured runs clip nearly every early step, where the guess gives no overlap
+    (docs/offload.md): the step model must not promise one."""
     slow = dataclasses.replace(R, cpu_adam_params_per_s=1e5)  # the host's work exceeds the step
     plain = exposed(("fp32",) * 3, slow)
-    # 1 s of compute, one micro-batch: the backward after the last block's, 2/3 · 3/4 s
-    assert plain - exposed(("fp32",) * 3, slow, speculative=True) == pytest.approx(0.5)
+    assert plain > 0 and exposed(("fp32",) * 3, slow, speculative=True) == pytest.approx(plain)
 
 
 def test_the_host_update_costs_the_bytes_its_formats_move(monkeypatch):

@@ -12,7 +12,7 @@ tp_comm   --tensor-parallel T: per block 2 all-reduces of b·S·h working elemen
           of the GPUs of one box; compute is 1/T per rank at the efficiency of h/T-wide GEMMs.
 host      the offloaded blocks' update on the CPU (DRAM-bound: it scales with the bytes its
           formats move), their PCIe copies, and the disk tier's reads and writes, minus the
-          backward (speculative update) and forward it overlaps with.
+          next forward it overlaps with (the speculative update is not credited: docs/offload.md).
 """
 
 from __future__ import annotations
@@ -230,9 +230,8 @@ def host_optimizer_exposed(
     placement: Placement,
 ) -> float:
     """Seconds per step the host optimizer adds: its work for the offloaded blocks (AdamW, the
-    conversions, PCIe both ways, pipelined chunk by chunk) minus what overlaps with the GPU — the
-    rest of the backward once the first offloaded block's gradient is final (the speculative
-    update), and the next forward of the device-homed blocks before the first offloaded one."""
+    conversions, PCIe both ways, pipelined chunk by chunk) minus what overlaps with the GPU: the next
+    forward of the device-homed blocks before the first offloaded one."""
     m, w = work.model, work.w
     k = placement.offloaded_blocks
     n_off = placement.offloaded_elems()  # this rank's optimizer elements on the host tiers
@@ -251,12 +250,8 @@ def host_optimizer_exposed(
     work_s = max(host, pcie, disk)
     forward_first_micro = compute / grad_accum / 3  # forward is about a third of a micro-batch
     window = forward_first_micro * (m.n_layer - k) / max(1, m.n_layer)
-    if ecfg.speculative_update:
-        # the updates start as each offloaded block's gradient is reduced: from the last block
-        # on, they overlap the rest of the last micro-batch's backward (two thirds of its
-        # compute). A clipped step is undone and redone after it (engine/speculate.py): not
-        # modelled, the planner prices the common, unclipped step.
-        window += compute / grad_accum * 2 / 3 * (m.n_layer - 1) / max(1, m.n_layer)
+    # the speculative update (engine/speculate.py) is not credited: measured runs clip nearly
+    # every early step (docs/offload.md), and a clipped step gets no overlap from it
     if ecfg.delayed_update:
         window = compute  # the next step's whole forward and backward run meanwhile
     return max(0.0, work_s - window)
