@@ -6,14 +6,16 @@
 # Each run in its own process (a cold dynamo cache; Inductor's disk cache is whatever the
 # machine has: the log's `compile:` line says the seconds). Logs and metrics.jsonl to $OUT; the
 # steady-state ms/step is the last log line's (steps 21-40), compile_s the `compile` record's.
-# Usage (device): OUT=... bash benchmarks/compile_h100.sh
+# Usage (device): OUT=... bash benchmarks/compile_h100.sh    (SIZES=2.7b:8 MODES="on off": one size)
 set -u
 OUT=${OUT:-/tmp/compile}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-for spec in "gpt2-125m 12" "gpt2-1.5b 8" "2.7b 8"; do
+# SIZES: a subset, e.g. SIZES="2.7b:8"; MODES: the order of the compile settings, e.g. "on off"
+for spec in ${SIZES:-gpt2-125m:12 gpt2-1.5b:8 2.7b:8}; do
+  spec=${spec/:/ }
   set -- $spec
-  for c in off on; do
+  for c in ${MODES:-off on}; do
     name=$1-compile-$c
     python3 -m fitgpt train --preset "$1" --data uniform --engine zero --compile "$c" \
       --micro-batch "$2" --grad-accum 4 --steps 40 --warmup 4 --lr 1e-4 --min-lr 1e-5 \

@@ -78,13 +78,18 @@ def compact_update(n: int, master: str, moments: str, reps: int, warmup: int):
     return times, nbytes
 
 
-def variants(pieces: str):
-    """fp32 once; each compact format eagerly and compiled (engine/codec.py) at each piece."""
+def variants(pieces: str, modes: list[str]):
+    """fp32 once; each compact format eagerly and compiled (engine/codec.py) at each piece,
+    and through the native kernel (engine/hostkernel.py: whole chunk, no pieces) where it
+    serves (bf16 and int8 moments)."""
     yield ("fp32", "fp32"), "eager", int(pieces.split(",")[0])
     for fmt in FORMATS[1:]:
         for piece in (int(p) for p in pieces.split(",")):
-            for mode in ("eager", "compiled"):
-                yield fmt, mode, piece
+            for mode in modes:
+                if mode != "native":
+                    yield fmt, mode, piece
+        if "native" in modes and fmt[1] != "fp32":
+            yield fmt, "native", 0
 
 
 def main() -> None:
@@ -95,6 +100,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as set)")
     ap.add_argument("--pieces", default="1048576", help="host piece sizes to try (comma list)")
+    ap.add_argument("--modes", default="eager,compiled,native", help="host kernels to try")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     if a.threads:
@@ -102,8 +108,9 @@ def main() -> None:
     rows = []
     print(f"chunk {a.elems / 1e6:.1f} M elements, {torch.get_num_threads()} threads, "
           f"{os.cpu_count()} cores, torch {torch.__version__}")  # fmt: skip
-    for (master, moments), mode, piece in variants(a.pieces):
-        os.environ["FITGPT_HOST_KERNELS"], os.environ["FITGPT_HOST_PIECE"] = mode, str(piece)
+    for (master, moments), mode, piece in variants(a.pieces, a.modes.split(",")):
+        os.environ["FITGPT_HOST_KERNELS"] = mode
+        os.environ["FITGPT_HOST_PIECE"] = str(piece or 1 << 22)
         if (master, moments) == ("fp32", "fp32"):
             times, per = fp32_update(a.elems, a.reps, a.warmup)
         else:

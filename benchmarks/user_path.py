@@ -42,12 +42,25 @@ def fitgpt(*argv: str) -> list[str]:
 
 
 def step(
-    out: Path, name: str, cmd: list[str], run_dir: Path | None = None, env=None, **extra
+    out: Path,
+    name: str,
+    cmd: list[str],
+    run_dir: Path | None = None,
+    env=None,
+    timeout_s: float | None = None,
+    **extra,
 ) -> dict:
-    """Run one command as a user would; record what it printed and what its run folder holds."""
+    """Run one command as a user would; record what it printed and what its run folder holds.
+    timeout_s: stop it then (rc 124), keeping what it printed and the steps it logged, so a
+    device call's time limit does not lose the record."""
     t0 = time.time()
     print(f"\n$ {' '.join(cmd[2:])}", flush=True)
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                           env={**os.environ, **(env or {})})  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        p = subprocess.CompletedProcess(cmd, 124, text(e.stdout), text(e.stderr))
     rec = {
         "name": name,
         "command": "fitgpt " + " ".join(cmd[3:]),

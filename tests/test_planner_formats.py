@@ -20,13 +20,13 @@ from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
-from fitgpt.plan import formats, throughput
+from fitgpt.plan import formats, planner, throughput
 from fitgpt.plan.apply import Fixed, plan_run
 from fitgpt.plan.capacity import predicted_largest
 from fitgpt.plan.formats import LADDER, rungs
 from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import GiB, Workload, placement_of
-from fitgpt.plan.planner import choose, plan
+from fitgpt.plan.planner import choose, plan, why
 from fitgpt.plan.rates import DEFAULTS
 from fitgpt.plan.throughput import FP32_HOST_BYTES, host_optimizer_exposed, host_update_cost
 from fitgpt.train.setup import setup_run
@@ -77,28 +77,92 @@ def test_the_ladder_keeps_what_the_user_fixed_and_only_the_auto_formats(monkeypa
     assert rungs({"device_moments": "int8"}, "bf16")[-1] == ("split", "bf16", "int8")
 
 
-def test_a_model_that_fits_with_fp32_state_gets_it():
-    for w in (Workload(get_preset("2.7b"), 8, 1, "bf16"), work(38)):  # on the GPU; offloaded
-        chosen, cands = choose(w, 4, H100, R)
-        assert chosen.formats in (("fp32", "-", "fp32"), ("fp32", "fp32", "fp32"))
-        assert {c.rung for c in cands} == {0}  # no compact rung was even priced
-        assert all(getattr(chosen.ecfg, f) == "fp32" for f in formats.FIELDS)  # not "auto"
-        assert "split" not in chosen.name and "moments" not in chosen.name
-    assert choose(work(38), 4, H100, R)[0].ecfg.offload_optimizer == "cpu"
+def test_a_model_that_fits_on_the_gpu_with_fp32_state_gets_it():
+    """Nothing offloaded: no compact rung is priced, since on the GPU the compact update only
+    adds passes (priced slower than the fused fp32 AdamW)."""
+    w = Workload(get_preset("2.7b"), 8, 1, "bf16")
+    chosen, cands = choose(w, 4, H100, R)
+    assert chosen.formats == ("fp32", "-", "fp32") and chosen.placement.offloaded_blocks == 0
+    assert {c.rung for c in cands} == {0}  # no compact rung was even priced
+    assert all(getattr(chosen.ecfg, f) == "fp32" for f in formats.FIELDS)  # not "auto"
+    assert "split" not in chosen.name and "moments" not in chosen.name
+    compact, _ = choose(w, 4, H100, R, fixed_rung(("split", "bf16", "bf16")))
+    assert compact.compared_time > chosen.compared_time  # it would not have won anyway
 
 
-@pytest.mark.parametrize("layers", [60, 70, 90, 100, 114])  # rungs 1 to 5
-def test_a_model_that_needs_the_room_gets_the_least_compact_formats_that_fit(layers):
-    chosen, _ = choose(work(layers), 4, H100, R)
-    fmt = tuple(getattr(chosen.ecfg, f) for f in formats.FIELDS)
-    r = LADDER.index(fmt)
-    assert r > 0 and chosen.rung == r and chosen.fits
-    assert formats.label(chosen.formats) in chosen.name and "master" in chosen.name
-    # with the rung below no plan fits; of this rung's plans that fit, the fastest is chosen
-    below = plan(work(layers), 4, H100, R, fixed_rung(LADDER[r - 1]))
-    assert not any(c.fits for c in below)
-    same = [c for c in plan(work(layers), 4, H100, R, fixed_rung(fmt)) if c.fits]
-    assert chosen.time["total"] == min(c.time["total"] for c in same)
+def test_an_offloaded_plan_gets_compact_state_where_it_is_faster(monkeypatch):
+    """An fp32 plan fits only by offloading (8.07 B on the H100 box): the host AdamW steps bf16
+    moments in 0.43 of fp32's time and compact state keeps more blocks on the GPU, so the
+    planner takes split + bf16, still listing the fp32 plans it passed over."""
+    monkeypatch.undo()  # the shipped AUTO_FORMATS: split and bf16
+    w = work(38)
+    fp32, _ = choose(w, 4, H100, R, FP32_STATE)
+    assert fp32.placement.offloaded_blocks > 0
+    chosen, cands = choose(w, 4, H100, R)
+    assert chosen.formats[:2] == ("split", "bf16") and chosen.rung > 0
+    assert chosen.compared_time <= (1 - planner.SPEED_MARGIN) * fp32.compared_time
+    assert chosen.placement.offloaded_blocks < fp32.placement.offloaded_blocks
+    listed = [c for c in cands if c.fits and c.formats == ("fp32", "fp32", "fp32")]
+    assert listed and min(c.compared_time for c in listed) == fp32.compared_time
+    said = why(chosen, cands)
+    gain = 100 * (fp32.compared_time / chosen.compared_time - 1)
+    assert said.startswith(f"compact state: {gain:.0f}% faster than fp32 state; ")
+    assert "no plan fits with less compact" not in said
+    # under the margin, or where the host steps compact state slowly, the fp32 plan stays
+    saved = 1 - chosen.compared_time / fp32.compared_time
+    monkeypatch.setattr(planner, "SPEED_MARGIN", saved + 0.01)
+    kept, cands = choose(w, 4, H100, R)
+    assert kept.formats == ("fp32", "fp32", "fp32") and kept.rung == 0
+    assert f"takes {100 * saved:.0f}% less time, under the" in why(kept, cands)
+    monkeypatch.undo()
+    slow = {fmt: 3.0 for fmt in throughput.HOST_VS_FP32}  # compact host AdamW at 3× fp32's time
+    monkeypatch.setattr(throughput, "HOST_VS_FP32", slow)
+    assert choose(w, 4, H100, R)[0].formats == ("fp32", "fp32", "fp32")
+
+
+def test_speed_keeps_the_formats_the_user_fixed(monkeypatch):
+    monkeypatch.undo()
+    for field, at in (("moments", 1), ("master", 0)):
+        chosen, cands = choose(work(38), 4, H100, R, {field: "fp32"})
+        assert getattr(chosen.ecfg, field) == "fp32" and chosen.formats[at] == "fp32"
+        assert chosen.rung > 0 and "compact state:" in why(chosen, cands)  # the rest is auto
+        assert all(getattr(c.ecfg, field) == "fp32" for c in cands)
+    kept, _ = choose(work(38), 4, H100, R, FP32_STATE)
+    assert kept.formats == ("fp32", "fp32", "fp32") and kept.placement.offloaded_blocks > 0
+
+
+def test_int8_is_never_chosen_for_speed(monkeypatch):
+    """Even where the model prices int8 moments far below everything else: int8 is not in the
+    shipped AUTO_FORMATS, so only its flag stores moments so."""
+    cheap = {("split", "int8"): 0.01, ("fp32", "int8"): 0.01}
+    monkeypatch.setattr(throughput, "HOST_VS_FP32", {**throughput.HOST_VS_FP32, **cheap})
+    allowed, _ = choose(work(50), 4, H100, R)  # the lead's override (every_format) allows it
+    assert "int8" in allowed.formats
+    monkeypatch.setattr(formats, "AUTO_FORMATS", ("split", "bf16"))  # as shipped
+    for layers in (38, 50):
+        chosen, cands = choose(work(layers), 4, H100, R)
+        assert chosen.rung > 0 and all("int8" not in c.formats for c in cands)
+
+
+def test_a_model_that_needs_the_room_gets_the_least_compact_formats_that_fit_or_faster():
+    for layers in (60, 70, 90, 100, 114):  # first fit at rungs 1 to 5
+        chosen, _ = choose(work(layers), 4, H100, R)
+        fmt = tuple(getattr(chosen.ecfg, f) for f in formats.FIELDS)
+        r = LADDER.index(fmt)
+        assert r > 0 and chosen.rung == r and chosen.fits
+        assert formats.label(chosen.formats) in chosen.name and "master" in chosen.name
+        # the first rung with which some plan fits; below it none does
+        fitting = [
+            [c for c in plan(work(layers), 4, H100, R, fixed_rung(f)) if c.fits] for f in LADDER
+        ]
+        first = next(i for i, cs in enumerate(fitting) if cs)
+        assert first > 0 and r >= first
+        best = min(c.compared_time for c in fitting[first])
+        if r == first:  # of the first rung's plans, the fastest
+            assert chosen.compared_time == best
+        else:  # a more compact rung only for a margin of speed, and its fastest plan
+            assert chosen.compared_time <= (1 - planner.SPEED_MARGIN) * best
+            assert chosen.compared_time == min(c.compared_time for c in fitting[r])
 
 
 def test_the_formats_the_user_fixed_are_kept():

@@ -44,13 +44,14 @@ benchmarks/host_adamw_formats.py.
 
 from __future__ import annotations
 
+import math
 import os
 from itertools import pairwise
 
 import torch
 from torch import Tensor
 
-from fitgpt.engine import codec
+from fitgpt.engine import codec, hostkernel
 from fitgpt.engine.moments import BLOCK, MomentStore, make_store, store_layout
 from fitgpt.engine.speculate import undo_adamw_
 
@@ -59,6 +60,11 @@ from fitgpt.engine.speculate import undo_adamw_
 # often); GPU: 16 Mi (256 MiB), so kernel launches stay few.
 PIECE = {"cpu": 1 << 22, "cuda": 1 << 24}
 MASTERS = ("alias", "fp32", "split")  # alias: fp32 compute, the weights are the master
+# the masters the native host kernel serves, per moment format (engine/hostkernel.py). Not an
+# fp32 master with int8 moments: the compiler leaves that loop scalar, 1.76x the fp32 state's
+# time on the H100 machine's host against the torch path's 1.24x
+# (benchmarks/results/compact_native_h100_2026-11-23)
+NATIVE_MASTERS = {"bf16": ("split", "fp32"), "int8": ("split",)}
 
 
 def piece_elems(device: torch.device) -> int:
@@ -200,6 +206,8 @@ class CompactState:
         engine/speculate.py); then grad_mul=None takes no new step (an overflow)."""
         if undo_mul is None:
             self.step_count += 1
+            if grad_mul is not None and self._native_step(weights, grad, grad_mul, lr):
+                return
         sp, sm, sv, sg = scratch.bufs
         kern = codec.kernels(self.moments, self.device)
         for lo, hi in self._pieces(scratch.elems):
@@ -237,6 +245,39 @@ class CompactState:
             self._master_out(p, weights, lo, hi, work=g)  # g is spent: split_master's workspace
         if undo_mul is not None and grad_mul is None:
             self.step_count -= 1
+
+    def _native_step(self, weights: Tensor, grad: Tensor, grad_mul: float, lr: float) -> bool:
+        """The whole step in one native pass per element (engine/hostkernel.py), where it
+        serves: host state, bf16 weights and gradients, bf16 or int8 moments (int8 beside a split
+        master), the usual two param groups. False: not taken."""
+        decay = self._decay_split()
+        if (
+            self.moments == "fp32"
+            or self.master not in NATIVE_MASTERS.get(self.moments, ())
+            or decay is None
+            or weights.device.type != "cpu"
+            or weights.dtype != torch.bfloat16  # the kernel's working weights and gradients
+            or grad.dtype != torch.bfloat16  # are bf16 (fp32 compute: the torch path)
+            or not hostkernel.wanted(self.device)
+            or hostkernel.kernel() is None
+        ):
+            return False
+        t = self.step_count.item()
+        b1, b2 = self.betas
+        hp = torch.tensor([lr, b1, b2, self.eps, decay[1], 1 - b1**t, math.sqrt(1 - b2**t),
+                           grad_mul], dtype=torch.float32)  # fmt: skip
+        hostkernel.adamw_(weights, self.master_data, grad, self.m, self.v, decay[0], hp)
+        return True
+
+    def _decay_split(self) -> tuple[int, float] | None:
+        """(d, wd): elements [0, d) decay by wd, the rest not at all (a chunk's param groups,
+        engine/layout.py: decayed, then not); None for any other grouping."""
+        g = self.groups
+        if len(g) == 1 and g[0][:2] == (0, self.numel):
+            return self.numel, g[0][2]
+        if len(g) == 2 and g[0][0] == 0 and g[0][1] == g[1][0] and g[1][1:] == (self.numel, 0.0):
+            return g[0][1], g[0][2]
+        return None
 
     def _group_parts(self, lo: int, hi: int) -> list[tuple[int, int, float]]:
         """(a, b, weight_decay) of each param group's part inside piece [lo, hi), as offsets

@@ -59,26 +59,47 @@ MARGIN_FRACTION = 0.02  # of the disk's total size, when that is larger than MAR
 FIX = "point --nvme-path at a larger disk or offload less to nvme"
 
 
-def remove_orphans(root: str) -> list[str]:
-    """Remove scratch folders under root left by fitgpt processes that no longer exist (a run
-    killed by SIGKILL or the OOM killer cannot clean up after itself); returns their paths. A
-    folder of a live process, or anything not named like ours, is left alone."""
-    gone = []
+def orphans(root: str) -> list[str]:
+    """Scratch folders under root left by fitgpt processes that no longer exist (a run killed by
+    SIGKILL or the OOM killer cannot clean up after itself). A folder of a live process, or
+    anything not named like ours, is not one."""
     if not os.path.isdir(root):
-        return gone
+        return []
+    out = []
     for name in os.listdir(root):
         m = re.fullmatch(r"fitgpt-scratch-(\d+)-[0-9a-f]+", name)
-        if not m or pid_alive(int(m.group(1))):
-            continue
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        gone.append(os.path.join(root, name))
+        if m and not pid_alive(int(m.group(1))):
+            out.append(os.path.join(root, name))
+    return out
+
+
+def remove_orphans(root: str) -> list[str]:
+    """Remove the orphaned scratch folders under root (orphans()); returns their paths."""
+    gone = orphans(root)
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
     return gone
 
 
+def _used_bytes(folder: str) -> int:
+    """Disk blocks the files under `folder` take (what removing them frees)."""
+    total = 0
+    for dirpath, _, files in os.walk(folder):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+            except OSError:
+                continue
+    return total
+
+
 def disk_room(path: str) -> int:
-    """Bytes the tier may use at `path`: the free space less the spare room it always leaves."""
+    """Bytes the tier may use at `path`: the free space, plus what a killed run's orphaned
+    scratch holds (the store removes it before it allocates: remove_orphans), less the spare
+    room it always leaves."""
     usage = shutil.disk_usage(path)
-    return usage.free - max(MARGIN_MIN_BYTES, int(MARGIN_FRACTION * usage.total))
+    reclaim = sum(_used_bytes(p) for p in orphans(path))
+    return usage.free + reclaim - max(MARGIN_MIN_BYTES, int(MARGIN_FRACTION * usage.total))
 
 
 def check_disk_room(path: str, need: int) -> None:

@@ -5,8 +5,12 @@ Three engine fields say how the optimizer state is stored (engine/compact.py, do
 moments of the offloaded blocks, in host RAM or on disk) and `device_moments` (those of the
 chunks whose state stays on the GPU), each fp32, bf16 or block-wise int8. A field the user set
 is used as set; the planner chooses the fields left "auto": fp32 when some plan fits with it,
-else the first rung of LADDER with which one does (plan/planner.py: plan). Bytes per parameter
-and the reasons for this order: docs/planner.md.
+else the first rung of LADDER with which one does; and, where that rung's fastest plan offloads
+optimizer state, a higher rung whose plan is at least 10% faster (plan/planner.py: plan; the
+host AdamW is faster on compact state than on fp32). Either way only formats in AUTO_FORMATS:
+a split master leaves the bf16 weights the forward sees unchanged, and bf16 moments kept the
+loss within the seed noise (1.56 B, 1,000 steps), so speed costs no accuracy that room does not
+already. Bytes per parameter and the reasons for this order: docs/planner.md.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from fitgpt.errors import UserError
 FIELDS = ("master", "moments", "device_moments")
 Formats = tuple[str, str, str]  # (master, moments of offloaded blocks, moments on the device)
 
-# The compact formats the planner may choose by itself: only those whose loss cost was measured
-# within the run-to-run noise (benchmarks/results/compact_h100_2026-11-23/: 1.56 B, 1,000 steps
-# of real text on the H100; validation loss, mean |Δ| over the second half against fp32 state:
-# split + bf16 moments 0.023, a second seed of fp32 0.023; split + int8 moments +0.09..0.15 at
-# every evaluation to step 600, several times the noise). int8 stays available by its flag.
+# The compact formats the planner may choose by itself, for room or for speed: only those whose
+# loss cost was measured within the run-to-run noise (benchmarks/results/compact_h100_2026-11-23/:
+# 1.56 B, 1,000 steps of real text on the H100; validation loss, mean |Δ| over the second half
+# against fp32 state: split + bf16 moments 0.023, a second seed of fp32 0.023; split + int8
+# moments +0.09..0.15 at every evaluation to step 600, several times the noise). int8 stays
+# available by its flag.
 AUTO_FORMATS = ("split", "bf16")
 
 # Least compact first; each rung saves more bytes per parameter than the one before it. The split

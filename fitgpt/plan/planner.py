@@ -5,8 +5,13 @@ optimizer state's storage formats). Fit means: the allocator peak plus context a
 fragmentation margin within each GPU, the host bytes of every rank on this machine within usable
 RAM, and the disk tier within the disk's free space. The formats climb a ladder (plan/formats.py):
 fp32 state whenever some plan fits with it, else the least compact rung with which one does; of
-the plans that fit at that rung, the fastest. A request that fits nowhere is refused before
-anything is allocated, naming the shortfall and what would fit instead.
+the plans that fit at that rung, the fastest. Where that plan offloads optimizer state on a GPU
+machine, a more compact rung (formats in AUTO_FORMATS only) is chosen when its fastest plan takes
+at least 10% less time: the host AdamW steps bf16 moments in 0.43 of fp32 state's time, and the
+room they free keeps more blocks on the GPU. That costs no accuracy the planner does not already
+accept for room: a split master leaves the forward's bf16 weights unchanged, and bf16 moments
+kept the loss within the seed noise (1.56 B, 1,000 steps). A request that fits nowhere is
+refused before anything is allocated, naming the shortfall and what would fit instead.
 """
 
 from __future__ import annotations
@@ -152,12 +157,15 @@ def plan(
     work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: dict | None = None
 ) -> list[Candidate]:
     """All candidates, the chosen one first: of the least compact formats with which some plan
-    fits without the disk, the fastest plan (ties: the smaller peak). The disk comes after the
-    formats: a step that streams its state through the disk is several times slower (14.11 B:
-    56 s/step on the H100, against ~10 s for the plans in RAM around that size) and wears the
-    SSD, while AUTO_FORMATS holds only formats whose loss cost was measured within the noise.
-    Where no rung fits without the disk, the least compact rung that fits with it. Rungs above
-    the chosen one are not priced."""
+    fits without the disk, the fastest plan (ties: the smaller peak), unless that plan offloads
+    optimizer state and a more compact rung's plan, in RAM, takes at least SPEED_MARGIN less
+    time: then the fastest such plan. The disk comes after the formats: a step that streams its
+    state through the disk is several times slower (14.11 B: 56 s/step on the H100, against
+    ~10 s for the plans in RAM around that size) and wears the SSD, while AUTO_FORMATS holds
+    only formats whose loss cost was measured within the noise. Where no rung fits without the
+    disk, the least compact rung that fits with it. Rungs above the first that fits are priced
+    only when its fastest plan offloads on a GPU machine (whose host AdamW is faster on compact
+    state), without the disk, and only their plans that fit are kept."""
     fixed = fixed or {}
     layout = layout_of(work.model)
     bases = [
@@ -167,6 +175,7 @@ def plan(
     ]
     cands: list[Candidate] = []
     seen: set[EngineConfig] = set()
+    first: Candidate | None = None  # the fastest plan in RAM of the first rung that has one
     for rung, fmt in enumerate(formats.rungs(fixed, work.precision)):
         for b in bases:
             e = formats.with_formats(b, fmt)
@@ -174,22 +183,65 @@ def plan(
                 continue  # this engine cannot store its state so
             for c in plans_of(work, grad_accum, hw, rates, e, layout, fixed):
                 c.ecfg, c.rung = formats.settled(c.ecfg, c.placement, fixed), rung
+                if first is not None and not in_ram(c):
+                    continue  # priced for speed alone: a plan that needs more room adds nothing
                 if c.ecfg not in seen:  # a format for an empty tier repeats a lower rung's plan
                     seen.add(c.ecfg)
                     cands.append(c)
-        if any(c.fits and not uses_disk(c) for c in cands):
-            break
+        if first is None and any(in_ram(c) for c in cands):
+            first = min((c for c in cands if in_ram(c)), key=speed)
+            if not offloads(first) or hw.device != "cuda":
+                # compact state is faster only in the host tier's update, through the native
+                # kernel that GPU machines use (engine/hostkernel.py; CPU runs take torch's path)
+                break
+            # the rungs above are priced for speed alone, without the disk (a plan that streams
+            # its state through it is never chosen over one in RAM)
+            hw = dataclasses.replace(hw, nvme_path="", nvme_free=0)
+
+    def rank(c: Candidate) -> int:
+        """The rung, or the first fitting rung's for a plan that wins there by speed."""
+        if first is not None and c.rung > first.rung and faster(c, first):
+            return first.rung
+        return c.rung
+
     cands.sort(
         key=lambda c: (
             not c.fits,
             uses_disk(c) if c.fits else 0,
-            c.rung if c.fits else 0,
+            rank(c) if c.fits else 0,
             c.compared_time if c.fits else c.gpu_short + c.host_short + c.disk_short,
             c.est.compute_total,
             c.ecfg.engine != "zero",
         )
     )
     return cands
+
+
+# A more compact rung is chosen for speed only where its plan takes at least this share less
+# time than the least compact rung's that fits: the step time is a prediction, and bf16 moments
+# round m and v each step (within the loss noise at 1.56 B, but not free), so a near tie keeps
+# the less compact state.
+SPEED_MARGIN = 0.10
+
+
+def speed(c: Candidate) -> tuple:
+    """How plans that fit compare (the sort's tail): step time, then the smaller peak."""
+    return (c.compared_time, c.est.compute_total, c.ecfg.engine != "zero")
+
+
+def faster(c: Candidate, than: Candidate) -> bool:
+    """Whether `c` fits in RAM and saves SPEED_MARGIN of `than`'s step time."""
+    return in_ram(c) and c.compared_time <= (1 - SPEED_MARGIN) * than.compared_time
+
+
+def in_ram(c: Candidate) -> bool:
+    """Fits on the GPU and in host RAM without the disk tier."""
+    return c.fits and not uses_disk(c)
+
+
+def offloads(c: Candidate) -> bool:
+    """Whether some blocks' optimizer state is updated on the host."""
+    return c.placement is not None and c.placement.offloaded_blocks > 0
 
 
 def uses_disk(c: Candidate) -> bool:
@@ -305,19 +357,40 @@ def why(chosen: Candidate, cands: list[Candidate]) -> str:
         )
     else:
         room = f"{chosen.est.host_total / GiB:.1f} GiB of host RAM per rank"
-    state = ""
-    if chosen.rung:
-        state = "no plan fits with less compact optimizer state; "
-        if any(c.rung < chosen.rung for c in fitting):
-            state = "compact optimizer state keeps the disk out (less compact fits only with it); "
+    state = state_reason(chosen, fitting)
     if len(fitting) == 1:
         return f"{state}the only plan that fits; {room}"
+    near = [c for c in fitting if c.rung > chosen.rung and in_ram(c) and speed(c) < speed(chosen)]
+    if near:  # a more compact rung's plan is faster, by less than the margin
+        f = min(near, key=speed)
+        saved = 1 - f.compared_time / chosen.compared_time
+        return (
+            f"{state}of {len(fitting)} plans that fit, {f.name} takes {100 * saved:.0f}% less "
+            f"time, under the {100 * SPEED_MARGIN:.0f}% margin for more compact state; {room}"
+        )
     runner_up = fitting[1]
     gain = runner_up.compared_time / chosen.compared_time - 1
     return (
         f"{state}fastest of {len(fitting)} plans that fit, {100 * gain:.0f}% ahead of "
         f"{runner_up.name}; {room}"
     )
+
+
+def state_reason(chosen: Candidate, fitting: list[Candidate]) -> str:
+    """Why the chosen plan's formats are as compact as they are ("" for the first rung)."""
+    lower = [c for c in fitting if c.rung < chosen.rung]
+    in_ram_lower = [c for c in lower if in_ram(c)]
+    if in_ram_lower and in_ram(chosen):  # chosen for speed over the first rung that fits
+        first = min(c.rung for c in in_ram_lower)
+        base = min((c for c in in_ram_lower if c.rung == first), key=speed)
+        gain = base.compared_time / chosen.compared_time - 1
+        what = "fp32" if formats.label(base.formats) == "" else formats.short(base.formats)
+        return f"compact state: {100 * gain:.0f}% faster than {what} state; "
+    if lower:
+        return "compact optimizer state keeps the disk out (less compact fits only with it); "
+    if chosen.rung:
+        return "no plan fits with less compact optimizer state; "
+    return ""
 
 
 def leanest(cands: list[Candidate]) -> Candidate:

@@ -57,19 +57,19 @@ OVERHEAD = {"ddp": 0.11, 0: 0.0, 1: 0.0, 2: 0.03, 3: 0.06}
 # plus the new working weights, 8 + w) and the stored moments in and out.
 # The byte count is the fallback for a format not in HOST_VS_FP32 (benchmarks/
 # host_adamw_formats.py's vs_fp32 column, {(master, moments): time per element over the fp32
-# pipeline's}), which replaces it. (Timed once on the shared 2-core
-# CPU box at 4 M elements, the compact formats took 0.8-2.1x the fp32 time, not the 0.35-0.65x
-# these bytes predict: there the pieces' extra passes cost compute.)
+# pipeline's}), which replaces it.
 FP32_HOST_BYTES = 40.0
-# Measured: benchmarks/results/compact_h100_2026-11-23/host_adamw_formats.json (H100 machine's
-# host, 16 threads, one 201 M-element block, 4 Mi pieces; fp32 state 2.05 G elements/s): seconds
-# per element over fp32's. int8 with the compiled codec (engine/codec.py), the rest eager.
+# Measured: benchmarks/results/compact_native_h100_2026-11-23/host_adamw_native.json (H100
+# machine's host, 16 threads, one 201 M-element block): seconds per element over fp32 state's.
+# bf16 moments and split + int8 run through the native kernel (engine/hostkernel.py), split +
+# fp32 through torch's kernel, fp32 + int8 through the torch path with the compiled codec (the
+# earlier figure, compact_h100_2026-11-23).
 HOST_VS_FP32: dict[tuple[str, str], float] = {
     ("split", "fp32"): 1.43,
-    ("fp32", "bf16"): 1.17,
-    ("split", "bf16"): 1.70,
+    ("fp32", "bf16"): 0.43,
+    ("split", "bf16"): 0.43,
     ("fp32", "int8"): 1.24,
-    ("split", "int8"): 2.16,
+    ("split", "int8"): 0.50,
 }
 FP32_DEVICE_BYTES = 36.0  # the GPU's fused AdamW over fp32 state (the optimizer term)
 # On the GPU the compact pieces (16 Mi elements, 256 MiB of scratch) do not fit its caches, so
