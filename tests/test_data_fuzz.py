@@ -197,7 +197,18 @@ def _put(prefix: str, idx: bytes, bin_: bytes) -> None:
 
 # ---- the test ------------------------------------------------------------------------------------
 def _bounded(fn):
-    """(result or exception, seconds, peak bytes) of fn() under the alarm and tracemalloc."""
+    """(result or exception, seconds, peak bytes) of fn() under the alarm and tracemalloc. A peak
+    over PEAK_BYTES is measured once more and the smaller kept: tracemalloc counts every thread,
+    and a thread an earlier test left (tqdm's monitor wakes every 10 s) can allocate inside the
+    window (seen once in CI: 7.3 MiB); a corrupted count that allocates its size does so again."""
+    out, seconds, peak = _bounded_once(fn)
+    if peak > PEAK_BYTES and not isinstance(out, Hang):
+        out, seconds, again = _bounded_once(fn)
+        peak = min(peak, again)
+    return out, seconds, peak
+
+
+def _bounded_once(fn):
     tracemalloc.reset_peak()
     base = tracemalloc.get_traced_memory()[0]
     start = time.perf_counter()
