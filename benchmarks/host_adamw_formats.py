@@ -27,7 +27,13 @@ import time
 
 import torch
 
-from fitgpt.engine.compact import CompactState, Scratch, piece_elems, upcast_scaled
+from fitgpt.engine.compact import (
+    NATIVE_MASTERS,
+    CompactState,
+    Scratch,
+    piece_elems,
+    upcast_scaled,
+)
 
 FORMATS = [  # (master, moments)
     ("fp32", "fp32"),
@@ -81,14 +87,14 @@ def compact_update(n: int, master: str, moments: str, reps: int, warmup: int):
 def variants(pieces: str, modes: list[str]):
     """fp32 once; each compact format eagerly and compiled (engine/codec.py) at each piece,
     and through the native kernel (engine/hostkernel.py: whole chunk, no pieces) where it
-    serves (bf16 and int8 moments)."""
+    serves (compact.NATIVE_MASTERS)."""
     yield ("fp32", "fp32"), "eager", int(pieces.split(",")[0])
     for fmt in FORMATS[1:]:
         for piece in (int(p) for p in pieces.split(",")):
             for mode in modes:
                 if mode != "native":
                     yield fmt, mode, piece
-        if "native" in modes and fmt[1] != "fp32":
+        if "native" in modes and fmt[0] in NATIVE_MASTERS.get(fmt[1], ()):
             yield fmt, "native", 0
 
 

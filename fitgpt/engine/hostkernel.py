@@ -45,7 +45,7 @@ SOURCE = Path(__file__).with_name("host_adamw.cpp")
 # no -ffast-math: IEEE fp32 as torch computes it; no contraction into fused multiply-adds
 FLAGS = "-O3 -march=native -ffp-contract=off -fno-math-errno -fno-trapping-math -shared -fPIC"
 _LIB: list = []  # [ctypes function] once built, [None] once it failed
-_POOL: list[ThreadPoolExecutor] = []
+_POOL: dict[int, ThreadPoolExecutor] = {}  # by thread count (torch's intra-op threads)
 
 
 def wanted(device: torch.device) -> bool:
@@ -149,7 +149,8 @@ def adamw_(
     if len(spans) == 1:
         fn(0, n, d, *args)
         return
-    if not _POOL or _POOL[0]._max_workers < len(spans):
-        _POOL[:] = [ThreadPoolExecutor(len(spans), thread_name_prefix="fitgpt-adamw")]
-    for f in [_POOL[0].submit(fn, lo, hi, d, *args) for lo, hi in spans]:
+    pool = _POOL.get(len(spans))
+    if pool is None:
+        pool = _POOL[len(spans)] = ThreadPoolExecutor(len(spans), thread_name_prefix="fitgpt-adamw")
+    for f in [pool.submit(fn, lo, hi, d, *args) for lo, hi in spans]:
         f.result()
