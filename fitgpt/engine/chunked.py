@@ -38,7 +38,6 @@ import torch
 from torch import Tensor
 
 from fitgpt.dist import DistContext
-from fitgpt.engine import hostkernel
 from fitgpt.engine.accounting import check_host_room, memory_report
 from fitgpt.engine.activation import checkpoint_blocks
 from fitgpt.engine.base import Batch, Engine, StepStats, batch_to
@@ -201,9 +200,8 @@ class ChunkEngine(Engine):
         return chunks
 
     def _warm_up_codecs(self) -> None:
-        """Build the host tier's native AdamW (engine/hostkernel.py) and compile its fused
-        codecs (engine/codec.py) here, on the main thread, once per format, rather than inside
-        the host optimizer's first step."""
+        """Compile the host tier's fused codecs (engine/codec.py) here, on the main thread,
+        once per format, rather than inside the host optimizer's first step."""
         seen = set()
         for c in self.chunks:
             if (
@@ -212,8 +210,6 @@ class ChunkEngine(Engine):
                 and (c.plan.master, c.plan.moments) not in seen
             ):
                 seen.add((c.plan.master, c.plan.moments))
-                if c.plan.moments != "fp32" and hostkernel.wanted(c.compact.device):
-                    hostkernel.kernel()  # a failed build says so once, here
                 c.compact.warm_up(self.scratch["host"])
 
     def scratch_of(self, c: Chunk) -> Scratch | None:

@@ -34,7 +34,9 @@ tests/test_compact.py checks it against torch.optim.AdamW). The scratch is
 four fp32 pieces per device, shared by every compact chunk there (one chunk is stepped at a time
 per device: the main thread for the GPU, the host optimizer's worker for host RAM): on the host
 4 Mi elements (64 MiB, mostly inside the CPU's caches), on a GPU 16 Mi
-(256 MiB: kernel launches stay few).
+(256 MiB: kernel launches stay few). On the host, bf16 moments and int8 moments beside a split
+master take a native kernel instead (engine/hostkernel.py: the whole step in one pass per
+element, no scratch), on GPU machines by default.
 
 Costs per element and step, over fp32 state: the split master reads and writes 4 bytes instead
 of 8 but adds the integer join and split; bf16 moments one cast each way; int8 moments a
@@ -252,13 +254,10 @@ class CompactState:
         master), the usual two param groups. False: not taken."""
         decay = self._decay_split()
         if (
-            self.moments == "fp32"
-            or self.master not in NATIVE_MASTERS.get(self.moments, ())
-            or decay is None
+            not self._native_formats()
             or weights.device.type != "cpu"
             or weights.dtype != torch.bfloat16  # the kernel's working weights and gradients
             or grad.dtype != torch.bfloat16  # are bf16 (fp32 compute: the torch path)
-            or not hostkernel.wanted(self.device)
             or hostkernel.kernel() is None
         ):
             return False
@@ -268,6 +267,15 @@ class CompactState:
                            grad_mul], dtype=torch.float32)  # fmt: skip
         hostkernel.adamw_(weights, self.master_data, grad, self.m, self.v, decay[0], hp)
         return True
+
+    def _native_formats(self) -> bool:
+        """Whether this state's formats, grouping and device take the native kernel (wanted
+        here: engine/hostkernel.py), the weights' and gradients' dtypes aside."""
+        return (
+            self.master in NATIVE_MASTERS.get(self.moments, ())
+            and self._decay_split() is not None
+            and hostkernel.wanted(self.device)
+        )
 
     def _decay_split(self) -> tuple[int, float] | None:
         """(d, wd): elements [0, d) decay by wd, the rest not at all (a chunk's param groups,
@@ -298,8 +306,11 @@ class CompactState:
         return out[0], out[1]
 
     def warm_up(self, scratch: Scratch) -> None:
-        """Compile this format's kernels now, on the calling thread, over a full piece of
-        throw-away tensors (not the state); a failure falls back to eager."""
+        """Build the native kernel (a failed build says so once, here) and compile this format's
+        codec kernels now, on the calling thread, the codecs over a full piece of throw-away
+        tensors (not the state); a failure falls back to eager."""
+        if self._native_formats():
+            hostkernel.kernel()
         kern = codec.kernels(self.moments, self.device)
         if kern is None or self.numel < scratch.elems or scratch.elems % BLOCK:
             return  # no piece of this state would take the compiled path

@@ -9,7 +9,7 @@ benchmarks/results/compact_h100_2026-11-23). torch.compile fuses them into one l
 inductor's C++ does not vectorize int16 (the remainder) and folds a bf16 round trip into
 nothing, so its loop ran slower than the eager passes. No library ships an AdamW over a split
 master or block-wise int8 moments on the CPU (bitsandbytes' 8-bit optimizers are GPU kernels).
-So: 120 lines of C++, auto-vectorized by the compiler, one pass per element.
+So: about 180 lines of C++, auto-vectorized by the compiler, one pass per element.
 
 Built on first use with the C++ compiler torch.compile uses ($CXX, else c++), -O3
 -march=native -ffp-contract=off, into ~/.cache/fitgpt (FITGPT_CACHE) under a name hashed from
