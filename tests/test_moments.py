@@ -73,6 +73,26 @@ def test_int8_v_via_sqrt(n):
     assert torch.equal(y > 0, (s > 0).expand(-1, BLOCK).reshape(-1)[:n])
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_int8_encode_through_callers_room_matches_its_own(signed):
+    """The compact update hands int8 its spent gradient piece as the quantisation temporary
+    (no allocation per pass on a GPU): the stored bytes are the same, the room is really used,
+    and room too small is refused. Over more than one host pass (WORK) and a partial block."""
+    from fitgpt.engine.moments import WORK
+
+    n = WORK + 3 * BLOCK + 5
+    x = moments(n)[0 if signed else 1]
+    own, given = make_store("int8", n, signed), make_store("int8", n, signed)
+    own.encode(0, n, x)
+    work = torch.full((n,), float("nan"))
+    given.encode(0, n, x, work=work)
+    for k in own.tensors:
+        assert torch.equal(own.tensors[k], given.tensors[k])
+    assert not torch.isnan(work[: n // BLOCK * BLOCK]).any()
+    with pytest.raises(ValueError, match="work room"):
+        given.encode(0, n, x, work=torch.empty(n - 1))
+
+
 def test_int8_quiet_element_in_a_noisy_block_takes_an_adam_sized_step():
     """An element with m = 1e-5, v = 2.8e-10 and no gradient this step, sharing a block with a
     noisy one (v = 1e-4, m ≈ 0): its v is in the bottom bucket while its m survives. fp32 moves

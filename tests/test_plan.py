@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -26,7 +27,7 @@ from fitgpt.plan.memory import (
     torch_state,
     zero_state,
 )
-from fitgpt.plan.planner import choose, plan
+from fitgpt.plan.planner import choose, plan, why
 from fitgpt.plan.rates import DEFAULTS
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
@@ -158,8 +159,11 @@ def test_planner_picks_a_fitting_plan_and_refuses_with_the_shortfall():
     big = Workload(get_preset("6.7b"), 8, 1, "bf16")
     with pytest.raises(UserError, match="do not fit"):
         choose(big, 4, H100, r, {"engine": "ddp", "checkpointing": "off"})
-    forced, _ = choose(big, 4, H100, r, {"engine": "ddp", "checkpointing": "off"}, force=True)
+    forced, cands = choose(big, 4, H100, r, {"engine": "ddp", "checkpointing": "off"}, force=True)
     assert forced.ecfg.engine == "ddp" and not forced.fits
+    # the line `fitgpt train --force` prints (a capacity trial's too): what it is short of
+    assert re.search(r"no plan is predicted to fit \(GPU short by [\d.]+ GiB\), the leanest "
+                     r"tried anyway", why(forced, cands))  # fmt: skip
 
 
 def test_more_gpus_or_the_host_tier_fit_what_one_gpu_cannot():

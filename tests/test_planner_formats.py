@@ -180,7 +180,8 @@ def test_the_formats_the_user_fixed_are_kept():
 # ---- capacity and the disk --------------------------------------------------------------------
 def test_the_largest_model_grows_with_the_formats(monkeypatch):
     """`fitgpt capacity`'s prediction: fitgpt (formats auto) against fitgpt-no-compact (--master
-    fp32 --moments fp32 --device-moments fp32), on the same simulated H100 box."""
+    fp32 --moments fp32 --device-moments fp32) and fitgpt-int8 (--moments int8), on the same
+    simulated H100 box."""
     bench = BenchConfig(hidden=6144, heads=48)
 
     def largest(system: str) -> int:
@@ -188,11 +189,13 @@ def test_the_largest_model_grows_with_the_formats(monkeypatch):
         run = bench_run(bench.model(1), bench, s.precision, "cuda")
         return predicted_largest(run, H100, R, Fixed.of(s.plan_fixed(bench)))
 
-    fp32, auto = largest("fitgpt-no-compact"), largest("fitgpt")
+    monkeypatch.setattr(formats, "AUTO_FORMATS", ("split", "bf16"))  # as shipped
+    fp32, auto, int8 = largest("fitgpt-no-compact"), largest("fitgpt"), largest("fitgpt-int8")
     monkeypatch.setattr(formats, "AUTO_FORMATS", ("split",))
     split = largest("fitgpt")
-    assert fp32 < split < auto
-    assert bench.model(auto).num_params() > 1.8 * bench.model(fp32).num_params()
+    assert fp32 < split < auto < int8  # int8 moments: an opt-in beyond the default formats
+    assert bench.model(auto).num_params() > 1.5 * bench.model(fp32).num_params()
+    assert bench.model(int8).num_params() > 1.8 * bench.model(fp32).num_params()
 
 
 def test_compact_formats_keep_state_off_the_disk():

@@ -174,6 +174,12 @@ SYSTEMS: dict[str, System] = {
             {"speculative_update": False},
         ),
         _fitgpt(
+            "fitgpt-int8",
+            "fitgpt with int8 Adam moments for the offloaded blocks (`fitgpt train --moments "
+            "int8`: an opt-in for capacity; their loss cost is in docs/offload.md)",
+            {"moments": "int8"},
+        ),
+        _fitgpt(
             "fitgpt-no-compact",
             "fitgpt with fp32 optimizer state (no split master, no bf16/int8 moments)",
             {"master": "fp32", "moments": "fp32", "device_moments": "fp32"},

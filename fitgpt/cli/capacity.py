@@ -64,6 +64,19 @@ def register(sub) -> None:
         help="memory budget per GPU (process), e.g. 40GB: a real allocator cap on "
         "GPUs; on CPUs a cap on the engine's state bytes (for tests)",
     )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="optimizer steps per trial before timing starts (default: 1)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=2,
+        help="timed optimizer steps per trial (default: 2; 1 where a step takes minutes, as "
+        "with optimizer state on the disk)",
+    )
     p.add_argument("--out", default=None, help="append every trial as a JSON line to this file")
     add_config_args(p, BenchConfig, skip=("steps", "warmup"))
     p.set_defaults(func=run)
@@ -87,6 +100,10 @@ def check_args(args: argparse.Namespace) -> Path | None:
         raise UserError(f"--gpus {args.gpus}: must be at least 1")
     if args.max_trials < 1:
         raise UserError(f"--max-trials {args.max_trials}: must be at least 1")
+    if args.steps < 1 or args.warmup < 0:
+        raise UserError(
+            f"--steps {args.steps} --warmup {args.warmup}: steps at least 1, warmup 0 or more"
+        )
     if args.start is not None and args.start < 1:
         raise UserError(f"--start {args.start}: a layer count, at least 1")
     if args.out is None:
@@ -112,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
     from fitgpt.plan.formats import FIELDS
 
     out = check_args(args)
-    bench = dataclasses.replace(config_from_args(args, BenchConfig), warmup=1, steps=2)
+    bench = dataclasses.replace(
+        config_from_args(args, BenchConfig), warmup=args.warmup, steps=args.steps
+    )
     system = get_system(system_name(args))
     bench = dataclasses.replace(bench, **system.bench_changes)
     hw, cap = capped_hardware(args)

@@ -242,8 +242,8 @@ class CompactState:
                 kern[1](m, v, *self._stored(lo, hi))
             else:
                 for st, t in ((self.m, m), (self.v, v)):
-                    if st.fp32(lo, hi) is None:
-                        st.encode(lo, hi, t)
+                    if st.fp32(lo, hi) is None:  # g is spent: int8's quantisation room
+                        st.encode(lo, hi, t, work=g)
             self._master_out(p, weights, lo, hi, work=g)  # g is spent: split_master's workspace
         if undo_mul is not None and grad_mul is None:
             self.step_count -= 1

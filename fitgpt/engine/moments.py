@@ -50,6 +50,10 @@ BLOCK = 2048
 # bytes (~9 MiB) stay in L3 cache across the pass's 4-5 elementwise ops. Measured on 2 cores,
 # encode+decode of m: 0.4 G elements/s at 2^24 (a fresh 64 MiB temporary is page-faulted in
 # every pass and every op goes to DRAM), 1.3 G/s at 2^20, 0.9 G/s at 2^18 (per-op overhead).
+# On a GPU the cache argument does not hold and each op is a kernel launch (~5 us): 1 Mi-element
+# passes made a 1.56 B model's int8 moments cost ~70 k launches per step, 0.5 s of the H100's
+# 0.87 s step (benchmarks/results/compact_h100_2026-11-23/loss). GPU passes take the whole range
+# asked for (the device's compact pieces, engine/compact.py: 16 Mi elements).
 WORK = 1 << 20
 
 
@@ -118,8 +122,10 @@ class MomentStore(ABC):
         """Write stored elements [lo, hi), as fp32, into `out` (hi - lo elements)."""
 
     @abstractmethod
-    def encode(self, lo: int, hi: int, src: Tensor) -> None:
-        """Store the fp32 values of `src` as elements [lo, hi)."""
+    def encode(self, lo: int, hi: int, src: Tensor, work: Tensor | None = None) -> None:
+        """Store the fp32 values of `src` as elements [lo, hi). `work`: fp32 room of at least
+        hi - lo elements that the store may overwrite (int8's quantisation temporary; without
+        it the store allocates one per pass)."""
 
     def decode_into(self, out: Tensor) -> None:
         self.decode(0, self.numel, out)
@@ -149,7 +155,7 @@ class Fp32Store(MomentStore):
         self._check(lo, hi, out)
         out.copy_(self.tensors["data"][lo:hi])
 
-    def encode(self, lo: int, hi: int, src: Tensor) -> None:
+    def encode(self, lo: int, hi: int, src: Tensor, work: Tensor | None = None) -> None:
         self._check(lo, hi, src)
         self.tensors["data"][lo:hi].copy_(src)
 
@@ -173,7 +179,7 @@ class Bf16Store(MomentStore):
         self._check(lo, hi, out)
         out.copy_(self.tensors["data"][lo:hi])  # exact: every bf16 is an fp32
 
-    def encode(self, lo: int, hi: int, src: Tensor) -> None:
+    def encode(self, lo: int, hi: int, src: Tensor, work: Tensor | None = None) -> None:
         self._check(lo, hi, src)
         self.tensors["data"][lo:hi].copy_(src)  # round to nearest even
 
@@ -221,23 +227,27 @@ class Int8Store(MomentStore):
                 self._decode_rows(a + full, BLOCK, row)
                 out[a - lo + full : b - lo].copy_(row[0, : b - a - full])
 
-    def encode(self, lo: int, hi: int, src: Tensor) -> None:
+    def encode(self, lo: int, hi: int, src: Tensor, work: Tensor | None = None) -> None:
         self._check(lo, hi, src)
+        if work is not None and (work.dtype != torch.float32 or work.numel() < hi - lo):
+            raise ValueError(f"int8 moments: work room {work.dtype} [{work.numel()}] < {hi - lo}")
         for a, b in self._passes(lo, hi):
             full = (b - a) // BLOCK * BLOCK
             if full:
-                self._encode_rows(a, full, src[a - lo : a - lo + full].view(-1, BLOCK))
+                t = None if work is None else work[a - lo : a - lo + full].view(-1, BLOCK)
+                self._encode_rows(a, full, src[a - lo : a - lo + full].view(-1, BLOCK), t)
             if a + full < b:  # the last, partial block: zero-padded, zeros leave absmax alone
                 row = torch.zeros(1, BLOCK, dtype=torch.float32, device=self.device)
                 row[0, : b - a - full].copy_(src[a - lo + full : b - lo])
                 self._encode_rows(a + full, BLOCK, row)
 
     def _passes(self, lo: int, hi: int) -> list[tuple[int, int]]:
-        """[a, b) ranges of at most WORK elements covering [lo, hi); every a on a block
-        boundary (a partial block only at the end of the store)."""
+        """[a, b) ranges covering [lo, hi), of at most WORK elements on the host, whole on a GPU;
+        every a on a block boundary (a partial block only at the end of the store)."""
         if lo % BLOCK or (hi % BLOCK and hi != self.numel):
             raise ValueError(f"int8 moments: [{lo}, {hi}) splits a block of {BLOCK}")
-        return [(a, min(a + WORK, hi)) for a in range(lo, hi, WORK)]
+        work = WORK if self.device.type == "cpu" else max(hi - lo, 1)
+        return [(a, min(a + work, hi)) for a in range(lo, hi, work)]
 
     def _rows(self, lo: int, n: int) -> tuple[Tensor, Tensor]:
         """The storage of elements [lo, lo+n) as q_RB and scale_R (lo, n multiples of BLOCK)."""
@@ -255,10 +265,11 @@ class Int8Store(MomentStore):
             torch.maximum(out_RB, scale_R[:, None] / 2, out=out_RB)
             out_RB.square_()  # back from sqrt(v) to v
 
-    def _encode_rows(self, lo: int, n: int, x_RB: Tensor) -> None:
+    def _encode_rows(self, lo: int, n: int, x_RB: Tensor, t_RB: Tensor | None = None) -> None:
         q_RB, scale_R = self._rows(lo, n)
-        # fp32 temporary of this pass: at most WORK elements (4 MiB), freed on return
-        t_RB = torch.empty_like(x_RB)
+        # the fp32 temporary of this pass: the caller's room, else a fresh one (on the host at
+        # most WORK elements, 4 MiB), freed on return
+        t_RB = torch.empty_like(x_RB) if t_RB is None else t_RB
         if self.signed:
             # max(max x, -min x): no |x| temporary; two reductions beat torch.aminmax(dim=1) ~7x
             amax_R = torch.maximum(x_RB.amax(dim=1), x_RB.amin(dim=1).neg_())

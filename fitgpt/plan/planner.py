@@ -357,6 +357,17 @@ def why(chosen: Candidate, cands: list[Candidate]) -> str:
         )
     else:
         room = f"{chosen.est.host_total / GiB:.1f} GiB of host RAM per rank"
+    if not chosen.fits:  # --force (and capacity trials): the leanest plan, tried anyway
+        short = ", ".join(
+            f"{what} short by {x / GiB:.1f} GiB"
+            for what, x in (
+                ("GPU", chosen.gpu_short),
+                ("host RAM", chosen.host_short),
+                ("disk", chosen.disk_short),
+            )
+            if x > 0
+        )
+        return f"no plan is predicted to fit ({short}), the leanest tried anyway; {room}"
     state = state_reason(chosen, fitting)
     if len(fitting) == 1:
         return f"{state}the only plan that fits; {room}"
