@@ -580,7 +580,8 @@ def native_steps(monkeypatch, mode: str, master: str, moments: str, n_steps: int
 
 @NATIVE
 @pytest.mark.parametrize(
-    ("master", "moments"), [("split", "bf16"), ("fp32", "bf16"), ("split", "int8")]
+    ("master", "moments"),
+    [("split", "bf16"), ("fp32", "bf16"), ("split", "int8"), ("fp32", "int8")],
 )
 def test_native_host_kernel_steps_like_the_torch_path(master, moments, monkeypatch):
     """The native kernel against the torch path (eager) over 6 steps: the same AdamW, so the
@@ -597,13 +598,13 @@ def test_native_host_kernel_steps_like_the_torch_path(master, moments, monkeypat
 
 
 @NATIVE
-def test_native_split_master_steps_like_the_native_fp32_master(monkeypatch):
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_native_split_master_steps_like_the_native_fp32_master(moments, monkeypatch):
     """Through the native kernel, a split master is the fp32 master but at the documented ties
-    (compact.py), as through torch's: the same working weights and moments bit for bit. (int8
-    moments with an fp32 master take the torch path: compact.NATIVE_MASTERS.)"""
-    ws, (ps, ms, vs), used = native_steps(monkeypatch, "native", "split", "bf16", 20)
-    wf, (pf, mf, vf), _ = native_steps(monkeypatch, "native", "fp32", "bf16", 20)
-    assert used == 20
+    (compact.py), as through torch's: the same working weights and moments bit for bit."""
+    ws, (ps, ms, vs), used = native_steps(monkeypatch, "native", "split", moments, 20)
+    wf, (pf, mf, vf), used_f = native_steps(monkeypatch, "native", "fp32", moments, 20)
+    assert used == used_f == 20
     assert torch.equal(ws, wf) and torch.equal(ms, mf) and torch.equal(vs, vf)
     # a tie's ulp stays an ulp of the magnitude it was made at (more of them as an element
     # shrinks towards zero): bounded in absolute terms, and few elements
