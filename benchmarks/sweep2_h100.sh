@@ -14,10 +14,12 @@
 #          planner's prediction, two trials each (the prediction, then one step up)
 #   disk   `fitgpt capacity --system fitgpt-int8 --nvme-path ...`: the largest with optimizer
 #          state on the disk, one trial of 1 step at the predicted size (a step takes minutes)
+#   rest   the GPU tests of compact state (stacks dumped on a hang), the host AdamW per format,
+#          and `fitgpt capacity` (default formats) once more
 #
 # Usage (device; carry .whl for the peers stage):  OUT=... bash benchmarks/sweep2_h100.sh STAGE
 set -u
-STAGE=${1:?stage: peers, cap or disk}
+STAGE=${1:?stage: peers, cap, disk or rest}
 OUT=${OUT:-/tmp/sweep2}
 DEADLINE=${DEADLINE:-560}
 mkdir -p "$OUT"
@@ -44,10 +46,24 @@ case $STAGE in
     echo "gpu tests: exit $?"; tail -25 "$OUT/gpu_tests.txt"
     ;;
   disk)
-    rm -rf /tmp/fitgpt-nvme  # a killed earlier run's state would take the room
+    rm -rf /tmp/fitgpt-nvme && mkdir -p /tmp/fitgpt-nvme  # a killed run's state takes room
     timeout -s TERM $(($(left) - 5)) python3 -m fitgpt capacity --system fitgpt-int8 \
       --nvme-path /tmp/fitgpt-nvme --max-trials 1 --warmup 0 --steps 1 \
       --time-limit $(($(left) - 15)) --out $LOGS/disk.jsonl
+    ;;
+  rest)
+    # the GPU tests of compact state, each stopped with every thread's stack after 45 s (session
+    # 8 and the cap stage saw them stop after the first of ten)
+    timeout -s TERM 150 python3 -m pytest -x -vv -p no:cacheprovider --timeout 45 \
+      --timeout-method thread tests/test_compact.py -k gpu_split > "$OUT/gpu_tests.txt" 2>&1
+    echo "gpu tests: exit $?"; grep -E "PASS|FAIL|Timeout|File .*fitgpt" "$OUT/gpu_tests.txt" | head -40
+    # the host AdamW per format, native kernel (fp32 master + int8 moments now vectorized)
+    python3 benchmarks/host_adamw_formats.py --modes native --reps 3 --out "$OUT/host_adamw.json" \
+      2>&1 | tail -12
+    # the default formats' capacity again (the cap stage's first trial crashed in the plan's
+    # summary line, since fixed)
+    timeout -s TERM $(($(left) - 5)) python3 -m fitgpt capacity --max-trials 2 \
+      --time-limit 240 --out $LOGS/rest.jsonl
     ;;
   *)
     echo "unknown stage $STAGE" >&2

@@ -200,7 +200,8 @@ def capped_hardware(args: argparse.Namespace):
     from fitgpt.plan.memory import HOST_BASE
 
     cap = parse_bytes(args.cap, "--cap") if args.cap else 0
-    hw = hardware.detect(args.gpus, None, None, None, args.device)
+    # the disk tier counts where the trials may use it (--nvme-path), as `fitgpt train` plans
+    hw = hardware.detect(args.gpus, None, None, args.nvme_path or None, args.device)
     if cap and hw.device == "cuda":
         hw = dataclasses.replace(hw, gpu_mem=cap)
     elif cap:
