@@ -421,3 +421,42 @@ def test_close_releases_the_engine_and_its_memory():
     del e
     gc.collect()
     assert engine() is None and chunk() is None  # nothing (hooks included) keeps it alive
+
+
+def test_a_host_worker_that_dies_fails_the_step_instead_of_hanging(monkeypatch):
+    """Found on the H100: the host optimizer's worker thread died as it started (it selected
+    its GPU by a device without an index, which torch refuses), and the next forward waited for
+    its chunk's update for ever. A worker that is gone now fails the step with its error. (The
+    death is injected here: a CPU run's worker has no GPU to select.)"""
+    import threading
+
+    from fitgpt.engine import offload
+
+    def dies(self):
+        raise ValueError("Expected a torch.device with a specified index")
+
+    monkeypatch.setattr(offload.HostOptimizer, "_serve", dies)
+    e = build_engine(
+        MODEL,
+        EngineConfig(engine="zero", offload_optimizer="cpu", offload_blocks=2),
+        PrecisionConfig("fp32"),
+        OptimConfig(),
+        CPU,
+    )
+    x = torch.randint(0, MODEL.vocab_size, (2, MODEL.seq_len + 1))
+    raised: list[BaseException] = []
+
+    def steps() -> None:
+        try:
+            for _ in range(2):  # the second forward waits for the first step's updates
+                e.train_step([(x[:, :-1], x[:, 1:])], 1e-3)
+        except RuntimeError as err:
+            raised.append(err)
+
+    t = threading.Thread(target=steps, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the step hangs on a dead worker"
+    assert raised and "host optimizer failed" in str(raised[0])
+    assert "specified index" in str(raised[0].__cause__)
+    e.close()

@@ -100,7 +100,10 @@ class HostOptimizer:
         weights are on the GPU a second pinned buffer per slot that brings them down (up to
         weight_elems). `scratch`: the compact formats' pieces (engine/compact.py)."""
         self.disk, self.scratch = disk, scratch
-        self.device, self.cuda = device, device.type == "cuda"
+        self.cuda = device.type == "cuda"
+        if self.cuda and device.index is None:  # the worker selects it: torch needs the index
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         # gradients down and weights up on separate side streams: a copy up never queues behind
         # a gradient's copy down, which waits for a point of the backward not reached yet
         self.stream = torch.cuda.Stream(device) if self.cuda else None
@@ -257,8 +260,10 @@ class HostOptimizer:
 
     def _wait_done(self, c: Chunk, done: _Done) -> None:
         t0 = time.perf_counter()
+        # a failed worker may never set this job's flag: poll for its error, and for its end
         while not done.flag.wait(0.5) and self.error is None:
-            pass  # a failed worker may never set this job's flag
+            if not self.thread.is_alive():
+                self.error = RuntimeError("the host optimizer's worker thread has stopped")
         self.wait_s += time.perf_counter() - t0
         if self.error is not None:
             raise RuntimeError(f"the host optimizer failed on {c.spec.name}") from self.error
@@ -280,6 +285,14 @@ class HostOptimizer:
 
     # ---- worker thread --------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # the worker is gone: every waiter must raise, not hang
+            self.error = self.error or e
+            with self.slot_freed:
+                self.slot_freed.notify_all()
+
+    def _serve(self) -> None:
         if self.cuda:  # a new thread starts on GPU 0: a context there per rank otherwise
             torch.cuda.set_device(self.device)
         while True:
