@@ -3,7 +3,9 @@
 # top of the compact state and the native host AdamW, at 8.07 B (ANCHORS shape, 38 layers) on
 # nvidia-h100-x1: `fitgpt train` with and without --delayed-update, in the same call, both with
 # an fp32 master (a split master is rebuilt from the current weights, which a delayed run holds
-# a step behind: --delayed-update refuses it) and the planner's choice for everything else.
+# a step behind: --delayed-update refuses it) and the host tier asked for (--offload-optimizer
+# cpu: the delay applies to host updates only); the planner's choice for everything else.
+# Not yet run on the device (a first call lacked --offload-optimizer and was refused in one line).
 # 6 steps each, random tokens; the median of steps 3-6 from each log.
 # Usage (device): OUT=... bash benchmarks/delayed_h100.sh
 set -u
@@ -11,7 +13,7 @@ OUT=${OUT:-/tmp/delayed}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 ARGS="--preset 6.7b --no-tie-embeddings --layers 38 --micro-batch 8 --grad-accum 4 --data uniform
-  --steps 6 --log-every 1 --eval-every 0 --no-save --master fp32"
+  --steps 6 --log-every 1 --eval-every 0 --no-save --master fp32 --offload-optimizer cpu"
 for mode in no-delayed-update delayed-update; do
   timeout 115 python3 -m fitgpt train $ARGS --$mode --out /tmp/delayed_$mode > "$OUT/$mode.log" 2>&1
   echo "$mode: exit $?"

@@ -61,15 +61,15 @@ OVERHEAD = {"ddp": 0.11, 0: 0.0, 1: 0.0, 2: 0.03, 3: 0.06}
 FP32_HOST_BYTES = 40.0
 # Measured: benchmarks/results/compact_native_h100_2026-11-23/host_adamw_native.json (H100
 # machine's host, 16 threads, one 201 M-element block): seconds per element over fp32 state's.
-# bf16 moments and split + int8 run through the native kernel (engine/hostkernel.py), split +
-# fp32 through torch's kernel. fp32 + int8: the torch path with the compiled codec (the earlier
-# figure, compact_h100_2026-11-23); it takes the native kernel since, 0.54x on the 2-core CPU box
-# as split + int8, but keeps this pessimistic figure until measured on the H100 machine's host.
+# bf16 and int8 moments run through the native kernel (engine/hostkernel.py), split + fp32
+# through torch's kernel. fp32 + int8 was measured once vectorized in a later call
+# (sweep_h100_2026-11-23/host_adamw.json): 0.88x split + int8's time in that call, so 0.88 x 0.50
+# here (that call's fp32 baseline ran slower, 0.111 s against 0.082 s: its raw ratios read low).
 HOST_VS_FP32: dict[tuple[str, str], float] = {
     ("split", "fp32"): 1.43,
     ("fp32", "bf16"): 0.43,
     ("split", "bf16"): 0.43,
-    ("fp32", "int8"): 1.24,
+    ("fp32", "int8"): 0.44,
     ("split", "int8"): 0.50,
 }
 FP32_DEVICE_BYTES = 36.0  # the GPU's fused AdamW over fp32 state (the optimizer term)
