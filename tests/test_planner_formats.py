@@ -58,6 +58,22 @@ def test_the_shipped_default_leaves_int8_out(monkeypatch):
     assert all("int8" not in rung for rung in rungs({}, "bf16"))
 
 
+def test_a_refusal_names_int8_moments_where_they_would_fit(monkeypatch):
+    """int8 moments are never picked by themselves; a model that only they make fit is refused
+    with them named as what would fit, and not where the user fixed the moments."""
+    monkeypatch.setattr(formats, "AUTO_FORMATS", ("split", "bf16"))  # as shipped
+    with pytest.raises(
+        UserError, match=r"what fits: 9\d layers .* or this model with --moments int8"
+    ):
+        choose(work(105), 4, H100, R)
+    with pytest.raises(UserError) as refused:
+        choose(work(105), 4, H100, R, {"moments": "bf16"})
+    assert "int8" not in str(refused.value)
+    with pytest.raises(UserError) as refused:  # beyond what int8 moments make fit
+        choose(work(150), 4, H100, R)
+    assert "int8" not in str(refused.value)
+
+
 # ---- the ladder -------------------------------------------------------------------------------
 def test_the_ladder_keeps_what_the_user_fixed_and_only_the_auto_formats(monkeypatch):
     assert rungs({}, "bf16") == list(LADDER)
