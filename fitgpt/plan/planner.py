@@ -475,11 +475,15 @@ def refusal(
         alt.append(f"this model at micro-batch {mb}")
     # int8 moments are never chosen by themselves (their loss cost), but name them where they
     # would make this very model fit
-    asked = "moments" in fixed or "int8" in formats.AUTO_FORMATS
-    if not asked and any(
-        c.fits for c in plan(work, grad_accum, hw, rates, {**fixed, "moments": "int8"})
-    ):
-        alt.append("this model with --moments int8 (a loss cost: docs/offload.md)")
+    if "moments" not in fixed and "int8" not in formats.AUTO_FORMATS:
+        try:
+            fits8 = any(
+                c.fits for c in plan(work, grad_accum, hw, rates, {**fixed, "moments": "int8"})
+            )
+        except UserError:  # the fixed fields rule compact moments out (--engine ddp)
+            fits8 = False
+        if fits8:
+            alt.append("this model with --moments int8 (a loss cost: docs/offload.md)")
     what = " or ".join(alt) if alt else "nothing of this width"
     return (
         f"{m.num_params() / 1e9:.2f} B parameters at micro-batch {work.micro_batch} do not fit: the leanest "
