@@ -158,6 +158,7 @@ CASES: list[Case] = [
     # train: numbers out of range
     Case("train-steps-0", f"{TRAIN_SYN} --steps 0", "--steps"),
     Case("train-steps-negative", f"{TRAIN_SYN} --steps -3", "--steps"),
+    Case("train-profile-negative", f"{TRAIN_SYN} --profile -1", "--profile"),
     Case("train-steps-not-int", f"{TRAIN_SYN} --steps 1.5", "--steps"),
     Case("train-micro-batch-0", f"{TRAIN_SYN} --micro-batch 0", "--micro-batch"),
     Case("train-grad-accum-0", f"{TRAIN_SYN} --grad-accum 0", "--grad-accum"),

@@ -63,6 +63,14 @@ class TrainConfig:
             "(torchrun alone would give each one thread)"
         },
     )
+    profile: int = field(
+        default=0,
+        metadata={
+            "help": "profile N optimizer steps (from the 4th) with torch.profiler: a Chrome "
+            "trace and a table of the ops with the most time in the run folder's profile/ "
+            "(0 = off)"
+        },
+    )
     dist_timeout: float = field(
         default=600.0,
         metadata={
@@ -84,6 +92,7 @@ class TrainConfig:
             "save_every",
             "max_bad_steps",
             "cpu_threads",
+            "profile",
         ):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0")

@@ -37,6 +37,7 @@ from fitgpt.train.config import TrainConfig
 from fitgpt.train.guard import Diverged, DivergenceGuard, Interrupted, StopRequest
 from fitgpt.train.init_from import FREE, InitSource, checkpoint_of, drop_scratch
 from fitgpt.train.metrics import MetricsLog, format_line, peak_flops
+from fitgpt.train.profile import StepProfiler
 from fitgpt.train.rundir import close_run_dir, open_run_dir
 from fitgpt.train.schedule import lr_at
 from fitgpt.train.setup import OutOfMemory, is_oom, oom_message, phase_of, resolve_run
@@ -307,10 +308,16 @@ class Trainer:
         self.saved_step, self.prune_owed, self.save_owed = None, False, False
         self.window, losses, history = [], [], []
         self.t_start = time.perf_counter()
+        prof = StepProfiler(
+            cfg.profile if ctx.is_main else 0, self.step, cfg.steps, Path(cfg.out), ctx.device
+        )
         with StopRequest() as stop:
             try:
                 while self.step < cfg.steps:
+                    prof.before(self.step)
                     stats, dt, lr = self.step_once()
+                    if (line := prof.after(self.step - 1)) is not None:
+                        say(ctx, line)
                     if not losses:  # this process's first step compiled forward and backward
                         self._report_compile()
                     self.window.append(dt)
