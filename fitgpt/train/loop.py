@@ -316,13 +316,14 @@ class Trainer:
                 while self.step < cfg.steps:
                     prof.before(self.step)
                     stats, dt, lr = self.step_once()
-                    if (line := prof.after(self.step - 1)) is not None:
-                        say(ctx, line)
+                    written = prof.after(self.step - 1)
                     if not losses:  # this process's first step compiled forward and backward
                         self._report_compile()
                     self.window.append(dt)
                     losses.append(stats.loss)
                     history += self._after_step(stats, lr)
+                    if written is not None:
+                        say(ctx, written)
                     if stop.requested(ctx):
                         self._stop(stop)
             except KeyboardInterrupt as e:  # a second Ctrl-C: no save, say where to resume
