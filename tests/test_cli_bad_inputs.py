@@ -382,6 +382,7 @@ CASES: list[Case] = [
     Case("capacity-start-negative", f"{CAPACITY} --start -2", "--start"),
     Case("capacity-gpus-0", f"{CAPACITY} --gpus 0", "--gpus"),
     Case("capacity-steps-0", f"{CAPACITY} --steps 0", "--steps"),
+    Case("capacity-nvme-path-missing", f"{CAPACITY} --nvme-path {{dir}}/nope", "--nvme-path"),
     Case("capacity-warmup-negative", f"{CAPACITY} --warmup -1", "--warmup"),
     Case("capacity-out-is-dir", f"{CAPACITY} --out {{dir}}", "--out"),
     Case("capacity-out-under-file", f"{CAPACITY} --out {{file}}/c.jsonl", "--out"),

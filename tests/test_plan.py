@@ -27,7 +27,7 @@ from fitgpt.plan.memory import (
     torch_state,
     zero_state,
 )
-from fitgpt.plan.planner import choose, plan, why
+from fitgpt.plan.planner import choose, leanest, plan, why
 from fitgpt.plan.rates import DEFAULTS
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
@@ -161,6 +161,12 @@ def test_planner_picks_a_fitting_plan_and_refuses_with_the_shortfall():
         choose(big, 4, H100, r, {"engine": "ddp", "checkpointing": "off"})
     forced, cands = choose(big, 4, H100, r, {"engine": "ddp", "checkpointing": "off"}, force=True)
     assert forced.ecfg.engine == "ddp" and not forced.fits
+    # forced, the leanest plan runs: the least short over the tiers that are short (a plan
+    # with room to spare on the host is no leaner for it)
+    assert forced is leanest(cands)
+    small_host = dataclasses.replace(H100, cpu_mem=int(40 * GiB))
+    lean, cands2 = choose(Workload(get_preset("13b"), 8, 1, "bf16"), 4, small_host, r, force=True)
+    assert lean is leanest(cands2) and not lean.fits
     # the line `fitgpt train --force` prints (a capacity trial's too): what it is short of
     assert re.search(r"no plan is predicted to fit \(GPU short by [\d.]+ GiB\), the leanest "
                      r"tried anyway", why(forced, cands))  # fmt: skip

@@ -45,3 +45,47 @@ def test_no_profile_by_default(tmp_path):
     out = tmp_path / "run"
     train("--steps", "2", "--out", str(out))
     assert not (out / "profile").exists()
+
+
+def test_a_run_stopped_inside_the_window_ends_the_profiler(tmp_path, monkeypatch):
+    """An error in a profiled step ends the profile (nothing written, the profiler off), so the
+    process can profile again."""
+    import torch
+
+    from fitgpt.train import loop
+
+    real = loop.Trainer.step_once
+
+    def fails_at_5(self, micro=None):
+        if self.step == 4:
+            raise RuntimeError("out of memory (injected)")
+        return real(self, micro)
+
+    monkeypatch.setattr(loop.Trainer, "step_once", fails_at_5)
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="injected"):
+        main([*TRAIN, "--steps", "8", "--profile", "3", "--out", str(out)])
+    assert not (out / "profile").exists()
+    assert not torch.autograd.profiler._is_profiler_enabled
+    monkeypatch.undo()
+    train("--steps", "5", "--profile", "1", "--out", str(tmp_path / "again"))
+    assert (tmp_path / "again" / "profile" / "trace.json").is_file()
+
+
+def test_a_resumed_run_does_not_profile_again_unless_asked(tmp_path, capsys):
+    out = tmp_path / "run"
+    train("--steps", "4", "--profile", "1", "--save-every", "2", "--out", str(out))
+    trace = out / "profile" / "trace.json"
+    first = trace.stat().st_mtime_ns
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # (TRAIN has --no-save: resume through the saved config)
+        main(["train", "--out", str(out), "--resume", "--steps", "6"])
+    assert "profile of steps" not in capsys.readouterr().out
+    assert trace.stat().st_mtime_ns == first
+
+
+def test_union_of_kernel_spans_counts_overlap_once():
+    from fitgpt.train.profile import _union_us
+
+    assert _union_us([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
+    assert _union_us([]) == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -104,6 +105,9 @@ def check_args(args: argparse.Namespace) -> Path | None:
         raise UserError(
             f"--steps {args.steps} --warmup {args.warmup}: steps at least 1, warmup 0 or more"
         )
+    if args.nvme_path and not os.path.isdir(args.nvme_path):  # trials write their state there
+        raise UserError(f"--nvme-path {args.nvme_path}: not a folder; pass an existing folder "
+                        "on a fast disk")  # fmt: skip
     if args.start is not None and args.start < 1:
         raise UserError(f"--start {args.start}: a layer count, at least 1")
     if args.out is None:

@@ -386,8 +386,8 @@ class CompactState:
                 buf[:n].zero_()
                 if src is not None and lo < k:
                     buf[: min(hi, k) - lo].copy_(src[lo : min(hi, k)])
-                if store is not None:
-                    store.encode(lo, hi, buf[:n])
+                if store is not None:  # sg is free until _master_out: int8's room
+                    store.encode(lo, hi, buf[:n], work=sg[:n])
             if self.master == "alias":
                 weights[lo:hi].copy_(sp[:n])
                 continue

@@ -178,7 +178,8 @@ class HostOptimizer:
         t0 = time.perf_counter()
         with self.slot_freed:
             while self.ready and self.error is None:
-                self.slot_freed.wait()
+                if not self.slot_freed.wait(0.5) and not self.thread.is_alive():
+                    self.error = RuntimeError("the host optimizer's worker thread has stopped")
             copied, self.copied = self.copied, []
         self.slot_wait_s += time.perf_counter() - t0
         if self.error is not None:
@@ -262,8 +263,10 @@ class HostOptimizer:
         t0 = time.perf_counter()
         # a failed worker may never set this job's flag: poll for its error, and for its end
         while not done.flag.wait(0.5) and self.error is None:
-            if not self.thread.is_alive():
-                self.error = RuntimeError("the host optimizer's worker thread has stopped")
+            if not self.thread.is_alive() and not done.flag.is_set():  # (its own error first)
+                self.error = self.error or RuntimeError(
+                    "the host optimizer's worker thread has stopped"
+                )
         self.wait_s += time.perf_counter() - t0
         if self.error is not None:
             raise RuntimeError(f"the host optimizer failed on {c.spec.name}") from self.error

@@ -209,7 +209,7 @@ def plan(
             not c.fits,
             uses_disk(c) if c.fits else 0,
             rank(c) if c.fits else 0,
-            c.compared_time if c.fits else c.gpu_short + c.host_short + c.disk_short,
+            c.compared_time if c.fits else shortfall(c),  # unfitting: the leanest first
             c.est.compute_total,
             c.ecfg.engine != "zero",
         )
@@ -404,10 +404,13 @@ def state_reason(chosen: Candidate, fitting: list[Candidate]) -> str:
     return ""
 
 
+def shortfall(c: Candidate) -> int:
+    """Bytes the plan is short of, over every tier that is short (room elsewhere cannot help)."""
+    return max(c.gpu_short, 0) + max(c.host_short, 0) + max(c.disk_short, 0)
+
+
 def leanest(cands: list[Candidate]) -> Candidate:
-    return min(
-        cands, key=lambda c: max(c.gpu_short, 0) + max(c.host_short, 0) + max(c.disk_short, 0)
-    )
+    return min(cands, key=shortfall)
 
 
 def largest_layers(work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: dict) -> int:
@@ -475,7 +478,7 @@ def refusal(
         alt.append(f"this model at micro-batch {mb}")
     # int8 moments are never chosen by themselves (their loss cost), but name them where they
     # would make this very model fit
-    if "moments" not in fixed and "int8" not in formats.AUTO_FORMATS:
+    if fixed.get("moments", "auto") == "auto" and "int8" not in formats.AUTO_FORMATS:
         try:
             fits8 = any(
                 c.fits for c in plan(work, grad_accum, hw, rates, {**fixed, "moments": "int8"})

@@ -316,7 +316,7 @@ class Trainer:
                 while self.step < cfg.steps:
                     prof.before(self.step)
                     stats, dt, lr = self.step_once()
-                    written = prof.after(self.step - 1)
+                    written = prof.after(self.step - 1, dt)
                     if not losses:  # this process's first step compiled forward and backward
                         self._report_compile()
                     self.window.append(dt)
@@ -330,6 +330,8 @@ class Trainer:
                 if isinstance(e, Interrupted):
                     raise
                 raise Interrupted(self._resume_hint(f"interrupted at step {self.step}")) from None
+            finally:
+                prof.close()  # a run stopped inside the profiled steps: the profiler ends too
         self._prune()
         if self.save_owed:
             say(ctx, self._resume_hint(f"step {self.step} was not saved: {self.guard.why()}"))

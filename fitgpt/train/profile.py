@@ -11,14 +11,14 @@ start the host optimizer), or the last N when the run is shorter. On rank 0 only
 the run folder, each file through a temporary name: `profile/trace.json` (open it in
 chrome://tracing or ui.perfetto.dev) and `profile/summary.txt` (the device-kernel share of the
 profiled wall time, then the 30 ops with the most self time). Cost: the profiled steps run a few
-percent slower and their log lines say so; a Chrome trace of a large model's step can take
-hundreds of MB.
+percent slower (their log lines are not marked); a Chrome trace of a large model's step can take
+hundreds of MB. A run that stops inside the window (an error, a divergence, Ctrl-C) ends the
+profiler and writes nothing. --profile is not kept for a resumed run.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -40,7 +40,7 @@ class StepProfiler:
         self.stop = min(self.start + steps, total)
         self.out, self.device = out, device
         self.prof: profile | None = None
-        self.t0 = 0.0
+        self.step_s = 0.0  # the profiled steps' own seconds (not evaluations or saves between)
 
     def before(self, step: int) -> None:
         if self.n and step == self.start:
@@ -49,15 +49,16 @@ class StepProfiler:
                 acts.append(ProfilerActivity.CUDA)
             self.prof = profile(activities=acts, record_shapes=False)
             self.prof.__enter__()
-            self.t0 = time.perf_counter()
 
-    def after(self, step: int) -> str | None:
-        """After step `step`: the line to log when the profile was just written, else None."""
-        if self.prof is None or step + 1 != self.stop:
+    def after(self, step: int, seconds: float) -> str | None:
+        """After step `step`, which took `seconds` (it ends in a host sync): the line to log
+        when the profile was just written, else None."""
+        if self.prof is None:
             return None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        wall = time.perf_counter() - self.t0
+        self.step_s += seconds
+        if step + 1 != self.stop:
+            return None
+        wall = self.step_s
         self.prof.__exit__(None, None, None)
         prof, self.prof = self.prof, None
         folder = self.out / "profile"
@@ -72,19 +73,46 @@ class StepProfiler:
         os.replace(tmp, folder / "summary.txt")
         return f"profile of steps {self.start + 1}-{self.stop}: {summary.splitlines()[0]}; {folder}"
 
+    def close(self) -> None:
+        """End a profile the run did not finish (it stopped inside the window): nothing written."""
+        if self.prof is not None:
+            prof, self.prof = self.prof, None
+            prof.__exit__(None, None, None)
+
     def _summary(self, prof, wall: float, steps: int) -> str:
         events = prof.key_averages()
         cuda = self.device.type == "cuda"
         key = "self_device_time_total" if cuda else "self_cpu_time_total"
-        if cuda:  # the kernels' own spans (summed over streams: overlap can pass 100%)
-            spans = [e.time_range.elapsed_us() for e in prof.events() if e.device_type == DEVICE]
-            busy = sum(spans) / 1e6
+        if cuda:
+            # kernels and copies on the device, not the device-side copies of record_function
+            # ranges (which span the kernels they hold); busy = the union of the kernels' spans
+            # over every stream, so overlap is counted once
+            spans, copies = [], 0.0
+            for e in prof.events():
+                if e.device_type != DEVICE or e.is_user_annotation:
+                    continue
+                if e.name.startswith(("Memcpy", "Memset")):
+                    copies += e.time_range.elapsed_us()
+                else:
+                    spans.append((e.time_range.start, e.time_range.end))
+            busy = _union_us(spans) / 1e6
             head = (
                 f"{steps} step(s), {wall / steps:.3f} s each; {len(spans)} kernels, busy "
-                f"{busy / wall:.0%} of the wall time"
+                f"{busy / wall:.0%} of the steps' time; copies {copies / 1e6 / steps:.3f} s per "
+                "step"
             )
         else:
             busy = sum(e.self_cpu_time_total for e in events) / 1e6
             head = f"{steps} step(s), {wall / steps:.3f} s each; ops' own CPU time {busy:.2f} s"
         table = events.table(sort_by=key, row_limit=30)
         return head + "\n\n" + table + "\n"
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    """Microseconds covered by at least one of the [start, end) spans."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total

@@ -105,4 +105,6 @@ def resumed_config(meta: dict, ckpt: Path, explicit: dict[str, dict], preset: Mo
                 )
             changes.append(f"{name} {old} → {value}")
     parts = {k: dataclasses.replace(saved[k], **asked.get(k, {})) for k in PARTS}
+    if "profile" not in asked.get("train", {}):  # a look at one run's steps, not a setting of it
+        parts["train"] = dataclasses.replace(parts["train"], profile=0)
     return RunConfig(**parts), changes
