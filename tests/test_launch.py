@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import free_port
@@ -61,7 +62,16 @@ def test_two_machines_on_localhost_train_together(tmp_path):
     port = free_port()
     args = [*RUN, "--steps", "4", "--zero-stage", "2", "--out", str(tmp_path)]
     nodes = [torchrun(2, r, 1, port, args) for r in (0, 1)]
-    outs = [p.communicate(timeout=240) for p in nodes]
+    # both nodes' pipes drained at once: one node blocked on a full pipe would hold the other at
+    # the job's end; a hang ends in both nodes' outputs, not in one node's timeout
+    with ThreadPoolExecutor(2) as pool:
+        waits = [pool.submit(p.communicate, timeout=240) for p in nodes]
+        try:
+            outs = [w.result() for w in waits]
+        except subprocess.TimeoutExpired:
+            for p in nodes:
+                p.kill()
+            pytest.fail(f"the two-node job hung: {[p.communicate() for p in nodes]}")
     assert [p.returncode for p in nodes] == [0, 0], outs
     assert "2 rank(s)" in outs[0][0]
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
