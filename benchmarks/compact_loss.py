@@ -17,7 +17,7 @@ speed). Each run's metrics.jsonl is copied to OUT/<name>.metrics.jsonl.
 
     python3 benchmarks/compact_loss.py run fp32-s1,bf16-s1 --out $OUT   # device, one call each
     python3 benchmarks/compact_loss.py run fp32-s2,int8-s1 --out $OUT
-    python3 benchmarks/compact_loss.py run host-s1,delayed-s1 --out $OUT  # issue 15 (not yet run)
+    python3 benchmarks/compact_loss.py run host-s1,delayed-s1 --out $OUT  # issue 15
     python3 benchmarks/compact_loss.py report RESULTS_DIR                # table + curves (here)
 """
 

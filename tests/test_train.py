@@ -13,7 +13,8 @@ from fitgpt.engine.factory import build_engine
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import CorruptCheckpoint
 from fitgpt.errors import UserError
-from fitgpt.train.loop import train
+from fitgpt.train.loop import Trainer, train
+from fitgpt.train.setup import resolve_run
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 
@@ -200,3 +201,23 @@ def test_export_writes_whole_parameters_that_reload(tmp_path):
     ref, _ = load_model(tmp_path / "run", torch.device("cpu"))
     x = torch.randint(0, TINY.vocab_size, (1, 8))
     torch.testing.assert_close(model(x), ref(x))
+
+
+def test_train_records_carry_the_step_breakdown(tmp_path):
+    # an offloaded run: each record has the last step's phases and the host optimizer's seconds
+    # per step since the record before, so the records add up to the worker's run total when the
+    # last one was written (no more than its final total: the last step's host work may finish
+    # after it; per-step figures that kept the run totals in would add up to about twice that)
+    cfg = resolve_run(
+        run_config(tmp_path, steps=6, log_every=2, engine="zero", offload_optimizer="cpu"), "cpu"
+    )
+    trainer = Trainer(cfg, CPU)
+    trainer.fit()
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if r["kind"] == "train"]
+    assert [r["step"] for r in recs] == [2, 4, 6]
+    for r in recs:
+        assert r["forward_backward_s"] > 0 and r["update_s"] >= 0
+        assert r["host_adamw_busy_s"] > 0 and r["host_wait_s"] >= 0 and r["slot_wait_s"] >= 0
+    total = trainer.engine.breakdown()["host_adamw_busy_total"]
+    assert 0 < sum(2 * r["host_adamw_busy_s"] for r in recs) <= total

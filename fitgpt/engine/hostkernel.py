@@ -46,6 +46,7 @@ SOURCE = Path(__file__).with_name("host_adamw.cpp")
 FLAGS = "-O3 -march=native -ffp-contract=off -fno-math-errno -fno-trapping-math -shared -fPIC"
 _LIB: list = []  # [ctypes function] once built, [None] once it failed
 _POOL: dict[int, ThreadPoolExecutor] = {}  # by thread count (torch's intra-op threads)
+SPANS_PER_THREAD = 4  # a few more ranges than threads: a thread on a shared core falls behind
 
 
 def wanted(device: torch.device) -> bool:
@@ -120,7 +121,8 @@ def adamw_(
     hp: Tensor,
 ) -> None:
     """One step over a whole state of n = len(grad) elements, in place, split over the intra-op
-    thread count's Python threads on whole int8 blocks (the GIL is released in the kernel).
+    thread count's Python threads, in ranges of whole int8 blocks (the GIL is released in the
+    kernel).
     weights: bf16 [n] (a split master's high half in; the new weights out); master: the int16
     remainder or an fp32 master; hp: fp32 [8] (lr, beta1, beta2, eps, weight decay,
     1 - beta1^t, sqrt(1 - beta2^t), gradient multiplier); elements before d decay."""
@@ -144,13 +146,16 @@ def adamw_(
         _ptr(hp),
     ]
     threads = max(1, torch.get_num_threads())
-    per = -(-n // threads // BLOCK) * BLOCK  # whole blocks per thread
+    # SPANS_PER_THREAD spans per thread, taken from the pool's queue as threads come free: with
+    # one static span each, a thread sharing its core (the backward's Python threads, while a
+    # speculative update runs beside them) held the whole chunk back
+    per = -(-n // (threads * SPANS_PER_THREAD) // BLOCK) * BLOCK  # whole int8 blocks per span
     spans = [(lo, min(lo + per, n)) for lo in range(0, n, per)]
-    if len(spans) == 1:
+    if len(spans) == 1 or threads == 1:
         fn(0, n, d, *args)
         return
-    pool = _POOL.get(len(spans))
+    pool = _POOL.get(threads)
     if pool is None:
-        pool = _POOL[len(spans)] = ThreadPoolExecutor(len(spans), thread_name_prefix="fitgpt-adamw")
+        pool = _POOL[threads] = ThreadPoolExecutor(threads, thread_name_prefix="fitgpt-adamw")
     for f in [pool.submit(fn, lo, hi, d, *args) for lo, hi in spans]:
         f.result()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import math
 import queue
 import threading
 import time
@@ -114,6 +115,11 @@ class HostOptimizer:
         self.wstaging = [
             torch.empty(weight_elems, dtype=dtype, pin_memory=self.cuda) for _ in range(slots)
         ] if weight_elems else []  # fmt: skip
+        # a guarded (speculative) job's gradient norm per slot, computed on the GPU beside its
+        # copy down: the worker's finiteness check is one read, not a pass over host memory (that
+        # pass ran on the host's threads during the backward, and slowed the update 3x there)
+        self.norms = torch.zeros(slots, dtype=torch.float32, pin_memory=self.cuda)
+        self.norms_np = self.norms.numpy()
         plain = max_elems if plain_elems is None else plain_elems
         self.g32 = torch.empty(plain, dtype=torch.float32)  # the worker's own fp32 gradient
         self.free: queue.Queue[int] = queue.Queue()
@@ -229,6 +235,9 @@ class HostOptimizer:
                 job.buf.copy_(src, non_blocking=True)
                 if job.wbuf is not None:
                     job.wbuf.copy_(job.target, non_blocking=True)
+                if job.guarded:  # non-finite iff an element is (or it overflows fp32: see _step)
+                    norm = torch.linalg.vector_norm(src, dtype=torch.float32)
+                    self.norms[slot].copy_(norm, non_blocking=True)
                 d2h[1].record(self.stream)
             job.d2h = d2h
             self.copied.append(d2h[1])  # flush(): the compute stream zeroes gradients after this
@@ -331,9 +340,10 @@ class HostOptimizer:
             f.result()  # the chunk's state, read from disk
         self.disk_wait_s += time.perf_counter() - t_io
         t0 = time.perf_counter()
-        # one pass over the working-dtype gradient, in speculative steps only (about 1/20 of
-        # the update's memory traffic)
-        if job.guarded and not _finite(job.buf):
+        # speculative steps only. A norm that overflows fp32 while every element is finite skips
+        # the step too; the global norm, the same sum, then overflows and no chunk steps. On the
+        # host (CPU engines): one pass over the working-dtype gradient
+        if job.guarded and not self._grad_finite(job):
             job.done.stepped = False
             return False
         if c.compact is not None:
@@ -342,6 +352,9 @@ class HostOptimizer:
             self._step_fp32(job)
         self.busy_s += time.perf_counter() - t0
         return True
+
+    def _grad_finite(self, job: _Job) -> bool:
+        return math.isfinite(self.norms_np[job.slot]) if self.cuda else _finite(job.buf)
 
     def _step_fp32(self, job: _Job) -> None:
         c, buf = job.c, job.buf

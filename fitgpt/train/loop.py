@@ -90,6 +90,7 @@ class Trainer:
         ctx = ctx.with_tensor_parallel(tp)
         self.run, self.ctx, self.cfg = run, ctx, run.train
         self.out = Path(self.cfg.out)
+        self._counts: dict[str, float] = {}  # the engine's counters at the last metrics record
         c = self.cfg
         # the samples this run draws (Megatron's sample order is fixed for a run's length)
         per_batch = c.micro_batch * ctx.dp_world
@@ -393,15 +394,32 @@ class Trainer:
         rec["compiled"] = bool(report and report["regions"])
         if report is not None:
             rec["compile_s"] = report["compile_s"]  # so far: ms_per_step is a median beside it
-        counts = self.engine.breakdown()  # the speculative update's guesses and rollbacks
-        for key in ("speculated_steps_total", "rollbacks_total"):
-            if key in counts:
-                rec[key.removesuffix("_total")] = counts[key]
+        rec.update(self._breakdown(len(window)))
         rec["elapsed_s"] = time.perf_counter() - t_start
         rec["eta_s"] = (self.cfg.steps - self.step) * ms / 1000
         self.log.write(rec)
         say(ctx, format_line(rec))
         return rec
+
+    def _breakdown(self, steps: int) -> dict:
+        """Where the steps' time went (engine.breakdown): the last step's phases in seconds, the
+        host optimizer's counters as seconds per step over the steps since the last record
+        (worker busy, main-thread waits, copies), and the speculative update's run totals."""
+        counts, out = self.engine.breakdown(), {}
+        for key in ("speculated_steps_total", "rollbacks_total"):
+            if key in counts:
+                out[key.removesuffix("_total")] = counts[key]
+        for key in ("forward_backward", "reduce_and_norm", "update"):
+            if key in counts:
+                out[f"{key}_s"] = counts[key]
+        last = self._counts
+        for key, v in counts.items():
+            if key.endswith("_total") and key not in ("speculated_steps_total", "rollbacks_total"):
+                name = key.removesuffix("_total")
+                name += "" if name.endswith("_gb") else "_s"
+                out[name] = (v - last.get(key, 0.0)) / max(steps, 1)
+        self._counts = counts
+        return out
 
     def _evaluate_and_log(self) -> None:
         ev = self.evaluate()
