@@ -115,12 +115,24 @@ def fitgpt(size: str, steps: int, compile_: str, out: Path, evals: int) -> dict:
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
         recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    ms = [r["ms_per_step"] for r in recs if r.get("kind") == "train" and r["step"] > LOG]
+    train = [r for r in recs if r.get("kind") == "train"]
+    ms = [r["ms_per_step"] for r in train if r["step"] > LOG]
+    # the whole loop's time per step after the first interval (its logging too), beside the
+    # median of the step times each record holds (the data's reading included)
+    timed = [r for r in train if r["step"] >= LOG]
+    loop_ms = (
+        1000
+        * (timed[-1]["elapsed_s"] - timed[0]["elapsed_s"])
+        / (timed[-1]["step"] - timed[0]["step"])
+        if len(timed) > 1
+        else None
+    )
     val = [r for r in recs if r.get("kind") == "eval" and r["step"] == steps]
     comp = [r for r in recs if r.get("kind") == "compile"]
     return {
         "system": f"fitgpt-compile-{compile_}", "size": size, "rc": rc, "wall_s": round(wall, 1),
         "ms_per_step": statistics.median(ms) if ms else None,
+        "loop_ms_per_step": loop_ms,
         "val_loss": val[-1]["val_loss"] if val else None,
         "compile_s": comp[0].get("compile_s") if comp else None,
         "tokens_per_step": mb * ACCUM * 1024,

@@ -205,3 +205,20 @@ def test_resume_in_a_run_with_rollbacks(tmp_path):
     assert [r["rollbacks"] for r in resumed["history"]] == [
         r["rollbacks"] - first["rollbacks"] for r in full["history"][7:]
     ]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: there a guessing "
+                    "job's finiteness check reads the gradient norm computed on the device")  # fmt: skip
+def test_on_a_gpu_guesses_stand_and_overflowed_chunks_take_no_step():
+    gpu = DistContext(0, 1, 0, torch.device("cuda"))
+    place = PLACEMENTS["host-fp32"]
+    # GPU kernels (attention's backward) need not be deterministic: close, not bit-identical
+    ref = run(8, NO_CLIP, ctx=gpu, speculative_update=False, **place)
+    got = run(8, NO_CLIP, ctx=gpu, **place)
+    assert got[2:] == (0, 8)
+    assert max(abs(a - b) for a, b in zip(got[0], ref[0])) < 1e-4
+    ref = run(10, NO_CLIP, "fp16", ctx=gpu, speculative_update=False, **place)
+    got = run(10, NO_CLIP, "fp16", ctx=gpu, **place)
+    assert 0 < got[2] < 10 and got[3] == 10  # the overflowed steps were rolled back
+    assert max(abs(a - b) for a, b in zip(got[0], ref[0])) < 1e-3
+    assert torch.isfinite(got[1]).all() and (got[1] - ref[1]).abs().max() < 5e-3

@@ -274,14 +274,15 @@ class Trainer:
 
     def step_once(self, micro: list | None = None) -> tuple[StepStats, float, float]:
         """One optimizer step on `micro` (default: the next micro-batches of the run's data):
-        (its stats, its seconds without reading the data, its lr). The benchmark harness runs
-        these same steps on the batches every system of a sweep shares."""
+        (its stats, its seconds, its lr). The seconds count the reading of the run's own data (a
+        user's tokens/s is paid with it; nanoGPT's and torchtitan's step times count theirs); the
+        benchmark harness passes batches every system of a sweep shares, read beforehand."""
         cfg = self.cfg
         lr = lr_at(self.step, cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
+        t0 = time.perf_counter()
         if micro is None:
             micro = [self.loader.next() for _ in range(cfg.grad_accum)]
         self._maybe_inject_fault()
-        t0 = time.perf_counter()
         stats = self._guarded_step(micro, lr)  # ends in a host sync: the timing is real
         dt = time.perf_counter() - t0
         self.step += 1
