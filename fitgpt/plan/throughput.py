@@ -17,6 +17,9 @@ host      the offloaded blocks' update on the CPU (DRAM-bound: it scales with th
 
 from __future__ import annotations
 
+import itertools
+import math
+
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.moments import bytes_per_param
 from fitgpt.engine.placement import ChunkPlan, Placement
@@ -30,9 +33,40 @@ FP32_FRACTION = (
 
 # Calibrated on 2026-11-22's H100/H200 runs (benchmarks/results): the achieved share of the GEMM
 # rate grows with the hidden size (bigger matmuls; norms, GELU and attention matter less):
-# 0.59 at h=1600, 0.66 at h=2560, 0.80 at h=4096.
+# 0.59 at h=1600, 0.66 at h=2560, 0.80 at h=4096. Below h=1600 that curve falls to nothing;
+# measured there, GPT-2 124 M (h=768) eager on the H100 reaches 0.37 of the GEMM rate (147.5
+# ms/step, benchmarks/results/nanogpt_compare2_h100_2026-11-23), so the share is interpolated
+# linearly from that point to the curve at h=1600 (scaled by the GPU's ceiling, the H100's 0.88).
+SMALL_HIDDEN, SMALL_EFFICIENCY, H100_CEILING = 768, 0.37, 0.88
+
+
 def efficiency(hidden: int, ceiling: float) -> float:
-    return max(0.2, ceiling - 0.6 * (1000.0 / hidden) ** 1.5)
+    if hidden >= 1600:
+        return max(0.2, ceiling - 0.6 * (1000.0 / hidden) ** 1.5)
+    at_1600 = ceiling - 0.6 * 0.625**1.5
+    small = SMALL_EFFICIENCY * ceiling / H100_CEILING
+    share = small + (at_1600 - small) * (hidden - SMALL_HIDDEN) / (1600 - SMALL_HIDDEN)
+    return max(0.2, share)
+
+
+# --compile on (engine/compile.py): a compiled step's compute time over the eager one's, by hidden
+# size, measured on the H100 in one run each (nanogpt_compare and nanogpt_compare2, 2026-11-23):
+# 0.75 at h=768 (GPT-2 124 M: 110-111 against 147-148 ms), 0.966 at h=1600 (1.5 B: 724-732
+# against 749-757 ms). Compiling fuses the elementwise work, a smaller share of wider blocks:
+# taken to 1.0 by h=4096 (assumed, not measured: the sweeps there run eager). Interpolated
+# linearly in log(hidden) between the points, constant beyond them.
+COMPILED = ((768, 0.75), (1600, 0.966), (4096, 1.0))
+
+
+def compiled_factor(hidden: int) -> float:
+    pts = COMPILED
+    if hidden <= pts[0][0]:
+        return pts[0][1]
+    for (h0, f0), (h1, f1) in itertools.pairwise(pts):
+        if hidden <= h1:
+            t = (math.log(hidden) - math.log(h0)) / (math.log(h1) - math.log(h0))
+            return f0 + t * (f1 - f0)
+    return pts[-1][1]
 
 
 # What recomputing a block's forward costs, as a share of the forward's FLOPs at the model's
@@ -163,6 +197,8 @@ def step_time(
     if work.precision == "fp32":
         rate *= FP32_FRACTION
     compute = tokens * flops / tp / rate  # each rank computes 1/T of every layer
+    if ecfg.compile == "on":  # "auto" is resolved after planning: priced eager, as it may run
+        compute *= compiled_factor(hidden)
     if ecfg.checkpointing == "cpu":
         # block inputs down in forward and back in backward, on a side stream: exposed only
         # where the link is slower than the compute it hides behind (forward ~1/4 of a step)
