@@ -6,19 +6,20 @@
 # planner's plan (ANCHORS shape, 38 layers), 10 steps with the speculative update (default; a
 # profile of steps 4-5) and 10 without; `vmstat 5` beside them (host CPU, memory, swap). Each
 # step's phases and host-optimizer waits are in the runs' metrics.jsonl, copied to $OUT.
-# Usage (device): OUT=... bash benchmarks/spec_growth_h100.sh
+# LAYERS=56 (11.69 B) instead of 38 (8.07 B) for the larger ANCHORS size.
+# Usage (device): OUT=... [LAYERS=38] bash benchmarks/spec_growth_h100.sh
 set -u
 OUT=${OUT:-/tmp/spec_growth}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-ARGS="--preset 6.7b --no-tie-embeddings --layers 38 --micro-batch 8 --grad-accum 4 --data uniform
+ARGS="--preset 6.7b --no-tie-embeddings --layers ${LAYERS:-38} --micro-batch 8 --grad-accum 4 --data uniform
   --steps 10 --log-every 1 --eval-every 0 --no-save --overwrite"
 vmstat -t 5 > "$OUT/vmstat.txt" 2>&1 &
 VM=$!
 for mode in speculative-update no-speculative-update; do
   extra=""
   [ "$mode" = speculative-update ] && extra="--profile 2"
-  timeout 170 python3 -m fitgpt train $ARGS --$mode $extra --out /tmp/sg_$mode > "$OUT/$mode.log" 2>&1
+  timeout 230 python3 -m fitgpt train $ARGS --$mode $extra --out /tmp/sg_$mode > "$OUT/$mode.log" 2>&1
   echo "$mode: exit $?"
   grep -E "^plan:|^step|^profile" "$OUT/$mode.log" | cut -c1-150
   cp /tmp/sg_$mode/metrics.jsonl "$OUT/$mode.metrics.jsonl" 2>/dev/null
