@@ -82,8 +82,8 @@ def test_the_ladder_keeps_what_the_user_fixed_and_only_the_auto_formats(monkeypa
         ("fp32", "int8", "fp32"),
         ("split", "int8", "fp32"),
     ]
-    # no split master without bf16 working weights to share, nor with the delayed update
-    for ladder in (rungs({}, "fp32"), rungs({}, "fp16"), rungs({"delayed_update": True}, "bf16")):
+    # no split master without bf16 working weights to share
+    for ladder in (rungs({}, "fp32"), rungs({}, "fp16")):
         assert ladder[0] == ("fp32", "fp32", "fp32") and all(m == "fp32" for m, _, _ in ladder)
         assert ("fp32", "int8", "int8") in ladder
     assert rungs(FP32_STATE, "bf16") == [("fp32", "fp32", "fp32")]
@@ -253,7 +253,7 @@ def offloaded(
 
 def exposed(fmt, rates, tier: str = "cpu", speculative: bool = False) -> float:
     w, e = offloaded(fmt, tier, speculative)
-    return host_optimizer_exposed(w, e, 1, 1.0, rates, placement_of(w, e))
+    return host_optimizer_exposed(w, 1, 1.0, rates, placement_of(w, e))
 
 
 def test_the_speculative_update_is_priced_as_the_clipped_step():
