@@ -3,8 +3,9 @@ numbers it had before (and issue 10's 8 B save time), on nvidia-h100-x1.
 
 1. benchmarks/gpu_check.py: every ZeRO stage and the host tier against the plain engine in bf16,
    a stage-3 checkpoint resumed by the plain engine, KV-cache generation (CUDA paths).
-2. benchmarks/tiers_gpu_check.py's 2.03 B cases: streamed weights and the delayed update (the
-   copy stream, its events, the host optimizer's side-stream copies).
+2. benchmarks/tiers_gpu_check.py's 2.03 B cases: streamed weights (the copy stream, its events,
+   the host optimizer's side-stream copies); the recorded run also had the delayed update,
+   removed since (docs/offload.md).
 3. The tiers sweep's trials at 4.44 B and 8.07 B (hidden 4096, untied head, micro-batch 8 × 4,
    ANCHORS protocol): `fitgpt bench sweep --systems fitgpt --sizes 20,38 --warmup 1 --steps 2`,
    as in benchmarks/results/tiers_h100_2026-11-22, and the same two sizes through `fitgpt train`

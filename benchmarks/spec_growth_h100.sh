@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 15: steps that guess (the speculative update) at 8.07 B on nvidia-h100-x1, past the
-# first clean step. benchmarks/delayed_h100.sh saw steps 4-6 grow from 4.0 to 9.7 s once the
-# gradient norm fell under the clip (the first guessing steps any 8 B run has timed: the sweep
-# times steps 2-3, the real-data run clipped every step). `fitgpt train` on random tokens, the
+# first clean step. benchmarks/delayed_h100.sh (removed with the delayed update; in git at
+# 104145a) saw steps 4-6 grow from 4.0 to 9.7 s once the gradient norm fell under the clip (the
+# first guessing steps any 8 B run has timed: the sweep times steps 2-3, the real-data run
+# clipped every step). `fitgpt train` on random tokens, the
 # planner's plan (ANCHORS shape, 38 layers), 10 steps with the speculative update (default; a
 # profile of steps 4-5) and 10 without; `vmstat 5` beside them (host CPU, memory, swap). Each
 # step's phases and host-optimizer waits are in the runs' metrics.jsonl, copied to $OUT.

@@ -19,8 +19,11 @@ from fitgpt.plan.throughput import step_time
 
 def engine_fields(rec: dict, layers: int) -> dict:
     """A trial record's engine config; records before 2026-11-23 kept the offloaded blocks as a
-    share of them (offload_fraction, nvme_fraction), which stood for a whole number of blocks."""
+    share of them (offload_fraction, nvme_fraction), which stood for a whole number of blocks,
+    and records before the delayed update's removal carry its two fields (off in every trial)."""
     rec = dict(rec)
+    for removed in ("delayed_update", "delayed_update_after"):
+        rec.pop(removed, None)
     share = rec.pop("offload_fraction", None)
     nvme = rec.pop("nvme_fraction", None)
     if share is not None:

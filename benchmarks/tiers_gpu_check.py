@@ -1,15 +1,14 @@
-"""Parameter streaming and the delayed update on the GPU: the same batches through the zero engine
-with the host tier in several placements, recording losses, median step time, peak GPU memory,
-the step breakdown and host RSS of each, as JSON lines.
+"""Parameter streaming on the GPU: the same batches through the zero engine with the host tier in
+several placements, recording losses, median step time, peak GPU memory, the step breakdown and
+host RSS of each, as JSON lines.
 
 Two models of hidden 4096 (ANCHORS shapes, untied head, micro-batch 8 x 4, bf16, full
 checkpointing):
   8 layers (2.03 B): every block's optimizer on the host, with and without streamed weights
-    (their losses must be identical: the same arithmetic, only where the weights wait differs),
-    and streamed with the delayed update from step 1;
+    (their losses must be identical: the same arithmetic, only where the weights wait differs);
   38 layers (8.07 B): the planner's placement at that size (24 of 38 blocks' optimizer on the
-    host, as in the sweep) with and without the delayed update (the host's AdamW then overlaps
-    the next forward and backward), and every block streamed (the smallest GPU footprint).
+    host, as in the sweep), and every block streamed (the smallest GPU footprint).
+The cases with the delayed update (removed after commit 104145a; docs/offload.md) are in git.
 
 Usage (device): python3 benchmarks/tiers_gpu_check.py OUT.jsonl
 """
@@ -34,9 +33,7 @@ MICRO, ACCUM = 8, 4
 CASES = [
     (8, dict(), 5),  # every block offloaded
     (8, dict(offload_params="cpu"), 5),
-    (8, dict(offload_params="cpu", delayed_update=True), 5),
     (38, dict(offload_blocks=24), 4),
-    (38, dict(offload_blocks=24, delayed_update=True), 4),
     (38, dict(offload_params="cpu"), 4),
 ]
 
@@ -47,13 +44,7 @@ def run(layers: int, placement: dict, steps: int) -> dict:
     )
     dev = torch.device("cuda")
     torch.cuda.reset_peak_memory_stats()
-    ecfg = EngineConfig(
-        engine="zero",
-        checkpointing="full",
-        offload_optimizer="cpu",
-        delayed_update_after=1,
-        **placement,
-    )
+    ecfg = EngineConfig(engine="zero", checkpointing="full", offload_optimizer="cpu", **placement)
     t0 = time.perf_counter()
     e = build_engine(model, ecfg, PrecisionConfig("bf16"), OptimConfig(), DistContext(0, 1, 0, dev))
     init_s = time.perf_counter() - t0

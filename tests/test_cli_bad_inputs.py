@@ -200,7 +200,8 @@ CASES: list[Case] = [
     Case("train-ddp-with-stage", f"{TRAIN_SYN} --zero-stage 1", "--engine ddp"),
     Case("train-offload-params-nvme", f"{TRAIN_SYN} --engine zero --offload-params nvme --offload-optimizer nvme --nvme-path {{dir}}", "--offload-params"),
     Case("train-offload-params-alone", f"{TRAIN_SYN} --engine zero --offload-params cpu", "--offload-params"),
-    Case("train-delayed-update-alone", f"{TRAIN_SYN} --engine zero --delayed-update", "--delayed-update"),
+    Case("train-delayed-update-removed", f"{TRAIN_SYN} --engine zero --offload-optimizer cpu --delayed-update", "--delayed-update: the one-step-delayed update was removed"),
+    Case("train-delayed-update-after-removed", f"{TRAIN_SYN} --delayed-update-after 40", "--delayed-update-after: the one-step-delayed update was removed"),
     Case("train-nvme-without-path", f"{TRAIN_SYN} --engine zero --offload-optimizer nvme", "--nvme-path"),
     # train: data and tokenizer
     Case("train-data-missing", f"{TRAIN} --data {{t}}/nothing --out {{t}}/r", "--data"),
@@ -352,6 +353,7 @@ CASES: list[Case] = [
     Case("matmul-out-of-core-on-2", "matmul --n 8 --gpus 2 --out-of-core", "--out-of-core"),
     Case("matmul-2d-on-3", "matmul --n 8 --gpus 3 --layout 2d", "3"),
     # plan
+    Case("plan-delayed-update-removed", "plan --device cpu --delayed-update", "--delayed-update: the one-step-delayed update was removed"),
     Case("plan-cpu-mem-0", "plan --device cpu --cpu-mem 0GB", "--cpu-mem"),
     Case("plan-cpu-mem-words", "plan --device cpu --cpu-mem lots", "--cpu-mem"),
     Case("plan-cpu-mem-negative", "plan --device cpu --cpu-mem=-4GB", "--cpu-mem"),

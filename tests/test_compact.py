@@ -493,8 +493,6 @@ TRAIN = (
     "flags,names",
     [
         ("--engine zero --master split --precision fp16", ["--master split", "--precision bf16"]),
-        ("--engine zero --master split --offload-optimizer cpu --delayed-update",
-         ["--master split", "--delayed-update"]),
         ("--engine ddp --moments int8", ["--engine ddp", "--engine zero"]),
         ("--engine ddp --master split", ["--engine ddp", "--engine zero"]),
         ("--engine ddp --device-moments bf16", ["--engine ddp", "--engine zero"]),
@@ -514,8 +512,6 @@ def test_split_master_with_fp16_is_refused_at_engine_start_up():
     with pytest.raises(UserError, match=r"--master split .* --precision bf16"):
         build_engine(TINY, EngineConfig(engine="zero", master="split"), PrecisionConfig("fp16"),
                      OptimConfig(), CPU)  # fmt: skip
-    with pytest.raises(UserError, match=r"--master split .* --delayed-update"):
-        EngineConfig(engine="zero", master="split", offload_optimizer="cpu", delayed_update=True)
     for fmt in (dict(master="split"), dict(moments="bf16"), dict(device_moments="int8")):
         with pytest.raises(UserError, match="--engine ddp keeps torch's fp32 optimizer state"):
             EngineConfig(engine="ddp", **fmt)

@@ -75,17 +75,6 @@ def two_rank_worker(rank: int, world: int, tmp: str) -> None:
         losses(dataclasses.replace(ecfg, zero_stage=1), ctx)
     except UserError as e:
         results["stream1_refused"] = str(e)
-    # a delayed update from step 10: the shards are all-gathered at the next step's update
-    for stage in (1, 3):
-        ecfg = EngineConfig(
-            engine="zero",
-            zero_stage=stage,
-            offload_optimizer="cpu",
-            offload_blocks=1,
-            delayed_update=True,
-            delayed_update_after=10,
-        )
-        results[f"dpu{stage}"] = losses(ecfg, ctx)[0]
     # resume at world 2 / stage 3 from the world-1 checkpoint the parent saved at step 6
     cfg = run_config(tmp / "w1", steps=12, micro_batch=2, engine="zero", zero_stage=3)
     results["resumed_from_w1"] = train(cfg, ctx, resume=str(tmp / "w1" / "step_00000006"))["losses"]
@@ -113,20 +102,6 @@ def test_two_ranks_match_one_process_and_resume_across_world_sizes(tmp_path, glo
         assert max(abs(a - b) for a, b in zip(res[f"offload{stage}"], reference)) < 1e-5, stage
     assert max(abs(a - b) for a, b in zip(res["stream3"], reference)) < 1e-5
     assert "use --zero-stage 3" in res["stream1_refused"]
-    dpu_ref = losses(
-        EngineConfig(
-            engine="zero",
-            offload_optimizer="cpu",
-            offload_blocks=1,
-            delayed_update=True,
-            delayed_update_after=10,
-        ),
-        CPU,
-    )[0]
-    for stage in (1, 3):  # exact until step 10, then the delayed run on one process
-        assert max(abs(a - b) for a, b in zip(res[f"dpu{stage}"][:11], reference[:11])) < 1e-5
-        assert max(abs(a - b) for a, b in zip(res[f"dpu{stage}"], dpu_ref)) < 1e-5
-    assert max(abs(a - b) for a, b in zip(dpu_ref[11:], reference[11:])) > 1e-5
     # bf16 stage 3 on 2 ranks tracks fp32 one process within bf16's resolution (documented: 2e-2)
     assert max(abs(a - b) for a, b in zip(res["bf16_stage3"], reference)) < 2e-2
 

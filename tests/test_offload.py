@@ -1,5 +1,6 @@
 """The host tier: every placement trains like the all-on-device engine; resume across placements."""
 
+import re
 import shutil
 
 import pytest
@@ -73,11 +74,6 @@ def test_resume_across_placements(tmp_path):
     [
         ({"offload_params": "nvme", "offload_optimizer": "cpu"}, "weights stream from host RAM"),
         ({"offload_params": "cpu"}, "add --offload-optimizer cpu"),
-        ({"delayed_update": True}, "add --offload-optimizer cpu"),
-        (
-            {"delayed_update": True, "offload_optimizer": "cpu", "delayed_update_after": -1},
-            "must be >= 0",
-        ),
     ],
 )
 def test_tier_flags_that_cannot_work_are_refused_in_one_line(change, match):
@@ -136,54 +132,59 @@ def test_resume_from_streamed_weights_into_resident_ones(tmp_path):
     assert max(abs(a - b) for a, b in zip(resumed["losses"], full["losses"][6:])) < 1e-6
 
 
-# ---- the one-step-delayed update (DPU) ----------------------------------------------------------
-def block_weights(e) -> list[torch.Tensor]:
-    return [c.weight.clone() for c in e.blocks]
+# ---- the one-step-delayed update, removed: a run saved with it resumes with exact updates ------
+SMALL_RUN = [
+    "train", "--preset", "tiny", "--layers", "2", "--hidden", "32", "--heads", "2",
+    "--seq-len", "16", "--micro-batch", "2", "--device", "cpu", "--data", "synthetic",
+    "--vocab-size", "64", "--plan", "off", "--engine", "zero", "--offload-optimizer", "cpu",
+    "--eval-every", "0", "--log-every", "1",
+]  # fmt: skip
 
 
-def test_delayed_update_is_exact_until_its_first_step():
-    ref = losses()
-    got = losses(offload_optimizer="cpu", delayed_update=True, delayed_update_after=12)
-    # steps 0-12 see the same weights (step 12's update is the first delayed one)
-    assert max(abs(a - b) for a, b in zip(got[:13], ref[:13])) < 1e-6
-    assert max(abs(a - b) for a, b in zip(got[13:], ref[13:])) > 1e-5
-    assert got[-1] < got[0] - 0.1  # and it still learns
+def cli_train(*args: str) -> None:
+    from fitgpt.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(list(args))
+    assert done.value.code in (0, None)
 
 
-def test_delayed_update_applies_the_host_weights_one_step_late():
-    x = torch.randint(0, MODEL.vocab_size, (2, MODEL.seq_len + 1), generator=torch.Generator())
-    batch = [(x[:, :-1], x[:, 1:])]
-    base = dict(engine="zero", offload_optimizer="cpu")
-    # the exact path (a speculative update clipped at this step would be redone within ulps)
-    exact = EngineConfig(**base, speculative_update=False)
-    ref = build_engine(MODEL, exact, PrecisionConfig("fp32"), OptimConfig(), CPU)
-    ecfg = EngineConfig(**base, delayed_update=True, delayed_update_after=0)
-    dpu = build_engine(MODEL, ecfg, PrecisionConfig("fp32"), OptimConfig(), CPU)
-    w0 = block_weights(dpu)
-    ref.train_step(batch, 1e-2)
-    ref._sync_host()
-    w1 = block_weights(ref)
-    dpu.train_step(batch, 1e-2)
-    assert all(torch.equal(a, b) for a, b in zip(block_weights(dpu), w0))  # not applied yet
-    assert not torch.equal(w0[0], w1[0])
-    dpu.train_step(batch, 1e-2)  # its update step applies the first update's weights
-    got = block_weights(dpu)
-    assert all(torch.equal(a, b) for a, b in zip(got, w1))
-    assert dpu.memory_report()["host"]["delayed_weights"] == 4 * sum(c.N for c in dpu.blocks)
-    dpu._sync_host()  # eval and checkpoints see the newest weights
-    assert not torch.equal(block_weights(dpu)[0], w1[0])
+@pytest.mark.parametrize("delayed", [True, False])
+def test_a_checkpoint_saved_with_the_delayed_update_fields_resumes_exactly(
+    tmp_path, capsys, delayed
+):
+    """fitgpt before the removal saved delayed_update and delayed_update_after in every
+    checkpoint's engine config: such a checkpoint resumes, the fields dropped, and a run that had
+    the delay on goes on with exact updates, saying so in one line."""
+    from fitgpt.train import checkpoint as ckpt_io
 
+    run = tmp_path / "run"
+    cli_train(*SMALL_RUN, "--steps", "4", "--save-every", "2", "--out", str(run))
+    first = capsys.readouterr().out
+    shutil.rmtree(run / "step_00000004")
+    # the saved config as the older fitgpt wrote it; meta.json re-sealed (its checksum)
+    ckpt = run / "step_00000002"
+    meta = ckpt_io.verify(ckpt)
+    meta["config"]["engine"].update(delayed_update=delayed, delayed_update_after=40)
+    sealed = ("format", "version", "files", "file_sha256", "checksum")
+    ckpt_io.write_meta(ckpt, {k: v for k, v in meta.items() if k not in sealed})
+    assert ckpt_io.verify(ckpt)["config"]["engine"]["delayed_update"] is delayed
 
-def test_delayed_update_saves_and_resumes(tmp_path):
-    kw = dict(n_layer=4, engine="zero", offload_optimizer="cpu", offload_blocks=2)
-    kw.update(delayed_update=True, delayed_update_after=2)
-    full = train(run_config(tmp_path, steps=12, save_every=6, **kw), CPU)
-    shutil.rmtree(tmp_path / "step_00000012")
-    resumed = train(run_config(tmp_path, steps=12, **kw), CPU, resume="")
-    # the checkpoint holds the newest master weights, which resume applies at once where the
-    # uninterrupted run still used the step-old ones: the two runs part by a step's update
-    assert abs(resumed["losses"][0] - full["losses"][6]) < 0.05
-    assert resumed["losses"][-1] < full["losses"][0] - 0.1
+    cli_train("train", "--out", str(run), "--resume", "--plan", "off")  # the host tier kept
+    again = capsys.readouterr().out
+    assert "the optimizer state of the last 2 of 2 blocks on the host" in again
+    notes = [ln for ln in again.splitlines() if "--delayed-update" in ln]
+    assert len(notes) == (1 if delayed else 0), again
+    if delayed:
+        assert "was removed" in notes[0] and "exact updates" in notes[0] and str(ckpt) in notes[0]
+
+    def losses(out: str) -> dict[str, str]:
+        return dict(re.findall(r"^step +(\d+) \| loss (\S+)", out, re.M))
+
+    # exact updates, as the first run's: steps 3-4 again to the printed digit
+    assert sorted(losses(again)) == ["3", "4"]
+    assert all(losses(again)[s] == losses(first)[s] for s in ("3", "4"))
+    assert "delayed_update" not in ckpt_io.verify(run / "step_00000004")["config"]["engine"]
 
 
 def test_a_placement_larger_than_the_free_host_ram_is_refused_before_allocating():
@@ -354,53 +355,6 @@ def test_checkpoints_in_host_memory_train_like_full_checkpointing(stage):
     ref = losses(zero_stage=stage, checkpointing="full")
     got = losses(zero_stage=stage, checkpointing="cpu", offload_optimizer="cpu")
     assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-6
-
-
-def test_delayed_update_matches_a_plain_torch_reference():
-    """DPU written out in plain torch: blocks' new weights reach the model one step late, the
-    embedding and head (device-homed) at once; AdamW, decay groups and clipping as the engine's."""
-    m, lr = MODEL.replace(n_layer=2), 3e-3
-    g = torch.Generator().manual_seed(7)
-    data = [torch.randint(0, m.vocab_size, (2, m.seq_len + 1), generator=g) for _ in range(10)]
-    ecfg = EngineConfig(
-        engine="zero", offload_optimizer="cpu", delayed_update=True, delayed_update_after=0
-    )
-    e = build_engine(m, ecfg, PrecisionConfig("fp32"), OptimConfig(), CPU)
-    model = e.inference_model().train()  # the same initial weights, as a plain module
-    got = [e.train_step([(x[:, :-1], x[:, 1:])], lr).loss for x in data]
-
-    params = dict(model.named_parameters())
-    master = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
-    decay = [master[n] for n in params if master[n].ndim >= 2]
-    rest = [master[n] for n in params if master[n].ndim < 2]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
-    want = []
-    for step, x in enumerate(data):
-        model.zero_grad()
-        loss = model(x[:, :-1], x[:, 1:])
-        loss.backward()
-        want.append(loss.item())
-        norm = torch.sqrt(sum(p.grad.square().sum() for p in params.values())).item()
-        with torch.no_grad():
-            for n, p in params.items():
-                if n.startswith("blocks.") and step > 0:
-                    p.copy_(master[n])  # the previous step's update, applied now
-                master[n].grad = p.grad * min(1.0, 1.0 / (norm + 1e-6))
-            opt.step()
-            for n, p in params.items():
-                if not n.startswith("blocks."):
-                    p.copy_(master[n])
-    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5
-    exact = build_engine(
-        m,
-        EngineConfig(engine="zero", offload_optimizer="cpu"),
-        PrecisionConfig("fp32"),
-        OptimConfig(),
-        CPU,
-    )
-    undelayed = [exact.train_step([(x[:, :-1], x[:, 1:])], lr).loss for x in data]
-    assert max(abs(a - b) for a, b in zip(got, undelayed)) > 1e-4  # the delay is real
 
 
 def test_close_releases_the_engine_and_its_memory():

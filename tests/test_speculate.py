@@ -158,13 +158,6 @@ def test_fp16_overflow_steps_are_skipped_exactly():
     assert (got[1] - ref[1]).abs().max() < 5e-3
 
 
-def test_delayed_update_steps_do_not_speculate():
-    place = dict(PLACEMENTS["host-fp32"], delayed_update=True, delayed_update_after=3)
-    ref = run(6, NO_CLIP, speculative_update=False, **place)
-    got = run(6, NO_CLIP, **place)
-    assert got[0] == ref[0] and torch.equal(got[1], ref[1]) and got[2:] == (0, 3)
-
-
 def _two_rank(rank: int, world: int, out: str) -> None:
     ctx = init_distributed("cpu")
     res = {}

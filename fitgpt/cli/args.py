@@ -94,6 +94,40 @@ def config_from_args(
     return dataclasses.replace(base, **changes) if base is not None else cls(**changes)
 
 
+# ---- removed flags: one line that says so, not "unrecognized arguments" ---------------------
+# flag -> why it is gone and what to do, in a few words (train's and plan's engine flags)
+_DELAY_GONE = "the one-step-delayed update was removed (docs/offload.md says why); drop the flag"
+REMOVED_FLAGS = {
+    f: _DELAY_GONE for f in ("--delayed-update", "--no-delayed-update", "--delayed-update-after")
+}
+
+
+class _Removed(argparse.Action):
+    """A flag fitgpt no longer has: given, the command stops in one line saying why."""
+
+    def __init__(self, option_strings: list[str], dest: str, why: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        raise argparse.ArgumentError(None, f"{option_string}: {self.why}")
+
+
+def add_removed_flags(parser: argparse.ArgumentParser) -> None:
+    """REMOVED_FLAGS, hidden from --help; each takes an optional value (so `--flag 40` is
+    blamed on the flag, not on the 40)."""
+    for flag, why in REMOVED_FLAGS.items():
+        parser.add_argument(
+            flag,
+            action=_Removed,
+            why=why,
+            nargs="?",
+            dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )
+
+
 # ---- offload shares: the command line's only fractions -------------------------------------
 def add_fraction_flags(p) -> None:
     """--offload-fraction / --nvme-fraction: a share of the blocks, turned into the engine's

@@ -7,6 +7,7 @@ import argparse
 from fitgpt.cli.args import (
     add_config_args,
     add_fraction_flags,
+    add_removed_flags,
     blocks_from_fractions,
     config_from_args,
     explicit,
@@ -78,6 +79,7 @@ def register(sub) -> None:
         planned_text="the planner's choice",
     )
     add_fraction_flags(p)
+    add_removed_flags(p)
     add_config_args(
         p.add_argument_group("precision"),
         PrecisionConfig,

@@ -11,6 +11,7 @@ import sys
 from fitgpt.cli.args import (
     add_config_args,
     add_fraction_flags,
+    add_removed_flags,
     blocks_from_fractions,
     config_from_args,
     explicit,
@@ -50,6 +51,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     add_fraction_flags(p)
     add_config_args(p.add_argument_group("precision"), PrecisionConfig)
     add_config_args(p.add_argument_group("optimizer"), OptimConfig)
+    add_removed_flags(p)
 
 
 def run_config_from_args(args: argparse.Namespace):
@@ -86,7 +88,7 @@ def resolve_command(args: argparse.Namespace):
 
 def _resolve_command(args: argparse.Namespace):
     from fitgpt.train import checkpoint as ckpt_io
-    from fitgpt.train.resume import PARTS, find_checkpoint, resumed_config
+    from fitgpt.train.resume import PARTS, find_checkpoint, removed_settings, resumed_config
 
     if args.init_from is not None:
         return init_config(args), None, []
@@ -107,7 +109,7 @@ def _resolve_command(args: argparse.Namespace):
         f"resume: {ckpt} with its own config"
         + (f"; changed {', '.join(changes)}" if changes else "")
     ]
-    return run, ckpt, notes
+    return run, ckpt, notes + removed_settings(meta, ckpt)
 
 
 def init_config(args: argparse.Namespace):

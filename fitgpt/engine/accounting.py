@@ -47,8 +47,8 @@ def memory_report(
     disk: DiskTier | None,
 ) -> dict[str, dict[str, int]]:
     """Bytes held now: every chunk's buffers (Chunk.bytes_by_kind), plus the host tier's shared
-    buffers: the host optimizer's staging, the delayed-update buffers, the compact formats'
-    fp32 scratch per tier, and the disk tier's swap room (one chunk's state per staging slot)."""
+    buffers: the host optimizer's staging, the compact formats' fp32 scratch per tier, and the
+    disk tier's swap room (one chunk's state per staging slot)."""
     out: dict[str, dict[str, int]] = {}
     for c in chunks:
         for dev, kinds in c.bytes_by_kind().items():
@@ -60,9 +60,6 @@ def memory_report(
         h["host_staging"] = sum(t.nbytes for t in (*host_opt.staging, host_opt.g32))
         if host_opt.wstaging:
             h["weight_staging"] = sum(t.nbytes for t in host_opt.wstaging)
-    delayed = [c.next_weights for c in chunks if c.next_weights is not None]
-    if delayed:
-        out["host"]["delayed_weights"] = sum(t.nbytes for t in delayed)
     for tier, s in scratch.items():
         dev = "host" if tier == "host" else chunks[0].device.type
         out.setdefault(dev, {})["compact_scratch"] = s.nbytes()

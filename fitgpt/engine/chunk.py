@@ -21,10 +21,9 @@ Buffers, by ZeRO stage (a stage shards everything the stages below it shard):
                                    (engine/compact.py) holds the state in its formats instead.
 
 A chunk also owns its optimizer (torch's fused AdamW over views of master and the moments, one
-param group per weight-decay range; a compact chunk's CompactState steps the same kernel) and its in-flight state between the engine's parts: the
-handle of a weight fetch in flight (engine/fetch.py) and, with --delayed-update, the pinned
-buffer the host optimizer leaves the next weights in and the event that frees it
-(engine/update.py).
+param group per weight-decay range; a compact chunk's CompactState steps the same kernel) and its
+in-flight state between the engine's parts: the handle of a weight fetch in flight
+(engine/fetch.py).
 """
 
 from __future__ import annotations
@@ -77,10 +76,6 @@ class Chunk:
 
         self.optimizer: torch.optim.AdamW | None = None  # build_optimizer(), once state exists
         self.fetch_work = None  # handle of this chunk's weight gather / host→device copy in flight
-        # --delayed-update (host-homed chunks): pinned [opt range] working-dtype buffer the host
-        # optimizer writes the next weights into, and the event after which it may do so again
-        self.next_weights: Tensor | None = None
-        self.next_weights_free: torch.cuda.Event | None = None
 
     # ---- construction ------------------------------------------------------------------------
     def _alloc_weights(self, pinned: PinnedArena | None) -> None:

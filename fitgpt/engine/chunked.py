@@ -12,7 +12,7 @@ is its own part, reached only from here:
   engine/fetch.py        weight fetch: stage-3 all-gathers and host→device streaming of
                          --offload-params blocks, prefetched one block ahead, freed after use
   engine/update.py       the tiered update: device AdamW, the host optimizer (engine/offload.py,
-                         host RAM or the disk tier), the delayed update, gathers of new weights
+                         host RAM or the disk tier), gathers of new weights
   engine/chunk_state.py  checkpoints in and out, and a plain model for sampling
   engine/accounting.py   bytes per tier: the host-RAM check before anything is allocated, and
                          memory_report after
@@ -25,8 +25,7 @@ host sync per step), the clip coefficient, the update, the gradients zeroed.
 
 Offload tiers: the last blocks' optimizer state lives in host RAM or files and is updated by the
 host optimizer; with --offload-params cpu their weights live in pinned host RAM too and are
-streamed in before each use like stage-3 gathers. With --delayed-update the host's new weights
-are applied at the next step's update instead of before the next forward.
+streamed in before each use like stage-3 gathers.
 """
 
 from __future__ import annotations
@@ -107,7 +106,7 @@ class ChunkEngine(Engine):
             model = parallelize(model, self.mesh, sp)
         self.local_layout = chunk_layout(model)  # this rank's chunks (the layout above at T=1)
         self.placement = self._placement()
-        self.pinned = PinnedArena(self.cuda)  # streamed weights, delayed updates
+        self.pinned = PinnedArena(self.cuda)  # streamed weights
         self.scratch, self.disk = self._shared_state()
         self.chunks = self._build_chunks(model, seed)
         self._warm_up_codecs()
@@ -132,11 +131,6 @@ class ChunkEngine(Engine):
                 weight_elems=max(split_dev, default=0) if self.cuda else 0,
                 scratch=self.scratch.get("host"),
             )
-        if ecfg.delayed_update:
-            # per host-homed chunk, a pinned buffer the host optimizer writes the new weights
-            # into; they reach the model at the next step's update (2 bytes/element in bf16)
-            for c in self.hosted:
-                c.next_weights = self.pinned.zeros(c.opt_hi - c.opt_lo, self.dtype)
         self._connect_parts()
 
     # ---- construction -------------------------------------------------------------------------
@@ -218,9 +212,8 @@ class ChunkEngine(Engine):
     def _connect_parts(self) -> None:
         """The engine's parts, and their hooks on the model (handles removed at close())."""
         blocks, modules = self.blocks, list(self.model.blocks)
-        after = self.ecfg.delayed_update_after
         self.updater = TieredUpdate(
-            self.chunks, self.host_opt, self.peers, self.stage, after, self.scratch.get("device"),
+            self.chunks, self.host_opt, self.peers, self.stage, self.scratch.get("device"),
             speculative=self.ecfg.speculative_update,
         )  # fmt: skip
         self.reducer = GradReducer(self.peers, self.stage, self.dtype, self.device)
@@ -242,7 +235,6 @@ class ChunkEngine(Engine):
         if self.stage >= 3 or self.streamed:
             self.hooks += self.fetcher.register(modules, blocks)
         self.clock = StepClock(self.device)
-        self.steps_done = 0
 
     # ---- the step -----------------------------------------------------------------------------
     def _to_device(self, t: Tensor) -> Tensor:
@@ -253,7 +245,7 @@ class ChunkEngine(Engine):
         self.clock.close_step()  # the previous step's phases, complete since its host sync
         self.clock.mark("start")
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        self.updater.begin_step(lr, scale, self.steps_done)
+        self.updater.begin_step(lr, scale)
         for i, (x, y) in enumerate(micro_batches):
             self.reducer.last_micro = i == n - 1
             loss = self.model(self._to_device(x), self._to_device(y))
@@ -271,10 +263,9 @@ class ChunkEngine(Engine):
             clip = self.ocfg.grad_clip
             coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
             grad_mul = coef / scale
-        self.updater.step(lr, grad_mul, self.steps_done)
+        self.updater.step(lr, grad_mul)
         self.scaler.update(overflow)
         self.reducer.zero_grads(self.chunks)
-        self.steps_done += 1
         self.clock.mark("updated")
         return StepStats(loss_v, norm, scale, overflow)
 
@@ -288,8 +279,7 @@ class ChunkEngine(Engine):
         return loss.item()
 
     def _sync_host(self) -> None:
-        """Every host update landed and delayed ones applied: eval, checkpoints and generation
-        see the newest weights."""
+        """Every host update landed: eval, checkpoints and generation see the newest weights."""
         self.updater.sync()
 
     # ---- state --------------------------------------------------------------------------------
@@ -320,7 +310,6 @@ class ChunkEngine(Engine):
         self.state_io.load(folder, step, optimizer, reader)
         if optimizer:
             self.scaler.load_state_dict(extra["scaler"])
-        self.steps_done = int(step)
         self.updater.last_clean = bool(extra.get("last_step_clean", False)) and optimizer
 
     def extra_state(self) -> dict:

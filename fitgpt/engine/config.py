@@ -176,21 +176,6 @@ class EngineConfig:
             "(docs/offload.md)"
         },
     )
-    delayed_update: bool = field(
-        default=False,
-        metadata={
-            "help": "one-step-delayed update of the offloaded blocks (ZeRO-Offload's 'delayed parameter update'): the "
-            "host optimizer's step overlaps the whole next forward and backward, which then use "
-            "weights one step old; off by default, see docs/offload.md for its effect on the loss"
-        },
-    )
-    delayed_update_after: int = field(
-        default=40,
-        metadata={
-            "help": "with --delayed-update: optimizer steps taken without the delay first (early "
-            "training moves fastest, where a stale update costs most)"
-        },
-    )
     tensor_parallel: int = field(
         default=1,
         metadata={
@@ -252,23 +237,11 @@ class EngineConfig:
                 "--offload-params cpu streams the weights of the offloaded blocks: add "
                 "--offload-optimizer cpu (or nvme)"
             )
-        if self.delayed_update and self.offload_optimizer == "none":
-            raise UserError(
-                "--delayed-update delays the host optimizer's updates: add --offload-optimizer "
-                "cpu (or nvme)"
-            )
-        if self.delayed_update_after < 0:
-            raise UserError(f"--delayed-update-after {self.delayed_update_after} must be >= 0")
         compact = self.master == "split" or {self.moments, self.device_moments} - {"auto", "fp32"}
         if self.engine == "ddp" and compact:
             raise UserError(
                 "--engine ddp keeps torch's fp32 optimizer state; use --engine zero for "
                 "--master split and compact --moments/--device-moments"
-            )
-        if self.master == "split" and self.delayed_update:
-            raise UserError(
-                "--master split rebuilds the master from the current working weights, which a "
-                "--delayed-update run holds a step behind: use --master fp32 with it"
             )
         if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
             raise UserError("an nvme tier needs --nvme-path DIR on a disk with room for it")

@@ -133,7 +133,6 @@ class HostOptimizer:
         self.ready: list[_Job] = []
         self.copied: list[torch.cuda.Event] = []
         self.pending: dict[int, _Done] = {}  # chunk index -> its update's completion
-        self.delayed: dict[int, _Done] = {}  # the same, for updates applied at the next step
         self.error: BaseException | None = None
         self.busy_s = 0.0  # worker time spent in AdamW and conversions (for the step breakdown)
         self.wait_s = 0.0  # time the main thread waited for the worker
@@ -153,28 +152,24 @@ class HostOptimizer:
         lr: float,
         grad_mul: float | None,
         target: Tensor,
-        delayed: bool = False,
-        target_free: torch.cuda.Event | None = None,
         undo_mul: float | None = None,
         guarded: bool = False,
     ) -> None:
         """Queue chunk c's update (its optimizer, over its param groups); it starts as soon as a
         staging slot is free. Its gradient must be final now: on CUDA an event marks the point
         of the compute stream after which it is. `target` receives its new weights: the device
-        weights, or a host buffer (streamed weights; a delayed update's buffer, which the worker
-        overwrites only once `target_free` has completed). A delayed update is waited for by
-        wait_delayed(), not by wait(): the next forward does not wait for it. undo_mul: undo the
-        chunk's last step first (it used the same gradient times undo_mul; engine/speculate.py);
-        grad_mul None then takes no new step. guarded: skip the step if the gradient is not
-        finite (a speculative update before the overflow check: NaN state cannot be undone).
-        Call flush() before the gradients are zeroed."""
+        weights, or a host buffer (streamed weights). undo_mul: undo the chunk's last step first
+        (it used the same gradient times undo_mul; engine/speculate.py); grad_mul None then
+        takes no new step. guarded: skip the step if the gradient is not finite (a speculative
+        update before the overflow check: NaN state cannot be undone). Call flush() before the
+        gradients are zeroed."""
         ready = None
         if self.cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        job = _Job(c, lr, grad_mul, target, target_free, ready, undo_mul, guarded)
+        job = _Job(c, lr, grad_mul, target, ready, undo_mul, guarded)
         with self.lock:
-            (self.delayed if delayed else self.pending)[c.spec.index] = job.done
+            self.pending[c.spec.index] = job.done
             self.ready.append(job)
         self._pump()
 
@@ -259,14 +254,6 @@ class HostOptimizer:
         if done.h2d is not None:
             torch.cuda.current_stream(self.device).wait_event(done.h2d)
         return done.stepped
-
-    def wait_delayed(self, c: Chunk) -> bool:
-        """Wait (on the host) for chunk c's delayed update; False if none is outstanding."""
-        done = self.delayed.pop(c.spec.index, None)
-        if done is None:
-            return False
-        self._wait_done(c, done)
-        return True
 
     def _wait_done(self, c: Chunk, done: _Done) -> None:
         t0 = time.perf_counter()
@@ -371,18 +358,14 @@ class HostOptimizer:
             opt.step()
             for group in opt.param_groups:
                 group["params"][0].grad = None
-        if job.target_free is not None:
-            job.target_free.synchronize()  # its last copy to the GPU has landed
         # fp32 master → working dtype: into the staging buffer for the GPU, or straight
-        # into a host target (streamed weights, a delayed update's buffer)
+        # into a host target (streamed weights)
         buf.copy_(c.master) if job.target.is_cuda else job.target.copy_(c.master)
 
     def _step_compact(self, job: _Job) -> None:
         """Compact formats (engine/compact.py): stepped piece by piece in the worker's scratch.
         The new weights go where the fp32 path puts them; a split master reads its high half
         from there first (a host target holds it already; device weights came down in wbuf)."""
-        if job.target_free is not None:
-            job.target_free.synchronize()
         out = job.target if not job.target.is_cuda else job.buf
         if job.wbuf is not None:
             out = job.wbuf  # the high half in, the new weights out; copied up from here
@@ -426,7 +409,6 @@ class _Job:
     lr: float
     grad_mul: float | None  # clip coefficient / loss scale; None: no new step (undo only)
     target: Tensor  # receives the new weights: device weights, or a host buffer
-    target_free: torch.cuda.Event | None  # a delayed update's buffer: writable after this
     ready: torch.cuda.Event | None  # CUDA: the compute stream's point where the gradient is final
     undo_mul: float | None = None  # undo the last step (its gradient times this) first
     guarded: bool = False  # skip the step if the gradient is not finite

@@ -93,7 +93,6 @@ class Placement:
     w: int  # bytes of one working element: 2 (bf16/fp16) or 4 (fp32)
     offloaded_blocks: int
     nvme_blocks: int
-    delayed: bool  # --delayed-update: a pinned buffer per offloaded chunk for its new weights
     device: str = "cuda"  # the compute device's type (the compact update's piece size)
 
     @classmethod
@@ -116,7 +115,7 @@ class Placement:
             homes[c.index] = "nvme" if j >= k - d else "cpu"
         stage = ecfg.zero_stage if ecfg.engine == "zero" else 0
         chunks = tuple(_chunk(c, homes[c.index], ecfg, world, stage, w) for c in layout)
-        return cls(chunks, world, stage, w, k, d, ecfg.delayed_update, device)
+        return cls(chunks, world, stage, w, k, d, device)
 
     # ---- views ----------------------------------------------------------------------------
     @property
@@ -161,8 +160,6 @@ class Placement:
             where = {"device": dev, "cpu": host, "nvme": nvme}[c.home]
             where["master_weights"] += {"alias": 0, "fp32": 4, "split": 2}[c.master] * c.opt_elems
             where["optimizer"] += 2 * store_nbytes(c.moments, c.opt_elems)
-            if c.offloaded and self.delayed:  # the pinned buffer new weights wait in for a step
-                host["delayed_weights"] = host.get("delayed_weights", 0) + c.opt_elems * w
         biggest = max((c.opt_elems for c in self.hosted), default=0)
         if biggest:
             # the host optimizer: staging buffers in the working dtype, and an fp32 gradient

@@ -18,13 +18,6 @@ coefficient and 1/loss-scale into the gradient):
 The next forward waits for a host-homed block's new weights just before the block runs (a
 forward pre-hook: `register_host_waits`), so the host's work overlaps the forward of the blocks
 before it.
-
---delayed-update: from step `delayed_after` on, the host optimizer writes the new weights into a
-pinned buffer per chunk (`c.next_weights`, 2 bytes per element in bf16) instead of the model;
-they are copied in at the next step's update (host→device on the compute stream, between steps
-nothing reads them), so the host's step overlaps the whole next forward and backward, which use
-weights one step old. The worker overwrites a buffer only once its last copy has landed
-(`c.next_weights_free`, a CUDA event).
 """
 
 from __future__ import annotations
@@ -45,7 +38,6 @@ class TieredUpdate:
         host_opt: HostOptimizer | None,
         peers: Peers,
         stage: int,
-        delayed_after: int,
         scratch: Scratch | None = None,
         speculative: bool = False,
     ) -> None:
@@ -54,11 +46,8 @@ class TieredUpdate:
         self.chunks, self.host_opt, self.peers, self.stage = chunks, host_opt, peers, stage
         self.scratch = scratch
         self.hosted = [c for c in chunks if c.offloaded]
-        self.cuda = any(c.device.type == "cuda" for c in chunks)
         # the host-homed chunks of stages 1-2 on several ranks: weights replicated, state sharded
         self.regather_hosted = peers.world > 1 and stage in (1, 2)
-        self.delayed = any(c.next_weights is not None for c in self.hosted)
-        self.delayed_after = delayed_after
         self.speculative = speculative and host_opt is not None
         self.lr, self.spec_mul = 0.0, None  # this step's, from begin_step
         self.guess = 1.0  # this step's grad_mul if it is neither clipped nor skipped
@@ -84,13 +73,11 @@ class TieredUpdate:
             if c.offloaded
         ]
 
-    def begin_step(self, lr: float, scale: float, steps_done: int) -> None:
+    def begin_step(self, lr: float, scale: float) -> None:
         """Before the step's backward: its learning rate, and whether host-homed chunks start
-        their updates during the backward, guessing grad_mul = 1/scale (no clip, no overflow).
-        Not in a delayed-update step: its updates wait for the next step anyway."""
+        their updates during the backward, guessing grad_mul = 1/scale (no clip, no overflow)."""
         self.lr, self.guess = lr, 1.0 / scale
-        delay = self.delayed and steps_done >= self.delayed_after
-        go = self.speculative and not delay and (self.last_clean or not self.cautious)
+        go = self.speculative and (self.last_clean or not self.cautious)
         self.spec_mul = self.guess if go else None
 
     def on_final(self, c: Chunk) -> None:
@@ -100,21 +87,17 @@ class TieredUpdate:
         self.host_opt.submit(c, self.lr, self.spec_mul, self.home_weights(c), guarded=True)
         self.speculated.add(c.spec.index)
 
-    def step(self, lr: float, grad_mul: float | None, steps_done: int) -> None:
+    def step(self, lr: float, grad_mul: float | None) -> None:
         """Update every chunk from its reduced gradient times grad_mul (see the module doc);
         grad_mul None: an overflow, no chunk steps (speculative updates are undone)."""
-        gathers, delay, undone = [], False, []
+        gathers, undone = [], []
         self.last_clean = grad_mul == self.guess
         if self.host_opt is not None:
-            self.apply_delayed()  # the previous step's delayed weights, before new updates
-            delay = self.delayed and steps_done >= self.delayed_after
             undone = self._settle(lr, grad_mul)
             for c in self.hosted:
                 if c.spec.index in self.speculated or grad_mul is None:
                     continue
-                target = c.next_weights if delay else self.home_weights(c)
-                free, c.next_weights_free = c.next_weights_free, None
-                self.host_opt.submit(c, lr, grad_mul, target, delayed=delay, target_free=free)
+                self.host_opt.submit(c, lr, grad_mul, self.home_weights(c))
             self.speculated = set()
             self.host_opt.flush()  # every gradient staged before they are zeroed
         if grad_mul is None:
@@ -132,7 +115,7 @@ class TieredUpdate:
             self._device_step(c, lr, grad_mul)
             if self.stage >= 1 and not c.shard_weights:
                 gathers.append(self._gather_updated(c))
-        if self.regather_hosted and not delay:
+        if self.regather_hosted:
             # the other ranks need this rank's updated shard: wait for the host, then gather
             for c in self.hosted:
                 self.host_opt.wait(c)
@@ -186,29 +169,11 @@ class TieredUpdate:
         shard of them), or for a streamed chunk its pinned host copy."""
         return c.weight_shard if (self.stage >= 1 or c.streamed) else c.weight
 
-    def apply_delayed(self) -> None:
-        """--delayed-update: copy the new weights the host optimizer left in the pinned buffers
-        into the model, and (stages 1-2, several ranks) all-gather them."""
-        if not self.delayed:
-            return  # no delayed updates in this run
-        gathers = []
-        for c in self.hosted:
-            if not self.host_opt.wait_delayed(c):
-                continue
-            self.home_weights(c).copy_(c.next_weights, non_blocking=True)
-            if self.cuda:
-                c.next_weights_free = torch.cuda.Event()
-                c.next_weights_free.record()
-            if self.regather_hosted:
-                gathers.append(self._gather_updated(c))
-        self.peers.wait_all(gathers)
-
     def sync(self) -> None:
-        """Wait for every pending host update and apply delayed ones (before eval, checkpoints
-        and generation: they see the newest weights)."""
+        """Wait for every pending host update (before eval, checkpoints and generation: they see
+        the newest weights)."""
         if self.host_opt is not None:
             self.host_opt.drain(self.hosted)
-            self.apply_delayed()
 
 
 def _fused_adamw(opt: torch.optim.AdamW, group: dict, grad: Tensor, lr: float) -> None:

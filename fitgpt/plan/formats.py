@@ -63,9 +63,9 @@ def rungs(fixed: dict, precision: str) -> list[Formats]:
     """The ladder as this run may climb it: the fields the user fixed as fixed; the rest from
     each rung, a format outside AUTO_FORMATS replaced by the most compact one below it; repeats
     dropped. A split master shares its high half with bf16 working weights: under fp32 compute
-    the master is the weights (or plain fp32 for offloaded chunks), and fp16 and the delayed
-    update refuse it, so there it stays fp32."""
-    split_ok = precision == "bf16" and not fixed.get("delayed_update")
+    the master is the weights (or plain fp32 for offloaded chunks), and fp16 refuses it, so
+    there it stays fp32."""
+    split_ok = precision == "bf16"
     out: list[Formats] = []
     for rung in LADDER:
         a, b, c = (

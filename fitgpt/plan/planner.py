@@ -84,8 +84,6 @@ class Candidate:
                 off += " to cpu"
             if e.offload_params == "cpu":
                 off += ", their weights streamed from cpu"
-            if e.delayed_update:
-                off += ", delayed update"
         tp = f", tensor-parallel {e.tensor_parallel}" if e.tensor_parallel > 1 else ""
         return f"{base}{tp}, checkpointing {e.checkpointing}{off}{formats.label(self.formats)}"
 
@@ -114,9 +112,8 @@ def enumerate_plans(world: int, fixed: dict) -> list[EngineConfig]:
         for ck in ("off", "full")
     ]
     fixed = dict(fixed)
-    needs_host_opt = fixed.get("offload_params", "none") != "none" or fixed.get("delayed_update")
-    if needs_host_opt and "offload_optimizer" not in fixed:
-        fixed["offload_optimizer"] = "cpu"  # streamed weights and delayed updates imply it
+    if fixed.get("offload_params", "none") != "none" and "offload_optimizer" not in fixed:
+        fixed["offload_optimizer"] = "cpu"  # streamed weights imply it
     out = []
     for p in plans:
         if any(

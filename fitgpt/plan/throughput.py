@@ -244,9 +244,7 @@ def step_time(
         casts = grad_accum * (2 if ecfg.checkpointing != "off" else 1)
         out["autocast_casts"] = casts * n * 6 / (rates.hbm_gbps * 1e9)
     if ecfg.engine == "zero" and ecfg.offloads:
-        out["host_optimizer"] = host_optimizer_exposed(
-            work, ecfg, grad_accum, compute, rates, placement
-        )
+        out["host_optimizer"] = host_optimizer_exposed(work, grad_accum, compute, rates, placement)
         if placement.streams:
             # streamed blocks' weights come in from host RAM before each forward and each
             # backward of every micro-batch, on a side stream behind the block before
@@ -260,7 +258,6 @@ def step_time(
 
 def host_optimizer_exposed(
     work: Workload,
-    ecfg: EngineConfig,
     grad_accum: int,
     compute: float,
     rates: Rates,
@@ -289,6 +286,4 @@ def host_optimizer_exposed(
     window = forward_first_micro * (m.n_layer - k) / max(1, m.n_layer)
     # the speculative update (engine/speculate.py) is not credited: measured runs clip nearly
     # every early step (docs/offload.md), and a clipped step gets no overlap from it
-    if ecfg.delayed_update:
-        window = compute  # the next step's whole forward and backward run meanwhile
     return max(0.0, work_s - window)

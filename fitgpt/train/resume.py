@@ -9,6 +9,9 @@ checked against the checkpoint:
 - what may legitimately change between two legs of a run (steps, learning rate and schedule,
   logging and checkpoint cadence, batch split, precision, optimizer settings, where state lives)
   is applied and listed in one line.
+
+A setting fitgpt has since removed is dropped from the saved config; where the run had it on,
+one line says what the run does instead.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ PARTS = {
 }
 # Fields whose change would make the saved state or the data order mean something else.
 FIXED = {"train": ("seed",)}
+# Fields since removed, (part, name) -> what a run saved with the field on does now.
+REMOVED = {
+    ("engine", "delayed_update"): "--delayed-update, which was removed (docs/offload.md); it "
+    "goes on with exact updates",
+}
 
 
 def _flag(cls, name: str) -> str:
@@ -57,6 +65,15 @@ def from_saved(section: str, saved: dict):
     cls = PARTS[section]
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in saved.items() if k in names})
+
+
+def removed_settings(meta: dict, ckpt: Path) -> list[str]:
+    """One note per removed setting (REMOVED) that the checkpoint's run had on."""
+    return [
+        f"resume: {ckpt} was trained with {now}"
+        for (part, name), now in REMOVED.items()
+        if meta["config"].get(part, {}).get(name)
+    ]
 
 
 def _same_data(cfg: DataConfig, field: str, asked) -> bool:
