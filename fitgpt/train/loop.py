@@ -27,6 +27,7 @@ from fitgpt.engine.compile import report_line
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.engine.scaler import LossScaler
+from fitgpt.engine.timing import PHASES
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
 from fitgpt.parallel.shard import check_tensor_parallel
@@ -407,18 +408,15 @@ class Trainer:
         host optimizer's counters as seconds per step over the steps since the last record
         (worker busy, main-thread waits, copies), and the speculative update's run totals."""
         counts, out = self.engine.breakdown(), {}
-        for key in ("speculated_steps_total", "rollbacks_total"):
-            if key in counts:
-                out[key.removesuffix("_total")] = counts[key]
-        for key in ("forward_backward", "reduce_and_norm", "update"):
-            if key in counts:
-                out[f"{key}_s"] = counts[key]
-        last = self._counts
+        run_totals = ("speculated_steps_total", "rollbacks_total")
+        out.update({f"{k}_s": counts[k] for k in PHASES if k in counts})
         for key, v in counts.items():
-            if key.endswith("_total") and key not in ("speculated_steps_total", "rollbacks_total"):
+            if key in run_totals:
+                out[key.removesuffix("_total")] = v
+            elif key.endswith("_total"):
                 name = key.removesuffix("_total")
                 name += "" if name.endswith("_gb") else "_s"
-                out[name] = (v - last.get(key, 0.0)) / max(steps, 1)
+                out[name] = (v - self._counts.get(key, 0.0)) / max(steps, 1)
         self._counts = counts
         return out
 
