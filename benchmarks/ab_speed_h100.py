@@ -1,0 +1,186 @@
+"""Issue 19: which change moves a compiled step at GPT-2 124 M and the 2.7b preset, measured
+before any of them is built into fitgpt (one device call, every variant in its own process).
+
+Each variant is `fitgpt train` with one change applied from outside, in this script only:
+  base        the planner's engine, --compile on (regional: one graph per block, the head)
+  ro          the regions compiled with mode="reduce-overhead" (CUDA graphs per region)
+  whole       the whole model's forward as one compiled graph (as nanoGPT compiles it)
+  flash, cudnn, efficient
+              scaled_dot_product_attention restricted to that backend
+  cdt         Inductor's coordinate-descent tuning of its pointwise and reduction kernels
+Plus a microbenchmark of each attention backend, forward + backward, at both models' shapes,
+with q, k, v strided views of one qkv tensor as the model makes them.
+
+    python3 benchmarks/ab_speed_h100.py --out $OUT [--variants base,ro,...] [--sizes 124m,2.7b]
+Prints a table (median ms per step after the first steps) and writes $OUT/ab_speed.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = {  # preset, micro-batch, steps, steps skipped for the median
+    "124m": ("gpt2-125m", 12, 40, 10),
+    "2.7b": ("2.7b", 8, 12, 4),
+    "tiny": ("tiny", 2, 6, 2),
+}
+
+
+def apply(variant: str, argv: list[str]) -> list[str]:
+    """The change `variant` makes, applied to this process before fitgpt runs; returns argv."""
+    import torch
+
+    if variant in ("flash", "cudnn", "efficient"):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = {
+            "flash": SDPBackend.FLASH_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        }[variant]
+        sdpa_kernel([backend]).__enter__()  # global flags, for the whole process
+    elif variant == "ro":
+        orig = torch.compile
+
+        def compile_ro(fn=None, **kw):
+            kw.setdefault("mode", "reduce-overhead")
+            return orig(fn, **kw) if fn is not None else orig(**kw)
+
+        torch.compile = compile_ro
+    elif variant == "cdt":
+        import torch._inductor.config as ic
+
+        ic.coordinate_descent_tuning = True
+    elif variant == "whole":
+        import fitgpt.engine.chunked as chunked
+
+        orig_connect = chunked.ChunkEngine._connect_parts
+
+        def connect(self):
+            orig_connect(self)
+            self.model.forward = torch.compile(self.model.forward)
+
+        chunked.ChunkEngine._connect_parts = connect
+        argv = [a if a != "on" else "off" for a in argv]  # no regions: the whole forward
+    return argv
+
+
+def attention_bench(out: Path) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    for name, (B, N, T, D) in {"124m": (12, 12, 1024, 64), "2.7b": (8, 32, 1024, 80)}.items():
+        for backend in ("default", "flash", "cudnn", "efficient"):
+            qkv = torch.randn(B, T, 3 * N * D, device="cuda", dtype=torch.bfloat16)
+            qkv.requires_grad_(True)
+
+            def step(qkv=qkv, B=B, N=N, T=T, D=D):
+                q, k, v = qkv.chunk(3, dim=2)
+                q, k, v = (t.view(B, T, N, D).transpose(1, 2) for t in (q, k, v))
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                y.transpose(1, 2).reshape(B, T, N * D).sum().backward()
+
+            ctx = (
+                sdpa_kernel([getattr(SDPBackend, backend.upper() + "_ATTENTION")])
+                if backend != "default"
+                else torch.enable_grad()
+            )
+            try:
+                with ctx:
+                    for _ in range(3):
+                        step()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(20):
+                        step()
+                    torch.cuda.synchronize()
+                ms = (time.perf_counter() - t0) / 20 * 1000
+            except RuntimeError as e:
+                ms = None
+                print(f"attention {name} {backend}: {str(e).splitlines()[0][:120]}")
+            flops = 3.5 * 4 * B * N * T * T * D / 2  # causal forward + backward (2.5× forward)
+            rec = {"kind": "attention", "size": name, "backend": backend, "ms": ms,
+                   "tflops": flops / ms / 1e9 if ms else None}  # fmt: skip
+            print(json.dumps(rec), flush=True)
+            rows.append(rec)
+    with open(out / "ab_speed.jsonl", "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def run_variant(size: str, variant: str, out: Path) -> dict:
+    preset, mb, steps, skip = SIZES[size]
+    run_dir = Path("/tmp/ab_speed") / f"{size}_{variant}"
+    args = [
+        "train", "--preset", preset, "--micro-batch", str(mb), "--grad-accum", "4",
+        "--data", "uniform", "--steps", str(steps), "--log-every", "1", "--eval-every", "0",
+        "--no-save", "--overwrite", "--compile", "on", "--out", str(run_dir),
+    ]  # fmt: skip
+    log = out / f"{size}_{variant}.log"
+    t0 = time.time()
+    with open(log, "w") as f:
+        rc = subprocess.run(
+            [sys.executable, __file__, "--child", variant, *args],
+            stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=300,
+        ).returncode  # fmt: skip
+    wall = time.time() - t0
+    recs = []
+    if (run_dir / "metrics.jsonl").is_file():
+        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r.get("kind") == "train" and r["step"] > skip]
+    med = lambda k: statistics.median(r[k] for r in train) if train and k in train[0] else None  # noqa: E731
+    rec = {"kind": "train", "size": size, "variant": variant, "rc": rc, "wall_s": round(wall, 1),
+           "ms_per_step": med("ms_per_step"), "mfu": med("mfu"),
+           "forward_backward_ms": 1000 * (med("forward_backward_s") or 0),
+           "update_ms": 1000 * (med("update_s") or 0)}  # fmt: skip
+    print(json.dumps(rec), flush=True)
+    with open(out / "ab_speed.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    return rec
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        sys.path.insert(0, str(ROOT))
+        argv = apply(sys.argv[2], sys.argv[3:])
+        from fitgpt.cli import main as fitgpt_main
+
+        fitgpt_main(argv)
+        return
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--sizes", default="124m,2.7b")
+    ap.add_argument("--variants", default="base,ro,whole,flash,cudnn,cdt")
+    ap.add_argument("--variants-2p7b", default="base,flash,cudnn,cdt")
+    ap.add_argument("--no-attention", action="store_true")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.no_attention:
+        attention_bench(args.out)
+    rows = []
+    for size in args.sizes.split(","):
+        variants = args.variants_2p7b if size == "2.7b" else args.variants
+        for v in variants.split(","):
+            try:
+                rows.append(run_variant(size, v, args.out))
+            except subprocess.TimeoutExpired:
+                print(f"{size} {v}: timed out")
+    print(f"{'size':<6} {'variant':<10} {'ms/step':>8} {'mfu':>6} {'fwd+bwd':>8} {'wall s':>7}")
+    for r in rows:
+        ms = f"{r['ms_per_step']:8.1f}" if r["ms_per_step"] else "       -"
+        mfu = f"{r['mfu']:6.3f}" if r["mfu"] else "     -"
+        print(f"{r['size']:<6} {r['variant']:<10} {ms} {mfu} {r['forward_backward_ms']:8.1f} "
+              f"{r['wall_s']:7.1f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
