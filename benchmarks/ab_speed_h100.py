@@ -5,6 +5,7 @@ Each variant is `fitgpt train` with one change applied from outside, in this scr
   base        the planner's engine, --compile on (regional: one graph per block, the head)
   ro          the regions compiled with mode="reduce-overhead" (CUDA graphs per region)
   whole       the whole model's forward as one compiled graph (as nanoGPT compiles it)
+  whole_ro    that graph with mode="reduce-overhead"
   flash, cudnn, efficient
               scaled_dot_product_attention restricted to that backend
   cdt         Inductor's coordinate-descent tuning of its pointwise and reduction kernels
@@ -58,14 +59,15 @@ def apply(variant: str, argv: list[str]) -> list[str]:
         import torch._inductor.config as ic
 
         ic.coordinate_descent_tuning = True
-    elif variant == "whole":
+    elif variant in ("whole", "whole_ro"):
         import fitgpt.engine.chunked as chunked
 
         orig_connect = chunked.ChunkEngine._connect_parts
 
         def connect(self):
             orig_connect(self)
-            self.model.forward = torch.compile(self.model.forward)
+            mode = "reduce-overhead" if variant == "whole_ro" else None
+            self.model.forward = torch.compile(self.model.forward, mode=mode)
 
         chunked.ChunkEngine._connect_parts = connect
         argv = [a if a != "on" else "off" for a in argv]  # no regions: the whole forward

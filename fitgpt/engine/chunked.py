@@ -254,19 +254,34 @@ class ChunkEngine(Engine):
         self.clock.mark("backward_done")
         self.reducer.finish_all()
         loss_avg, sq = self.reducer.totals(loss_sum / n, self.chunks)
-        loss_v, sq_v = torch.stack([loss_avg, sq]).tolist()  # host sync: one per step
-        self.clock.mark("synced")
-        norm = sq_v**0.5 / scale
-        overflow = not (norm == norm and norm != float("inf"))
-        grad_mul = None  # an overflow: no step (speculative ones undone)
-        if not overflow:
-            clip = self.ocfg.grad_clip
-            coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
-            grad_mul = coef / scale
-        self.updater.step(lr, grad_mul)
+        clip = self.ocfg.grad_clip
+        if self.updater.sync_free:
+            # the clip coefficient and the overflow test on the device, in float64 as the host
+            # computes them below (the same grad_mul to the bit): the update is queued behind
+            # the backward, and the step's one host sync comes after it
+            norm_t = sq.double().sqrt() / scale
+            coef = (clip / (norm_t + 1e-6)).clamp(max=1.0) if clip > 0 else norm_t * 0 + 1
+            skip = (~torch.isfinite(norm_t)).float()
+            self.clock.mark("synced")
+            self.updater.step_on_device(lr, coef / scale, skip)
+            self.reducer.zero_grads(self.chunks)
+            self.clock.mark("updated")
+            loss_v, sq_v = torch.stack([loss_avg, sq]).tolist()  # host sync: one per step
+            norm = sq_v**0.5 / scale
+            overflow = not (norm == norm and norm != float("inf"))
+        else:
+            loss_v, sq_v = torch.stack([loss_avg, sq]).tolist()  # host sync: one per step
+            self.clock.mark("synced")
+            norm = sq_v**0.5 / scale
+            overflow = not (norm == norm and norm != float("inf"))
+            grad_mul = None  # an overflow: no step (speculative ones undone)
+            if not overflow:
+                coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+                grad_mul = coef / scale
+            self.updater.step(lr, grad_mul)
+            self.reducer.zero_grads(self.chunks)
+            self.clock.mark("updated")
         self.scaler.update(overflow)
-        self.reducer.zero_grads(self.chunks)
-        self.clock.mark("updated")
         return StepStats(loss_v, norm, scale, overflow)
 
     @torch.no_grad()

@@ -122,6 +122,35 @@ class TieredUpdate:
                 gathers.append(self._gather_updated(c))
         self.peers.wait_all(gathers)
 
+    @property
+    def sync_free(self) -> bool:
+        """Whether step_on_device can run this plan: every chunk's state on the device in plain
+        fp32 (no host tier, which takes grad_mul as a host float, and no compact formats)."""
+        return self.host_opt is None and all(c.compact is None for c in self.chunks)
+
+    def step_on_device(self, lr: float, grad_mul: Tensor, skip: Tensor) -> None:
+        """step() without waiting for the global norm on the host: grad_mul arrives as a device
+        scalar (the gradient is multiplied by it in fp32, as step() multiplies by the host's
+        float: bit-identical), and skip = 1.0 for an overflow, which torch's fused AdamW kernel
+        reads to leave every tensor as it was (the step counts taken back). The GPU runs the
+        update straight after the backward; with step() it idles while the host reads the norm
+        and launches the update (4.0 ms of a 118 ms step at GPT-2 124 M on an H100:
+        benchmarks/results/small_step_h100_2026-11-23)."""
+        gathers = []
+        for c in self.chunks:
+            opt = c.optimizer
+            g32 = c.opt_grad.float()  # transient fp32 copy of one chunk's gradient
+            g32.mul_(grad_mul)
+            for group, (lo, hi) in zip(opt.param_groups, c.group_ranges):
+                group["lr"] = lr
+                _fused_adamw(opt, group, g32[lo:hi], lr, found_inf=skip)
+            del g32
+            if not c.master_aliases_weight:
+                c.weight_shard.copy_(c.master) if self.stage >= 1 else c.weight.copy_(c.master)
+            if self.stage >= 1 and not c.shard_weights:
+                gathers.append(self._gather_updated(c))
+        self.peers.wait_all(gathers)
+
     def _settle(self, lr: float, grad_mul: float | None) -> list[Chunk]:
         """The guess checked: when it was right the speculative updates stand, bit-identical to
         the exact path; when not (clipped, or an overflow), each is undone and redone with the
@@ -176,13 +205,20 @@ class TieredUpdate:
             self.host_opt.drain(self.hosted)
 
 
-def _fused_adamw(opt: torch.optim.AdamW, group: dict, grad: Tensor, lr: float) -> None:
+def _fused_adamw(
+    opt: torch.optim.AdamW,
+    group: dict,
+    grad: Tensor,
+    lr: float,
+    found_inf: Tensor | None = None,
+) -> None:
     """What `opt.step()` runs for one group of one flat parameter with fused=True (its step
     count +1, then torch's fused kernel, the same operands: bit-identical), without the
     optimizer's Python around it (grouping by device and dtype, state checks, hooks), paid per
     chunk and param group while the GPU waits (the update follows the norm's host sync). Measured
     at GPT-2 124 M on an H100: the update phase 2.4-2.5 ms against 2.8-3.0 ms
-    (benchmarks/results/ab_small_h100_2026-11-23)."""
+    (benchmarks/results/ab_small_h100_2026-11-23). found_inf as the optimizer passes it under a
+    GradScaler: no step where it is 1.0, and the step count taken back, as torch does."""
     param = group["params"][0]
     state = opt.state[param]
     state["step"].add_(1)
@@ -190,4 +226,7 @@ def _fused_adamw(opt: torch.optim.AdamW, group: dict, grad: Tensor, lr: float) -
         [param], [grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
         amsgrad=False, lr=lr, beta1=group["betas"][0], beta2=group["betas"][1],
         weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+        found_inf=found_inf,
     )  # fmt: skip
+    if found_inf is not None:
+        state["step"].sub_(found_inf)
