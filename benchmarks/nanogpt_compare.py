@@ -12,10 +12,16 @@ seq 1024, vocabulary 50,304, bf16, AdamW (0.9, 0.95), weight decay 0.1, clip 1.0
 cosine, dropout 0. Per size: nanoGPT (compile=True), then `fitgpt train --compile on` and
 `--compile off`, each STEPS steps; ms/step is the median over the steps after the first LOG
 interval (the compile is in that one), the validation loss each system's own estimate at the
-end (nanoGPT: 200 random windows of val.bin; fitgpt: --eval-batches 200 of its split).
+end (nanoGPT: random windows of val.bin; fitgpt: --eval-batches of its split).
+
+The common evaluation: both systems' final weights (nanoGPT's ckpt.pt, fitgpt's checkpoint
+through `fitgpt export --format hf`) loaded into Hugging Face's GPT2LMHeadModel and scored by
+the same code on the same tokens: the first --common-windows non-overlapping 1024-token windows
+of val.bin, the softmax over GPT-2's 50,257 real tokens (both pad theirs to 50,304). Neither
+system's own evaluation code, window sampling or padding is involved.
 
     python3 benchmarks/nanogpt_compare.py --out $OUT [--sizes 124m,1.5b] [--steps 200[,200]]
-        [--eval-iters 200]
+        [--eval-iters 200] [--systems nanogpt,on,off] [--common-windows 256]
 Writes $OUT/nanogpt_compare.jsonl (one line per system and size) and prints a table.
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -89,12 +96,71 @@ def nanogpt(size: str, steps: int, dataset: str, out: Path, evals: int) -> dict:
     ms = [float(m) for i, m in re.findall(r"iter (\d+): loss [\d.]+, time ([\d.]+)ms", text)
           if int(i) > LOG]  # fmt: skip
     val = re.findall(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", text)
+    hf_dir = out / f"hf_nano_{size}"
+    ckpt = out / ("nano_" + size) / "ckpt.pt"
+    if rc == 0 and ckpt.is_file():
+        hf_from_nanogpt(ckpt, Path("/tmp/nanogpt_compare") / hf_dir.name)
+        ckpt.unlink()  # 12-18 GB at 1.5 B: the evaluation has what it needs
     return {
+        "hf_dir": str(Path("/tmp/nanogpt_compare") / hf_dir.name) if rc == 0 else None,
         "system": "nanogpt", "size": size, "rc": rc, "wall_s": round(wall, 1),
         "ms_per_step": statistics.median(ms) if ms else None,
         "val_loss": float(val[-1][1]) if val and int(val[-1][0]) == steps else None,
         "tokens_per_step": mb * ACCUM * 1024,
     }  # fmt: skip
+
+
+def hf_from_nanogpt(ckpt: Path, hf_dir: Path) -> None:
+    """nanoGPT's checkpoint as a GPT2LMHeadModel folder: its nn.Linear weights transposed to
+    GPT-2's Conv1D layout, the vocabulary cut back to 50,257 (as from_pretrained maps them the
+    other way)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    c = torch.load(ckpt, map_location="cpu", weights_only=False)
+    a = c["model_args"]
+    sd = {k.removeprefix("_orig_mod."): v for k, v in c["model"].items()}
+    cfg = GPT2Config(vocab_size=50257, n_positions=a["block_size"], n_embd=a["n_embd"],
+                     n_layer=a["n_layer"], n_head=a["n_head"], activation_function="gelu_new",
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    conv = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    out = {}
+    for k, v in sd.items():
+        if k.endswith(".attn.bias") or k == "lm_head.weight":
+            continue  # nanoGPT's causal-mask buffer; the head is tied to wte
+        if k.endswith(conv):
+            v = v.t()
+        if k == "transformer.wte.weight":
+            v = v[:50257]
+        out[k] = v.contiguous()
+    model = GPT2LMHeadModel(cfg)
+    missing, unexpected = model.load_state_dict(out, strict=False)
+    assert not unexpected and all(k.endswith(("attn.bias", "masked_bias", "lm_head.weight"))
+                                  for k in missing), (missing, unexpected)  # fmt: skip
+    model.tie_weights()
+    model.save_pretrained(hf_dir)
+
+
+def common_eval(hf_dir: Path, val_bin: Path, windows: int) -> dict:
+    """Mean next-token loss of a GPT2LMHeadModel folder over the first `windows` non-overlapping
+    1024-token windows of val.bin (bf16 autocast, fp32 softmax), and how many it scored."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    tokens = np.fromfile(val_bin, dtype=np.uint16).astype(np.int64)
+    n = min(windows, (len(tokens) - 1) // 1024)
+    model = GPT2LMHeadModel.from_pretrained(hf_dir, torch_dtype=torch.float32).cuda().eval()
+    total, count = 0.0, 0
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        for i in range(0, n, 8):
+            rows = [tokens[j * 1024 : j * 1024 + 1025] for j in range(i, min(i + 8, n))]
+            xy = torch.from_numpy(np.stack(rows)).cuda()
+            logits = model(xy[:, :-1]).logits.float()
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), xy[:, 1:].reshape(-1), reduction="sum"
+            )
+            total, count = total + loss.item(), count + xy[:, 1:].numel()
+    return {"common_val_loss": total / count, "common_windows": n}
 
 
 def fitgpt(size: str, steps: int, compile_: str, out: Path, evals: int) -> dict:
@@ -107,8 +173,8 @@ def fitgpt(size: str, steps: int, compile_: str, out: Path, evals: int) -> dict:
         "--warmup", str(HYPER["warmup"]), "--lr", str(HYPER["lr"]),
         "--min-lr", str(HYPER["min_lr"]), "--weight-decay", "0.1", "--grad-clip", "1.0",
         "--beta2", "0.95", "--compile", compile_, "--eval-every", str(steps),
-        "--eval-batches", str(evals), "--log-every", str(LOG), "--no-save", "--out", str(run_dir),
-        "--overwrite",
+        "--eval-batches", str(evals), "--log-every", str(LOG), "--save-optimizer", "none",
+        "--out", str(run_dir), "--overwrite",
     ]  # fmt: skip
     rc, wall = run(cmd, log, ROOT)
     recs = []
@@ -129,7 +195,13 @@ def fitgpt(size: str, steps: int, compile_: str, out: Path, evals: int) -> dict:
     )
     val = [r for r in recs if r.get("kind") == "eval" and r["step"] == steps]
     comp = [r for r in recs if r.get("kind") == "compile"]
+    hf_dir = run_dir.parent / f"hf_{run_dir.name}"
+    export = [sys.executable, "-m", "fitgpt", "export", "--ckpt", str(run_dir), "--out",
+              str(hf_dir), "--format", "hf", "--overwrite"]  # fmt: skip
+    exported = rc == 0 and run(export, out / f"export_{run_dir.name}.log", ROOT)[0] == 0
     return {
+        "hf_dir": str(hf_dir) if exported else None,
+        "scope": comp[0].get("scope") if comp else None,
         "system": f"fitgpt-compile-{compile_}", "size": size, "rc": rc, "wall_s": round(wall, 1),
         "ms_per_step": statistics.median(ms) if ms else None,
         "loop_ms_per_step": loop_ms,
@@ -145,7 +217,11 @@ def main() -> None:
     ap.add_argument("--sizes", default="124m,1.5b")
     ap.add_argument("--steps", default="200", help="one count, or one per size (comma-separated)")
     ap.add_argument("--eval-iters", type=int, default=200, help="validation batches, both systems")
+    ap.add_argument("--systems", default="nanogpt,on,off", help="nanogpt, on, off (fitgpt's "
+                    "--compile)")  # fmt: skip
+    ap.add_argument("--common-windows", type=int, default=256, help="common evaluation windows")
     args = ap.parse_args()
+    systems = args.systems.split(",")
     sizes = args.sizes.split(",")
     steps = [int(x) for x in args.steps.split(",")]
     steps = steps * len(sizes) if len(steps) == 1 else steps
@@ -155,12 +231,16 @@ def main() -> None:
     make_data(args.out)
     dataset = nano_data()
     results = args.out / "nanogpt_compare.jsonl"
+    val_bin = NANO / "data" / dataset / "val.bin"
     for size, n in zip(sizes, steps, strict=True):
-        for rec in (
-            nanogpt(size, n, dataset, args.out, args.eval_iters),
-            fitgpt(size, n, "on", args.out, args.eval_iters),
-            fitgpt(size, n, "off", args.out, args.eval_iters),
-        ):
+        for system in systems:
+            if system == "nanogpt":
+                rec = nanogpt(size, n, dataset, args.out, args.eval_iters)
+            else:
+                rec = fitgpt(size, n, system, args.out, args.eval_iters)
+            if rec.get("hf_dir"):
+                rec.update(common_eval(Path(rec["hf_dir"]), val_bin, args.common_windows))
+                shutil.rmtree(rec["hf_dir"], ignore_errors=True)
             rec["tokens_per_s"] = (
                 rec["tokens_per_step"] / rec["ms_per_step"] * 1000 if rec["ms_per_step"] else None
             )

@@ -73,6 +73,43 @@ def test_compiled_stage3_with_checkpointing_trains_like_eager(tmp_path, capsys):
 
 @pytest.mark.slow
 @needs_cxx
+def test_the_whole_model_as_one_graph_trains_like_eager(tmp_path, capsys, monkeypatch):
+    """model_scope's form (on a GPU: CUDA graphs, which a CPU has not; the graph is the same):
+    the same losses as eager, one region reported, no recompile over steps, and evaluation and
+    sampling running the eager forward (no second compile)."""
+    import fitgpt.engine.chunked as chunked
+
+    monkeypatch.setattr(chunked, "model_scope", lambda *a: True)
+    runs = {}
+    for mode in ("off", "on"):
+        cfg = run_config(
+            tmp_path / mode, steps=3, log_every=1, compile=mode, eval_every=3, engine="zero"
+        )
+        runs[mode] = train(cfg, CPU)
+    torch.testing.assert_close(runs["on"]["losses"], runs["off"]["losses"], rtol=1e-5, atol=0)
+    log = capsys.readouterr().out
+    assert log.count("compile: the whole model as one graph, 0 graph breaks, 0 recompiles") == 1
+    recs = {m: [json.loads(x) for x in (tmp_path / m / "metrics.jsonl").open()] for m in runs}
+    evals = [[r["val_loss"] for r in recs[m] if r["kind"] == "eval"] for m in runs]
+    assert evals[0] and evals[1] and abs(evals[0][0] - evals[1][0]) < 1e-4
+    records = recs["on"]
+    (rec,) = [r for r in records if r["kind"] == "compile"]
+    assert rec["regions"] == 1 and rec["scope"] == "model" and rec["recompiles"] == 0, rec
+
+
+def test_only_one_rank_holding_a_small_model_whole_compiles_it_whole():
+    from fitgpt.engine.compile import MODEL_SCOPE_MAX_HIDDEN, model_scope
+
+    assert model_scope("cuda", 768, 1, True, "off")
+    assert not model_scope("cpu", 768, 1, True, "off")  # no CUDA graphs: the regions
+    assert not model_scope("cuda", MODEL_SCOPE_MAX_HIDDEN + 1, 1, True, "off")  # GPU-bound
+    assert not model_scope("cuda", 768, 2, True, "off")  # reductions overlap block by block
+    assert not model_scope("cuda", 768, 1, False, "off")  # host waits, streams before blocks
+    assert not model_scope("cuda", 768, 1, True, "full")  # the checkpoint wraps each block
+
+
+@pytest.mark.slow
+@needs_cxx
 def test_a_region_that_cannot_compile_runs_eagerly_after_one_warning(capfd):
     """Inductor pointed at a C++ compiler that does not exist (a machine without a toolchain):
     each region kind warns once, in one line, and the steps run eagerly with eager's losses."""

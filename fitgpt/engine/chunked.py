@@ -30,6 +30,7 @@ streamed in before each use like stage-3 gathers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from fitgpt.engine.chunk import Chunk
 from fitgpt.engine.chunk_state import ChunkStateIO
 from fitgpt.engine.comm import Peers
 from fitgpt.engine.compact import Scratch
-from fitgpt.engine.compile import compile_regions
+from fitgpt.engine.compile import compile_regions, model_scope
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.fetch import WeightFetch
 from fitgpt.engine.layout import chunk_layout
@@ -112,7 +113,13 @@ class ChunkEngine(Engine):
         self._warm_up_codecs()
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         self.blocks = [c for c in self.chunks if c.spec.name.startswith("block.")]
-        self.compiled = compile_regions(model, ctx.is_main) if ecfg.compile == "on" else None
+        self.compiled = None
+        if ecfg.compile == "on":
+            resident = not any(c.offloaded or c.streamed for c in self.chunks)
+            whole = model_scope(
+                self.device.type, model_cfg.n_embd, ctx.world, resident, ecfg.checkpointing
+            )
+            self.compiled = compile_regions(model, ctx.is_main, whole)
         if ecfg.checkpointing != "off":  # after compiling: the checkpoint wraps compiled blocks
             checkpoint_blocks(model, to_host=ecfg.checkpointing == "cpu")
         self.model = model
@@ -235,6 +242,7 @@ class ChunkEngine(Engine):
         if self.stage >= 3 or self.streamed:
             self.hooks += self.fetcher.register(modules, blocks)
         self.clock = StepClock(self.device)
+        self._stats_host: Tensor | None = None  # the step's loss and norm², pinned (_stats_down)
 
     # ---- the step -----------------------------------------------------------------------------
     def _to_device(self, t: Tensor) -> Tensor:
@@ -262,11 +270,12 @@ class ChunkEngine(Engine):
             norm_t = sq.double().sqrt() / scale
             coef = (clip / (norm_t + 1e-6)).clamp(max=1.0) if clip > 0 else norm_t * 0 + 1
             skip = (~torch.isfinite(norm_t)).float()
+            ready = self._stats_down(torch.stack([loss_avg, sq]))
             self.clock.mark("synced")
-            self.updater.step_on_device(lr, coef / scale, skip)
+            self.updater.step_on_device(lr, (coef / scale).float().reshape(1), skip)
             self.reducer.zero_grads(self.chunks)
             self.clock.mark("updated")
-            loss_v, sq_v = torch.stack([loss_avg, sq]).tolist()  # host sync: one per step
+            loss_v, sq_v = ready()  # host sync: one per step, the update still running
             norm = sq_v**0.5 / scale
             overflow = not (norm == norm and norm != float("inf"))
         else:
@@ -283,6 +292,25 @@ class ChunkEngine(Engine):
             self.clock.mark("updated")
         self.scaler.update(overflow)
         return StepStats(loss_v, norm, scale, overflow)
+
+    def _stats_down(self, stats: Tensor) -> Callable[[], list[float]]:
+        """Start copying the step's [loss, squared norm] to the host ahead of the update; the
+        returned call waits for that copy alone, not for the update queued behind it, so the
+        host takes up the next step while the GPU still updates (a sync after the update idled
+        the GPU for the host's turn: 3-4 ms of a 2.7b step on an H100)."""
+        if not self.cuda:
+            return stats.tolist
+        if self._stats_host is None:
+            self._stats_host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+        self._stats_host.copy_(stats, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def ready() -> list[float]:
+            done.synchronize()
+            return self._stats_host.tolist()
+
+        return ready
 
     @torch.no_grad()
     def eval_loss(self, batch: Batch) -> float:

@@ -7,6 +7,11 @@ Two kinds of region are compiled (TorchInductor, dynamo's default backend):
              2..L hit its cache. Compile time does not grow with depth.
   head       GPT.head_loss: the final LayerNorm, lm_head and cross-entropy as one graph (the
              [B, T, V] logits and their fp32 copy become a fused transient).
+One rank holding a small model whole (model_scope) compiles a third kind instead of the two:
+  model      the whole training forward (embeddings, every block, head + loss) as one graph,
+             run as CUDA graphs on a GPU (Inductor's mode="reduce-overhead"): one launch per
+             forward and backward, where the regions pay a compiled call per block and the GPU
+             waits for the host between them.
 Only the forward *function* is replaced, never the module's __call__: the engine's hooks on a
 block (host-optimizer waits, stage-3 gathers and frees, streamed weights) and on its parameters
 (gradient reduction) keep running eagerly around the compiled code, as they do without it.
@@ -76,6 +81,34 @@ def auto_compile(device_type: str, run_s: float) -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+# model_scope: the widest model whose steps are bound by the host's launches (measured on an
+# H100, GPT-2 124 M, h=768: 108-120 ms per step with regions against 106 ms as one CUDA-graphed
+# graph, benchmarks/results/ab_speed_h100_2026-11-24; at h=1600 and above a block's kernels
+# outlast its launches and the regions' short compile wins)
+MODEL_SCOPE_MAX_HIDDEN = 1024
+
+
+def model_scope(
+    device_type: str, n_embd: int, world: int, resident: bool, checkpointing: str
+) -> bool:
+    """Whether a run compiles its whole forward as one graph (the module docstring): on GPUs, for
+    models up to MODEL_SCOPE_MAX_HIDDEN wide, when nothing needs the engine between blocks: one
+    rank (no reduction to start as each block's gradient completes), every chunk resident (no
+    host waits, gathers or streams before a block) and no activation checkpointing (which wraps
+    each block)."""
+    return (
+        device_type == "cuda"
+        and n_embd <= MODEL_SCOPE_MAX_HIDDEN
+        and world == 1
+        and resident
+        and checkpointing == "off"
+    )
+
+
+def _model_train(model: nn.Module, idx_BT: Tensor, targets_BT: Tensor) -> Tensor:
+    return type(model).forward(model, idx_BT, targets_BT)
+
+
 def _block_train(block: nn.Module, x_BTH: Tensor, alibi_NTT: Tensor | None) -> Tensor:
     """A block's forward as training calls it; the class's forward, not the instance attribute
     (which activation checkpointing and this module replace)."""
@@ -140,17 +173,39 @@ class _Kind:
 class CompiledRegions:
     """The compiled regions of one model, and their counters (report())."""
 
-    def __init__(self, model: nn.Module, warn: Callable[[str], None]) -> None:
+    def __init__(self, model: nn.Module, warn: Callable[[str], None], whole: bool = False) -> None:
         self.warn = warn
         self.errors = compile_errors()
         self._start = _counters()
+        self.kinds: tuple[_Kind, ...]
+        if whole:
+            cuda = next(model.parameters()).device.type == "cuda"
+            mode = "reduce-overhead" if cuda else None  # CUDA graphs exist on GPUs only
+            self.whole = _Kind("model", torch.compile(_model_train, mode=mode), _model_train)
+            self.kinds = (self.whole,)
+            self._wrap_model(model)
+            return
         self.blocks = _Kind("block", torch.compile(_block_train), _block_train)
         self.head = _Kind("head+loss", torch.compile(_head_loss), _head_loss)
+        self.kinds = (self.blocks, self.head)
         for block in model.blocks:
             self._wrap_block(block)
         self.head.regions = 1
         # an instance attribute shadows GPT.head_loss; GPT.forward calls self.head_loss
         model.head_loss = lambda x, t: self.head(self, model, x, t)
+
+    def _wrap_model(self, model: nn.Module) -> None:
+        eager = model.forward
+
+        def forward(idx_BT, targets_BT=None, cache=None):
+            # training alone: evaluation (no grad) and decoding run eagerly rather than pay a
+            # second whole-model compile and CUDA graph for a few batches
+            if targets_BT is None or cache is not None or not torch.is_grad_enabled():
+                return eager(idx_BT, targets_BT, cache)
+            return self.whole(self, model, idx_BT, targets_BT)
+
+        model.forward = forward
+        self.whole.regions = 1
 
     def _wrap_block(self, block: nn.Module) -> None:
         eager = block.forward
@@ -169,31 +224,36 @@ class CompiledRegions:
         `recompiles` (compiles of a kind after its first: one per kind for evaluation's no-grad
         form; more means a guard fails), and `compile_s` (seconds spent compiling)."""
         breaks, seconds = (a - b for a, b in zip(_counters(), self._start))
-        kinds = (self.blocks, self.head)
+        kinds = self.kinds
         return {
             "regions": sum(k.regions for k in kinds if not k.failed),
             "eager": sum(k.regions for k in kinds if k.failed),
             "graph_breaks": breaks,
             "recompiles": sum(max(0, k.compiles - 1) for k in kinds),
             "compile_s": seconds,
+            "scope": kinds[0].name if len(kinds) == 1 else "regions",
         }
 
 
-def compile_regions(model: nn.Module, is_main: bool = True) -> CompiledRegions:
-    """Compile `model`'s block forwards and its head + loss (see the module docstring); call it
-    before checkpoint_blocks. Warnings go to stderr, one line, from rank 0 only."""
+def compile_regions(model: nn.Module, is_main: bool = True, whole: bool = False) -> CompiledRegions:
+    """Compile `model`'s block forwards and its head + loss, or with `whole` (model_scope) its
+    whole training forward (see the module docstring); call it before checkpoint_blocks.
+    Warnings go to stderr, one line, from rank 0 only."""
 
     def warn(msg: str) -> None:
         if is_main:
             print(f"warning: compile: {msg}", file=sys.stderr, flush=True)
 
-    return CompiledRegions(model, warn)
+    return CompiledRegions(model, warn, whole)
 
 
 def report_line(r: dict) -> str:
     """The run log's line: 'compile: N regions, G graph breaks, R recompiles, T s'."""
     eager = f", {r['eager']} eager after a failure" if r["eager"] else ""
+    regions = f"{r['regions']} regions"
+    if r.get("scope") == "model":
+        regions = "the whole model as one graph" if r["regions"] else "0 regions"
     return (
-        f"compile: {r['regions']} regions{eager}, {r['graph_breaks']} graph breaks, "
+        f"compile: {regions}{eager}, {r['graph_breaks']} graph breaks, "
         f"{r['recompiles']} recompiles, {r['compile_s']:.1f} s"
     )

@@ -129,9 +129,9 @@ class TieredUpdate:
         return self.host_opt is None and all(c.compact is None for c in self.chunks)
 
     def step_on_device(self, lr: float, grad_mul: Tensor, skip: Tensor) -> None:
-        """step() without waiting for the global norm on the host: grad_mul arrives as a device
-        scalar (the gradient is multiplied by it in fp32, as step() multiplies by the host's
-        float: bit-identical), and skip = 1.0 for an overflow, which torch's fused AdamW kernel
+        """step() without waiting for the global norm on the host: grad_mul arrives as a
+        one-element fp32 device tensor (the gradient is multiplied by it in fp32, as step()
+        multiplies by the host's float: bit-identical), and skip = 1.0 for an overflow, which torch's fused AdamW kernel
         reads to leave every tensor as it was (the step counts taken back). The GPU runs the
         update straight after the backward; with step() it idles while the host reads the norm
         and launches the update (4.0 ms of a 118 ms step at GPT-2 124 M on an H100:
@@ -139,8 +139,10 @@ class TieredUpdate:
         gathers = []
         for c in self.chunks:
             opt = c.optimizer
-            g32 = c.opt_grad.float()  # transient fp32 copy of one chunk's gradient
-            g32.mul_(grad_mul)
+            # the fp32 copy and the multiply in one pass: grad_mul's one dimension makes the
+            # product fp32 (a 0-d operand would leave it in the gradient's dtype); each element
+            # is rounded once, as step()'s copy-then-multiply rounds it
+            g32 = torch.mul(c.opt_grad, grad_mul)
             for group, (lo, hi) in zip(opt.param_groups, c.group_ranges):
                 group["lr"] = lr
                 _fused_adamw(opt, group, g32[lo:hi], lr, found_inf=skip)
