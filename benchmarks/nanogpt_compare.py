@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from user_path import DATA, make_data
+from user_path import DATA, WORK, make_data
 
 ROOT = Path(__file__).resolve().parent.parent
 NANO = ROOT / ".nanogpt"
@@ -52,16 +52,48 @@ ACCUM, LOG = 4, 10
 HYPER = dict(lr=6e-4, min_lr=6e-5, warmup=20)
 
 
-def nano_data() -> str:
+# --corpus site: the Python sources of the machine's site-packages (torch, transformers, numpy,
+# ...), its first SITE_BYTES of text: ~30 M GPT-2 tokens, so that the 124 M run's 300 steps
+# (14.7 M tokens) stay inside one epoch. The standard library (~4 M tokens) is seen 3.5 times by
+# then, and the validation loss measures how fast each system memorises it.
+SITE = WORK / "data" / "site_text_document"
+SITE_BYTES = 100_000_000
+
+
+def make_site_data(out: Path) -> None:
+    if Path(f"{SITE}.bin").is_file():
+        return
+    import sysconfig
+
+    SITE.parent.mkdir(parents=True, exist_ok=True)
+    src, total = SITE.parent / "site.jsonl", 0
+    with open(src, "w") as f:
+        for p in sorted(Path(sysconfig.get_paths()["purelib"]).rglob("*.py")):
+            try:
+                text = p.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            f.write(json.dumps({"text": text}) + "\n")
+            total += len(text)
+            if total >= SITE_BYTES:
+                break
+    cmd = [sys.executable, "-m", "fitgpt", "data", "preprocess", "--input", str(src),
+           "--json-key", "text", "--output-prefix", str(SITE.parent / "site"), "--workers", "8",
+           "--append-eod"]  # fmt: skip
+    rc, _ = run(cmd, out / "preprocess_site.log", ROOT)
+    assert rc == 0, f"preprocess failed: {out / 'preprocess_site.log'}"
+
+
+def nano_data(prefix: Path) -> str:
     """fitgpt's train and validation documents as nanoGPT's raw uint16 token files."""
     sys.path.insert(0, str(ROOT))
     from fitgpt.data.gpt_dataset import split_ranges
     from fitgpt.data.indexed import IndexedDataset
 
-    data = IndexedDataset(str(DATA))
+    data = IndexedDataset(str(prefix))
     assert data.tokens.dtype == np.uint16, data.tokens.dtype
     ranges = split_ranges("969,30,1", data.num_documents)  # fitgpt's default --split
-    out = NANO / "data" / "fitgpt_stdlib"
+    out = NANO / "data" / f"fitgpt_{prefix.name.split('_')[0]}"
     out.mkdir(parents=True, exist_ok=True)
     for name, split in (("train.bin", "train"), ("val.bin", "valid")):
         lo, hi = ranges[split]
@@ -163,12 +195,12 @@ def common_eval(hf_dir: Path, val_bin: Path, windows: int) -> dict:
     return {"common_val_loss": total / count, "common_windows": n}
 
 
-def fitgpt(size: str, steps: int, compile_: str, out: Path, evals: int) -> dict:
+def fitgpt(size: str, steps: int, compile_: str, out: Path, evals: int, data: Path) -> dict:
     preset, *_, mb = SIZES[size]
     run_dir = Path("/tmp/nanogpt_compare") / f"fitgpt_{size}_{compile_}"
     log = out / f"fitgpt_{size}_compile-{compile_}.log"
     cmd = [
-        sys.executable, "-m", "fitgpt", "train", "--preset", preset, "--data", str(DATA),
+        sys.executable, "-m", "fitgpt", "train", "--preset", preset, "--data", str(data),
         "--micro-batch", str(mb), "--grad-accum", str(ACCUM), "--steps", str(steps),
         "--warmup", str(HYPER["warmup"]), "--lr", str(HYPER["lr"]),
         "--min-lr", str(HYPER["min_lr"]), "--weight-decay", "0.1", "--grad-clip", "1.0",
@@ -220,6 +252,7 @@ def main() -> None:
     ap.add_argument("--systems", default="nanogpt,on,off", help="nanogpt, on, off (fitgpt's "
                     "--compile)")  # fmt: skip
     ap.add_argument("--common-windows", type=int, default=256, help="common evaluation windows")
+    ap.add_argument("--corpus", choices=["stdlib", "site"], default="stdlib")
     args = ap.parse_args()
     systems = args.systems.split(",")
     sizes = args.sizes.split(",")
@@ -228,8 +261,13 @@ def main() -> None:
     if not (NANO / "train.py").is_file():
         sys.exit(f"{NANO}/train.py not found: git clone https://github.com/karpathy/nanoGPT {NANO}")
     args.out.mkdir(parents=True, exist_ok=True)
-    make_data(args.out)
-    dataset = nano_data()
+    if args.corpus == "site":
+        make_site_data(args.out)
+        data = SITE
+    else:
+        make_data(args.out)
+        data = DATA
+    dataset = nano_data(data)
     results = args.out / "nanogpt_compare.jsonl"
     val_bin = NANO / "data" / dataset / "val.bin"
     for size, n in zip(sizes, steps, strict=True):
@@ -237,7 +275,7 @@ def main() -> None:
             if system == "nanogpt":
                 rec = nanogpt(size, n, dataset, args.out, args.eval_iters)
             else:
-                rec = fitgpt(size, n, system, args.out, args.eval_iters)
+                rec = fitgpt(size, n, system, args.out, args.eval_iters, data)
             if rec.get("hf_dir"):
                 rec.update(common_eval(Path(rec["hf_dir"]), val_bin, args.common_windows))
                 shutil.rmtree(rec["hf_dir"], ignore_errors=True)

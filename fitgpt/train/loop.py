@@ -292,7 +292,10 @@ class Trainer:
     def fit(self) -> dict:
         cfg, ctx = self.cfg, self.ctx
         self.preflight()
-        compiled = " (compiled blocks and head)" if self.engine.compiled is not None else ""
+        compiled = ""
+        if self.engine.compiled is not None:
+            whole = self.engine.compiled.report()["scope"] == "model"
+            compiled = " (compiled: the whole model)" if whole else " (compiled blocks and head)"
         tp_note = (
             f" (tensor-parallel {ctx.tp} × data-parallel {ctx.dp_world})" if ctx.tp > 1 else ""
         )
