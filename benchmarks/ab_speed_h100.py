@@ -9,6 +9,9 @@ Each variant is `fitgpt train` with one change applied from outside, in this scr
   flash, cudnn, efficient
               scaled_dot_product_attention restricted to that backend
   cdt         Inductor's coordinate-descent tuning of its pointwise and reduction kernels
+  res32       the residual stream in fp32 (the embeddings' sum and every block's additions;
+              the norms and matrix products still read bf16), as autocast over fp32 weights
+              keeps it in nanoGPT
 Plus a microbenchmark of each attention backend, forward + backward, at both models' shapes,
 with q, k, v strided views of one qkv tensor as the model makes them.
 
@@ -59,6 +62,19 @@ def apply(variant: str, argv: list[str]) -> list[str]:
         import torch._inductor.config as ic
 
         ic.coordinate_descent_tuning = True
+    elif variant == "res32":
+        from fitgpt.model import gpt
+
+        embed, head = gpt.GPT.embed, gpt.GPT.head
+
+        def block_forward(self, x, cache=None, layer=0, alibi_NTT=None):
+            dt = self.ln_1.weight.dtype  # the norms read the working dtype; the sums stay fp32
+            x = x + self.attn(self.ln_1(x.to(dt)), cache, layer, alibi_NTT)
+            return x + self.mlp(self.ln_2(x.to(dt)))
+
+        gpt.GPT.embed = lambda self, idx, past=0: embed(self, idx, past).float()
+        gpt.GPT.head = lambda self, x: head(self, x.to(self.ln_f.weight.dtype))
+        gpt.Block.forward = block_forward
     elif variant in ("whole", "whole_ro"):
         import fitgpt.engine.chunked as chunked
 

@@ -195,18 +195,24 @@ def common_eval(hf_dir: Path, val_bin: Path, windows: int) -> dict:
     return {"common_val_loss": total / count, "common_windows": n}
 
 
-def fitgpt(size: str, steps: int, compile_: str, out: Path, evals: int, data: Path) -> dict:
+def fitgpt(
+    size: str, steps: int, compile_: str, out: Path, evals: int, data: Path, seed: int = 0
+) -> dict:
     preset, *_, mb = SIZES[size]
-    run_dir = Path("/tmp/nanogpt_compare") / f"fitgpt_{size}_{compile_}"
-    log = out / f"fitgpt_{size}_compile-{compile_}.log"
+    compile_, _, variant = compile_.partition("+")  # on+res32: benchmarks/ab_speed_h100.py's
+    tag = f"{size}_{compile_}" + (f"_seed{seed}" if seed else "") + (f"_{variant}" * bool(variant))
+    run_dir = Path("/tmp/nanogpt_compare") / f"fitgpt_{tag}"
+    log = out / f"fitgpt_{tag}.log"
+    entry = ["-m", "fitgpt"] if not variant else [str(ROOT / "benchmarks/ab_speed_h100.py"),
+                                                   "--child", variant]  # fmt: skip
     cmd = [
-        sys.executable, "-m", "fitgpt", "train", "--preset", preset, "--data", str(data),
+        sys.executable, *entry, "train", "--preset", preset, "--data", str(data),
         "--micro-batch", str(mb), "--grad-accum", str(ACCUM), "--steps", str(steps),
         "--warmup", str(HYPER["warmup"]), "--lr", str(HYPER["lr"]),
         "--min-lr", str(HYPER["min_lr"]), "--weight-decay", "0.1", "--grad-clip", "1.0",
         "--beta2", "0.95", "--compile", compile_, "--eval-every", str(steps),
         "--eval-batches", str(evals), "--log-every", str(LOG), "--save-optimizer", "none",
-        "--out", str(run_dir), "--overwrite",
+        "--out", str(run_dir), "--overwrite", "--seed", str(seed),
     ]  # fmt: skip
     rc, wall = run(cmd, log, ROOT)
     recs = []
@@ -234,7 +240,7 @@ def fitgpt(size: str, steps: int, compile_: str, out: Path, evals: int, data: Pa
     return {
         "hf_dir": str(hf_dir) if exported else None,
         "scope": comp[0].get("scope") if comp else None,
-        "system": f"fitgpt-compile-{compile_}", "size": size, "rc": rc, "wall_s": round(wall, 1),
+        "system": f"fitgpt-compile-{compile_}" + (f"+{variant}" if variant else ""), "seed": seed, "size": size, "rc": rc, "wall_s": round(wall, 1),
         "ms_per_step": statistics.median(ms) if ms else None,
         "loop_ms_per_step": loop_ms,
         "val_loss": val[-1]["val_loss"] if val else None,
@@ -253,6 +259,7 @@ def main() -> None:
                     "--compile)")  # fmt: skip
     ap.add_argument("--common-windows", type=int, default=256, help="common evaluation windows")
     ap.add_argument("--corpus", choices=["stdlib", "site"], default="stdlib")
+    ap.add_argument("--seeds", default="0", help="fitgpt's --seed, one run per seed (its spread)")
     args = ap.parse_args()
     systems = args.systems.split(",")
     sizes = args.sizes.split(",")
@@ -273,18 +280,25 @@ def main() -> None:
     for size, n in zip(sizes, steps, strict=True):
         for system in systems:
             if system == "nanogpt":
-                rec = nanogpt(size, n, dataset, args.out, args.eval_iters)
+                recs = [nanogpt(size, n, dataset, args.out, args.eval_iters)]
             else:
-                rec = fitgpt(size, n, system, args.out, args.eval_iters, data)
-            if rec.get("hf_dir"):
-                rec.update(common_eval(Path(rec["hf_dir"]), val_bin, args.common_windows))
-                shutil.rmtree(rec["hf_dir"], ignore_errors=True)
-            rec["tokens_per_s"] = (
-                rec["tokens_per_step"] / rec["ms_per_step"] * 1000 if rec["ms_per_step"] else None
-            )
-            print(json.dumps(rec), flush=True)
-            with open(results, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+                recs = [fitgpt(size, n, system, args.out, args.eval_iters, data, int(seed))
+                        for seed in args.seeds.split(",")]  # fmt: skip
+            for rec in recs:
+                report(rec, val_bin, args, results)
+
+
+def report(rec: dict, val_bin: Path, args, results: Path) -> None:
+    """The common evaluation of one run's weights, then its line in the results."""
+    if rec.get("hf_dir"):
+        rec.update(common_eval(Path(rec["hf_dir"]), val_bin, args.common_windows))
+        shutil.rmtree(rec["hf_dir"], ignore_errors=True)
+    rec["tokens_per_s"] = (
+        rec["tokens_per_step"] / rec["ms_per_step"] * 1000 if rec["ms_per_step"] else None
+    )
+    print(json.dumps(rec), flush=True)
+    with open(results, "a") as f:
+        f.write(json.dumps(rec) + "\n")
 
 
 if __name__ == "__main__":
