@@ -200,8 +200,9 @@ class EngineConfig:
         default="auto",
         metadata={
             "help": "compile each transformer block's forward and the head + loss with "
-            "torch.compile (regional; the engine's hooks stay eager): faster steps after a "
-            "one-off compile at the first step. auto: on for GPU runs long enough to pay the "
+            "torch.compile (regional; the engine's hooks stay eager; one GPU holding a model "
+            "up to hidden 1024 whole: the whole forward as one graph run as CUDA graphs): "
+            "faster steps after a one-off compile at the first step. auto: on for GPU runs long enough to pay the "
             "compile back (docs/engine.md says the rule), never on CPUs"
         },
     )

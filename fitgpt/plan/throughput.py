@@ -50,12 +50,13 @@ def efficiency(hidden: int, ceiling: float) -> float:
 
 
 # --compile on (engine/compile.py): a compiled step's compute time over the eager one's, by hidden
-# size, measured on the H100 in one run each (nanogpt_compare and nanogpt_compare2, 2026-11-23):
-# 0.75 at h=768 (GPT-2 124 M: 110-111 against 147-148 ms), 0.966 at h=1600 (1.5 B: 724-732
-# against 749-757 ms). Compiling fuses the elementwise work, a smaller share of wider blocks:
-# taken to 1.0 by h=4096 (assumed, not measured: the sweeps there run eager). Interpolated
-# linearly in log(hidden) between the points, constant beyond them.
-COMPILED = ((768, 0.75), (1600, 0.966), (4096, 1.0))
+# size, measured on the H100 in one run each: 0.716 at h=768 (GPT-2 124 M on one GPU, compiled
+# whole as CUDA graphs: 104.2 against 146.0 ms, nanogpt_compare3_h100_2026-11-24; its regions
+# gave 0.75, 110-111 against 147-148 ms), 0.966 at h=1600 (1.5 B's regions: 724-732 against
+# 749-757 ms, nanogpt_compare*_h100_2026-11-23). Compiling fuses the elementwise work, a smaller
+# share of wider blocks: taken to 1.0 by h=4096 (assumed, not measured: the sweeps there run
+# eager). Interpolated linearly in log(hidden) between the points, constant beyond them.
+COMPILED = ((768, 0.716), (1600, 0.966), (4096, 1.0))
 
 
 def compiled_factor(hidden: int) -> float:
