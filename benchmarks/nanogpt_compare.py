@@ -260,8 +260,10 @@ def main() -> None:
     ap.add_argument("--common-windows", type=int, default=256, help="common evaluation windows")
     ap.add_argument("--corpus", choices=["stdlib", "site"], default="stdlib")
     ap.add_argument("--seeds", default="0", help="fitgpt's --seed, one run per seed (its spread)")
+    ap.add_argument("--warmup", type=int, default=HYPER["warmup"], help="warm-up steps, both")
     args = ap.parse_args()
     systems = args.systems.split(",")
+    HYPER["warmup"] = args.warmup
     sizes = args.sizes.split(",")
     steps = [int(x) for x in args.steps.split(",")]
     steps = steps * len(sizes) if len(steps) == 1 else steps
