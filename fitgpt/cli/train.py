@@ -26,7 +26,7 @@ DEFAULT_PRESET = "tiny"
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
-    """The flags of a run (shared by `train`, `plan` and the benchmark harness)."""
+    """The flags of a `fitgpt train` run: the preset, then every field of the run's configs."""
     p.add_argument(
         "--preset",
         default=None,
