@@ -276,13 +276,11 @@ class ChunkEngine(Engine):
             self.reducer.zero_grads(self.chunks)
             self.clock.mark("updated")
             loss_v, sq_v = ready()  # host sync: one per step, the update still running
-            norm = sq_v**0.5 / scale
-            overflow = not (norm == norm and norm != float("inf"))
+            norm, overflow = _norm_of(sq_v, scale)
         else:
             loss_v, sq_v = torch.stack([loss_avg, sq]).tolist()  # host sync: one per step
             self.clock.mark("synced")
-            norm = sq_v**0.5 / scale
-            overflow = not (norm == norm and norm != float("inf"))
+            norm, overflow = _norm_of(sq_v, scale)
             grad_mul = None  # an overflow: no step (speculative ones undone)
             if not overflow:
                 coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
@@ -430,3 +428,9 @@ class ChunkEngine(Engine):
         if self.cuda:
             torch.cuda.synchronize(self.device)  # no copy may still read a buffer unregistered next
         self.pinned.close()
+
+
+def _norm_of(sq: float, scale: float) -> tuple[float, bool]:
+    """The gradient's global norm (unscaled) from its square, and whether it overflowed."""
+    norm = sq**0.5 / scale
+    return norm, not (norm == norm and norm != float("inf"))

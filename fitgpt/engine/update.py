@@ -130,25 +130,15 @@ class TieredUpdate:
 
     def step_on_device(self, lr: float, grad_mul: Tensor, skip: Tensor) -> None:
         """step() without waiting for the global norm on the host: grad_mul arrives as a
-        one-element fp32 device tensor (the gradient is multiplied by it in fp32, as step()
-        multiplies by the host's float: bit-identical), and skip = 1.0 for an overflow, which torch's fused AdamW kernel
-        reads to leave every tensor as it was (the step counts taken back). The GPU runs the
-        update straight after the backward; with step() it idles while the host reads the norm
-        and launches the update (4.0 ms of a 118 ms step at GPT-2 124 M on an H100:
+        one-element fp32 device tensor (bit-identical to step()'s host float, _device_step), and
+        skip = 1.0 for an overflow, which torch's fused AdamW kernel reads to leave every tensor
+        as it was (the step counts taken back). The GPU runs the update straight after the
+        backward; with step() it idles while the host reads the norm and launches the update
+        (4.0 ms of a 118 ms step at GPT-2 124 M on an H100:
         benchmarks/results/small_step_h100_2026-11-23)."""
         gathers = []
         for c in self.chunks:
-            opt = c.optimizer
-            # the fp32 copy and the multiply in one pass: grad_mul's one dimension makes the
-            # product fp32 (a 0-d operand would leave it in the gradient's dtype); each element
-            # is rounded once, as step()'s copy-then-multiply rounds it
-            g32 = torch.mul(c.opt_grad, grad_mul)
-            for group, (lo, hi) in zip(opt.param_groups, c.group_ranges):
-                group["lr"] = lr
-                _fused_adamw(opt, group, g32[lo:hi], lr, found_inf=skip)
-            del g32
-            if not c.master_aliases_weight:
-                c.weight_shard.copy_(c.master) if self.stage >= 1 else c.weight.copy_(c.master)
+            self._device_step(c, lr, grad_mul, skip)
             if self.stage >= 1 and not c.shard_weights:
                 gathers.append(self._gather_updated(c))
         self.peers.wait_all(gathers)
@@ -175,18 +165,28 @@ class TieredUpdate:
                 undone.append(c)
         return undone
 
-    def _device_step(self, c: Chunk, lr: float, grad_mul: float) -> None:
+    def _device_step(
+        self, c: Chunk, lr: float, grad_mul: float | Tensor, skip: Tensor | None = None
+    ) -> None:
+        """grad_mul: the host's float (step), or a one-element fp32 device tensor with skip
+        (step_on_device; plain fp32 state only)."""
         if c.compact is not None:
             # piece by piece through the device scratch: no whole-chunk fp32 gradient
             c.compact.step(c.home_weights, c.opt_grad, grad_mul, lr, self.scratch)
             return
         opt = c.optimizer
-        g32 = c.opt_grad.float()  # transient fp32 copy of one chunk's gradient
-        if grad_mul != 1.0:
-            g32.mul_(grad_mul)
+        if isinstance(grad_mul, Tensor):
+            # the fp32 copy and the multiply in one pass: grad_mul's one dimension makes the
+            # product fp32 (a 0-d operand would leave it in the gradient's dtype); each element
+            # is rounded once, as the copy-then-multiply below rounds it
+            g32 = torch.mul(c.opt_grad, grad_mul)
+        else:
+            g32 = c.opt_grad.float()  # transient fp32 copy of one chunk's gradient
+            if grad_mul != 1.0:
+                g32.mul_(grad_mul)
         for group, (lo, hi) in zip(opt.param_groups, c.group_ranges):
             group["lr"] = lr  # kept current: the optimizer's state_dict carries it
-            _fused_adamw(opt, group, g32[lo:hi], lr)
+            _fused_adamw(opt, group, g32[lo:hi], lr, found_inf=skip)
         del g32  # freed here
         if not c.master_aliases_weight:
             c.weight_shard.copy_(c.master) if self.stage >= 1 else c.weight.copy_(c.master)
