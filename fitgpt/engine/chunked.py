@@ -268,7 +268,7 @@ class ChunkEngine(Engine):
             # computes them below (the same grad_mul to the bit): the update is queued behind
             # the backward, and the step's one host sync comes after it
             norm_t = sq.double().sqrt() / scale
-            coef = (clip / (norm_t + 1e-6)).clamp(max=1.0) if clip > 0 else norm_t * 0 + 1
+            coef = (clip / (norm_t + 1e-6)).clamp(max=1.0) if clip > 0 else torch.ones_like(norm_t)
             skip = (~torch.isfinite(norm_t)).float()
             ready = self._stats_down(torch.stack([loss_avg, sq]))
             self.clock.mark("synced")

@@ -109,12 +109,7 @@ class TieredUpdate:
                     gathers.append(self._gather_updated(c))
                 self.peers.wait_all(gathers)
             return
-        for c in self.chunks:
-            if c.offloaded:
-                continue
-            self._device_step(c, lr, grad_mul)
-            if self.stage >= 1 and not c.shard_weights:
-                gathers.append(self._gather_updated(c))
+        gathers += self._step_device_chunks(lr, grad_mul)
         if self.regather_hosted:
             # the other ranks need this rank's updated shard: wait for the host, then gather
             for c in self.hosted:
@@ -136,12 +131,21 @@ class TieredUpdate:
         backward; with step() it idles while the host reads the norm and launches the update
         (4.0 ms of a 118 ms step at GPT-2 124 M on an H100:
         benchmarks/results/small_step_h100_2026-11-23)."""
+        self.peers.wait_all(self._step_device_chunks(lr, grad_mul, skip))
+
+    def _step_device_chunks(
+        self, lr: float, grad_mul: float | Tensor, skip: Tensor | None = None
+    ) -> list[tuple[object, str]]:
+        """Every device-homed chunk stepped (_device_step); returns the all-gathers of updated
+        shards started at stages 1-2 (stage 3 gathers only the embedding and head here)."""
         gathers = []
         for c in self.chunks:
+            if c.offloaded:
+                continue
             self._device_step(c, lr, grad_mul, skip)
             if self.stage >= 1 and not c.shard_weights:
                 gathers.append(self._gather_updated(c))
-        self.peers.wait_all(gathers)
+        return gathers
 
     def _settle(self, lr: float, grad_mul: float | None) -> list[Chunk]:
         """The guess checked: when it was right the speculative updates stand, bit-identical to
@@ -217,8 +221,8 @@ def _fused_adamw(
     """What `opt.step()` runs for one group of one flat parameter with fused=True (its step
     count +1, then torch's fused kernel, the same operands: bit-identical), without the
     optimizer's Python around it (grouping by device and dtype, state checks, hooks), paid per
-    chunk and param group while the GPU waits (the update follows the norm's host sync). Measured
-    at GPT-2 124 M on an H100: the update phase 2.4-2.5 ms against 2.8-3.0 ms
+    chunk and param group (after the norm's host sync, while the GPU waits). Measured at GPT-2
+    124 M on an H100: the update phase 2.4-2.5 ms against 2.8-3.0 ms
     (benchmarks/results/ab_small_h100_2026-11-23). found_inf as the optimizer passes it under a
     GradScaler: no step where it is 1.0, and the step count taken back, as torch does."""
     param = group["params"][0]
