@@ -12,6 +12,11 @@ Each variant is `fitgpt train` with one change applied from outside, in this scr
   res32       the residual stream in fp32 (the embeddings' sum and every block's additions;
               the norms and matrix products still read bf16), as autocast over fp32 weights
               keeps it in nanoGPT
+  fusedopt    each device chunk's AdamW as one compiled pass (Inductor) per param group: the
+              bf16 gradient read, the master and moments updated and the bf16 weights written
+              in one kernel, 24 bytes per element, where the fp32 copy, torch's fused AdamW and
+              the cast back move 40 (43 ms of the 2.7b step in
+              results/profile_h100_2026-11-23)
 Plus a microbenchmark of each attention backend, forward + backward, at both models' shapes,
 with q, k, v strided views of one qkv tensor as the model makes them.
 
@@ -75,6 +80,29 @@ def apply(variant: str, argv: list[str]) -> list[str]:
         gpt.GPT.embed = lambda self, idx, past=0: embed(self, idx, past).float()
         gpt.GPT.head = lambda self, x: head(self, x.to(self.ln_f.weight.dtype))
         gpt.Block.forward = block_forward
+    elif variant == "fusedopt":
+        from fitgpt.engine import update
+
+        orig_step = update.TieredUpdate._device_step
+
+        def device_step(self, c, lr, grad_mul, skip=None):
+            if c.compact is not None or c.master_aliases_weight:
+                return orig_step(self, c, lr, grad_mul, skip)
+            weights = c.weight_shard if self.stage >= 1 else c.weight
+            for group, (lo, hi) in zip(c.optimizer.param_groups, c.group_ranges):
+                group["lr"] = lr
+                state = c.optimizer.state[group["params"][0]]
+                state["step"].add_(1)
+                b1, b2 = group["betas"]
+                adamw_pass(
+                    weights[lo:hi], group["params"][0], state["exp_avg"], state["exp_avg_sq"],
+                    c.opt_grad[lo:hi], grad_mul, skip if skip is not None else 0.0,
+                    state["step"], lr, b1, b2, group["eps"], group["weight_decay"],
+                )  # fmt: skip
+                if skip is not None:
+                    state["step"].sub_(skip)
+
+        update.TieredUpdate._device_step = device_step
     elif variant in ("whole", "whole_ro"):
         import fitgpt.engine.chunked as chunked
 
@@ -133,6 +161,37 @@ def attention_bench(out: Path) -> None:
     with open(out / "ab_speed.jsonl", "a") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
+
+
+def _adamw_pass(w, master, m, v, g, grad_mul, skip, step, lr, beta1, beta2, eps, wd):
+    """fusedopt's update of one param group's flat views: torch's AdamW arithmetic (decoupled
+    weight decay, bias corrections from the step count) in fp32; skip 1.0 leaves every tensor
+    as it was. Floats stay symbolic under torch.compile (no recompile as lr moves)."""
+    import torch
+
+    g32 = g.float() * grad_mul
+    m_new = torch.lerp(m, g32, 1 - beta1)
+    v_new = v * beta2 + (1 - beta2) * g32 * g32
+    denom = v_new.sqrt() / (1 - beta2**step).sqrt() + eps
+    p = master * (1 - lr * wd) - (lr / (1 - beta1**step)) * m_new / denom
+    keep = torch.as_tensor(skip, device=g.device) > 0
+    p = torch.where(keep, master, p)
+    m.copy_(torch.where(keep, m, m_new))
+    v.copy_(torch.where(keep, v, v_new))
+    master.copy_(p)
+    w.copy_(p.to(w.dtype))
+
+
+def adamw_pass(*args):
+    global _compiled_pass
+    if _compiled_pass is None:
+        import torch
+
+        _compiled_pass = torch.compile(_adamw_pass, dynamic=True, fullgraph=True)
+    return _compiled_pass(*args)
+
+
+_compiled_pass = None
 
 
 def run_variant(size: str, variant: str, out: Path) -> dict:

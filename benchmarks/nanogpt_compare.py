@@ -182,7 +182,9 @@ def hf_from_nanogpt(ckpt: Path, hf_dir: Path) -> None:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    c = torch.load(ckpt, map_location="cpu", weights_only=False)
+    # memory-mapped: only the model's tensors are read, not the optimizer's (at 1.5 B the file is
+    # 18 GB and reading all of it ran a call past its time limit, nanogpt_compare4_h100_2026-11-24)
+    c = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True)
     a = c["model_args"]
     sd = {k.removeprefix("_orig_mod."): v for k, v in c["model"].items()}
     cfg = GPT2Config(vocab_size=50257, n_positions=a["block_size"], n_embd=a["n_embd"],
