@@ -46,7 +46,8 @@ def add_config_args(
     defaults: an instance of `cls` whose values are the command's defaults when they are not
     the dataclass's own (train's model flags come from the tiny preset, its data is stdlib).
     default_text: how the default reads, "{}" standing for the value: "from --preset; tiny: {}"
-    gives "(default: from --preset; tiny: 4)"; without "{}" the text alone.
+    gives "(default: from --preset; tiny: 4)"; without "{}" the text alone. A field's metadata
+    "default_text" overrides it (train's --lr: worked out from the model).
     planned_text: the same for the fields the planner chooses (metadata "planned"), e.g.
     "the planner's choice; with --plan off: {}"."""
     hints = typing.get_type_hints(cls)
@@ -63,6 +64,7 @@ def add_config_args(
         else:
             default = f.default_factory()  # type: ignore[misc]
         text = planned_text if planned_text and f.metadata.get("planned") else default_text
+        text = f.metadata.get("default_text", text)  # a default the command works out
         help_ = f"{f.metadata.get('help', '')} (default: {text.format(_shown(default))})"
         kw: dict[str, Any] = {"dest": _dest(f, prefix), "default": None, "help": help_}
         if tp is bool:

@@ -62,14 +62,28 @@ def run_config_from_args(args: argparse.Namespace):
     data = config_from_args(
         args, DataConfig, DataConfig(data="stdlib") if args.data is None else None
     )
+    model = config_from_args(args, ModelConfig, get_preset(args.preset or DEFAULT_PRESET))
     return RunConfig(
-        model=config_from_args(args, ModelConfig, get_preset(args.preset or DEFAULT_PRESET)),
+        model=model,
         data=data,
-        train=config_from_args(args, TrainConfig),
+        train=train_config_from_args(args, model),
         engine=config_from_args(args, EngineConfig),
         precision=config_from_args(args, PrecisionConfig),
         optim=config_from_args(args, OptimConfig),
     )
+
+
+def train_config_from_args(args: argparse.Namespace, model: ModelConfig) -> TrainConfig:
+    """The training flags, with the learning rates the command does not name worked out from
+    the model: the peak by its width (train/schedule.py default_lr), the end a tenth of the
+    peak. Validated once, with both in place (so --lr 1e-4 alone is not refused for a min_lr
+    above it)."""
+    from fitgpt.train.schedule import default_lr, end_lr
+
+    given = explicit(args, TrainConfig)
+    lr = given.get("lr", default_lr(model.n_embd))
+    given = {"lr": lr, "min_lr": end_lr(lr), **given}
+    return TrainConfig(**given)
 
 
 def resolve_command(args: argparse.Namespace):
@@ -128,7 +142,7 @@ def init_config(args: argparse.Namespace):
         given = get_preset(args.preset).to_dict()
         asked = {**{k: v for k, v in given.items() if k != "vocab_size"}, **asked}
     model = model_from_source(args.init_source, asked, run.data)
-    return dataclasses.replace(run, model=model)
+    return dataclasses.replace(run, model=model, train=train_config_from_args(args, model))
 
 
 def register(sub) -> None:

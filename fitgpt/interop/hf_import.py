@@ -258,11 +258,12 @@ def imported_meta(
     from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
     from fitgpt.train.config import TrainConfig
     from fitgpt.train.loop import RunConfig
+    from fitgpt.train.schedule import default_lr, end_lr
 
     data = DataConfig(tokenizer=tokenizer) if tokenizer else DataConfig()
-    run = RunConfig(
-        cfg, data, TrainConfig(out=str(out)), EngineConfig(), PrecisionConfig(), OptimConfig()
-    )
+    lr = default_lr(cfg.n_embd)  # what `fitgpt train` would default to for this model
+    train = TrainConfig(out=str(out), lr=lr, min_lr=end_lr(lr))
+    run = RunConfig(cfg, data, train, EngineConfig(), PrecisionConfig(), OptimConfig())
     return {
         "step": 0,
         "world": 1,

@@ -15,8 +15,23 @@ class TrainConfig:
         default=24, metadata={"help": "sequences per micro-batch per GPU (per process)"}
     )
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    lr: float = field(default=2e-3, metadata={"help": "peak learning rate"})
-    min_lr: float = field(default=2e-4, metadata={"help": "learning rate at the end of the cosine"})
+    # The CLI replaces these defaults by the model's (fitgpt/train/schedule.py default_lr) where
+    # the command names none; 2e-3 and 2e-4 are that rule's values for the tiny preset.
+    lr: float = field(
+        default=2e-3,
+        metadata={
+            "help": "peak learning rate",
+            "default_text": "by the model's width, GPT-3's rates: 6e-4 at 768, 1.6e-4 at 2560, "
+            "9e-5 at 6144; tiny 2e-3",
+        },
+    )
+    min_lr: float = field(
+        default=2e-4,
+        metadata={
+            "help": "learning rate at the end of the cosine",
+            "default_text": "a tenth of --lr",
+        },
+    )
     warmup: int = field(default=50, metadata={"help": "linear warm-up steps"})
     eval_every: int = field(default=200, metadata={"help": "evaluate every N steps (0 = never)"})
     eval_batches: int = field(
