@@ -14,7 +14,7 @@ Each variant is `fitgpt train` with one change applied from outside, in this scr
               keeps it in nanoGPT
   fusedopt    each device chunk's AdamW as one compiled pass (Inductor) per param group: the
               bf16 gradient read, the master and moments updated and the bf16 weights written
-              in one kernel, 24 bytes per element, where the fp32 copy, torch's fused AdamW and
+              in one kernel, 28 bytes per element, where the fp32 copy, torch's fused AdamW and
               the cast back move 40 (43 ms of the 2.7b step in
               results/profile_h100_2026-11-23)
 Plus a microbenchmark of each attention backend, forward + backward, at both models' shapes,
@@ -27,11 +27,13 @@ Prints a table (median ms per step after the first steps) and writes $OUT/ab_spe
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -182,16 +184,16 @@ def _adamw_pass(w, master, m, v, g, grad_mul, skip, step, lr, beta1, beta2, eps,
     w.copy_(p.to(w.dtype))
 
 
-def adamw_pass(*args):
-    global _compiled_pass
-    if _compiled_pass is None:
-        import torch
+@functools.cache
+def _compiled_pass() -> Callable[..., None]:
+    import torch
 
-        _compiled_pass = torch.compile(_adamw_pass, dynamic=True, fullgraph=True)
-    return _compiled_pass(*args)
+    return torch.compile(_adamw_pass, dynamic=True, fullgraph=True)
 
 
-_compiled_pass = None
+def adamw_pass(*args: object) -> None:
+    """_adamw_pass compiled once for every size (dynamic shapes), on first use."""
+    _compiled_pass()(*args)
 
 
 def run_variant(size: str, variant: str, out: Path) -> dict:

@@ -26,7 +26,7 @@ system's own evaluation code, window sampling or padding is involved.
 Writes $OUT/nanogpt_compare.jsonl (one line per system, seed and size) and prints each line.
 
 One run per system cannot decide a 1% difference in validation loss: at 124 M on the site
-corpus, seeds of one system differ by 1-3.5% (benchmarks/results/nanogpt_compare4_h100_2026-11-24),
+corpus, seeds of one system differ by 1.2-3.4% (benchmarks/results/nanogpt_compare4_h100_2026-11-24),
 so the comparison of record is the mean over --seeds and --nano-seeds.
 """
 
@@ -138,8 +138,10 @@ def nano_script(seed: int) -> str:
         return "train.py"
     text = (NANO / "train.py").read_text()
     assert text.count(NANO_SEED) == 1, f"nanoGPT's train.py no longer has {NANO_SEED!r}"
-    name = f"train_seed{seed}.py"
-    (NANO / name).write_text(text.replace(NANO_SEED, f"torch.manual_seed({seed} + seed_offset)"))
+    name = f"train_seed{seed}.py"  # beside train.py: it imports nanoGPT's model.py; removed after
+    tmp = NANO / f".{name}.tmp"
+    tmp.write_text(text.replace(NANO_SEED, f"torch.manual_seed({seed} + seed_offset)"))
+    tmp.rename(NANO / name)
     return name
 
 
@@ -157,6 +159,8 @@ def nanogpt(size: str, steps: int, dataset: str, out: Path, evals: int, seed: in
         "--always_save_checkpoint=False", "--compile=True", f"--out_dir={out / ('nano_' + tag)}",
     ]  # fmt: skip
     rc, wall = run(cmd, log, NANO)
+    if cmd[1] != "train.py":
+        (NANO / cmd[1]).unlink()  # the user's clone as it was
     text = log.read_text()
     ms = [float(m) for i, m in re.findall(r"iter (\d+): loss [\d.]+, time ([\d.]+)ms", text)
           if int(i) > LOG]  # fmt: skip
@@ -281,7 +285,8 @@ def fitgpt(
         "hf_dir": str(hf_dir) if exported else None,
         "scope": comp[0].get("scope") if comp else None,
         "system": f"fitgpt-compile-{compile_}" + (f"+{variant}" if variant else "")
-                  + (f":{engine}" if engine else ""), "seed": seed, "size": size, "rc": rc, "wall_s": round(wall, 1),
+                  + (f":{engine}" if engine else ""),
+        "seed": seed, "size": size, "rc": rc, "wall_s": round(wall, 1),
         "ms_per_step": statistics.median(ms) if ms else None,
         "loop_ms_per_step": loop_ms,
         "val_loss": val[-1]["val_loss"] if val else None,

@@ -13,7 +13,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 for c in off on; do
   name=13b-compile-$c
   python3 -m fitgpt train --preset 13b --data uniform --compile "$c" --steps "$STEPS" --warmup 2 \
-    --log-every 1 --eval-every 0 --no-save --out "/tmp/runs/$name" > "$OUT/$name.log" 2>&1
+    --log-every 1 --eval-every 0 --no-save --overwrite --out "/tmp/runs/$name" > "$OUT/$name.log" 2>&1
   echo "$name exit $?"; grep -E "^plan|^placement|^compile" "$OUT/$name.log"; tail -2 "$OUT/$name.log"
   cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2>/dev/null
 done

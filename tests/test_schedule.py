@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from fitgpt.cli import build_parser
-from fitgpt.cli.train import resolve_command
+from fitgpt.cli.train import apply_deepspeed_flags, resolve_command
 from fitgpt.errors import UserError
 from fitgpt.train.schedule import DEFAULT_LR_BY_WIDTH, default_lr, lr_at
 
@@ -13,6 +13,8 @@ from fitgpt.train.schedule import DEFAULT_LR_BY_WIDTH, default_lr, lr_at
 def rates(*flags: str) -> tuple[float, float]:
     """(lr, min_lr) of the run `fitgpt train FLAGS` resolves to (nothing is built or run)."""
     args = build_parser().parse_args(["train", "--data", "synthetic", *flags])
+    if args.deepspeed_config:
+        apply_deepspeed_flags(args)  # as `fitgpt train` does first: its keys become flags
     run, _, _ = resolve_command(args)
     return run.train.lr, run.train.min_lr
 
@@ -53,8 +55,10 @@ def test_named_rates_win_and_min_lr_follows_a_named_peak():
     assert rates("--preset", "tiny", "--lr", "1e-4") == (1e-4, 1e-5)
     assert rates("--preset", "20b", "--lr", "1e-4", "--min-lr", "0") == (1e-4, 0.0)
     assert rates("--preset", "gpt2-125m", "--min-lr", "1e-5") == (6e-4, 1e-5)
-    with pytest.raises(UserError, match=r"--min-lr 0\.001 in"):
+    with pytest.raises(UserError, match=r"--min-lr 0\.001 is above .* 9e-05 by default"):
         rates("--preset", "20b", "--min-lr", "1e-3")  # above the 20b's default peak
+    with pytest.raises(UserError, match=r"--min-lr 0\.01 in \[0, lr\]"):
+        rates("--lr", "1e-3", "--min-lr", "1e-2")
 
 
 def test_init_from_takes_the_rates_of_the_sources_width(tmp_path):
@@ -63,3 +67,11 @@ def test_init_from_takes_the_rates_of_the_sources_width(tmp_path):
     transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "hf")
     # the tiny preset (128 wide) is the command's base; the source's 768 decide
     assert rates("--init-from", str(tmp_path / "hf"), "--tokenizer", "bytes") == (6e-4, 6e-5)
+
+
+def test_a_deepspeed_config_naming_only_the_lr_ends_at_a_tenth_of_it(tmp_path):
+    (tmp_path / "ds.json").write_text('{"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}')
+    assert rates("--preset", "2.7b", "--deepspeed-config", str(tmp_path / "ds.json")) == (
+        1e-4,
+        1e-5,
+    )

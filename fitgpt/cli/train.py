@@ -82,6 +82,11 @@ def train_config_from_args(args: argparse.Namespace, model: ModelConfig) -> Trai
 
     given = explicit(args, TrainConfig)
     lr = given.get("lr", default_lr(model.n_embd))
+    if "lr" not in given and given.get("min_lr", 0) > lr:
+        raise UserError(
+            f"--min-lr {given['min_lr']:g} is above the peak learning rate, {lr:g} by default "
+            f"for a model {model.n_embd} wide; lower --min-lr or set --lr"
+        )
     given = {"lr": lr, "min_lr": end_lr(lr), **given}
     return TrainConfig(**given)
 

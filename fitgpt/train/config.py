@@ -21,8 +21,8 @@ class TrainConfig:
         default=2e-3,
         metadata={
             "help": "peak learning rate",
-            "default_text": "by the model's width, GPT-3's rates: 6e-4 at 768, 1.6e-4 at 2560, "
-            "9e-5 at 6144; tiny 2e-3",
+            "default_text": "by the model's width, interpolated from GPT-3's rates: 6e-4 at 768, "
+            "1.6e-4 at 2560, 9e-5 at 6144; tiny 2e-3",
         },
     )
     min_lr: float = field(

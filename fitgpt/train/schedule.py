@@ -3,8 +3,9 @@ default peak by the model's width."""
 
 from __future__ import annotations
 
-import itertools
 import math
+
+import numpy as np
 
 # The peak learning rate a run gets when it names none, by hidden size: GPT-3's (Brown et al.
 # 2020, table 2.1: 125 M to 175 B, d_model 768 to 12288), and 2e-3 for the 128-wide CPU demo
@@ -31,16 +32,9 @@ MIN_LR_RATIO = 0.1  # the cosine ends at a tenth of the peak, as GPT-3's does
 def default_lr(n_embd: int) -> float:
     """The peak learning rate for a model n_embd wide (DEFAULT_LR_BY_WIDTH), to 2 significant
     digits so that logs and configs read plainly."""
-    pts = DEFAULT_LR_BY_WIDTH
-    if n_embd <= pts[0][0]:
-        return pts[0][1]
-    if n_embd >= pts[-1][0]:
-        return pts[-1][1]
-    for (w0, r0), (w1, r1) in itertools.pairwise(pts):
-        if w0 <= n_embd <= w1:
-            t = math.log(n_embd / w0) / math.log(w1 / w0)
-            return float(f"{math.exp(math.log(r0) + t * math.log(r1 / r0)):.2g}")
-    raise AssertionError(n_embd)  # the table covers every width between its ends
+    widths, rates = zip(*DEFAULT_LR_BY_WIDTH, strict=True)
+    log_lr = np.interp(math.log(n_embd), np.log(widths), np.log(rates))  # held at the ends
+    return float(f"{math.exp(log_lr):.2g}")
 
 
 def lr_at(step: int, lr: float, min_lr: float, warmup: int, total: int) -> float:
