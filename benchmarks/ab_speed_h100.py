@@ -12,11 +12,22 @@ Each variant is `fitgpt train` with one change applied from outside, in this scr
   res32       the residual stream in fp32 (the embeddings' sum and every block's additions;
               the norms and matrix products still read bf16), as autocast over fp32 weights
               keeps it in nanoGPT
-  fusedopt    each device chunk's AdamW as one compiled pass (Inductor) per param group: the
-              bf16 gradient read, the master and moments updated and the bf16 weights written
-              in one kernel, 28 bytes per element, where the fp32 copy, torch's fused AdamW and
-              the cast back move 40 (43 ms of the 2.7b step in
-              results/profile_h100_2026-11-23)
+  (fusedopt    AdamW as one compiled pass: measured here (results/ab_speed2_h100_2026-11-24),
+              then built into the engine as a compiled run's update, engine/update.py)
+  nopass      the engine's device update through torch's fused AdamW kernel as before the
+              one pass was built in (engine/update.py one_pass off), to measure what it moved
+  accfuse     each block linear's weight gradient accumulated by its matrix product (cuBLAS's
+              beta=1) straight into the chunk's gradient buffer, where autograd now writes a
+              fresh gradient and adds it in a second kernel (24 ms of the 2.7b step); a custom
+              op opaque to the compiler, so the block stays one graph (stage 0, one rank only)
+  pdl         Inductor's programmatic dependent launch (a kernel's prologue overlaps the
+              previous kernel's tail on Hopper)
+  persist     Inductor's row reductions (the LayerNorms forward and backward) as persistent
+              kernels up to 4096 wide (its default stops at 1024, so h=2560 loops over each
+              row twice: 23 ms of LayerNorm forward in the 2.7b step, ~2x its traffic)
+  multikernel Inductor's multi_kernel: both kinds of reduction kernel generated, the faster
+              picked by timing them at the first call
+  a+b         variants applied together
 Plus a microbenchmark of each attention backend, forward + backward, at both models' shapes,
 with q, k, v strided views of one qkv tensor as the model makes them.
 
@@ -46,6 +57,12 @@ SIZES = {  # preset, micro-batch, steps, steps skipped for the median
 
 def apply(variant: str, argv: list[str]) -> list[str]:
     """The change `variant` makes, applied to this process before fitgpt runs; returns argv."""
+    for v in variant.split("+"):
+        argv = apply_one(v, argv)
+    return argv
+
+
+def apply_one(variant: str, argv: list[str]) -> list[str]:
     import torch
 
     if variant in ("flash", "cudnn", "efficient"):
@@ -82,29 +99,51 @@ def apply(variant: str, argv: list[str]) -> list[str]:
         gpt.GPT.embed = lambda self, idx, past=0: embed(self, idx, past).float()
         gpt.GPT.head = lambda self, x: head(self, x.to(self.ln_f.weight.dtype))
         gpt.Block.forward = block_forward
-    elif variant == "fusedopt":
+    elif variant == "nopass":
         from fitgpt.engine import update
 
-        orig_step = update.TieredUpdate._device_step
+        orig_init = update.TieredUpdate.__init__
 
-        def device_step(self, c, lr, grad_mul, skip=None):
-            if c.compact is not None or c.master_aliases_weight:
-                return orig_step(self, c, lr, grad_mul, skip)
-            weights = c.weight_shard if self.stage >= 1 else c.weight
-            for group, (lo, hi) in zip(c.optimizer.param_groups, c.group_ranges):
-                group["lr"] = lr
-                state = c.optimizer.state[group["params"][0]]
-                state["step"].add_(1)
-                b1, b2 = group["betas"]
-                adamw_pass(
-                    weights[lo:hi], group["params"][0], state["exp_avg"], state["exp_avg_sq"],
-                    c.opt_grad[lo:hi], grad_mul, skip if skip is not None else 0.0,
-                    state["step"], lr, b1, b2, group["eps"], group["weight_decay"],
-                )  # fmt: skip
-                if skip is not None:
-                    state["step"].sub_(skip)
+        def init_nopass(self, *a, **kw):
+            orig_init(self, *a, **{**kw, "one_pass": False})
 
-        update.TieredUpdate._device_step = device_step
+        update.TieredUpdate.__init__ = init_nopass
+    elif variant == "pdl":
+        import torch._inductor.config as ic
+
+        ic.triton.enable_pdl = True
+    elif variant == "multikernel":
+        import torch._inductor.config as ic
+
+        ic.triton.multi_kernel = 1
+    elif variant == "persist":
+        from torch._inductor import choices
+        from torch._inductor.virtualized import V
+
+        base = choices.InductorChoices.should_use_persistent_reduction
+
+        def persistent(features, cooperative_reduction):
+            if (
+                features.get_reduction_hint() == choices.ReductionHint.INNER
+                and not cooperative_reduction
+                and choices.config.triton.persistent_reductions
+            ):
+                return V.graph.sizevars.statically_known_leq(features.reduction_numel, 4096)
+            return base(features, cooperative_reduction)
+
+        # the class, not a handler: the backward compiles on autograd's thread
+        choices.InductorChoices.should_use_persistent_reduction = staticmethod(persistent)
+    elif variant == "accfuse":
+        import fitgpt.engine.chunked as chunked
+
+        orig_connect = chunked.ChunkEngine._connect_parts
+
+        def connect_acc(self):
+            orig_connect(self)
+            if self.stage == 0 and self.world == 1:
+                install_accfuse(self)
+
+        chunked.ChunkEngine._connect_parts = connect_acc
     elif variant in ("whole", "whole_ro"):
         import fitgpt.engine.chunked as chunked
 
@@ -118,6 +157,70 @@ def apply(variant: str, argv: list[str]) -> list[str]:
         chunked.ChunkEngine._connect_parts = connect
         argv = [a if a != "on" else "off" for a in argv]  # no regions: the whole forward
     return argv
+
+
+# accfuse: the weight (by its data pointer) -> (weight, bias, the engine's reducer, its chunk)
+_ACC: dict[int, tuple] = {}
+
+
+@functools.cache
+def _acc_ops() -> Callable[..., object]:
+    """accfuse's linear: a custom op whose backward accumulates the weight and bias gradients
+    into their .grad (views of the chunk's buffer) and reports both to the engine's reducer as
+    autograd's hook would; it returns no gradient for them, so autograd adds nothing."""
+    import torch
+    import torch.nn.functional as F
+
+    @torch.library.custom_op(
+        "fitgpt_ab::linear", mutates_args=(), schema="(Tensor x, Tensor w, Tensor b) -> Tensor"
+    )
+    def linear(x, w, b):
+        return F.linear(x, w, b)
+
+    @linear.register_fake
+    def _(x, w, b):
+        return x.new_empty(*x.shape[:-1], w.shape[0])
+
+    @torch.library.custom_op(
+        "fitgpt_ab::linear_bwd", mutates_args=(), schema="(Tensor dy, Tensor x, Tensor w) -> Tensor"
+    )
+    def linear_bwd(dy, x, w):
+        wp, bp, reducer, c = _ACC[w.data_ptr()]
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        wp.grad.addmm_(dy2.t(), x2)
+        bp.grad.add_(dy2.sum(0))
+        reducer._on_grad(c)
+        reducer._on_grad(c)
+        return dy @ w
+
+    @linear_bwd.register_fake
+    def _(dy, x, w):
+        return dy.new_empty(*dy.shape[:-1], w.shape[1])
+
+    def setup_context(ctx, inputs, output):
+        x, w, _b = inputs
+        ctx.save_for_backward(x, w)
+
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        return linear_bwd(dy, x, w), None, None
+
+    linear.register_autograd(backward, setup_context=setup_context)
+    return linear
+
+
+def install_accfuse(engine) -> None:
+    linear = _acc_ops()
+    owner = {id(p): c for c in engine.chunks for p in c.params}
+    for blk in engine.model.blocks:
+        for lin in (blk.attn.qkv, blk.attn.proj, blk.mlp.fc, blk.mlp.proj):
+            _ACC[lin.weight.data_ptr()] = (
+                lin.weight,
+                lin.bias,
+                engine.reducer,
+                owner[id(lin.weight)],
+            )
+            lin.forward = functools.partial(lambda x, lin: linear(x, lin.weight, lin.bias), lin=lin)
 
 
 def attention_bench(out: Path) -> None:
@@ -163,37 +266,6 @@ def attention_bench(out: Path) -> None:
     with open(out / "ab_speed.jsonl", "a") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-
-
-def _adamw_pass(w, master, m, v, g, grad_mul, skip, step, lr, beta1, beta2, eps, wd):
-    """fusedopt's update of one param group's flat views: torch's AdamW arithmetic (decoupled
-    weight decay, bias corrections from the step count) in fp32; skip 1.0 leaves every tensor
-    as it was. Floats stay symbolic under torch.compile (no recompile as lr moves)."""
-    import torch
-
-    g32 = g.float() * grad_mul
-    m_new = torch.lerp(m, g32, 1 - beta1)
-    v_new = v * beta2 + (1 - beta2) * g32 * g32
-    denom = v_new.sqrt() / (1 - beta2**step).sqrt() + eps
-    p = master * (1 - lr * wd) - (lr / (1 - beta1**step)) * m_new / denom
-    keep = torch.as_tensor(skip, device=g.device) > 0
-    p = torch.where(keep, master, p)
-    m.copy_(torch.where(keep, m, m_new))
-    v.copy_(torch.where(keep, v, v_new))
-    master.copy_(p)
-    w.copy_(p.to(w.dtype))
-
-
-@functools.cache
-def _compiled_pass() -> Callable[..., None]:
-    import torch
-
-    return torch.compile(_adamw_pass, dynamic=True, fullgraph=True)
-
-
-def adamw_pass(*args: object) -> None:
-    """_adamw_pass compiled once for every size (dynamic shapes), on first use."""
-    _compiled_pass()(*args)
 
 
 def run_variant(size: str, variant: str, out: Path) -> dict:

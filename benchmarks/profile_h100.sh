@@ -4,13 +4,13 @@
 # nanoGPT comparison's batch) and at the 2.7b preset (micro-batch 8 x 4, the MFU run's), random
 # tokens, bf16. Each run's profile/summary.txt (the kernels' share of the wall time, the 30 ops
 # with the most self time) and its gzipped Chrome trace are copied to $OUT.
-# Usage (device): OUT=... bash benchmarks/profile_h100.sh
+# Usage (device): OUT=... [PRESETS="2.7b:8"] bash benchmarks/profile_h100.sh
 set -u
 OUT=${OUT:-/tmp/profile}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-for spec in "gpt2-125m 12" "2.7b 8"; do
-  set -- $spec
+for spec in ${PRESETS:-gpt2-125m:12 2.7b:8}; do
+  set -- ${spec/:/ }
   run=/tmp/profile_runs/$1
   timeout 280 python3 -m fitgpt train --preset "$1" --data uniform --micro-batch "$2" \
     --grad-accum 4 --steps 8 --compile on --profile 3 --log-every 1 --eval-every 0 --no-save \

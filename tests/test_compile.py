@@ -17,7 +17,7 @@ import torch
 from helpers import TINY, run_config
 
 from fitgpt.dist import DistContext
-from fitgpt.engine.compile import auto_compile, report_line
+from fitgpt.engine.compile import auto_compile, compile_pays, report_line
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.errors import UserError
@@ -151,9 +151,12 @@ def test_compile_flag_is_checked():
 
 def test_auto_compiles_only_long_gpu_runs():
     """The rule: never on CPUs; on GPUs when 3% of the run's estimated step time pays back a
-    10 s compile (and triton is installed)."""
+    10 s compile (and triton is installed), never with activation checkpointing."""
     assert not auto_compile("cpu", 1e9)
     assert not auto_compile("cuda", 330.0)  # under 333 s of steps
+    assert compile_pays(340.0) and not compile_pays(330.0)
+    # checkpointed blocks run slower compiled (the checkpoint reruns the compiled forward)
+    assert not compile_pays(1e9, "full") and not compile_pays(1e9, "cpu")
     run = run_config("unused", compile="auto")
     resolved = resolve_run(run, "cpu")
     assert resolved.engine.compile == "off" and estimated_run_s(run, "cpu") == 0.0
@@ -170,3 +173,67 @@ def test_the_planner_keeps_the_compile_flag(tmp_path):
     assert planned.engine.compile == "on"
     fixed = setup_run(run, CPU, Fixed.of({"compile": "off"}), log=lambda *_: None)
     assert fixed.engine.compile == "off"
+
+
+@needs_cxx
+def test_the_optimizers_compiled_pass_is_torchs_adamw():
+    """engine/update.py's one pass (a compiled run's device update) against torch's fused AdamW
+    kernel on the same bf16 gradient, fp32 master and moments, over 3 steps: the master and
+    moments within fp32 rounding, the bf16 weights the master's cast; skip 1.0 changes nothing."""
+    from fitgpt.engine.update import _adamw_pass
+
+    g = torch.Generator().manual_seed(0)
+    n, hp = 1000, dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    master = torch.randn(n, generator=g)
+    ref = [master.clone(), torch.zeros(n), torch.zeros(n), torch.zeros(())]
+    got = [master.clone(), torch.zeros(n), torch.zeros(n), torch.zeros(())]
+    w = torch.empty(n, dtype=torch.bfloat16)
+    for _ in range(3):
+        grad = torch.randn(n, generator=g).bfloat16()
+        ref[3].add_(1)
+        torch._fused_adamw_([ref[0]], [grad.float() * 0.5], [ref[1]], [ref[2]], [], [ref[3]],
+                            amsgrad=False, maximize=False, **hp)  # fmt: skip
+        got[3].add_(1)
+        _adamw_pass()(w, got[0], got[1], got[2], grad, 0.5, 0.0, got[3], hp["lr"],
+                      hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"])  # fmt: skip
+        for a, b in zip(got[:3], ref[:3]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        assert torch.equal(w, got[0].bfloat16())
+    before = [t.clone() for t in (w, *got[:3])]
+    _adamw_pass()(w, got[0], got[1], got[2], grad, 0.5, torch.ones(()), got[3], hp["lr"],
+                  hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"])  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip((w, *got[:3]), before))
+
+
+@pytest.mark.slow
+@needs_cxx
+def test_a_compiled_bf16_run_updates_through_the_pass_or_warns_once(capfd):
+    """bf16 (a master apart from the weights): a compiled engine steps its device state through
+    the one pass, with the eager engine's losses within bf16 rounding. With no C++ compiler the
+    pass warns once, in one line, and torch's fused AdamW takes over: eager's losses exactly."""
+    import torch._dynamo
+    import torch._functorch.config
+    import torch._inductor.config
+
+    ecfg = EngineConfig(engine="zero", zero_stage=0, compile="on")
+    bf16 = PrecisionConfig("bf16")
+    eager = build_engine(TINY, dataclasses.replace(ecfg, compile="off"), bf16, OptimConfig(), CPU)
+    want = [eager.train_step(batches(1, 2, s), 1e-3).loss for s in range(3)]
+    e = build_engine(TINY, ecfg, bf16, OptimConfig(), CPU)
+    got = [e.train_step(batches(1, 2, s), 1e-3).loss for s in range(3)]
+    assert e.updater.one_pass  # compiled, and used
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=0)
+    assert got[2] < got[0]
+    torch._dynamo.reset()
+    with (
+        torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        e = build_engine(TINY, ecfg, bf16, OptimConfig(), CPU)
+        got = [e.train_step(batches(1, 2, s), 1e-3).loss for s in range(3)]
+    torch._dynamo.reset()
+    assert got == want and not e.updater.one_pass
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if "optimizer's compiled pass" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: compile:"), err
+    assert "Traceback" not in err

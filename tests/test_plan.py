@@ -357,6 +357,21 @@ def test_the_step_model_prices_small_and_compiled_models_as_measured():
     assert efficiency(1599, 0.88) == pytest.approx(efficiency(1600, 0.88), abs=1e-3)
 
 
+def test_compiled_checkpointed_blocks_are_priced_slower():
+    # the checkpoint reruns the compiled forward: 1.06-1.13x the eager block on the H100
+    # (results/offload_compile_h100_2026-11-24), so a compiled checkpointed plan is never
+    # predicted faster than its eager twin, at any width
+    r = DEFAULTS["H100"]
+    for preset in ("gpt2-125m", "6.7b", "13b"):
+        work = Workload(get_preset(preset), 8, world=1, precision="bf16", device="cuda")
+        off, on = (
+            step_time(work, EngineConfig(zero_stage=0, checkpointing="full", compile=c), 4, r)
+            for c in ("off", "on")
+        )
+        assert on["compute"] == pytest.approx(1.08 * off["compute"])
+    assert compiled_factor(768, "full") == compiled_factor(5120, "cpu") == 1.08
+
+
 def test_compiled_logits_are_priced_without_their_fp32_copies():
     # the compiled head keeps the bf16 logits only: 8 bytes fewer per entry than eager (the peak
     # fell 9.6-9.7 bytes per entry on the H100); the blocks' activations are priced as before

@@ -376,3 +376,19 @@ def test_on_several_ranks_the_planner_streams_weights_only_at_stage_3():
     streamed = [c for c in cands if c.ecfg.offload_params == "cpu"]
     assert streamed and all(c.ecfg.zero_stage == 3 for c in streamed)
     assert cands[0].fits
+
+
+def test_the_streamed_variant_is_priced_when_the_optimizer_alone_fits_too():
+    """13b on one H100, compiled: all 40 blocks' optimizer state on the host fits without
+    streaming, and that variant used to be the only one priced (6.3 s per step measured); the
+    streamed variant (fewer blocks on the host, 5.2-5.3 s) is priced beside it and chosen
+    (results/offload_compile_h100_2026-11-24)."""
+    hw = Hardware("cuda", 1, int(79.2 * GiB), "NVIDIA H100 80GB HBM3", int(125 * GiB), 16)
+    work = Workload(get_preset("13b"), 8, 1, "bf16", device="cuda")
+    best, cands = choose(work, 4, hw, DEFAULTS["H100"], {"compile": "on"})
+    offloaded = [c for c in cands if c.fits and c.placement and c.placement.offloaded_blocks]
+    kinds = {c.ecfg.offload_params for c in offloaded}
+    assert kinds == {"cpu", "none"}  # both variants were priced
+    assert best.ecfg.offload_params == "cpu"
+    unstreamed = min(c.compared_time for c in offloaded if c.ecfg.offload_params == "none")
+    assert best.compared_time < unstreamed

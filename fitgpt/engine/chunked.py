@@ -221,7 +221,8 @@ class ChunkEngine(Engine):
         blocks, modules = self.blocks, list(self.model.blocks)
         self.updater = TieredUpdate(
             self.chunks, self.host_opt, self.peers, self.stage, self.scratch.get("device"),
-            speculative=self.ecfg.speculative_update,
+            speculative=self.ecfg.speculative_update, one_pass=self.compiled is not None,
+            warn=self.compiled.warn if self.compiled is not None else print,
         )  # fmt: skip
         self.reducer = GradReducer(self.peers, self.stage, self.dtype, self.device)
         if self.mesh is not None:

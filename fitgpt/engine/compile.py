@@ -72,11 +72,21 @@ GAIN = 0.03
 COMPILE_S = 10.0
 
 
-def auto_compile(device_type: str, run_s: float) -> bool:
-    """--compile auto's decision for a run of about `run_s` seconds of steps on `device_type`:
-    never on CPUs (a CPU run is a test or a demo: the compile would take longer than it), on
-    GPUs when GAIN·run_s >= COMPILE_S and triton (Inductor's GPU code generator) is installed."""
-    if device_type != "cuda" or GAIN * run_s < COMPILE_S:
+def compile_pays(run_s: float, checkpointing: str = "off") -> bool:
+    """Whether compiling a GPU run of about `run_s` seconds of steps is expected to pay: when
+    GAIN·run_s >= COMPILE_S, and never with activation checkpointing. The checkpoint wraps the
+    compiled forward and runs it again in the backward: on an H100 a block's forward and
+    backward took 6-13% longer compiled than eager at h=2560 to 5120, and the 6.7b and 13b
+    presets' offloaded (checkpointed) plans 8% longer per step compiled
+    (results/offload_compile_h100_2026-11-24)."""
+    return checkpointing == "off" and GAIN * run_s >= COMPILE_S
+
+
+def auto_compile(device_type: str, run_s: float, checkpointing: str = "off") -> bool:
+    """--compile auto's decision: never on CPUs (a CPU run is a test or a demo: the compile
+    would take longer than it), on GPUs where compile_pays and triton (Inductor's GPU code
+    generator) is installed."""
+    if device_type != "cuda" or not compile_pays(run_s, checkpointing):
         return False
     import importlib.util
 

@@ -59,7 +59,16 @@ def efficiency(hidden: int, ceiling: float) -> float:
 COMPILED = ((768, 0.716), (1600, 0.966), (4096, 1.0))
 
 
-def compiled_factor(hidden: int) -> float:
+# Under activation checkpointing the checkpoint wraps the compiled forward and runs it again in
+# the backward: one block's forward and backward took 1.129, 1.062 and 1.080 times as long
+# compiled as eager at h=2560, 4096 and 5120 (benchmarks/block_speed_gpu.py on an H100,
+# results/offload_compile_h100_2026-11-24), the median priced at every width.
+COMPILED_CHECKPOINTED = 1.08
+
+
+def compiled_factor(hidden: int, checkpointing: str = "off") -> float:
+    if checkpointing != "off":
+        return COMPILED_CHECKPOINTED
     pts = COMPILED
     if hidden <= pts[0][0]:
         return pts[0][1]
@@ -199,7 +208,7 @@ def step_time(
         rate *= FP32_FRACTION
     compute = tokens * flops / tp / rate  # each rank computes 1/T of every layer
     if ecfg.compile == "on":  # "auto" is resolved after planning: priced eager, as it may run
-        compute *= compiled_factor(hidden)
+        compute *= compiled_factor(hidden, ecfg.checkpointing)
     if ecfg.checkpointing == "cpu":
         # block inputs down in forward and back in backward, on a side stream: exposed only
         # where the link is slower than the compute it hides behind (forward ~1/4 of a step)

@@ -40,17 +40,18 @@ def model_for_data(model, data):
     return model
 
 
-def resolve_run(run, device_type: str):
+def resolve_run(run, device_type: str, settle_compile: bool = True):
     """`run` with everything that changes the model settled: the vocabulary (model_for_data),
-    the precision for this device, and --compile auto (auto_compile)."""
+    the precision for this device, and --compile auto (auto_compile, which reads the plan's
+    activation checkpointing: setup_run settles it after planning, `settle_compile` False)."""
     run = dataclasses.replace(
         run,
         model=model_for_data(run.model, run.data),
         precision=run.precision.resolved(device_type),
     )
-    if run.engine.compile != "auto":
+    if run.engine.compile != "auto" or not settle_compile:
         return run
-    on = auto_compile(device_type, estimated_run_s(run, device_type))
+    on = auto_compile(device_type, estimated_run_s(run, device_type), run.engine.checkpointing)
     return dataclasses.replace(
         run, engine=dataclasses.replace(run.engine, compile="on" if on else "off")
     )
@@ -73,12 +74,13 @@ def estimated_run_s(run, device_type: str) -> float:
 def setup_run(run, ctx: DistContext, fixed, force: bool = False, log=print):
     """The run as it will be built: resolved, then planned (`fixed`: the engine fields the user
     set, a plan.apply.Fixed; None: no planning, the engine config is used as given)."""
-    run = resolve_run(run, ctx.device.type)
+    run = resolve_run(run, ctx.device.type, settle_compile=fixed is None)
     if fixed is None:
         return run
     from fitgpt.plan.apply import plan_engine
 
-    # resolved again: a --compile auto the user fixed comes back from the planner unresolved
+    # --compile auto is priced eager (plan/throughput.py) and settled here, on the plan's
+    # activation checkpointing
     return resolve_run(plan_engine(run, ctx, fixed, force, log), ctx.device.type)
 
 
