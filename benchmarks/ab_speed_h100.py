@@ -16,17 +16,23 @@ Each variant is `fitgpt train` with one change applied from outside, in this scr
               then built into the engine as a compiled run's update, engine/update.py)
   nopass      the engine's device update through torch's fused AdamW kernel as before the
               one pass was built in (engine/update.py one_pass off), to measure what it moved
-  accfuse     each block linear's weight gradient accumulated by its matrix product (cuBLAS's
-              beta=1) straight into the chunk's gradient buffer, where autograd now writes a
-              fresh gradient and adds it in a second kernel (24 ms of the 2.7b step); a custom
-              op opaque to the compiler, so the block stays one graph (stage 0, one rank only)
+  (accfuse    each block linear's weight gradient accumulated by its GEMM: measured here,
+              then built into the engine, engine/wgrad.py)
+  noacc       that turned off (autograd's fresh gradient and AccumulateGrad's add, as before)
   pdl         Inductor's programmatic dependent launch (a kernel's prologue overlaps the
               previous kernel's tail on Hopper)
   persist     Inductor's row reductions (the LayerNorms forward and backward) as persistent
               kernels up to 4096 wide (its default stops at 1024, so h=2560 loops over each
               row twice: 23 ms of LayerNorm forward in the 2.7b step, ~2x its traffic)
   multikernel Inductor's multi_kernel: both kinds of reduction kernel generated, the faster
-              picked by timing them at the first call
+              picked by timing them at the first call (set by the engine when it builds its
+              regions, it failed to compile 3 runs of 5: not built in)
+  pad96, pad128
+              causal attention with the head dim (80 at 2.7b) zero-padded to 96 or 128 around
+              scaled_dot_product_attention (the scale kept 1/sqrt(80)): the padded columns add
+              0 to q·k and give 0 outputs, so the result is the same; cuDNN's kernels run
+              head dims of 64 and 128 faster per FLOP (its 2.7b attention ran at ~230 TFLOP/s)
+  ckpt        --checkpointing full (the compiled path under activation checkpointing)
   a+b         variants applied together
 Plus a microbenchmark of each attention backend, forward + backward, at both models' shapes,
 with q, k, v strided views of one qkv tensor as the model makes them.
@@ -38,19 +44,18 @@ Prints a table (median ms per step after the first steps) and writes $OUT/ab_spe
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = {  # preset, micro-batch, steps, steps skipped for the median
     "124m": ("gpt2-125m", 12, 40, 10),
     "2.7b": ("2.7b", 8, 12, 4),
+    "1.5b": ("gpt2-1.5b", 8, 12, 4),
     "tiny": ("tiny", 2, 6, 2),
 }
 
@@ -112,6 +117,26 @@ def apply_one(variant: str, argv: list[str]) -> list[str]:
         import torch._inductor.config as ic
 
         ic.triton.enable_pdl = True
+    elif variant in ("pad96", "pad128"):
+        import math
+
+        import torch.nn.functional as F
+
+        width, sdpa = int(variant[3:]), F.scaled_dot_product_attention
+
+        def padded(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+            D = q.shape[-1]
+            if attn_mask is not None or width <= D or kw:
+                return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                            is_causal=is_causal, scale=scale, **kw)  # fmt: skip
+            q, k, v = (F.pad(t, (0, width - D)) for t in (q, k, v))
+            y = sdpa(q, k, v, dropout_p=dropout_p, is_causal=is_causal,
+                     scale=scale if scale is not None else 1 / math.sqrt(D))  # fmt: skip
+            return y[..., :D]
+
+        F.scaled_dot_product_attention = padded
+    elif variant == "ckpt":
+        argv = [*argv, "--checkpointing", "full"]
     elif variant == "multikernel":
         import torch._inductor.config as ic
 
@@ -133,17 +158,11 @@ def apply_one(variant: str, argv: list[str]) -> list[str]:
 
         # the class, not a handler: the backward compiles on autograd's thread
         choices.InductorChoices.should_use_persistent_reduction = staticmethod(persistent)
-    elif variant == "accfuse":
+    elif variant == "noacc":
         import fitgpt.engine.chunked as chunked
+        from fitgpt.engine.wgrad import FusedWeightGrads
 
-        orig_connect = chunked.ChunkEngine._connect_parts
-
-        def connect_acc(self):
-            orig_connect(self)
-            if self.stage == 0 and self.world == 1:
-                install_accfuse(self)
-
-        chunked.ChunkEngine._connect_parts = connect_acc
+        chunked.fuse_weight_grads = lambda *a, **kw: FusedWeightGrads([])
     elif variant in ("whole", "whole_ro"):
         import fitgpt.engine.chunked as chunked
 
@@ -159,70 +178,6 @@ def apply_one(variant: str, argv: list[str]) -> list[str]:
     return argv
 
 
-# accfuse: the weight (by its data pointer) -> (weight, bias, the engine's reducer, its chunk)
-_ACC: dict[int, tuple] = {}
-
-
-@functools.cache
-def _acc_ops() -> Callable[..., object]:
-    """accfuse's linear: a custom op whose backward accumulates the weight and bias gradients
-    into their .grad (views of the chunk's buffer) and reports both to the engine's reducer as
-    autograd's hook would; it returns no gradient for them, so autograd adds nothing."""
-    import torch
-    import torch.nn.functional as F
-
-    @torch.library.custom_op(
-        "fitgpt_ab::linear", mutates_args=(), schema="(Tensor x, Tensor w, Tensor b) -> Tensor"
-    )
-    def linear(x, w, b):
-        return F.linear(x, w, b)
-
-    @linear.register_fake
-    def _(x, w, b):
-        return x.new_empty(*x.shape[:-1], w.shape[0])
-
-    @torch.library.custom_op(
-        "fitgpt_ab::linear_bwd", mutates_args=(), schema="(Tensor dy, Tensor x, Tensor w) -> Tensor"
-    )
-    def linear_bwd(dy, x, w):
-        wp, bp, reducer, c = _ACC[w.data_ptr()]
-        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        wp.grad.addmm_(dy2.t(), x2)
-        bp.grad.add_(dy2.sum(0))
-        reducer._on_grad(c)
-        reducer._on_grad(c)
-        return dy @ w
-
-    @linear_bwd.register_fake
-    def _(dy, x, w):
-        return dy.new_empty(*dy.shape[:-1], w.shape[1])
-
-    def setup_context(ctx, inputs, output):
-        x, w, _b = inputs
-        ctx.save_for_backward(x, w)
-
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        return linear_bwd(dy, x, w), None, None
-
-    linear.register_autograd(backward, setup_context=setup_context)
-    return linear
-
-
-def install_accfuse(engine) -> None:
-    linear = _acc_ops()
-    owner = {id(p): c for c in engine.chunks for p in c.params}
-    for blk in engine.model.blocks:
-        for lin in (blk.attn.qkv, blk.attn.proj, blk.mlp.fc, blk.mlp.proj):
-            _ACC[lin.weight.data_ptr()] = (
-                lin.weight,
-                lin.bias,
-                engine.reducer,
-                owner[id(lin.weight)],
-            )
-            lin.forward = functools.partial(lambda x, lin: linear(x, lin.weight, lin.bias), lin=lin)
-
-
 def attention_bench(out: Path) -> None:
     import torch
     import torch.nn.functional as F
@@ -230,19 +185,23 @@ def attention_bench(out: Path) -> None:
 
     rows = []
     for name, (B, N, T, D) in {"124m": (12, 12, 1024, 64), "2.7b": (8, 32, 1024, 80)}.items():
-        for backend in ("default", "flash", "cudnn", "efficient"):
+        for backend in ("default", "flash", "cudnn", "efficient", "pad96", "pad128"):
             qkv = torch.randn(B, T, 3 * N * D, device="cuda", dtype=torch.bfloat16)
             qkv.requires_grad_(True)
 
-            def step(qkv=qkv, B=B, N=N, T=T, D=D):
+            pad = int(backend[3:]) - D if backend.startswith("pad") else 0
+
+            def step(qkv=qkv, B=B, N=N, T=T, D=D, pad=pad):
                 q, k, v = qkv.chunk(3, dim=2)
                 q, k, v = (t.view(B, T, N, D).transpose(1, 2) for t in (q, k, v))
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-                y.transpose(1, 2).reshape(B, T, N * D).sum().backward()
+                if pad > 0:
+                    q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=D**-0.5)
+                y[..., :D].transpose(1, 2).reshape(B, T, N * D).sum().backward()
 
             ctx = (
                 sdpa_kernel([getattr(SDPBackend, backend.upper() + "_ATTENTION")])
-                if backend != "default"
+                if backend in ("flash", "cudnn", "efficient")
                 else torch.enable_grad()
             )
             try:

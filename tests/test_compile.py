@@ -237,3 +237,29 @@ def test_a_compiled_bf16_run_updates_through_the_pass_or_warns_once(capfd):
     warnings = [line for line in err.splitlines() if "optimizer's compiled pass" in line]
     assert len(warnings) == 1 and warnings[0].startswith("warning: compile:"), err
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+@needs_cxx
+def test_compiled_block_linears_write_their_weight_gradients():
+    """engine/wgrad.py: in a compiled run the block linears' weight gradients are accumulated by
+    their product, so autograd hands their AccumulateGrad nodes no gradient (nothing to add),
+    the reducer still hears of every parameter once per micro-batch (its hooks run), and the
+    losses are eager's (fp32: the product's accumulation rounds differently only)."""
+    ecfg = EngineConfig(engine="zero", zero_stage=0)
+    runs, given, heard = {}, {}, {}
+    for mode in ("off", "on"):
+        e = build_engine(TINY, dataclasses.replace(ecfg, compile=mode), PrecisionConfig("fp32"),
+                         OptimConfig(), CPU)  # fmt: skip
+        w = e.model.blocks[0].mlp.fc.weight
+        given[mode], heard[mode] = [], []
+        w.register_hook(lambda g, m=mode: given[m].append(g is not None))
+        w.register_post_accumulate_grad_hook(lambda p, m=mode: heard[m].append(1))
+        runs[mode] = [e.train_step(batches(2, 2, s), 1e-3).loss for s in range(3)]
+        assert all(c.grads_seen == 0 for c in e.chunks)  # every chunk's count completed
+        if mode == "on":  # one graph for every block: the linears share one forward
+            assert e.compile_report()["recompiles"] == 0
+        e.close()
+    torch.testing.assert_close(runs["on"], runs["off"], rtol=1e-5, atol=0)
+    assert given["off"] == [True] * 6 and given["on"] == [False] * 6  # 3 steps × 2 micro
+    assert len(heard["off"]) == len(heard["on"]) == 6

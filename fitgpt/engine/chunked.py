@@ -57,6 +57,7 @@ from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import KINDS, StateReader, write_pieces
 from fitgpt.engine.timing import StepClock
 from fitgpt.engine.update import TieredUpdate
+from fitgpt.engine.wgrad import fuse_weight_grads
 from fitgpt.errors import UserError
 from fitgpt.model import GPT, ModelConfig
 from fitgpt.model.gpt import alibi_slopes
@@ -240,6 +241,11 @@ class ChunkEngine(Engine):
         if self.host_opt is not None:  # before the fetch hooks: a gather sees updated shards
             self.hooks += self.updater.register_host_waits(modules, blocks)
         self.hooks += self.reducer.register(self.chunks)
+        if self.compiled is not None and self.compiled.scope == "regions":
+            # the block linears' weight gradients accumulated by their product (engine/wgrad.py)
+            owner = {id(p): c for c in self.chunks for p in c.params}
+            keeps = lambda p: owner[id(p)].grad is not None and not owner[id(p)].transient_weight  # noqa: E731
+            self.hooks.append(fuse_weight_grads(modules, keeps))
         if self.stage >= 3 or self.streamed:
             self.hooks += self.fetcher.register(modules, blocks)
         self.clock = StepClock(self.device)

@@ -190,6 +190,7 @@ class CompiledRegions:
         self.errors = compile_errors()
         self._start = _counters()
         self.kinds: tuple[_Kind, ...]
+        self.scope = "model" if whole else "regions"
         if whole:
             cuda = next(model.parameters()).device.type == "cuda"
             mode = "reduce-overhead" if cuda else None  # CUDA graphs exist on GPUs only
