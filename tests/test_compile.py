@@ -164,6 +164,29 @@ def test_auto_compiles_only_long_gpu_runs():
     assert resolve_run(on, "cpu").engine.compile == "on"  # asked for: compiled, even on a CPU
 
 
+def test_auto_is_settled_on_the_plans_checkpointing(tmp_path, monkeypatch):
+    """--compile auto is decided once, after planning, with the checkpointing the planner chose
+    (it cannot be known before): the decision sees the plan's value, and what it returns is the
+    run's --compile."""
+    import fitgpt.train.setup as setup
+    from fitgpt.plan.apply import Fixed
+
+    seen = []
+
+    def decide(device_type, run_s, checkpointing="off"):
+        seen.append(checkpointing)
+        return checkpointing == "off"  # the rule's checkpointing part, whatever this machine is
+
+    monkeypatch.setattr(setup, "auto_compile", decide)
+    run = run_config(tmp_path, engine="zero", compile="auto")
+    planned = setup_run(run, CPU, Fixed(), log=lambda *_: None)
+    assert seen == [planned.engine.checkpointing]
+    assert planned.engine.compile == ("on" if seen == ["off"] else "off")
+    seen.clear()
+    forced = setup_run(run, CPU, Fixed.of({"checkpointing": "full"}), log=lambda *_: None)
+    assert seen == ["full"] and forced.engine.compile == "off"
+
+
 def test_the_planner_keeps_the_compile_flag(tmp_path):
     """setup_run (train and the bench harness): the planner chooses placement, never --compile."""
     from fitgpt.plan.apply import Fixed
@@ -219,9 +242,19 @@ def test_a_compiled_bf16_run_updates_through_the_pass_or_warns_once(capfd):
     bf16 = PrecisionConfig("bf16")
     eager = build_engine(TINY, dataclasses.replace(ecfg, compile="off"), bf16, OptimConfig(), CPU)
     want = [eager.train_step(batches(1, 2, s), 1e-3).loss for s in range(3)]
+    import fitgpt.engine.update as update
+
+    compiled, calls = update._adamw_pass(), []
+
+    def counted():  # the real compiled pass, its calls counted
+        return lambda *a: calls.append(1) or compiled(*a)
+
     e = build_engine(TINY, ecfg, bf16, OptimConfig(), CPU)
-    got = [e.train_step(batches(1, 2, s), 1e-3).loss for s in range(3)]
-    assert e.updater.one_pass  # compiled, and used
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(update, "_adamw_pass", counted)
+        got = [e.train_step(batches(1, 2, s), 1e-3).loss for s in range(3)]
+    groups = sum(len(c.optimizer.param_groups) for c in e.chunks)
+    assert e.updater.one_pass and len(calls) == 3 * groups  # every group, every step
     torch.testing.assert_close(got, want, rtol=2e-2, atol=0)
     assert got[2] < got[0]
     torch._dynamo.reset()
@@ -263,3 +296,26 @@ def test_compiled_block_linears_write_their_weight_gradients():
     torch.testing.assert_close(runs["on"], runs["off"], rtol=1e-5, atol=0)
     assert given["off"] == [True] * 6 and given["on"] == [False] * 6  # 3 steps × 2 micro
     assert len(heard["off"]) == len(heard["on"]) == 6
+
+
+@needs_cxx
+def test_a_fused_linear_whose_input_needs_no_gradient_still_writes_its_own():
+    """engine/wgrad.py's backward writes .grad, a side effect its schema cannot name: where its
+    dx output goes unused (the input needs no gradient) the compiler must keep it anyway. The
+    weight and bias gradients are autograd's own, to fp32 rounding."""
+    from torch import nn
+
+    from fitgpt.engine.wgrad import fuse_weight_grads
+
+    torch.manual_seed(0)
+    lin, ref = nn.Linear(16, 8), nn.Linear(16, 8)
+    ref.load_state_dict(lin.state_dict())
+    lin.weight.grad, lin.bias.grad = torch.zeros_like(lin.weight), torch.zeros_like(lin.bias)
+    handle = fuse_weight_grads([nn.Sequential(lin)], lambda p: True)
+    x = torch.randn(4, 16)  # requires no grad: dx is never used
+    torch.compile(lambda x: lin(x).square().sum())(x).backward()
+    ref(x).square().sum().backward()
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
+    handle.remove()
+    assert type(lin) is nn.Linear

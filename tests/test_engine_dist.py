@@ -33,8 +33,11 @@ def global_batches(step: int, b: int = 4):
     return x  # 2 micro-batches of 2b rows (the global batch of 2 ranks × b)
 
 
-def losses(ecfg: EngineConfig, ctx: DistContext, precision: str = "fp32") -> list[float]:
-    """20 steps, 2 accumulation micro-batches; rank r takes rows [r·b, (r+1)·b) of each."""
+def losses(
+    ecfg: EngineConfig, ctx: DistContext, precision: str = "fp32", seen: list | None = None
+) -> list[float]:
+    """20 steps, 2 accumulation micro-batches; rank r takes rows [r·b, (r+1)·b) of each;
+    `seen` gets the names of the built model's module classes."""
     e = build_engine(TINY, ecfg, PrecisionConfig(precision=precision), OptimConfig(), ctx)
     b = 4 * 2 // ctx.world
     out = []
@@ -45,6 +48,8 @@ def losses(ecfg: EngineConfig, ctx: DistContext, precision: str = "fp32") -> lis
             rows = x[m * 8 : (m + 1) * 8][ctx.rank * b : (ctx.rank + 1) * b]
             micro.append((rows[:, :-1], rows[:, 1:]))
         out.append(e.train_step(micro, 3e-3).loss)
+    if seen is not None:
+        seen += [type(m).__name__ for m in e.model.modules()]
     report = e.memory_report()
     return out, report
 
@@ -59,8 +64,9 @@ def two_rank_worker(rank: int, world: int, tmp: str) -> None:
     results["bf16_stage3"] = losses(EngineConfig(engine="zero", zero_stage=3), ctx, "bf16")[0]
     # compiled: the block linears write their weight gradients themselves (engine/wgrad.py) and
     # report them to the reducer, which reduce-scatters each chunk once its last one lands
-    ecfg = EngineConfig(engine="zero", zero_stage=1, compile="on")
-    results["zero1_compiled"] = losses(ecfg, ctx)[0]
+    ecfg, seen = EngineConfig(engine="zero", zero_stage=1, compile="on"), []
+    results["zero1_compiled"] = losses(ecfg, ctx, seen=seen)[0]
+    results["zero1_fused_linears"] = seen.count("FusedLinear")
     for stage in (1, 2, 3):  # the host tier across ranks: each rank's shard updated on its host
         ecfg = EngineConfig(
             engine="zero", zero_stage=stage, offload_optimizer="cpu", offload_blocks=1
@@ -107,6 +113,7 @@ def test_two_ranks_match_one_process_and_resume_across_world_sizes(tmp_path, glo
     assert max(abs(a - b) for a, b in zip(res["stream3"], reference)) < 1e-5
     if shutil.which("g++") or shutil.which("c++"):  # Inductor compiles CPU code with it
         assert max(abs(a - b) for a, b in zip(res["zero1_compiled"], reference)) < 1e-4
+        assert res["zero1_fused_linears"] == 4 * TINY.n_layer  # every block linear took part
     assert "use --zero-stage 3" in res["stream1_refused"]
     # bf16 stage 3 on 2 ranks tracks fp32 one process within bf16's resolution (documented: 2e-2)
     assert max(abs(a - b) for a, b in zip(res["bf16_stage3"], reference)) < 2e-2

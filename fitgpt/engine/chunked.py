@@ -242,7 +242,9 @@ class ChunkEngine(Engine):
             self.hooks += self.updater.register_host_waits(modules, blocks)
         self.hooks += self.reducer.register(self.chunks)
         if self.compiled is not None and self.compiled.scope == "regions":
-            # the block linears' weight gradients accumulated by their product (engine/wgrad.py)
+            # the block linears' weight gradients accumulated by their product, which saves an
+            # add pass over each gradient per micro-batch (engine/wgrad.py); only where .grad is
+            # a persistent view (stages 0-1) of weights whose storage stays put (not streamed)
             owner = {id(p): c for c in self.chunks for p in c.params}
             keeps = lambda p: owner[id(p)].grad is not None and not owner[id(p)].transient_weight  # noqa: E731
             self.hooks.append(fuse_weight_grads(modules, keeps))

@@ -76,9 +76,9 @@ def compile_pays(run_s: float, checkpointing: str = "off") -> bool:
     """Whether compiling a GPU run of about `run_s` seconds of steps is expected to pay: when
     GAIN·run_s >= COMPILE_S, and never with activation checkpointing. The checkpoint wraps the
     compiled forward and runs it again in the backward: on an H100 a block's forward and
-    backward took 6-13% longer compiled than eager at h=2560 to 5120, and the 6.7b and 13b
-    presets' offloaded (checkpointed) plans 8% longer per step compiled
-    (results/offload_compile_h100_2026-11-24)."""
+    backward took 6-13% longer compiled than eager at h=2560 to 5120, and the offloaded
+    (checkpointed) plans of the 6.7b and 13b presets 8% and 3% longer per step compiled (each
+    with the blocks the planner offloaded for it: results/offload_compile_h100_2026-11-24)."""
     return checkpointing == "off" and GAIN * run_s >= COMPILE_S
 
 

@@ -24,6 +24,7 @@ before it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +34,7 @@ from fitgpt.engine.comm import Peers
 from fitgpt.engine.compact import Scratch
 from fitgpt.engine.compile import compile_errors
 from fitgpt.engine.offload import HostOptimizer
+from fitgpt.errors import UserError
 
 
 class TieredUpdate:
@@ -45,7 +47,7 @@ class TieredUpdate:
         scratch: Scratch | None = None,
         speculative: bool = False,
         one_pass: bool = False,
-        warn=print,
+        warn: Callable[[str], None] = print,
     ) -> None:
         """scratch: the compact formats' pieces on the compute device (engine/compact.py);
         speculative: start host-homed chunks' updates during the backward (module doc);
@@ -187,13 +189,13 @@ class TieredUpdate:
             # piece by piece through the device scratch: no whole-chunk fp32 gradient
             c.compact.step(c.home_weights, c.opt_grad, grad_mul, lr, self.scratch)
             return
-        if (
-            self.one_pass
-            and not c.master_aliases_weight
-            and self._one_pass_step(c, lr, grad_mul, skip)
-        ):
-            return
         opt = c.optimizer
+        groups = list(zip(opt.param_groups, c.group_ranges))
+        done = 0  # param groups stepped by the compiled pass
+        if self.one_pass and not c.master_aliases_weight:
+            done = self._one_pass_step(c, lr, grad_mul, skip)
+            if done == len(groups):
+                return
         if isinstance(grad_mul, Tensor):
             # the fp32 copy and the multiply in one pass: grad_mul's one dimension makes the
             # product fp32 (a 0-d operand would leave it in the gradient's dtype); each element
@@ -203,7 +205,7 @@ class TieredUpdate:
             g32 = c.opt_grad.float()  # transient fp32 copy of one chunk's gradient
             if grad_mul != 1.0:
                 g32.mul_(grad_mul)
-        for group, (lo, hi) in zip(opt.param_groups, c.group_ranges):
+        for group, (lo, hi) in groups[done:]:
             group["lr"] = lr  # kept current: the optimizer's state_dict carries it
             _fused_adamw(opt, group, g32[lo:hi], lr, found_inf=skip)
         del g32  # freed here
@@ -212,9 +214,12 @@ class TieredUpdate:
 
     def _one_pass_step(
         self, c: Chunk, lr: float, grad_mul: float | Tensor, skip: Tensor | None
-    ) -> bool:
+    ) -> int:
         """Chunk c's AdamW through the compiled pass, each param group's flat range at once;
-        False (nothing changed) when the pass cannot compile here, after one warning line."""
+        returns the groups stepped: all of them, or the ones before the group whose pass failed
+        to compile (after one warning line; the caller steps the rest through torch's kernel).
+        Replicated state (stage 0 on several ranks, each rank stepping its own copy) must take
+        one path on every rank, or the copies would round apart: there a failure is an error."""
         weights = c.weight_shard if self.stage >= 1 else c.weight
         opt = c.optimizer
         for i, (group, (lo, hi)) in enumerate(zip(opt.param_groups, c.group_ranges)):
@@ -229,19 +234,22 @@ class TieredUpdate:
                     group["weight_decay"],
                 )  # fmt: skip
             except compile_errors() as e:
-                # before the first group's kernel ran (a compile error is raised at the first
-                # call): nothing was written but the step count, taken back here
+                # raised at the call that compiles, before its kernel ran: of this group only
+                # the step count was written, taken back here
                 state["step"].sub_(1)
-                if i:
-                    raise
-                self.one_pass = False
                 first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-                self.warn(f"the optimizer's compiled pass failed to compile ({type(e).__name__}: "
-                          f"{first}); torch's fused AdamW steps the device state instead")  # fmt: skip
-                return False
+                why = (
+                    f"the optimizer's compiled pass failed to compile ({type(e).__name__}: {first})"
+                )
+                if self.stage == 0 and self.peers.world > 1:
+                    raise UserError(f"{why}; every rank steps its own copy of the state, so "
+                                    "all must take one path: run with --compile off") from None  # fmt: skip
+                self.one_pass = False
+                self.warn(f"{why}; torch's fused AdamW steps the device state instead")
+                return i
             if skip is not None:
                 state["step"].sub_(skip)  # no step where skip is 1.0, as torch's kernel
-        return True
+        return len(opt.param_groups)
 
     def _gather_updated(self, c: Chunk) -> tuple[object, str]:
         work = self.peers.all_gather(c.weight, c.weight_shard)
@@ -293,7 +301,7 @@ def _adamw_math(w, master, m, v, g, grad_mul, skip, step, lr, beta1, beta2, eps,
     28 bytes move per element (gradient 2, master and moments read and written 24, weights 2)
     where the fused kernel's path moves 40 (the fp32 gradient copy written and read again, the
     master read again by the cast back): at the 2.7b preset on an H100 the update phase fell
-    from 47.5 to 27.5 ms per step (results/ab_speed2_h100_2026-11-24). skip 1.0 (an overflow)
+    from 47.4 to 27.7 ms per step (results/ab_speed2_h100_2026-11-24/built). skip 1.0 (an overflow)
     leaves every tensor as it was."""
     g32 = g.float() * grad_mul
     m_new = torch.lerp(m, g32, 1 - beta1)

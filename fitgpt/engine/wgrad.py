@@ -29,14 +29,29 @@ forward is plain F.linear.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# weight data pointer -> (weight, bias or None)
-_OWNERS: dict[int, tuple[nn.Parameter, nn.Parameter | None]] = {}
+# weight data pointer -> weak references to (weight, bias or None). Entries live from
+# fuse_weight_grads to the handle's remove() (the engine's close()); weak, so an engine never
+# closed keeps no parameter (and through .grad no gradient buffer) alive.
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref | None]] = {}
+
+
+def _owner(w: Tensor) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """The parameters whose gradients the backward of the linear with weight `w` writes."""
+    refs = _OWNERS.get(w.data_ptr())
+    weight = refs[0]() if refs else None
+    if weight is None or weight.data_ptr() != w.data_ptr():
+        raise RuntimeError(
+            "fitgpt::linear's weight is no engine parameter (replaced or copied since the engine "
+            "built it): build the engine again, or train it with --compile off"
+        )
+    return weight, refs[1]() if refs[1] is not None else None
 
 
 @functools.cache
@@ -59,7 +74,7 @@ def _ops():
         schema="(Tensor dy, Tensor x, Tensor w) -> Tensor",
     )
     def linear_backward(dy, x, w):
-        weight, bias = _OWNERS[w.data_ptr()]
+        weight, bias = _owner(w)
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         weight.grad.addmm_(dy2.t(), x2)  # cuBLAS beta = 1: the product adds into the buffer
         if bias is not None:
@@ -69,6 +84,10 @@ def _ops():
     @linear_backward.register_fake
     def _(dy, x, w):
         return dy.new_empty(*dy.shape[:-1], w.shape[1])
+
+    # it writes .grad, which its schema cannot name: without this the compiler treats it as pure
+    # and drops it where dx is unused (an input that needs no gradient), losing dW and db
+    torch.fx.node.has_side_effect(torch.ops.fitgpt.linear_backward.default)
 
     def setup_context(ctx, inputs, output):
         x, w, _b = inputs
@@ -120,7 +139,8 @@ def fuse_weight_grads(
         for lin in block.modules():
             if type(lin) is not nn.Linear or not all(eligible(p) for p in lin.parameters()):
                 continue
-            _OWNERS[lin.weight.data_ptr()] = (lin.weight, lin.bias)
+            bias = weakref.ref(lin.bias) if lin.bias is not None else None
+            _OWNERS[lin.weight.data_ptr()] = (weakref.ref(lin.weight), bias)
             lin.__class__ = FusedLinear
             done.append(lin)
     return FusedWeightGrads(done)

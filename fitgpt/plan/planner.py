@@ -250,7 +250,8 @@ def plans_of(work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: dict) 
     optimizer state alone, and with the offloaded blocks' weights streamed too. Both are priced
     because neither always wins: streaming moves each offloaded block's weights every pass, but
     frees their GPU copies, so fewer blocks need the slower host update. At 13b on an H100 the
-    streamed plan (36 blocks on the host) steps 5.4 s, the unstreamed one (40) 6.3 s
+    streamed plan (33 blocks on the host) stepped 5.2-5.3 s compiled, the unstreamed one (40)
+    6.3 s
     (results/offload_compile_h100_2026-11-24); priced alone, the first that fits was taken."""
     base = evaluate(work, grad_accum, hw, rates, e, layout)
     out = [base]
