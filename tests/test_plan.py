@@ -372,6 +372,21 @@ def test_compiled_checkpointed_blocks_are_priced_slower():
     assert compiled_factor(768, "full") == compiled_factor(5120, "cpu") == 1.08
 
 
+def test_a_compiled_runs_device_update_is_priced_as_one_pass():
+    # engine/update.py's one pass moves 28 bytes per element where the fused kernel's path moves
+    # 36 in the model; fp32 (the master is the weight) and "auto" (priced eager) keep 36
+    r = DEFAULTS["H100"]
+    bf16 = Workload(get_preset("2.7b"), 8, world=1, precision="bf16", device="cuda")
+    fp32 = Workload(get_preset("gpt2-125m"), 8, world=1, precision="fp32", device="cuda")
+    opt = {
+        (w.precision, c): step_time(w, EngineConfig(zero_stage=0, compile=c), 4, r)["optimizer"]
+        for w in (bf16, fp32)
+        for c in ("off", "on", "auto")
+    }
+    assert opt["bf16", "on"] == pytest.approx(opt["bf16", "off"] * 28 / 36)
+    assert opt["bf16", "auto"] == opt["bf16", "off"] and opt["fp32", "on"] == opt["fp32", "off"]
+
+
 def test_compiled_logits_are_priced_without_their_fp32_copies():
     # the compiled head keeps the bf16 logits only: 8 bytes fewer per entry than eager (the peak
     # fell 9.6-9.7 bytes per entry on the H100); the blocks' activations are priced as before
