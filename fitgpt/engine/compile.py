@@ -147,6 +147,12 @@ def _counters() -> tuple[int, float]:
     return breaks, seconds
 
 
+def error_line(e: BaseException) -> str:
+    """A compile error as one line for a warning: its type and its message's first line."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+
+
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in str(e)
 
@@ -172,7 +178,7 @@ class _Kind:
             if _is_oom(e):
                 raise  # memory, not the compiler: eager would not fit either
             out = self.eager(*args)  # raises the model's own error if eager fails too
-            self.failed = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+            self.failed = error_line(e)
             regions.warn(
                 f"{self.name} region(s) run eagerly, their compilation failed ({self.failed})"
             )

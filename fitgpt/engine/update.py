@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from fitgpt.engine.chunk import Chunk
 from fitgpt.engine.comm import Peers
 from fitgpt.engine.compact import Scratch
-from fitgpt.engine.compile import compile_errors
+from fitgpt.engine.compile import compile_errors, error_line
 from fitgpt.engine.offload import HostOptimizer
 from fitgpt.errors import UserError
 
@@ -237,10 +237,7 @@ class TieredUpdate:
                 # raised at the call that compiles, before its kernel ran: of this group only
                 # the step count was written, taken back here
                 state["step"].sub_(1)
-                first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-                why = (
-                    f"the optimizer's compiled pass failed to compile ({type(e).__name__}: {first})"
-                )
+                why = f"the optimizer's compiled pass failed to compile ({error_line(e)})"
                 if self.stage == 0 and self.peers.world > 1:
                     raise UserError(f"{why}; every rank steps its own copy of the state, so "
                                     "all must take one path: run with --compile off") from None  # fmt: skip

@@ -5,8 +5,9 @@ Autograd computes a linear's weight gradient into a fresh tensor and AccumulateG
 it to `.grad` (a view of the chunk's flat buffer at stages 0-1): per micro-batch the product
 writes dW (2 bytes per element), the add reads it and the buffer and writes the buffer (6). Here
 the product accumulates into the buffer itself (cuBLAS's beta = 1: 4 bytes), and the bias
-gradient's sum is added in place. Measured at the 2.7b preset on an H100: 1044.6 → 1030.1 ms
-per step (`benchmarks/results/ab_speed2_h100_2026-11-24`; the adds took 23 ms of the step).
+gradient's sum is added in place. Measured at the 2.7b preset on an H100, in one call: 1039.3 →
+1030.2 ms per step (`benchmarks/results/ab_speed2_h100_2026-11-24/final`; the adds took 23 ms
+of the step in its profile).
 
 How: each eligible nn.Linear's forward becomes the custom op `fitgpt::linear`, opaque to the
 compiler, so a block stays one compiled graph (a Python autograd.Function would break it). Its
@@ -21,7 +22,8 @@ hands the op its inputs, not the Parameter objects).
 Where: the chunk engine's regional compilation (`--compile on`), for linears whose chunk keeps
 a full gradient buffer and persistent weights (ZeRO stages 0-1, not streamed): a stage-2/3
 gradient is flattened per micro-batch and a streamed or sharded weight moves between uses.
-Not for the whole-model CUDA graphs (a replay would skip the op's report to the reducer) nor
+Not for the whole-model CUDA graphs (a replay runs the captured kernels, never the op's Python
+that finds the parameters, and this form was measured as regions only) nor
 for tensor-parallel layers (their own linears). Without grad (evaluation, decoding) the
 forward is plain F.linear.
 """
