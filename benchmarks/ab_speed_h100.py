@@ -33,6 +33,15 @@ Each variant is `fitgpt train` with one change applied from outside, in this scr
               0 to q·k and give 0 outputs, so the result is the same; cuDNN's kernels run
               head dims of 64 and 128 faster per FLOP (its 2.7b attention ran at ~230 TFLOP/s)
   ckpt        --checkpointing full (the compiled path under activation checkpointing)
+  (atenln     every LayerNorm as an op the compiler cannot see into, run by ATen's CUDA
+              kernels (Inductor's at h=2560 loop over each row: 54 ms of the 2.7b step):
+              measured here, results/ab_speed3_h100_2026-11-24/1_floor, then built into the
+              engine, engine/norm.py; its code here went with it)
+  noln        that turned off (Inductor's LayerNorms at every width, as before)
+  sumdb       the block linears' bias gradients as ATen's sum over rows and an add, as before
+              the engine took them as one matrix-vector product (engine/wgrad.py _bias_grad)
+  lt          torch's cuBLASLt preferred for every matrix product (preferred_blas_library)
+  eagerblk    the blocks eager, the head (final LayerNorm, logits, loss) still compiled
   a+b         variants applied together
 Plus a microbenchmark of each attention backend, forward + backward, at both models' shapes,
 with q, k, v strided views of one qkv tensor as the model makes them.
@@ -137,6 +146,27 @@ def apply_one(variant: str, argv: list[str]) -> list[str]:
         F.scaled_dot_product_attention = padded
     elif variant == "ckpt":
         argv = [*argv, "--checkpointing", "full"]
+    elif variant == "noln":
+        import fitgpt.engine.compile as comp
+
+        comp.aten_norms = lambda *a: False
+    elif variant == "sumdb":
+        import fitgpt.engine.wgrad as wgrad
+
+        wgrad._bias_grad = lambda grad, dy2: grad.add_(dy2.sum(0))
+    elif variant == "lt":
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    elif variant == "eagerblk":
+        import fitgpt.engine.compile as comp
+
+        orig_init = comp.CompiledRegions.__init__
+
+        def init(self, model, warn, whole=False):
+            orig_init(self, model, warn, whole)
+            if not whole:
+                self.blocks.compiled = self.blocks.eager
+
+        comp.CompiledRegions.__init__ = init
     elif variant == "multikernel":
         import torch._inductor.config as ic
 

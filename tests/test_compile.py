@@ -319,3 +319,81 @@ def test_a_fused_linear_whose_input_needs_no_gradient_still_writes_its_own():
     torch.testing.assert_close(lin.bias.grad, ref.bias.grad)
     handle.remove()
     assert type(lin) is nn.Linear
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_layernorms_through_aten_are_eager_layernorms(bias):
+    """engine/norm.py: the swapped LayerNorms run the kernels F.layer_norm runs, so a model's loss
+    and every gradient are bit for bit an unswapped copy's, with and without LayerNorm biases;
+    both custom ops pass torch's own registration checks (fake tensors, autograd)."""
+    from fitgpt.engine.norm import AtenLayerNorm, use_aten_norms
+    from fitgpt.model import GPT
+
+    cfg = dataclasses.replace(TINY, bias=bias)
+    torch.manual_seed(0)
+    ref = GPT(cfg)
+    model = GPT(cfg)
+    model.load_state_dict(ref.state_dict())
+    assert use_aten_norms(model) == 2 * cfg.n_layer + 1
+    assert (
+        type(model.blocks[0].ln_1) is AtenLayerNorm
+        and model.state_dict().keys() == ref.state_dict().keys()
+    )
+    ((x, y),) = batches(1, 2, 0)
+    for m in (ref, model):
+        m(x, y).backward()
+    assert torch.equal(model(x, y), ref(x, y))
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    h = torch.randn(2, 5, cfg.n_embd, requires_grad=True)
+    ln = model.blocks[0].ln_1
+    torch.library.opcheck(torch.ops.fitgpt.layer_norm, (h, ln.weight, ln.bias, 1e-5))
+    mean = h.mean(-1, keepdim=True).detach()
+    rstd = (h.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt().detach()
+    torch.library.opcheck(
+        torch.ops.fitgpt.layer_norm_backward,
+        (torch.randn(2, 5, cfg.n_embd), h.detach(), mean, rstd, ln.weight.detach(),
+         None if ln.bias is None else ln.bias.detach()),
+    )  # fmt: skip
+
+
+@needs_cxx
+def test_a_compiled_block_keeps_layernorms_through_aten_in_its_graph():
+    """engine/norm.py inside a compiled region: no graph break, the op called at run time (the
+    profiler sees it forward and backward), values within fp32 rounding of eager's."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from fitgpt.engine.compile import _block_train
+    from fitgpt.engine.norm import use_aten_norms
+    from fitgpt.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    use_aten_norms(model)
+    block = model.blocks[0]
+    x = torch.randn(2, TINY.seq_len, TINY.n_embd, requires_grad=True)
+    breaks = sum(dynamo_utils.counters["graph_break"].values())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = torch.compile(_block_train)(block, x, None)
+        out.square().sum().backward()
+    assert sum(dynamo_utils.counters["graph_break"].values()) == breaks
+    names = {e.name for e in prof.events()}
+    assert {"fitgpt::layer_norm", "fitgpt::layer_norm_backward"} <= names, sorted(names)[:20]
+    got = x.grad.clone()
+    x.grad = None
+    ref = _block_train(block, x, None)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(got, x.grad)
+
+
+def test_layernorms_go_through_aten_only_on_gpus_past_inductors_persistent_width():
+    from fitgpt.engine.norm import aten_norms
+
+    assert aten_norms("cuda", 2560) and aten_norms("cuda", 1600)
+    assert not aten_norms("cuda", 1024) and not aten_norms("cuda", 768)
+    assert not aten_norms("cpu", 2560)
+    report = {"regions": 33, "eager": 0, "graph_breaks": 0, "recompiles": 0, "compile_s": 9.0,
+              "scope": "regions", "aten_norms": 65}  # fmt: skip
+    assert report_line(report).endswith("9.0 s; 65 LayerNorms through ATen")
+    assert report_line({**report, "aten_norms": 0}).endswith("9.0 s")

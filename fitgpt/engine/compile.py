@@ -15,6 +15,8 @@ One rank holding a small model whole (model_scope) compiles a third kind instead
 Only the forward *function* is replaced, never the module's __call__: the engine's hooks on a
 block (host-optimizer waits, stage-3 gathers and frees, streamed weights) and on its parameters
 (gradient reduction) keep running eagerly around the compiled code, as they do without it.
+On GPUs and past h=1024 the regions' LayerNorms run ATen's kernels behind an op the compiler
+keeps whole (engine/norm.py): Inductor's own loop over rows that wide.
 Compile before activation checkpointing (the engines do): the checkpoint then wraps the
 compiled forward, and its recompute in the backward runs the compiled forward again.
 
@@ -38,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from fitgpt.engine.norm import aten_norms, use_aten_norms
 
 # compilation_time_metrics keys (seconds) that together are the compile: dynamo's frame compile
 # (tracing, AOTAutograd and the forward's Inductor codegen) and the lazily compiled backward
@@ -196,6 +200,7 @@ class CompiledRegions:
         self.errors = compile_errors()
         self._start = _counters()
         self.kinds: tuple[_Kind, ...]
+        self.aten_norms = 0
         self.scope = "model" if whole else "regions"
         if whole:
             cuda = next(model.parameters()).device.type == "cuda"
@@ -204,6 +209,9 @@ class CompiledRegions:
             self.kinds = (self.whole,)
             self._wrap_model(model)
             return
+        device_type = next(model.parameters()).device.type
+        # wide rows: the LayerNorms through ATen's kernels, not Inductor's loops (engine/norm.py)
+        self.aten_norms = use_aten_norms(model) if aten_norms(device_type, model.cfg.n_embd) else 0
         self.blocks = _Kind("block", torch.compile(_block_train), _block_train)
         self.head = _Kind("head+loss", torch.compile(_head_loss), _head_loss)
         self.kinds = (self.blocks, self.head)
@@ -241,7 +249,8 @@ class CompiledRegions:
         """Counts since this model's regions were made: `regions` compiled and running
         compiled, `eager` regions sent back by a failure, dynamo's `graph_breaks`,
         `recompiles` (compiles of a kind after its first: one per kind for evaluation's no-grad
-        form; more means a guard fails), and `compile_s` (seconds spent compiling)."""
+        form; more means a guard fails), `compile_s` (seconds spent compiling) and `aten_norms`
+        (LayerNorms run by ATen's kernels, engine/norm.py)."""
         breaks, seconds = (a - b for a, b in zip(_counters(), self._start))
         kinds = self.kinds
         return {
@@ -251,6 +260,7 @@ class CompiledRegions:
             "recompiles": sum(max(0, k.compiles - 1) for k in kinds),
             "compile_s": seconds,
             "scope": kinds[0].name if len(kinds) == 1 else "regions",
+            "aten_norms": self.aten_norms,
         }
 
 
@@ -272,7 +282,8 @@ def report_line(r: dict) -> str:
     regions = f"{r['regions']} regions"
     if r.get("scope") == "model":
         regions = "the whole model as one graph" if r["regions"] else "0 regions"
+    norms = f"; {r['aten_norms']} LayerNorms through ATen" if r.get("aten_norms") else ""
     return (
         f"compile: {regions}{eager}, {r['graph_breaks']} graph breaks, "
-        f"{r['recompiles']} recompiles, {r['compile_s']:.1f} s"
+        f"{r['recompiles']} recompiles, {r['compile_s']:.1f} s{norms}"
     )

@@ -5,7 +5,7 @@ Autograd computes a linear's weight gradient into a fresh tensor and AccumulateG
 it to `.grad` (a view of the chunk's flat buffer at stages 0-1): per micro-batch the product
 writes dW (2 bytes per element), the add reads it and the buffer and writes the buffer (6). Here
 the product accumulates into the buffer itself (cuBLAS's beta = 1: 4 bytes), and the bias
-gradient's sum is added in place. Measured at the 2.7b preset on an H100, in one call: 1039.3 →
+gradient likewise, as a matrix-vector product (_bias_grad). Measured at the 2.7b preset on an H100, in one call: 1039.3 →
 1030.2 ms per step (`benchmarks/results/ab_speed2_h100_2026-11-24/final`; the adds took 23 ms
 of the step in its profile).
 
@@ -57,6 +57,21 @@ def _owner(w: Tensor) -> tuple[nn.Parameter, nn.Parameter | None]:
 
 
 @functools.cache
+def _ones(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.ones(n, dtype=dtype, device=device)
+
+
+def _bias_grad(grad: Tensor, dy2: Tensor) -> None:
+    """grad += the column sums of dy2 [rows, out], as one matrix-vector product with a vector of
+    ones (cuBLAS: fp32 accumulation, beta = 1 into the buffer, no second kernel). ATen's sum over
+    rows and the add after it took 25.6 and 4.0 ms of the 2.7b step on an H100; as the product
+    the step took 1006-1007 ms against 1012.1, and GPT-2 1.5 B's 701.4 against 713.5, in one
+    call (`benchmarks/results/ab_speed3_h100_2026-11-24`). The vector of ones costs 2 bytes per
+    row, once per shape."""
+    grad.addmv_(dy2.t(), _ones(dy2.shape[0], dy2.dtype, dy2.device))
+
+
+@functools.cache
 def _ops():
     """The two custom ops, registered once per process, on first use."""
 
@@ -80,7 +95,7 @@ def _ops():
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         weight.grad.addmm_(dy2.t(), x2)  # cuBLAS beta = 1: the product adds into the buffer
         if bias is not None:
-            bias.grad.add_(dy2.sum(0))
+            _bias_grad(bias.grad, dy2)
         return dy @ w
 
     @linear_backward.register_fake
