@@ -348,6 +348,16 @@ def test_layernorms_through_aten_are_eager_layernorms(bias):
     h = torch.randn(2, 5, cfg.n_embd, requires_grad=True)
     ln = model.blocks[0].ln_1
     torch.library.opcheck(torch.ops.fitgpt.layer_norm, (h, ln.weight, ln.bias, 1e-5))
+    # a strided bf16 input, with bf16 and with fp32 parameters: the fake outputs' strides and
+    # dtypes must be ATen's, forward and backward
+    hb = torch.randn(5, 2, cfg.n_embd, dtype=torch.bfloat16).transpose(0, 1).requires_grad_()
+    for dtype in (torch.bfloat16, torch.float32):
+        wb = ln.weight.detach().to(dtype).requires_grad_()
+        bb = torch.zeros_like(wb, requires_grad=True)
+        torch.library.opcheck(torch.ops.fitgpt.layer_norm, (hb, wb, bb, 1e-5))
+        _, mean, rstd = torch.native_layer_norm(hb.detach(), [cfg.n_embd], wb, bb, 1e-5)
+        args = (torch.randn_like(hb), hb.detach(), mean, rstd, wb.detach(), bb.detach())
+        torch.library.opcheck(torch.ops.fitgpt.layer_norm_backward, args)
     mean = h.mean(-1, keepdim=True).detach()
     rstd = (h.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt().detach()
     torch.library.opcheck(

@@ -15,7 +15,7 @@ One rank holding a small model whole (model_scope) compiles a third kind instead
 Only the forward *function* is replaced, never the module's __call__: the engine's hooks on a
 block (host-optimizer waits, stage-3 gathers and frees, streamed weights) and on its parameters
 (gradient reduction) keep running eagerly around the compiled code, as they do without it.
-On GPUs and past h=1024 the regions' LayerNorms run ATen's kernels behind an op the compiler
+On GPUs and past h=1024 the model's LayerNorms run ATen's kernels behind an op the compiler
 keeps whole (engine/norm.py): Inductor's own loop over rows that wide.
 Compile before activation checkpointing (the engines do): the checkpoint then wraps the
 compiled forward, and its recompute in the backward runs the compiled forward again.

@@ -9,13 +9,16 @@ kernels and the residual adds took 61 ms of a 1.04 s step
 (`benchmarks/results/ab_speed2_h100_2026-11-24/profile`), 2.2x what their traffic costs at the
 device's copy bandwidth. ATen's kernels, behind an op the compiler keeps whole, took the step
 from 1019.9 to 1008.6 ms, and GPT-2 1.5 B's (h=1600) from 728.1 to 713.9 ms, in one call
-(`benchmarks/results/ab_speed3_h100_2026-11-24`). The cost: the residual add before each LayerNorm is a kernel of its own again.
+(`benchmarks/results/ab_speed3_h100_2026-11-24`). The cost: the residual add before each
+LayerNorm is a kernel of its own again.
 
-How: each nn.LayerNorm with a weight becomes AtenLayerNorm, whose forward under grad is the
-custom op `fitgpt::layer_norm` (torch.native_layer_norm) with `fitgpt::layer_norm_backward`
-(aten.native_layer_norm_backward) as its backward. These are the kernels an eager F.layer_norm
-runs, so the values are those of an eager run. The class changes, not the forward attribute: one
-forward for every block keeps one compiled graph for all blocks (engine/wgrad.py's reason).
+How: each nn.LayerNorm of the model with a weight (the blocks', the head's final one and an
+embedding norm's, which runs outside the regions anyway) becomes AtenLayerNorm, whose forward
+under grad is the custom op `fitgpt::layer_norm` (torch.native_layer_norm) with
+`fitgpt::layer_norm_backward` (aten.native_layer_norm_backward) as its backward. These are the
+kernels an eager F.layer_norm runs, so the values are those of an eager run. The class changes,
+not the forward attribute: one forward for every block keeps one compiled graph for all blocks
+(engine/wgrad.py's reason).
 
 Where: regional compilation on GPUs for models wider than INDUCTOR_PERSISTENT_MAX (aten_norms).
 Without grad (evaluation, decoding) the forward is plain F.layer_norm.
@@ -42,6 +45,13 @@ def aten_norms(device_type: str, n_embd: int) -> bool:
     return device_type == "cuda" and n_embd > INDUCTOR_PERSISTENT_MAX
 
 
+def _backward(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, w: Tensor, b: Tensor | None):
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+        dy, x, [x.shape[-1]], mean, rstd, w, b, [True, True, b is not None]
+    )
+    return dx, dw, db if db is not None else dx.new_empty(0)  # an op returns no None
+
+
 @functools.cache
 def _op() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
     """The two custom ops, registered once per process, on first use."""
@@ -56,8 +66,13 @@ def _op() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
 
     @layer_norm.register_fake
     def _(x, w, b, eps):
-        stat = x.new_empty(*x.shape[:-1], 1, dtype=torch.float32)  # mean and 1/std, fp32 as ATen
-        return torch.empty_like(x), stat, torch.empty_like(stat)
+        # ATen's meta kernel: the output contiguous whatever x's strides, the statistics in fp32
+        # for a 16-bit x on a GPU. The CPU kernel given a 16-bit x and fp32 parameters keeps
+        # its statistics in the parameters' dtype, which the meta kernel does not follow.
+        y, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], w, b, eps)
+        if x.device.type == "cpu" and w.dtype != x.dtype:
+            mean, rstd = mean.to(w.dtype), rstd.to(w.dtype)
+        return y, mean, rstd
 
     @torch.library.custom_op(
         "fitgpt::layer_norm_backward",
@@ -66,14 +81,9 @@ def _op() -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
         " -> (Tensor, Tensor, Tensor)",
     )
     def layer_norm_backward(dy, x, mean, rstd, w, b):
-        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            dy, x, [x.shape[-1]], mean, rstd, w, b, [True, True, b is not None]
-        )
-        return dx, dw, db if db is not None else dx.new_empty(0)  # an op returns no None
+        return _backward(dy, x, mean, rstd, w, b)
 
-    @layer_norm_backward.register_fake
-    def _(dy, x, mean, rstd, w, b):
-        return torch.empty_like(x), torch.empty_like(w), x.new_empty(0 if b is None else b.shape)
+    layer_norm_backward.register_fake(_backward)  # the meta kernel, as above
 
     def setup_context(ctx, inputs, output):
         x, w, b, _eps = inputs

@@ -4,10 +4,10 @@ write dW straight into the chunk's gradient buffer, applied to a built model fro
 Autograd computes a linear's weight gradient into a fresh tensor and AccumulateGrad then adds
 it to `.grad` (a view of the chunk's flat buffer at stages 0-1): per micro-batch the product
 writes dW (2 bytes per element), the add reads it and the buffer and writes the buffer (6). Here
-the product accumulates into the buffer itself (cuBLAS's beta = 1: 4 bytes), and the bias
-gradient likewise, as a matrix-vector product (_bias_grad). Measured at the 2.7b preset on an H100, in one call: 1039.3 →
+the product accumulates into the buffer itself (cuBLAS's beta = 1: 4 bytes). Measured at the
+2.7b preset on an H100, in one call, with the bias gradient then a sum added in place: 1039.3 →
 1030.2 ms per step (`benchmarks/results/ab_speed2_h100_2026-11-24/final`; the adds took 23 ms
-of the step in its profile).
+of the step in its profile). On a GPU the bias gradient is now a product too (_bias_grad).
 
 How: each eligible nn.Linear's forward becomes the custom op `fitgpt::linear`, opaque to the
 compiler, so a block stays one compiled graph (a Python autograd.Function would break it). Its
@@ -62,13 +62,19 @@ def _ones(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 
 def _bias_grad(grad: Tensor, dy2: Tensor) -> None:
-    """grad += the column sums of dy2 [rows, out], as one matrix-vector product with a vector of
-    ones (cuBLAS: fp32 accumulation, beta = 1 into the buffer, no second kernel). ATen's sum over
-    rows and the add after it took 25.6 and 4.0 ms of the 2.7b step on an H100; as the product
-    the step took 1006-1007 ms against 1012.1, and GPT-2 1.5 B's 701.4 against 713.5, in one
-    call (`benchmarks/results/ab_speed3_h100_2026-11-24`). The vector of ones costs 2 bytes per
-    row, once per shape."""
-    grad.addmv_(dy2.t(), _ones(dy2.shape[0], dy2.dtype, dy2.device))
+    """grad += the column sums of dy2 [rows, out]. On a GPU as one matrix-vector product with a
+    vector of ones, beta = 1 into the buffer: no second kernel. cuBLAS accumulates in fp32, and
+    with torch's default allow_bf16_reduced_precision_reduction may round a split reduction's
+    partial sums to bf16; the 12-step losses agreed with the sum's to 1e-4. ATen's sum over rows
+    and the add after it took 25.6 and 4.0 ms of the 2.7b step on an H100; as the product the
+    step took 1006-1007 ms against 1012.1, and GPT-2 1.5 B's 701.4 against 713.5, in one call
+    (`benchmarks/results/ab_speed3_h100_2026-11-24`). The vector of ones, one element per row, is
+    kept per shape, dtype and device. On a CPU, ATen's pairwise sum: its product form
+    accumulates in a row, 20x the fp32 rounding error at 8,192 rows."""
+    if dy2.is_cuda:
+        grad.addmv_(dy2.t(), _ones(dy2.shape[0], dy2.dtype, dy2.device))
+    else:
+        grad.add_(dy2.sum(0))
 
 
 @functools.cache
