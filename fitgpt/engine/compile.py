@@ -202,14 +202,13 @@ class CompiledRegions:
         self.kinds: tuple[_Kind, ...]
         self.aten_norms = 0
         self.scope = "model" if whole else "regions"
+        device_type = next(model.parameters()).device.type
         if whole:
-            cuda = next(model.parameters()).device.type == "cuda"
-            mode = "reduce-overhead" if cuda else None  # CUDA graphs exist on GPUs only
+            mode = "reduce-overhead" if device_type == "cuda" else None  # CUDA graphs: GPUs only
             self.whole = _Kind("model", torch.compile(_model_train, mode=mode), _model_train)
             self.kinds = (self.whole,)
             self._wrap_model(model)
             return
-        device_type = next(model.parameters()).device.type
         # wide rows: the LayerNorms through ATen's kernels, not Inductor's loops (engine/norm.py)
         self.aten_norms = use_aten_norms(model) if aten_norms(device_type, model.cfg.n_embd) else 0
         self.blocks = _Kind("block", torch.compile(_block_train), _block_train)
