@@ -3,6 +3,7 @@
 
     python benchmarks/demo_load.py                     # ~10-15 min on 2 cores
     python benchmarks/demo_load.py --steps 30 --skip-demo   # the thread matrix only, ~3 min
+    python benchmarks/demo_load.py --versus-one        # the demo against --cpu-threads 1, ~25 min
 
 Competing load: --load N processes that each spin a Python busy loop (`while True: pass`), one
 per core by default, started before a run and killed after it: the share of the CPU a run gets
@@ -18,6 +19,10 @@ other, the usual cure for oversubscription.
 Part 2 (the demo): `make demo`'s two commands, exactly as the Makefile runs them (no thread
 setting: fitgpt's own rule chooses), under the competing load; the wall time of each.
 
+Part 3 (--versus-one, instead of parts 1 and 2): the demo as the Makefile runs it against the
+same with `--cpu-threads 1`, back to back, idle, under the load, and under the load started a few
+seconds into the run (after fitgpt's start-up look at the machine: what its thread tuner is for).
+
 Writes OUT/results.json (every run, with the load average before it) and OUT/README.md (tables).
 """
 
@@ -32,6 +37,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -108,22 +114,38 @@ def matrix(steps: int, load: int, tmp: Path) -> list[dict]:
     return rows
 
 
-def demo(load: int, tmp: Path) -> dict:
-    procs = start_load(load)
+def demo(load: int, tmp: Path, extra: tuple[str, ...] = (), late_s: float = 0.0) -> dict:
+    """`make demo`'s two commands under `load` busy processes (started `late_s` seconds after
+    the training command, so that fitgpt's start-up look at the machine sees it idle), with
+    `extra` flags on the training command."""
+    procs = [] if late_s else start_load(load)
+    timer = threading.Timer(late_s, lambda: procs.extend(start_load(load)))
     try:
-        time.sleep(1.0)
+        if not late_s:
+            time.sleep(1.0)
         loadavg = os.getloadavg()[0]
         out = tmp / "demo"
-        train_s, log = fitgpt([*DEMO_TRAIN, "--out", str(out)], {})
+        train = [*DEMO_TRAIN, "--out", str(out), *extra]
+        if late_s:
+            timer.start()
+        train_s, log = fitgpt(train, {})
         gen_s, sample = fitgpt([*DEMO_GENERATE, "--ckpt", str(out)], {})
     finally:
+        timer.cancel()
         stop_load(procs)
-    # the trainer's first line says how many threads the rule gave (fitgpt/dist/threads.py)
+    # the trainer's first line says how many threads the rule gave (fitgpt/dist/threads.py),
+    # later lines each switch the tuner made while the run trained
     m = re.search(r"(\d+) CPU threads per rank", log)
+    switches = re.findall(r"CPU threads (\d+) → (\d+)", log)
+    chosen = "--cpu-threads 1" if extra else f"fitgpt's rule: {m.group(1) if m else '?'}"
+    if switches and not extra:
+        chosen += ", then " + ", ".join(f"{a}→{b}" for a, b in switches)
     row = {
         "part": "demo",
         "load_procs": load,
-        "threads": f"fitgpt's rule: {m.group(1) if m else '?'}",
+        "load_starts_s": late_s,
+        "flags": " ".join(extra),
+        "threads": chosen,
         "train_s": round(train_s, 1),
         "generate_s": round(gen_s, 1),
         "total_s": round(train_s + gen_s, 1),
@@ -174,20 +196,24 @@ def readme(rows: list[dict], meta: dict) -> str:
                 f"{r['wall_s']:.1f} | {r['loadavg_1min_before']:.2f} |"
             )
     lines += ["", *ratios(rows)]
-    for r in rows:
-        if r["part"] == "demo":
-            lines += [
-                "",
-                f"## `make demo` under {r['load_procs']} competing processes",
-                "",
-                f"Threads: {r['threads']}.",
-                "",
-                "| train s | generate s | total s | ms/step (mean, with evals and saves) | "
-                "load avg before |",
-                "|---|---|---|---|---|",
-                f"| {r['train_s']:.0f} | {r['generate_s']:.0f} | {r['total_s']:.0f} | "
-                f"{r['ms_per_step']:.0f} | {r['loadavg_1min_before']:.2f} |",
-            ]
+    demos = [r for r in rows if r["part"] == "demo"]
+    if demos:
+        lines += [
+            "",
+            "## `make demo` (its two commands, timed)",
+            "",
+            "| competing processes | load starts | training flags | threads | train s | "
+            "generate s | total s | ms/step (mean, with evals and saves) | load avg before |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in demos:
+            late = r.get("load_starts_s", 0)
+            lines.append(
+                f"| {r['load_procs']} | {f'{late:g} s after' if late else 'before'} | "
+                f"{r.get('flags') or '(none)'} | {r['threads']} | {r['train_s']:.0f} | "
+                f"{r['generate_s']:.0f} | {r['total_s']:.0f} | {r['ms_per_step']:.0f} | "
+                f"{r['loadavg_1min_before']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -196,6 +222,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40, help="steps of each matrix run (default: 40)")
     p.add_argument("--load", type=int, default=os.cpu_count() or 2, help="busy processes")
     p.add_argument("--skip-demo", action="store_true", help="the matrix only")
+    p.add_argument(
+        "--versus-one",
+        action="store_true",
+        help="no matrix: the demo as the Makefile runs it against the same with --cpu-threads 1, "
+        "idle, under the load started before it, and under the load started LATE_S into it",
+    )
+    p.add_argument("--late-s", type=float, default=5.0, help="with --versus-one (default: 5)")
     p.add_argument("--out", default=None, help="default: benchmarks/results/demo_cpu_DATE")
     p.add_argument(
         "--readme-only", metavar="DIR", help="rewrite DIR/README.md from DIR/results.json"
@@ -223,8 +256,14 @@ def main() -> None:
         "argv": sys.argv[1:],
     }
     with tempfile.TemporaryDirectory(prefix="fitgpt-demo-load-") as tmp:
-        rows = matrix(args.steps, args.load, Path(tmp))
-        if not args.skip_demo:
+        if args.versus_one:  # each pair back to back, so both see the same machine
+            rows = []
+            for load, late in ((0, 0.0), (args.load, 0.0), (args.load, args.late_s)):
+                for extra in ((), ("--cpu-threads", "1")):
+                    rows.append(demo(load, Path(tmp), extra, late))
+        else:
+            rows = matrix(args.steps, args.load, Path(tmp))
+        if not args.skip_demo and not args.versus_one:
             rows.append(demo(0, Path(tmp)))  # the README's idle figure
             rows.append(demo(args.load, Path(tmp)))
     (out / "results.json").write_text(json.dumps({"meta": meta, "runs": rows}, indent=1) + "\n")

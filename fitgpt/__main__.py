@@ -1,4 +1,4 @@
-from fitgpt.cli import main
+from fitgpt.cli import entry
 
 if __name__ == "__main__":
-    main()
+    entry()

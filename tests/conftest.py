@@ -12,7 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# Keep two test processes from fighting over the two cores.
+from fitgpt.dist.context import exit_process
+
+# Keep two test processes from fighting over the two cores. The variable also tells fitgpt the
+# count is the user's: a CPU run then never re-times it (dist/threads.py ThreadTuner), so the
+# tests' losses do not depend on the machine's load.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
@@ -32,15 +37,19 @@ def _worker(rank: int, world: int, port: int, fn, args, errq) -> None:
         LOCAL_WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
+    code = 1
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         fn(rank, world, *args)
+        code = 0
     except BaseException:
         errq.put((rank, traceback.format_exc()))
-        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # gloo's threads outlive the group and can abort the interpreter's teardown: exit as the
+    # fitgpt command does (fitgpt.dist.context.exit_process)
+    exit_process(code)
 
 
 def run_gloo(world: int, fn, *args) -> None:

@@ -155,3 +155,17 @@ def _os_error_line(e: OSError, outputs: list[tuple[str, str]]) -> str | None:
     from fitgpt.cli.outputs import describe_os_error
 
     return describe_os_error(e, outputs)
+
+
+def entry() -> None:
+    """The `fitgpt` command and `python -m fitgpt`: main(), then an exit that survives gloo's
+    threads (fitgpt.dist.context.exit_process). In-process callers use main() and get its
+    SystemExit as before."""
+    from fitgpt.dist.context import exit_process
+
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    exit_process(code)

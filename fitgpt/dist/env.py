@@ -55,14 +55,34 @@ def threads_per_rank(requested: int = 0, device_type: str = "cuda") -> int:
     cores shared out between its ranks."""
     if requested > 0:
         return requested
-    user = os.environ.get("OMP_NUM_THREADS", "")
-    if user.isdigit() and int(user) > 0 and "TORCHELASTIC_RUN_ID" not in os.environ:
-        return int(user)
+    user = _user_threads()
+    if user:
+        return user
     if device_type == "cpu":  # CPU compute: the cores other programs leave idle (threads.py)
         from fitgpt.dist.threads import busy_cores, cpu_threads
 
         return cpu_threads(local_ranks(), busy_cores())
     return max(1, cores_available() // local_ranks())
+
+
+def _user_threads() -> int:
+    """OMP_NUM_THREADS as a user set it outside torchrun (inside, it may be torchrun's own 1);
+    0 if not set."""
+    user = os.environ.get("OMP_NUM_THREADS", "")
+    if user.isdigit() and int(user) > 0 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return int(user)
+    return 0
+
+
+def thread_tuner(requested: int, device_type: str):
+    """The ThreadTuner of a run whose process configure_process set up: it re-times the thread
+    count while a CPU run trains, where fitgpt chose the count (no --cpu-threads, no user
+    OMP_NUM_THREADS); otherwise it never changes anything."""
+    from fitgpt.dist.threads import ThreadTuner
+
+    active = device_type == "cpu" and requested <= 0 and not _user_threads()
+    most = max(1, cores_available() // local_ranks())
+    return ThreadTuner(torch.get_num_threads(), most, active)
 
 
 def child_env(nproc: int) -> dict[str, str]:
