@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hf_bad_inputs import broken as hf_broken
 
 from fitgpt.cli import main
 
@@ -370,7 +371,7 @@ CASES: list[Case] = [
     Case("plan-nvme-0", "plan --device cpu --nvme 0GB", "--nvme"),
     Case("plan-device-unknown", "plan --device tpu", "--device"),
     Case("plan-ddp-with-stage", "plan --device cpu --engine ddp --zero-stage 2", "--engine ddp"),
-    Case("plan-does-not-fit", "plan --device cpu --preset 40b --cpu-mem 8GB", "39.08 B parameters"),
+    Case("plan-does-not-fit", "plan --device cpu --preset 40b --cpu-mem 8GB", "B parameters at micro-batch 24 do not fit"),
     # probe
     Case("probe-nvme-missing", "probe --nvme {t}/nothing", "--nvme"),
     Case("probe-nvme-is-file", "probe --nvme {file}", "--nvme"),
@@ -442,6 +443,93 @@ CASES: list[Case] = [
     Case("report-default-out-unwritable", "report {t}/run", "report.png", setup=chain(copy_run(), mkdir("run/report.png"))),
     # the top level
     Case("no-such-command", "fly", "fly"),
+    # helper D (training defaults, issues 33/38): --init-std and the default rates
+    Case("train-init-std-0", f"{TRAIN_SYN} --init-std 0", "--init-std"),
+    Case("train-init-std-negative", f"{TRAIN_SYN} --init-std -0.02", "--init-std"),
+    Case("train-min-lr-above-default-peak", f"{TRAIN_SYN} --min-lr 0.5", "--min-lr"),
+    # helper B2 (issue 33: wrong words): operand files, folders given as inputs, metrics.jsonl,
+    # outputs that would come out empty, a validation share the run does not need
+    Case("matmul-a-empty-file", "matmul --a {t}/e.npy --b {npy}", "--a {t}/e.npy: the file is empty", setup=write("e.npy", b"")),
+    Case("matmul-b-empty-file", "matmul --a {npy} --b {t}/e.npy", "--b {t}/e.npy: the file is empty", setup=write("e.npy", b"")),
+    Case("matmul-a-truncated", "matmul --a {t}/c.npy --b {npy}", "--a", setup=lambda p: (Path(p["t"]) / "c.npy").write_bytes(Path(p["npy"]).read_bytes()[:-8])),
+    Case("matmul-a-header-cut", "matmul --a {t}/c.npy --b {npy}", "--a", setup=lambda p: (Path(p["t"]) / "c.npy").write_bytes(Path(p["npy"]).read_bytes()[:40])),
+    Case("matmul-a-no-entries", "matmul --a {t}/z.npy --b {npy}", "--a", setup=lambda p: np.save(Path(p["t"]) / "z.npy", np.zeros((0, 0), np.float32))),
+    Case("matmul-a-not-npy-bytes", "matmul --a {data}.bin --b {npy}", "not a .npy file"),
+    Case("matmul-a-is-dir", "matmul --a {dir} --b {npy}", "--a {dir}: is a folder"),
+    Case("matmul-sizes-differ", "matmul --a {npy} --b {t}/b8.npy", "--b", setup=lambda p: np.save(Path(p["t"]) / "b8.npy", np.eye(8, dtype=np.float32))),
+    Case("matmul-n-not-the-files", "matmul --a {npy} --n 8", "--n 8"),
+    Case("preprocess-input-folder-named", "data preprocess --input {dir} --output-prefix {t}/o --tokenizer bytes", "--input {dir}: is a folder"),
+    Case("tokenizer-train-input-folder-named", "tokenizer train --input {dir} --vocab-size 300 --output {t}/tk", "--input {dir}: is a folder"),
+    Case("clean-input-folder", "data clean --input {dir} --output-prefix {t}/o --tokenizer bytes", "--input {dir}: is a folder"),
+    Case("inspect-folder-named", "data inspect {dir}", "{dir}: is a folder"),
+    Case("merge-input-folder", "data merge {data} {dir} --output-prefix {t}/m", "{dir}: is a folder"),
+    Case("train-data-folder", f"{TRAIN} --data {{dir}} --out {{t}}/r", "--data {dir}: is a folder"),
+    Case("bench-report-folder-named", "bench report {dir}", "{dir}: is a folder"),
+    Case("report-metrics-one-garbage-line", "report {t}/r", "metrics.jsonl: line 1 is not valid JSON", setup=metrics("garbage\n")),
+    Case("report-metrics-garbage-no-newline", "report {t}/r", "metrics.jsonl: line 1 is not valid JSON", setup=metrics("garbage")),
+    Case("report-metrics-binary", "report {t}/r", "metrics.jsonl: line 1 is not valid JSON", setup=metrics("\0\0\0\0")),
+    Case("report-metrics-objects-not-records", "report {t}/r", "metrics.jsonl: line 2 is not a metrics record", setup=metrics('{"kind": "eval", "step": 1, "val_loss": 2.0}\n{"a": 1}\n')),
+    Case("clean-min-tokens-keeps-nothing", "data clean --input {data} --output-prefix {t}/o --tokenizer bytes --min-tokens 100000", "--min-tokens 100000"),
+    Case("clean-no-documents", "data clean --input {t}/z --output-prefix {t}/o", "--input {t}/z", setup=chain(write("z.bin", b""), write("z.idx", b"MMIDIDX\0\0\1" + b"\0" * 7 + b"\x08" + b"\0" * 8 + b"\1" + b"\0" * 15))),
+    Case("merge-no-documents", "data merge {t}/z {t}/z --output-prefix {t}/m", "no documents", setup=chain(write("z.bin", b""), write("z.idx", b"MMIDIDX\0\0\1" + b"\0" * 7 + b"\x08" + b"\0" * 8 + b"\1" + b"\0" * 15))),
+    Case("train-split-no-valid-but-validates", f"{TRAIN} --data {{data}} --tokenizer bytes --split 100,0,0 --eval-every 5 --out {{t}}/r", "--split 100,0,0"),
+    # helper R (resume, issue 33): a resume that would train nothing (into another --out or its
+    # own), a preset's shape blamed on the preset, other data named at another place
+    Case("train-resume-into-other-out-steps-equal", "train --resume {run} --out {t}/b --steps 2", "--steps 2"),
+    Case("train-resume-into-other-out-steps-below", "train --resume {run} --out {t}/b --steps 1", "--steps 1"),
+    Case("train-resume-steps-below", "train --out {t}/run --resume --steps 1", "--steps 1", setup=copy_run()),
+    Case("train-resume-run-complete", "train --out {t}/run --resume", "its --steps 2", setup=copy_run()),
+    Case("train-resume-preset-shape", "train --preset tiny --out {t}/run --resume --steps 3", "--preset tiny", setup=copy_run()),
+    Case("train-resume-data-moved-but-other", "train --out {t}/run --resume --steps 3 --data {t}/other", "--data {t}/other", setup=chain(copy_run(), fake_pair("other", 256))),
+    # helper V (issue 33: one validation of a run's settings, engine/validate.py): what train
+    # refuses, plan, capacity and bench refuse in the same line; flags that would change nothing
+    Case("plan-tp-not-dividing-gpus", "plan --preset gpt2-1.5b --device cuda --gpu-mem 80GB --gpus 8 --tensor-parallel 3", "--tensor-parallel 3"),
+    Case("plan-tp-4-on-6-gpus", "plan --preset gpt2-1.5b --device cuda --gpu-mem 80GB --gpus 6 --tensor-parallel 4", "--tensor-parallel 4"),
+    Case("plan-sp-seq-not-dividing", "plan --device cuda --gpu-mem 80GB --gpus 2 --tensor-parallel 2 --sequence-parallel --seq-len 33", "--seq-len"),
+    Case("plan-split-master-fp16", "plan --device cuda --gpu-mem 80GB --master split --precision fp16", "--master split"),
+    Case("plan-split-master-fp32", "plan --device cuda --gpu-mem 80GB --master split --precision fp32", "--master split changes nothing"),
+    Case("plan-int8-moments-no-offload", "plan --device cuda --gpu-mem 80GB --moments int8 --offload-optimizer none", "--moments int8 changes nothing"),
+    Case("plan-streams-at-stage-1", "plan --device cuda --gpu-mem 80GB --gpus 2 --offload-optimizer cpu --offload-params cpu --zero-stage 1", "--zero-stage 3"),
+    Case("plan-fp16-on-cpu", "plan --device cpu --precision fp16", "--precision fp16 on a CPU"),
+    Case("plan-initial-scale-0", "plan --device cuda --gpu-mem 80GB --precision fp16 --initial-scale 0", "--initial-scale 0"),
+    Case("train-initial-scale-0", f"{TRAIN_SYN} --precision fp16 --initial-scale 0", "--initial-scale 0"),
+    Case("train-initial-scale-nan", f"{TRAIN_SYN} --precision fp16 --initial-scale nan", "--initial-scale nan"),
+    Case("train-min-scale-above-initial", f"{TRAIN_SYN} --precision fp16 --initial-scale 4 --min-scale 8", "--min-scale 8"),
+    Case("train-fp16-on-cpu", f"{TRAIN_SYN} --precision fp16", "--precision fp16 on a CPU"),
+    Case("train-fp16-on-cpu-deepspeed", f"{TRAIN_SYN} --deepspeed-config {{t}}/ds.json", "--precision fp16 on a CPU", setup=write("ds.json", '{"fp16": {"enabled": true}}')),
+    Case("train-split-master-fp32", f"{TRAIN_SYN} --engine zero --master split --precision fp32", "--master split changes nothing"),
+    Case("train-int8-moments-no-offload", f"{TRAIN_SYN} --engine zero --moments int8 --offload-optimizer none", "--moments int8 changes nothing"),
+    Case("train-offload-blocks-no-tier", f"{TRAIN_SYN} --engine zero --offload-blocks 1", "--offload-blocks 1 changes nothing"),
+    Case("train-offload-fraction-no-tier", f"{TRAIN_SYN} --engine zero --offload-fraction 0.5", "--offload-fraction 0.5 changes nothing"),
+    Case("train-nvme-blocks-on-cpu-tier", f"{TRAIN_SYN} --engine zero --offload-optimizer cpu --nvme-blocks 1", "--nvme-blocks 1 changes nothing"),
+    Case("train-nvme-path-no-disk-tier", f"{TRAIN_SYN} --nvme-path {{dir}}", "--nvme-path"),
+    Case("train-no-speculative-no-offload", f"{TRAIN_SYN} --no-speculative-update", "--no-speculative-update changes nothing"),
+    Case("train-initial-scale-without-fp16", f"{TRAIN_SYN} --initial-scale 1024", "--initial-scale 1024 changes nothing"),
+    Case("train-streams-at-stage-1", f"{TRAIN_SYN} --engine zero --offload-optimizer cpu --offload-params cpu --zero-stage 1 --gpus 2", "--zero-stage 3"),
+    Case("capacity-tp-on-one-gpu", f"{CAPACITY} --system tp2", "--tensor-parallel 2"),
+    Case("sweep-tp-on-one-gpu", f"{BENCH.replace('fitgpt', 'fitgpt,tp2')} --out {{t}}/s.jsonl", "--tensor-parallel 2"),
+    Case("sweep-tp-not-dividing-gpus", f"{BENCH.replace('fitgpt', 'tp2')} --out {{t}}/s.jsonl --gpus 3", "--tensor-parallel 2 does not divide the rank count"),
+    # helper B1 (issue 33: interop bad inputs): damaged HF checkpoints, a file where a folder is
+    # expected named as typed, empty or invalid tokenizer files (hf_bad_inputs.py makes them)
+    Case("import-hf-truncated-safetensors", "import hf {t}/hf --out {t}/r", "hf/model.safetensors: tensor", setup=hf_broken("truncated")),
+    Case("import-hf-header-longer-than-file", "import hf {t}/hf --out {t}/r", "hf/model.safetensors: its first 8 bytes announce", setup=hf_broken("header-too-long")),
+    Case("import-hf-truncated-pytorch-bin", "import hf {t}/hf --out {t}/r", "hf/pytorch_model.bin: not a readable PyTorch checkpoint", setup=hf_broken("truncated-bin")),
+    Case("import-hf-int-dtype", "import hf {t}/hf --out {t}/r", "has dtype I32", setup=hf_broken("int-dtype")),
+    Case("import-hf-config-garbage", "import hf {t}/hf --out {t}/r", "hf/config.json is not valid JSON", setup=hf_broken("config-garbage")),
+    Case("import-hf-config-truncated", "import hf {t}/hf --out {t}/r", "hf/config.json is not valid JSON", setup=hf_broken("config-truncated")),
+    Case("import-hf-config-more-layers-than-weights", "import hf {t}/hf --out {t}/r", "n_layer=100000, but the weights hold 1 blocks", setup=hf_broken("config-more-layers")),
+    Case("import-hf-missing-shard", "import hf {t}/hf --out {t}/r", "model-00002-of-00002.safetensors", setup=hf_broken("missing-shard")),
+    Case("import-hf-empty-tokenizer-pair", "import hf {t}/hf --out {t}/r", "{t}/hf: its tokenizer files cannot be used", setup=hf_broken("empty-tokenizer")),
+    Case("import-hf-config-file-given", "import hf {t}/hf/config.json --out {t}/r", "{t}/hf/config.json is not a weight file", setup=hf_broken("none")),
+    Case("import-hf-weights-without-config", "import hf {t}/hf/model.safetensors --out {t}/r", "{t}/hf/model.safetensors: its folder", setup=hf_broken("no-config")),
+    Case("import-hf-text-file-given", "import hf {file} --out {t}/r", "{file} is not a weight file"),
+    Case("preprocess-tokenizer-empty-pair", "data preprocess --input {jsonl} --output-prefix {t}/o --tokenizer {t}/tk", "tk/vocab.json + {t}/tk/merges.txt", setup=chain(write("tk/vocab.json", b""), write("tk/merges.txt", b""))),
+    Case("preprocess-tokenizer-empty-pair-comma", "data preprocess --input {jsonl} --output-prefix {t}/o --tokenizer {t}/v.json,{t}/m.txt", "v.json + {t}/m.txt", setup=chain(write("v.json", b""), write("m.txt", b""))),
+    Case("train-tokenizer-empty-pair", f"{TRAIN} --data {{data}} --split 9,1,0 --tokenizer {{t}}/tk --out {{t}}/r", "tk/vocab.json", setup=chain(write("tk/vocab.json", b""), write("tk/merges.txt", b""))),
+    Case("tokenizer-encode-vocab-without-bytes", "tokenizer encode --tokenizer {t}/tk hello", "lacks 255 of the 256 byte tokens", setup=chain(write("tk/vocab.json", '{"a": 0}'), write("tk/merges.txt", b""))),
+    Case("tokenizer-encode-empty-tokenizer-json", "tokenizer encode --tokenizer {t}/tk hello", "tk/tokenizer.json", setup=write("tk/tokenizer.json", b"")),
+    Case("export-hf-tokenizer-empty-pair", "export --ckpt {run} --format hf --out {t}/h --tokenizer {t}/tk", "tk/vocab.json", setup=chain(write("tk/vocab.json", b""), write("tk/merges.txt", b""))),
+    Case("tokenizer-encode-tokenizer-json-empty-vocab", "tokenizer encode --tokenizer {t}/tk hello", "vocabulary is empty", setup=write("tk/tokenizer.json", '{"model": {"type": "BPE", "vocab": {}, "merges": []}}')),
 ]
 # fmt: on
 

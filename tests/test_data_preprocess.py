@@ -109,14 +109,14 @@ def test_bad_lines_are_skipped_counted_and_located(tmp_path):
         "not a string": 1,
         "not a JSON object": 1,
     }
-    assert (r.dropped_empty, r.replaced_utf8, r.documents, r.lines) == (1, 2, 4, 10)
+    assert (r.empty, r.replaced_utf8, r.documents, r.lines) == (1, 2, 5, 10)
     assert [s.split(": ")[0] for s in r.shown] == [f"{src}:{n}" for n in (2, 3, 4, 5)]
     assert "no key 'text'" in r.shown[1]
     texts = _texts(r.prefix)
     assert texts[0] == "good one" and texts[-1] == "good two"
     assert texts[1] == "bad \ufffd byte" and "\ufffd" in texts[2]
     summary = r.summary()
-    assert "1 malformed JSON" in summary and "1 empty documents" in summary
+    assert "1 malformed JSON" in summary and "1 documents with no tokens (kept" in summary
 
 
 @pytest.mark.parametrize(
@@ -136,7 +136,9 @@ def test_fail_modes_stop_at_the_line_and_leave_nothing(tmp_path, kw, line, hint)
 def test_bad_utf8_skip_mode(tmp_path):
     src = _jsonl(tmp_path / "bad.jsonl", _bad_lines())
     r = _run(tmp_path, src, on_bad_utf8="skip")
-    assert r.skipped["invalid UTF-8"] == 2 and r.replaced_utf8 == 0 and r.documents == 2
+    assert (
+        r.skipped["invalid UTF-8"] == 2 and r.replaced_utf8 == 0 and r.documents == 3
+    )  # 2 texts, 1 empty
 
 
 def test_missing_input_and_bad_flags(tmp_path):
@@ -374,3 +376,69 @@ def test_workers_exit_when_the_parent_is_killed(tmp_path):
         for p, c in kids.items():  # only if still the same program (pids are reused)
             if _alive(p) and _cmdline(p) == c:
                 os.kill(p, signal.SIGKILL)
+
+
+# ---- empty documents, kept as Megatron-LM keeps them --------------------------------------------
+def _megatron_idx(doc_tokens: list[list[int]], code: int = 8) -> bytes:
+    """The .idx Megatron-LM's preprocess_data.py writes for these documents (uint16 tokens),
+    spelled out from its IndexedDatasetBuilder: a document with tokens adds one sequence, an
+    empty one adds none, and every document appends the sequence count to document_indices."""
+    lengths = [len(d) for d in doc_tokens if d]
+    pointers = [2 * sum(lengths[:i]) for i in range(len(lengths))]
+    doc_idx, n = [0], 0
+    for d in doc_tokens:
+        n += 1 if d else 0
+        doc_idx.append(n)
+    head = b"MMIDIDX\x00\x00" + (1).to_bytes(8, "little") + bytes([code])
+    head += len(lengths).to_bytes(8, "little") + len(doc_idx).to_bytes(8, "little")
+    body = np.array(lengths, np.int32).tobytes() + np.array(pointers, np.int64).tobytes()
+    return head + body + np.array(doc_idx, np.int64).tobytes()
+
+
+@pytest.mark.parametrize("eod", [False, True])
+def test_empty_documents_are_kept_byte_identical_to_megatron(tmp_path, eod):
+    """`{"text": ""}` is a document of no sequence in Megatron's .idx (its document-index entry
+    repeats the one before), and gets no <|endoftext|> under --append-eod; the chunk boundary
+    falls between documents, so an empty one first in a chunk is covered too."""
+    texts = ["", "Hello world", "", "", "naïve", ""]
+    src = _jsonl(tmp_path / "e.jsonl", [json.dumps({"text": t}) for t in texts])
+    r = _run(tmp_path, src, append_eod=eod, chunk_bytes=20)
+    tok = load_tokenizer("gpt2")
+    docs = [tok.encode(t) + ([tok.eod_id] if eod and t else []) for t in texts]
+    assert Path(r.prefix + ".idx").read_bytes() == _megatron_idx(docs)
+    assert (
+        Path(r.prefix + ".bin").read_bytes()
+        == np.array([t for d in docs for t in d], np.uint16).tobytes()
+    )
+    d = IndexedDataset(r.prefix)
+    assert d.doc_idx.tolist() == [0, 0, 1, 1, 1, 2, 2] and d.num_sequences == 2
+    assert (r.documents, r.empty) == (6, 4) and "4 documents with no tokens" in r.summary()
+
+
+def test_empty_documents_train_inspect_and_clean(tmp_path, capsys):
+    """The loaders sample sequences, so documents of no sequence are invisible to them; inspect
+    and clean walk documents and carry them through."""
+    from fitgpt.data.gpt_dataset import open_megatron_split
+
+    texts = [""] + [f"document {i} " * 6 for i in range(12)] + [""]
+    src = _jsonl(tmp_path / "e.jsonl", [json.dumps({"text": t}) for t in texts])
+    r = _run(tmp_path, src, tokenizer="bytes")
+    stream = set(Path(r.prefix + ".bin").read_bytes())
+    for order in ("fitgpt", "megatron"):
+        ds = open_megatron_split(r.prefix, "1,0,0", "train", 16, 0, sample_order=order)
+        rows = ds.get(np.arange(20))
+        assert rows.shape == (20, 17) and set(rows.ravel().tolist()) <= stream
+    with pytest.raises(SystemExit) as e:
+        main(["data", "inspect", r.prefix, "--tokenizer", "bytes", "--docs", "2"])
+    assert e.value.code in (0, None) and "14 (12 sequences)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["data", "clean", "--input", r.prefix, "--output-prefix", str(tmp_path / "c")])
+    assert e.value.code in (0, None)
+    assert IndexedDataset(str(tmp_path / "c")).num_sequences == 12
+
+
+def test_only_empty_documents_is_refused(tmp_path):
+    src = _jsonl(tmp_path / "e.jsonl", [json.dumps({"text": ""})] * 3)
+    with pytest.raises(UserError, match=r"e\.jsonl: no tokens in 3 lines \(3 empty documents\)"):
+        _run(tmp_path, src)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.jsonl"]

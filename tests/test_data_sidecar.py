@@ -11,7 +11,7 @@ import pytest
 from cli_refusal import assert_refused, files, run_in_process
 
 from fitgpt.data import sidecar
-from fitgpt.data.config import DataConfig, open_data
+from fitgpt.data.config import DataConfig, data_tokenizer, open_data
 from fitgpt.data.indexed import IndexedDataset, IndexedWriter
 from fitgpt.data.preprocess import PreprocessConfig, preprocess
 from fitgpt.data.tokenizer import gpt2_files, load_tokenizer, train_tokenizer
@@ -128,7 +128,10 @@ def test_fake_data_records_no_tokenizer(tmp_path):
     fake(FakeConfig(output_prefix=str(tmp_path / "b"), tokens=3000, vocab=500, doc_len=50))
     rec = sidecar.read(a.prefix)
     assert rec["tokenizer"] is None and rec["vocab_size"] == 300 and rec["fingerprint"] is None
-    assert DataConfig(data=a.prefix).tokenizer_spec() == "gpt2"  # as for data without a record
+    # ids of no tokenizer: not GPT-2 text; the recorded vocabulary sizes the model (issue 33)
+    assert DataConfig(data=a.prefix).tokenizer_spec() == "none"
+    assert data_tokenizer(DataConfig(data=a.prefix)).vocab_size == 300
+    assert data_tokenizer(DataConfig(data=a.prefix, tokenizer="none")) is None  # --vocab-size's
     text = inspect(a.prefix)
     assert (
         "tokenizer  no tokenizer (fitgpt data fake, 300 ids)" in text and "document 0" not in text

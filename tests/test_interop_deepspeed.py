@@ -165,15 +165,86 @@ HF_TRAINER_ZERO3 = {
 
 
 def test_hf_trainer_config_with_auto_values():
+    """Each "auto" leaves fitgpt's own default and names it; fp16/bf16 "auto" is --precision
+    auto, never "neither enabled"; steps_per_print 2000 would hide progress: not taken."""
     out, built, notes = mapped(HF_TRAINER_ZERO3)
-    assert out.values["train"] == {"log_every": 2000}  # every "auto" is left to fitgpt
-    assert out.values["optim"] == {} and "precision" not in out.values["precision"]
+    assert out.values["train"] == {} and out.values["optim"] == {}
+    assert "precision" not in out.values["precision"]  # "auto": --precision auto stays
+    assert built["precision"] == PrecisionConfig()  # the scaler keys given are the defaults
     e = built["engine"]
     assert (e.zero_stage, e.offload_optimizer, e.offload_params) == (3, "cpu", "cpu")
-    auto_note = next(k for k in notes if "train_batch_size" in k)
-    for key in ("fp16.enabled", "optimizer.params.lr", "gradient_clipping", "scheduler.params"):
-        assert key in auto_note
-    assert "HF Trainer" in notes[auto_note]
+    for key, default in [
+        ("fp16.enabled", "--precision auto (bf16 on GPUs, fp32 on CPUs)"),
+        ("bf16.enabled", "--precision auto"),
+        ("optimizer.params.lr", "--lr by the model's width"),
+        ("optimizer.params.betas", "--beta1 0.9 --beta2 0.95"),
+        ("optimizer.params.weight_decay", "--weight-decay 0.1"),
+        ("gradient_clipping", "--grad-clip 1"),
+        ("gradient_accumulation_steps", "--grad-accum 1"),
+        ("train_micro_batch_size_per_gpu", "--micro-batch 24"),
+        ("scheduler.params.warmup_num_steps", "--warmup GPT-3's 375 M tokens"),
+    ]:
+        assert notes[key].startswith('"auto" (an HF Trainer placeholder)'), key
+        assert default in notes[key], (key, notes[key])
+    assert not any("neither" in n or "no block is enabled" in n for n in notes.values())
+    assert "2000 not taken as --log-every" in notes["steps_per_print"]
+
+
+@pytest.mark.parametrize(
+    "blocks, precision, note",
+    [
+        ({"fp16": {"enabled": "auto"}, "bf16": {"enabled": False}}, None, None),
+        ({"fp16": {"enabled": False}, "bf16": {"enabled": False}}, None, "fp32 to match"),
+        ({"fp16": {"enabled": False, "loss_scale": 0}, "bf16": {"enabled": True}}, "bf16", None),
+        ({"bfloat16": {"enabled": True}}, "bf16", None),
+        ({"fp16": {"enabled": True, "auto_cast": False}}, "fp16", None),
+    ],
+)
+def test_precision_blocks(blocks, precision, note):
+    out, _, notes = mapped(blocks)
+    assert out.values["precision"].get("precision") == precision
+    said = " ".join(notes.values())
+    assert (note in said) if note else "fp32 to match" not in said
+    if "loss_scale" in blocks.get("fp16", {}):
+        assert notes["fp16.loss_scale"] == "ignored: fp16 is off"
+
+
+@pytest.mark.parametrize(
+    "zero, optimizer, offload_params",
+    [
+        ({"cpu_offload": True}, "cpu", None),
+        ({"cpu_offload": True, "cpu_offload_params": True, "cpu_offload_use_pin_memory": True}, "cpu", "cpu"),
+        ({"cpu_offload": False}, None, None),
+        ({"cpu_offload": True, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}, "nvme", None),
+    ],
+)  # fmt: skip
+def test_older_cpu_offload_spellings(zero, optimizer, offload_params):
+    out, _, notes = mapped({"zero_optimization": {"stage": 2, **zero}})
+    eng = out.values["engine"]
+    assert eng.get("offload_optimizer") == optimizer and eng.get("offload_params") == offload_params
+    if "cpu_offload_use_pin_memory" in zero:
+        assert "ignored" in notes["zero_optimization.cpu_offload_use_pin_memory"]
+    if "offload_optimizer" in zero:
+        assert "which wins" in notes["zero_optimization.cpu_offload"]
+
+
+@pytest.mark.parametrize("every, log_every", [(10, 10), (100, 100), (101, None), (2000, None)])
+def test_steps_per_print_is_taken_only_when_it_keeps_progress_visible(every, log_every):
+    out, _, notes = mapped({"steps_per_print": every})
+    assert out.values["train"].get("log_every") == log_every
+    assert (log_every is None) == ("steps_per_print" in notes)
+
+
+def test_bias_correction_false_is_not_supported_true_is_honoured():
+    opt = {"type": "Adam", "params": {"bias_correction": False, "adam_w_mode": True}}
+    out, _, notes = mapped({"optimizer": opt})
+    assert notes["optimizer.params.bias_correction"] == (
+        "false is not supported: fitgpt's AdamW always corrects bias"
+    )
+    assert "optimizer.params.adam_w_mode" in out.mapped  # true: what fitgpt does
+    opt["params"]["bias_correction"] = True
+    out, _, notes = mapped({"optimizer": opt})
+    assert "optimizer.params.bias_correction" in out.mapped and not notes
 
 
 @pytest.mark.parametrize(
@@ -350,6 +421,8 @@ def test_train_cli_takes_the_file_and_prints_each_note(tmp_path):
     assert "--micro-batch 2" in lines[0] and "--zero-stage 1" in lines[0]
     assert any("zero_optimization.overlap_comm: ignored" in x for x in lines)
     assert any("--lr: yours (0.002) wins over the file's (0.001)" in x for x in lines)
+    # the same lines are kept with the run
+    assert (tmp_path / "run" / "deepspeed_notes.txt").read_text().splitlines() == lines
 
     ds.write_text("{oops")
     r = subprocess.run(
@@ -360,3 +433,125 @@ def test_train_cli_takes_the_file_and_prints_each_note(tmp_path):
     )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "not valid JSON" in r.stderr and "Traceback" not in r.stderr
+
+
+# Every key of DeepSpeed's documented config schema (deepspeed.ai/docs/config-json, its
+# runtime/config.py and zero/config.py), with values of the documented types.
+EVERY_KEY = {
+    "train_batch_size": 16,
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 4,
+    "optimizer": {
+        "type": "AdamW",
+        "params": {
+            "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+            "bias_correction": True, "adam_w_mode": True, "amsgrad": False, "torch_adam": False,
+        },
+    },
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": 0, "warmup_max_lr": 3e-4, "warmup_num_steps": 10,
+            "warmup_type": "linear", "total_num_steps": 100, "last_batch_iteration": -1,
+        },
+    },
+    "communication_data_type": "fp32",
+    "prescale_gradients": False,
+    "gradient_predivide_factor": 1.0,
+    "sparse_gradients": False,
+    "fp16": {
+        "enabled": False, "auto_cast": False, "loss_scale": 0, "initial_scale_power": 16,
+        "loss_scale_window": 1000, "hysteresis": 2, "consecutive_hysteresis": False,
+        "min_loss_scale": 1,
+    },
+    "bf16": {"enabled": True, "immediate_grad_update": False, "check_grad_overflow": False},
+    "amp": {"enabled": False, "opt_level": "O1"},
+    "gradient_clipping": 1.0,
+    "graph_harvesting": False,
+    "zero_optimization": {
+        "stage": 3, "allgather_partitions": True, "allgather_bucket_size": 5e8,
+        "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": 5e8,
+        "contiguous_gradients": True, "load_from_fp32_weights": True, "grad_hooks": True,
+        "round_robin_gradients": False,
+        "offload_param": {
+            "device": "cpu", "nvme_path": "/nvme", "pin_memory": True, "buffer_count": 5,
+            "buffer_size": 1e8, "max_in_cpu": 1e9,
+        },
+        "offload_optimizer": {
+            "device": "cpu", "nvme_path": "/nvme", "pin_memory": True, "ratio": 1.0,
+            "buffer_count": 4, "fast_init": False,
+        },
+        "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+        "stage3_prefetch_bucket_size": 5e8, "stage3_param_persistence_threshold": 1e5,
+        "stage3_gather_16bit_weights_on_model_save": False, "sub_group_size": 1e9,
+        "elastic_checkpoint": False, "mics_shard_size": -1,
+        "mics_hierarchical_params_gather": False, "zero_hpz_partition_size": 1,
+        "zero_quantized_weights": False, "zero_quantized_gradients": False,
+        "cpu_offload": True, "cpu_offload_params": True, "cpu_offload_use_pin_memory": True,
+        "ignore_unused_parameters": True, "legacy_stage1": False, "memory_efficient_linear": True,
+        "log_trace_cache_warnings": False,
+    },
+    "aio": {
+        "block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1,
+        "single_submit": False, "overlap_events": True, "use_gds": False,
+    },
+    "activation_checkpointing": {
+        "partition_activations": False, "cpu_checkpointing": False,
+        "contiguous_memory_optimization": False, "number_checkpoints": None,
+        "synchronize_checkpoint_boundary": False, "profile": False,
+    },
+    "steps_per_print": 10,
+    "wall_clock_breakdown": False,
+    "dump_state": False,
+    "memory_breakdown": False,
+    "flops_profiler": {"enabled": False, "profile_step": 1, "module_depth": -1, "detailed": True},
+    "tensorboard": {"enabled": False, "output_path": "", "job_name": "x"},
+    "wandb": {"enabled": False, "project": "x"},
+    "csv_monitor": {"enabled": False, "output_path": ""},
+    "comet": {"enabled": False},
+    "comms_logger": {"enabled": False, "verbose": False},
+    "elasticity": {"enabled": False, "max_train_batch_size": 2000},
+    "autotuning": {"enabled": False},
+    "compression_training": {"weight_quantization": {}},
+    "data_efficiency": {"enabled": False},
+    "curriculum_learning": {"enabled": False},
+    "checkpoint": {"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False},
+    "data_types": {"grad_accum_dtype": "fp32"},
+    "pipeline": {"stages": "auto", "partition": "best"},
+    "zero_allow_untested_optimizer": False,
+    "zero_force_ds_cpu_optimizer": True,
+    "dataloader_drop_last": False,
+    "sequence_parallel_size": 1,
+    "hybrid_engine": {"enabled": False},
+    "eigenvalue": {"enabled": False},
+    "progressive_layer_drop": {"enabled": False},
+    "timers": {"throughput": {"enabled": True, "synchronized": True}},
+    "compile": {"disable": False},
+    "torch_autocast": {"enabled": False},
+    "weight_quantization": {"post_init_quant": {}},
+    "nebula": {"enabled": False},
+    "load_universal_checkpoint": False,
+}  # fmt: skip
+
+
+def leaves(cfg: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in cfg.items():
+        path = f"{prefix}{k}"
+        out += leaves(v, path + ".") if isinstance(v, dict) and v else [path]
+    return out
+
+
+@pytest.mark.parametrize("cfg", [EVERY_KEY, HF_TRAINER_ZERO3], ids=["every-key", "hf-trainer"])
+def test_every_key_is_mapped_or_named(cfg):
+    """Each key of the file is mapped to a flag (or honoured as fitgpt does), or named in a
+    note; a note on a whole block (`aio`, `pipeline`) names what is inside it."""
+    out, _, notes = mapped(cfg)
+    named = set(out.mapped) | set(notes)
+    unnamed = [
+        leaf
+        for leaf in leaves(cfg)
+        if not any(leaf == k or leaf.startswith(k + ".") for k in named)
+    ]
+    assert unnamed == []
+    assert out.values["engine"]["offload_optimizer"] == "cpu"  # cpu_offload and the block agree

@@ -291,6 +291,6 @@ def test_damaged_or_wrong_checkpoints_are_refused_before_writing(tmp_path):
     with pytest.raises(UserError, match=r"has no config\.json"):
         import_hf(tmp_path, tmp_path / "run")
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"\x00" * 100)
-    with pytest.raises(UserError, match="is unreadable"):
+    with pytest.raises(UserError, match="not a safetensors file"):
         import_hf(tmp_path / "hf", tmp_path / "run")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

@@ -399,3 +399,19 @@ def test_compiled_logits_are_priced_without_their_fp32_copies():
     on = estimate(work, EngineConfig(zero_stage=0, compile="on"))
     off = estimate(work, EngineConfig(zero_stage=0, compile="off"))
     assert on.compute_total < off.compute_total
+
+
+def test_cpu_pricing_never_predicts_a_16_bit_precision_faster_than_fp32():
+    """CPUs have no tensor cores: fp32 is not the slow path there (the GPU's FP32_FRACTION once
+    priced it 12x slower than bf16), and fp16 has no fast matmul at all (measured ~20x slower
+    than fp32: engine/validate.py). The GPU keeps its tensor-core order."""
+    m = ModelConfig(n_layer=2, n_embd=64, n_head=2, seq_len=32, vocab_size=256)
+    r = DEFAULTS["cpu"]
+
+    def step(precision: str, device: str) -> float:
+        work = Workload(m, 4, 1, precision, device)
+        return step_time(work, EngineConfig(), 1, r)["compute"]
+
+    assert step("fp32", "cpu") == step("bf16", "cpu") < step("fp16", "cpu")
+    assert step("fp16", "cpu") >= 10 * step("fp32", "cpu")
+    assert step("bf16", "cuda") == step("fp16", "cuda") < step("fp32", "cuda")

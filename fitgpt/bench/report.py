@@ -11,6 +11,8 @@ import matplotlib
 matplotlib.use("Agg")  # no display on servers
 import matplotlib.pyplot as plt
 
+from fitgpt import units
+
 PEERS = ("ddp", "deepspeed", "fsdp")
 
 
@@ -87,7 +89,7 @@ def sweep_table(results: list[dict]) -> str:
             if r is None:
                 cells.append("")
             elif r["status"] == "ok":
-                cells.append(f"{r['tokens_per_s']:,.0f} tok/s ({r.get('tflops', 0):.0f} TF)")
+                cells.append(f"{r['tokens_per_s']:,.0f} tok/s{_rate(r, ' ({})')}")
                 if is_peer(s):
                     best_peer = max(best_peer, r["tokens_per_s"])
             else:
@@ -98,7 +100,9 @@ def sweep_table(results: list[dict]) -> str:
             ratio = f"{mine['tokens_per_s'] / best_peer:.2f}×"
         elif mine and mine["status"] == "ok":
             ratio = "no peer fits"
-        lines.append(f"| {params / 1e9:.2f} B | {layers} | " + " | ".join(cells) + f" | {ratio} |")
+        lines.append(
+            f"| {units.params(params)} | {layers} | " + " | ".join(cells) + f" | {ratio} |"
+        )
     lines += [
         "",
         "| system | largest model trained | its throughput | GPU peak | host RAM peak | next size |",
@@ -111,7 +115,7 @@ def sweep_table(results: list[dict]) -> str:
             key=lambda r: r["params"],
         )
         stop = (
-            f"{failed[0]['params'] / 1e9:.2f} B: {failed[0]['status']} "
+            f"{units.params(failed[0]['params'])}: {failed[0]['status']} "
             f"({failed[0]['reason'][:90].replace('|', '/')})"
             if failed
             else "not tried"
@@ -123,7 +127,7 @@ def sweep_table(results: list[dict]) -> str:
         gpu = f"{big['gpu_peak_gib']:.1f} GiB" if "gpu_peak_gib" in big else "—"
         host = big.get("host_rss_total_gib", big.get("host_rss_peak_gib"))
         lines.append(
-            f"| {s} | {big['params'] / 1e9:.2f} B | {big.get('tflops', 0):.0f} TFLOP/s, "
+            f"| {s} | {units.params(big['params'])} | {_rate(big, '{}, ')}"
             f"{big['tokens_per_s']:,.0f} tok/s | {gpu} | "
             f"{'—' if host is None else f'{host:.1f} GiB'} | {stop} |"
         )
@@ -176,26 +180,40 @@ def report_paths(results_path: Path, out_dir: Path) -> tuple[Path, Path]:
     return out_dir / (results_path.stem + ".png"), out_dir / (results_path.stem + ".md")
 
 
+def _rate(r: dict, fmt: str) -> str:
+    """`fmt` holding a trial's model FLOP/s in its unit; nothing when it has none (a CPU)."""
+    return fmt.format(units.tflops(r["tflops"])) if "tflops" in r else ""
+
+
 def read_metrics(path: Path) -> list[dict]:
-    """The records of a run's metrics.jsonl; a UserError naming the file when it holds no
-    training record (a run that ended before its first log line) or a line that is not JSON
-    (other than a last line cut short by a crash, which is skipped)."""
+    """The records of a run's metrics.jsonl (one JSON object per line, each with a "kind").
+
+    A UserError naming the file and the line when a line is not JSON or not such a record, and
+    when the file holds no training record (a run that ended before its first log line). Only a
+    last line cut short by a crash mid-write is skipped: `MetricsLog.write` ends every record
+    with a newline, so such a line is the one the file does not end with, after a good record.
+    """
     from fitgpt.errors import UserError
 
-    lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
+    text = path.read_text(errors="replace")
+    numbered = [(i + 1, x) for i, x in enumerate(text.splitlines()) if x.strip()]
+    fix = "pass the metrics.jsonl a `fitgpt train` run wrote"
     rows = []
-    for i, line in enumerate(lines):
+    for k, (number, line) in enumerate(numbered):
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
-            if i == len(lines) - 1:
+            if k == len(numbered) - 1 and rows and not text.endswith("\n"):
                 continue  # cut short by a crash mid-write
             raise UserError(
-                f"{path}: line {i + 1} is not JSON ({line[:40]!r}); pass the metrics.jsonl "
-                "a `fitgpt train` run wrote"
+                f"{path}: line {number} is not valid JSON ({line[:40]!r}): not a JSON-lines "
+                f"metrics file; {fix}"
             ) from None
-        if not isinstance(rec, dict):
-            raise UserError(f"{path}: line {i + 1} is not a JSON object; not a metrics file")
+        if not isinstance(rec, dict) or "kind" not in rec:
+            raise UserError(
+                f'{path}: line {number} is not a metrics record (a JSON object with a "kind"); '
+                + fix
+            )
         rows.append(rec)
     train = [r for r in rows if r.get("kind") == "train"]
     if not train:

@@ -17,12 +17,15 @@ from pathlib import Path
 
 from rich.console import Console
 
+from fitgpt import units
 from fitgpt.bench.config import BenchConfig
 from fitgpt.bench.systems import get_system
 from fitgpt.dist.env import child_env
 from fitgpt.dist.launch import command
 
-console = Console(stderr=True)
+# soft_wrap: whole lines, never cut at the console's width (80 columns when stderr is a pipe,
+# `fitgpt bench ... 2>&1 | cat`), so a trial's line stays one line to read and to grep
+console = Console(stderr=True, soft_wrap=True)
 
 
 @dataclass(frozen=True)
@@ -151,13 +154,14 @@ def run_one(spec: SweepSpec, system: str, layers: int, workdir: Path, cap_bytes:
 
 
 def describe(rec: dict) -> str:
-    size = f"L={rec['layers']} ({rec['params'] / 1e9:.2f} B)"
+    size = f"L={rec['layers']} ({units.params(rec['params'])})"
     if rec["status"] != "ok":
         return f"{rec['system']:<20} {size:<18} {rec['status']}: {rec['reason'][:120]}"
     mem = f" GPU {rec['gpu_peak_gib']:.1f} GiB" if "gpu_peak_gib" in rec else ""
+    rate = f" {units.tflops(rec['tflops'])}" if "tflops" in rec else ""  # none on a CPU trial
     return (
         f"{rec['system']:<20} {size:<18} ok {rec['step_s']:.2f} s/step "
-        f"{rec['tokens_per_s']:,.0f} tok/s {rec.get('tflops', 0):.0f} TFLOP/s{mem} "
+        f"{rec['tokens_per_s']:,.0f} tok/s{rate}{mem} "
         f"RAM {rec['host_rss_peak_gib']:.1f} GiB"
     )
 

@@ -107,6 +107,17 @@ def bench_run(model: ModelConfig, bench: BenchConfig, precision: str, device: st
     )
 
 
+def check_trial(system: System, bench: BenchConfig, layers: int, gpus: int, device: str) -> None:
+    """Refuse, in one line, a trial `fitgpt train` would refuse (engine/validate.py: a T that does
+    not divide the GPUs or heads, fp16 on a CPU, ...), before the first trial starts. `bench`:
+    with the system's own changes. A peer's settings are its library's to judge."""
+    from fitgpt.engine.validate import check_run
+
+    if system.fixed is not None:
+        run = bench_run(bench.model(layers), bench, system.precision, device)
+        check_run(run, gpus, system.plan_fixed(bench))
+
+
 def trained(fixed: dict, precision: str = "auto"):
     """A system run by the trainer, with the planner choosing every engine field not in `fixed`
     (an ablation fixes one technique off and lets the planner do its best with the rest). When

@@ -78,12 +78,27 @@ def run_sweep(args: argparse.Namespace) -> int:
         cap,
         args.budget,
     )
+    check_systems(spec)
     from fitgpt.cli.outputs import check_writable_dir, check_writable_file
 
     out = check_writable_file(args.out, "--out")
     check_writable_dir(out.with_name(out.stem + ".logs"), "--out")  # the trials' logs go beside
     results = sweep(spec, out)
     return 0 if results else 1
+
+
+def check_systems(spec) -> None:
+    """Every system × size of the sweep that `fitgpt train` would refuse, refused in one line
+    before the first trial (engine/validate.py, bench/systems.py check_trial)."""
+    import dataclasses
+
+    from fitgpt.bench.systems import check_trial, get_system
+
+    for name in spec.systems:
+        system = get_system(name)
+        bench = dataclasses.replace(spec.bench, **system.bench_changes)
+        for layers in spec.sizes:
+            check_trial(system, bench, layers, spec.gpus, spec.device)
 
 
 def run_report(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from fitgpt import units
 from fitgpt.bench.config import BenchConfig
 from fitgpt.cli.args import add_config_args, config_from_args
 from fitgpt.errors import UserError
@@ -119,7 +120,7 @@ def check_args(args: argparse.Namespace) -> Path | None:
 
 def run(args: argparse.Namespace) -> int:
     from fitgpt.bench.sweep import SweepSpec, append_result, run_one
-    from fitgpt.bench.systems import bench_run, get_system
+    from fitgpt.bench.systems import bench_run, check_trial, get_system
     from fitgpt.plan import rates
     from fitgpt.plan.apply import Fixed
     from fitgpt.plan.capacity import (
@@ -139,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
     system = get_system(system_name(args))
     bench = dataclasses.replace(bench, **system.bench_changes)
     hw, cap = capped_hardware(args)
+    # what `fitgpt train` would refuse (a T the GPUs or heads do not divide...): one line, before
+    # any trial or prediction
+    check_trial(system, bench, args.start or 1, args.gpus, hw.device)
     fixed = None if system.fixed is None else Fixed.of(system.plan_fixed(bench))
     r = rates.load(hw.gpu_name)
 
@@ -160,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"capacity of {system.name}: hidden {bench.hidden}, micro-batch {bench.micro_batch}, "
         f"{args.gpus} GPU(s); predicted largest {start} layers "
-        f"({bench.model(start).num_params() / 1e9:.2f} B){state}",
+        f"({units.params(bench.model(start).num_params())}){state}",
         flush=True,
     )
     spec = SweepSpec((system.name,), (), bench, args.gpus, args.device)
@@ -184,10 +188,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(json.dumps(found.summary(system.name)))
     fail = found.result.first_fail
+    rate = f" ({units.tflops(best['tflops'])} per GPU)" if "tflops" in best else ""
     print(
-        f"largest that trained: {found.result.largest_ok} layers = {best['params'] / 1e9:.2f} B "
-        f"parameters ({best.get('tflops', 0):.0f} TFLOP/s per GPU)"
-        + ("" if fail is None else f"; {fail} layers failed")
+        f"largest that trained: {found.result.largest_ok} layers = {units.params(best['params'])} "
+        f"parameters{rate}" + ("" if fail is None else f"; {fail} layers failed")
     )
     state = describe_formats(formats_of(best))
     if state:

@@ -128,8 +128,11 @@ def _count(text: str) -> int:
 
 
 def _preprocess(args: argparse.Namespace) -> None:
+    from fitgpt.cli.outputs import check_readable_file
     from fitgpt.data.preprocess import preprocess
 
+    # An empty file is the reader's to explain (it says what "no documents" means there).
+    check_readable_file(args.input, "--input", "a .jsonl or .jsonl.gz file", allow_empty=True)
     names = [f.name for f in dataclasses.fields(PreprocessConfig) if hasattr(args, f.name)]
     cfg = PreprocessConfig(**{n: getattr(args, n) for n in names}, progress=not args.quiet)
     print(preprocess(cfg).summary())
@@ -147,8 +150,10 @@ def _fake(args: argparse.Namespace) -> None:
 
 
 def _clean(args: argparse.Namespace) -> None:
+    from fitgpt.cli.outputs import check_input_prefix
     from fitgpt.data.tools import clean
 
+    check_input_prefix(args.input, "--input")
     names = [f.name for f in dataclasses.fields(CleanConfig)]
     print(
         clean(CleanConfig(**{n: getattr(args, n) for n in names}), progress=True).summary(
@@ -158,8 +163,11 @@ def _clean(args: argparse.Namespace) -> None:
 
 
 def _merge(args: argparse.Namespace) -> None:
+    from fitgpt.cli.outputs import check_input_prefix
     from fitgpt.data.tools import merge
 
+    for prefix in args.inputs:
+        check_input_prefix(prefix, "")
     data = merge(args.inputs, args.output_prefix, force=args.force, progress=True)
     print(
         f"wrote {args.output_prefix}.bin/.idx: {data.num_documents:,} documents, "
@@ -168,6 +176,8 @@ def _merge(args: argparse.Namespace) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> None:
+    from fitgpt.cli.outputs import check_input_prefix
     from fitgpt.data.tools import inspect
 
+    check_input_prefix(args.prefix, "")
     print(inspect(args.prefix, args.tokenizer, args.docs, args.chars))

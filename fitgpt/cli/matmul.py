@@ -109,15 +109,25 @@ def _run(args: argparse.Namespace) -> int:
 
 def config_from(args: argparse.Namespace) -> MatmulConfig:
     """The config of the flags; --n defaults to the size of the .npy operands when given."""
-    from fitgpt.matmul.operands import npy_shape
+    from fitgpt.matmul.operands import npy_shape, operands
 
     changes = explicit(args, MatmulConfig)
     if "n" not in changes:
-        for flag, path in (("--a", args.a_path), ("--b", args.b_path)):
-            if path is not None and os.path.isfile(path):
-                changes["n"] = npy_shape(path, flag)[0]
-                break
-    return MatmulConfig(**changes)
+        # n is the files' size; with two files of different sizes neither is "the" n, so the
+        # mismatch is told here, naming both, not later as a clash with an --n nobody typed.
+        given = [(f, p) for f, p in (("--a", args.a_path), ("--b", args.b_path)) if p is not None]
+        sizes = [(f, p, npy_shape(p, f)[0]) for f, p in given]
+        if len({n for _, _, n in sizes}) > 1:
+            (fa, pa, na), (fb, pb, nb) = sizes
+            raise UserError(
+                f"{fb} {pb}: {nb}×{nb} does not match {fa} {pa} ({na}×{na}); give two n×n "
+                "matrices of one size"
+            )
+        if sizes:
+            changes["n"] = sizes[0][2]
+    cfg = MatmulConfig(**changes)
+    operands(cfg)  # the files' headers against --n: refused before the reference GEMM runs
+    return cfg
 
 
 def _check_world(cfg: MatmulConfig, world: int) -> None:

@@ -96,16 +96,35 @@ def check_writable_dir(path: str | Path, flag: str) -> Path:
     return p
 
 
-def check_readable_file(path: str | Path, flag: str, what: str) -> Path:
-    """An input file that exists, is a file, and is not empty; `what` says what to pass instead."""
+def check_readable_file(
+    path: str | Path, flag: str, what: str, *, allow_empty: bool = False
+) -> Path:
+    """An input file that exists, is a file, and (unless `allow_empty`) is not empty; `what` says
+    what to pass instead. A folder is named as one: "does not exist" sends the user looking for
+    a typo in a path that is there."""
     p = Path(path)
     if p.is_dir():
-        raise UserError(f"{_name(flag, path)}: is a folder; pass {what}")
+        raise UserError(f"{_name(flag, path)}: is a folder; give a file ({what})")
     if not p.is_file():
         raise UserError(f"{_name(flag, path)}: no such file; pass {what}")
-    if p.stat().st_size == 0:
+    if not allow_empty and p.stat().st_size == 0:
         raise UserError(f"{_name(flag, path)}: the file is empty; pass {what}")
     return p
+
+
+def check_input_prefix(prefix: str, flag: str) -> None:
+    """An input PREFIX of a .bin/.idx pair that is a folder is refused as one, naming a pair
+    inside it when there is one (what the user most likely meant). Anything else is left to
+    the reader of the pair, which says which file is missing or damaged."""
+    p = Path(prefix)
+    if not p.is_dir() or Path(prefix + ".bin").is_file():
+        return
+    pairs = sorted(i.with_suffix("") for i in p.glob("*.idx") if i.with_suffix(".bin").is_file())
+    example = str(pairs[0]) if pairs else str(p / "corpus_text_document")
+    raise UserError(
+        f"{_name(flag, prefix)}: is a folder; give the prefix of a .bin/.idx pair (the path "
+        f"without .bin), e.g. {example}"
+    )
 
 
 def _free_bytes(path: Path) -> int | None:

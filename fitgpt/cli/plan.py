@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
+from fitgpt import units
 from fitgpt.cli.args import (
     add_config_args,
     add_fraction_flags,
     add_removed_flags,
     blocks_from_fractions,
-    config_from_args,
     explicit,
 )
 from fitgpt.data.config import DataConfig
 from fitgpt.engine.config import EngineConfig, PrecisionConfig
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
+from fitgpt.train.config import TrainConfig
 
 
 def add_hardware_args(p: argparse.ArgumentParser) -> None:
@@ -61,10 +63,13 @@ def register(sub) -> None:
         DataConfig,
         skip=("split", "sample_order"),
     )
-    p.add_argument(
-        "--micro-batch", type=int, default=8, help="sequences per micro-batch per GPU (default: 8)"
+    # the batch flags are train's, with train's defaults: plan prices the run train makes
+    batch = ("micro_batch", "grad_accum")
+    add_config_args(
+        p.add_argument_group("batch (as in `fitgpt train`)"),
+        TrainConfig,
+        skip=tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in batch),
     )
-    p.add_argument("--grad-accum", type=int, default=4, help="micro-batches per step (default: 4)")
     p.add_argument(
         "--device",
         choices=["auto", "cuda", "cpu"],
@@ -80,33 +85,29 @@ def register(sub) -> None:
     )
     add_fraction_flags(p)
     add_removed_flags(p)
-    add_config_args(
-        p.add_argument_group("precision"),
-        PrecisionConfig,
-        skip=("initial_scale", "growth_interval", "hysteresis", "min_scale"),
-    )
+    add_config_args(p.add_argument_group("precision"), PrecisionConfig)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from fitgpt.engine.validate import check_settings, typed_flags
     from fitgpt.plan import hardware, rates
     from fitgpt.plan.apply import Fixed, plan_run
     from fitgpt.plan.memory import GPU_SAFETY_MARGIN, GiB, gpu_budget
+    from fitgpt.train.setup import engine_flags
 
-    model = config_from_args(args, ModelConfig, get_preset(args.preset))
-    if args.data is not None or args.tokenizer is not None:
-        model = vocabulary_of(args, model)
-    if args.micro_batch < 1 or args.grad_accum < 1:
-        raise UserError("--micro-batch and --grad-accum must be at least 1")
     hw = hardware.detect(args.gpus, args.gpu_mem, args.cpu_mem, args.nvme, args.device)
-    blocks_from_fractions(args, model.n_layer)
-    run = planned_run(args, model)
-    plans = plan_run(run, hw, rates.load(hw.gpu_name), Fixed.of(explicit(args, EngineConfig)))
-    work = plans.work
+    typed = typed_flags(args)  # as train judges them: before the shares become block counts
+    run = planned_run(args, hw.device)
+    model, fixed = run.model, explicit(args, EngineConfig)
+    # what train refuses, plan refuses, in the same line, before pricing anything
+    check_settings(model, run.engine, run.precision, hw.gpus, hw.device, fixed, typed)
+    plans = plan_run(run, hw, rates.load(hw.gpu_name), Fixed.of(fixed))
+    work, t = plans.work, run.train
     print(
         f"model {args.preset if not explicit(args, ModelConfig) else 'custom'}: "
-        f"{model.num_params() / 1e9:.2f} B parameters ({model.n_layer}×{model.n_embd}), micro-batch "
-        f"{args.micro_batch} × {args.grad_accum} accumulation × seq {model.seq_len}, {work.precision}"
+        f"{units.params(model.num_params())} parameters ({model.n_layer}×{model.n_embd}), micro-batch "
+        f"{t.micro_batch} × {t.grad_accum} accumulation × seq {model.seq_len}, {work.precision}"
     )
     print(f"machine: {hw.describe()}; rates: {plans.rates.source}")
     if hw.device == "cuda":
@@ -114,34 +115,34 @@ def run(args: argparse.Namespace) -> int:
             f"GPU budget: {gpu_budget(hw.gpu_mem) / GiB:.1f} of {hw.gpu_mem / GiB:.1f} GiB per GPU "
             f"(a {100 * GPU_SAFETY_MARGIN:.0f}% safety margin: docs/planner.md)"
         )
-    print_table(plans.candidates, work, args.grad_accum, hw)
+    print_table(plans.candidates, work, t.grad_accum, hw)
     if not plans.fits:
         raise UserError(plans.refusal())
     print(f"chosen: {plans.summary().removeprefix('plan: ')}")
+    # the plan as flags: `fitgpt train` runs exactly it with them (it validates them the same)
+    print(f"as train flags: {engine_flags(plans.best.ecfg)} --plan off")
     wear = disk_wear(plans.best)
     if wear:
         print(wear)
     return 0
 
 
-def planned_run(args: argparse.Namespace, model: ModelConfig):
-    """The run `fitgpt train` would make of these flags, for the planner (nothing is opened)."""
-    from fitgpt.engine.config import OptimConfig
-    from fitgpt.train.config import TrainConfig
-    from fitgpt.train.loop import RunConfig
+def planned_run(args: argparse.Namespace, device: str):
+    """The run `fitgpt train` makes of these flags (cli/train.py run_config_from_args: the same
+    preset, data, batch and engine defaults), resolved as train resolves it for `device` (the
+    data's vocabulary, the precision): the planner prices the model train builds. Nothing is
+    opened but the tokenizer."""
+    from fitgpt.cli.train import run_config_from_args
+    from fitgpt.train.setup import resolve_run
 
-    train = TrainConfig(micro_batch=args.micro_batch, grad_accum=args.grad_accum)
-    data = DataConfig(data="synthetic")  # the vocabulary is already the data's (vocabulary_of)
-    prec = config_from_args(args, PrecisionConfig)
-    return RunConfig(model, data, train, EngineConfig(), prec, OptimConfig())
-
-
-def vocabulary_of(args: argparse.Namespace, model: ModelConfig) -> ModelConfig:
-    """The model with the vocabulary of the data's tokenizer, resolved as `fitgpt train` does."""
-    from fitgpt.train.setup import model_for_data
-
-    data = config_from_args(args, DataConfig, DataConfig(data=args.data or "stdlib"))
-    return model_for_data(model, data)
+    run = run_config_from_args(args)
+    if args.offload_fraction is not None or args.nvme_fraction is not None:
+        blocks_from_fractions(args, run.model.n_layer)  # as train's resolve_command
+        engine = dataclasses.replace(
+            run.engine, offload_blocks=args.offload_blocks, nvme_blocks=args.nvme_blocks
+        )
+        run = dataclasses.replace(run, engine=engine)
+    return resolve_run(run, device, settle_compile=False)
 
 
 def print_table(cands, work, grad_accum: int, hw) -> None:
@@ -153,7 +154,7 @@ def print_table(cands, work, grad_accum: int, hw) -> None:
     disk = any(c.disk_written for c in cands)
     head = f"  {'fits':<4} {'GPU/rank':>9} {'host':>8}  {'state':<15}"
     head += f" {'disk GB/step':>12} {'TB/1k steps':>11}" if disk else ""
-    print(head + f" {'step s':>7} {'tokens/s':>10} {'TFLOP/s':>8}  {'peak phase':<16} TP plan")
+    print(head + f" {'step s':>7} {'tokens/s':>10} {'FLOP/s/GPU':>12}  {'peak phase':<16} TP plan")
     for i, c in enumerate(cands):
         gpu = f"{c.est.compute_total / GiB:.1f}G" if c.est.compute else "-"
         t = c.time["total"]
@@ -165,7 +166,7 @@ def print_table(cands, work, grad_accum: int, hw) -> None:
         if disk:
             w = c.disk_written
             row += f" {w / 1e9:12.1f} {w * 1000 / 1e12:11.1f}" if w else f" {'-':>12} {'-':>11}"
-        row += f" {t:7.2f} {tokens / t:10,.0f} {flops / t / 1e12:8.0f}  {c.est.peak_phase:<16} "
+        row += f" {t:7.2f} {tokens / t:10,.0f} {units.flops_rate(flops / t):>12}  {c.est.peak_phase:<16} "
         print(row + f"{c.tp:>2} {c.name}")
     print("  TP: tensor-parallel degree (--tensor-parallel; auto prices every T that divides)")
     print("  state: formats of the master weights / offloaded moments / device moments")

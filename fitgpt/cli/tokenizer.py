@@ -51,9 +51,12 @@ def register(sub) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
+    from fitgpt.cli.outputs import check_readable_file
     from fitgpt.data.tokenizer import train_tokenizer
     from fitgpt.errors import UserError
 
+    for f in args.input:  # an empty file is the trainer's to explain, with the others' sizes
+        check_readable_file(f, "--input", "text or .jsonl files", allow_empty=True)
     if args.min_frequency < 1:
         raise UserError(
             f"--min-frequency {args.min_frequency}: a merged pair must occur at least once; "

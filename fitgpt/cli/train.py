@@ -73,22 +73,26 @@ def run_config_from_args(args: argparse.Namespace):
     )
 
 
-def train_config_from_args(args: argparse.Namespace, model: ModelConfig) -> TrainConfig:
-    """The training flags, with the learning rates the command does not name worked out from
-    the model: the peak by its width (train/schedule.py default_lr), the end a tenth of the
-    peak. Validated once, with both in place (so --lr 1e-4 alone is not refused for a min_lr
-    above it)."""
-    from fitgpt.train.schedule import default_lr, end_lr
+def train_config_from_args(
+    args: argparse.Namespace, model: ModelConfig, finetune: bool = False
+) -> TrainConfig:
+    """The training flags as given: the rates and warm-up the command does not name stay unset,
+    for the Trainer to work out with the run's tokens per step (train/schedule.py
+    resolve_schedule, the one place these defaults are decided). A --min-lr above the default
+    peak is refused here, before anything is built."""
+    from fitgpt.train.schedule import peak_lr
 
     given = explicit(args, TrainConfig)
-    lr = given.get("lr", default_lr(model.n_embd))
-    if "lr" not in given and given.get("min_lr", 0) > lr:
+    lr = peak_lr(model, finetune)
+    # with --init-from, init_config checks it again against the source's width, not the preset's
+    source_pending = getattr(args, "init_from", None) is not None and not finetune
+    if "lr" not in given and given.get("min_lr", 0) > lr and not source_pending:
+        what = "fine-tuning" if finetune else f"a model {model.n_embd} wide"
         raise UserError(
             f"--min-lr {given['min_lr']:g} is above the peak learning rate, {lr:g} by default "
-            f"for a model {model.n_embd} wide; lower --min-lr or set --lr"
+            f"for {what}; lower --min-lr or set --lr"
         )
-    given = {"lr": lr, "min_lr": end_lr(lr), **given}
-    return TrainConfig(**given)
+    return TrainConfig(**given, finetune=finetune)
 
 
 def resolve_command(args: argparse.Namespace):
@@ -122,13 +126,9 @@ def _resolve_command(args: argparse.Namespace):
     given = {part: explicit(args, cls) for part, cls in PARTS.items()}
     if args.resume and args.out is None:
         given["train"]["out"] = str(ckpt.parent)  # continue in the run folder of CKPT
-    preset = get_preset(args.preset) if args.preset else None
-    run, changes = resumed_config(meta, ckpt, given, preset)
-    notes = [
-        f"resume: {ckpt} with its own config"
-        + (f"; changed {', '.join(changes)}" if changes else "")
-    ]
-    return run, ckpt, notes + removed_settings(meta, ckpt)
+    # checked here, before any work; what changed is said once the run is planned (the trainer)
+    run, notes = resumed_config(meta, ckpt, given, args.preset)
+    return run, ckpt, [f"resume: {ckpt} with its own config", *notes, *removed_settings(meta, ckpt)]
 
 
 def init_config(args: argparse.Namespace):
@@ -147,7 +147,8 @@ def init_config(args: argparse.Namespace):
         given = get_preset(args.preset).to_dict()
         asked = {**{k: v for k, v in given.items() if k != "vocab_size"}, **asked}
     model = model_from_source(args.init_source, asked, run.data)
-    return dataclasses.replace(run, model=model, train=train_config_from_args(args, model))
+    train = train_config_from_args(args, model, finetune=True)  # fine-tuning's defaults
+    return dataclasses.replace(run, model=model, train=train)
 
 
 def register(sub) -> None:
@@ -210,8 +211,10 @@ def register(sub) -> None:
 
 
 def apply_deepspeed_flags(args: argparse.Namespace) -> None:
-    """Set the flags a DeepSpeed config maps to, as if typed, unless typed already."""
-    from fitgpt.interop.deepspeed import apply_deepspeed_config
+    """Set the flags a DeepSpeed config maps to, as if typed, unless typed already; print what
+    it set and a line per other key, and keep the same lines for the run folder
+    (deepspeed_notes.txt, written by the trainer once the run has started)."""
+    from fitgpt.interop.deepspeed import NOTES_FILE, apply_deepspeed_config
 
     parts = {"train": TrainConfig, "engine": EngineConfig, "precision": PrecisionConfig}
     parts["optim"] = OptimConfig
@@ -220,23 +223,30 @@ def apply_deepspeed_flags(args: argparse.Namespace) -> None:
     for values in changes.values():
         for name, value in values.items():
             setattr(args, name, value)  # the flags' dest is the field name
+    said = " ".join(
+        f"--{n.replace('_', '-')} {v}" for vals in changes.values() for n, v in vals.items()
+    )
+    lines = [
+        f"--deepspeed-config {args.deepspeed_config}: {x}" for x in [said or "sets no flag", *notes]
+    ]
+    args.run_files = {
+        **(getattr(args, "run_files", None) or {}),
+        NOTES_FILE: "\n".join(lines) + "\n",
+    }
     if os.environ.get("RANK", "0") == "0":
-        said = " ".join(
-            f"--{n.replace('_', '-')} {v}" for vals in changes.values() for n, v in vals.items()
-        )
-        print(f"--deepspeed-config {args.deepspeed_config}: {said or 'sets no flag'}", flush=True)
-        for line in notes:
-            print(f"--deepspeed-config {args.deepspeed_config}: {line}", flush=True)
+        for line in lines:
+            print(line, flush=True)
 
 
-def check_tp(run_cfg, world: int, planned: bool) -> None:
-    """Refuse a --tensor-parallel that does not divide the ranks, heads, MLP or vocabulary (or
-    auto without the planner to resolve it)."""
-    from fitgpt.parallel import check_tensor_parallel
+def check_settings(args: argparse.Namespace, run_cfg, world: int, typed: dict) -> None:
+    """Refuse, in one line, what train cannot run on `world` ranks or a typed flag that would
+    change nothing (`typed`: the engine and precision flags on the command line), before
+    torchrun starts and before anything is allocated: engine/validate.py, the validation plan,
+    capacity and bench share. With --plan auto the engine fields not set are the planner's."""
+    from fitgpt.engine.validate import check_run
 
-    if run_cfg.engine.tensor_parallel != 0 or not planned:  # auto: the planner picks T
-        e = run_cfg.engine
-        check_tensor_parallel(e.tensor_parallel, run_cfg.model, world, e.sequence_parallel)
+    fixed = explicit(args, EngineConfig) if args.plan == "auto" else None
+    check_run(run_cfg, world, fixed, typed)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -246,21 +256,24 @@ def run(args: argparse.Namespace) -> int:
         if parse_bytes(args.cpu_mem, "--cpu-mem") <= 0:
             raise UserError(f"--cpu-mem {args.cpu_mem} must be a positive size, e.g. 240GB")
         os.environ["FITGPT_CPU_MEM"] = args.cpu_mem  # the planner, the engine and every rank
+    from fitgpt.engine.validate import typed_flags
+
+    # the flags typed, before a DeepSpeed config adds its keys as if typed (its keys are
+    # judged by its own notes, not as flags that would change nothing)
+    typed = typed_flags(args)
     if args.gpus is not None:
         if args.gpus < 1:
             raise UserError(f"--gpus {args.gpus} must be at least 1")
         from fitgpt.dist.launch import relaunch, strip_flag
 
-        if not args.deepspeed_config:  # a --tensor-parallel the job cannot take: refused here,
-            check_tp(
-                resolve_command(args)[0], args.gpus, args.plan == "auto"
-            )  # in one line, before torchrun starts
+        if not args.deepspeed_config:  # what the job cannot run: refused here, in one line,
+            check_settings(args, resolve_command(args)[0], args.gpus, typed)  # before torchrun
         argv = strip_flag(sys.argv[1:], "--gpus")
         return relaunch(args.gpus, argv)
     if args.deepspeed_config:
         apply_deepspeed_flags(args)
     run_cfg, ckpt, notes = resolve_command(args)  # validates every config before allocating
-    check_tp(run_cfg, int(os.environ.get("WORLD_SIZE", 1)), args.plan == "auto")
+    check_settings(args, run_cfg, int(os.environ.get("WORLD_SIZE", 1)), typed)
     from fitgpt.cli.outputs import check_writable_dir
 
     check_writable_dir(run_cfg.train.out, "--out")
@@ -285,7 +298,10 @@ def run(args: argparse.Namespace) -> int:
         run_cfg = setup_run(run_cfg, ctx, fixed, args.force, log)
         resume = None if ckpt is None else str(ckpt)
         init = getattr(args, "init_source", None)
-        train(run_cfg, ctx, resume=resume, overwrite=args.overwrite, init_from=init)
+        files = getattr(args, "run_files", None)  # set by apply_deepspeed_flags
+        train(
+            run_cfg, ctx, resume=resume, overwrite=args.overwrite, init_from=init, run_files=files
+        )
     except UserError as e:
         if not (e.agreed and ctx.distributed):
             raise

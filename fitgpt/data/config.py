@@ -16,6 +16,9 @@ if TYPE_CHECKING:  # source.py imports torch (~4 s on a busy 2-core box): not fo
     from fitgpt.data.source import SampleSource
 
 BUILTIN = ("stdlib", "synthetic", "uniform")
+# Megatron-LM's usual train,valid,test weights: what --split auto means on any corpus where they
+# give every split a document (see `resolve_split`).
+MEGATRON_SPLIT = "969,30,1"
 
 
 @dataclass(frozen=True)
@@ -32,11 +35,16 @@ class DataConfig:
         metadata={
             "help": "bytes, gpt2, VOCAB.json,MERGES.txt, a tokenizer.json or a directory holding "
             "one (or vocab.json + merges.txt); none: pre-tokenized data, ids < --vocab-size; "
-            "auto: for a PREFIX the one recorded with the data (gpt2 if none), bytes for stdlib"
+            "auto: for a PREFIX the one recorded with the data (none for `data fake` ids, gpt2 "
+            "without a record), bytes for stdlib"
         },
     )
     split: str = field(
-        default="969,30,1", metadata={"help": "train,valid,test weights for a Megatron dataset"}
+        default="auto",
+        metadata={
+            "help": "train,valid,test weights for a Megatron dataset; auto: 969,30,1, or on a "
+            "corpus too small for it, 30 in 1000 documents (at least 1) to validate and no test"
+        },
     )
     sample_order: Literal["fitgpt", "megatron"] = field(
         default="fitgpt",
@@ -55,6 +63,9 @@ class DataConfig:
                 "a tokenizer (bytes, gpt2, ...)"
             )
         if self.data not in BUILTIN and not _prefix_exists(self.data):
+            from fitgpt.cli.outputs import check_input_prefix
+
+            check_input_prefix(self.data, "--data")  # a folder is named as one
             raise UserError(
                 f"--data {self.data}: not one of {', '.join(BUILTIN)} and no {self.data}.bin/.idx "
                 "pair exists; run `fitgpt data preprocess` first or fix the prefix"
@@ -64,10 +75,13 @@ class DataConfig:
         """The tokenizer spec this data trains with: --tokenizer when given; for auto, a
         Megatron PREFIX's recorded tokenizer (fitgpt/data/sidecar.py: its absolute spec if that
         loads with the recorded fingerprint, else the spec as given), else bytes for stdlib and
-        gpt2 for the rest (a PREFIX without a record, or one of fake data)."""
+        none for a PREFIX recorded without one (`fitgpt data fake`: its ids are no tokenizer's
+        text), bytes for stdlib and gpt2 for the rest (a PREFIX without a record)."""
         if self.tokenizer != "auto":
             return self.tokenizer
         if self.data not in BUILTIN:
+            if sidecar.recorded_vocabulary(self.data) is not None:
+                return "none"
             recorded = sidecar.recorded_tokenizer(self.data)
             if recorded is not None:
                 return recorded.name
@@ -81,13 +95,45 @@ def _prefix_exists(prefix: str) -> bool:
 def data_tokenizer(cfg: DataConfig) -> Tokenizer | None:
     """The tokenizer of a run on this data (checked against the one recorded with a PREFIX);
     None for synthetic and pre-tokenized data, whose vocabulary is the model's own. Its
-    vocabulary decides the model's embedding, so it is resolved before planning."""
-    if cfg.data in ("synthetic", "uniform") or cfg.tokenizer_spec() == "none":
-        return None  # none: pre-tokenized data, the model's vocabulary bounds the ids
+    vocabulary decides the model's embedding, so it is resolved before planning.
+
+    Data made by `fitgpt data fake` (tokenizer auto) gets its recorded vocabulary, a
+    sidecar.RecordedVocabulary that holds no text: `--vocab 512` data trains a 512-token model,
+    not one of GPT-2's 50,257, and nothing decodes its ids as some tokenizer's text."""
+    if cfg.data in ("synthetic", "uniform"):
+        return None
+    if cfg.tokenizer_spec() == "none":
+        # an explicit none keeps the model's --vocab-size as the bound of the ids
+        return sidecar.recorded_vocabulary(cfg.data) if cfg.tokenizer == "auto" else None
     tok = load_tokenizer(cfg.tokenizer_spec())
     if cfg.data not in BUILTIN:
         sidecar.check(cfg.data, tok, "cannot train on it")  # an explicit --tokenizer must match
     return tok
+
+
+def resolve_split(split: str, num_docs: int, validates: bool = True) -> str:
+    """The train,valid,test weights `--split` means over `num_docs` documents.
+
+    An explicit split is taken as given: Megatron's arithmetic, refused (gpt_dataset.split_ranges)
+    where a weighted split gets no document. auto is MEGATRON_SPLIT wherever that gives every
+    split a document, so a large corpus splits exactly as Megatron-LM would. A smaller corpus
+    (under ~1,500 documents, where 1 in 1,000 rounds to no test document) keeps no test split,
+    which training never reads, and validates on its 3% share of the documents, at least 1:
+    400 documents give 388,12,0. A run that does not validate (--eval-every 0) on a single
+    document trains on it (1,0,0)."""
+    if split != "auto":
+        return split
+    from fitgpt.data.gpt_dataset import split_ranges
+
+    try:
+        split_ranges(MEGATRON_SPLIT, num_docs)
+        return MEGATRON_SPLIT
+    except UserError:
+        pass
+    if num_docs < 2:  # nothing to hold out: the strict split's error says what to do
+        return "1,0,0" if not validates and num_docs == 1 else MEGATRON_SPLIT
+    valid = min(max(1, round(num_docs * 30 / 1000)), num_docs - 1)
+    return f"{num_docs - valid},{valid},0"
 
 
 def open_data(
@@ -117,16 +163,34 @@ def open_data(
             ),
             None,
         )
-    from fitgpt.data.gpt_dataset import open_megatron_splits
+    from fitgpt.data.gpt_dataset import open_megatron_split, open_megatron_splits, parse_split
+    from fitgpt.data.indexed import IndexedDataset
 
-    train, valid = open_megatron_splits(
-        cfg.data,
-        cfg.split,
-        seq_len,
-        seed,
+    # A run that draws no validation sample (--eval-every 0) opens no validation split: it
+    # needs no weight, and a weighted one is not read.
+    validates = num_samples[1] != 0
+    split = cfg.split
+    if split == "auto":  # the count costs a second open of the index: only for auto
+        split = resolve_split(split, IndexedDataset(cfg.data).num_sequences, validates)
+    if validates and parse_split(split)[1] == 0:
+        raise UserError(
+            f"--split {cfg.split} gives validation weight 0, but the run validates every "
+            "--eval-every steps; give validation a weight (e.g. --split 969,30,1) or pass "
+            "--eval-every 0"
+        )
+    kw = dict(
         vocab_size=vocab_size if tok is None else tok.vocab_size,
         vocab_source="--vocab-size" if tok is None else "tokenizer",
         sample_order=cfg.sample_order,
-        num_samples=num_samples,
     )
-    return train, valid, tok
+    if validates:
+        train, valid = open_megatron_splits(
+            cfg.data, split, seq_len, seed, num_samples=num_samples, **kw
+        )
+    else:
+        train = open_megatron_split(
+            cfg.data, split, "train", seq_len, seed, num_samples=num_samples[0], **kw
+        )
+        valid = None
+    # a recorded vocabulary sized the model; it is no tokenizer to record with the run
+    return train, valid, None if isinstance(tok, sidecar.RecordedVocabulary) else tok

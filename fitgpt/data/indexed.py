@@ -13,7 +13,9 @@ N sequences and M document-index entries (M = documents + 1), is:
     34 + 4N     8·N     sequence pointers, byte offsets into the .bin, int64[N]
     34 + 12N    8·M     document index, int64[M]: 0, then the sequence count after each document
 
-GPT preprocessing writes one sequence per document, so the document index is 0, 1, ..., N.
+GPT preprocessing writes one sequence per document, so the document index is 0, 1, ..., N,
+except for a document with no tokens, which has none (its entry repeats the one before), as in
+Megatron's preprocess_data.py.
 docs/data.md has the same table. Files are written under temporary names and renamed when
 complete (.bin first, .idx last), so a crash never leaves an .idx that looks valid; a failed
 write (full disk) removes every temporary.

@@ -8,12 +8,14 @@ two chunks per worker are in flight, so memory stays constant whatever the input
 Per line: blank lines are ignored; malformed JSON, a line that is not an object, a missing key or
 a non-string value is skipped and counted (or fatal with --on-error fail); non-UTF-8 bytes are
 replaced by U+FFFD and counted (or the line skipped, or fatal, by --on-bad-utf8); a document with
-no tokens is dropped and counted. JSON that is valid but beyond the parser (nesting too deep,
+no tokens is kept and counted, as Megatron's tools/preprocess_data.py keeps it: a document of no
+sequence (its document-index entry repeats the one before), with no <|endoftext|> even under
+--append-eod, so the .idx is byte-identical to Megatron's. JSON that is valid but beyond the parser (nesting too deep,
 an integer of more than 4,300 digits) counts as malformed. A damaged gzip stream ends the input at
 the last whole line read: skipped and reported (or fatal) like a bad line. Every problem is
 reported as FILE:LINE.
 
-Failures leave nothing behind: an input giving no documents is an error (no empty pair), the
+Failures leave nothing behind: an input giving no tokens is an error (no empty pair), the
 output location is checked before any work, and a failed write (full disk) removes every
 temporary (IndexedWriter). Worker processes die with the main process, even when it is killed
 with SIGKILL (Linux: PR_SET_PDEATHSIG; elsewhere a watchdog thread).
@@ -123,7 +125,7 @@ class PreprocessReport:
     bytes_in: int = 0  # uncompressed input bytes
     seconds: float = 0.0
     skipped: Counter = field(default_factory=Counter)  # reason -> lines skipped
-    dropped_empty: int = 0  # documents with no tokens
+    empty: int = 0  # documents with no tokens, kept (of `documents`) as Megatron keeps them
     replaced_utf8: int = 0  # lines kept with U+FFFD in place of bad bytes
     shown: list[str] = field(default_factory=list)  # the first problems, as FILE:LINE: message
     printed: int = 0  # of `shown`, printed as warnings so far
@@ -143,7 +145,7 @@ class PreprocessReport:
             f"  documents  {self.documents:,}   tokens {self.tokens:,} ({per_doc:,.0f} per document)",
             f"  input      {self.bytes_in / 1e6:,.1f} MB, {self.lines:,} lines in "
             f"{self.seconds:,.1f} s: {self.mb_per_s:,.2f} MB/s, {self.tokens_per_s:,.0f} tokens/s",
-            f"  dropped    {self.dropped_empty:,} empty documents",
+            f"  empty      {self.empty:,} documents with no tokens (kept, as Megatron does)",
             "  skipped    "
             + (", ".join(f"{n:,} {why}" for why, n in sorted(self.skipped.items())) or "0 lines"),
             f"  repaired   {self.replaced_utf8:,} lines with non-UTF-8 bytes (replaced by U+FFFD)",
@@ -153,7 +155,7 @@ class PreprocessReport:
 
 def preprocess(cfg: PreprocessConfig) -> PreprocessReport:
     """Tokenize `cfg.input` into `cfg.prefix`.bin/.idx (+ the tokenizer record, sidecar.py);
-    the outputs appear only when complete, and only if they hold at least one document."""
+    the outputs appear only when complete, and only if they hold at least one token."""
     check_prefix(cfg.output_prefix)  # as typed: `adir/` would write `adir/_text_document`
     check_prefix(cfg.prefix)
     tok = load_tokenizer(cfg.tokenizer)
@@ -191,7 +193,7 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessReport:
         for line, err in damage:
             _damaged(cfg, report, line, err)
         _warn(report, bar)
-        if report.documents == 0:  # raised inside `with`: the writer removes its temporaries
+        if report.tokens == 0:  # raised inside `with`: the writer removes its temporaries
             raise _no_documents(cfg, report)
     report.seconds = time.perf_counter() - start
     sidecar.write(cfg.prefix, tok, made_by="fitgpt data preprocess")
@@ -214,11 +216,12 @@ def _no_documents(cfg: PreprocessConfig, report: PreprocessReport) -> UserError:
     if not report.lines and not report.skipped:
         return UserError(f"{cfg.input}: the input holds no lines; nothing written")
     why = [f"{n:,} {r}" for r, n in sorted(report.skipped.items())]
-    if report.dropped_empty:
-        why.append(f"{report.dropped_empty:,} empty documents")
+    if report.empty:
+        why.append(f"{report.empty:,} empty documents")
     first = f"; line {report.shown[0][len(cfg.input) + 1 :]}" if report.shown else ""
+    what = "no tokens" if report.documents else "no documents"  # only empty ones: no tokens
     return UserError(
-        f"{cfg.input}: no documents in {report.lines:,} lines ({', '.join(why) or 'all blank'})"
+        f"{cfg.input}: {what} in {report.lines:,} lines ({', '.join(why) or 'all blank'})"
         f"{first}; nothing written"
     )
 
@@ -237,9 +240,9 @@ def _problem(
 
 
 def _warn(report: PreprocessReport, bar) -> None:
-    """Print the problems kept since the last call, once there is a document: an input that
-    gives none ends in one error line (naming the first problem) instead of a page of warnings."""
-    if report.documents:
+    """Print the problems kept since the last call, once there is a token: an input that gives
+    none ends in one error line (naming the first problem) instead of a page of warnings."""
+    if report.tokens:
         for where in report.shown[report.printed :]:
             bar.console.print(f"warning: {where}", markup=False, highlight=False, soft_wrap=True)
         report.printed = len(report.shown)
@@ -251,12 +254,12 @@ def _take(
     """Account for one encoded chunk (in input order) and append its documents."""
     for line, why, message, fatal in chunk.problems:
         _problem(cfg, report, line, why, message, "fail" if fatal else "skip")
-    writer.add(chunk.tokens, chunk.lengths)
-    report.documents += len(chunk.lengths)
+    writer.add(chunk.tokens, chunk.lengths, chunk.doc_ends)
+    report.documents += len(chunk.doc_ends)
     report.tokens += int(chunk.tokens.size)
     report.lines += chunk.lines
     report.bytes_in += chunk.nbytes
-    report.dropped_empty += chunk.empty
+    report.empty += chunk.empty
     report.replaced_utf8 += chunk.replaced
 
 
@@ -386,7 +389,8 @@ class _State:
 @dataclass
 class _Chunk:
     tokens: np.ndarray  # flat, output dtype
-    lengths: np.ndarray  # int32 [documents]
+    lengths: np.ndarray  # int32 [sequences]: one per document that has tokens
+    doc_ends: np.ndarray  # int64 [documents]: sequences of this chunk up to each document's end
     problems: list[tuple[int, str, str, bool]]  # (line, reason, message, fatal)
     lines: int
     nbytes: int
@@ -449,16 +453,18 @@ def _encode(block: bytes, first_line: int) -> _Chunk:
         else:
             texts.append(text)
     ids = tok.encode_batch(texts) if hasattr(tok, "encode_batch") else map(tok.encode, texts)
-    kept, empty = [], 0
+    kept, ends, empty = [], [], 0
     for doc in ids:
-        if not doc:
+        if doc:
+            kept.append([*doc, tok.eod_id] if state.append_eod else doc)
+        else:  # Megatron's rule: a document of no sequence, and no <|endoftext|> for it either
             empty += 1  # counted, not reported line by line: empty documents are common
-            continue
-        kept.append([*doc, tok.eod_id] if state.append_eod else doc)
+        ends.append(len(kept))
     lengths = np.fromiter(map(len, kept), np.int32, count=len(kept))
+    doc_ends = np.asarray(ends, dtype=np.int64)
     flat = itertools.chain.from_iterable(kept)
     tokens = np.fromiter(flat, np.dtype(state.dtype), count=int(lengths.sum()))
-    return _Chunk(tokens, lengths, problems, len(raw_lines), len(block), empty, replaced)
+    return _Chunk(tokens, lengths, doc_ends, problems, len(raw_lines), len(block), empty, replaced)
 
 
 def _document(raw: bytes, state: _State) -> tuple[str, tuple[str, str, bool] | None, int]:

@@ -240,3 +240,37 @@ def _absolute(spec: str) -> str:
         return spec
     parts = spec.split(",")
     return ",".join(str(Path(p).resolve()) if p and Path(p).exists() else p for p in parts)
+
+
+class RecordedVocabulary:
+    """The vocabulary of a pair made without a tokenizer (`fitgpt data fake`): the size recorded
+    with the data and no text. It sizes a model's embedding as a tokenizer's vocabulary would
+    (fitgpt/data/config.py `data_tokenizer`); asked for text, it refuses in one line, so such
+    ids are never shown as some other tokenizer's text."""
+
+    name = "none"  # the spec of token-id data without a tokenizer
+    eod_id = None
+
+    def __init__(self, prefix: str, vocab_size: int) -> None:
+        self.prefix, self.vocab_size = prefix, vocab_size
+
+    def _refuse(self) -> UserError:
+        return UserError(
+            f"{self.prefix}: made without a tokenizer ({self.vocab_size:,} token ids, "
+            f"{path(self.prefix).name}); its ids are not text, so nothing can encode or decode them"
+        )
+
+    def encode(self, text: str) -> list[int]:
+        raise self._refuse()
+
+    def decode(self, ids: list[int]) -> str:
+        raise self._refuse()
+
+
+def recorded_vocabulary(prefix: str) -> RecordedVocabulary | None:
+    """The vocabulary of a pair whose record says it was made without a tokenizer; None for a
+    pair with a tokenizer, or without a record."""
+    rec = read(prefix)
+    if rec is None or rec["tokenizer"] is not None:
+        return None
+    return RecordedVocabulary(prefix, rec["vocab_size"])

@@ -76,7 +76,15 @@ class BPETokenizer(_HFTokenizer):
                     f"tokenizer file {f} does not exist; pass an existing vocab/merges pair"
                 )
         self.name = name
-        self._tok = ByteLevelBPETokenizer.from_file(str(vocab_file), str(merges_file))
+        pair = f"tokenizer {vocab_file} + {merges_file}"
+        try:
+            self._tok = ByteLevelBPETokenizer.from_file(str(vocab_file), str(merges_file))
+        except Exception as e:  # the Rust side raises a bare Exception for any malformed file
+            raise UserError(
+                f"{pair}: not a byte-level BPE vocab/merges pair ({str(e)[:120]}); pass the "
+                "files `fitgpt tokenizer train` or a tokenizer's save_model wrote"
+            ) from None
+        _check_bytes_covered(self._tok, pair)
         if self._tok.token_to_id(EOD_TEXT) is not None:
             self._tok.add_special_tokens([EOD_TEXT])
         self.vocab_size = self._tok.get_vocab_size()
@@ -102,9 +110,30 @@ class JSONTokenizer(_HFTokenizer):
                 "written by tokenizers' Tokenizer.save or transformers' save_pretrained"
             ) from None
         self.name = name
-        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        if not ids:  # would encode every text as nothing
+            raise UserError(
+                f"{path}: the tokenizer's vocabulary is empty; pass a trained tokenizer.json"
+            )
+        self.vocab_size = max(ids) + 1
         eod = _declared_eos(path.parent) or EOD_TEXT
         self.eod_id = self._tok.token_to_id(eod)
+
+
+def _check_bytes_covered(tok: object, what: str) -> None:
+    """A byte-level BPE's vocabulary holds a token for each of the 256 bytes, so every text
+    encodes; with one missing, text holding that byte would silently lose it (an empty or
+    hand-made vocab.json: `{"a": 0}` encodes "hello" as []). 256 dict look-ups."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    vocab = tok.get_vocab()
+    missing = sum(ch not in vocab for ch in ByteLevel.alphabet())
+    if missing:
+        raise UserError(
+            f"{what}: the vocabulary lacks {missing} of the 256 byte tokens a byte-level BPE "
+            "needs, so text would be dropped; pass the files `fitgpt tokenizer train` or a "
+            "tokenizer's save_model wrote"
+        )
 
 
 def _declared_eos(folder: Path) -> str | None:

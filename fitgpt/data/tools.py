@@ -153,6 +153,13 @@ def clean(cfg: CleanConfig, progress: bool = False) -> CleanReport:
     doc_tokens = _document_tokens(data)
     report = CleanReport(documents_in=data.num_documents, tokens_in=int(doc_tokens.sum()))
     keep = doc_tokens >= cfg.min_tokens
+    if not keep.any():  # refused before the writer opens: no empty pair is left behind
+        if not len(keep):
+            raise UserError(f"--input {cfg.input} holds no documents; there is nothing to clean")
+        raise UserError(
+            f"--min-tokens {cfg.min_tokens} would drop all {len(keep):,} documents of "
+            f"{cfg.input} (the longest has {int(doc_tokens.max()):,} tokens); use at most that"
+        )
     report.dropped[f"under {cfg.min_tokens} tokens"] = int((~keep).sum())
     with IndexedWriter(cfg.output_prefix, data.dtype) as w, _bar(progress) as bar:
         task = bar.add_task("clean", total=data.num_documents)
@@ -164,6 +171,12 @@ def clean(cfg: CleanConfig, progress: bool = False) -> CleanReport:
                 for d in docs:
                     _fix_document(data, int(d), tok, w, report)
             bar.advance(task, hi - lo)
+        if not w.num_documents:  # raised inside the writer, which then removes its files
+            raise UserError(
+                f"--fix-unicode would drop all {data.num_documents:,} documents of {cfg.input} "
+                f"({report.dropped['holding U+FFFD']:,} hold U+FFFD); check --tokenizer "
+                f"{cfg.tokenizer}, or clean without --fix-unicode"
+            )
         report.documents_out, report.tokens_out = w.num_documents, w.num_tokens
     if record is not None:  # the tokenizer used, if any, had the recorded fingerprint
         sidecar.carry(cfg.output_prefix, record, made_by="fitgpt data clean")
@@ -239,6 +252,10 @@ def merge(inputs: list[str], output_prefix: str, force: bool = False, progress: 
     for d in sets:
         if d.dtype.kind not in "iu":
             raise UserError(f"{d.prefix}.idx holds {d.dtype} values, not token ids")
+    if not sum(d.num_documents for d in sets):
+        raise UserError(
+            f"the inputs {', '.join(inputs)} hold no documents; there is nothing to merge"
+        )
     dtype = np.result_type(*(d.dtype for d in sets))
     wide = {d.dtype.itemsize > 2 for d in sets}
     if len(wide) > 1 and not force:
@@ -358,4 +375,6 @@ def _bar(enabled: bool):
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn())
-    return Progress(*columns, console=Console(stderr=True), disable=not enabled)
+    # transient: the bar is erased when the work ends, so a refusal found during it (clean's
+    # --fix-unicode keeping nothing) is the one line on stderr, and a summary follows no bar
+    return Progress(*columns, console=Console(stderr=True), disable=not enabled, transient=True)

@@ -6,6 +6,7 @@ Only the engine reads these; the training loop passes them through untouched.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -38,6 +39,18 @@ class PrecisionConfig:
             raise UserError(f"--precision {self.precision!r}: use auto, bf16, fp16 or fp32")
         if self.growth_interval < 1 or self.hysteresis < 1:
             raise UserError("--growth-interval and --hysteresis must be at least 1")
+        # the loss is multiplied by the scale and the gradients divided by it: 0 divides by zero,
+        # a negative scale flips every update, inf/nan poison the first step
+        for name in ("initial_scale", "min_scale"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or v <= 0:
+                flag = f"--{name.replace('_', '-')}"
+                raise UserError(f"{flag} {v:g} must be a positive number, e.g. 65536 (2^16)")
+        if self.min_scale > self.initial_scale:
+            raise UserError(
+                f"--min-scale {self.min_scale:g} is above --initial-scale {self.initial_scale:g}: "
+                "the scale would start below its floor; lower --min-scale"
+            )
 
     def resolved(self, device_type: str) -> PrecisionConfig:
         """This config with `auto` replaced by the precision for `device_type`."""

@@ -77,7 +77,9 @@ def tokenizer_for(meta: dict, override: str | None, cfg: ModelConfig) -> Tokeniz
     spec = override or recorded
     if spec is None:
         raise UserError(
-            "this checkpoint was trained without a tokenizer (synthetic data); pass --tokenizer"
+            "this checkpoint was trained without a tokenizer (synthetic data, or the token ids "
+            f"of `fitgpt data fake`, {cfg.vocab_size:,} of them): its ids are no text to "
+            "decode; pass --tokenizer only with the tokenizer that made its data"
         )
     tok = load_tokenizer(spec)
     if tok.vocab_size > cfg.vocab_size:

@@ -133,6 +133,15 @@ def _int_field(hf: dict, key: str, source: str) -> int:
     return v
 
 
+def _tied(hf: dict, source: str) -> bool:
+    """tie_word_embeddings, true by default; a string such as "false" is refused, not read as
+    true (bool("false") is True), which would import an untied model as a tied one."""
+    v = hf.get("tie_word_embeddings", True)
+    if not isinstance(v, bool):
+        raise UserError(f"{source}: tie_word_embeddings={v!r} must be true or false; fix the file")
+    return v
+
+
 def _refuse_unsupported(hf: dict, source: str) -> None:
     act = hf.get("activation_function", "gelu_new")
     if act not in TANH_GELUS:
@@ -143,7 +152,7 @@ def _refuse_unsupported(hf: dict, source: str) -> None:
     eps = hf.get("layer_norm_epsilon", LAYER_NORM_EPS)
     if eps != LAYER_NORM_EPS:
         raise UserError(f"{source}: layer_norm_epsilon={eps}; fitgpt's LayerNorms use 1e-05")
-    n_inner, n_embd = hf.get("n_inner"), hf.get("n_embd")
+    n_inner, n_embd = hf.get("n_inner"), _int_field(hf, "n_embd", source)
     if n_inner is not None and n_inner != 4 * n_embd:
         raise UserError(f"{source}: n_inner={n_inner}; fitgpt's MLP is 4 x n_embd={4 * n_embd}")
     for key, ok in (
@@ -170,7 +179,7 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
         vocab_size=_int_field(hf, "vocab_size", source),
         bias=True,
         dropout=0.0,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        tie_embeddings=_tied(hf, source),
     )
 
 

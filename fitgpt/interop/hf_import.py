@@ -21,6 +21,7 @@ import os
 import resource
 import shutil
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ from fitgpt.interop.hf import (
     tensor_maps,
 )
 from fitgpt.interop.hf_tokenizer import copy_hf_tokenizer
-from fitgpt.interop.safetensors_stream import SafetensorsReader
+from fitgpt.interop.safetensors_stream import SafetensorsError, SafetensorsReader
 from fitgpt.model import GPT, ModelConfig
 from fitgpt.model.config import GPT2_VOCAB
 from fitgpt.train.checkpoint import write_meta
@@ -75,10 +76,7 @@ class HFWeights:
     def __init__(self, files: list[Path]) -> None:
         self._where: dict[str, tuple[SafetensorsReader | dict[str, Tensor], str]] = {}
         for f in files:
-            try:
-                h = SafetensorsReader(f) if f.suffix == ".safetensors" else _load_bin(f)
-            except Exception as e:  # truncated, not safetensors, not a pickle: all unreadable
-                raise UserError(f"{f} is unreadable ({e}); is it a complete checkpoint?") from e
+            h = _open_weights(f)
             for k in h:
                 name = canonical(k)
                 if name is not None:
@@ -90,9 +88,38 @@ class HFWeights:
         h, k = self._where[name]
         return tuple(h[k].shape) if isinstance(h, dict) else h.shape(k)
 
+    def blocks(self) -> int:
+        """How many transformer blocks the weights hold (the highest `h.N` + 1)."""
+        ids = [int(n.split(".")[2]) for n in self._where if n.split(".")[1:2] == ["h"]]
+        return max(ids, default=-1) + 1
+
     def get(self, name: str) -> Tensor:
         h, k = self._where[name]
         return h[k] if isinstance(h, dict) else h.get(k)
+
+
+def _open_weights(f: Path) -> SafetensorsReader | dict[str, Tensor]:
+    """One weight file, its header (safetensors) or its pickle (torch) checked; one UserError
+    line naming the file when it is damaged, truncated or of another format."""
+    if f.suffix == ".safetensors":
+        try:
+            return SafetensorsReader(f)
+        except SafetensorsError as e:
+            raise UserError(f"{f}: {e}") from None
+    try:
+        h = _load_bin(f)
+    except Exception as e:  # a truncated zip, a foreign pickle: torch raises several kinds
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]  # its first line
+        if why.startswith("Weights only load failed"):
+            why = "it holds objects other than tensors, or is no pickle at all"
+        elif not zipfile.is_zipfile(f):  # torch.save writes a zip; a cut one has no directory
+            why = "not a complete zip archive: truncated, or not written by torch.save"
+        raise UserError(
+            f"{f}: not a readable PyTorch checkpoint ({why}); copy or download it again"
+        ) from None
+    if not isinstance(h, dict) or not all(isinstance(t, Tensor) for t in h.values()):
+        raise UserError(f"{f}: holds no state dict of tensors; is it a model checkpoint?")
+    return h
 
 
 def _load_bin(f: Path) -> dict[str, Tensor]:
@@ -105,35 +132,60 @@ def _load_bin(f: Path) -> dict[str, Tensor]:
         return torch.load(f, map_location="cpu", weights_only=True)  # the legacy (pre-1.6) format
 
 
+# What a weight file given on the command line may be called: its format is told by its name.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
 def locate(src: Path) -> tuple[Path, list[Path]]:
-    """config.json and the weight files of an HF checkpoint folder, or of one weight file."""
+    """config.json and the weight files of an HF checkpoint folder, or of one weight file.
+
+    Every error names `src` as the user typed it (a file's folder is named as its folder)."""
     if not src.exists():
         raise UserError(f"{src} does not exist; pass an HF checkpoint folder or its weight file")
+    if src.is_file() and not src.name.endswith(WEIGHT_SUFFIXES):
+        raise UserError(
+            f"{src} is not a weight file (model.safetensors, pytorch_model.bin or an "
+            "*.index.json); pass the checkpoint folder or its weight file"
+        )
     folder = src if src.is_dir() else src.parent
     config = folder / "config.json"
     if not config.is_file():
-        raise UserError(f"{folder} has no config.json; an HF GPT-2 checkpoint needs one")
+        where = f"{src}" if src.is_dir() else f"{src}: its folder {folder.resolve()}"
+        raise UserError(f"{where} has no config.json; an HF GPT-2 checkpoint needs one beside it")
     if src.is_file():
         weights = src
     else:
         found = [folder / n for n in WEIGHT_FILES if (folder / n).is_file()]
         if not found:
-            raise UserError(f"{folder} holds none of {', '.join(WEIGHT_FILES)}; not a checkpoint")
+            raise UserError(f"{src} holds none of {', '.join(WEIGHT_FILES)}; not a checkpoint")
         weights = found[0]
     if weights.name.endswith(".index.json"):
-        try:
-            shards = sorted(set(json.loads(weights.read_text())["weight_map"].values()))
-        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
-            raise UserError(f"{weights}: not a valid shard index ({e})") from e
-        return config, [folder / s for s in shards]
+        return config, _shards(weights, folder)
     return config, [weights]
+
+
+def _shards(index: Path, folder: Path) -> list[Path]:
+    """The shard files an index names, each checked to be there (before any is read)."""
+    try:
+        names = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{index}: not a valid shard index ({type(e).__name__}: {e})") from None
+    if not names or not all(isinstance(n, str) and n and Path(n).name == n for n in names):
+        raise UserError(f"{index}: weight_map must name shard files of its own folder; fix it")
+    missing = sorted(n for n in names if not (folder / n).is_file())
+    if missing:
+        raise UserError(
+            f"{index} names {len(missing)} shard(s) missing from {folder.resolve()} "
+            f"({', '.join(missing[:3])}); download every shard"
+        )
+    return [folder / n for n in sorted(names)]
 
 
 def read_config(path: Path) -> dict:
     try:
         cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e}); fix the file") from e
+    except (OSError, ValueError, RecursionError) as e:  # bad UTF-8 is a ValueError too
+        raise UserError(f"{path} is not valid JSON ({e}); fix the file") from None
     if not isinstance(cfg, dict):
         raise UserError(f"{path} is not a JSON object; is it an HF config.json?")
     return cfg
@@ -206,10 +258,15 @@ def import_hf(
     config_path, files = locate(src)
     hf_cfg = read_config(config_path)
     cfg = model_config_from_hf(hf_cfg, str(config_path))
+    check_output(out, overwrite, 4 * cfg.num_params() + 2**20)
+    weights = HFWeights(files)  # headers only: cheap, and refuses damaged files before any work
+    if weights.blocks() != cfg.n_layer:  # before the model is built: n_layer may be absurd
+        raise UserError(
+            f"{config_path}: n_layer={cfg.n_layer}, but the weights hold {weights.blocks()} "
+            "blocks; the config and the weights are of different models"
+        )
     with torch.device("meta"):
         model = GPT(cfg)
-    check_output(out, overwrite, 4 * cfg.num_params() + 2**20)
-    weights = HFWeights(files)
     check_tensors(weights, model, cfg, src)
     layout = chunk_layout(model)
 

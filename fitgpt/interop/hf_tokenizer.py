@@ -35,32 +35,45 @@ HF_TOKENIZER_FILES = (
 # ---- import ------------------------------------------------------------------------------------
 def copy_hf_tokenizer(src: Path, dest: Path) -> bool:
     """Copy the tokenizer files in `src` into `dest` (created); True when they hold a vocabulary
-    (vocab.json + merges.txt, or a tokenizer.json that a tokenizer.json loader reads)."""
+    (vocab.json + merges.txt, or a tokenizer.json that a tokenizer.json loader reads).
+
+    The vocabulary is loaded once first, from `src`, so empty or damaged files are refused here,
+    naming `src`, instead of when the imported run is first trained or sampled."""
     present = [n for n in HF_TOKENIZER_FILES if (src / n).is_file()]
-    if not present:
-        return False
+    has_json = "tokenizer.json" in present
+    if not has_json and not {"vocab.json", "merges.txt"} <= set(present):
+        return False  # no vocabulary (a lone tokenizer_config.json, say): nothing to copy
+    from fitgpt.data.tokenizer import load_tokenizer
+
+    try:
+        load_tokenizer(str(src))  # what the run will load: tokenizer.json first, else the pair
+    except UserError as e:
+        raise UserError(f"{src}: its tokenizer files cannot be used ({e})") from None
     dest.mkdir(parents=True, exist_ok=True)
     for name in present:
         shutil.copyfile(src / name, dest / name)
-    if not (dest / "vocab.json").is_file() and (dest / "tokenizer.json").is_file():
-        _vocab_merges_from_tokenizer_json(dest / "tokenizer.json", dest)
-    has_bpe = (dest / "vocab.json").is_file() and (dest / "merges.txt").is_file()
-    return has_bpe or (dest / "tokenizer.json").is_file()
+    if has_json and "vocab.json" not in present:
+        _vocab_merges_from_tokenizer_json(src / "tokenizer.json", dest)
+    return True
 
 
 def _vocab_merges_from_tokenizer_json(path: Path, dest: Path) -> None:
-    """vocab.json + merges.txt of a byte-level BPE tokenizer.json; nothing for other kinds."""
+    """vocab.json + merges.txt of a byte-level BPE tokenizer.json; nothing for other kinds.
+    `path` has loaded as a tokenizer already: only its layout can still surprise."""
     try:
         tj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e}); fix or remove it") from e
-    model, pre = tj.get("model") or {}, tj.get("pre_tokenizer") or {}
-    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(pre):
-        return  # not GPT-2 style: left to a tokenizer.json loader
-    vocab = dict(model["vocab"])
-    for added in tj.get("added_tokens", []):  # <|endoftext|> lives here in HF's GPT-2 files
-        vocab.setdefault(added["content"], added["id"])
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+        model, pre = tj.get("model") or {}, tj.get("pre_tokenizer") or {}
+        if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(pre):
+            return  # not GPT-2 style: left to a tokenizer.json loader
+        vocab = dict(model["vocab"])
+        for added in tj.get("added_tokens", []):  # <|endoftext|> lives here in HF's GPT-2 files
+            vocab.setdefault(added["content"], added["id"])
+        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(
+            f"{path}: not a tokenizer.json fitgpt can read ({type(e).__name__}: {e}); fix or "
+            "remove it"
+        ) from None
     (dest / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     (dest / "merges.txt").write_text(
         "#version: 0.2\n" + "".join(m + "\n" for m in merges), encoding="utf-8"
@@ -75,6 +88,10 @@ def write_hf_tokenizer(spec: str | None, dest: Path, seq_len: int) -> str | None
     if spec == "bytes":
         _write_bytes_tokenizer(dest, seq_len)
         return "bytes (UTF-8 bytes as 256 tokens)"
+    if spec != "gpt2" and (Path(spec).exists() or "," in spec):
+        from fitgpt.data.tokenizer import load_tokenizer
+
+        load_tokenizer(spec)  # damaged files: one line naming them, before any is copied
     if spec == "gpt2":
         _copy_vocab_merges(*gpt2_files(), dest)
     elif "," in spec:

@@ -15,6 +15,7 @@ reads into a buffer of its own, so only the tensor being converted is held.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -27,19 +28,50 @@ READ_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float1
 READ_DTYPES["F64"] = torch.float64
 
 
+class SafetensorsError(ValueError):
+    """What is wrong with a safetensors file, in words a user can act on (the caller names the
+    file)."""
+
+
+# The largest header we read: real ones are a few hundred bytes per tensor (safetensors itself
+# refuses headers over 100 MB); a bigger length means a damaged or foreign file, not a header.
+MAX_HEADER = 100_000_000
+
+
 class SafetensorsReader:
-    """The tensors of one safetensors file, each read from disk only when asked for."""
+    """The tensors of one safetensors file, each read from disk only when asked for.
+
+    The header is checked whole on opening (every entry's dtype, shape and byte range against
+    the file's size), so a truncated or damaged file is refused before any tensor is read or
+    anything is written; a few hundred bytes per tensor, no data read."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
+            head = f.read(8)
+            if len(head) < 8:
+                raise SafetensorsError(
+                    f"{size} bytes, too short for a safetensors file (8-byte header length "
+                    "first): truncated"
+                )
+            (n,) = struct.unpack("<Q", head)
+            if n > min(size - 8, MAX_HEADER):
+                raise SafetensorsError(
+                    f"its first 8 bytes announce a {n:,}-byte header but the file holds "
+                    f"{size - 8:,} bytes after them: truncated, or not a safetensors file"
+                )
+            raw = f.read(n)
+        try:
+            header = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON: ValueError subclasses
+            raise SafetensorsError(f"its header is not JSON ({e}): not a safetensors file") from e
+        if not isinstance(header, dict):
+            raise SafetensorsError("its header is not a JSON object: not a safetensors file")
         header.pop("__metadata__", None)
         self.base, self.entries = 8 + n, header
         for name, e in header.items():
-            if e["dtype"] not in READ_DTYPES:
-                raise ValueError(f"tensor {name} has dtype {e['dtype']}, not a float type")
+            _check_entry(name, e, size - self.base)
 
     def __iter__(self):
         return iter(self.entries)  # the tensor names, as for a dict of tensors
@@ -53,9 +85,42 @@ class SafetensorsReader:
         buf = torch.empty(end - begin, dtype=torch.uint8)
         with open(self.path, "rb") as f:
             f.seek(self.base + begin)
-            if f.readinto(memoryview(buf.numpy())) != end - begin:
-                raise ValueError(f"{self.path} is truncated inside tensor {name}")
+            if f.readinto(memoryview(buf.numpy())) != end - begin:  # shrunk since it was opened
+                raise SafetensorsError(f"truncated inside tensor {name}")
         return buf.view(READ_DTYPES[e["dtype"]]).view(e["shape"])
+
+
+def _check_entry(name: str, e: object, data_bytes: int) -> None:
+    """One header entry: a float dtype, a shape, and a byte range of exactly the shape's size
+    inside the file's `data_bytes` bytes of data."""
+    if not isinstance(e, dict):
+        raise SafetensorsError(f"header entry {name} is not a JSON object: damaged header")
+    dtype, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+    if dtype not in READ_DTYPES:
+        raise SafetensorsError(
+            f"tensor {name} has dtype {dtype}; fitgpt imports floating-point weights only "
+            f"({', '.join(READ_DTYPES)})"
+        )
+    ints = (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)) and (
+        isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+    )
+    if not ints or not 0 <= offsets[0] <= offsets[1]:
+        raise SafetensorsError(
+            f"tensor {name}: shape {shape!r} or data_offsets {offsets!r} are not valid: "
+            "damaged header"
+        )
+    itemsize = torch.empty((), dtype=READ_DTYPES[dtype]).element_size()
+    need = itemsize * math.prod(shape)
+    if offsets[1] - offsets[0] != need:
+        raise SafetensorsError(
+            f"tensor {name}: shape {shape} in {dtype} needs {need:,} bytes, its data_offsets "
+            f"span {offsets[1] - offsets[0]:,}: damaged header"
+        )
+    if offsets[1] > data_bytes:
+        raise SafetensorsError(
+            f"tensor {name} ends at data byte {offsets[1]:,} but the file holds {data_bytes:,} "
+            "bytes of data: truncated (copy or download it again)"
+        )
 
 
 class SafetensorsWriter:

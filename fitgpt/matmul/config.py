@@ -94,9 +94,11 @@ class MatmulConfig:
             raise UserError(f"--ref-n {self.ref_n}: use -1 (auto), 0 (skip) or a size")
         if self.host_mem < 0 or self.device_mem < 0:
             raise UserError("--host-mem/--device-mem: must be >= 0 GB (0 means measure it)")
+        from fitgpt.cli.outputs import check_readable_file
+
         for flag, path in (("--a", self.a_path), ("--b", self.b_path)):
-            if path is not None and not os.path.isfile(path):
-                raise UserError(f"{flag} {path}: no such file; give an existing n×n .npy")
+            if path is not None:
+                check_readable_file(path, flag, "an n×n .npy saved with np.save")
         if self.out is not None and not self.out.endswith(".npy"):
             raise UserError(f"--out {self.out}: C is written as .npy; name the file *.npy")
         if self.out is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.out))):

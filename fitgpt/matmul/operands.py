@@ -142,15 +142,29 @@ class NpyFile:
 
 
 def npy_shape(path: str, flag: str) -> tuple[int, int]:
-    """The (n, n) shape of a .npy operand, read from its header; one-line errors otherwise."""
+    """The (n, n) shape of a .npy operand, read from its header; one-line errors otherwise: a
+    folder, a missing or empty file, a file cut short or not a .npy (np.load raises EOFError,
+    ValueError or OSError for those), a shape that is not square or holds no entry, a dtype that
+    is not floating point."""
+    from fitgpt.cli.outputs import check_readable_file
+
+    check_readable_file(path, flag, "an n×n .npy saved with np.save")
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic != b"\x93NUMPY":  # else np.load tries it as a pickle and blames allow_pickle
+        raise UserError(f"{flag} {path}: not a .npy file (no .npy header); save it with np.save")
     try:
         arr = np.load(path, mmap_mode="r")
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, EOFError) as e:
         raise UserError(
             f"{flag} {path}: not a readable .npy file ({e}); save it with np.save"
         ) from None
     if arr.ndim != 2 or arr.shape[0] != arr.shape[1]:
         raise UserError(f"{flag} {path}: shape {arr.shape} is not square n×n; give an n×n matrix")
+    if arr.shape[0] == 0:
+        raise UserError(
+            f"{flag} {path}: shape {arr.shape} holds no entry; give an n×n matrix, n ≥ 1"
+        )
     if arr.dtype.kind != "f":
         raise UserError(
             f"{flag} {path}: dtype {arr.dtype} is not floating point; save it as float32"

@@ -7,6 +7,7 @@ import os
 
 from fitgpt.matmul.memory import gb
 from fitgpt.matmul.run import MatmulResult
+from fitgpt.units import tflops
 
 
 def table(r: MatmulResult) -> str:
@@ -19,10 +20,10 @@ def table(r: MatmulResult) -> str:
     rows.append(
         ("product", f"{r.time_s:.3f} s" + (f" (median of {spread})" if len(r.times_s) > 1 else ""))
     )
-    rate = f"{r.tflops:.2f} TFLOP/s"
+    rate = tflops(r.tflops)
     if r.ref_tflops:
         rate += (
-            f" = {r.frac_of_ref:.2f} × {r.world} × {r.ref_tflops:.2f} "
+            f" = {r.frac_of_ref:.2f} × {r.world} × {tflops(r.ref_tflops)} "
             f"(one device's torch.mm at n={r.ref_n})"
         )
     rows.append(("rate (2n³ / time)", rate))

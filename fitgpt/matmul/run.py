@@ -26,6 +26,7 @@ from fitgpt.matmul.reference import gemm_tflops, ref_size
 from fitgpt.matmul.rows import RowsPlan, RowsProduct
 from fitgpt.matmul.summa import SummaPlan, SummaProduct
 from fitgpt.matmul.verify import TOLERANCE, Freivalds, SampledEntries, Verdict, verify_blocks
+from fitgpt.units import tflops
 
 MAX_AUTO_PANEL = 4096  # wide enough for a full-rate GEMM, small next to a 50000-wide block
 
@@ -96,7 +97,7 @@ def _reference(cfg: MatmulConfig, ctx: DistContext, log) -> tuple[int, float | N
     rate = 0.0
     if n_ref > 0 and ctx.is_main:
         rate = gemm_tflops(n_ref, cfg.dtype, ctx.device)
-        log(f"one-device torch.mm reference at n={n_ref}, {cfg.dtype}: {rate:.1f} TFLOP/s")
+        log(f"one-device torch.mm reference at n={n_ref}, {cfg.dtype}: {tflops(rate)}")
     (rate,) = _reduce(ctx, [rate])  # every rank gets rank 0's figure
     return n_ref, rate or None
 

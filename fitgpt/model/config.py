@@ -21,6 +21,26 @@ def padded_vocab(vocab_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+# Initialisation by width. GPT-2 drew every weight from N(0, 0.02) whatever the width; at 6144
+# and beyond that is two to four times the spread its peers start from: "small init"
+# sqrt(2/(5·d)) (Nguyen & Salazar 2019; GPT-NeoX and Pythia, 0.0081 at 6144) and OPT-175B's
+# 0.006 at 12288 (sqrt(2/(5·12288)) = 0.0057). The rule below is the smaller of the two, so
+# widths up to 1000 (GPT-2 small and medium, the CPU demo, every test model) keep exactly
+# GPT-2's 0.02 (nanoGPT comparisons start from the same weights) and wider models follow small
+# init. Why smaller: Adam's first updates move every weight by about the learning rate in the
+# same direction, so a layer's output moves by lr x fan-in x the size of its inputs; smaller
+# weights make smaller inputs to the next layer, so the same rate moves the network less
+# (benchmarks/results/defaults_cpu_2026-11-26). The residual projections keep GPT-2's
+# 1/sqrt(2L) on top (ModelConfig.residual_std); GPT-NeoX's "wang init" 2/(L·sqrt(d)) is within
+# a factor 2 of it at every preset and would move GPT-2 1.5 B's residual init by 2x.
+INIT_STD_MAX = 0.02
+
+
+def small_init_std(n_embd: int) -> float:
+    """The default standard deviation of the weights of a model n_embd wide."""
+    return min(INIT_STD_MAX, math.sqrt(2 / (5 * n_embd)))
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A GPT-2 style decoder. Every field is a CLI flag of `fitgpt train`."""
@@ -52,6 +72,15 @@ class ModelConfig:
     tie_embeddings: bool = field(
         default=True, metadata={"help": "share the input embedding with the output head"}
     )
+    init_std: float | None = field(
+        default=None,
+        metadata={
+            "help": "standard deviation of the initial weights (the residual projections get "
+            "it divided by sqrt(2·layers))",
+            "default_text": "by width: GPT-2's 0.02 up to 1000 wide, then sqrt(2/(5·hidden)): "
+            "0.0158 at 1600, 0.0081 at 6144",
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size"):
@@ -66,6 +95,18 @@ class ModelConfig:
             raise UserError(f"dropout={self.dropout} must be in [0, 1)")
         if self.position not in ("learned", "alibi"):
             raise UserError(f"position={self.position!r}: use 'learned' or 'alibi'")
+        if self.init_std is not None and not 0 < self.init_std < 1:
+            raise UserError(f"--init-std {self.init_std} must be in (0, 1), e.g. 0.02")
+
+    def weight_std(self) -> float:
+        """The standard deviation of every initial weight matrix and embedding (INIT_STD_MAX,
+        small_init_std): --init-std if given, else by the width."""
+        return self.init_std if self.init_std is not None else small_init_std(self.n_embd)
+
+    def residual_std(self) -> float:
+        """The residual projections' (attention and MLP outputs): weight_std / sqrt(2L), GPT-2's
+        and Megatron's scaling, so the residual stream's variance does not grow with depth."""
+        return self.weight_std() / math.sqrt(2 * self.n_layer)
 
     @property
     def head_dim(self) -> int:

@@ -151,13 +151,14 @@ class GPT(nn.Module):
 
     # ---- initialisation -------------------------------------------------------------------
     def init_std(self, name: str) -> float | None:
-        """GPT-2's scheme: N(0, 0.02) weights, the residual projections scaled by 1/sqrt(2L);
-        None means a LayerNorm weight (ones) or a bias (zeros)."""
+        """GPT-2's scheme at a std set by the width (ModelConfig.weight_std): N(0, std) weights
+        and embeddings, the residual projections std/sqrt(2L); None means a LayerNorm weight
+        (ones) or a bias (zeros). Every engine initialises through this (init_parameter_)."""
         if name.endswith(".bias") or ".ln_" in name or name.startswith(("ln_f", "emb_ln")):
             return None
         if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
-            return 0.02 / math.sqrt(2 * self.cfg.n_layer)
-        return 0.02
+            return self.cfg.residual_std()
+        return self.cfg.weight_std()
 
     def init_parameter_(self, name: str, t: Tensor, seed: int) -> None:
         """Fill `t` in place as parameter `name`, from a generator seeded by (seed, name).

@@ -69,19 +69,8 @@ def unshard(name: str, shards: list[Tensor]) -> Tensor:
     return torch.cat([split[r][k] for k in range(parts) for r in range(len(shards))], dim)
 
 
-def check_tensor_parallel(
-    tp: int, cfg: ModelConfig, world: int | None = None, sequence_parallel: bool = False
-) -> None:
-    """Refuse a T the model or the job cannot be split by, in one line, before anything is built.
-    `world`: the job's rank count where known."""
-    if tp == 0:
-        raise UserError(
-            "--tensor-parallel auto is the planner's to resolve: train with --plan auto, or give T"
-        )
-    if tp < 1:
-        raise UserError(f"--tensor-parallel {tp} must be at least 1")
-    if tp == 1:
-        return
+def _splits(cfg: ModelConfig, world: int | None, sequence_parallel: bool) -> list[tuple[int, str]]:
+    """What T must divide: (size, what it is, as the line names it)."""
     checks = [
         (cfg.n_head, "the head count (--heads)"),
         (4 * cfg.n_embd, "the MLP width 4·--hidden"),
@@ -91,11 +80,47 @@ def check_tensor_parallel(
         checks.insert(0, (world, "the rank count (--gpus)"))
     if sequence_parallel:  # the residual stream is split along the sequence
         checks.append((cfg.seq_len, "the sequence length (--seq-len), with --sequence-parallel"))
+    return checks
+
+
+def tp_divisors(cfg: ModelConfig, world: int, sequence_parallel: bool = False) -> list[int]:
+    """Every T the job and the model can be split by (what --tensor-parallel auto prices);
+    with --sequence-parallel only T >= 2 (it splits within a TP group)."""
+    sizes = [n for n, _ in _splits(cfg, world, sequence_parallel)]
+    low = 2 if sequence_parallel else 1
+    return [d for d in range(low, world + 1) if all(n % d == 0 for n in sizes)]
+
+
+def tensor_parallel_refusal(
+    tp: int, cfg: ModelConfig, world: int | None = None, sequence_parallel: bool = False
+) -> str | None:
+    """The one line refusing a T the model or the job cannot be split by, or None. `world`: the
+    job's rank count where known; T = 0 is auto, which the planner resolves (see tp_divisors)."""
+    if tp < 0:
+        return f"--tensor-parallel {tp} must be at least 1"
+    if tp <= 1:
+        return None
+    checks = _splits(cfg, world, sequence_parallel)
     for n, what in checks:
         if n % tp:
             ok = [d for d in range(1, tp + 1) if all(m % d == 0 for m, _ in checks)]
-            raise UserError(
+            return (
                 f"--tensor-parallel {tp} does not divide {what}, {n}: use one of "
                 f"{', '.join(map(str, ok))} (it must divide the ranks, heads, 4·hidden and "
                 "the padded vocabulary)"
             )
+    return None
+
+
+def check_tensor_parallel(
+    tp: int, cfg: ModelConfig, world: int | None = None, sequence_parallel: bool = False
+) -> None:
+    """Refuse a T the model or the job cannot be split by, in one line, before anything is built.
+    `world`: the job's rank count where known."""
+    if tp == 0:
+        raise UserError(
+            "--tensor-parallel auto is the planner's to resolve: train with --plan auto, or give T"
+        )
+    why = tensor_parallel_refusal(tp, cfg, world, sequence_parallel)
+    if why:
+        raise UserError(why)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fitgpt import units
+
 
 @dataclass
 class SearchResult:
@@ -151,7 +153,7 @@ def find_capacity(
         pred = rec["predicted_peak_gib"]
         why = "" if rec["status"] == "ok" else ": " + rec["reason"][:100]
         log(
-            f"  trial {len(records)}: {layers} layers ({rec['params'] / 1e9:.2f} B) "
+            f"  trial {len(records)}: {layers} layers ({units.params(rec['params'])}) "
             f"{rec['status']}{why}; measured peak {mem:.1f} GiB, predicted "
             f"{pred if pred is None else f'{pred:.1f} GiB'}"
         )

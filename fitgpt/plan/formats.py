@@ -96,13 +96,16 @@ def in_effect(placement: Placement | None) -> Formats:
     return (master, "/".join(sorted(off)) or "-", "/".join(sorted(dev)) or "-")
 
 
-def settled(e: EngineConfig, placement: Placement | None, fixed: dict) -> EngineConfig:
-    """`e` with every format the planner chose for a tier the plan leaves empty set back to fp32
-    (nothing is stored in it: the name and the flags then say only what is used)."""
+def settled(e: EngineConfig, placement: Placement | None) -> EngineConfig:
+    """`e` with every format for a tier the plan leaves empty set back to fp32 (nothing is
+    stored in it: the name and the flags then say only what is used). Also a format the user
+    fixed: `--moments int8` under --plan auto asks for int8 where the plan offloads;
+    a plan that offloads nothing keeps no moments in it, and its flags, run with --plan off,
+    would be refused as a flag that changes nothing (engine/validate.py)."""
     used = in_effect(placement)
     changes = {}
     for name, value in zip(FIELDS, used):
-        if name not in fixed and getattr(e, name) != "fp32" and value in ("-", "fp32"):
+        if getattr(e, name) != "fp32" and value in ("-", "fp32"):
             changes[name] = "fp32"
     return dataclasses.replace(e, **changes) if changes else e
 

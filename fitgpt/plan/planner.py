@@ -19,9 +19,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from fitgpt import units
+from fitgpt.engine import validate
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.placement import Placement
 from fitgpt.errors import UserError
+from fitgpt.parallel.shard import tensor_parallel_refusal, tp_divisors
 from fitgpt.plan import formats
 from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import (
@@ -90,15 +93,17 @@ class Candidate:
 
 def tp_degrees(work: Workload, fixed: dict) -> list[int]:
     """The tensor-parallel degrees to price: the one the user gave (default 1), or with auto
-    (0) every T that divides the ranks, the heads, 4·hidden and the padded vocabulary."""
+    (0) every T that divides the ranks, the heads, 4·hidden and the padded vocabulary (and the
+    sequence, with --sequence-parallel: parallel/shard.py tp_divisors, the rule train checks)."""
     t = fixed.get("tensor_parallel", 1)
     if t != 0:
+        why = tensor_parallel_refusal(
+            t, work.model, work.world, bool(fixed.get("sequence_parallel"))
+        )
+        if why:  # callers validate first (engine/validate.py); a T that cannot split is no plan
+            raise UserError(why)
         return [t]
-    m = work.model
-    sizes = (work.world, m.n_head, 4 * m.n_embd, m.padded_vocab_size)
-    if fixed.get("sequence_parallel"):
-        sizes += (m.seq_len,)
-    return [d for d in range(1, work.world + 1) if all(k % d == 0 for k in sizes)]
+    return tp_divisors(work.model, work.world, bool(fixed.get("sequence_parallel")))
 
 
 def enumerate_plans(world: int, fixed: dict) -> list[EngineConfig]:
@@ -112,8 +117,14 @@ def enumerate_plans(world: int, fixed: dict) -> list[EngineConfig]:
         for ck in ("off", "full")
     ]
     fixed = dict(fixed)
-    if fixed.get("offload_params", "none") != "none" and "offload_optimizer" not in fixed:
-        fixed["offload_optimizer"] = "cpu"  # streamed weights imply it
+    if "offload_optimizer" not in fixed:
+        # block counts imply their tier (engine/validate.py: implied_tier), and streamed
+        # weights imply the host tier: a count the planner then ignored would change nothing
+        tier = validate.implied_tier(fixed)
+        if tier == "none" and fixed.get("offload_params", "none") != "none":
+            tier = "cpu"
+        if tier != "none":
+            fixed["offload_optimizer"] = tier
     out = []
     for p in plans:
         if any(
@@ -129,6 +140,13 @@ def enumerate_plans(world: int, fixed: dict) -> list[EngineConfig]:
     if not out and fixed:
         out = [EngineConfig(**{**dataclasses.asdict(EngineConfig()), **fixed})]  # its error
     return out
+
+
+def runnable(work: Workload, e: EngineConfig) -> bool:
+    """Whether train would run plan `e` for this work (engine/validate.py: the one validation
+    of a run's settings): a plan it would refuse is never a candidate."""
+    why = validate.refusal(work.model, e, work.precision, work.world, work.device, planning=True)
+    return why is None
 
 
 def evaluate(
@@ -179,7 +197,9 @@ def plan(
             if e is None:
                 continue  # this engine cannot store its state so
             for c in plans_of(work, grad_accum, hw, rates, e, layout, fixed):
-                c.ecfg, c.rung = formats.settled(c.ecfg, c.placement, fixed), rung
+                c.ecfg, c.rung = formats.settled(c.ecfg, c.placement), rung
+                if not runnable(work, c.ecfg):
+                    continue  # train would refuse it (engine/validate.py)
                 if first is not None and not in_ram(c):
                     continue  # priced for speed alone: a plan that needs more room adds nothing
                 if c.ecfg not in seen:  # a format for an empty tier repeats a lower rung's plan
@@ -194,6 +214,12 @@ def plan(
             # the rungs above are priced for speed alone, without the disk (a plan that streams
             # its state through it is never chosen over one in RAM)
             hw = dataclasses.replace(hw, nvme_path="", nvme_free=0)
+
+    if not cands:  # every plan the fixed fields leave is one train refuses: say why
+        why = (
+            validate.refusal(work.model, b, work.precision, work.world, work.device) for b in bases
+        )
+        raise UserError(next((w for w in why if w), "no plan train runs is left by these flags"))
 
     def rank(c: Candidate) -> int:
         """The rung, or the first fitting rung's for a plan that wins there by speed."""
@@ -488,9 +514,9 @@ def refusal(
     layers = largest_layers(work, grad_accum, hw, rates, fixed)
     alt = []
     if layers:
-        size = m.replace(n_layer=layers).num_params() / 1e9
+        size = units.params(m.replace(n_layer=layers).num_params())
         alt.append(
-            f"{layers} layers of this width ({size:.2f} B parameters) at micro-batch {work.micro_batch}"
+            f"{layers} layers of this width ({size} parameters) at micro-batch {work.micro_batch}"
         )
     mb = largest_micro_batch(work, grad_accum, hw, rates, fixed)
     if mb:
@@ -508,7 +534,7 @@ def refusal(
             alt.append("this model with --moments int8 (a loss cost: docs/offload.md)")
     what = " or ".join(alt) if alt else "nothing of this width"
     return (
-        f"{m.num_params() / 1e9:.2f} B parameters at micro-batch {work.micro_batch} do not fit: the leanest "
+        f"{units.params(m.num_params())} parameters at micro-batch {work.micro_batch} do not fit: the leanest "
         f"plan ({lean.name}) needs {' and '.join(need)}; what fits: {what}"
     )
 

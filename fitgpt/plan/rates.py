@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from fitgpt import units
+
 
 @dataclass(frozen=True)
 class Rates:
@@ -116,7 +118,7 @@ def probe(nvme_path: str = "", log=print) -> Rates:
         b = torch.randn(4096, 16384, device=dev, dtype=torch.bfloat16)
         t = _time(lambda: a @ b, 20)
         r = replace(r, gemm_tflops=2 * 8192 * 4096 * 16384 / t / 1e12)
-        log(f"GEMM bf16 8192×4096×16384: {r.gemm_tflops:.0f} TFLOP/s")
+        log(f"GEMM bf16 8192×4096×16384: {units.tflops(r.gemm_tflops)}")
         x = torch.empty(2**28, device=dev, dtype=torch.float32)  # 1 GiB
         y = torch.empty_like(x)
         r = replace(r, hbm_gbps=2 * x.numel() * 4 / _time(lambda: y.copy_(x), 10) / 1e9)

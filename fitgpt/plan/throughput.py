@@ -23,12 +23,20 @@ import math
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.moments import bytes_per_param
 from fitgpt.engine.placement import ChunkPlan, Placement
+from fitgpt.engine.validate import CPU_FP16_SLOWDOWN
 from fitgpt.plan.memory import Workload, layout_of, placement_of, tp_of
 from fitgpt.plan.rates import Rates
 
 FP32_FRACTION = (
     0.085  # fp32 (no tensor cores) runs at ~8.5% of the bf16 rate (H100 sweep, 2.0-3.6 B)
 )
+# A CPU's compute rate by precision, as a share of its probe rate: CPUs have no tensor cores, so
+# fp32 is not slower there. `fitgpt train --preset tiny --device cpu --steps 20 --cpu-threads 1`
+# on the 2-core AMD EPYC (avx512_bf16), 2026-11-26: fp32 225-604 ms/step, bf16 245-371, fp16
+# 5,120-6,088 (no fast fp16 matmul: ~20x slower). Before this a CPU's fp32 took FP32_FRACTION
+# of its rate: fp32 was predicted 4.90 s/step, 12x slower than bf16, and fp16 as fast as bf16.
+# (train refuses fp16 on a CPU: engine/validate.py; the share keeps any caller's pricing honest)
+CPU_PRECISION_SHARE = {"fp32": 1.0, "bf16": 1.0, "fp16": 1 / CPU_FP16_SLOWDOWN}
 
 
 # Calibrated on 2026-11-22's H100/H200 runs (benchmarks/results): the achieved share of the GEMM
@@ -209,7 +217,9 @@ def step_time(
     n = sum(c.numel for c in layout_of(m, tp))  # this rank's parameters (1/T of the split ones)
     hidden = tp_efficiency_hidden(m.n_embd, tp) if tp > 1 else m.n_embd
     rate = rates.gemm_tflops * 1e12 * efficiency(hidden, rates.model_efficiency)
-    if work.precision == "fp32":
+    if work.device == "cpu":
+        rate *= CPU_PRECISION_SHARE[work.precision]
+    elif work.precision == "fp32":
         rate *= FP32_FRACTION
     compute = tokens * flops / tp / rate  # each rank computes 1/T of every layer
     if ecfg.compile == "on":  # "auto" is resolved after planning: priced eager, as it may run

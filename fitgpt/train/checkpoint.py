@@ -320,6 +320,7 @@ def save(
             full = {
                 "step": step,
                 "world": ctx.world,
+                "device": ctx.device.type,  # a resume on another device says so
                 "optimizer_state": optimizer,
                 "layout": [c.to_dict() for c in engine.layout],
                 "engine_state": engine.extra_state(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -15,24 +16,39 @@ class TrainConfig:
         default=24, metadata={"help": "sequences per micro-batch per GPU (per process)"}
     )
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    # The CLI replaces these defaults by the model's (fitgpt/train/schedule.py default_lr) where
-    # the command names none; 2e-3 and 2e-4 are that rule's values for the tiny preset.
-    lr: float = field(
-        default=2e-3,
+    # None: the default, worked out where the run's figures are known (train/schedule.py
+    # resolve_schedule, called by the Trainer: the warm-up needs the tokens per step, which
+    # depend on the data-parallel world size).
+    lr: float | None = field(
+        default=None,
         metadata={
             "help": "peak learning rate",
             "default_text": "by the model's width, interpolated from GPT-3's rates: 6e-4 at 768, "
-            "1.6e-4 at 2560, 9e-5 at 6144; tiny 2e-3",
+            "1.6e-4 at 2560, 9e-5 at 6144; tiny 2e-3; a tenth of that with --init-from",
         },
     )
-    min_lr: float = field(
-        default=2e-4,
+    min_lr: float | None = field(
+        default=None,
         metadata={
             "help": "learning rate at the end of the cosine",
             "default_text": "a tenth of --lr",
         },
     )
-    warmup: int = field(default=50, metadata={"help": "linear warm-up steps"})
+    warmup: int | None = field(
+        default=None,
+        metadata={
+            "help": "linear warm-up steps",
+            "default_text": "GPT-3's 375 M tokens, at most 5%% of the run, at least Adam's "
+            "2/(1-beta2) steps (40); with --init-from 3%% of the run",
+        },
+    )
+    finetune: bool = field(
+        default=False,
+        metadata={
+            "cli": False,  # set by --init-from: the schedule's defaults are fine-tuning's
+            "help": "the run starts from pretrained weights",
+        },
+    )
     eval_every: int = field(default=200, metadata={"help": "evaluate every N steps (0 = never)"})
     eval_batches: int = field(
         default=8, metadata={"help": "validation micro-batches per evaluation"}
@@ -101,7 +117,6 @@ class TrainConfig:
                     f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1"
                 )
         for name in (
-            "warmup",
             "eval_every",
             "eval_batches",
             "save_every",
@@ -115,5 +130,8 @@ class TrainConfig:
             raise UserError(f"--save-optimizer {self.save_optimizer!r}: use full or none")
         if self.dist_timeout <= 0:
             raise UserError(f"--dist-timeout {self.dist_timeout} must be > 0 seconds")
-        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+        if self.warmup is not None and self.warmup < 0:
+            raise UserError("--warmup must be >= 0")
+        lr_ok = self.lr is None or self.lr > 0
+        if not (lr_ok and (self.min_lr is None or 0 <= self.min_lr <= (self.lr or math.inf))):
             raise UserError(f"--lr {self.lr} must be > 0 and --min-lr {self.min_lr} in [0, lr]")

@@ -13,6 +13,16 @@ divergence that one is set aside as RUN/diverged.step_X (kept for inspection, ne
 The trainer deletes checkpoints beyond --keep only after a healthy step, so the one before it
 (the last good one) is still there.
 
+What to change depends on the cause (DivergenceGuard.advice): an fp16 run whose updates are
+skipped with a finite loss overflowed fp16's range (its loss scale, or its gradients at any
+scale); a NaN/inf loss, or a non-finite gradient in bf16/fp32, came from updates too large for
+the weights (the rate and its warm-up).
+
+Spikes. A finite loss that stays above SPIKE_RATIO times the run's first loss for SPIKE_STEPS
+steps in a row means the updates have undone more than the run learned: at the start the loss is
+about ln(vocabulary), and a run that trains never comes back above it. The run goes on (it may
+recover), but the log names it once, with what to change.
+
 Signals. The first SIGINT (Ctrl-C) or SIGTERM asks the loop to stop after the current step; the
 trainer then saves and prints the resume command. A second one interrupts at once.
 """
@@ -36,6 +46,15 @@ class Interrupted(KeyboardInterrupt):
     """A signal stopped the run; the message says what was saved and how to resume."""
 
 
+# A loss above 1.1x the run's first for 5 steps in a row is a spike the run has not recovered
+# from: batch-to-batch noise stays within a few percent, so five in a row above the margin do not
+# happen by chance, and 5 steps of a 40+ loss are enough to call it.
+SPIKE_RATIO = 1.1
+SPIKE_STEPS = 5
+# fp16's default initial loss scale: a run that still overflows above it was started too high
+DEFAULT_SCALE = 2.0**16
+
+
 class DivergenceGuard:
     def __init__(self, max_bad: int, dynamic_scale: bool) -> None:
         self.max_bad = max_bad  # 0: never stop
@@ -46,19 +65,72 @@ class DivergenceGuard:
         self.healthy = True  # the latest step's weights may be saved
         self.last_loss = 0.0
         self.last_skipped = False
+        self.last_scale = 1.0
+        self.last_step = 0
+        self.nonfinite_in_streak = False  # a NaN/inf loss among the bad steps
+        self.start_loss: float | None = None  # the first finite loss of this process's run
+        self.start_step = 0
+        self.above = 0  # steps in a row with a loss above SPIKE_RATIO x start_loss
+        self.spike_named = False
+        self._spike_now = False
 
-    def record(self, step: int, loss: float, skipped: bool) -> None:
-        self.last_loss, self.last_skipped = loss, skipped
+    def record(self, step: int, loss: float, skipped: bool, loss_scale: float = 1.0) -> None:
+        self.last_loss, self.last_skipped, self.last_scale = loss, skipped, loss_scale
+        self.last_step = step
         finite = math.isfinite(loss)
+        self._track_spike(step, loss, finite)
         self.healthy = finite and not (skipped and not self.dynamic_scale)
         if finite and not skipped:
             self.streak, self.first_unhealthy = 0, None
+            self.nonfinite_in_streak = False
             return
         if self.streak == 0:
             self.first_bad = step
         self.streak += 1
+        self.nonfinite_in_streak |= not finite
         if not self.healthy and self.first_unhealthy is None:
             self.first_unhealthy = step
+
+    def _track_spike(self, step: int, loss: float, finite: bool) -> None:
+        self._spike_now = False
+        if not finite:
+            return
+        if self.start_loss is None:
+            self.start_loss, self.start_step = loss, step
+            return
+        self.above = self.above + 1 if loss > SPIKE_RATIO * self.start_loss else 0
+        if self.above >= SPIKE_STEPS and not self.spike_named:
+            self.spike_named = self._spike_now = True
+
+    def spike_line(self, lr: float, peak: float, warmup: int) -> str | None:
+        """The one log line naming a spike, on the step it is confirmed; None otherwise."""
+        if not self._spike_now:
+            return None
+        return (
+            f"step {self.last_step}: the loss has stayed above step {self.start_step}'s "
+            f"{self.start_loss:.4g} for {self.above} steps (now {self.last_loss:.4g}): the "
+            f"updates undo what the run learns; {self.advice(lr, peak, warmup)}"
+        )
+
+    def advice(self, lr: float, peak: float, warmup: int) -> str:
+        """What to change, by the cause of the latest trouble: fp16's range, or the rate."""
+        fp16_overflow = (
+            self.dynamic_scale
+            and self.streak > 0
+            and self.last_skipped
+            and not self.nonfinite_in_streak
+        )
+        if fp16_overflow and self.last_scale >= DEFAULT_SCALE:
+            return (
+                f"the fp16 loss scale is still {self.last_scale:g} after {self.streak} "
+                "overflows: lower --initial-scale (65536 is the default)"
+            )
+        if fp16_overflow:
+            return (
+                f"the gradients overflow fp16 even at a loss scale of {self.last_scale:g}: "
+                "train in --precision bf16 (or fp32), not by lowering --lr"
+            )
+        return f"lower --lr (peak {peak:.3g}, now {lr:.3g}) or raise --warmup (now {warmup} steps)"
 
     def why(self) -> str:
         """What was wrong with the latest step, for a log line."""

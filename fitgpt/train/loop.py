@@ -18,9 +18,11 @@ from pathlib import Path
 
 import torch
 
+from fitgpt import units
 from fitgpt.data.config import DataConfig, open_data
 from fitgpt.data.source import BatchLoader
 from fitgpt.dist import DistContext
+from fitgpt.dist.env import thread_tuner
 from fitgpt.engine.base import Engine, StepStats
 from fitgpt.engine.comm import CollectiveError
 from fitgpt.engine.compile import report_line
@@ -39,8 +41,9 @@ from fitgpt.train.guard import Diverged, DivergenceGuard, Interrupted, StopReque
 from fitgpt.train.init_from import FREE, InitSource, checkpoint_of, drop_scratch
 from fitgpt.train.metrics import MetricsLog, format_line, peak_flops
 from fitgpt.train.profile import StepProfiler
+from fitgpt.train.resume import changed_settings, saved_run
 from fitgpt.train.rundir import close_run_dir, open_run_dir
-from fitgpt.train.schedule import lr_at
+from fitgpt.train.schedule import lr_at, resolve_schedule
 from fitgpt.train.setup import OutOfMemory, is_oom, oom_message, phase_of, resolve_run
 
 
@@ -89,6 +92,15 @@ class Trainer:
         # --tensor-parallel T: the ranks of one TP group take the same micro-batches, so data is
         # sharded by the data-parallel rank (ctx.dp_rank, ctx.dp_world; the job's at T=1)
         ctx = ctx.with_tensor_parallel(tp)
+        # the rates and warm-up the command left unset, decided once (train/schedule.py): the
+        # warm-up counts tokens, and the tokens per step count the data-parallel ranks
+        tokens = run.train.micro_batch * run.train.grad_accum * ctx.dp_world * run.model.seq_len
+        train_cfg, self.defaults_line, warning = resolve_schedule(
+            run.train, run.model, tokens, run.optim.beta2
+        )
+        run = dataclasses.replace(run, train=train_cfg)
+        if warning:
+            say(ctx, warning)
         self.run, self.ctx, self.cfg = run, ctx, run.train
         self.out = Path(self.cfg.out)
         self._counts: dict[str, float] = {}  # the engine's counters at the last metrics record
@@ -100,7 +112,11 @@ class Trainer:
             run.model.seq_len,
             run.model.vocab_size,
             c.seed,
-            num_samples=(c.steps * c.grad_accum * per_batch, c.eval_batches * per_batch),
+            # no validation sample for a run that never validates: it opens no valid split
+            num_samples=(
+                c.steps * c.grad_accum * per_batch,
+                c.eval_batches * per_batch if c.eval_every else 0,
+            ),
         )
         if self.tokenizer is not None and self.tokenizer.vocab_size != run.model.vocab_size:
             # the planner priced run.model: building another model would void its prediction
@@ -124,13 +140,13 @@ class Trainer:
         )
         self.log = MetricsLog(self.out, ctx.is_main)
         self.peak = peak_flops(ctx.device)
+        # a CPU run keeps the faster thread count as other programs come and go (dist/threads.py)
+        self.threads = thread_tuner(self.cfg.cpu_threads, ctx.device.type)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def meta(self) -> dict:
         return {
-            "config": self.run.to_dict(),
-            "tokenizer": self.tokenizer.name if self.tokenizer is not None else None,
-            "init_from": self.source,
+            **saved_run(self.run, self.tokenizer, self.source),  # paths absolute, fingerprints
             "trainer": {
                 "step": self.step,
                 "skipped": self.skipped,
@@ -205,15 +221,21 @@ class Trainer:
         trainer = meta.get("trainer", {})  # an imported model may carry no trainer state
         self.step = trainer.get("step", meta["step"])
         self.skipped = trainer.get("skipped", 0)
+        self.source = meta.get("init_from")  # a fine-tune's later checkpoints still name it
         if "data" in trainer:
             self.loader.load_state_dict(trainer["data"])
         self.log.drop_after(self.step)  # the steps after it are run, and logged, again
+        # every setting that differs from the saved run's, the planner's choices included: the
+        # one place a resume says what it changed (train/resume.py)
+        ctx = self.ctx
+        changes = changed_settings(meta, ckpt, self.run, ctx.world, ctx.dp_world, ctx.device.type)
+        changed = f"; changed {', '.join(changes)}" if changes else ""
         fresh = (
             ""
             if ckpt_io.holds_optimizer(meta)
             else "; optimizer state starts fresh: the checkpoint holds weights only"
         )
-        say(self.ctx, f"resumed from {ckpt} at step {self.step}{fresh}")
+        say(ctx, f"resumed from {ckpt} at step {self.step}{changed}{fresh}")
 
     def init_from(self, source: InitSource) -> None:
         """Start from `source`'s weights: optimizer, step count and data position stay fresh."""
@@ -292,6 +314,8 @@ class Trainer:
     def fit(self) -> dict:
         cfg, ctx = self.cfg, self.ctx
         self.preflight()
+        if self.step == 0 and self.defaults_line:  # a resumed run took its saved config's
+            say(ctx, self.defaults_line)
         compiled = ""
         if self.engine.compiled is not None:
             whole = self.engine.compiled.report()["scope"] == "model"
@@ -301,7 +325,7 @@ class Trainer:
         )
         say(
             ctx,
-            f"model {self.model_cfg.num_params() / 1e6:.2f} M parameters, engine "
+            f"model {units.params(self.model_cfg.num_params())} parameters, engine "
             f"{self.run.engine.engine}{compiled}, {ctx.world} rank(s){tp_note} on {ctx.device}, "
             f"{self.tokens_per_step:,} tokens per step, {torch.get_num_threads()} CPU threads "
             "per rank",
@@ -323,6 +347,9 @@ class Trainer:
                     prof.before(self.step)
                     stats, dt, lr = self.step_once()
                     written = prof.after(self.step - 1, dt)
+                    switched = self.threads.after_step(dt)
+                    if switched:
+                        say(ctx, switched)
                     if not losses:  # this process's first step compiled forward and backward
                         self._report_compile()
                     self.window.append(dt)
@@ -348,12 +375,14 @@ class Trainer:
         """Divergence check, log line, evaluation and checkpoint of the step just taken."""
         cfg, guard, logged = self.cfg, self.guard, []
         self.skipped += stats.skipped
-        guard.record(self.step, stats.loss, stats.skipped)
+        guard.record(self.step, stats.loss, stats.skipped, stats.loss_scale)
         if guard.healthy:
             self._prune()  # the newest checkpoint's weights gave a finite loss
         if self.step % cfg.log_every == 0 or self.step == cfg.steps or guard.tripped:
             logged.append(self._log_step(stats, lr, self.window, self.t_start))
             self.window = []
+        if (spike := guard.spike_line(lr, cfg.lr, cfg.warmup)) is not None:  # once per run
+            say(self.ctx, spike)
         if guard.tripped:
             self._diverged(guard, lr)
         if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
@@ -390,6 +419,8 @@ class Trainer:
             "tokens_per_s": self.tokens_per_step / (ms / 1000),
         }
         flops = self.model_cfg.flops_per_token() * rec["tokens_per_s"] / ctx.world
+        if ctx.device.type == "cpu":  # the count can change while the run trains
+            rec["cpu_threads"] = torch.get_num_threads()
         if ctx.device.type == "cuda":
             rec["tflops"] = flops / 1e12  # per GPU
             rec["peak_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
@@ -495,8 +526,9 @@ class Trainer:
         last = self._newest()
         good = f"; the last good checkpoint is {last}" if last else "; no good checkpoint exists"
         raise Diverged(
-            f"{what}; nothing was saved from them{moved}{good}; lower --lr (now {lr:.3g}) or "
-            "raise --warmup, or pass --max-bad-steps 0 to train on"
+            f"{what}; nothing was saved from them{moved}{good}; "
+            f"{guard.advice(lr, self.cfg.lr, self.cfg.warmup)}, "
+            "or pass --max-bad-steps 0 to train on"
         )
 
 
@@ -506,13 +538,27 @@ def _is_backend_error(e: RuntimeError) -> bool:
     return any(k in text for k in keys)
 
 
+def _write_run_files(out: Path, files: dict[str, str]) -> None:
+    """Small text files kept with the run (deepspeed_notes.txt), each renamed into place whole."""
+    for name, text in files.items():
+        tmp = out / f".{name}.tmp"
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, out / name)
+        except OSError as e:
+            raise UserError(f"--out {out}: cannot write {name} ({e.strerror})") from None
+
+
 def train(
     run: RunConfig,
     ctx: DistContext,
     resume: str | None = None,
     overwrite: bool = False,
     init_from: InitSource | None = None,
+    run_files: dict[str, str] | None = None,
 ) -> dict:
+    """Train `run`; `run_files` (name -> text) are kept in the run folder (rank 0), written once
+    the trainer has started, so a run refused at start-up still leaves no folder behind."""
     run = resolve_run(run, ctx.device.type)  # a no-op for a run setup_run made (and planned)
     out = Path(run.train.out)
     lock = open_run_dir(out, resume is not None, overwrite, ctx)  # run folder: locked, checked
@@ -523,6 +569,8 @@ def train(
             trainer.resume(Path(resume) if resume else out)
         elif init_from is not None:
             trainer.init_from(init_from)
+        if ctx.is_main:
+            _write_run_files(out, run_files or {})
         out_ = trainer.fit()
         failed = False
         return out_

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from fitgpt.errors import UserError
+from fitgpt.units import tflops
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s, matched by substring of the device name.
 PEAK_BF16 = {
@@ -129,7 +130,7 @@ def format_line(r: dict) -> str:
         f"{r['tokens_per_s']:,.0f} tok/s",
     ]
     if "tflops" in r:
-        parts.append(f"{r['tflops']:.0f} TFLOP/s")
+        parts.append(tflops(r["tflops"]))
     if "mfu" in r:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     if "peak_gib" in r:

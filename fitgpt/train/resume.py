@@ -5,10 +5,19 @@ training settings it was started with; the command need not repeat them. Flags g
 checked against the checkpoint:
 
 - what the saved state or the data order depends on (model shape, data, tokenizer, split,
-  seed) must agree, or the resume is refused in one line naming the field;
+  seed) must agree, or the resume is refused in one line naming the field; data or a tokenizer
+  that moved may be named at its new place (it is recognised by its fingerprint);
 - what may legitimately change between two legs of a run (steps, learning rate and schedule,
-  logging and checkpoint cadence, batch split, precision, optimizer settings, where state lives)
-  is applied and listed in one line.
+  logging and checkpoint cadence, batch split, precision, optimizer settings, where state lives,
+  dropout) is applied.
+
+Once the resumed run is planned, the trainer states in one line every setting that differs from
+the saved run, asked for or not: world size, tokens per step, ZeRO stage, placement, precision,
+tensor parallelism, and every flag (`changed_settings`).
+
+Paths in a checkpoint (data, tokenizer, --nvme-path, --out) are stored absolute, so a run folder
+resumes from any working directory; checkpoints written before that hold them relative to the
+directory the run started in, which is worked out from where the run folder lies.
 
 A setting fitgpt has since removed is dropped from the saved config; where the run had it on,
 one line says what the run does instead.
@@ -17,15 +26,24 @@ one line says what the run does instead.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from fitgpt.data import sidecar
 from fitgpt.data.config import BUILTIN, DataConfig
+from fitgpt.data.indexed import paths as pair_paths
+from fitgpt.data.tokenizer import Tokenizer, load_tokenizer
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
-from fitgpt.model import ModelConfig
+from fitgpt.model import ModelConfig, get_preset
 from fitgpt.train import checkpoint as ckpt_io
 from fitgpt.train.config import TrainConfig
+from fitgpt.train.init_from import FREE
+
+if TYPE_CHECKING:  # loop.py imports this module
+    from fitgpt.train.loop import RunConfig
 
 PARTS = {
     "model": ModelConfig,
@@ -42,8 +60,126 @@ REMOVED = {
     ("engine", "delayed_update"): "--delayed-update, which was removed (docs/offload.md); it "
     "goes on with exact updates",
 }
+# Path-like fields: "prefix" and "dir" are one path, "spec" a tokenizer spec whose
+# comma-separated parts may each be one. Names that are not paths stay as they are.
+PATH_FIELDS = {
+    ("data", "data"): "prefix",
+    ("data", "tokenizer"): "spec",
+    ("engine", "nvme_path"): "dir",
+    ("train", "out"): "dir",
+}
+NAMES = {*BUILTIN, *sidecar.BUILTIN_SPECS, "auto", "none", ""}
+# Not a setting of the run: --profile looks at one leg's steps and is off on every resume.
+NOT_SETTINGS = {("train", "profile")}
+# Values that mean another one where no planner replaced them: a storage format left "auto" is
+# fp32 to the engine (engine/placement.py), so a run saved with --plan off and resumed planned
+# has not changed it.
+SAME_AS = {("engine", k): {"auto": "fp32"} for k in ("master", "moments", "device_moments")}
+SAMPLED = 1 << 20  # bytes hashed at each end of a data file (data_fingerprint)
 
 
+# ---- paths -----------------------------------------------------------------------------------
+def absolute(value: str, kind: str = "dir", base: Path | None = None) -> str:
+    """`value` with its relative path parts made absolute against `base` (default: the working
+    directory); names such as stdlib, gpt2 or auto are kept."""
+    if value in NAMES:
+        return value
+    parts = value.split(",") if kind == "spec" else [value]
+    root = str(base) if base is not None else os.getcwd()
+    return ",".join(p if not p else os.path.abspath(os.path.join(root, p)) for p in parts)
+
+
+def portable(config: dict) -> dict:
+    """A RunConfig's dict with every path field absolute: what a checkpoint stores."""
+    out = {part: dict(fields) for part, fields in config.items()}
+    for (part, name), kind in PATH_FIELDS.items():
+        if name in out.get(part, {}):
+            out[part][name] = absolute(out[part][name], kind)
+    return out
+
+
+def _started_in(meta: dict, ckpt: Path) -> Path | None:
+    """The working directory an older checkpoint's run started in (its paths are relative to
+    it): the run folder less the relative --out it was saved with. None when --out was
+    absolute, or the run folder was moved or renamed since (its paths then stay relative to the
+    working directory, as before)."""
+    out = meta["config"].get("train", {}).get("out", "")
+    if not out or os.path.isabs(out):
+        return None
+    rel = Path(os.path.normpath(out)).parts
+    run = Path(os.path.abspath(ckpt.parent)).parts
+    if rel == (".",):  # the run folder was the working directory
+        return Path(*run)
+    if ".." in rel or run[-len(rel) :] != rel:
+        return None
+    return Path(*run[: -len(rel)])
+
+
+def saved_config(meta: dict, ckpt: Path) -> dict[str, dict]:
+    """The checkpoint's config, per part, its relative paths (older checkpoints) read against
+    the directory its run started in."""
+    config = {part: dict(meta["config"].get(part, {})) for part in PARTS}
+    base = _started_in(meta, ckpt)
+    if base is not None:
+        for (part, name), kind in PATH_FIELDS.items():
+            if name in config[part]:
+                config[part][name] = absolute(config[part][name], kind, base)
+    return config
+
+
+def from_saved(section: str, saved: dict):
+    """A config part from a checkpoint's meta (fields added since it was written take their
+    defaults; fields since removed are dropped)."""
+    cls = PARTS[section]
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in saved.items() if k in names})
+
+
+# ---- what identifies the data and the tokenizer ----------------------------------------------
+def data_fingerprint(prefix: str) -> dict | None:
+    """The sizes of a .bin/.idx pair and a SHA-256 of the first and last MiB of each: what
+    recognises the same data under another name (one read of 4 MiB at most). None for built-in
+    data and for a pair that cannot be read."""
+    if prefix in BUILTIN:
+        return None
+    digest, sizes = hashlib.sha256(), []
+    try:
+        for p in pair_paths(prefix):
+            size = p.stat().st_size
+            with open(p, "rb") as f:
+                digest.update(f.read(SAMPLED))
+                f.seek(max(SAMPLED, size - SAMPLED))
+                digest.update(f.read())
+            sizes.append(size)
+    except OSError:
+        return None
+    return {"bin_bytes": sizes[0], "idx_bytes": sizes[1], "sha256": digest.hexdigest()}
+
+
+def _fingerprint(tok: Tokenizer | None) -> str | None:
+    """sidecar.fingerprint, or None for no tokenizer or ids without text (`data fake`'s
+    recorded vocabulary, which refuses to encode)."""
+    if tok is None:
+        return None
+    try:
+        return sidecar.fingerprint(tok)
+    except UserError:
+        return None
+
+
+def saved_run(run: RunConfig, tokenizer: Tokenizer | None, source: str | None) -> dict:
+    """What a checkpoint's meta.json records of its run: the config with absolute paths, the
+    tokenizer (absolute spec and fingerprint), the data's fingerprint, the --init-from source."""
+    return {
+        "config": portable(run.to_dict()),
+        "tokenizer": absolute(tokenizer.name, "spec") if tokenizer is not None else None,
+        "tokenizer_fingerprint": _fingerprint(tokenizer),
+        "data_fingerprint": data_fingerprint(run.data.data),
+        "init_from": absolute(source) if source else None,
+    }
+
+
+# ---- the resumed run's config -------------------------------------------------------------------
 def _flag(cls, name: str) -> str:
     """The command-line flag of a config field (--layers for n_layer)."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
@@ -59,14 +195,6 @@ def find_checkpoint(resume: str, out: str) -> Path | None:
     return found[-1] if found else None
 
 
-def from_saved(section: str, saved: dict):
-    """A config part from a checkpoint's meta (fields added since it was written take their
-    defaults; fields since removed are dropped)."""
-    cls = PARTS[section]
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in saved.items() if k in names})
-
-
 def removed_settings(meta: dict, ckpt: Path) -> list[str]:
     """One note per removed setting (REMOVED) that the checkpoint's run had on."""
     return [
@@ -76,52 +204,188 @@ def removed_settings(meta: dict, ckpt: Path) -> list[str]:
     ]
 
 
-def _same_data(cfg: DataConfig, field: str, asked) -> bool:
-    saved = getattr(cfg, field)
-    if field == "data" and saved not in BUILTIN and asked not in BUILTIN:
-        return os.path.realpath(saved) == os.path.realpath(asked)
-    if field == "tokenizer":  # "auto" and what auto means for this data are the same tokenizer
-        return dataclasses.replace(cfg, tokenizer=asked).tokenizer_spec() == cfg.tokenizer_spec()
-    return saved == asked
+def _refuse(ckpt: Path, flag: str, old, new) -> UserError:
+    return UserError(
+        f"--resume: {ckpt} was trained with {flag} {old}, this command asks {flag} {new}; drop "
+        "the flag to continue that run, or start a new run with another --out"
+    )
 
 
-def resumed_config(meta: dict, ckpt: Path, explicit: dict[str, dict], preset: ModelConfig | None):
-    """(the RunConfig of the resumed run, the changes applied as 'field old → new' strings).
+def _pair_exists(prefix: str) -> bool:
+    return all(p.is_file() for p in pair_paths(prefix))
+
+
+def _data(saved: dict, asked: dict, meta: dict, ckpt: Path) -> tuple[DataConfig, list[str]]:
+    """The data part of the resumed run and its notes: --data may name the saved data at
+    another place (recognised by its fingerprint), never other data."""
+    old, notes = saved["data"], []
+    new = asked.get("data", old)
+    if "data" not in asked and old not in BUILTIN and not _pair_exists(old):
+        raise UserError(
+            f"--resume: {ckpt} was trained on {old}, and {old}.bin/.idx no longer exist; if the "
+            "data moved, pass --data with its new prefix"
+        )
+    moved = new != old and os.path.realpath(new) != os.path.realpath(old)
+    if moved and (new in BUILTIN or old in BUILTIN):
+        raise _refuse(ckpt, "--data", old, new)
+    for name, value in asked.items():  # the split, the sample order: the data order itself
+        if name not in ("data", "tokenizer") and name in saved and value != saved[name]:
+            raise _refuse(ckpt, _flag(DataConfig, name), saved[name], value)
+    known = {f.name for f in dataclasses.fields(DataConfig)}
+    merged = {k: v for k, v in {**saved, **asked}.items() if k in known}
+    cfg = DataConfig(**merged)  # --data NEW must exist: refused in one line naming it if not
+    if moved:
+        recorded = meta.get("data_fingerprint") or data_fingerprint(old)
+        found = data_fingerprint(new)
+        if recorded is None:
+            notes.append(
+                f"resume: {ckpt} records no fingerprint of its data and {old} is gone: --data "
+                f"{new} is taken to be the same data"
+            )
+        elif found != recorded:
+            theirs = f"{recorded['bin_bytes']:,}+{recorded['idx_bytes']:,}"
+            sizes = f"{found['bin_bytes']:,}+{found['idx_bytes']:,}" if found else "unreadable"
+            what = (
+                f"its .bin+.idx hold {sizes} bytes, the run's {theirs}"
+                if sizes != theirs
+                else "its .bin/.idx have the run's sizes but other content"
+            )
+            raise UserError(
+                f"--data {new} is not the data {ckpt} was trained on ({old}): {what}; pass the "
+                "data the run was trained on, or start a new run with another --out"
+            )
+    if "tokenizer" in asked:
+        _check_tokenizer(dataclasses.replace(cfg, tokenizer=saved["tokenizer"]), cfg, meta, ckpt)
+    return cfg, notes
+
+
+def _check_tokenizer(saved: DataConfig, asked: DataConfig, meta: dict, ckpt: Path) -> None:
+    """--tokenizer on a resume: the saved run's tokenizer, possibly at another place (the same
+    fingerprint), or refused naming both."""
+    old, new = saved.tokenizer_spec(), asked.tokenizer_spec()
+    if old == new:
+        return
+    if "none" in (old, new):  # pre-tokenized data against a tokenizer: never the same
+        raise _refuse(ckpt, "--tokenizer", old, new)
+    recorded = meta.get("tokenizer_fingerprint")
+    if recorded is None:
+        try:
+            recorded = sidecar.fingerprint(load_tokenizer(old))
+        except UserError:  # moved, and the checkpoint predates tokenizer fingerprints
+            return
+    if sidecar.fingerprint(load_tokenizer(new)) != recorded:
+        raise _refuse(ckpt, "--tokenizer", old, new)
+
+
+def _model(saved: dict, asked: dict, preset: str | None, ckpt: Path) -> ModelConfig:
+    """The model part: the saved architecture; a typed flag that differs is refused, except the
+    fields a run may change (FREE: dropout). A --preset named again counts for its
+    architecture only, and a difference it makes is blamed on it, not on a flag never typed."""
+    base = from_saved("model", saved)  # fields added since the checkpoint: their defaults
+    fields = base.to_dict()
+    from_preset = {}
+    if preset is not None:
+        shape = get_preset(preset).to_dict()  # its vocabulary comes from the data, dropout is FREE
+        from_preset = {k: v for k, v in shape.items() if k != "vocab_size" and k not in FREE}
+    for name, value in {**from_preset, **asked}.items():
+        old = getattr(base, name)
+        if name in FREE and name in asked:
+            fields[name] = value
+        elif old != value:
+            flag = _flag(ModelConfig, name)
+            if name in asked:
+                raise _refuse(ckpt, flag, old, value)
+            raise UserError(
+                f"--resume: {ckpt} was trained with {flag} {old}, and --preset {preset} has "
+                f"{flag} {value}; drop --preset (a resume takes the model from its checkpoint), "
+                "or start a new run with another --out"
+            )
+    return from_saved("model", fields)
+
+
+def _check_steps(meta: dict, ckpt: Path, steps: int, typed: bool) -> None:
+    """A resume that would train nothing is refused before any work (it used to print
+    'resumed' and exit 0 with an empty --out)."""
+    step = meta.get("trainer", {}).get("step", meta["step"])
+    if steps <= step:
+        given = f"--steps {steps}" if typed else f"its --steps {steps}"
+        raise UserError(
+            f"--resume: {ckpt} is at step {step} and {given} is not above it, so nothing would "
+            f"be trained; pass --steps above {step} to train on"
+        )
+
+
+def resumed_config(
+    meta: dict, ckpt: Path, explicit: dict[str, dict], preset: str | None
+) -> tuple[RunConfig, list[str]]:
+    """(the RunConfig of the resumed run, notes to print).
 
     `explicit` holds, per part, the fields the user set on the command line; `preset` the
-    --preset named explicitly, if any (its fields count as given, except the vocabulary, which
-    comes from the data)."""
+    --preset named explicitly, if any."""
     from fitgpt.train.loop import RunConfig
 
-    saved = {k: from_saved(k, meta["config"][k]) for k in PARTS}
-    asked = {k: dict(v) for k, v in explicit.items()}
-    if preset is not None:
-        given = {k: v for k, v in preset.to_dict().items() if k != "vocab_size"}
-        asked["model"] = {**given, **asked.get("model", {})}
-    changes = []
-    for part in ("data", "model"):  # the data first: it also decides the vocabulary
-        for name, value in asked.get(part, {}).items():
-            old = getattr(saved[part], name)
-            same = _same_data(saved[part], name, value) if part == "data" else old == value
-            if not same:
-                flag = _flag(PARTS[part], name)
-                raise UserError(
-                    f"--resume: {ckpt} was trained with {flag} {old}, this command asks {flag} "
-                    f"{value}; drop the flag to continue that run, or start a new run with "
-                    "another --out"
-                )
+    saved = saved_config(meta, ckpt)
+    asked = {k: dict(explicit.get(k, {})) for k in PARTS}
+    data, notes = _data(saved["data"], asked["data"], meta, ckpt)  # it also decides the vocab
+    parts = {"data": data, "model": _model(saved["model"], asked["model"], preset, ckpt)}
     for part in ("train", "engine", "precision", "optim"):
-        for name, value in asked.get(part, {}).items():
-            old = getattr(saved[part], name)
-            if value == old:
-                continue
-            if name in FIXED.get(part, ()):
+        for name in FIXED.get(part, ()):
+            old, value = saved[part].get(name), asked[part].get(name)
+            if name in asked[part] and value != old:
                 raise UserError(
                     f"--resume: {ckpt} was trained with --{name.replace('_', '-')} {old}; "
                     f"resuming with {value} would change the data order. Drop the flag"
                 )
-            changes.append(f"{name} {old} → {value}")
-    parts = {k: dataclasses.replace(saved[k], **asked.get(k, {})) for k in PARTS}
-    if "profile" not in asked.get("train", {}):  # a look at one run's steps, not a setting of it
+        parts[part] = dataclasses.replace(from_saved(part, saved[part]), **asked[part])
+    if "profile" not in asked["train"]:  # a look at one run's steps, not a setting of it
         parts["train"] = dataclasses.replace(parts["train"], profile=0)
-    return RunConfig(**parts), changes
+    _check_steps(meta, ckpt, parts["train"].steps, "steps" in asked["train"])
+    return RunConfig(**parts), notes
+
+
+# ---- what the resumed run changes -------------------------------------------------------------
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None or value == "":
+        return "not set"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _tokens(train: dict, model: dict, dp_world: int) -> int:
+    return train["micro_batch"] * train["grad_accum"] * dp_world * model["seq_len"]
+
+
+def changed_settings(
+    meta: dict, ckpt: Path, run: RunConfig, world: int, dp_world: int, device: str
+) -> list[str]:
+    """Every setting of the resumed `run` (as planned and resolved for `world` ranks on
+    `device`) that differs from the saved run's, as 'what old → new' strings: world size,
+    device, tokens per step, then every config field by its flag. Fields the checkpoint does
+    not record (added to fitgpt since) are not compared."""
+    saved, now = saved_config(meta, ckpt), portable(run.to_dict())
+    out = []
+    if meta["world"] != world:
+        out.append(f"world size {meta['world']} → {world}")
+    if meta.get("device", device) != device:
+        out.append(f"device {meta['device']} → {device}")
+    tp = saved["engine"].get("tensor_parallel") or 1
+    before = _tokens(saved["train"], saved["model"], meta["world"] // tp)
+    after = _tokens(now["train"], now["model"], dp_world)
+    if before != after:
+        per_accum = after // now["train"]["grad_accum"]
+        keep = f" (--grad-accum {before // per_accum} keeps {before:,})"
+        out.append(
+            f"tokens per step {before:,} → {after:,}{keep if before % per_accum == 0 else ''}"
+        )
+    for part in ("engine", "precision", "train", "optim", "model", "data"):
+        for name, new in now[part].items():
+            if (part, name) in NOT_SETTINGS or name not in saved[part]:
+                continue
+            old = saved[part][name]
+            if (part, name) in PATH_FIELDS:
+                old = absolute(old, PATH_FIELDS[part, name])  # an old relative one, unplaced
+            same = SAME_AS.get((part, name), {})
+            if same.get(old, old) != same.get(new, new):
+                out.append(f"{_flag(PARTS[part], name)} {_shown(old)} → {_shown(new)}")
+    return out

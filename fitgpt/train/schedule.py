@@ -1,11 +1,17 @@
-"""Learning rate: linear warm-up from 0, then cosine decay to min_lr at the last step; the
-default peak by the model's width."""
+"""Learning rate: linear warm-up from 0, then cosine decay to min_lr at the last step; and the
+defaults a run takes when it names no rate or warm-up, decided here and only here
+(resolve_schedule): the peak by the model's width, the warm-up by tokens and the run's length,
+lower rates and a short warm-up when fine-tuning (--init-from)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
+
+from fitgpt.model import ModelConfig
+from fitgpt.train.config import TrainConfig
 
 # The peak learning rate a run gets when it names none, by hidden size: GPT-3's (Brown et al.
 # 2020, table 2.1: 125 M to 175 B, d_model 768 to 12288), and 2e-3 for the 128-wide CPU demo
@@ -27,6 +33,28 @@ DEFAULT_LR_BY_WIDTH = (
     (12288, 0.6e-4),
 )
 MIN_LR_RATIO = 0.1  # the cosine ends at a tenth of the peak, as GPT-3's does
+
+# Fine-tuning (--init-from) starts where pre-training ended: at the end rate of the width's
+# pre-training schedule (a tenth of the peak: 6e-5 at 768, 2.4e-5 at 1600). Public fine-tuning
+# defaults sit there: Hugging Face Trainer's 5e-5, nanoGPT's GPT-2 fine-tuning 3e-5. A
+# pre-training peak on pretrained weights undoes in a few steps what they learned.
+FINETUNE_LR_RATIO = 0.1
+FINETUNE_WARMUP_FRACTION = 0.03  # Alpaca's and Vicuna's warmup_ratio; HF Trainer's default is 0
+
+# Pre-training warm-up, in tokens and bounded by the run's length. GPT-3 warmed every size up over
+# 375 M tokens (Brown et al. 2020, appendix B; OPT's smaller models did the same): counted in
+# tokens, the rate at a given number of tokens seen does not depend on the batch. A run too
+# short for that (under 7.5 B tokens) spends WARMUP_FRACTION of its steps warming up, so that it
+# trains near its peak for most of its length; but never fewer than Adam's own warm-up,
+# 2/(1-beta2) steps (Ma & Yarats 2019: 40 at beta2 0.95; before that the second-moment estimate
+# is still noisy and each update moves every weight by about the full rate). That floor holds
+# even in a run shorter than it, which then ends before its peak: the first step's rate is the
+# peak over the warm-up, and a short run that warmed up over its own 8 steps took its first
+# step at 1.5e-5 and doubled its loss, where 40 steps kept it falling
+# (benchmarks/results/defaults_cpu_2026-11-26, run C). The fixed 50 steps this replaces was
+# 6.5 M tokens at 131 k tokens per step whatever the run's length.
+WARMUP_TOKENS = 375_000_000
+WARMUP_FRACTION = 0.05
 
 
 def default_lr(n_embd: int) -> float:
@@ -50,3 +78,78 @@ def end_lr(lr: float) -> float:
     """The default learning rate at the end of the cosine for a peak of lr: MIN_LR_RATIO of it,
     to 3 significant digits (6e-5 for 6e-4, not 5.9999999999999995e-05)."""
     return float(f"{lr * MIN_LR_RATIO:.3g}")
+
+
+def peak_lr(model: ModelConfig, finetune: bool) -> float:
+    """The default peak learning rate: by the width (default_lr), a tenth of it to fine-tune."""
+    lr = default_lr(model.n_embd)
+    return float(f"{lr * FINETUNE_LR_RATIO:.2g}") if finetune else lr
+
+
+def default_warmup(
+    steps: int, tokens_per_step: int, beta2: float, finetune: bool
+) -> tuple[int, str]:
+    """(the default warm-up steps, which rule set it) for a run of `steps` optimizer steps of
+    `tokens_per_step` tokens each (every data-parallel rank's)."""
+    if finetune:
+        return max(1, math.ceil(FINETUNE_WARMUP_FRACTION * steps)), "3% of the run"
+    by_tokens = math.ceil(WARMUP_TOKENS / tokens_per_step)
+    by_length = math.ceil(WARMUP_FRACTION * steps)
+    adam = math.ceil(2 / (1 - beta2))
+    if adam >= min(by_tokens, by_length):
+        return adam, "Adam's 2/(1-beta2)" + (
+            "; the run ends before its peak" if adam > steps else ""
+        )
+    if by_tokens <= by_length:
+        return by_tokens, f"{WARMUP_TOKENS / 1e6:.0f} M tokens, GPT-3's"
+    return by_length, "5% of the run"
+
+
+def resolve_schedule(
+    train: TrainConfig, model: ModelConfig, tokens_per_step: int, beta2: float
+) -> tuple[TrainConfig, str | None, str | None]:
+    """(`train` with the rates and warm-up it leaves unset (None) worked out, the one line
+    saying which defaults the run took or None, a warning about a warm-up that never finishes
+    or None)."""
+    chosen, flags = [], []
+    line = warning = None
+    lr, min_lr, warmup = train.lr, train.min_lr, train.warmup
+    kind = "fine-tuning" if train.finetune else "pre-training"
+    if lr is None:
+        lr = peak_lr(model, train.finetune)
+        whose = "a tenth of width" if train.finetune else "by width"
+        chosen.append(f"lr {lr:.2g} peak ({whose} {model.n_embd})")
+        flags.append("--lr")
+    if min_lr is None:
+        min_lr = end_lr(lr)
+        chosen.append(f"ending at {min_lr:.2g}")
+        flags.append("--min-lr")
+    if warmup is None:
+        warmup, why = default_warmup(train.steps, tokens_per_step, beta2, train.finetune)
+        tokens = warmup * tokens_per_step
+        chosen.append(f"warm-up {warmup} steps ({_count(tokens)} tokens: {why})")
+        flags.append("--warmup")
+    if train.finetune:
+        chosen.append("init: the source's weights")
+    elif model.init_std is None:
+        chosen.append(f"init std {model.weight_std():.3g} (by width {model.n_embd})")
+        flags.append("--init-std")
+    if flags:
+        line = f"defaults: {kind}, {', '.join(chosen)}; set {'/'.join(flags)} to change"
+    if warmup > train.steps and train.warmup is not None:  # a default's line says it already
+        last = lr_at(train.steps - 1, lr, min_lr, warmup, train.steps)
+        warning = (
+            f"--warmup {warmup} is above --steps {train.steps}: the warm-up never finishes and "
+            f"the rate never reaches its peak {lr:.2g} (the last step's is {last:.2g}); lower "
+            "--warmup or raise --steps"
+        )
+    return dataclasses.replace(train, lr=lr, min_lr=min_lr, warmup=warmup), line, warning
+
+
+def _count(n: int) -> str:
+    """A token count as a log reads it: 4,096, 1.3 M, 375 M, 2.1 B."""
+    if n < 1e6:
+        return f"{n:,}"
+    if n < 1e9:
+        return f"{n / 1e6:.3g} M"
+    return f"{n / 1e9:.3g} B"

@@ -75,6 +75,12 @@ def setup_run(run, ctx: DistContext, fixed, force: bool = False, log=print):
     """The run as it will be built: resolved, then planned (`fixed`: the engine fields the user
     set, a plan.apply.Fixed; None: no planning, the engine config is used as given)."""
     run = resolve_run(run, ctx.device.type, settle_compile=fixed is None)
+    # the one validation of a run's settings (engine/validate.py), on the model as built (its
+    # vocabulary is the tokenizer's now): what the CLI checked, and the benchmark harness's runs
+    from fitgpt.engine.validate import check_settings
+
+    f = None if fixed is None else fixed.as_dict()
+    check_settings(run.model, run.engine, run.precision, ctx.world, ctx.device.type, f)
     if fixed is None:
         return run
     from fitgpt.plan.apply import plan_engine
