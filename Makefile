@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format clean
+.PHONY: demo test test-fast lint format clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,12 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest --durations=15
+
+# Day-to-day: lint, then the tests not marked slow (no multi-process or long runs), stopping at
+# the first failure. `make test` (what CI runs) runs every test.
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -m "not slow" -x
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check --fix .

@@ -13,16 +13,7 @@ OUT=${OUT:-/tmp/compile_user_path}
 D=/tmp/compile_user_path_data RUN=/tmp/compile_user_path_run
 mkdir -p "$OUT" "$D"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # keeps device_env.sh's wheels
-python3 - "$D/pystd.jsonl" <<'PY'
-import json, sys, sysconfig
-from pathlib import Path
-with open(sys.argv[1], "w") as f:
-    for p in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-        try:
-            f.write(json.dumps({"text": p.read_text(encoding="utf-8")}) + "\n")
-        except (UnicodeDecodeError, OSError):
-            pass
-PY
+python3 benchmarks/stdlib_jsonl.py "$D/pystd.jsonl"
 run() {  # name, command...: the command's output to $OUT/name.log, its status and key lines
   local name=$1; shift
   "$@" > "$OUT/$name.log" 2>&1

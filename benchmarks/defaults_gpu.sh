@@ -19,16 +19,7 @@ OUT=${OUT:-/tmp/defaults_gpu}
 D=/tmp/defaults_data
 mkdir -p "$OUT" "$D"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-python3 - "$D/pystd.jsonl" <<'PY'
-import json, sys, sysconfig
-from pathlib import Path
-with open(sys.argv[1], "w") as f:
-    for p in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-        try:
-            f.write(json.dumps({"text": p.read_text(encoding="utf-8")}) + "\n")
-        except (UnicodeDecodeError, OSError):
-            pass
-PY
+python3 benchmarks/stdlib_jsonl.py "$D/pystd.jsonl"
 python3 -m fitgpt data preprocess --input "$D/pystd.jsonl" --json-key text \
   --output-prefix "$D/pystd" --workers 8 --append-eod > "$OUT/${STAGE}_preprocess.log" 2>&1 \
   || { tail -3 "$OUT/${STAGE}_preprocess.log"; exit 1; }

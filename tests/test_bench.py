@@ -56,7 +56,7 @@ def test_sweep_two_sizes_two_systems_with_gloo_and_report(tmp_path):
         assert x["status"] == "ok" and x["world"] == 2
         assert x["tokens_per_s"] > 0 and x["step_s_min"] <= x["step_s"] <= x["step_s_max"]
         assert x["params"] > 0 and len(x["losses"]) == 3 and x["host_rss_peak_gib"] > 0
-        assert {"device", "versions", "date", "bench"} <= set(x)
+        assert {"device", "versions", "date", "bench"} <= set(x) and x["cpu_threads"] >= 1
         assert x["compiled"] is False and x["bench"]["compile"] == "auto"  # auto: off on CPUs
     # the same data and initial weights: the two systems' first losses agree
     first = {(x["system"], x["layers"]): x["losses"][0] for x in recs}

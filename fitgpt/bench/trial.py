@@ -114,9 +114,11 @@ def run_trial(spec: dict) -> dict:
     system = get_system(spec["system"])
     bench = BenchConfig(**{**bench.to_dict(), **system.bench_changes})
     model = bench.model(spec["layers"])
-    configure_process()  # as `fitgpt train` does, before CUDA and the process group start
+    threads = configure_process()  # as `fitgpt train` does, before CUDA and process groups
     ctx = init_distributed(spec.get("device", "auto"), timeout_s=spec.get("dist_timeout", 300))
     rec = {
+        # torch's threads per rank: on a loaded CPU box they decide the step time (issue 33)
+        "cpu_threads": threads,
         "system": system.name,
         "layers": spec["layers"],
         "hidden": bench.hidden,

@@ -134,8 +134,9 @@ class ThreadTuner:
             self.period = FIRST_PERIOD  # the machine changed: watch it closely again
             self.next_try = self.seen + self.period
             return (
-                f"CPU threads {old} → {count}: {count} took {tried * 1000:.0f} ms per step "
-                f"against {now * 1000:.0f} ms with {old} (other programs share the cores)"
+                f"CPU threads {old} → {count}: {tried * 1000:.0f} ms per step with {count} "
+                f"against {now * 1000:.0f} ms with {old} (other programs' use of the cores "
+                "changed; --cpu-threads fixes the count)"
             )
         torch.set_num_threads(self.current)
         # the try lost: wait long enough that its cost stays within PROBE_BUDGET of the steps
