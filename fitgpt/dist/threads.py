@@ -70,42 +70,44 @@ def cpu_threads(local_ranks: int = 1, busy: float | None = None) -> int:
 # The start-up sample sees half a second of the machine; a competing job that was idle then
 # (between its own steps, or starting later) makes every step of a 2-thread run spin behind it,
 # 20-70x slower than one thread (issue 33). So a CPU run whose threads fitgpt chose keeps
-# timing itself: every so often it tries the other count for one step, and keeps whichever is
-# faster. Its cost is bounded: a tried count that loses is tried again only after enough steps
-# that the loss stays under PROBE_BUDGET of the run's time (a count 70x slower: once per
-# ~1,400 steps).
+# timing itself and keeps whichever of two counts is faster. Trying FEWER threads is cheap (on
+# an idle box one thread is at most ~2x slower than two): it is tried early, after a few steps.
+# Trying MORE threads on a loaded box can cost a 70x step, so the first such try waits until
+# that loss is within PROBE_BUDGET of the steps run (~1,400 steps), and a try that loses, in
+# either direction, is repeated only once its loss again fits that budget. The demo under two
+# busy jobs therefore never tries a second thread (measured: default and --cpu-threads 1 took
+# the same time), while a load that starts after start-up is left within ~7 steps.
 SETTLE_STEPS = 1  # the first steps allocate and warm caches: not timed
 SAMPLE_STEPS = 3  # steps timed at each count (median)
-FIRST_PERIOD = 20  # steps between two tries, at first
-MAX_PERIOD = 2000
+FIRST_PERIOD = 20  # steps before the next try of fewer threads, at first
+WORST_SLOWDOWN = 70  # the slowest step more threads gave on a loaded box (issue 33)
 PROBE_BUDGET = 0.05  # a losing try may cost at most this share of the steps until the next one
+FIRST_UP = math.ceil(WORST_SLOWDOWN / PROBE_BUDGET)  # steps before the first try of more threads
+MAX_PERIOD = 2000
 SWITCH_GAIN = 0.9  # the other count must be 10% faster to switch (step times jitter)
 GIVE_UP = 1.5  # a first tried step this much slower than the current median ends the try
+DOWN, UP = -1, 1
 
 
 class ThreadTuner:
-    """Keeps a CPU run on the faster of two thread counts, `threads` and the other one (half of
-    it, or twice when it is below `most`), by timing its own steps. `after_step(dt)` returns a
-    one-line note when it switches, else None. Inactive (never changes anything) when `active`
-    is False: a GPU run, or threads a user set. Costs one median of three floats per step."""
+    """Keeps a CPU run on the faster of its thread count and half or twice it, by timing its own
+    steps. `after_step(dt)` returns a one-line note when it switches, else None. Inactive (never
+    changes anything) when `active` is False: a GPU run, or threads a user set. Costs a median
+    of three floats per step."""
 
     def __init__(self, threads: int, most: int, active: bool) -> None:
         self.current, self.most = threads, most
         self.active = active and most > 1
         self.seen = 0  # steps observed
         self.times: list[float] = []  # the current count's recent steps
-        self.trying: int | None = None  # the count under trial, if any
+        self.trying: tuple[int, int] | None = None  # (direction, count) under trial, if any
         self.tried: list[float] = []
-        self.period = FIRST_PERIOD
-        self.next_try = SETTLE_STEPS + SAMPLE_STEPS
-        self.turn = 0  # which of half and twice the next try takes
+        self.period = {DOWN: FIRST_PERIOD, UP: FIRST_UP}
+        self.due = {DOWN: SETTLE_STEPS + SAMPLE_STEPS, UP: FIRST_UP}  # step of each next try
 
-    def _other(self) -> int:
-        """Half or twice the current count, in turn (either where only one exists)."""
-        options = [n for n in (self.current // 2, min(self.most, 2 * self.current)) if n >= 1]
-        options = [n for n in options if n != self.current]
-        self.turn += 1
-        return options[self.turn % len(options)]
+    def _count(self, direction: int) -> int:
+        n = max(1, self.current // 2) if direction == DOWN else min(self.most, 2 * self.current)
+        return n
 
     def after_step(self, dt: float) -> str | None:
         if not self.active:
@@ -113,13 +115,18 @@ class ThreadTuner:
         self.seen += 1
         if self.seen <= SETTLE_STEPS:
             return None
-        if self.trying is None:
-            self.times = [*self.times, dt][-SAMPLE_STEPS:]
-            if self.seen >= self.next_try and len(self.times) == SAMPLE_STEPS:
-                self.trying, self.tried = self._other(), []
-                torch.set_num_threads(self.trying)  # the next step runs with the other count
+        if self.trying is not None:
+            return self._judge(dt)
+        self.times = [*self.times, dt][-SAMPLE_STEPS:]
+        if len(self.times) < SAMPLE_STEPS:
             return None
-        return self._judge(dt)
+        for direction in (DOWN, UP):
+            n = self._count(direction)
+            if n != self.current and self.seen >= self.due[direction]:
+                self.trying, self.tried = (direction, n), []
+                torch.set_num_threads(n)  # the next step runs with the other count
+                break
+        return None
 
     def _judge(self, dt: float) -> str | None:
         """One more step of the count under trial: keep trying, switch, or go back."""
@@ -127,12 +134,13 @@ class ThreadTuner:
         self.tried.append(dt)
         if dt < GIVE_UP * now and len(self.tried) < SAMPLE_STEPS:
             return None  # not clearly worse yet: time it again
-        tried, count = statistics.median(self.tried), self.trying
+        (direction, count), tried = self.trying, statistics.median(self.tried)
         self.trying = None
         if len(self.tried) == SAMPLE_STEPS and tried < SWITCH_GAIN * now:
             old, self.current, self.times = self.current, count, self.tried
-            self.period = FIRST_PERIOD  # the machine changed: watch it closely again
-            self.next_try = self.seen + self.period
+            # the machine changed: look again soon for fewer threads, late for more
+            self.period = {DOWN: FIRST_PERIOD, UP: FIRST_UP}
+            self.due = {DOWN: self.seen + FIRST_PERIOD, UP: self.seen + FIRST_UP}
             return (
                 f"CPU threads {old} → {count}: {tried * 1000:.0f} ms per step with {count} "
                 f"against {now * 1000:.0f} ms with {old} (other programs' use of the cores "
@@ -141,6 +149,7 @@ class ThreadTuner:
         torch.set_num_threads(self.current)
         # the try lost: wait long enough that its cost stays within PROBE_BUDGET of the steps
         lost = max(0.0, sum(self.tried) / now - len(self.tried))
-        self.period = min(MAX_PERIOD, max(2 * self.period, math.ceil(lost / PROBE_BUDGET)))
-        self.next_try = self.seen + self.period
+        period = max(2 * self.period[direction], math.ceil(lost / PROBE_BUDGET))
+        self.period[direction] = min(MAX_PERIOD, period)
+        self.due[direction] = self.seen + self.period[direction]
         return None
