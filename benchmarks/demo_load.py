@@ -182,20 +182,23 @@ def readme(rows: list[dict], meta: dict) -> str:
         f"({meta['cpu']}). Competing load: {meta['load']} busy-looping Python processes "
         "(`while True: pass`). The load average before each run shows what else the machine "
         "was doing besides (0 competing processes is idle only where it is near 0).",
-        "",
-        "## The thread matrix (demo's training command, --steps "
-        f"{meta['steps']}, no eval, no checkpoint)",
-        "",
-        "| competing processes | torch threads | ms/step (mean) | wall s | load avg before |",
-        "|---|---|---|---|---|",
     ]
-    for r in rows:
-        if r["part"] == "matrix":
-            lines.append(
-                f"| {r['load_procs']} | {r['threads']} | {r['ms_per_step']:.0f} | "
-                f"{r['wall_s']:.1f} | {r['loadavg_1min_before']:.2f} |"
-            )
-    lines += ["", *ratios(rows)]
+    if any(r["part"] == "matrix" for r in rows):
+        lines += [
+            "",
+            "## The thread matrix (demo's training command, --steps "
+            f"{meta['steps']}, no eval, no checkpoint)",
+            "",
+            "| competing processes | torch threads | ms/step (mean) | wall s | load avg before |",
+            "|---|---|---|---|---|",
+        ]
+        for r in rows:
+            if r["part"] == "matrix":
+                lines.append(
+                    f"| {r['load_procs']} | {r['threads']} | {r['ms_per_step']:.0f} | "
+                    f"{r['wall_s']:.1f} | {r['loadavg_1min_before']:.2f} |"
+                )
+        lines += ["", *ratios(rows)]
     demos = [r for r in rows if r["part"] == "demo"]
     if demos:
         lines += [
@@ -229,6 +232,11 @@ def main() -> None:
         "idle, under the load started before it, and under the load started LATE_S into it",
     )
     p.add_argument("--late-s", type=float, default=5.0, help="with --versus-one (default: 5)")
+    p.add_argument(
+        "--cases",
+        default="idle,before,late",
+        help="with --versus-one: which of idle, before (the load), late (the load) to run",
+    )
     p.add_argument("--out", default=None, help="default: benchmarks/results/demo_cpu_DATE")
     p.add_argument(
         "--readme-only", metavar="DIR", help="rewrite DIR/README.md from DIR/results.json"
@@ -258,7 +266,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fitgpt-demo-load-") as tmp:
         if args.versus_one:  # each pair back to back, so both see the same machine
             rows = []
-            for load, late in ((0, 0.0), (args.load, 0.0), (args.load, args.late_s)):
+            cases = {"idle": (0, 0.0), "before": (args.load, 0.0), "late": (args.load, args.late_s)}
+            for load, late in (cases[c] for c in args.cases.split(",")):
                 for extra in ((), ("--cpu-threads", "1")):
                     rows.append(demo(load, Path(tmp), extra, late))
         else:
