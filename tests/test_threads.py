@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from fitgpt.dist.env import configure_process, thread_tuner
@@ -68,6 +69,14 @@ def test_cpu_runs_get_the_rule(monkeypatch):
 
 
 # ---- the tuner: which count it keeps, given the step times each count gives ----------------
+@pytest.fixture
+def keep_threads():
+    """The tuner sets torch's thread count: restore it after the test."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 def drive(tuner: ThreadTuner, seconds_at: dict[int, float], steps: int) -> list[int]:
     """Feed `tuner` the step time of whatever count torch runs with now; the counts used."""
     used = []
@@ -78,57 +87,41 @@ def drive(tuner: ThreadTuner, seconds_at: dict[int, float], steps: int) -> list[
     return used
 
 
-def test_the_tuner_leaves_a_count_that_spins_behind_other_programs():
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)  # what the start-up rule chose on a box that looked idle
-        tuner = ThreadTuner(2, most=2, active=True)
-        used = drive(tuner, {2: 7.0, 1: 0.1}, 200)  # 2 threads 70x slower: a competing job
-        # one step to settle, three timed, then the other count: three steps at it, kept; later
-        # tries of 2 are single steps, given up at once
-        assert used[:7] == [2] * 4 + [1] * 3 and tuner.current == 1
-        assert used[7:].count(2) <= 4
-    finally:
-        torch.set_num_threads(before)
+def test_the_tuner_leaves_a_count_that_spins_behind_other_programs(keep_threads):
+    torch.set_num_threads(2)  # what the start-up rule chose on a box that looked idle
+    tuner = ThreadTuner(2, most=2, active=True)
+    used = drive(tuner, {2: 7.0, 1: 0.1}, 200)  # 2 threads 70x slower: a competing job
+    # one step to settle, three timed, then the other count: three steps at it, kept; more
+    # threads are tried again only after FIRST_UP steps
+    assert used[:7] == [2] * 4 + [1] * 3 and tuner.current == 1
+    assert used[7:].count(2) <= 4
 
 
-def test_a_losing_count_costs_at_most_its_budget():
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        tuner = ThreadTuner(1, most=2, active=True)
-        used = drive(tuner, {2: 7.0, 1: 0.1}, 5000)
-        tries = used.count(2)
-        # each try is one step (70x slower: given up at once); the waits between tries grow
-        # so that the tries' cost stays within the budget
-        cost = tries * (7.0 - 0.1)
-        assert 1 <= tries <= 8 and cost <= 2 * PROBE_BUDGET * 5000 * 0.1 + 7.0
-        assert tuner.current == 1 and torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
+def test_a_losing_count_costs_at_most_its_budget(keep_threads):
+    torch.set_num_threads(1)
+    tuner = ThreadTuner(1, most=2, active=True)
+    used = drive(tuner, {2: 7.0, 1: 0.1}, 5000)
+    tries = used.count(2)
+    # each try is one step (70x slower: given up at once); the waits between tries grow
+    # so that the tries' cost stays within the budget
+    cost = tries * (7.0 - 0.1)
+    assert 1 <= tries <= 8 and cost <= 2 * PROBE_BUDGET * 5000 * 0.1 + 7.0
+    assert tuner.current == 1 and torch.get_num_threads() == 1
 
 
-def test_the_tuner_comes_back_when_the_machine_frees_up():
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        tuner = ThreadTuner(1, most=2, active=True)
-        drive(tuner, {2: 7.0, 1: 0.1}, 300)  # loaded: stays at 1
-        assert tuner.current == 1
-        used = drive(tuner, {2: 0.06, 1: 0.1}, 3000)  # idle again: 2 is faster
-        assert tuner.current == 2 and used[-1] == 2
-    finally:
-        torch.set_num_threads(before)
+def test_the_tuner_comes_back_when_the_machine_frees_up(keep_threads):
+    torch.set_num_threads(1)
+    tuner = ThreadTuner(1, most=2, active=True)
+    drive(tuner, {2: 7.0, 1: 0.1}, 300)  # loaded: stays at 1
+    assert tuner.current == 1
+    used = drive(tuner, {2: 0.06, 1: 0.1}, 3000)  # idle again: 2 is faster
+    assert tuner.current == 2 and used[-1] == 2
 
 
-def test_user_threads_are_never_changed(monkeypatch):
-    before = torch.get_num_threads()
+def test_user_threads_are_never_changed(monkeypatch, keep_threads):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    try:
-        torch.set_num_threads(2)
-        tuner = thread_tuner(2, "cpu")  # --cpu-threads 2
-        drive(tuner, {2: 7.0, 1: 0.1}, 50)
-        assert torch.get_num_threads() == 2 and not tuner.active
-        assert not thread_tuner(0, "cuda").active  # GPU runs share their cores out once
-    finally:
-        torch.set_num_threads(before)
+    torch.set_num_threads(2)
+    tuner = thread_tuner(2, "cpu")  # --cpu-threads 2
+    drive(tuner, {2: 7.0, 1: 0.1}, 50)
+    assert torch.get_num_threads() == 2 and not tuner.active
+    assert not thread_tuner(0, "cuda").active  # GPU runs share their cores out once

@@ -106,8 +106,7 @@ class ThreadTuner:
         self.due = {DOWN: SETTLE_STEPS + SAMPLE_STEPS, UP: FIRST_UP}  # step of each next try
 
     def _count(self, direction: int) -> int:
-        n = max(1, self.current // 2) if direction == DOWN else min(self.most, 2 * self.current)
-        return n
+        return max(1, self.current // 2) if direction == DOWN else min(self.most, 2 * self.current)
 
     def after_step(self, dt: float) -> str | None:
         if not self.active:
