@@ -6,15 +6,20 @@
 #   one   (nvidia-h100-x1): GPT-2 1.5 B, 300 steps of 8 x 4 x 1024 tokens
 #   wide  (nvidia-h200):    7.56 B at width 6144 (the 20b preset's shape, 16 layers), 300 steps
 #                           of 8 x 1 x 1024 tokens
-#   four  (nvidia-h200-x4, or -h100-x4): 20.25 B (the 20b preset) on 4 GPUs, 100 steps of
-#                           4 x 1 x 1024 tokens per GPU; then the largest model of width 6144 the
-#                           planner accepts there (MAX_LAYERS: 190 on 4xH200 = 86.4 B, 152 on
-#                           4xH100 = 69.2 B, as its refusal names), 10 steps, the same batch
+#   four  (nvidia-h200-x4, or -h100-x4; on -x2 kinds it runs on their 2 GPUs): 20.25 B (the 20b
+#                           preset) on every GPU, 100 steps of 4 x 1 x 1024 tokens per GPU; then
+#                           the largest model of width 6144 the planner accepts there (as its
+#                           refusal of 400 layers names it: 152 on 4xH100 = 69.2 B; MAX_LAYERS
+#                           overrides), 10 steps, the same batch
+#   calib (nvidia-h100-x1): the warm-up's first-step floor (train/schedule.py FIRST_STEP_BUDGET)
+#                           measured: the first 30 steps of GPT-2 1.5 B (48 x 1600) with --warmup
+#                           40, 92, 185 and 370 (first-step products ~80, 40, 20, 10), and of a
+#                           deep narrow 7.65 B (152 x 2048) with --warmup 40 and 705 (~350, 20)
 # Usage (device): source benchmarks/device_env.sh; OUT=... bash benchmarks/defaults_gpu.sh STAGE
 # Writes OUT/STAGE_NAME.log and .metrics.jsonl per run and OUT/STAGE_summary.md (the table:
 # step-1 loss, the highest logged loss after step 3, the last loss, the defaults line).
 set -u
-STAGE=${1:?one, wide or four}
+STAGE=${1:?one, wide, calib or four}
 OUT=${OUT:-/tmp/defaults_gpu}
 D=/tmp/defaults_data
 mkdir -p "$OUT" "$D"
@@ -39,10 +44,32 @@ case $STAGE in
     run gpt2_1p5b 540 --preset gpt2-1.5b --micro-batch 8 --grad-accum 4 --steps 300 ;;
   wide)
     run w6144_l16 560 --preset 20b --layers 16 --micro-batch 8 --grad-accum 1 --steps 300 ;;
+  calib)
+    for w in 40 92 185 370; do
+      run "c1p5b_w$w" 150 --preset gpt2-1.5b --micro-batch 8 --grad-accum 4 --steps 30 --warmup "$w"
+    done
+    for w in 40 705; do
+      run "c152x2048_w$w" 170 --layers 152 --hidden 2048 --heads 16 --micro-batch 8 \
+        --grad-accum 1 --steps 24 --warmup "$w"
+    done ;;
   four)
-    run 20b_x4 230 --gpus 4 --preset 20b --micro-batch 4 --grad-accum 1 --steps 100
-    run "largest_x4_l${MAX_LAYERS:-190}" 330 --gpus 4 --preset 20b --layers "${MAX_LAYERS:-190}" \
-      --micro-batch 4 --grad-accum 1 --steps 10 ;;
+    # every GPU of the machine (4 on the 4-GPU kinds, 2 on nvidia-h*-x2 when no 4-GPU kind is lent)
+    G=$(nvidia-smi -L | wc -l)
+    # ONLY=20b or ONLY=largest: one of the two runs (two calls where one would not hold both)
+    [ "${ONLY:-20b}" = 20b ] &&
+      run "20b_x$G" "${LIMIT:-240}" --gpus "$G" --preset 20b --micro-batch 4 --grad-accum 1 --steps 100
+    if [ "${ONLY:-largest}" = largest ]; then
+      # the planner's largest at width 6144 on this machine, as its refusal of 400 layers names
+      # it ("what fits: N layers of this width"); MAX_LAYERS overrides
+      if [ -z "${MAX_LAYERS:-}" ]; then
+        python3 -m fitgpt train --data "$DATA" --gpus "$G" --preset 20b --layers 400 \
+          --micro-batch 4 --grad-accum 1 --steps 10 --out /tmp/defaults_runs/probe --no-save \
+          > "$OUT/probe_x$G.log" 2>&1
+        MAX_LAYERS=$(grep -o "what fits: [0-9]* layers" "$OUT/probe_x$G.log" | head -1 | grep -o "[0-9]*")
+      fi
+      run "largest_x${G}_l${MAX_LAYERS:?no fit named in probe_x$G.log}" "${LIMIT:-330}" \
+        --gpus "$G" --preset 20b --layers "$MAX_LAYERS" --micro-batch 4 --grad-accum 1 --steps 10
+    fi ;;
 esac
 python3 - "$OUT" "$STAGE" <<'PY'
 import json, sys

@@ -23,6 +23,7 @@ system's own evaluation code, window sampling or padding is involved.
     python3 benchmarks/nanogpt_compare.py --out $OUT [--sizes 124m,1.5b] [--steps 200[,200]]
         [--eval-iters 200] [--systems nanogpt,on,off,on:ddp] [--common-windows 256]
         [--corpus stdlib|site|sitemix] [--seeds 0,1] [--nano-seeds 1337,1338] [--warmup 20]
+        [--fitgpt-defaults]
 Writes $OUT/nanogpt_compare.jsonl (one line per system, seed and size) and prints each line.
 
 One run per system cannot decide a 1% difference in validation loss: at 124 M on the site
@@ -55,6 +56,9 @@ SIZES = {  # name: (fitgpt preset, nanoGPT n_layer, n_head, n_embd, micro-batch)
 }
 ACCUM, LOG = 4, 10
 HYPER = dict(lr=6e-4, min_lr=6e-5, warmup=20)
+# --fitgpt-defaults: fitgpt's runs name no rate, end rate or warm-up (its `defaults:` line says
+# what it took: issue 38's comparison of its defaults with nanoGPT's recipe); nanoGPT keeps HYPER
+DEFAULTS = False
 
 
 # --corpus site: the Python sources of the machine's site-packages (torch, transformers, numpy,
@@ -251,8 +255,9 @@ def fitgpt(
     cmd = [
         sys.executable, *entry, "train", "--preset", preset, "--data", str(data),
         "--micro-batch", str(mb), "--grad-accum", str(ACCUM), "--steps", str(steps),
-        "--warmup", str(HYPER["warmup"]), "--lr", str(HYPER["lr"]),
-        "--min-lr", str(HYPER["min_lr"]), "--weight-decay", "0.1", "--grad-clip", "1.0",
+        *([] if DEFAULTS else ["--warmup", str(HYPER["warmup"]), "--lr", str(HYPER["lr"]),
+                               "--min-lr", str(HYPER["min_lr"])]),
+        "--weight-decay", "0.1", "--grad-clip", "1.0",
         "--beta2", "0.95", "--compile", compile_, "--eval-every", str(steps),
         "--eval-batches", str(evals), "--log-every", str(LOG), "--save-optimizer", "none",
         "--out", str(run_dir), "--overwrite", "--seed", str(seed),
@@ -308,7 +313,11 @@ def main() -> None:
     ap.add_argument("--seeds", default="0", help="fitgpt's --seed, one run per seed (its spread)")
     ap.add_argument("--nano-seeds", default="1337", help="nanoGPT's seed, one run per seed")
     ap.add_argument("--warmup", type=int, default=HYPER["warmup"], help="warm-up steps, both")
+    ap.add_argument("--fitgpt-defaults", action="store_true", help="fitgpt names no --lr, "
+                    "--min-lr or --warmup: its defaults against nanoGPT's recipe")  # fmt: skip
     args = ap.parse_args()
+    global DEFAULTS
+    DEFAULTS = args.fitgpt_defaults
     systems = args.systems.split(",")
     HYPER["warmup"] = args.warmup
     sizes = args.sizes.split(",")

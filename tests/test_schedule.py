@@ -12,11 +12,13 @@ import pytest
 from fitgpt.cli import build_parser
 from fitgpt.cli.train import apply_deepspeed_flags, resolve_command
 from fitgpt.errors import UserError
+from fitgpt.model import ModelConfig
 from fitgpt.train.guard import DivergenceGuard
 from fitgpt.train.schedule import (
     DEFAULT_LR_BY_WIDTH,
     default_lr,
     default_warmup,
+    first_step_warmup,
     lr_at,
     resolve_schedule,
 )
@@ -134,11 +136,30 @@ def test_the_warmup_counts_every_data_parallel_ranks_tokens():
     assert resolved("--steps", "300", "--warmup", "7")[0].warmup == 7  # a given one wins
 
 
-def test_one_line_says_which_defaults_a_run_took():
+def test_a_deep_wide_model_warms_up_long_enough_for_its_first_step():
+    # the first rate keeps lr·5·L·d^1.5 within FIRST_STEP_BUDGET (20): 44 x 6144 at 9e-5 takes
+    # 477 steps where Adam's floor was 40 (its loss rose from 10.7 to 19.2 at step 3 with 40)
     train, lines = resolved("--preset", "20b", "--steps", "300")
-    assert (train.lr, train.min_lr, train.warmup) == (9e-5, 9e-6, 40)
+    assert train.warmup == 477 == first_step_warmup(9e-5, ModelConfig(44, 6144, 48))
+    assert "warm-up 477 steps (" in lines[0] and "a first step this deep and wide" in lines[0]
+    assert "the run ends before its peak" in lines[0]
+    # it grows with the depth and the rate, and the longer of it and the other rules wins
+    deep = resolved("--preset", "20b", "--layers", "88", "--steps", "300")[0].warmup
+    assert deep == first_step_warmup(9e-5, ModelConfig(88, 6144, 48)) == 954  # twice the depth
+    assert resolved("--preset", "20b", "--lr", "4.5e-5", "--steps", "300")[0].warmup == 239
+    assert resolved("--preset", "20b", "--steps", "100000")[0].warmup == 5000  # 5% is longer
+    # a small model keeps Adam's 40; a named warm-up and fine-tuning take none of it
+    assert resolved("--preset", "gpt2-125m", "--steps", "300")[0].warmup == 40
+    assert resolved("--preset", "20b", "--warmup", "10")[0].warmup == 10
+    warm, why = default_warmup(300, 8192, 0.95, finetune=True, first=477)
+    assert (warm, why) == (9, "3% of the run")
+
+
+def test_one_line_says_which_defaults_a_run_took():
+    train, lines = resolved("--preset", "20b", "--steps", "30000")
+    assert (train.lr, train.min_lr, train.warmup) == (9e-5, 9e-6, 1500)
     assert len(lines) == 1 and lines[0].startswith("defaults: pre-training, lr 9e-05 peak")
-    for part in ("by width 6144", "warm-up 40 steps", "init std 0.00807 (by width 6144)"):
+    for part in ("by width 6144", "warm-up 1500 steps", "init std 0.00807 (by width 6144)"):
         assert part in lines[0], lines[0]
     assert lines[0].endswith("set --lr/--min-lr/--warmup/--init-std to change")
     given = ("--lr", "1e-4", "--min-lr", "0", "--warmup", "10", "--init-std", "0.02")

@@ -39,7 +39,8 @@ class TrainConfig:
         metadata={
             "help": "linear warm-up steps",
             "default_text": "GPT-3's 375 M tokens, at most 5%% of the run, at least Adam's "
-            "2/(1-beta2) steps (40); with --init-from 3%% of the run",
+            "2/(1-beta2) steps (40) and enough for a deep, wide model's first step (185 at "
+            "GPT-2 1.5B, 477 at the 20b preset); with --init-from 3%% of the run",
         },
     )
     finetune: bool = field(

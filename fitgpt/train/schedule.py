@@ -56,6 +56,22 @@ FINETUNE_WARMUP_FRACTION = 0.03  # Alpaca's and Vicuna's warmup_ratio; HF Traine
 WARMUP_TOKENS = 375_000_000
 WARMUP_FRACTION = 0.05
 
+# A deep, wide model's first steps. Adam's first update moves every weight by about the rate in
+# the sign of its gradient, and its momentum carries the second step on in the same direction, so
+# to first order the first steps change the loss by lr·‖g‖₁ ≈ lr·√N·‖g‖₂ each: that grows with
+# the model, and once it is far above the loss there is to lose, the steps overshoot. Measured on
+# fresh GPT-2-shaped models (first-step gradient norms 388 at 48 × 1600, 439 at 16 × 6144, 721 at
+# 44 × 6144, 1,386 at 152 × 6144; 12 at 4 × 128 and 59 at 96 × 128 on CPU): √N·‖g₁‖ ≈ 5·L·d^1.5
+# (L layers, d wide; within 2x of all six). With Adam's 40-step floor alone, that product times
+# the first rate was 86-820 at 1.5-69 B, and the losses rose from 10.1-10.8 at step 1 to
+# 13.6-23.5 at steps 2-4; a 152 × 2048 model at 350 rose to 18.7 at step 3 and 13.5 at step 10.
+# At 20 (warm-up 185 at 1.5 B, 705 at 152 × 2048) neither rose above step 1's loss at any step,
+# and 1.5 B ended 300 steps at 2.30 where the 40-step warm-up ended at 2.62 (benchmarks/results/
+# defaults_gpu_2026-11-26). Published recipes at these sizes sit at 7-60: GPT-NeoX-20B 7 (1,500
+# steps), llm.c's GPT-2 1.5B 13, Llama-2-70B 22, OPT-175B 39 (2,000 steps). The cost: a deep model
+# reaches its peak later (a 69 B model of 152 layers warms up over ~1,650 steps).
+FIRST_STEP_BUDGET = 20.0
+
 
 def default_lr(n_embd: int) -> float:
     """The peak learning rate for a model n_embd wide (DEFAULT_LR_BY_WIDTH), to 2 significant
@@ -86,20 +102,30 @@ def peak_lr(model: ModelConfig, finetune: bool) -> float:
     return float(f"{lr * FINETUNE_LR_RATIO:.2g}") if finetune else lr
 
 
+def first_step_warmup(lr: float, model: ModelConfig) -> int:
+    """The fewest warm-up steps whose first rate (lr / steps) keeps a fresh model's first update
+    within FIRST_STEP_BUDGET (the comment above it): lr·5·L·d^1.5 / budget."""
+    return math.ceil(lr * 5 * model.n_layer * model.n_embd**1.5 / FIRST_STEP_BUDGET)
+
+
 def default_warmup(
-    steps: int, tokens_per_step: int, beta2: float, finetune: bool
+    steps: int, tokens_per_step: int, beta2: float, finetune: bool, first: int = 0
 ) -> tuple[int, str]:
     """(the default warm-up steps, which rule set it) for a run of `steps` optimizer steps of
-    `tokens_per_step` tokens each (every data-parallel rank's)."""
+    `tokens_per_step` tokens each (every data-parallel rank's); `first`: first_step_warmup's
+    floor for the model and rate (0: none)."""
     if finetune:
         return max(1, math.ceil(FINETUNE_WARMUP_FRACTION * steps)), "3% of the run"
     by_tokens = math.ceil(WARMUP_TOKENS / tokens_per_step)
     by_length = math.ceil(WARMUP_FRACTION * steps)
     adam = math.ceil(2 / (1 - beta2))
-    if adam >= min(by_tokens, by_length):
-        return adam, "Adam's 2/(1-beta2)" + (
-            "; the run ends before its peak" if adam > steps else ""
-        )
+    floor, why = (
+        (first, "a first step this deep and wide model takes")
+        if first > adam
+        else (adam, "Adam's 2/(1-beta2)")
+    )
+    if floor >= min(by_tokens, by_length):
+        return floor, why + ("; the run ends before its peak" if floor > steps else "")
     if by_tokens <= by_length:
         return by_tokens, f"{WARMUP_TOKENS / 1e6:.0f} M tokens, GPT-3's"
     return by_length, "5% of the run"
@@ -125,7 +151,8 @@ def resolve_schedule(
         chosen.append(f"ending at {min_lr:.2g}")
         flags.append("--min-lr")
     if warmup is None:
-        warmup, why = default_warmup(train.steps, tokens_per_step, beta2, train.finetune)
+        first = 0 if train.finetune else first_step_warmup(lr, model)
+        warmup, why = default_warmup(train.steps, tokens_per_step, beta2, train.finetune, first)
         tokens = warmup * tokens_per_step
         chosen.append(f"warm-up {warmup} steps ({_count(tokens)} tokens: {why})")
         flags.append("--warmup")
