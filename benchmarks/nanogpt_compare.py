@@ -107,8 +107,8 @@ def make_site_data(out: Path, prefix: Path = SITE) -> None:
 def nano_data(prefix: Path) -> str:
     """fitgpt's train and validation documents as nanoGPT's raw uint16 token files."""
     sys.path.insert(0, str(ROOT))
-    from fitgpt.data.gpt_dataset import split_ranges
     from fitgpt.data.indexed import IndexedDataset
+    from fitgpt.data.splits import split_ranges
 
     data = IndexedDataset(str(prefix))
     assert data.tokens.dtype == np.uint16, data.tokens.dtype

@@ -12,8 +12,8 @@ import pytest
 from cli_refusal import assert_refused, files, run_in_process
 
 from fitgpt.data.config import MEGATRON_SPLIT, DataConfig, open_data, resolve_split
-from fitgpt.data.gpt_dataset import split_ranges
 from fitgpt.data.indexed import IndexedWriter
+from fitgpt.data.splits import split_ranges
 from fitgpt.errors import UserError
 
 TRAIN = shlex.split(

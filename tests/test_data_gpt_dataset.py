@@ -13,10 +13,10 @@ from fitgpt.data.gpt_dataset import (
     GPTSamples,
     open_megatron_split,
     open_megatron_splits,
-    split_ranges,
 )
 from fitgpt.data.indexed import IndexedDataset, IndexedWriter
 from fitgpt.data.source import BatchLoader
+from fitgpt.data.splits import split_ranges
 from fitgpt.errors import UserError
 
 

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from fitgpt.data.config import DataConfig, open_data
-from fitgpt.data.gpt_dataset import open_megatron_split, split_ranges
+from fitgpt.data.gpt_dataset import open_megatron_split
 from fitgpt.data.indexed import IndexedDataset, IndexedWriter
 from fitgpt.data.megatron_order import MegatronSamples, index_files
 from fitgpt.data.source import BatchLoader
+from fitgpt.data.splits import split_ranges
 from fitgpt.errors import UserError
 
 # ---- split boundaries -------------------------------------------------------------------------

@@ -114,7 +114,7 @@ def data_tokenizer(cfg: DataConfig) -> Tokenizer | None:
 def resolve_split(split: str, num_docs: int, validates: bool = True) -> str:
     """The train,valid,test weights `--split` means over `num_docs` documents.
 
-    An explicit split is taken as given: Megatron's arithmetic, refused (gpt_dataset.split_ranges)
+    An explicit split is taken as given: Megatron's arithmetic, refused (splits.split_ranges)
     where a weighted split gets no document. auto is MEGATRON_SPLIT wherever that gives every
     split a document, so a large corpus splits exactly as Megatron-LM would. A smaller corpus
     (under ~1,500 documents, where 1 in 1,000 rounds to no test document) keeps no test split,
@@ -123,7 +123,7 @@ def resolve_split(split: str, num_docs: int, validates: bool = True) -> str:
     document trains on it (1,0,0)."""
     if split != "auto":
         return split
-    from fitgpt.data.gpt_dataset import split_ranges
+    from fitgpt.data.splits import split_ranges
 
     try:
         split_ranges(MEGATRON_SPLIT, num_docs)
@@ -163,8 +163,9 @@ def open_data(
             ),
             None,
         )
-    from fitgpt.data.gpt_dataset import open_megatron_split, open_megatron_splits, parse_split
+    from fitgpt.data.gpt_dataset import open_megatron_split, open_megatron_splits
     from fitgpt.data.indexed import IndexedDataset
+    from fitgpt.data.splits import parse_split
 
     # A run that draws no validation sample (--eval-every 0) opens no validation split: it
     # needs no weight, and a weighted one is not read.

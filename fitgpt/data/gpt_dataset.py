@@ -2,7 +2,7 @@
 
 Splits are contiguous document ranges, in file order, with Megatron's exact boundaries: with weights
 w and D documents, split i holds documents [round(D·W_i), round(D·W_{i+1})) where W is the
-cumulative weight fraction and round is Python's (half to even), see `split_ranges`. A split with weight > 0 that gets no document is an error naming every count and
+cumulative weight fraction and round is Python's (half to even), see `splits.split_ranges`. A split with weight > 0 that gets no document is an error naming every count and
 suggesting weights that work; weight 0 means "no such split". (For GPT, Megatron's unit is the
 sequence; preprocessing writes one sequence per document, so the two agree.)
 
@@ -29,7 +29,6 @@ the largest token is found by one pass over the .bin and cached in PREFIX.index-
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,70 +37,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fitgpt.data.indexed import IndexedDataset
+from fitgpt.data.megatron_order import MegatronSamples
+from fitgpt.data.splits import SPLITS, cache_dir, parse_split, save_atomic, split_ranges
 from fitgpt.errors import UserError
 
 if TYPE_CHECKING:
     from fitgpt.data.source import SampleSource  # imports torch, which the data tools never need
 
-SPLITS = ("train", "valid", "test")
 EPOCHS_KEPT = 2  # a batch can straddle one epoch boundary: keep the two epochs it touches
-
-
-def parse_split(split: str) -> tuple[float, float, float]:
-    """'969,30,1' (or '969/30/1'; missing trailing weights are 0) -> three weights."""
-    try:
-        w = [float(x) for x in split.replace("/", ",").split(",")]
-    except ValueError:
-        w = []
-    if not 1 <= len(w) <= 3 or not all(math.isfinite(x) and x >= 0 for x in w) or sum(w) <= 0:
-        raise UserError(
-            f"--split {split!r} must be 1 to 3 non-negative weights for train,valid,test with a "
-            "positive sum, e.g. 969,30,1"
-        )
-    return (*w, *[0.0] * (3 - len(w)))  # type: ignore[return-value]
-
-
-def split_ranges(split: str, num_docs: int) -> dict[str, tuple[int, int]]:
-    """Document range [lo, hi) of each split; raises if a weighted split gets no document.
-
-    Megatron-LM's arithmetic, float for float (megatron/core/datasets: `normalize` in utils.py,
-    `convert_split_vector_to_split_matrix` in blended_megatron_dataset_config.py, and
-    `BlendedMegatronDatasetBuilder._build_megatron_dataset_splits`): the weights are divided by
-    their numpy sum, the bookends are running Python float sums of those fractions (the last one
-    is not forced to 1.0), and each bookend b becomes round(b * D): Python's round, half to
-    even, so 90,10,0 over 25 documents gives train [0, 22), not [0, 23).
-    """
-    w = parse_split(split)
-    fractions = (np.array(w, dtype=np.float64) / np.sum(w)).tolist()
-    bookends = [0.0]
-    for f in fractions:
-        bookends.append(bookends[-1] + f)
-    bounds = [round(b * float(num_docs)) for b in bookends]  # Python floats: half to even
-    ranges = {name: (bounds[i], bounds[i + 1]) for i, name in enumerate(SPLITS)}
-    empty = [n for n, wi in zip(SPLITS, w) if wi > 0 and ranges[n][0] == ranges[n][1]]
-    if empty:
-        counts = ", ".join(f"{n} {hi - lo}" for n, (lo, hi) in ranges.items())
-        raise UserError(
-            f"--split {split} over {num_docs} documents gives {counts} documents, so "
-            f"{' and '.join(empty)} would be empty; {_suggest(w, num_docs)}"
-        )
-    return ranges
-
-
-def _suggest(w: tuple[float, float, float], num_docs: int) -> str:
-    wanted = [i for i, x in enumerate(w) if x > 0]
-    if num_docs == 0:
-        return "the data holds no documents; check the preprocessing summary for what was dropped"
-    if num_docs < len(wanted):
-        return (
-            f"add documents, or give weight 0 to the splits you can do without "
-            f"(e.g. --split {','.join('1' if i < num_docs else '0' for i in range(3))})"
-        )
-    counts = [max(1, round(num_docs * x / sum(w))) if x > 0 else 0 for x in w]
-    while sum(counts) > num_docs:
-        counts[int(np.argmax(counts))] -= 1
-    counts[wanted[0]] += num_docs - sum(counts)
-    return f"use e.g. --split {','.join(map(str, counts))}, or give an unwanted split weight 0"
 
 
 def open_megatron_splits(
@@ -163,8 +106,6 @@ def _samples(
     if order == "fitgpt":
         return GPTSamples(data, split, name, seq_len, seed, vocab)
     if order == "megatron":
-        from fitgpt.data.megatron_order import MegatronSamples  # it imports this module
-
         return MegatronSamples(data, split, name, seq_len, seed, vocab, num_samples)
     raise UserError(f"--sample-order {order!r}: use fitgpt or megatron")
 
@@ -207,7 +148,7 @@ class GPTSamples:
                 f"{self.num_tokens} tokens) is shorter than one sample of {seq_len + 1} tokens; "
                 "give it more weight in --split or use a shorter --seq-len"
             )
-        self.cache_dir = _cache_dir(data.prefix)
+        self.cache_dir = cache_dir(data.prefix)
         big = self.num_documents + self.samples_per_epoch >= cache_min_entries
         self._cache = self.cache_dir if big else None
         self._epochs: dict[int, _Epoch] = {}
@@ -301,27 +242,13 @@ class GPTSamples:
         try:
             self._cache.mkdir(parents=True, exist_ok=True)
             for k, path in self.cache_files(e).items():
-                _save_atomic(path, getattr(epoch, k))
+                save_atomic(path, getattr(epoch, k))
         except OSError:
             pass  # read-only data directory: the index stays in memory, rebuilt next run
 
 
 def _index_dtype(n: int) -> type[np.integer]:
     return np.int32 if n < np.iinfo(np.int32).max else np.int64
-
-
-def _cache_dir(prefix: str) -> Path:
-    return Path(prefix + ".index-cache")
-
-
-def _save_atomic(path: Path, a: np.ndarray) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, a)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _vocab_size(data: IndexedDataset, vocab_size: int | None, source: str = "tokenizer") -> int:
@@ -346,7 +273,7 @@ def max_token(data: IndexedDataset) -> int:
     """The largest token id of the .bin, cached in PREFIX.index-cache/ by the file's size and time."""
     stat = Path(data.prefix + ".bin").stat()
     key = {"bin_bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    path = _cache_dir(data.prefix) / f"{Path(data.prefix).name}.max_token.json"
+    path = cache_dir(data.prefix) / f"{Path(data.prefix).name}.max_token.json"
     try:
         saved = json.loads(path.read_text())
         if {k: saved.get(k) for k in key} == key:

@@ -39,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fitgpt.data.gpt_dataset import SPLITS, _cache_dir, _save_atomic, split_ranges
 from fitgpt.data.indexed import IndexedDataset
+from fitgpt.data.splits import SPLITS, cache_dir, save_atomic, split_ranges
 from fitgpt.errors import UserError
 
 SEPARATE_FINAL_EPOCH_BELOW = 0.80  # Megatron's threshold, as a fraction of an epoch's samples
@@ -141,7 +141,7 @@ def index_files(
         f".samples{'-epoch' if num_samples is None else num_samples}"
     )
     names = ("document_index", "sample_index", "shuffle_index")
-    return {k: _cache_dir(data.prefix) / f"{stem}.{k}.npy" for k in names}
+    return {k: cache_dir(data.prefix) / f"{stem}.{k}.npy" for k in names}
 
 
 def cached_index(
@@ -177,7 +177,7 @@ def cached_index(
     try:
         files["shuffle_index"].parent.mkdir(parents=True, exist_ok=True)
         for k, f in files.items():
-            _save_atomic(f, getattr(index, k))
+            save_atomic(f, getattr(index, k))
     except OSError:
         pass  # read-only data directory: the index stays in memory, rebuilt next run
     return index
