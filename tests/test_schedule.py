@@ -141,7 +141,10 @@ def test_a_deep_wide_model_warms_up_long_enough_for_its_first_step():
     # 477 steps where Adam's floor was 40 (its loss rose from 10.7 to 19.2 at step 3 with 40)
     train, lines = resolved("--preset", "20b", "--steps", "300")
     assert train.warmup == 477 == first_step_warmup(9e-5, ModelConfig(44, 6144, 48))
-    assert "warm-up 477 steps (" in lines[0] and "a first step this deep and wide" in lines[0]
+    assert (
+        "warm-up 477 steps (" in lines[0]
+        and "a small first step at this depth and width" in lines[0]
+    )
     assert "the run ends before its peak" in lines[0]
     # it grows with the depth and the rate, and the longer of it and the other rules wins
     deep = resolved("--preset", "20b", "--layers", "88", "--steps", "300")[0].warmup

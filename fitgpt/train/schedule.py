@@ -120,7 +120,7 @@ def default_warmup(
     by_length = math.ceil(WARMUP_FRACTION * steps)
     adam = math.ceil(2 / (1 - beta2))
     floor, why = (
-        (first, "a first step this deep and wide model takes")
+        (first, "a small first step at this depth and width")
         if first > adam
         else (adam, "Adam's 2/(1-beta2)")
     )
