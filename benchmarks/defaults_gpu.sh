@@ -29,13 +29,34 @@ python3 -m fitgpt data preprocess --input "$D/pystd.jsonl" --json-key text \
   --output-prefix "$D/pystd" --workers 8 --append-eod > "$OUT/${STAGE}_preprocess.log" 2>&1 \
   || { tail -3 "$OUT/${STAGE}_preprocess.log"; exit 1; }
 DATA="$D/pystd_text_document"
+# WATCH=1: where a run's set-up spends its time. Every 15 s OUT/NAME.watch gets the host's used
+# and available RAM and each GPU's memory, and at 45, 120, 240 and 400 s py-spy's stacks of the
+# ranks (carry py-spy's wheel in .whl); each log line is stamped with the wall time.
+watch() {  # name
+  local t=0
+  while sleep 15; do
+    t=$((t + 15))
+    echo "$(date +%T) t=${t}s ram(used/avail GiB)=$(free -g | awk '/Mem/ {print $3"/"$7}')" \
+      "gpu(MiB)=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | paste -sd,)"
+    case $t in 45|120|240|400)
+      for p in $(pgrep -f "fitgpt train"); do  # the ranks: torchrun gave them LOCAL_RANK
+        grep -qz "^LOCAL_RANK=" "/proc/$p/environ" 2>/dev/null &&
+          timeout 20 py-spy dump --pid "$p" 2>&1 | grep -v "^ *$" | head -40
+      done ;;
+    esac
+  done >> "$OUT/$1.watch" 2>&1
+}
+stamp() { python3 -u -c "import sys, time
+for line in sys.stdin: print(time.strftime('%H:%M:%S'), line, end='', flush=True)"; }
 run() {  # name, limit in seconds, then fitgpt train's flags
   local name=$1 limit=$2; shift 2
-  local dir=/tmp/defaults_runs/$name
+  local dir=/tmp/defaults_runs/$name wpid=
   echo "== $name: fitgpt train $*" | tee "$OUT/$name.log"
+  [ -n "${WATCH:-}" ] && { watch "$name" & wpid=$!; }
   timeout "$limit" python3 -m fitgpt train --data "$DATA" --out "$dir" --overwrite --no-save \
-    --eval-every 0 --log-every 1 "$@" >> "$OUT/$name.log" 2>&1
-  echo "== $name: exit $?" | tee -a "$OUT/$name.log"
+    --eval-every 0 --log-every 1 "$@" 2>&1 | stamp >> "$OUT/$name.log"
+  echo "== $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.log"
+  [ -n "$wpid" ] && kill "$wpid" 2>/dev/null
   cp "$dir/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2>/dev/null
   grep -E "^defaults|^plan|^model|^placement|error|Error|spike|diverg" "$OUT/$name.log" | cut -c1-220
 }

@@ -100,3 +100,24 @@ def test_a_dead_or_hung_rank_ends_the_job_naming_rank_and_collective(tmp_path, k
     assert "rank 0: collective '" in err or "rank 0: a collective" in err, err[-2000:]
     assert "another rank died or hangs" in err
     assert time.time() - t0 < 120
+
+
+@pytest.mark.slow
+def test_an_error_on_one_rank_is_printed_with_its_rank_and_ends_the_job(tmp_path):
+    """A rank that raises alone (a bug, an out-of-memory, a check only it failed) prints why at
+    once and the job ends, long before --dist-timeout: its peer waits in the step's collectives."""
+    args = [*RUN, "--steps", "50", "--zero-stage", "3", "--dist-timeout", "300"]
+    t0 = time.time()
+    p = torchrun(
+        1,
+        0,
+        2,
+        free_port(),
+        [*args, "--out", str(tmp_path)],
+        env={**ENV, "FITGPT_FAULT": "1:3:error"},
+    )
+    _, err = p.communicate(timeout=280)
+    assert p.returncode != 0
+    assert "RuntimeError: injected fault (FITGPT_FAULT=1:3:error)" in err, err[-3000:]
+    assert "rank 1 of 2 failed alone (RuntimeError); the job ends" in err, err[-3000:]
+    assert time.time() - t0 < 200  # the peer's collective would have waited 300 s

@@ -212,6 +212,27 @@ def test_a_placement_larger_than_the_free_host_ram_is_refused_before_allocating(
     assert Placement.of(layout, EngineConfig(), 1, 2).host_bytes() == 0
 
 
+def _room_verdicts(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from fitgpt.engine.accounting import refuse_unless_room
+
+    gib, group = 1 << 30, dist.group.WORLD
+    # rank 1 read MemAvailable after its peer's first allocations: every rank refuses, agreed
+    with pytest.raises(UserError, match=r"needs 10.0 GiB .* but 5.0 GiB can be used") as e:
+        refuse_unless_room(10 * gib, (20 if rank == 0 else 5) * gib, torch.device("cpu"), group, 2)
+    assert e.value.agreed
+    # the most any rank needs is what every rank checks
+    with pytest.raises(UserError, match=r"needs 30.0 GiB"):
+        refuse_unless_room((30 if rank == 1 else 1) * gib, 20 * gib, torch.device("cpu"), group, 2)
+    refuse_unless_room(10 * gib, 20 * gib, torch.device("cpu"), group, 2)  # room on both
+    refuse_unless_room(10 * gib, 0, torch.device("cpu"), group, 2)  # no rank knows: no refusal
+
+
+def test_every_rank_agrees_on_the_host_room_verdict(gloo):
+    gloo(2, _room_verdicts)
+
+
 # ---- the nvme tier: optimizer state in files ----------------------------------------------------
 def nvme(tmp_path, blocks=None, nvme_blocks=None, **kw) -> dict:
     # nvme_path first: run_config applies fields one at a time, each validated

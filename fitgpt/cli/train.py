@@ -303,12 +303,39 @@ def run(args: argparse.Namespace) -> int:
             run_cfg, ctx, resume=resume, overwrite=args.overwrite, init_from=init, run_files=files
         )
     except UserError as e:
-        if not (e.agreed and ctx.distributed):
+        if not ctx.distributed:
             raise
+        if not e.agreed:
+            lone_failure(ctx, e)
         print(f"fitgpt train: error: {e}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):  # every rank printed its line before any exits
             ctx.barrier()
         sys.exit(2)
+    except Exception as e:
+        from fitgpt.engine.comm import CollectiveError
+
+        if ctx.distributed and not isinstance(e, CollectiveError):
+            lone_failure(ctx, e)
+        raise
     finally:
         shutdown(ctx)
     return 0
+
+
+def lone_failure(ctx, e: BaseException) -> None:
+    """One rank of a job failed where the others did not: say so now, naming the rank, and end
+    this process without tearing the job's group down. destroy_process_group waits for the
+    peers, which sit in a collective this rank will never join, so the cause used to be printed
+    only after --dist-timeout, or never (37 B on 2x H100, 2026-11-26: 8 minutes silent). Exiting
+    lets torchrun end the others at once; what the exit skips is the group's orderly teardown."""
+    import traceback
+
+    from fitgpt.dist.context import hard_exit
+
+    where = f"rank {ctx.rank} of {ctx.world}"
+    if isinstance(e, UserError):
+        print(f"fitgpt train: error on {where}: {e}", file=sys.stderr, flush=True)
+        hard_exit(2)
+    traceback.print_exc()
+    print(f"fitgpt train: {where} failed alone ({type(e).__name__}); the job ends", file=sys.stderr)
+    hard_exit(1)

@@ -141,14 +141,19 @@ def exit_process(code) -> None:
     flushed, then os._exit. Elsewhere it is a plain sys.exit."""
     if not gloo_threads_alive():
         sys.exit(code)
+    if code is not None and not isinstance(code, int):  # sys.exit("message") prints it, exits 1
+        with contextlib.suppress(Exception):
+            print(code, file=sys.stderr, flush=True)
+        code = 1
+    hard_exit(code or 0)
+
+
+def hard_exit(code: int) -> None:
+    """End the process now: the atexit handlers run (the host optimizer's worker stops, the disk
+    tier's files go), the streams are flushed, then os._exit, skipping the interpreter's and the
+    process group's teardown."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    if code is None:
-        code = 0
-    elif not isinstance(code, int):  # sys.exit("message") prints it and exits 1
-        with contextlib.suppress(Exception):
-            print(code, file=sys.stderr, flush=True)
-        code = 1
     os._exit(code)

@@ -159,7 +159,7 @@ class ChunkEngine(Engine):
                 f"--offload-params cpu on {self.world} ranks streams each rank's shard of the "
                 "weights: use --zero-stage 3"
             )
-        check_host_room(placement, self.device)
+        check_host_room(placement, self.device, self.ctx.group, self.ctx.world)
         return placement
 
     def _shared_state(self) -> tuple[dict[str, Scratch], DiskTier | None]:

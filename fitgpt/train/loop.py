@@ -282,15 +282,18 @@ class Trainer:
             ) from e
 
     def _maybe_inject_fault(self) -> None:
-        """FITGPT_FAULT=RANK:STEP:die|hang makes one rank fail at a step: the failure-handling
-        test uses it to check that the job ends with the rank and collective named. A hung rank
+        """FITGPT_FAULT=RANK:STEP:die|hang|error makes one rank fail at a step: the
+        failure-handling tests use it to check that the job ends with the rank named. A hung rank
         stops for twice --dist-timeout (the others time out meanwhile), then dies: a truly stuck
-        one would outlive torchrun's SIGTERM (a stop request it cannot act on) by 30 s."""
+        one would outlive torchrun's SIGTERM (a stop request it cannot act on) by 30 s. "error"
+        raises, as a bug on one rank would, while the others wait in the step's collectives."""
         spec = os.environ.get("FITGPT_FAULT")
         if not spec:
             return
         rank, step, kind = spec.split(":")
         if int(rank) == self.ctx.rank and int(step) == self.step:
+            if kind == "error":
+                raise RuntimeError(f"injected fault (FITGPT_FAULT={spec})")
             if kind == "hang":
                 time.sleep(2 * self.cfg.dist_timeout)
             os._exit(17)
