@@ -121,3 +121,15 @@ def test_an_error_on_one_rank_is_printed_with_its_rank_and_ends_the_job(tmp_path
     assert "RuntimeError: injected fault (FITGPT_FAULT=1:3:error)" in err, err[-3000:]
     assert "rank 1 of 2 failed alone (RuntimeError); the job ends" in err, err[-3000:]
     assert time.time() - t0 < 200  # the peer's collective would have waited 300 s
+
+
+def test_the_ranks_get_their_flags_untouched_by_torchrun():
+    """torchrun's parser took fitgpt's --master for an abbreviation of its --master-addr."""
+    from fitgpt.dist.launch import command
+    from fitgpt.dist.torchrun import launcher_args
+
+    train = ["train", "--master", "split", "--nnodes", "3", "--gpus=2", "--data", "x"]
+    cmd = command(2, "fitgpt", train, torchrun=True)
+    args = launcher_args(cmd[3:])  # after `python -m fitgpt.dist.torchrun`
+    assert (args.training_script, args.module, args.training_script_args) == ("fitgpt", True, train)
+    assert (args.nproc_per_node, args.standalone, args.nnodes) == ("2", True, "1:1")

@@ -20,10 +20,23 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
 
+def launcher_args(argv: list[str]):
+    """torchrun's arguments: its own options up to `-m MODULE`, and everything after them
+    handed to the ranks untouched. torchrun's parser reads its options out of the whole line and
+    takes an unknown flag for an abbreviation of its own, so `fitgpt train --gpus 2 --master
+    split` failed with "ambiguous option: --master could match --master-addr, --master-port"."""
+    if "-m" not in argv:
+        return parse_args(argv)
+    cut = argv.index("-m") + 2
+    args = parse_args(argv[:cut])
+    args.training_script_args = argv[cut:]
+    return args
+
+
 def main(argv: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        run(parse_args(argv))
+        run(launcher_args(argv))
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode
