@@ -16,7 +16,7 @@
 #   - fitgpt: every size (from 60 layers on the planner spills optimizer state to the disk);
 #   - fitgpt-no-offload, ddp, deepspeed-z3-offload: up to 24 layers, each until it fails;
 #   - fsdp2-offload (~18 TFLOP/s): 1, 4, 8 with a 150 s limit per trial.
-# Usage (device, carry .whl): OUT=... bash benchmarks/tiers_h100.sh
+# Usage (device, carry .whl): OUT=... bash benchmarks/history/tiers_h100.sh
 set -u
 OUT=${OUT:-/tmp/tiers}
 RES=benchmarks/results/tiers_h100_2026-11-22

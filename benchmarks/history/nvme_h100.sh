@@ -4,7 +4,7 @@
 # parameters, the ANCHORS protocol, 1 warm-up + 2 timed steps. The planner keeps what fits in host
 # RAM there and spills the state of the last blocks to files; the trial records the plan, the
 # step breakdown (incl. the disk's bytes and waits), GPU peak and host RSS against the prediction.
-# Usage (device): OUT=... bash benchmarks/nvme_h100.sh
+# Usage (device): OUT=... bash benchmarks/history/nvme_h100.sh
 set -u
 OUT=${OUT:-/tmp/nvme}
 mkdir -p "$OUT" /tmp/fitgpt-nvme

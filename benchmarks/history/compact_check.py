@@ -10,7 +10,7 @@ every case, each tier (device-homed state, host RAM, host RAM with streamed weig
     same weights, and the next steps' losses close to the run that saved it.
 One JSON line per case on stdout and in OUT; exit status 1 if any check fails.
 
-Usage (device): python3 benchmarks/compact_check.py OUT.jsonl
+Usage (device): python3 benchmarks/history/compact_check.py OUT.jsonl
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 #     off/full) at hidden 4096 × 8 layers (2.03 B, the ANCHORS protocol), each trial recording the
 #     measured GPU peak and host RSS beside the memory model's prediction.
 #   part "capacity-a": `fitgpt capacity` for ddp and ZeRO stage 0; "capacity-b": stages 1, 2, 3.
-# Usage (device): OUT=... bash benchmarks/memory_h100.sh model|capacity-a|capacity-b
+# Usage (device): OUT=... bash benchmarks/history/memory_h100.sh model|capacity-a|capacity-b
 set -u
 OUT=${OUT:-/tmp/memory}
 mkdir -p "$OUT"

@@ -4,7 +4,7 @@
 # 8 steps of the default 50-step warm-up, at the old fixed default (--lr 2e-3 --min-lr 2e-4) and
 # at the rate `fitgpt train` now works out from the width (train/schedule.py default_lr).
 # Both start from the same weights and read the same batches. Each run's log goes to $OUT.
-# Usage: OUT=... bash benchmarks/lr_width_cpu.sh
+# Usage: OUT=... bash benchmarks/history/lr_width_cpu.sh
 set -u
 OUT=${OUT:-/tmp/lr_width}
 mkdir -p "$OUT"

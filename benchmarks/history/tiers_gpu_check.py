@@ -10,7 +10,7 @@ checkpointing):
     host, as in the sweep), and every block streamed (the smallest GPU footprint).
 The cases with the delayed update (removed after commit 104145a; docs/offload.md) are in git.
 
-Usage (device): python3 benchmarks/tiers_gpu_check.py OUT.jsonl
+Usage (device): python3 benchmarks/history/tiers_gpu_check.py OUT.jsonl
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Reads OUT/metrics_<variant>.jsonl (a `fitgpt train` run's metrics file, one per 
 writes OUT/<name>.png (training loss against step) and OUT/<name>.md (a table: mean training loss
 over the last 50 steps, validation losses, median tokens/s).
 
-Usage: python benchmarks/loss_curves.py OUT NAME LABEL VARIANT [VARIANT ...]
+Usage: python benchmarks/history/loss_curves.py OUT NAME LABEL VARIANT [VARIANT ...]
 """
 
 from __future__ import annotations

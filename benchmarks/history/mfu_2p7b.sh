@@ -2,7 +2,7 @@
 # Issue 1 on one GPU (nvidia-h100-x1): the trainer on the 2.7b preset in bf16, micro-batch 8,
 # seq 1024, 4 accumulation steps, random tokens; both engines, activation checkpointing off
 # (it fits) and full. Each run in its own process; metrics.jsonl of each copied to $OUT.
-# Usage (device): OUT=... bash benchmarks/mfu_2p7b.sh
+# Usage (device): OUT=... bash benchmarks/history/mfu_2p7b.sh
 set -u
 OUT=${OUT:-/tmp/mfu}
 mkdir -p "$OUT"

@@ -6,7 +6,7 @@ as the `aten::sum` calls the 2.7b profile shows inside the compiled backward).
 The block is compiled the way `fitgpt train --compile on` compiles it (engine/compile.py: the
 class's forward through one function taking the block as an argument), in bf16.
 
-    python3 benchmarks/block_code_gpu.py --out $OUT [--preset 2.7b] [--micro-batch 8]
+    python3 benchmarks/history/block_code_gpu.py --out $OUT [--preset 2.7b] [--micro-batch 8]
 Writes $OUT/block_code.txt (Inductor's output code for the forward and backward graphs) and
 prints every line that calls a kernel outside Triton, with the source nodes it computes.
 """
@@ -18,7 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the source tree (this file: benchmarks/history/)
 
 
 def main() -> None:

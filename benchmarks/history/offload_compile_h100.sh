@@ -7,7 +7,7 @@
 # rest of each plan. The first mode first, so a call cut short still holds the baseline. Each
 # run's log and metrics.jsonl to $OUT.
 # Usage (device): source benchmarks/device_env.sh
-#   OUT=... [PRESETS="6.7b 13b"] [MODES="off on auto"] [AUTO_S=120] bash benchmarks/offload_compile_h100.sh [STEPS]
+#   OUT=... [PRESETS="6.7b 13b"] [MODES="off on auto"] [AUTO_S=120] bash benchmarks/history/offload_compile_h100.sh [STEPS]
 set -u
 OUT=${OUT:-/tmp/offload_compile}
 STEPS=${1:-6}

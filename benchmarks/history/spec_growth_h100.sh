@@ -8,7 +8,7 @@
 # profile of steps 4-5) and 10 without; `vmstat 5` beside them (host CPU, memory, swap). Each
 # step's phases and host-optimizer waits are in the runs' metrics.jsonl, copied to $OUT.
 # LAYERS=56 (11.69 B) instead of 38 (8.07 B) for the larger ANCHORS size.
-# Usage (device): OUT=... [LAYERS=38] bash benchmarks/spec_growth_h100.sh
+# Usage (device): OUT=... [LAYERS=38] bash benchmarks/history/spec_growth_h100.sh
 set -u
 OUT=${OUT:-/tmp/spec_growth}
 mkdir -p "$OUT"

@@ -3,8 +3,8 @@ numbers it had before (and issue 10's 8 B save time), on nvidia-h100-x1.
 
 1. benchmarks/gpu_check.py: every ZeRO stage and the host tier against the plain engine in bf16,
    a stage-3 checkpoint resumed by the plain engine, KV-cache generation (CUDA paths).
-2. benchmarks/tiers_gpu_check.py's 2.03 B cases: streamed weights (the copy stream, its events,
-   the host optimizer's side-stream copies); the recorded run also had the delayed update,
+2. benchmarks/history/tiers_gpu_check.py's 2.03 B cases: streamed weights (the copy stream, its
+   events, the host optimizer's side-stream copies); the recorded run also had the delayed update,
    removed since (docs/offload.md).
 3. The tiers sweep's trials at 4.44 B and 8.07 B (hidden 4096, untied head, micro-batch 8 × 4,
    ANCHORS protocol): `fitgpt bench sweep --systems fitgpt --sizes 20,38 --warmup 1 --steps 2`,
@@ -13,7 +13,7 @@ numbers it had before (and issue 10's 8 B save time), on nvidia-h100-x1.
    engine is compared on the same plan whatever the planner now picks.
 4. An 8 B weights-only checkpoint's save time (`fitgpt train ... --save-optimizer none`).
 
-    python3 benchmarks/refactor_check.py --out $OUT
+    python3 benchmarks/history/refactor_check.py --out $OUT
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: user_path.py
 from user_path import fitgpt, step
 
 TIERS = {20: 1.8030249319999996, 38: 6.20955581150001}  # step s in tiers_h100_2026-11-22

@@ -3,8 +3,8 @@
 Stages (each one device call; every `fitgpt` step is a command line as a user types it, on data
 made by `fitgpt data preprocess` from the Python standard library, GPT-2's tokenizer; the
 records go to OUT/user_path.jsonl through benchmarks/user_path.py's `step`):
-  a  benchmarks/compact_check.py (the CUDA paths: split master bit-identical to fp32 master on
-     every tier, compact moments close, bytes as planned, a checkpoint across formats) and
+  a  benchmarks/history/compact_check.py (the CUDA paths: split master bit-identical to fp32
+     master on every tier, compact moments close, bytes as planned, a checkpoint across formats) and
      tests/test_compact.py's GPU tests; benchmarks/host_adamw_formats.py on one 8 B block
      (201 M elements) in every format; and 8 B (7.86 B, ANCHORS batch) by `fitgpt train` with
      the planner's plan in fp32 state and with compact state (--master split --moments bf16
@@ -25,11 +25,11 @@ records go to OUT/user_path.jsonl through benchmarks/user_path.py's `step`):
   x2 (nvidia-h200-x2) `fitgpt train --gpus 2` at 40.64 B (the 20b preset's width, 89 layers),
      which no plan fits with fp32 state (29.31 B was the largest), 2 steps.
 
-    python3 benchmarks/compact_gpu.py a --out $OUT    # carry .whl (the GPT-2 tokenizer)
-    python3 benchmarks/compact_gpu.py b --out $OUT
-    python3 benchmarks/compact_gpu.py n --out $OUT
-    python3 benchmarks/compact_gpu.py b4 --out $OUT
-    python3 benchmarks/compact_gpu.py x2 --out $OUT   # nvidia-h200-x2
+    python3 benchmarks/history/compact_gpu.py a --out $OUT    # carry .whl (the GPT-2 tokenizer)
+    python3 benchmarks/history/compact_gpu.py b --out $OUT
+    python3 benchmarks/history/compact_gpu.py n --out $OUT
+    python3 benchmarks/history/compact_gpu.py b4 --out $OUT
+    python3 benchmarks/history/compact_gpu.py x2 --out $OUT   # nvidia-h200-x2
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: user_path.py
 import user_path  # (its data, its `step` recorder and its `fitgpt` command builder)
 from user_path import DATA, WORK, fitgpt, step
 
@@ -55,7 +55,9 @@ NVME = "/tmp/fitgpt-nvme"
 def checks(out: Path) -> None:
     py = [sys.executable]
     step(
-        out, "compact_check", [*py, "benchmarks/compact_check.py", str(out / "compact_check.jsonl")]
+        out,
+        "compact_check",
+        [*py, "benchmarks/history/compact_check.py", str(out / "compact_check.jsonl")],
     )
     step(out, "gpu tests", [*py, "-m", "pytest", "-q", "-p", "no:logging", "tests/test_compact.py",
                             "-k", "gpu"])  # fmt: skip

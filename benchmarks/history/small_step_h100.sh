@@ -6,7 +6,7 @@
 # backward, the reduction and norm, the update; events, no added sync) against the host's
 # wall time per step; the rest is the gap between steps (the sync, data, the loop). Runs:
 # compiled with the planner's engine, compiled with --engine ddp, eager.
-# Usage (device): OUT=... bash benchmarks/small_step_h100.sh
+# Usage (device): OUT=... bash benchmarks/history/small_step_h100.sh
 set -u
 OUT=${OUT:-/tmp/small_step}
 mkdir -p "$OUT"

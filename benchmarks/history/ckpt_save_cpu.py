@@ -4,7 +4,7 @@ Builds the chunked engine for a ~150 M-parameter GPT on the CPU (no training nee
 is what it is), then times `checkpoint.save` of full and weights-only checkpoints (the trainer's
 own call: state files with their CRCs, RNG files, indexes, meta.json with its checksums, rename),
 and separately the `sync` that follows (the page cache written back to the disk), and the CRC-32
-rate alone. Usage: PYTHONPATH=. python benchmarks/ckpt_save_cpu.py OUT_DIR SCRATCH_DIR
+rate alone. Usage: PYTHONPATH=. python benchmarks/history/ckpt_save_cpu.py OUT_DIR SCRATCH_DIR
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 #     50 steps each (2 warm-up + 48 timed) — every step's loss is recorded for the agreement check.
 #   part "capacity": hidden 4096 (untied, the ANCHORS protocol), checkpointing every block:
 #     ddp at 32/34/36 layers and ZeRO-3 at 64/72/80 layers; each line stops at its first failure.
-# Usage (device): OUT=... bash benchmarks/zero_x2.sh speed|capacity
+# Usage (device): OUT=... bash benchmarks/history/zero_x2.sh speed|capacity
 set -u
 OUT=${OUT:-/tmp/zero_x2}
 mkdir -p "$OUT"

@@ -2,7 +2,7 @@
 (`full`) and in pinned host memory (`cpu`), for the zero engine (bf16) and the ddp engine. Records
 losses, median step time and peak GPU memory of each, as JSON lines.
 
-Usage (device): python3 benchmarks/host_ckpt_gpu.py OUT.jsonl
+Usage (device): python3 benchmarks/history/host_ckpt_gpu.py OUT.jsonl
 """
 
 from __future__ import annotations

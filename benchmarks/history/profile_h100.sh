@@ -4,7 +4,7 @@
 # nanoGPT comparison's batch) and at the 2.7b preset (micro-batch 8 x 4, the MFU run's), random
 # tokens, bf16. Each run's profile/summary.txt (the kernels' share of the wall time, the 30 ops
 # with the most self time) and its gzipped Chrome trace are copied to $OUT.
-# Usage (device): OUT=... [PRESETS="2.7b:8"] bash benchmarks/profile_h100.sh
+# Usage (device): OUT=... [PRESETS="2.7b:8"] bash benchmarks/history/profile_h100.sh
 set -u
 OUT=${OUT:-/tmp/profile}
 mkdir -p "$OUT"

@@ -8,7 +8,8 @@ block), each without and with activation checkpointing (torch.utils.checkpoint, 
 as engine/activation.py wraps a block). Median of 10 timed forward + backward passes after 3
 warm-up passes; one process, so the rows share a GPU state.
 
-    python3 benchmarks/block_speed_gpu.py --out $OUT [--presets 2.7b,6.7b,13b] [--micro-batch 8]
+    python3 benchmarks/history/block_speed_gpu.py --out $OUT [--presets 2.7b,6.7b,13b]
+        [--micro-batch 8]
 Prints a table and writes $OUT/block_speed.jsonl.
 """
 
@@ -21,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the source tree (this file: benchmarks/history/)
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
 # block's optimizer state on the host (--offload-optimizer cpu --offload-fraction 1), fp32 on
 # the CPU — with the host moments in fp32, bf16 and int8; then one chart of the three loss curves
 # and a table. Runs on the 2-core CPU box in about 6 minutes.
-# Usage: bash benchmarks/moments_loss.sh [OUT_DIR]
+# Usage: bash benchmarks/history/moments_loss.sh [OUT_DIR]
 set -eu
 OUT=${1:-benchmarks/results/moments_loss_cpu_2026-11-22}
 PY=${PY:-.venv/bin/python}
@@ -16,4 +16,4 @@ for kind in fp32 bf16 int8; do
     --eval-every 100 --log-every 10 --out "/tmp/fitgpt-moments-$kind" > "$OUT/train_$kind.log" 2>&1
   cp "/tmp/fitgpt-moments-$kind/metrics.jsonl" "$OUT/metrics_$kind.jsonl"
 done
-$PY benchmarks/loss_curves.py "$OUT" moments_loss moments fp32 bf16 int8
+$PY benchmarks/history/loss_curves.py "$OUT" moments_loss moments fp32 bf16 int8

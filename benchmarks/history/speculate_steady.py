@@ -13,7 +13,7 @@ library's source through `fitgpt data preprocess`, as benchmarks/user_path.py ma
   spec     40 steps, clip 1.0, lr 1e-4 (5 warm-up steps), speculative update on (the default)
   nospec   the same with --no-speculative-update, as many steps as the call has time for
 Every step is logged (--log-every 1): grad_norm, ms_per_step, speculated, rollbacks.
-    python3 benchmarks/speculate_steady.py --out $OUT [--deadline 540]
+    python3 benchmarks/history/speculate_steady.py --out $OUT [--deadline 540]
 Writes $OUT/<run>.log, $OUT/<run>.metrics.jsonl and $OUT/summary.json.
 """
 
@@ -27,10 +27,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: user_path.py
 from user_path import DATA, make_data
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the source tree (this file: benchmarks/history/)
 SHAPE = ["--preset", "6.7b", "--layers", "38", "--no-tie-embeddings", "--micro-batch", "8"]
 COMMON = ["--grad-accum", "4", "--lr", "1e-4", "--min-lr", "1e-5", "--warmup", "5"]
 COMMON += ["--log-every", "1", "--eval-every", "0", "--no-save", "--grad-clip", "1.0"]

@@ -14,7 +14,7 @@ parts measured alone, back to back, with nothing else on the GPU:
 The floor adds to gemm and attention the traffic the rest of the step cannot avoid (listed in
 REST_BYTES, at the measured copy bandwidth): the step time 58% MFU allows is set against it.
 
-    python3 benchmarks/mfu_floor_gpu.py --out $OUT
+    python3 benchmarks/history/mfu_floor_gpu.py --out $OUT
 Prints the table and writes $OUT/mfu_floor.json.
 """
 
@@ -25,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the source tree (this file: benchmarks/history/)
 
 B, T, H, L, MICRO, V = 8, 1024, 2560, 32, 4, 50304
 M = B * T

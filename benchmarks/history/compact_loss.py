@@ -17,10 +17,10 @@ tokens), validation loss every 100 steps on 20 held-out batches:
 Runs go two at a time on the one GPU (each fits alone; only losses are compared here, not
 speed). Each run's metrics.jsonl is copied to OUT/<name>.metrics.jsonl.
 
-    python3 benchmarks/compact_loss.py run fp32-s1,bf16-s1 --out $OUT   # device, one call each
-    python3 benchmarks/compact_loss.py run fp32-s2,int8-s1 --out $OUT
-    python3 benchmarks/compact_loss.py run host-s1 --out $OUT             # issue 15
-    python3 benchmarks/compact_loss.py report RESULTS_DIR                # table + curves (here)
+    python3 benchmarks/history/compact_loss.py run fp32-s1,bf16-s1 --out $OUT  # device, a call each
+    python3 benchmarks/history/compact_loss.py run fp32-s2,int8-s1 --out $OUT
+    python3 benchmarks/history/compact_loss.py run host-s1 --out $OUT          # issue 15
+    python3 benchmarks/history/compact_loss.py report RESULTS_DIR           # table + curves (here)
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: user_path.py
 import user_path  # (its real-text data: `fitgpt data preprocess` on the stdlib)
 
 WORK = Path("/tmp/compact_loss")

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Issue 18 (15 · stall-free update): the speculative update on nvidia-h100-x1 against the same
 # engine with it off (fitgpt-no-speculate) and DeepSpeed ZeRO-3 offload, one sweep, the ANCHORS
-# protocol of benchmarks/sweep_h100.sh (hidden 4096, 32 heads, seq 1024, micro-batch 8 x 4, bf16,
-# full checkpointing), 1 warm-up + 2 timed steps per trial. Sizes: 20 layers 4.44 B, 38 8.07 B,
-# 56 11.69 B. The step breakdown of each record (breakdown_s) holds speculated_steps_total and
-# rollbacks_total. Resumable like sweep_h100.sh: each call works until DEADLINE (default 540 s).
-# Usage (device, carry .whl): OUT=... bash benchmarks/speculate_h100.sh
+# protocol of benchmarks/history/sweep_h100.sh (hidden 4096, 32 heads, seq 1024, micro-batch
+# 8 x 4, bf16, full checkpointing), 1 warm-up + 2 timed steps per trial. Sizes: 20 layers
+# 4.44 B, 38 8.07 B, 56 11.69 B. The step breakdown of each record (breakdown_s) holds
+# speculated_steps_total and rollbacks_total. Resumable like sweep_h100.sh: each call works
+# until DEADLINE (default 540 s).
+# Usage (device, carry .whl): OUT=... bash benchmarks/history/speculate_h100.sh
 set -u
 OUT=${OUT:-/tmp/speculate}
 RES=benchmarks/results/speculate_h100_$(date +%F)

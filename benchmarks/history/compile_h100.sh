@@ -6,7 +6,8 @@
 # Each run in its own process (a cold dynamo cache; Inductor's disk cache is whatever the
 # machine has: the log's `compile:` line says the seconds). Logs and metrics.jsonl to $OUT; the
 # steady-state ms/step is the last log line's (steps 21-40), compile_s the `compile` record's.
-# Usage (device): OUT=... bash benchmarks/compile_h100.sh    (SIZES=2.7b:8 MODES="on off": one size)
+# Usage (device): OUT=... bash benchmarks/history/compile_h100.sh
+#   (SIZES=2.7b:8 MODES="on off": one size)
 set -u
 OUT=${OUT:-/tmp/compile}
 mkdir -p "$OUT"

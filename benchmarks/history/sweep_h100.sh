@@ -15,7 +15,7 @@
 #   - fitgpt-no-accum and fitgpt-no-zero (same capacity as fitgpt on one GPU): 1, 8, 20, 38, 56, 60;
 #   - FSDP2 offload and fitgpt-no-mixed (fp32: ~10x slower): 1, 4, 8, 12, 16 with a 120 s limit
 #     per trial, so a slow trial ends its line as "timeout" instead of eating the device budget.
-# Usage (device, carry .whl): OUT=... bash benchmarks/sweep_h100.sh
+# Usage (device, carry .whl): OUT=... bash benchmarks/history/sweep_h100.sh
 set -u
 OUT=${OUT:-/tmp/sweep}
 RES=benchmarks/results/sweep_h100_2026-11-22

@@ -5,7 +5,7 @@
 #   part "big": fitgpt (the planner's choice: the GPU filled first, the last blocks' optimizer
 #     state on the host) at 8.07 B (38 layers), 10.08 B (48) and 10.89 B (52), hidden 4096, the
 #     ANCHORS protocol; each trial records throughput, GPU peak, host RSS and the prediction.
-# Usage (device): OUT=... bash benchmarks/offload_h100.sh check|big
+# Usage (device): OUT=... bash benchmarks/history/offload_h100.sh check|big
 set -u
 OUT=${OUT:-/tmp/offload}
 mkdir -p "$OUT"

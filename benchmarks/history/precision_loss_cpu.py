@@ -10,7 +10,8 @@ the same batches, so per seed the runs are paired: only the precision scheme dif
 A small model on real text on the CPU (the standard library's source, byte tokenizer, so the
 head is small): `fitgpt train` per engine and seed, the validation loss at the end.
 
-    python3 benchmarks/precision_loss_cpu.py --data PREFIX --out DIR [--seeds 0,1,2] [--steps 400]
+    python3 benchmarks/history/precision_loss_cpu.py --data PREFIX --out DIR [--seeds 0,1,2]
+        [--steps 400]
 PREFIX: `fitgpt data preprocess --tokenizer bytes` output. Writes DIR/precision_loss.jsonl.
 """
 
