@@ -140,3 +140,22 @@ def test_cli_long_prompt_note_and_refused_tokenizer(text_run):
     )
     assert r.returncode == 2 and "50257 tokens, but the model knows 256" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_an_alibi_checkpoint_loads_with_its_slopes(tmp_path):
+    """load_model builds on the meta device: ALiBi's slopes, a buffer no checkpoint holds, are
+    made again on the device (to_empty left them undefined), so the loaded model computes what
+    the trained one did."""
+    from fitgpt.infer.generate import load_model
+
+    cfg = run_config(
+        tmp_path / "run", steps=2, save_every=2, position="alibi", tie_embeddings=False
+    )
+    train(cfg, CPU)
+    model, _ = load_model(tmp_path / "run", torch.device("cpu"))
+    fresh = GPT(model.cfg)
+    fresh.load_state_dict(model.state_dict())
+    assert torch.equal(model.alibi_slopes_N, fresh.alibi_slopes_N)
+    idx = prompt(8, batch=2, vocab=cfg.model.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), fresh.eval()(idx), rtol=0, atol=0)

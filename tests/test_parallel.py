@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import TINY, run_config
+from helpers import TINY, engine_losses, run_config
 
 from fitgpt.dist import DistContext, init_distributed
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
@@ -23,7 +23,7 @@ from fitgpt.errors import UserError
 from fitgpt.infer.generate import SampleConfig, generate, load_model
 from fitgpt.model import GPT, ModelConfig
 from fitgpt.parallel import check_tensor_parallel, parallelize
-from fitgpt.parallel.shard import split_rule, unshard
+from fitgpt.parallel.shard import unshard
 from fitgpt.parallel.state import sync_replicated
 from fitgpt.plan import rates
 from fitgpt.plan.hardware import Hardware
@@ -33,30 +33,13 @@ from fitgpt.plan.throughput import step_time, tp_comm_time
 from fitgpt.train.loop import train
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
+split_rule = GPT.family.split_rule  # how TP cuts each GPT-2 parameter
 STEPS = 20
 CLIP = 0.5  # below the first steps' norms: clipping is active
 
 
 def step_losses(ecfg: EngineConfig, ctx: DistContext) -> dict:
-    """20 steps of 2 micro-batches of a global batch of 8 rows; data-parallel rank d takes rows
-    [d·b, (d+1)·b) (every rank of a TP group the same rows)."""
-    e = build_engine(
-        TINY, ecfg, PrecisionConfig(precision="fp32"), OptimConfig(grad_clip=CLIP), ctx
-    )
-    dp, d = (e.ctx.dp_world, e.ctx.dp_rank) if ctx.distributed else (1, 0)
-    b = 8 // dp
-    out = {"loss": [], "norm": []}
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(1000 + step)
-        x = torch.randint(0, TINY.vocab_size, (16, TINY.seq_len + 1), generator=g)
-        micro = [x[m * 8 : (m + 1) * 8][d * b : (d + 1) * b] for m in range(2)]
-        st = e.train_step([(r[:, :-1], r[:, 1:]) for r in micro], 3e-3)
-        out["loss"].append(st.loss)
-        out["norm"].append(st.grad_norm)
-    out["shapes"] = {n: list(p.shape) for n, p in e.model.named_parameters()}
-    out["mem"] = e.memory_report()
-    e.close()
-    return out
+    return engine_losses(TINY, ecfg, ctx, STEPS, CLIP)
 
 
 def check_split_shapes(shapes: dict, tp: int) -> None:
@@ -96,7 +79,7 @@ def check_layers(rank: int, tie: bool, sp: bool = False) -> None:
         dist.all_gather(parts, p.grad.contiguous())
         if split_rule(name) is None:
             assert torch.equal(parts[0], parts[1]), f"{name}: replicated gradients differ"
-        torch.testing.assert_close(unshard(name, parts), grads[name].grad, msg=name)
+        torch.testing.assert_close(unshard(split_rule(name), parts), grads[name].grad, msg=name)
     if sp:
         return  # head() of a sequence-parallel model takes this rank's tokens only
     h = torch.randn(2, 4, cfg.n_embd, generator=torch.Generator().manual_seed(1))

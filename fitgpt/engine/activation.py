@@ -63,7 +63,8 @@ class HostActivations:
     need grad go to pinned host memory; everything else passes through untouched: CPU tensors
     (nothing to offload) and tensors that need no grad, like the ALiBi bias shared by every
     block (offloading it would copy one N·T·T tensor per block). Tensors passed by keyword are
-    held by the checkpoint's closure and stay on the device; GPT passes them positionally.
+    held by the checkpoint's closure and stay on the device; DecoderLM passes them
+    positionally.
     """
 
     def __init__(self) -> None:

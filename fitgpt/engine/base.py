@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from fitgpt.engine.layout import ChunkSpec
-from fitgpt.model import GPT, ModelConfig
+from fitgpt.model import DecoderLM, ModelConfig
 
 if TYPE_CHECKING:
     from fitgpt.engine.compile import CompiledRegions
@@ -73,8 +73,8 @@ class Engine(ABC):
         """Bytes held by this rank: {device: {kind: bytes}}, kinds as in fitgpt/plan/memory.py."""
 
     @abstractmethod
-    def inference_model(self) -> GPT:
-        """A plain GPT with the current weights on this rank's device, for sampling."""
+    def inference_model(self) -> DecoderLM:
+        """A plain model with the current weights on this rank's device, for sampling."""
 
     def describe(self) -> dict:
         """What this engine is and where its state lives, for logs and benchmark records:

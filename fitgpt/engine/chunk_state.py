@@ -25,7 +25,7 @@ from fitgpt.engine.comm import Peers
 from fitgpt.engine.compact import Scratch
 from fitgpt.engine.offload import DiskTier
 from fitgpt.engine.state_io import KINDS, Piece, StateReader, write_pieces
-from fitgpt.model import GPT, ModelConfig
+from fitgpt.model import DecoderLM, ModelConfig, build_model
 
 
 class ChunkStateIO:
@@ -165,11 +165,11 @@ class ChunkStateIO:
         dtype: torch.dtype,
         ensure: Callable,
         unsplit: Callable[[str, Tensor], Tensor] | None = None,
-    ) -> GPT:
-        """A fresh GPT holding the full current weights; `ensure(c)` brings a chunk's full
+    ) -> DecoderLM:
+        """A fresh model holding the full current weights; `ensure(c)` brings a chunk's full
         weights in (stage 3 and streamed chunks), one chunk at a time; `unsplit(name, t)` (tensor
         parallelism, collective) makes a parameter whole from every TP rank's part."""
-        model = GPT(cfg).to(device, dtype)
+        model = build_model(cfg).to(device, dtype)
         params = dict(model.named_parameters())
         for c in self.chunks:
             if c.transient_weight:

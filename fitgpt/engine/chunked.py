@@ -41,6 +41,7 @@ from fitgpt.dist import DistContext
 from fitgpt.engine.accounting import check_host_room, memory_report
 from fitgpt.engine.activation import checkpoint_blocks
 from fitgpt.engine.base import Batch, Engine, StepStats, batch_to
+from fitgpt.engine.build import build
 from fitgpt.engine.chunk import Chunk
 from fitgpt.engine.chunk_state import ChunkStateIO
 from fitgpt.engine.comm import Peers
@@ -48,7 +49,6 @@ from fitgpt.engine.compact import Scratch
 from fitgpt.engine.compile import compile_regions, model_scope
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.fetch import WeightFetch
-from fitgpt.engine.layout import chunk_layout
 from fitgpt.engine.offload import DiskTier, HostOptimizer
 from fitgpt.engine.pinned import PinnedArena
 from fitgpt.engine.placement import Placement
@@ -59,9 +59,7 @@ from fitgpt.engine.timing import StepClock
 from fitgpt.engine.update import TieredUpdate
 from fitgpt.engine.wgrad import fuse_weight_grads
 from fitgpt.errors import UserError
-from fitgpt.model import GPT, ModelConfig
-from fitgpt.model.gpt import alibi_slopes
-from fitgpt.parallel import check_tensor_parallel, parallelize
+from fitgpt.model import DecoderLM, ModelConfig
 from fitgpt.parallel.state import (
     SequenceParallelGrads,
     TPGradNorm,
@@ -96,17 +94,11 @@ class ChunkEngine(Engine):
         self.world = ctx.dp_world if ctx.distributed else 1
         self.peers = Peers(ctx.dp_group if self.world > 1 else None, self.world, ctx.dp_rank)
 
-        with torch.device("meta"):
-            model = GPT(model_cfg)  # no memory: every parameter is replaced by a chunk view below
-        if model_cfg.position == "alibi":
-            model.alibi_slopes_N = alibi_slopes(model_cfg.n_head).to(self.device)
-        self.layout = chunk_layout(model)  # the unsplit model's: what checkpoints record
         self.mesh = ctx.mesh
-        if self.mesh is not None:  # split 1/T of the weights before chunks are laid out
-            sp = ecfg.sequence_parallel
-            check_tensor_parallel(self.mesh.tp, model_cfg, ctx.world, sp)
-            model = parallelize(model, self.mesh, sp)
-        self.local_layout = chunk_layout(model)  # this rank's chunks (the layout above at T=1)
+        # on meta, no memory: every parameter is replaced by a chunk view below
+        built = build(model_cfg, self.mesh, ctx.world, ecfg.sequence_parallel)
+        model, self.layout, self.local_layout = built.model, built.layout, built.local_layout
+        model.materialize_buffers(self.device)
         self.placement = self._placement()
         self.pinned = PinnedArena(self.cuda)  # streamed weights
         self.scratch, self.disk = self._shared_state()
@@ -176,7 +168,7 @@ class ChunkEngine(Engine):
         disk = DiskTier(self.ecfg.nvme_path, on_disk) if on_disk else None
         return scratch, disk
 
-    def _build_chunks(self, model: GPT, seed: int) -> list[Chunk]:
+    def _build_chunks(self, model: DecoderLM, seed: int) -> list[Chunk]:
         """One chunk at a time: allocate, bind into the model, initialise, build its optimizer
         (its views are cut while the state is resident), and write a disk-homed chunk's state
         out, so init transients and host RAM stay at one chunk's worth."""
@@ -370,10 +362,10 @@ class ChunkEngine(Engine):
             "last_step_clean": self.updater.last_clean,  # the speculative update's rule
         }
 
-    def inference_model(self) -> GPT:
-        """A fresh GPT holding the full current weights (gathered from the shards)."""
+    def inference_model(self) -> DecoderLM:
+        """A fresh model holding the full current weights (gathered from the shards)."""
         self._sync_host()
-        unsplit = None if self.mesh is None else unsplitter(self.mesh, self.device)
+        unsplit = None if self.mesh is None else unsplitter(self.mesh, self.device, self.layout)
         return self.state_io.inference_model(
             self.model_cfg, self.device, self.dtype, self.fetcher.ensure, unsplit
         )

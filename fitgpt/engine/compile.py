@@ -5,7 +5,7 @@ Two kinds of region are compiled (TorchInductor, dynamo's default backend):
              go through one compiled function taking the block as an argument: their
              parameters are graph inputs, not constants, so dynamo compiles it once and block
              2..L hit its cache. Compile time does not grow with depth.
-  head       GPT.head_loss: the final LayerNorm, lm_head and cross-entropy as one graph (the
+  head       DecoderLM.head_loss: the final norm, the head and cross-entropy as one graph (the
              [B, T, V] logits and their fp32 copy become a fused transient).
 One rank holding a small model whole (model_scope) compiles a third kind instead of the two:
   model      the whole training forward (embeddings, every block, head + loss) as one graph,
@@ -125,10 +125,11 @@ def _model_train(model: nn.Module, idx_BT: Tensor, targets_BT: Tensor) -> Tensor
     return type(model).forward(model, idx_BT, targets_BT)
 
 
-def _block_train(block: nn.Module, x_BTH: Tensor, alibi_NTT: Tensor | None) -> Tensor:
-    """A block's forward as training calls it; the class's forward, not the instance attribute
-    (which activation checkpointing and this module replace)."""
-    return type(block).forward(block, x_BTH, None, 0, alibi_NTT)
+def _block_train(block: nn.Module, x_BTH: Tensor, aux: Tensor | None) -> Tensor:
+    """A block's forward as training calls it (`aux`: DecoderLM.block_aux's, e.g. ALiBi's
+    bias); the class's forward, not the instance attribute (which activation checkpointing and
+    this module replace)."""
+    return type(block).forward(block, x_BTH, None, 0, aux)
 
 
 def _head_loss(model: nn.Module, x_BTH: Tensor, targets_BT: Tensor) -> Tensor:
@@ -236,10 +237,10 @@ class CompiledRegions:
     def _wrap_block(self, block: nn.Module) -> None:
         eager = block.forward
 
-        def forward(x, cache=None, layer=0, alibi_NTT=None):
+        def forward(x, cache=None, layer=0, aux=None):
             if cache is not None:  # decoding: shapes change every token, compiling never pays
-                return eager(x, cache, layer, alibi_NTT)
-            return self.blocks(self, block, x, alibi_NTT)
+                return eager(x, cache, layer, aux)
+            return self.blocks(self, block, x, aux)
 
         block.forward = forward
         self.blocks.regions += 1

@@ -10,9 +10,11 @@ size or the placement, which is what lets a checkpoint saved one way be loaded a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
+
+from fitgpt.model import Split
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,9 @@ class ParamSlot:
     shape: tuple[int, ...]
     offset: int  # first element inside the chunk's flat buffer
     numel: int
+    # how tensor parallelism cuts it (the model family's rule, read once here); None: replicated.
+    # Not part of a checkpoint's record, nor of a layout's identity.
+    split: Split | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -51,13 +56,13 @@ def decays(name: str, ndim: int) -> bool:
     return ndim >= 2
 
 
-def _chunk(index: int, name: str, named: list[tuple[str, nn.Parameter]]) -> ChunkSpec:
+def _chunk(index: int, name: str, named: list[tuple[str, nn.Parameter]], rule) -> ChunkSpec:
     ordered = [p for p in named if decays(p[0], p[1].ndim)] + [
         p for p in named if not decays(p[0], p[1].ndim)
     ]
     slots, off, decay_numel = [], 0, 0
     for pname, p in ordered:
-        slots.append(ParamSlot(pname, tuple(p.shape), off, p.numel()))
+        slots.append(ParamSlot(pname, tuple(p.shape), off, p.numel(), rule(pname)))
         off += p.numel()
         if decays(pname, p.ndim):
             decay_numel = off
@@ -65,7 +70,11 @@ def _chunk(index: int, name: str, named: list[tuple[str, nn.Parameter]]) -> Chun
 
 
 def chunk_layout(model: nn.Module) -> list[ChunkSpec]:
-    """Chunks in execution order: embed, block.0 … block.L-1, head (works on the meta device)."""
+    """Chunks in execution order: embed, block.0 … block.L-1, head (works on the meta device).
+    Each parameter's tensor-parallel Split comes from the model's family (none for a module
+    that has no family: every parameter replicated)."""
+    family = getattr(model, "family", None)
+    rule = family.split_rule if family is not None else (lambda name: None)
     before, after, seen_blocks = [], [], False
     seen: set[int] = set()
     chunks: list[ChunkSpec] = []
@@ -75,15 +84,15 @@ def chunk_layout(model: nn.Module) -> list[ChunkSpec]:
             for i, block in enumerate(child):
                 named = [(f"blocks.{i}.{n}", p) for n, p in block.named_parameters()]
                 seen.update(id(p) for _, p in named)
-                chunks.append(_chunk(0, f"block.{i}", named))
+                chunks.append(_chunk(0, f"block.{i}", named, rule))
             continue
         named = [(f"{child_name}.{n}", p) for n, p in child.named_parameters() if id(p) not in seen]
         seen.update(id(p) for _, p in named)
         (after if seen_blocks else before).append(named)
     specs = [
-        _chunk(0, "embed", [p for g in before for p in g]),
+        _chunk(0, "embed", [p for g in before for p in g], rule),
         *chunks,
-        _chunk(0, "head", [p for g in after for p in g]),
+        _chunk(0, "head", [p for g in after for p in g], rule),
     ]
     specs = [s for s in specs if s.numel > 0]
     return [ChunkSpec(i, s.name, s.slots, s.numel, s.decay_numel) for i, s in enumerate(specs)]

@@ -21,15 +21,12 @@ from fitgpt.dist import DistContext
 from fitgpt.engine import comm
 from fitgpt.engine.activation import checkpoint_blocks
 from fitgpt.engine.base import Batch, Engine, StepStats, batch_to
+from fitgpt.engine.build import build
 from fitgpt.engine.compile import compile_regions
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
-from fitgpt.engine.layout import chunk_layout
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import Piece, StateReader, write_pieces
-from fitgpt.model import GPT, ModelConfig
-from fitgpt.model.gpt import alibi_slopes
-from fitgpt.parallel import check_tensor_parallel, parallelize
-from fitgpt.parallel.shard import split_rule
+from fitgpt.model import DecoderLM, ModelConfig, build_model
 from fitgpt.parallel.state import (
     TPGradNorm,
     TPReader,
@@ -63,16 +60,10 @@ class TorchEngine(Engine):
         ctx = ctx.with_tensor_parallel(ecfg.tensor_parallel)  # the TP × DP layout (dist/mesh.py)
         self.model_cfg, self.ecfg, self.pcfg, self.ocfg, self.ctx = model_cfg, ecfg, pcfg, ocfg, ctx
         self.device, self.mesh = ctx.device, ctx.mesh
-        with torch.device("meta"):
-            model = GPT(model_cfg)
-        self.layout = self.local_layout = chunk_layout(model)  # the unsplit model's
-        if self.mesh is not None:  # this rank's 1/T of the split weights (fitgpt/parallel)
-            check_tensor_parallel(self.mesh.tp, model_cfg, ctx.world, ecfg.sequence_parallel)
-            model = parallelize(model, self.mesh, ecfg.sequence_parallel)
-            self.local_layout = chunk_layout(model)
+        built = build(model_cfg, self.mesh, ctx.world, ecfg.sequence_parallel)
+        model, self.layout, self.local_layout = built.model, built.layout, built.local_layout
         model.to_empty(device=self.device)
-        if model_cfg.position == "alibi":  # to_empty left the non-persistent slopes undefined
-            model.alibi_slopes_N = self._alibi_slopes()
+        model.materialize_buffers(self.device)  # to_empty left the non-persistent ones undefined
         self._init(model, seed)
         self.compiled = compile_regions(model, ctx.is_main) if ecfg.compile == "on" else None
         if ecfg.checkpointing != "off":  # after compiling: the checkpoint wraps compiled blocks
@@ -93,9 +84,9 @@ class TorchEngine(Engine):
         params = dict(model.named_parameters())
         self.params = [params[s.name] for c in self.local_layout for s in c.slots]
         # under TP the global norm counts a replicated gradient once (_norm)
-        names = [s.name for c in self.local_layout for s in c.slots]
-        self.split = [params[n] for n in names if split_rule(n) is not None]
-        self.replicated = [params[n] for n in names if split_rule(n) is None]
+        slots = [s for c in self.local_layout for s in c.slots]
+        self.split = [params[s.name] for s in slots if s.split is not None]
+        self.replicated = [params[s.name] for s in slots if s.split is None]
         decay = [p for p in self.params if p.ndim >= 2]
         no_decay = [p for p in self.params if p.ndim < 2]
         self.opt = torch.optim.AdamW(
@@ -111,15 +102,8 @@ class TorchEngine(Engine):
         self.scaler = LossScaler(pcfg)
         self.autocast_dtype = AUTOCAST[pcfg.precision]
 
-    def _alibi_slopes(self) -> torch.Tensor:
-        slopes = alibi_slopes(self.model_cfg.n_head)
-        if self.mesh is not None:  # this rank's heads
-            per = self.model_cfg.n_head // self.mesh.tp
-            slopes = slopes[self.mesh.tp_rank * per : (self.mesh.tp_rank + 1) * per]
-        return slopes.to(self.device)
-
     @torch.no_grad()
-    def _init(self, model: GPT, seed: int) -> None:
+    def _init(self, model: DecoderLM, seed: int) -> None:
         """The seeded initial weights; under TP each rank's part of the unsplit model's."""
         init = partial(model.init_parameter_, seed=seed)
         if self.mesh is not None:
@@ -289,11 +273,11 @@ class TorchEngine(Engine):
             }
         }
 
-    def inference_model(self) -> GPT:
+    def inference_model(self) -> DecoderLM:
         if self.mesh is None:
             return self.model
-        model = GPT(self.model_cfg).to(self.device)  # the whole weights, gathered over TP
-        unsplit = unsplitter(self.mesh, self.device)
+        model = build_model(self.model_cfg).to(self.device)  # the whole weights, gathered over TP
+        unsplit = unsplitter(self.mesh, self.device, self.layout)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 dict(model.named_parameters())[name].copy_(unsplit(name, p.detach()))

@@ -18,7 +18,7 @@ from fitgpt.data.tokenizer import Tokenizer, load_tokenizer
 from fitgpt.engine.layout import chunk_layout
 from fitgpt.engine.state_io import StateReader
 from fitgpt.errors import UserError
-from fitgpt.model import GPT, KVCache, ModelConfig
+from fitgpt.model import DecoderLM, KVCache, ModelConfig, build_model
 from fitgpt.train import checkpoint as ckpt_io
 
 
@@ -48,17 +48,18 @@ class SampleConfig:
             )
 
 
-def load_model(path: Path, device: torch.device) -> tuple[GPT, dict]:
-    """The checkpoint's weights in a plain GPT on `device` (bf16 on GPUs, fp32 on CPUs), read
+def load_model(path: Path, device: torch.device) -> tuple[DecoderLM, dict]:
+    """The checkpoint's weights in a plain model on `device` (bf16 on GPUs, fp32 on CPUs), read
     with the trainer's checks: checksums, sizes, the layout against the model's own, CRCs."""
     ckpt = ckpt_io.resolve(path)
     meta = ckpt_io.load_meta(ckpt)
     cfg = ModelConfig.from_dict(meta["config"]["model"])
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = build_model(cfg)
     layout = chunk_layout(model)  # the model's own layout: a tampered one cannot load
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model.to_empty(device=device).to(dtype)
+    model.materialize_buffers(device)  # to_empty left them undefined (ALiBi's slopes)
     params = dict(model.named_parameters())
     with ckpt_io.pointing_back(ckpt), torch.no_grad():
         ckpt_io.check_layout(meta, layout, ckpt)
@@ -136,7 +137,7 @@ class _Window:
     new token is one cached step; once it does not, every step re-reads the last seq_len tokens
     (the positions of the kept tokens change, so the cache cannot be reused)."""
 
-    def __init__(self, model: GPT, idx_BT: Tensor, use_cache: bool) -> None:
+    def __init__(self, model: DecoderLM, idx_BT: Tensor, use_cache: bool) -> None:
         self.model, self.use_cache, self.S = model, use_cache, model.cfg.seq_len
         self.seq_BT = idx_BT
         self.logits = self._read_window()
@@ -159,7 +160,7 @@ class _Window:
 
 @torch.no_grad()
 def generate(
-    model: GPT,
+    model: DecoderLM,
     idx_BT: Tensor,
     cfg: SampleConfig,
     use_cache: bool = True,

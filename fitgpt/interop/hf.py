@@ -113,7 +113,13 @@ def to_hf(m: TensorMap, t: Tensor, cfg: ModelConfig) -> Tensor:
 
 # ---- configs -------------------------------------------------------------------------------------
 def check_exportable(cfg: ModelConfig) -> None:
-    """Refuse, in one line, what HF GPT-2 has no place for."""
+    """Refuse, in one line, what HF GPT-2 has no place for. This module maps the gpt2 family
+    (model/gpt.py) only: another family's mapping is its own module here."""
+    if cfg.family != "gpt2":
+        raise UserError(
+            f"model family {cfg.family!r} has no Hugging Face mapping: fitgpt reads and writes "
+            "HF checkpoints of GPT-2"
+        )
     if cfg.position != "learned":
         raise UserError(
             f"position={cfg.position!r}: HF GPT-2 has learned positions only; a model trained "

@@ -41,7 +41,7 @@ from fitgpt.interop.hf import (
 )
 from fitgpt.interop.hf_tokenizer import copy_hf_tokenizer
 from fitgpt.interop.safetensors_stream import SafetensorsError, SafetensorsReader
-from fitgpt.model import GPT, ModelConfig
+from fitgpt.model import DecoderLM, ModelConfig, build_model
 from fitgpt.model.config import GPT2_VOCAB
 from fitgpt.train.checkpoint import write_meta
 
@@ -191,7 +191,7 @@ def read_config(path: Path) -> dict:
     return cfg
 
 
-def check_tensors(weights: HFWeights, model: GPT, cfg: ModelConfig, source: Path) -> None:
+def check_tensors(weights: HFWeights, model: DecoderLM, cfg: ModelConfig, source: Path) -> None:
     """Every tensor the model needs is there with the right shape, before anything is written."""
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     for m in tensor_maps(cfg):
@@ -266,7 +266,7 @@ def import_hf(
             "blocks; the config and the weights are of different models"
         )
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = build_model(cfg)
     check_tensors(weights, model, cfg, src)
     layout = chunk_layout(model)
 

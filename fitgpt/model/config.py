@@ -72,6 +72,9 @@ class ModelConfig:
     tie_embeddings: bool = field(
         default=True, metadata={"help": "share the input embedding with the output head"}
     )
+    # the network this config builds (model/family.py); GPT-2 is the only family so far, so it
+    # is no flag yet
+    family: str = field(default="gpt2", metadata={"help": "model family", "cli": False})
     init_std: float | None = field(
         default=None,
         metadata={
@@ -117,33 +120,18 @@ class ModelConfig:
         return padded_vocab(self.vocab_size)
 
     def num_params(self) -> int:
-        """Exact parameter count, equal to GPT.num_params() (checked by the tests).
+        """Exact parameter count, equal to the built model's (the family's closed form)."""
+        from fitgpt.model.family import family_of
 
-        Default options: 12·L·h² + 13·L·h + (V+S)·h + 2h, V the padded vocabulary.
-        - bias=False drops every linear bias and LayerNorm bias: 12·L·h² + 2·L·h + (V+S)·h + h.
-        - position='alibi' drops the position table: minus S·h.
-        - embed_norm=True adds one LayerNorm: plus 2h (plus h without bias).
-        - tie_embeddings=False adds the output head: plus V·h.
-        """
-        h, L, V, S = self.n_embd, self.n_layer, self.padded_vocab_size, self.seq_len
-        ln = 2 * h if self.bias else h
-        per_block = 12 * h * h + (9 * h if self.bias else 0) + 2 * ln
-        n = L * per_block + V * h + ln
-        if self.position == "learned":
-            n += S * h
-        if self.embed_norm:
-            n += ln
-        if not self.tie_embeddings:
-            n += V * h
-        return n
+        return family_of(self).num_params(self)
 
     def flops_per_token(self) -> float:
-        """Model FLOPs per trained token: 6·N + 12·L·h·S (recompute not counted).
+        """Model FLOPs per trained token (model/family.py Family.flops_per_token): for GPT-2
+        6·N + 12·L·h·S, recompute not counted. The attention term counts QK^T and AV for the
+        full S×S square, as the ANCHORS protocol does, so figures compare with the peers'."""
+        from fitgpt.model.family import family_of
 
-        The attention term counts QK^T and AV for the full S×S square, as the ANCHORS protocol
-        does, so figures compare with the peers' directly.
-        """
-        return 6.0 * self.num_params() + 12.0 * self.n_layer * self.n_embd * self.seq_len
+        return family_of(self).flops_per_token(self)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,7 +1,8 @@
-"""GPT-2: the architecture and nothing else.
+"""GPT-2, the first model family: the architecture and nothing else.
 
 Sharding, offload, activation checkpointing and mixed precision are applied to this model from
-outside (fitgpt/engine/); this file only says what the network computes.
+outside (fitgpt/engine/); this file only says what the network computes, and what the rest of
+fitgpt needs to know of it (GPT2Family; model/family.py says what that is).
 
 Shape legend: B batch, T tokens in this call, S max context, H hidden, N heads, D head dim,
 V padded vocabulary, P positions already in the KV cache.
@@ -10,30 +11,15 @@ V padded vocabulary, P positions already in the KV cache.
 from __future__ import annotations
 
 import math
-import zlib
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fitgpt.model.config import ModelConfig
-
-
-class KVCache:
-    """Keys and values of every layer for incremental decoding: [B, N, S, D] per layer."""
-
-    def __init__(self, cfg: ModelConfig, batch: int, device, dtype) -> None:
-        shape = (batch, cfg.n_head, cfg.seq_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.length = 0  # P: positions filled so far, the same for every layer
-
-    def append(self, layer: int, k_BNTD: Tensor, v_BNTD: Tensor) -> tuple[Tensor, Tensor]:
-        """Store this call's keys/values; return all keys/values so far, [B, N, P+T, D]."""
-        t0, t1 = self.length, self.length + k_BNTD.shape[2]
-        self.k[layer][:, :, t0:t1] = k_BNTD
-        self.v[layer][:, :, t0:t1] = v_BNTD
-        return self.k[layer][:, :, :t1], self.v[layer][:, :, :t1]
+from fitgpt.model.decoder import DecoderLM, KVCache
+from fitgpt.model.family import Family, Split, register_family
 
 
 def alibi_slopes(n_head: int) -> Tensor:
@@ -125,16 +111,13 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT(nn.Module):
-    """Children in execution order: embeddings, `blocks`, final norm and head.
-
-    The engine relies on this order: what comes before `blocks` is the embedding chunk, each
-    block is a chunk, and what comes after is the head chunk.
-    """
+class GPT(DecoderLM):
+    """Children in execution order: embeddings, `blocks`, final norm and head (the engine's
+    chunks: model/decoder.py). Learned positions or ALiBi, an optional embedding LayerNorm, a
+    tied or untied head."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         V, H = cfg.padded_vocab_size, cfg.n_embd
         self.wte = nn.Embedding(V, H)
         self.wpe = nn.Embedding(cfg.seq_len, H) if cfg.position == "learned" else None
@@ -142,14 +125,10 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(H, bias=cfg.bias)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(H, V, bias=False)
+        self.heads = (0, cfg.n_head)  # the heads this model holds: all, or a TP rank's
         if cfg.position == "alibi":
             self.register_buffer("alibi_slopes_N", alibi_slopes(cfg.n_head), persistent=False)
 
-    def num_params(self) -> int:
-        """Exact count of distinct parameters (a tied embedding counts once)."""
-        return sum(p.numel() for p in self.parameters())
-
-    # ---- initialisation -------------------------------------------------------------------
     def init_std(self, name: str) -> float | None:
         """GPT-2's scheme at a std set by the width (ModelConfig.weight_std): N(0, std) weights
         and embeddings, the residual projections std/sqrt(2L); None means a LayerNorm weight
@@ -160,50 +139,40 @@ class GPT(nn.Module):
             return self.cfg.residual_std()
         return self.cfg.weight_std()
 
-    def init_parameter_(self, name: str, t: Tensor, seed: int) -> None:
-        """Fill `t` in place as parameter `name`, from a generator seeded by (seed, name).
-
-        Seeding by name makes the values independent of how the engine shards or places the
-        parameters, so every engine starts from the same weights on a given device type.
-        """
-        std = self.init_std(name)
-        with torch.no_grad():
-            if std is None:
-                t.fill_(1.0 if name.endswith(".weight") else 0.0)
-                return
-            gen = torch.Generator(device=t.device)
-            gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-            t.normal_(0.0, std, generator=gen)
-
-    def reset_parameters(self, seed: int = 0) -> None:
-        for name, p in self.named_parameters():
-            self.init_parameter_(name, p, seed)
-
-    # ---- forward ----------------------------------------------------------------------------
-    def embed(self, idx_BT: Tensor, past: int = 0) -> Tensor:
-        x = self.wte(idx_BT)
+    def embed_rest(self, x_BTH: Tensor, start: int) -> Tensor:
         if self.wpe is not None:
-            pos = torch.arange(past, past + idx_BT.shape[1], device=idx_BT.device)
-            x = x + self.wpe(pos)
+            x_BTH = x_BTH + self.wpe(
+                torch.arange(start, start + x_BTH.shape[1], device=x_BTH.device)
+            )
         if self.emb_ln is not None:
-            x = self.emb_ln(x)
-        return F.dropout(x, self.cfg.dropout, self.training)
+            x_BTH = self.emb_ln(x_BTH)
+        return F.dropout(x_BTH, self.cfg.dropout, self.training)
 
-    def head(self, x_BTH: Tensor) -> Tensor:
-        x = self.ln_f(x_BTH)
-        w = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(x, w)  # [B, T, V]: the matmul keeps the tensor-core friendly width
-        real = self.cfg.vocab_size
-        if logits.shape[-1] > real:
-            # The padded rows are no tokens: -inf keeps them out of the softmax and out of
-            # sampling. Without it, imported weights (padded rows zero) give those rows logit 0,
-            # above every real token of a pretrained GPT-2 (whose logits are far below 0). Written
-            # in place outside autograd: it costs B·T·(V - vocab) writes, not a pass over the
-            # logits; the linear's backward needs only its inputs, and the gradient reaching
-            # these entries is 0 anyway (their softmax probability is 0, no target is there).
-            with torch.no_grad():
-                logits[..., real:] = float("-inf")
-        return logits
+    def block_aux(self, T: int, past: int, device) -> Tensor | None:
+        return self.alibi_bias(T, past, device) if self.cfg.position == "alibi" else None
+
+    def final_norm(self, x_BTH: Tensor) -> Tensor:
+        return self.ln_f(x_BTH)
+
+    def head_weight(self) -> Tensor:
+        return self.wte.weight if self.lm_head is None else self.lm_head.weight
+
+    def split_heads(self, rank: int, tp: int) -> None:
+        per = self.cfg.n_head // tp
+        self.heads = (rank * per, (rank + 1) * per)
+        for block in self.blocks:
+            block.attn.n_head = per
+        if self.cfg.position == "alibi":  # this rank's heads' slopes
+            dev = self.alibi_slopes_N.device
+            self.register_buffer("alibi_slopes_N", self._slopes(dev), persistent=False)
+
+    def materialize_buffers(self, device) -> None:
+        if self.cfg.position == "alibi":
+            self.register_buffer("alibi_slopes_N", self._slopes(device), persistent=False)
+
+    def _slopes(self, device) -> Tensor:
+        lo, hi = self.heads
+        return alibi_slopes(self.cfg.n_head)[lo:hi].to(device)
 
     def alibi_bias(self, T: int, past: int, device) -> Tensor:
         """[N, T, P+T] additive bias: -slope·distance on and below the diagonal, -inf above."""
@@ -213,36 +182,58 @@ class GPT(nn.Module):
         bias = -self.alibi_slopes_N.to(device)[:, None, None] * dist
         return bias.masked_fill(dist < 0, float("-inf"))
 
-    def forward(
-        self, idx_BT: Tensor, targets_BT: Tensor | None = None, cache: KVCache | None = None
-    ) -> Tensor:
-        """Mean next-token cross-entropy if targets are given (-1 targets ignored), else logits.
 
-        With a cache, only the logits of the last position are returned: [B, 1, V].
+class GPT2Family(Family):
+    """GPT-2 as model/family.py describes a family; Megatron-LM's tensor-parallel split of it
+    (Shoeybi et al. 2019): attn.qkv and mlp.fc column-parallel (q, k and v cut on their own, so
+    every rank keeps whole heads), attn.proj and mlp.proj row-parallel (their biases replicated,
+    added once after the all-reduce), the embedding and an untied head by vocabulary rows."""
+
+    name = "gpt2"
+    model = GPT
+    splits: ClassVar[dict[str, Split]] = {
+        "attn.qkv.weight": Split(0, 3),
+        "attn.qkv.bias": Split(0, 3),
+        "mlp.fc.weight": Split(0),
+        "mlp.fc.bias": Split(0),
+        "attn.proj.weight": Split(1),
+        "mlp.proj.weight": Split(1),
+        "wte.weight": Split(0),
+        "lm_head.weight": Split(0),
+    }
+
+    def tp_sizes(self, cfg: ModelConfig) -> list[tuple[int, str]]:
+        return [
+            (cfg.n_head, "the head count (--heads)"),
+            (4 * cfg.n_embd, "the MLP width 4·--hidden"),
+            (cfg.padded_vocab_size, "the padded vocabulary"),
+        ]
+
+    def num_params(self, cfg: ModelConfig) -> int:
+        """Exact, equal to GPT.num_params() (checked by the tests). Default options:
+        12·L·h² + 13·L·h + (V+S)·h + 2h, V the padded vocabulary.
+        - bias=False drops every linear bias and LayerNorm bias: 12·L·h² + 2·L·h + (V+S)·h + h.
+        - position='alibi' drops the position table: minus S·h.
+        - embed_norm=True adds one LayerNorm: plus 2h (plus h without bias).
+        - tie_embeddings=False adds the output head: plus V·h.
         """
-        past = cache.length if cache is not None else 0
-        if idx_BT.shape[1] + past > self.cfg.seq_len:
-            raise ValueError(
-                f"{idx_BT.shape[1] + past} tokens exceed the context of {self.cfg.seq_len}"
-            )
-        alibi = None
-        if self.cfg.position == "alibi":
-            alibi = self.alibi_bias(idx_BT.shape[1], past, idx_BT.device)
-        x = self.embed(idx_BT, past)
-        for i, block in enumerate(self.blocks):
-            x = block(x, cache, i, alibi)
-        if cache is not None:
-            cache.length += idx_BT.shape[1]
-            return self.head(x[:, -1:])
-        if targets_BT is None:
-            return self.head(x)
-        return self.head_loss(x, targets_BT)
+        h, L, V, S = cfg.n_embd, cfg.n_layer, cfg.padded_vocab_size, cfg.seq_len
+        ln = 2 * h if cfg.bias else h
+        per_block = 12 * h * h + (9 * h if cfg.bias else 0) + 2 * ln
+        n = L * per_block + V * h + ln
+        if cfg.position == "learned":
+            n += S * h
+        if cfg.embed_norm:
+            n += ln
+        if not cfg.tie_embeddings:
+            n += V * h
+        return n
 
-    def head_loss(self, x_BTH: Tensor, targets_BT: Tensor) -> Tensor:
-        """Final norm, head and mean cross-entropy (-1 targets ignored): one method, so the
-        [B, T, V] logits are a transient inside it (a compiler may fuse the three whole)."""
-        logits = self.head(x_BTH)
-        # fp32 softmax: bf16 log-probabilities lose the small differences the loss is made of.
-        return F.cross_entropy(
-            logits.float().view(-1, logits.shape[-1]), targets_BT.reshape(-1), ignore_index=-1
-        )
+    def block_activations(self, cfg: ModelConfig) -> tuple[int, int]:
+        """17·h per token: the LayerNorms' inputs and outputs (4h, left whole by TP); q, k, v
+        (3h), the attention output and its re-laid copy (2h), the MLP's fc and GELU outputs
+        (8h): 13h cut by heads and MLP columns."""
+        return 4 * cfg.n_embd, 13 * cfg.n_embd
+
+
+GPT.family = register_family(GPT2Family())

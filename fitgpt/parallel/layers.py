@@ -1,30 +1,33 @@
-"""Tensor parallelism applied to a built GPT from outside the model file (Megatron-LM's split).
+"""Tensor parallelism applied to a built model of any family, from outside the model files
+(Megatron-LM's split).
 
-`parallelize(model, mesh)` swaps four kinds of modules for tensor-parallel ones that keep the
-same parameter names (so chunk layouts, checkpoints and init-by-name work unchanged) and 1/T of
-the split parameters' elements (fitgpt/parallel/shard.py says which):
+`parallelize(model, mesh)` swaps the modules whose weights the model's family cuts
+(model/family.py Family.splits) for tensor-parallel ones that keep the same parameter names (so
+chunk layouts, checkpoints and init-by-name work unchanged) and 1/T of the cut parameters'
+elements (fitgpt/parallel/shard.py):
 
-  ColumnParallelLinear  Y_r = X W_r^T (+ b_r): W split by output rows, the input copied in
-                        (f: its gradient all-reduced backward). attn.qkv (whole heads) and mlp.fc.
-  RowParallelLinear     Y = sum_r X_r W_r^T (+ b): W split by input columns, the partial
-                        outputs all-reduced (g), the replicated bias added once. attn.proj and
-                        mlp.proj, whose inputs are the column-parallel outputs, already split.
+  ColumnParallelLinear  Y_r = X W_r^T (+ b_r): a linear whose weight is cut by output rows, the
+                        input copied in (f: its gradient all-reduced backward). GPT-2's attn.qkv
+                        (whole heads) and mlp.fc.
+  RowParallelLinear     Y = sum_r X_r W_r^T (+ b): a weight cut by input columns, the partial
+                        outputs all-reduced (g), the replicated bias added once. GPT-2's
+                        attn.proj and mlp.proj, whose inputs are the column-parallel outputs.
   VocabParallelEmbedding  rank r looks up the ids in its rows [r·V/T, (r+1)·V/T), zeros for the
                         rest, and the T partial embeddings are all-reduced.
-  TensorParallelGPT.head_loss  the (tied) head's logits stay split by vocabulary: the loss is
+  TensorParallelLM.head_loss  the (tied) head's logits stay split by vocabulary: the loss is
                         the vocabulary-parallel cross-entropy (parallel/functions.py).
 
 With sequence parallelism (`sequence_parallel=True`, Korthikanti et al. 2022) the residual
-stream between the layers is split along the sequence too ([B, S/T, H] per rank): the
-LayerNorms, dropout and residual adds work on 1/T of the tokens, the column-parallel layers
-all-gather their input along the sequence (instead of copying it) and the row-parallel ones
-reduce-scatter their output (instead of all-reducing it): the same bytes moved, 1/T of the
-activations outside attention and the MLP kept. The replicated parameters' gradients are then
-partial sums over each rank's tokens: the engines all-reduce them over the TP group.
+stream between the layers is split along the sequence too ([B, S/T, H] per rank): the norms,
+dropout and residual adds work on 1/T of the tokens, the column-parallel layers all-gather their
+input along the sequence (instead of copying it) and the row-parallel ones reduce-scatter their
+output (instead of all-reducing it): the same bytes moved, 1/T of the activations outside
+attention and the MLP kept. The replicated parameters' gradients are then partial sums over each
+rank's tokens: the engines all-reduce them over the TP group.
 
-The attention module reads its local head count from `attn.n_head`, set to n_head/T here.
-A model built on the meta device (the engines) gets meta parameters of the local shapes; a
-model holding real weights gets each rank's slice of them (tests, conversions).
+The model keeps 1/T of its heads (DecoderLM.split_heads: the family's modules and per-head
+buffers follow). A model built on the meta device (the engines) gets meta parameters of the
+local shapes; a model holding real weights gets each rank's slice of them (tests, conversions).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fitgpt.dist.mesh import Mesh
-from fitgpt.model import GPT
+from fitgpt.model import DecoderLM, Split
 from fitgpt.parallel.functions import (
     copy_to_tp,
     gathered_linear,
@@ -45,11 +48,11 @@ from fitgpt.parallel.functions import (
 from fitgpt.parallel.shard import shard_of
 
 
-def _local_param(old: nn.Parameter, name: str, mesh: Mesh) -> nn.Parameter:
-    """Rank mesh.tp_rank's part of parameter `old`, which plays the role `name` (e.g.
-    'attn.qkv.weight'); a meta parameter stays meta, of the local shape."""
+def _local_param(old: nn.Parameter, rule: Split | None, mesh: Mesh) -> nn.Parameter:
+    """Rank mesh.tp_rank's part of parameter `old`, cut by `rule` (None: replicated); a meta
+    parameter stays meta, of the local shape."""
     with torch.no_grad():
-        return nn.Parameter(shard_of(name, old.detach(), mesh.tp_rank, mesh.tp).clone())
+        return nn.Parameter(shard_of(rule, old.detach(), mesh.tp_rank, mesh.tp).clone())
 
 
 class _Split:
@@ -59,11 +62,13 @@ class _Split:
     sp: bool  # sequence parallelism: inputs/outputs split along the sequence
 
     @classmethod
-    def of(cls, old: nn.Module, role: str, mesh: Mesh, sp: bool = False) -> nn.Module:
+    def of(cls, old: nn.Module, rules: dict, mesh: Mesh, sp: bool = False) -> nn.Module:
+        """The split module replacing `old`, whose parameters are cut as `rules` says
+        ({'weight': Split, 'bias': Split or None})."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         for pname, p in old.named_parameters(recurse=False):
-            setattr(new, pname, _local_param(p, f"{role}.{pname}", mesh))
+            setattr(new, pname, _local_param(p, rules.get(pname), mesh))
         if getattr(old, "bias", 0) is None:  # a Linear without bias stays without
             new.register_parameter("bias", None)
         for k, v in vars(old).items():  # training, in_features, padding_idx, ...
@@ -102,9 +107,9 @@ class VocabParallelEmbedding(_Split, nn.Embedding):
         return self.reduce_out(x)
 
 
-class TensorParallelGPT(GPT):
-    """A GPT whose modules `parallelize` swapped; only the head differs in code (never built
-    directly: parallelize() changes a built GPT's class, keeping its modules)."""
+class TensorParallelLM:
+    """Mixed into a parallelized model's class (parallelize): only the embedding under sequence
+    parallelism and the head differ in code; the rest is the family's."""
 
     mesh: Mesh
     sequence_parallel: bool
@@ -113,13 +118,7 @@ class TensorParallelGPT(GPT):
         if not self.sequence_parallel:
             return super().embed(idx_BT, past)
         x = self.wte(idx_BT)  # [B, T/TP, H]: this rank's tokens, reduce-scattered
-        if self.wpe is not None:
-            n = x.shape[1]
-            lo = past + self.mesh.tp_rank * n
-            x = x + self.wpe(torch.arange(lo, lo + n, device=idx_BT.device))
-        if self.emb_ln is not None:
-            x = self.emb_ln(x)
-        return F.dropout(x, self.cfg.dropout, self.training)
+        return self.embed_rest(x, past + self.mesh.tp_rank * x.shape[1])
 
     def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, cache=None) -> Tensor:
         if cache is not None and self.sequence_parallel:
@@ -128,8 +127,7 @@ class TensorParallelGPT(GPT):
 
     def _head_shard(self, x_BTH: Tensor) -> Tensor:
         """[B, T, Vl] logits of this rank's vocabulary rows."""
-        g, x = self.mesh.tp_group, self.ln_f(x_BTH)
-        w = self.wte.weight if self.lm_head is None else self.lm_head.weight
+        g, x, w = self.mesh.tp_group, self.final_norm(x_BTH), self.head_weight()
         if self.sequence_parallel:
             return gathered_linear(x, w, None, g, self.mesh.tp)
         return F.linear(copy_to_tp(x, g), w)
@@ -137,7 +135,7 @@ class TensorParallelGPT(GPT):
     def head_loss(self, x_BTH: Tensor, targets_BT: Tensor) -> Tensor:
         logits = self._head_shard(x_BTH)
         lo = self.mesh.tp_rank * logits.shape[-1]
-        # fp32 softmax, as GPT.head_loss: the [B·T, Vl] fp32 copy is this rank's 1/T of it
+        # fp32 softmax, as DecoderLM.head_loss: the [B·T, Vl] fp32 copy is this rank's 1/T of it
         return vocab_parallel_cross_entropy(
             logits.float().view(-1, logits.shape[-1]),
             targets_BT.reshape(-1),
@@ -161,23 +159,40 @@ class TensorParallelGPT(GPT):
         return logits
 
 
-def parallelize(model: GPT, mesh: Mesh, sequence_parallel: bool = False) -> TensorParallelGPT:
-    """Split `model` in place over mesh's TP group (T = mesh.tp > 1); returns it."""
-    sp = sequence_parallel
-    for block in model.blocks:
-        attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear.of(attn.qkv, "attn.qkv", mesh, sp)
-        attn.proj = RowParallelLinear.of(attn.proj, "attn.proj", mesh, sp)
-        attn.n_head //= mesh.tp  # whole heads per rank
-        mlp.fc = ColumnParallelLinear.of(mlp.fc, "mlp.fc", mesh, sp)
-        mlp.proj = RowParallelLinear.of(mlp.proj, "mlp.proj", mesh, sp)
-    model.wte = VocabParallelEmbedding.of(model.wte, "wte", mesh, sp)
-    if model.lm_head is not None:  # untied head: its weight split as the embedding's
-        model.lm_head = ColumnParallelLinear.of(model.lm_head, "lm_head", mesh)
-    if getattr(model, "alibi_slopes_N", None) is not None:
-        per = model.cfg.n_head // mesh.tp  # this rank's heads' slopes
-        slopes = model.alibi_slopes_N[mesh.tp_rank * per : (mesh.tp_rank + 1) * per].clone()
-        model.register_buffer("alibi_slopes_N", slopes, persistent=False)
-    model.__class__ = TensorParallelGPT
+_TP_CLASSES: dict[type, type] = {}
+
+
+def tensor_parallel_class(cls: type) -> type:
+    """`cls` with TensorParallelLM mixed in (one class per family, made once)."""
+    if cls not in _TP_CLASSES:
+        _TP_CLASSES[cls] = type(f"TensorParallel{cls.__name__}", (TensorParallelLM, cls), {})
+    return _TP_CLASSES[cls]
+
+
+def parallelize(model: DecoderLM, mesh: Mesh, sequence_parallel: bool = False) -> DecoderLM:
+    """Split `model` in place over mesh's TP group (T = mesh.tp > 1); returns it. Which modules
+    are split, and how, follows the family's Splits: a linear cut by rows becomes column-parallel,
+    by columns row-parallel; the token embedding vocabulary-parallel. The head is never
+    sequence-parallel in effect: TensorParallelLM._head_shard gathers its input itself."""
+    sp, rule = sequence_parallel, model.family.split_rule
+    swaps = []
+    for path, module in model.named_modules():
+        if not path or not isinstance(module, nn.Linear | nn.Embedding):
+            continue
+        rules = {n: rule(f"{path}.{n}") for n, _ in module.named_parameters(recurse=False)}
+        if rules.get("weight") is None:
+            continue
+        if isinstance(module, nn.Embedding):
+            new = VocabParallelEmbedding.of(module, rules, mesh, sp)
+        elif rules["weight"].dim == 0:
+            new = ColumnParallelLinear.of(module, rules, mesh, sp)
+        else:
+            new = RowParallelLinear.of(module, rules, mesh, sp)
+        swaps.append((path, new))
+    for path, new in swaps:
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, name, new)
+    model.split_heads(mesh.tp_rank, mesh.tp)
+    model.__class__ = tensor_parallel_class(type(model))
     model.mesh, model.sequence_parallel = mesh, sp
     return model

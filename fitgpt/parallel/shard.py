@@ -1,15 +1,12 @@
-"""Which parameters tensor parallelism splits, along which dimension, and the maps between a
-full tensor and rank r's 1/T of it (used at initialisation, checkpoint save and load).
+"""Tensor parallelism's cuts: the maps between a full tensor and rank r's 1/T of it (used at
+initialisation, checkpoint save and load), and what T must divide.
 
-Megatron-LM's split of a GPT-2 block (Shoeybi et al. 2019), for T ranks:
-  attn.qkv  [3H, H]  column-parallel: rows split, whole heads per rank. The rows are q, k, v
-                     back to back, so each of the three is split on its own and rank r holds
-                     [q_r; k_r; v_r] ([3H/T, H]): the local qkv output splits into q, k, v again.
-  mlp.fc    [4H, H]  column-parallel: rows split ([4H/T, H]), the bias with them.
-  attn.proj [H, H]   row-parallel: columns split ([H, H/T]); the bias is replicated (added
-  mlp.proj  [H, 4H]  once, after the all-reduce of the partial outputs).
-  wte, lm_head [V, H] split by vocabulary rows ([V/T, H]).
-Everything else (LayerNorms, position embedding, row-parallel biases) is replicated.
+Which parameters are cut, and how, is the model family's to say (model/family.py: Family.splits,
+a Split per parameter; for GPT-2 Megatron-LM's split, model/gpt.py GPT2Family). The chunk
+layout records each parameter's Split once (engine/layout.py ParamSlot.split); everything here
+takes it from there. A Split(dim, parts) cuts along `dim`, each of `parts` stacked pieces on its
+own: a fused q/k/v weight [3H, H] of T ranks keeps [q_r; k_r; v_r] ([3H/T, H]) on rank r, so its
+local output splits into q, k and v again. None: the parameter is replicated.
 """
 
 from __future__ import annotations
@@ -18,64 +15,36 @@ import torch
 from torch import Tensor
 
 from fitgpt.errors import UserError
-from fitgpt.model import ModelConfig
-
-# parameter-name suffix -> (dimension split, how many stacked parts are each split on their own)
-_RULES = {
-    "attn.qkv.weight": (0, 3),
-    "attn.qkv.bias": (0, 3),
-    "mlp.fc.weight": (0, 1),
-    "mlp.fc.bias": (0, 1),
-    "attn.proj.weight": (1, 1),
-    "mlp.proj.weight": (1, 1),
-    "wte.weight": (0, 1),
-    "lm_head.weight": (0, 1),
-}
+from fitgpt.model import ModelConfig, Split, family_of
 
 
-def split_rule(name: str) -> tuple[int, int] | None:
-    """(dim, parts) of a split parameter, None for a replicated one."""
-    for suffix, rule in _RULES.items():
-        if name == suffix or name.endswith("." + suffix):
-            return rule
-    return None
-
-
-def local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    rule = split_rule(name)
+def local_shape(rule: Split | None, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
     if rule is None:
         return tuple(shape)
-    dim = rule[0]
-    return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
+    return tuple(n // tp if d == rule.dim else n for d, n in enumerate(shape))
 
 
-def shard_of(name: str, full: Tensor, rank: int, tp: int) -> Tensor:
+def shard_of(rule: Split | None, full: Tensor, rank: int, tp: int) -> Tensor:
     """Rank `rank`'s part of the full tensor `full` (a view for a replicated one, else a copy)."""
-    rule = split_rule(name)
     if rule is None:
         return full
-    dim, parts = rule
+    dim, parts = rule.dim, rule.parts
     pieces = [p.chunk(tp, dim)[rank] for p in full.chunk(parts, dim)]
     return torch.cat(pieces, dim) if parts > 1 else pieces[0].contiguous()
 
 
-def unshard(name: str, shards: list[Tensor]) -> Tensor:
+def unshard(rule: Split | None, shards: list[Tensor]) -> Tensor:
     """The full tensor from every rank's part, in TP-rank order (inverse of shard_of)."""
-    rule = split_rule(name)
     if rule is None:
         return shards[0]  # replicated: identical on every TP rank
-    dim, parts = rule
+    dim, parts = rule.dim, rule.parts
     split = [s.chunk(parts, dim) for s in shards]  # [rank][part]
     return torch.cat([split[r][k] for k in range(parts) for r in range(len(shards))], dim)
 
 
 def _splits(cfg: ModelConfig, world: int | None, sequence_parallel: bool) -> list[tuple[int, str]]:
     """What T must divide: (size, what it is, as the line names it)."""
-    checks = [
-        (cfg.n_head, "the head count (--heads)"),
-        (4 * cfg.n_embd, "the MLP width 4·--hidden"),
-        (cfg.padded_vocab_size, "the padded vocabulary"),
-    ]
+    checks = family_of(cfg).tp_sizes(cfg)
     if world is not None:
         checks.insert(0, (world, "the rank count (--gpus)"))
     if sequence_parallel:  # the residual stream is split along the sequence

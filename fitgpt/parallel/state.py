@@ -27,7 +27,7 @@ from torch import Tensor
 from fitgpt.dist.mesh import Mesh
 from fitgpt.engine.layout import ChunkSpec
 from fitgpt.engine.state_io import Piece, StateReader
-from fitgpt.parallel.shard import shard_of, split_rule, unshard
+from fitgpt.parallel.shard import shard_of, unshard
 
 
 def sharded_init(
@@ -35,22 +35,23 @@ def sharded_init(
 ) -> Callable[[str, Tensor], None]:
     """init(name, t) for the local tensor t: the full tensor initialised by name (the same values
     at any T), then this rank's part copied in. Transient: one full parameter."""
-    shapes = {s.name: s.shape for c in full for s in c.slots}
+    slots = {s.name: s for c in full for s in c.slots}
 
     def init_local(name: str, t: Tensor) -> None:
-        if split_rule(name) is None:
+        s = slots[name]
+        if s.split is None:
             init(name, t)
             return
-        whole = torch.empty(shapes[name], dtype=t.dtype, device=t.device)
+        whole = torch.empty(s.shape, dtype=t.dtype, device=t.device)
         init(name, whole)
-        t.copy_(shard_of(name, whole, mesh.tp_rank, mesh.tp))
+        t.copy_(shard_of(s.split, whole, mesh.tp_rank, mesh.tp))
 
     return init_local
 
 
 def replicated_ranges(local: ChunkSpec) -> list[tuple[int, int]]:
     """[lo, hi) of the chunk's flat buffer holding replicated parameters."""
-    return [(s.offset, s.offset + s.numel) for s in local.slots if split_rule(s.name) is None]
+    return [(s.offset, s.offset + s.numel) for s in local.slots if s.split is None]
 
 
 class TPGradNorm:
@@ -107,7 +108,7 @@ class SequenceParallelGrads:
         if c.grad is not None:
             parts = [c.grad[a:b] for a, b in self.ranges[c.spec.index]]
         else:
-            parts = [p.grad for p, s in zip(c.params, c.spec.slots) if split_rule(s.name) is None]
+            parts = [p.grad for p, s in zip(c.params, c.spec.slots) if s.split is None]
         sync_replicated(parts, self.mesh)
 
 
@@ -122,13 +123,17 @@ def tp_gather(t: Tensor, mesh: Mesh, device: torch.device) -> list[Tensor]:
     return [p.cpu() for p in parts]
 
 
-def unsplitter(mesh: Mesh, device: torch.device) -> Callable[[str, Tensor], Tensor]:
-    """unsplit(name, t): the whole parameter from every TP rank's part t (collective)."""
+def unsplitter(
+    mesh: Mesh, device: torch.device, layout: list[ChunkSpec]
+) -> Callable[[str, Tensor], Tensor]:
+    """unsplit(name, t): the whole parameter from every TP rank's part t (collective); `layout`
+    says how each is cut (any layout of the model: the cuts are the same)."""
+    rules = {s.name: s.split for c in layout for s in c.slots}
 
     def unsplit(name: str, t: Tensor) -> Tensor:
-        if split_rule(name) is None:
+        if rules[name] is None:
             return t
-        return unshard(name, tp_gather(t, mesh, device)).to(t.device)
+        return unshard(rules[name], tp_gather(t, mesh, device)).to(t.device)
 
     return unsplit
 
@@ -138,7 +143,7 @@ def full_flat(locals_: list[Tensor], full: ChunkSpec, local: ChunkSpec) -> Tenso
     out = torch.empty(full.numel, dtype=locals_[0].dtype)
     for fs, ls in zip(full.slots, local.slots):
         parts = [t[ls.offset : ls.offset + ls.numel].view(ls.shape) for t in locals_]
-        out[fs.offset : fs.offset + fs.numel] = unshard(fs.name, parts).reshape(-1)
+        out[fs.offset : fs.offset + fs.numel] = unshard(ls.split, parts).reshape(-1)
     return out
 
 
@@ -147,7 +152,7 @@ def local_flat(full_t: Tensor, full: ChunkSpec, local: ChunkSpec, mesh: Mesh) ->
     out = torch.empty(local.numel, dtype=full_t.dtype)
     for fs, ls in zip(full.slots, local.slots):
         whole = full_t[fs.offset : fs.offset + fs.numel].view(fs.shape)
-        part = shard_of(fs.name, whole, mesh.tp_rank, mesh.tp)
+        part = shard_of(ls.split, whole, mesh.tp_rank, mesh.tp)
         out[ls.offset : ls.offset + ls.numel] = part.reshape(-1)
     return out
 

@@ -24,7 +24,7 @@ from fitgpt.dist.mesh import Mesh
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
 from fitgpt.engine.placement import MAX_INFLIGHT, Placement
-from fitgpt.model import GPT, ModelConfig
+from fitgpt.model import ModelConfig, build_model, family_of
 
 GiB = 2**30
 # Process baseline RSS: the interpreter, torch, and on GPU machines the CUDA/NCCL libraries.
@@ -98,7 +98,7 @@ def _layout(model: ModelConfig, tp: int = 1) -> tuple[ChunkSpec, ...]:
     # building the model on the meta device takes ~3 ms a block; the capacity search and the
     # refusal's "what fits" plan the same sizes many times over
     with torch.device("meta"):
-        m = GPT(model)
+        m = build_model(model)
         if tp > 1:  # the shapes of TP rank 0 (every rank's are the same); no group needed
             from fitgpt.parallel import parallelize
 
@@ -144,26 +144,29 @@ def activation_bytes(
 ) -> dict[str, int]:
     """Bytes alive at the start of the last micro-batch's backward (the activation peak).
 
-    Per block, forward saves 17·sbh elements (LN inputs/outputs 4, q/k/v 3, attention output
-    and its re-laid copy 2, MLP fc output and GELU output 8): 17·sbh·w bytes (flash attention:
-    no S² term). Checkpointing keeps only each block's input (sbh·w) and recomputes one block at a
-    time in backward. Backward's working gradients take about 8·sbh·w more.
+    Per block, forward saves what the model family says (Family.block_activations: elements per
+    token left whole by tensor parallelism, r, and cut by it, c; GPT-2: r = 4h, the LayerNorms'
+    inputs and outputs, c = 13h, q/k/v, the attention output and its re-laid copy, the MLP's fc
+    and GELU outputs): (r + c)·S·b·w bytes (flash attention: no S² term). Checkpointing keeps
+    only each block's input (sbh·w) and recomputes one block at a time in backward. Backward's
+    working gradients take about 8·sbh·w more.
 
-    Under T-way tensor parallelism the 13·sbh saved inside attention and the MLP (q/k/v, the
-    attention outputs, fc and GELU outputs) are split by heads and MLP columns, the 4·sbh of the
-    LayerNorms are not: (4 + 13/T)·sbh·w per block; the logits are split by vocabulary (1/T).
-    With sequence parallelism (`sp`) the residual stream and the LayerNorms are split along the
-    sequence too (the column-parallel matmuls keep their input's shard and gather it again in
-    backward): all of it 1/T, 17·sbh/T per block, the block inputs kept by checkpointing, the
-    embedding output, the final norm and backward's working gradients included.
+    Under T-way tensor parallelism the c part is split by heads and MLP columns, the r part is
+    not: (r + c/T)·S·b·w per block; the logits are split by vocabulary (1/T). With sequence
+    parallelism (`sp`) the residual stream and the norms are split along the sequence too (the
+    column-parallel matmuls keep their input's shard and gather it again in backward): all of it
+    1/T, (r + c)·S·b/T per block, the block inputs kept by checkpointing, the embedding output,
+    the final norm and backward's working gradients included.
     """
     m, b = work.model, work.micro_batch
     a = work.w
     sbh = m.seq_len * b * m.n_embd
-    per_block = (4 * sbh + 13 * sbh // tp) * a
+    whole, cut = family_of(m).block_activations(m)  # elements per token
+    sb = m.seq_len * b
+    per_block = (whole * sb + cut * sb // tp) * a
     if sp:
         sbh //= tp  # the stream between the layers: S/T tokens per rank
-        per_block = 17 * sbh * a
+        per_block = (whole + cut) * sb // tp * a
     if checkpointing == "off":
         blocks = m.n_layer * per_block
     elif checkpointing == "full":

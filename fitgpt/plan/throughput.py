@@ -69,7 +69,7 @@ COMPILED = ((768, 0.716), (1600, 0.966), (4096, 1.0))
 
 # Under activation checkpointing the checkpoint wraps the compiled forward and runs it again in
 # the backward: one block's forward and backward took 1.129, 1.062 and 1.080 times as long
-# compiled as eager at h=2560, 4096 and 5120 (benchmarks/block_speed_gpu.py on an H100,
+# compiled as eager at h=2560, 4096 and 5120 (benchmarks/history/block_speed_gpu.py on an H100,
 # results/offload_compile_h100_2026-11-24), the median priced at every width (assumed below
 # h=2560, not measured there).
 COMPILED_CHECKPOINTED = 1.08

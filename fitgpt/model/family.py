@@ -1,0 +1,103 @@
+"""A model family as the rest of fitgpt sees it: one interface, one registry.
+
+Every family is a decoder laid out as embedding → N identical blocks → head (model/decoder.py,
+the base class of its network). What differs between families, and what the engine, the
+planner, tensor parallelism and the checkpoints need to know of it, is said here and nowhere
+else:
+  model             the network's class (a DecoderLM), built from a ModelConfig
+  splits            which parameters tensor parallelism cuts, along which dimension (a weight cut
+                    by rows is a column-parallel linear, by columns a row-parallel one, an
+                    embedding's rows its vocabulary); the rest is replicated
+  tp_sizes          what the tensor-parallel degree must divide (heads, MLP width, vocabulary)
+  num_params, flops_per_token
+                    the exact parameter count and the model FLOPs per trained token
+  block_activations the elements per token a block saves for backward, split into those tensor
+                    parallelism leaves whole (the norms) and those it cuts 1/T (inside attention
+                    and the MLP): what the planner's memory model prices
+The Hugging Face name mapping of a family lives with the other interop code (interop/hf.py).
+Adding a family touches model/ and interop/ only: a new module defines its network and its
+Family and calls register_family; nothing in engine/, plan/ or parallel/ names a family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from fitgpt.errors import UserError
+
+if TYPE_CHECKING:
+    from fitgpt.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Split:
+    """How tensor parallelism cuts one parameter: along `dim` (0: the output rows of a
+    column-parallel linear, or an embedding's vocabulary rows; 1: the input columns of a
+    row-parallel linear), each of `parts` stacked pieces on its own (a fused q/k/v weight is 3
+    pieces, so every rank keeps whole heads of each)."""
+
+    dim: int
+    parts: int = 1
+
+
+class Family:
+    """One model family (subclass it; register one instance with register_family)."""
+
+    name: ClassVar[str] = ""
+    model: ClassVar[type]  # the network: a DecoderLM subclass taking a ModelConfig
+    # parameter-name suffix ("attn.qkv.weight", "wte.weight") -> how TP cuts it
+    splits: ClassVar[dict[str, Split]] = {}
+
+    def split_rule(self, name: str) -> Split | None:
+        """How TP cuts parameter `name` (a full name like 'blocks.3.mlp.fc.weight'), or None for
+        a replicated one."""
+        for suffix, rule in self.splits.items():
+            if name == suffix or name.endswith("." + suffix):
+                return rule
+        return None
+
+    def tp_sizes(self, cfg: ModelConfig) -> list[tuple[int, str]]:
+        """(size, what it is, as a refusal names it) for each size the TP degree must divide."""
+        raise NotImplementedError
+
+    def num_params(self, cfg: ModelConfig) -> int:
+        raise NotImplementedError
+
+    def flops_per_token(self, cfg: ModelConfig) -> float:
+        """Model FLOPs per trained token, recompute not counted: 6 per parameter, plus
+        attention's QK^T and AV over the full S×S square (12·L·h·S; the convention the peers'
+        published figures use)."""
+        return 6.0 * self.num_params(cfg) + 12.0 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+
+    def block_activations(self, cfg: ModelConfig) -> tuple[int, int]:
+        """Elements per token one block saves for its backward: (left whole by tensor
+        parallelism, cut 1/T by it). Flash attention: no S² term."""
+        raise NotImplementedError
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Make `family` buildable by name (ModelConfig.family); returns it."""
+    FAMILIES[family.name] = family
+    return family
+
+
+def family_of(cfg: ModelConfig) -> Family:
+    """The family of the model `cfg` describes (a one-line refusal for an unknown one)."""
+    import fitgpt.model.gpt  # noqa: F401  (registers GPT-2, the default family)
+
+    try:
+        return FAMILIES[cfg.family]
+    except KeyError:
+        raise UserError(
+            f"model family {cfg.family!r} is unknown: use one of {', '.join(sorted(FAMILIES))}"
+        ) from None
+
+
+def build_model(cfg: ModelConfig):
+    """The family's network for `cfg` (on the current default device: the engines build it on
+    the meta device and place every parameter themselves)."""
+    return family_of(cfg).model(cfg)
