@@ -3,7 +3,9 @@
   1. the family's network on the meta device: no memory (model/family.py build_model);
   2. its chunk layout, the unsplit model's: what checkpoints record (engine/layout.py);
   3. tensor parallelism, checked in one line first: 1/T of the cut weights (fitgpt/parallel);
-  4. this rank's layout (the same as 2 at T = 1).
+  4. this rank's layout (the same as 2 at T = 1);
+  5. the view of the unsplit model that initialisation, checkpoints and generation take
+     (StateView: the model as it is at T = 1, TP's gathers and splits at T > 1), chosen here once.
 
 The engines then place the parameters (TorchEngine: on the device; ChunkEngine: views of its
 chunks), make the buffers (DecoderLM.materialize_buffers), initialise every parameter by name,
@@ -12,14 +14,57 @@ compile, and wrap activation checkpointing around the compiled blocks, in that o
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from fitgpt.dist.mesh import Mesh
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
+from fitgpt.engine.state_io import Piece, StateReader
 from fitgpt.model import DecoderLM, ModelConfig, build_model
 from fitgpt.parallel import check_tensor_parallel, parallelize
+from fitgpt.parallel.state import TPReader, sharded_init, tp_pieces, unsplitter
+
+Init = Callable[[str, Tensor], None]
+
+
+class StateView:
+    """The unsplit model as this rank's state meets it: checkpoints hold whole chunks in the
+    unsplit layout, initialisation draws whole parameters, generation wants whole weights. At
+    T = 1 every method passes through; SplitView is tensor parallelism's (parallel/state.py)."""
+
+    def init(self, init: Init) -> Init:
+        """init(name, t) for this rank's tensor t, from the unsplit model's init by name."""
+        return init
+
+    def reader(self, folder: Path) -> StateReader:
+        """Reads a checkpoint's ranges in this rank's layout."""
+        return StateReader(folder)
+
+    def pieces(self, local: Iterator[tuple[ChunkSpec, dict[str, Tensor]]]) -> Iterator[Piece]:
+        """Whole-chunk pieces in the unsplit layout from this rank's whole local chunks
+        (collective under TP: every rank of the group consumes it)."""
+        return (Piece(c.index, 0, c.numel, t) for c, t in local)
+
+    unsplit: Callable[[str, Tensor], Tensor] | None = None  # whole weights from this rank's
+
+
+class SplitView(StateView):
+    def __init__(self, layout: list[ChunkSpec], local: list[ChunkSpec], mesh: Mesh, device):
+        self.layout, self.local, self.mesh, self.device = layout, local, mesh, device
+        self.unsplit = unsplitter(mesh, device, layout)
+
+    def init(self, init: Init) -> Init:
+        return sharded_init(init, self.layout, self.mesh)
+
+    def reader(self, folder: Path) -> StateReader:
+        return TPReader(StateReader(folder), self.layout, self.local, self.mesh)
+
+    def pieces(self, local):
+        return tp_pieces(local, self.layout, self.mesh, self.device)
 
 
 @dataclass
@@ -27,14 +72,18 @@ class Built:
     model: DecoderLM  # on the meta device
     layout: list[ChunkSpec]  # the unsplit model's
     local_layout: list[ChunkSpec]  # this rank's
+    view: StateView
 
 
-def build(cfg: ModelConfig, mesh: Mesh | None, world: int, sequence_parallel: bool) -> Built:
+def build(
+    cfg: ModelConfig, mesh: Mesh | None, world: int, sequence_parallel: bool, device
+) -> Built:
     with torch.device("meta"):
         model = build_model(cfg)
     layout = chunk_layout(model)
     if mesh is None:
-        return Built(model, layout, layout)
+        return Built(model, layout, layout, StateView())
     check_tensor_parallel(mesh.tp, cfg, world, sequence_parallel)
     model = parallelize(model, mesh, sequence_parallel)
-    return Built(model, layout, chunk_layout(model))
+    local = chunk_layout(model)
+    return Built(model, layout, local, SplitView(layout, local, mesh, device))

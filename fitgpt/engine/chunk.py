@@ -44,7 +44,6 @@ class Chunk:
         self,
         plan: ChunkPlan,
         *,
-        stage: int,
         rank: int,
         dtype: torch.dtype,
         device: torch.device,
@@ -54,8 +53,10 @@ class Chunk:
         spec = self.spec = plan.spec
         self.n, self.N, self.s = spec.numel, plan.N, plan.shard
         self.lo, self.hi = rank * self.s, (rank + 1) * self.s  # this rank's shard
-        shard_opt = self.shard_opt = stage >= 1
-        self.shard_grads, self.shard_weights = stage >= 2, plan.weights == "sharded"
+        # the ZeRO stage as this chunk's placement says it (engine/placement.py ChunkPlan)
+        shard_opt = self.shard_opt = plan.shard_opt
+        self.shard_grads, self.shard_weights = plan.shard_grads, plan.weights == "sharded"
+        self.gathers_updated = plan.gathers_updated
         self.streamed = plan.streamed  # weights homed in host RAM, streamed in per use
         self.transient_weight = self.shard_weights or self.streamed  # freed between uses
         self.opt_lo, self.opt_hi = (self.lo, self.hi) if shard_opt else (0, self.N)

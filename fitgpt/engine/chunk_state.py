@@ -34,11 +34,12 @@ class ChunkStateIO:
         chunks: list[Chunk],
         disk: DiskTier | None,
         peers: Peers,
-        stage: int,
+        replicated: bool,
         scratch: dict[str, Scratch],
         device: torch.device | None = None,
     ) -> None:
-        self.chunks, self.disk, self.peers, self.stage = chunks, disk, peers, stage
+        # replicated: every rank holds the whole state (stage 0; engine/placement.py)
+        self.chunks, self.disk, self.peers, self.replicated = chunks, disk, peers, replicated
         self.device = device or torch.device("cpu")  # where whole_chunks' collectives run
         self.scratch = scratch  # the compact formats' pieces, per tier (engine/compact.py)
 
@@ -46,8 +47,8 @@ class ChunkStateIO:
         return self.scratch["host" if c.offloaded else "device"]
 
     def save(self, folder: Path, optimizer: bool) -> None:
-        """Write this rank's pieces into `folder` (stage 0 is replicated: rank 0 writes)."""
-        if self.stage >= 1 or self.peers.rank == 0:
+        """Write this rank's pieces into `folder` (replicated state: rank 0 writes it)."""
+        if not self.replicated or self.peers.rank == 0:
             write_pieces(folder, self.peers.rank, self.pieces(KINDS if optimizer else KINDS[:1]))
 
     def pieces(self, kinds: tuple[str, ...]) -> Iterator[Piece]:
@@ -87,7 +88,7 @@ class ChunkStateIO:
         every rank iterates it). Tensor parallelism's save gathers these over its group next."""
         for c in self.chunks:
             piece = self._piece(c, kinds)
-            if self.stage == 0 or self.peers.world == 1:
+            if not c.shard_opt or self.peers.world == 1:
                 assert piece is not None and piece.hi - piece.lo == c.n
                 yield c, piece.tensors
                 c.free_state()
@@ -143,14 +144,14 @@ class ChunkStateIO:
         """The working weights from the master (a compact chunk wrote its range already), and
         the full weights gathered from the shards where they are resident."""
         if c.compact is not None:
-            if self.stage >= 1 and not c.transient_weight:
+            if c.gathers_updated:
                 self.peers.all_gather(c.weight, c.weight_shard, async_op=False)
             return
         if c.master_aliases_weight:
-            src = c.weight_shard if self.stage >= 1 else c.weight
+            src = c.weight_shard if c.shard_opt else c.weight
         else:
             src = c.master
-        if self.stage == 0 and not c.streamed:
+        if not c.shard_opt and not c.streamed:
             c.weight.copy_(src)
             return
         c.weight_shard.copy_(src)

@@ -51,10 +51,10 @@ from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.fetch import WeightFetch
 from fitgpt.engine.offload import DiskTier, HostOptimizer
 from fitgpt.engine.pinned import PinnedArena
-from fitgpt.engine.placement import Placement
+from fitgpt.engine.placement import Placement, split_master_refusal, stream_refusal
 from fitgpt.engine.reduce import GradReducer
 from fitgpt.engine.scaler import LossScaler
-from fitgpt.engine.state_io import KINDS, StateReader, write_pieces
+from fitgpt.engine.state_io import KINDS, write_pieces
 from fitgpt.engine.timing import StepClock
 from fitgpt.engine.update import TieredUpdate
 from fitgpt.engine.wgrad import fuse_weight_grads
@@ -63,11 +63,7 @@ from fitgpt.model import DecoderLM, ModelConfig
 from fitgpt.parallel.state import (
     SequenceParallelGrads,
     TPGradNorm,
-    TPReader,
     replicated_ranges,
-    sharded_init,
-    tp_pieces,
-    unsplitter,
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -84,9 +80,9 @@ class ChunkEngine(Engine):
         seed: int = 0,
     ) -> None:
         self.model_cfg, self.ecfg, self.ocfg, self.ctx = model_cfg, ecfg, ocfg, ctx
-        self.device, self.stage = ctx.device, ecfg.zero_stage
+        self.device = ctx.device
         self.cuda = self.device.type == "cuda"
-        self.dtype = DTYPES[pcfg.precision]
+        self.precision, self.dtype = pcfg.precision, DTYPES[pcfg.precision]
         self.scaler = LossScaler(pcfg)
         # the data-parallel group: every rank, or with --tensor-parallel T the ranks sharing this
         # rank's TP index (dist/mesh.py); ZeRO shards and gradient reductions run over it
@@ -96,8 +92,9 @@ class ChunkEngine(Engine):
 
         self.mesh = ctx.mesh
         # on meta, no memory: every parameter is replaced by a chunk view below
-        built = build(model_cfg, self.mesh, ctx.world, ecfg.sequence_parallel)
+        built = build(model_cfg, self.mesh, ctx.world, ecfg.sequence_parallel, self.device)
         model, self.layout, self.local_layout = built.model, built.layout, built.local_layout
+        self.view = built.view
         model.materialize_buffers(self.device)
         self.placement = self._placement()
         self.pinned = PinnedArena(self.cuda)  # streamed weights
@@ -141,16 +138,12 @@ class ChunkEngine(Engine):
         placement = Placement.of(
             self.local_layout, self.ecfg, self.world, self.dtype.itemsize, self.device.type
         )
-        if self.dtype == torch.float16 and any(c.master == "split" for c in placement.chunks):
-            raise UserError(
-                "--master split shares the master's high half with bf16 working weights: use "
-                "--precision bf16, or --master fp32 with fp16"
-            )
-        if placement.streams and self.world > 1 and self.stage < 3:
-            raise UserError(
-                f"--offload-params cpu on {self.world} ranks streams each rank's shard of the "
-                "weights: use --zero-stage 3"
-            )
+        split = any(c.master == "split" for c in placement.chunks)
+        why = (split and split_master_refusal(self.precision)) or (
+            placement.streams and stream_refusal(self.world, placement.stage)
+        )
+        if why:
+            raise UserError(why)
         check_host_room(placement, self.device, self.ctx.group, self.ctx.world)
         return placement
 
@@ -174,12 +167,10 @@ class ChunkEngine(Engine):
         out, so init transients and host RAM stay at one chunk's worth."""
         chunks = []
         init = partial(model.init_parameter_, seed=seed)
-        if self.mesh is not None:  # each rank's part of the weights an unsplit run starts from
-            init = sharded_init(init, self.layout, self.mesh)
+        init = self.view.init(init)  # under TP each rank's part of the unsplit run's weights
         for plan in self.placement.chunks:
             c = Chunk(
                 plan,
-                stage=self.stage,
                 rank=self.ctx.dp_rank if self.world > 1 else 0,
                 dtype=self.dtype,
                 device=self.device,
@@ -213,11 +204,11 @@ class ChunkEngine(Engine):
         """The engine's parts, and their hooks on the model (handles removed at close())."""
         blocks, modules = self.blocks, list(self.model.blocks)
         self.updater = TieredUpdate(
-            self.chunks, self.host_opt, self.peers, self.stage, self.scratch.get("device"),
+            self.chunks, self.host_opt, self.peers, self.scratch.get("device"),
             speculative=self.ecfg.speculative_update, one_pass=self.compiled is not None,
             warn=self.compiled.warn if self.compiled is not None else print,
         )  # fmt: skip
-        self.reducer = GradReducer(self.peers, self.stage, self.dtype, self.device)
+        self.reducer = GradReducer(self.peers, self.dtype, self.device)
         if self.mesh is not None:
             self.reducer.tp_norm = TPGradNorm(self.mesh)
             self.reducer.tp_ranges = [replicated_ranges(c) for c in self.local_layout]
@@ -227,7 +218,12 @@ class ChunkEngine(Engine):
             self.reducer.on_final = self.updater.on_final
         self.fetcher = WeightFetch(self.peers, self.device, self.host_opt, bool(self.streamed))
         self.state_io = ChunkStateIO(
-            self.chunks, self.disk, self.peers, self.stage, self.scratch, self.device
+            self.chunks,
+            self.disk,
+            self.peers,
+            self.placement.replicated,
+            self.scratch,
+            self.device,
         )
         self.hooks: list = []
         if self.host_opt is not None:  # before the fetch hooks: a gather sees updated shards
@@ -240,7 +236,7 @@ class ChunkEngine(Engine):
             owner = {id(p): c for c in self.chunks for p in c.params}
             keeps = lambda p: owner[id(p)].grad is not None and not owner[id(p)].transient_weight  # noqa: E731
             self.hooks.append(fuse_weight_grads(modules, keeps))
-        if self.stage >= 3 or self.streamed:
+        if self.placement.fetches_weights:
             self.hooks += self.fetcher.register(modules, blocks)
         self.clock = StepClock(self.device)
         self._stats_host: Tensor | None = None  # the step's loss and norm², pinned (_stats_down)
@@ -334,7 +330,7 @@ class ChunkEngine(Engine):
         # the unsplit layout (parallel/state.py), so any run can load them
         kinds = KINDS if optimizer else KINDS[:1]
         local = ((c.spec, t) for c, t in self.state_io.whole_chunks(kinds))
-        pieces = tp_pieces(local, self.layout, self.mesh, self.device)
+        pieces = self.view.pieces(local)
         if self.ctx.rank == 0:
             write_pieces(folder, 0, pieces)
         else:
@@ -346,10 +342,8 @@ class ChunkEngine(Engine):
         weights alone, the moments zero and the optimizer's step 0, as in a fresh run."""
         self._sync_host()
         step = float(extra.get("optimizer_step", 0)) if optimizer else 0.0
-        reader = None
-        if self.mesh is not None:  # the checkpoint's whole chunks, this rank's parts kept
-            reader = TPReader(StateReader(folder), self.layout, self.local_layout, self.mesh)
-        self.state_io.load(folder, step, optimizer, reader)
+        # under TP the checkpoint's whole chunks read, this rank's parts kept
+        self.state_io.load(folder, step, optimizer, self.view.reader(folder))
         if optimizer:
             self.scaler.load_state_dict(extra["scaler"])
         self.updater.last_clean = bool(extra.get("last_step_clean", False)) and optimizer
@@ -365,9 +359,8 @@ class ChunkEngine(Engine):
     def inference_model(self) -> DecoderLM:
         """A fresh model holding the full current weights (gathered from the shards)."""
         self._sync_host()
-        unsplit = None if self.mesh is None else unsplitter(self.mesh, self.device, self.layout)
         return self.state_io.inference_model(
-            self.model_cfg, self.device, self.dtype, self.fetcher.ensure, unsplit
+            self.model_cfg, self.device, self.dtype, self.fetcher.ensure, self.view.unsplit
         )
 
     # ---- accounting and lifetime --------------------------------------------------------------
@@ -376,7 +369,7 @@ class ChunkEngine(Engine):
         streams = []
         if self.world > 1:
             streams.append("collectives: gradient reductions overlapped with the backward")
-        if self.stage >= 3:
+        if any(c.shard_weights for c in self.chunks):
             streams.append("all-gathers of the next block's weights (prefetch)")
         if self.streamed:
             streams.append("host→device copies of streamed blocks' weights (copy stream)")
@@ -391,7 +384,7 @@ class ChunkEngine(Engine):
                 f"tensor-parallel {self.mesh.tp} (1/{self.mesh.tp} of each layer), {placement}"
             )
             streams.insert(0, "tensor-parallel all-reduces: 2 per layer forward, 2 backward")
-        out.update(engine=f"zero-{self.stage}", placement=placement)
+        out.update(engine=f"zero-{self.placement.stage}", placement=placement)
         out["streams"] = streams
         return out
 

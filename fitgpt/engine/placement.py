@@ -53,6 +53,12 @@ class ChunkPlan:
     # the master's format: "alias" (fp32 compute on its device: the working weights are the
     # master), "fp32", or "split" (the bf16 working weight plus an int16 remainder)
     master: str = "fp32"
+    # how the ZeRO stage shards this chunk, decided here and read by the engine's parts (no part
+    # sees the stage): the optimizer state and its update cut into 1/W shards (stage >= 1), the
+    # gradients reduce-scattered every micro-batch into a shard (stage >= 2); the weights'
+    # sharding is `weights` ("sharded" at stage 3)
+    shard_opt: bool = False
+    shard_grads: bool = False
 
     @property
     def compact(self) -> bool:
@@ -70,6 +76,12 @@ class ChunkPlan:
     @property
     def block(self) -> bool:
         return self.spec.name.startswith("block.")
+
+    @property
+    def gathers_updated(self) -> bool:
+        """Each rank updates its shard of weights that every rank holds whole (stages 1-2):
+        the updated shards are all-gathered after the step."""
+        return self.shard_opt and self.weights == "device"
 
     @property
     def offloaded(self) -> bool:
@@ -130,6 +142,18 @@ class Placement:
     def streams(self) -> bool:
         return any(c.streamed for c in self.chunks)
 
+    @property
+    def replicated(self) -> bool:
+        """Every rank holds the whole optimizer state (stage 0): rank 0 alone writes it to a
+        checkpoint, the others' copies being the same; otherwise every rank writes its shard."""
+        return not any(c.shard_opt for c in self.chunks)
+
+    @property
+    def fetches_weights(self) -> bool:
+        """Some block's weights are absent between uses (gathered at stage 3, or streamed in
+        from host RAM): the engine fetches them ahead of each use."""
+        return any(c.weights != "device" for c in self.chunks)
+
     def offloaded_elems(self) -> int:
         """Optimizer elements this rank updates on the host (host RAM and disk tiers)."""
         return sum(c.opt_elems for c in self.hosted)
@@ -156,7 +180,7 @@ class Placement:
                 dev["weight_shards"] += c.shard * w
             else:
                 dev["weights"] += c.N * w
-            dev["grads"] += (c.N * w if self.stage <= 1 else 0) + (c.shard * w if self.stage else 0)
+            dev["grads"] += (0 if c.shard_grads else c.N * w) + (c.shard * w if c.shard_opt else 0)
             where = {"device": dev, "cpu": host, "nvme": nvme}[c.home]
             where["master_weights"] += {"alias": 0, "fp32": 4, "split": 2}[c.master] * c.opt_elems
             where["optimizer"] += 2 * store_nbytes(c.moments, c.opt_elems)
@@ -217,6 +241,28 @@ class Placement:
         return f"ZeRO stage {self.stage} on {self.world} rank(s), {where}"
 
 
+# ---- what a placement cannot be (engine/validate.py asks before torchrun, the engine at build)
+def stream_refusal(dp: int, stage: int) -> str | None:
+    """Streamed weights on several data-parallel ranks need ZeRO-3: each rank streams its own
+    shard, and only stage 3 gathers the whole weights per use."""
+    if dp > 1 and stage < 3:
+        return (
+            f"--offload-params cpu on {dp} data-parallel ranks streams each rank's shard of the "
+            "weights: use --zero-stage 3"
+        )
+    return None
+
+
+def split_master_refusal(precision: str) -> str | None:
+    """A split master keeps its high half in the bf16 working weights: fp16 has other bits."""
+    if precision == "fp16":
+        return (
+            "--master split shares the master's high half with bf16 working weights: use "
+            "--precision bf16, or --master fp32 with fp16"
+        )
+    return None
+
+
 def offloaded_blocks(ecfg: EngineConfig, blocks: int) -> int:
     """How many (last) blocks send their optimizer state to the offload tier."""
     if ecfg.offload_optimizer == "none":
@@ -259,4 +305,7 @@ def _chunk(
         master = "alias" if home == "device" else "fp32"
     else:
         master = "split" if ecfg.master == "split" else "fp32"
-    return ChunkPlan(c, N, s, s if stage >= 1 else N, home, moments, weights, master)
+    return ChunkPlan(
+        c, N, s, s if stage >= 1 else N, home, moments, weights, master,
+        shard_opt=stage >= 1, shard_grads=stage >= 2,
+    )  # fmt: skip

@@ -40,8 +40,10 @@ if TYPE_CHECKING:
 
 
 class GradReducer:
-    def __init__(self, peers: Peers, stage: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.peers, self.stage, self.dtype, self.device = peers, stage, dtype, device
+    def __init__(self, peers: Peers, dtype: torch.dtype, device: torch.device) -> None:
+        """Each chunk says how its gradient is reduced (Chunk.shard_grads, shard_opt: its
+        placement's ZeRO stage)."""
+        self.peers, self.dtype, self.device = peers, dtype, device
         # (handle, label, on completion, tensors the collective reads or writes until then, the
         # chunk whose gradient is final once it completes, or None)
         self.pending: deque[tuple[object, str, Callable[[], None] | None, tuple, Chunk | None]]
@@ -68,13 +70,13 @@ class GradReducer:
         if c.grads_seen < len(c.params):
             return
         c.grads_seen = 0  # the chunk's backward is complete for this micro-batch
-        if self.sp_sync is not None and (self.stage >= 2 or self.last_micro):
+        if self.sp_sync is not None and (c.shard_grads or self.last_micro):
             self.sp_sync(c)  # blocking: a few elements per block, before the DP reduction
         c.free_weight()  # stage 3 and streamed chunks: the weights' memory is freed here
-        if self.stage >= 2:
+        if c.shard_grads:
             self._reduce_scatter_now(c)
         elif self.last_micro:
-            if self.stage == 1:
+            if c.shard_opt:
                 work = self.peers.reduce_scatter(c.grad_shard, c.grad)
                 self._launch(work, f"reduce-scatter gradients of {c.spec.name}", final=c)
             else:
@@ -131,7 +133,7 @@ class GradReducer:
             else:
                 sq += self.tp_norm.local_sq(c.opt_grad, self.tp_ranges[c.spec.index], c.opt_lo)
         if self.peers.world > 1:
-            if self.stage >= 1:
+            if any(c.shard_opt for c in chunks):
                 self.peers.wait(self.peers.all_reduce(sq), "all-reduce grad norm")
             self.peers.wait(self.peers.all_reduce(loss_avg), "all-reduce loss")
             loss_avg /= self.peers.world

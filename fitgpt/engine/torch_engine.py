@@ -25,15 +25,11 @@ from fitgpt.engine.build import build
 from fitgpt.engine.compile import compile_regions
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.scaler import LossScaler
-from fitgpt.engine.state_io import Piece, StateReader, write_pieces
+from fitgpt.engine.state_io import write_pieces
 from fitgpt.model import DecoderLM, ModelConfig, build_model
 from fitgpt.parallel.state import (
     TPGradNorm,
-    TPReader,
-    sharded_init,
     sync_replicated,
-    tp_pieces,
-    unsplitter,
 )
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
@@ -60,8 +56,9 @@ class TorchEngine(Engine):
         ctx = ctx.with_tensor_parallel(ecfg.tensor_parallel)  # the TP × DP layout (dist/mesh.py)
         self.model_cfg, self.ecfg, self.pcfg, self.ocfg, self.ctx = model_cfg, ecfg, pcfg, ocfg, ctx
         self.device, self.mesh = ctx.device, ctx.mesh
-        built = build(model_cfg, self.mesh, ctx.world, ecfg.sequence_parallel)
+        built = build(model_cfg, self.mesh, ctx.world, ecfg.sequence_parallel, self.device)
         model, self.layout, self.local_layout = built.model, built.layout, built.local_layout
+        self.view = built.view
         model.to_empty(device=self.device)
         model.materialize_buffers(self.device)  # to_empty left the non-persistent ones undefined
         self._init(model, seed)
@@ -105,9 +102,7 @@ class TorchEngine(Engine):
     @torch.no_grad()
     def _init(self, model: DecoderLM, seed: int) -> None:
         """The seeded initial weights; under TP each rank's part of the unsplit model's."""
-        init = partial(model.init_parameter_, seed=seed)
-        if self.mesh is not None:
-            init = sharded_init(init, self.layout, self.mesh)
+        init = self.view.init(partial(model.init_parameter_, seed=seed))
         for name, p in model.named_parameters():
             init(name, p)
 
@@ -205,10 +200,7 @@ class TorchEngine(Engine):
         if optimizer:
             getters.update(exp_avg=moment("exp_avg"), exp_avg_sq=moment("exp_avg_sq"))
         local = ((c, {k: self._flat(c, g) for k, g in getters.items()}) for c in self.local_layout)
-        if self.mesh is None:
-            pieces = (Piece(c.index, 0, c.numel, t) for c, t in local)
-        else:  # whole tensors, in the unsplit layout (parallel/state.py)
-            pieces = tp_pieces(local, self.layout, self.mesh, self.device)
+        pieces = self.view.pieces(local)  # under TP whole tensors, gathered over the group
         if self.ctx.is_main:
             write_pieces(folder, 0, pieces)
         else:
@@ -219,9 +211,7 @@ class TorchEngine(Engine):
     def load_state(self, folder: Path, extra: dict, optimizer: bool = True) -> None:
         """Weights and optimizer state; with optimizer=False (a weights-only checkpoint) the
         weights alone and no optimizer state, as in a fresh run (AdamW starts it at step 1)."""
-        reader = StateReader(folder)
-        if self.mesh is not None:  # the checkpoint's whole chunks, this rank's parts kept
-            reader = TPReader(reader, self.layout, self.local_layout, self.mesh)
+        reader = self.view.reader(folder)  # under TP the whole chunks read, this rank's parts kept
         params = dict(self.model.named_parameters())
         step = int(extra.get("optimizer_step", 0)) if optimizer else 0
         kinds = ("master", "exp_avg", "exp_avg_sq") if optimizer else ("master",)
@@ -277,7 +267,7 @@ class TorchEngine(Engine):
         if self.mesh is None:
             return self.model
         model = build_model(self.model_cfg).to(self.device)  # the whole weights, gathered over TP
-        unsplit = unsplitter(self.mesh, self.device, self.layout)
+        unsplit = self.view.unsplit
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 dict(model.named_parameters())[name].copy_(unsplit(name, p.detach()))

@@ -43,7 +43,6 @@ class TieredUpdate:
         chunks: list[Chunk],
         host_opt: HostOptimizer | None,
         peers: Peers,
-        stage: int,
         scratch: Scratch | None = None,
         speculative: bool = False,
         one_pass: bool = False,
@@ -53,12 +52,13 @@ class TieredUpdate:
         speculative: start host-homed chunks' updates during the backward (module doc);
         one_pass: step plain fp32 device state through the compiled pass (_adamw_pass); if
         that fails to compile, `warn` gets one line and the fused kernel takes over."""
-        self.chunks, self.host_opt, self.peers, self.stage = chunks, host_opt, peers, stage
+        self.chunks, self.host_opt, self.peers = chunks, host_opt, peers
         self.one_pass, self.warn = one_pass, warn
         self.scratch = scratch
         self.hosted = [c for c in chunks if c.offloaded]
-        # the host-homed chunks of stages 1-2 on several ranks: weights replicated, state sharded
-        self.regather_hosted = peers.world > 1 and stage in (1, 2)
+        # the host-homed chunks of stages 1-2 on several ranks: weights replicated, state
+        # sharded (on one rank the shard is the weights: nothing to gather)
+        self.regather = [c for c in self.hosted if c.gathers_updated] if peers.world > 1 else []
         self.speculative = speculative and host_opt is not None
         self.lr, self.spec_mul = 0.0, None  # this step's, from begin_step
         self.guess = 1.0  # this step's grad_mul if it is neither clipped nor skipped
@@ -95,7 +95,7 @@ class TieredUpdate:
         """Chunk c's reduced gradient is final (engine/reduce.py, during the backward)."""
         if self.spec_mul is None or not c.offloaded:
             return
-        self.host_opt.submit(c, self.lr, self.spec_mul, self.home_weights(c), guarded=True)
+        self.host_opt.submit(c, self.lr, self.spec_mul, c.home_weights, guarded=True)
         self.speculated.add(c.spec.index)
 
     def step(self, lr: float, grad_mul: float | None) -> None:
@@ -108,11 +108,11 @@ class TieredUpdate:
             for c in self.hosted:
                 if c.spec.index in self.speculated or grad_mul is None:
                     continue
-                self.host_opt.submit(c, lr, grad_mul, self.home_weights(c))
+                self.host_opt.submit(c, lr, grad_mul, c.home_weights)
             self.speculated = set()
             self.host_opt.flush()  # every gradient staged before they are zeroed
         if grad_mul is None:
-            if self.regather_hosted:
+            if self.regather:
                 # an undone shard comes back within ulps of the old one, cast to the working
                 # dtype it may differ in the last bit: the other ranks get this rank's copy
                 for c in undone:
@@ -121,9 +121,9 @@ class TieredUpdate:
                 self.peers.wait_all(gathers)
             return
         gathers += self._step_device_chunks(lr, grad_mul)
-        if self.regather_hosted:
+        if self.regather:
             # the other ranks need this rank's updated shard: wait for the host, then gather
-            for c in self.hosted:
+            for c in self.regather:
                 self.host_opt.wait(c)
                 gathers.append(self._gather_updated(c))
         self.peers.wait_all(gathers)
@@ -154,7 +154,7 @@ class TieredUpdate:
             if c.offloaded:
                 continue
             self._device_step(c, lr, grad_mul, skip)
-            if self.stage >= 1 and not c.shard_weights:
+            if c.gathers_updated:
                 gathers.append(self._gather_updated(c))
         return gathers
 
@@ -175,7 +175,7 @@ class TieredUpdate:
             stepped = self.host_opt.wait(c)
             if stepped or grad_mul is not None:
                 undo_mul = self.spec_mul if stepped else None
-                self.host_opt.submit(c, lr, grad_mul, self.home_weights(c), undo_mul=undo_mul)
+                self.host_opt.submit(c, lr, grad_mul, c.home_weights, undo_mul=undo_mul)
             if stepped:
                 undone.append(c)
         return undone
@@ -210,7 +210,7 @@ class TieredUpdate:
             _fused_adamw(opt, group, g32[lo:hi], lr, found_inf=skip)
         del g32  # freed here
         if not c.master_aliases_weight:
-            c.weight_shard.copy_(c.master) if self.stage >= 1 else c.weight.copy_(c.master)
+            c.home_weights.copy_(c.master)
 
     def _one_pass_step(
         self, c: Chunk, lr: float, grad_mul: float | Tensor, skip: Tensor | None
@@ -220,7 +220,7 @@ class TieredUpdate:
         to compile (after one warning line; the caller steps the rest through torch's kernel).
         Replicated state (stage 0 on several ranks, each rank stepping its own copy) must take
         one path on every rank, or the copies would round apart: there a failure is an error."""
-        weights = c.weight_shard if self.stage >= 1 else c.weight
+        weights = c.home_weights
         opt = c.optimizer
         for i, (group, (lo, hi)) in enumerate(zip(opt.param_groups, c.group_ranges)):
             group["lr"] = lr  # kept current: the optimizer's state_dict carries it
@@ -238,7 +238,7 @@ class TieredUpdate:
                 # the step count was written, taken back here
                 state["step"].sub_(1)
                 why = f"the optimizer's compiled pass failed to compile ({error_line(e)})"
-                if self.stage == 0 and self.peers.world > 1:
+                if not c.shard_opt and self.peers.world > 1:
                     raise UserError(f"{why}; every rank steps its own copy of the state, so "
                                     "all must take one path: run with --compile off") from None  # fmt: skip
                 self.one_pass = False
@@ -251,11 +251,6 @@ class TieredUpdate:
     def _gather_updated(self, c: Chunk) -> tuple[object, str]:
         work = self.peers.all_gather(c.weight, c.weight_shard)
         return work, f"all-gather updated weights of {c.spec.name}"
-
-    def home_weights(self, c: Chunk) -> Tensor:
-        """Where a host-homed chunk's updated weights go: the device weights (or this rank's
-        shard of them), or for a streamed chunk its pinned host copy."""
-        return c.weight_shard if (self.stage >= 1 or c.streamed) else c.weight
 
     def sync(self) -> None:
         """Wait for every pending host update (before eval, checkpoints and generation: they see

@@ -68,18 +68,20 @@ def refusal(
     (bf16, fp16 or fp32), `device` is "cuda" or "cpu", `world` the job's ranks. `planning`: the
     planner resolves what is left open (--tensor-parallel auto); `chosen`: the engine fields
     it will choose, whose values in `engine` are placeholders and are not judged."""
-    from fitgpt.engine.placement import disk_blocks, offloaded_blocks
+    from fitgpt.engine.placement import (
+        disk_blocks,
+        offloaded_blocks,
+        split_master_refusal,
+        stream_refusal,
+    )
     from fitgpt.parallel.shard import tensor_parallel_refusal, tp_divisors
 
     def settled(*names: str) -> bool:
         return not chosen.intersection(names)
 
     e, tp = engine, engine.tensor_parallel
-    if settled("master") and e.master == "split" and precision == "fp16":
-        return (
-            "--master split shares the master's high half with bf16 working weights: use "
-            "--precision bf16, or --master fp32 with fp16"
-        )
+    if settled("master") and e.master == "split" and split_master_refusal(precision):
+        return split_master_refusal(precision)
     if precision == "fp16" and device == "cpu":
         return (
             f"--precision fp16 on a CPU: CPUs have no fast fp16 matmul (measured "
@@ -100,11 +102,8 @@ def refusal(
         return why
     dp = world // max(1, tp)  # the ranks ZeRO shards over
     streams = e.offload_params == "cpu" and e.offload_blocks != 0
-    if settled("offload_params", "zero_stage") and streams and dp > 1 and e.zero_stage < 3:
-        return (
-            f"--offload-params cpu on {dp} data-parallel ranks streams each rank's shard of the "
-            "weights: use --zero-stage 3"
-        )
+    if settled("offload_params", "zero_stage") and streams and stream_refusal(dp, e.zero_stage):
+        return stream_refusal(dp, e.zero_stage)
     if settled("offload_blocks", "nvme_blocks"):
         # the placement's own rule (engine/placement.py), before anything is built; a tier the
         # planner chooses is the one these counts imply (plan/planner.py: enumerate_plans)
