@@ -20,7 +20,7 @@ from fitgpt.data.config import DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
-from fitgpt.train.config import TrainConfig
+from fitgpt.train.config import RunConfig, TrainConfig
 
 DEFAULT_PRESET = "tiny"
 
@@ -54,11 +54,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     add_removed_flags(p)
 
 
-def run_config_from_args(args: argparse.Namespace):
+def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     """The run a fresh `fitgpt train` asks for: the preset with the model flags applied, the
     Python standard library as data unless --data says otherwise."""
-    from fitgpt.train.loop import RunConfig
-
     data = config_from_args(
         args, DataConfig, DataConfig(data="stdlib") if args.data is None else None
     )
@@ -238,15 +236,16 @@ def apply_deepspeed_flags(args: argparse.Namespace) -> None:
             print(line, flush=True)
 
 
-def check_settings(args: argparse.Namespace, run_cfg, world: int, typed: dict) -> None:
+def check_settings(args: argparse.Namespace, run_cfg: RunConfig, world: int, typed: dict) -> None:
     """Refuse, in one line, what train cannot run on `world` ranks or a typed flag that would
     change nothing (`typed`: the engine and precision flags on the command line), before
     torchrun starts and before anything is allocated: engine/validate.py, the validation plan,
     capacity and bench share. With --plan auto the engine fields not set are the planner's."""
-    from fitgpt.engine.validate import check_run
+    from fitgpt.engine import validate
 
     fixed = explicit(args, EngineConfig) if args.plan == "auto" else None
-    check_run(run_cfg, world, fixed, typed)
+    m, e, p, device = run_cfg.model, run_cfg.engine, run_cfg.precision, run_cfg.train.device
+    validate.check_settings(m, e, p, world, device, fixed, typed)
 
 
 def run(args: argparse.Namespace) -> int:

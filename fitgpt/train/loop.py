@@ -13,20 +13,18 @@ import os
 import shutil
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from fitgpt import units
-from fitgpt.data.config import DataConfig, open_data
+from fitgpt.data.config import open_data
 from fitgpt.data.source import BatchLoader
 from fitgpt.dist import DistContext
 from fitgpt.dist.env import thread_tuner
 from fitgpt.engine.base import Engine, StepStats
 from fitgpt.engine.comm import CollectiveError
 from fitgpt.engine.compile import report_line
-from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.timing import PHASES
@@ -36,7 +34,7 @@ from fitgpt.parallel.shard import check_tensor_parallel
 from fitgpt.plan.memory import layout_of
 from fitgpt.train import checkpoint as ckpt_io
 from fitgpt.train import space
-from fitgpt.train.config import TrainConfig
+from fitgpt.train.config import RunConfig
 from fitgpt.train.guard import Diverged, DivergenceGuard, Interrupted, StopRequest
 from fitgpt.train.init_from import FREE, InitSource, checkpoint_of, drop_scratch
 from fitgpt.train.metrics import MetricsLog, format_line, peak_flops
@@ -45,21 +43,6 @@ from fitgpt.train.resume import changed_settings, saved_run
 from fitgpt.train.rundir import close_run_dir, open_run_dir
 from fitgpt.train.schedule import lr_at, resolve_schedule
 from fitgpt.train.setup import OutOfMemory, is_oom, oom_message, phase_of, resolve_run
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """Everything a run is made of; saved in every checkpoint."""
-
-    model: ModelConfig
-    data: DataConfig
-    train: TrainConfig
-    engine: EngineConfig
-    precision: PrecisionConfig
-    optim: OptimConfig
-
-    def to_dict(self) -> dict:
-        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
 def say(ctx: DistContext, msg: str) -> None:
