@@ -131,7 +131,8 @@ def _resolve_command(args: argparse.Namespace):
 
 def init_config(args: argparse.Namespace):
     """The run `--init-from SRC` asks for: SRC's architecture, everything else from the flags."""
-    from fitgpt.train.init_from import find_source, model_from_source
+    from fitgpt.interop.init_source import find_source
+    from fitgpt.train.init_from import model_from_source
 
     if args.resume is not None:
         raise UserError(
