@@ -56,13 +56,7 @@ from fitgpt.engine.reduce import GradReducer
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import KINDS, StateReader, write_pieces
 from fitgpt.engine.timing import StepClock
-from fitgpt.engine.update import TieredUpdate
-from fitgpt.engine.wgrad import fuse_weight_grads
-from fitgpt.errors import UserError
-from fitgpt.model import GPT, ModelConfig
-from fitgpt.model.gpt import alibi_slopes
-from fitgpt.parallel import check_tensor_parallel, parallelize
-from fitgpt.parallel.state import (
+from fitgpt.engine.tp_state import (
     SequenceParallelGrads,
     TPGradNorm,
     TPReader,
@@ -71,6 +65,12 @@ from fitgpt.parallel.state import (
     tp_pieces,
     unsplitter,
 )
+from fitgpt.engine.update import TieredUpdate
+from fitgpt.engine.wgrad import fuse_weight_grads
+from fitgpt.errors import UserError
+from fitgpt.model import GPT, ModelConfig
+from fitgpt.model.gpt import alibi_slopes
+from fitgpt.parallel import check_tensor_parallel, parallelize
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -26,11 +26,7 @@ from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.layout import chunk_layout
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import Piece, StateReader, write_pieces
-from fitgpt.model import GPT, ModelConfig
-from fitgpt.model.gpt import alibi_slopes
-from fitgpt.parallel import check_tensor_parallel, parallelize
-from fitgpt.parallel.shard import split_rule
-from fitgpt.parallel.state import (
+from fitgpt.engine.tp_state import (
     TPGradNorm,
     TPReader,
     sharded_init,
@@ -38,6 +34,10 @@ from fitgpt.parallel.state import (
     tp_pieces,
     unsplitter,
 )
+from fitgpt.model import GPT, ModelConfig
+from fitgpt.model.gpt import alibi_slopes
+from fitgpt.parallel import check_tensor_parallel, parallelize
+from fitgpt.parallel.shard import split_rule
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 DDP_BUCKET_MB = 100  # larger than DDP's 25 MB default: fewer, fuller NCCL calls for big models

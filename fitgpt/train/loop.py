@@ -152,7 +152,7 @@ class Trainer:
                 "scaler": LossScaler(self.run.precision).state_dict(),
             },
         }
-        # under TP, rank 0 writes every chunk whole (parallel/state.py)
+        # under TP, rank 0 writes every chunk whole (engine/tp_state.py)
         sharded = e.engine == "zero" and e.zero_stage >= 1 and e.tensor_parallel == 1
         meta_bytes = len(json.dumps(meta, indent=1))
         return space.checkpoint_size(layout, self.ctx.world, sharded, meta_bytes)
