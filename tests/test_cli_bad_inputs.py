@@ -158,6 +158,9 @@ CASES: list[Case] = [
     Case("train-out-unwritable", f"{TRAIN_SYN} --out {{ro}}/run", "--out"),
     # train: numbers out of range
     Case("train-steps-0", f"{TRAIN_SYN} --steps 0", "--steps"),
+    Case("train-cpu-mem-0", f"{TRAIN_SYN} --cpu-mem 0GB", "--cpu-mem"),
+    # the stated RAM reaches the planner in the run's config (8 GB: 7.5 GiB, no reserve taken)
+    Case("train-does-not-fit-stated-ram", "train --device cpu --data synthetic --vocab-size 64 --no-save --preset 40b --cpu-mem 8GB", "host RAM (has 7.5, short by"),
     Case("train-steps-negative", f"{TRAIN_SYN} --steps -3", "--steps"),
     Case("train-profile-negative", f"{TRAIN_SYN} --profile -1", "--profile"),
     Case("train-steps-not-int", f"{TRAIN_SYN} --steps 1.5", "--steps"),

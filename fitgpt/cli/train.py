@@ -250,12 +250,11 @@ def check_settings(args: argparse.Namespace, run_cfg: RunConfig, world: int, typ
 
 
 def run(args: argparse.Namespace) -> int:
+    cpu_mem = 0  # --cpu-mem in bytes (parse_bytes refuses a size under one byte); 0: measured
     if args.cpu_mem is not None:
         from fitgpt.plan.hardware import parse_bytes
 
-        if parse_bytes(args.cpu_mem, "--cpu-mem") <= 0:
-            raise UserError(f"--cpu-mem {args.cpu_mem} must be a positive size, e.g. 240GB")
-        os.environ["FITGPT_CPU_MEM"] = args.cpu_mem  # the planner, the engine and every rank
+        cpu_mem = parse_bytes(args.cpu_mem, "--cpu-mem")
     from fitgpt.engine.validate import typed_flags
 
     # the flags typed, before a DeepSpeed config adds its keys as if typed (its keys are
@@ -273,6 +272,10 @@ def run(args: argparse.Namespace) -> int:
     if args.deepspeed_config:
         apply_deepspeed_flags(args)
     run_cfg, ckpt, notes = resolve_command(args)  # validates every config before allocating
+    # what this machine gives, for the planner and every rank's engine (each rank parses the
+    # flag itself); never a resumed run's saved figure
+    engine = dataclasses.replace(run_cfg.engine, cpu_mem=cpu_mem)
+    run_cfg = dataclasses.replace(run_cfg, engine=engine)
     check_settings(args, run_cfg, int(os.environ.get("WORLD_SIZE", 1)), typed)
     from fitgpt.cli.outputs import check_writable_dir
 
