@@ -46,6 +46,23 @@ def fitgpt_source(path: Path) -> InitSource | None:
     return None
 
 
+def check_same_architecture(meta: dict, model_cfg: ModelConfig, ckpt: Path) -> None:
+    """Refuse, in one line naming the fields, a checkpoint (a resume's or an --init-from
+    source's) whose model differs from `model_cfg` in more than the FREE fields."""
+    saved = ModelConfig.from_dict(meta["config"]["model"])
+    free = {k: getattr(model_cfg, k) for k in FREE}  # not the weights' shape: may differ
+    if dataclasses.replace(saved, **free) != model_cfg:
+        diff = {
+            k: (v, getattr(model_cfg, k))
+            for k, v in saved.to_dict().items()
+            if getattr(model_cfg, k) != v and k not in FREE
+        }
+        raise UserError(
+            f"{ckpt} holds another architecture (saved vs asked: {diff}); "
+            "resume with the same --preset/--layers/--hidden/--heads/--seq-len"
+        )
+
+
 def model_from_source(source: InitSource, asked: dict, data) -> ModelConfig:
     """The run's model: the source's architecture, with the fields a fine-tune may change from
     `asked` (the model flags given); any other difference, the data's vocabulary included, is
