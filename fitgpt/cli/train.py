@@ -277,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
     engine = dataclasses.replace(run_cfg.engine, cpu_mem=cpu_mem)
     run_cfg = dataclasses.replace(run_cfg, engine=engine)
     check_settings(args, run_cfg, int(os.environ.get("WORLD_SIZE", 1)), typed)
-    from fitgpt.cli.outputs import check_writable_dir
+    from fitgpt.paths import check_writable_dir
 
     check_writable_dir(run_cfg.train.out, "--out")
     from fitgpt.dist import init_distributed, shutdown
