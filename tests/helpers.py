@@ -7,8 +7,7 @@ import dataclasses
 from fitgpt.data.config import DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.model import ModelConfig
-from fitgpt.train.config import TrainConfig
-from fitgpt.train.loop import RunConfig
+from fitgpt.train.config import RunConfig, TrainConfig
 
 TINY = ModelConfig(n_layer=2, n_embd=32, n_head=4, seq_len=32, vocab_size=96)
 

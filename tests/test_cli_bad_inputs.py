@@ -158,6 +158,9 @@ CASES: list[Case] = [
     Case("train-out-unwritable", f"{TRAIN_SYN} --out {{ro}}/run", "--out"),
     # train: numbers out of range
     Case("train-steps-0", f"{TRAIN_SYN} --steps 0", "--steps"),
+    Case("train-cpu-mem-0", f"{TRAIN_SYN} --cpu-mem 0GB", "--cpu-mem"),
+    # the stated RAM reaches the planner in the run's config (8 GB: 7.5 GiB, no reserve taken)
+    Case("train-does-not-fit-stated-ram", "train --device cpu --data synthetic --vocab-size 64 --no-save --preset 40b --cpu-mem 8GB", "host RAM (has 7.5, short by"),
     Case("train-steps-negative", f"{TRAIN_SYN} --steps -3", "--steps"),
     Case("train-profile-negative", f"{TRAIN_SYN} --profile -1", "--profile"),
     Case("train-steps-not-int", f"{TRAIN_SYN} --steps 1.5", "--steps"),
@@ -678,7 +681,7 @@ def test_a_full_disk_behind_stdout_is_one_line():
 def test_a_full_disk_names_the_output_and_its_free_space(tmp_path):
     """A write() on a full disk carries no path: the line names the command's output instead,
     with the free space of its disk and, where the writer knew it, the size it needed."""
-    from fitgpt.cli.outputs import describe_os_error
+    from fitgpt.paths import describe_os_error
 
     with pytest.raises(OSError) as e, open("/dev/full", "w") as f:
         f.write("x")
@@ -692,14 +695,14 @@ def test_a_full_disk_names_the_output_and_its_free_space(tmp_path):
 
 def test_an_os_error_without_a_path_or_output_keeps_its_traceback():
     """An OSError about no path (a socket, say) is a bug, not a user's mistake."""
-    from fitgpt.cli.outputs import describe_os_error
+    from fitgpt.paths import describe_os_error
 
     assert describe_os_error(ConnectionResetError(104, "reset"), []) is None
 
 
 def test_output_checks_create_nothing(tmp_path):
     """The checks write a probe file and remove it, and make no folder."""
-    from fitgpt.cli.outputs import check_writable_dir, check_writable_file
+    from fitgpt.paths import check_writable_dir, check_writable_file
 
     check_writable_file(tmp_path / "a" / "b" / "c.png", "--out")
     check_writable_dir(tmp_path / "x" / "y", "--out")

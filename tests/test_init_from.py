@@ -15,7 +15,8 @@ from fitgpt.data.config import DataConfig, open_data
 from fitgpt.data.source import BatchLoader
 from fitgpt.dist import DistContext
 from fitgpt.errors import UserError
-from fitgpt.train.init_from import find_source, model_from_source
+from fitgpt.interop.init_source import find_source
+from fitgpt.train.init_from import model_from_source
 from fitgpt.train.loop import train
 
 transformers = pytest.importorskip("transformers")

@@ -210,6 +210,12 @@ def test_a_placement_larger_than_the_free_host_ram_is_refused_before_allocating(
         Placement.of(small, EngineConfig(offload_optimizer="cpu"), 1, 2), torch.device("cuda")
     )
     assert Placement.of(layout, EngineConfig(), 1, 2).host_bytes() == 0
+    # RAM the user stated (--cpu-mem, EngineConfig.cpu_mem) is what the check holds it against
+    stated = EngineConfig(offload_optimizer="cpu", cpu_mem=2 * need)
+    check_host_room(Placement.of(layout, stated, 1, 2), torch.device("cuda"))
+    tight = EngineConfig(offload_optimizer="cpu", cpu_mem=1)
+    with pytest.raises(UserError, match=r"but 0.0 GiB can be used"):
+        check_host_room(Placement.of(small, tight, 1, 2), torch.device("cuda"))
 
 
 def _room_verdicts(rank: int, world: int) -> None:

@@ -19,12 +19,12 @@ from helpers import TINY, engine_losses, run_config
 from fitgpt.dist import DistContext, init_distributed
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
+from fitgpt.engine.tp_state import sync_replicated
 from fitgpt.errors import UserError
 from fitgpt.infer.generate import SampleConfig, generate, load_model
 from fitgpt.model import GPT, ModelConfig
 from fitgpt.parallel import check_tensor_parallel, parallelize
 from fitgpt.parallel.shard import unshard
-from fitgpt.parallel.state import sync_replicated
 from fitgpt.plan import rates
 from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import GiB, Workload, estimate, layout_of, torch_state, zero_state

@@ -348,7 +348,7 @@ def test_the_plan_table_shows_formats_and_disk_writes(capsys):
 
 
 # ---- the chosen formats reach the engine ----------------------------------------------------
-def test_train_builds_the_engine_in_the_formats_the_planner_chose(monkeypatch, tmp_path):
+def test_train_builds_the_engine_in_the_formats_the_planner_chose(tmp_path):
     """`fitgpt train`'s path (setup_run: rank 0 plans, the EngineConfig is handed over) on a CPU
     whose stated RAM (--cpu-mem) holds the tiny model's state only in compact formats."""
     run = run_config(tmp_path, engine="zero", precision="bf16")
@@ -359,11 +359,13 @@ def test_train_builds_the_engine_in_the_formats_the_planner_chose(monkeypatch, t
         return min(c.est.host_total for c in plan_run(run, cpu, R, Fixed.of(fixed)).candidates)
 
     fp32, least = need(FP32_STATE), need(fixed_rung(LADDER[-1]))
-    monkeypatch.setenv("FITGPT_CPU_MEM", f"{(fp32 + least) // 2 / 1e6}MB")
+    stated = (fp32 + least) // 2  # --cpu-mem, as the run's config carries it
+    run = dataclasses.replace(run, engine=dataclasses.replace(run.engine, cpu_mem=stated))
     said = []
     planned = setup_run(run, ctx, Fixed(), log=said.append)
     e = planned.engine
     assert e.device_moments != "fp32" and e.master == "split" and "split master" in said[0]
+    assert e.cpu_mem == stated  # the plan's EngineConfig carries it on to the engine
     engine = build_engine(planned.model, e, planned.precision, planned.optim, ctx)
     assert all(c.compact is not None for c in engine.chunks)  # every chunk in compact formats
     x = torch.randint(0, TINY.vocab_size, (2, TINY.seq_len + 1))

@@ -102,6 +102,10 @@ def test_every_setting_the_new_run_differs_in_is_named_asked_or_not(tmp_path, ca
     train(run_config(tmp_path, steps=4, dropout=0.1, **again), CPU, resume="")
     line = resumed_line(capsys.readouterr().out)
     assert line.endswith("changed --steps 3 → 4, --dropout 0 → 0.1"), line
+    # the host RAM a command states (--cpu-mem) is the machine's, not a setting of the run
+    stated = run_config(tmp_path, steps=5, dropout=0.1, cpu_mem=64 << 30, **again)
+    train(stated, CPU, resume="")
+    assert resumed_line(capsys.readouterr().out).endswith("changed --steps 4 → 5")
 
 
 def test_checkpoints_store_absolute_paths_and_old_ones_read_from_where_their_run_started(

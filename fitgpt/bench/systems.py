@@ -81,8 +81,7 @@ def bench_run(model: ModelConfig, bench: BenchConfig, precision: str, device: st
     """The RunConfig of a benchmark trial: `fitgpt train` on random tokens at the bench's batch,
     at a constant learning rate, saving nothing (the planner prices exactly this run)."""
     from fitgpt.data.config import DataConfig
-    from fitgpt.train.config import TrainConfig
-    from fitgpt.train.loop import RunConfig
+    from fitgpt.train.config import RunConfig, TrainConfig
 
     train = TrainConfig(
         steps=bench.warmup + bench.steps,
@@ -111,11 +110,12 @@ def check_trial(system: System, bench: BenchConfig, layers: int, gpus: int, devi
     """Refuse, in one line, a trial `fitgpt train` would refuse (engine/validate.py: a T that does
     not divide the GPUs or heads, fp16 on a CPU, ...), before the first trial starts. `bench`:
     with the system's own changes. A peer's settings are its library's to judge."""
-    from fitgpt.engine.validate import check_run
+    from fitgpt.engine.validate import check_settings
 
     if system.fixed is not None:
         run = bench_run(bench.model(layers), bench, system.precision, device)
-        check_run(run, gpus, system.plan_fixed(bench))
+        fixed = system.plan_fixed(bench)
+        check_settings(run.model, run.engine, run.precision, gpus, run.train.device, fixed)
 
 
 def trained(fixed: dict, precision: str = "auto"):

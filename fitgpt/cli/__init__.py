@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _os_error_line(e: OSError, outputs: list[tuple[str, str]]) -> str | None:
-    from fitgpt.cli.outputs import describe_os_error
+    from fitgpt.paths import describe_os_error
 
     return describe_os_error(e, outputs)
 

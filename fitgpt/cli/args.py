@@ -79,9 +79,13 @@ def add_config_args(
 
 
 def explicit(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:
-    """The fields of `cls` the user set on the command line."""
+    """The fields of `cls` the user set on the command line. A field without a flag (metadata
+    "cli" False) is never one, even where a flag of its name means something else: train's
+    --cpu-mem is a size as typed, EngineConfig.cpu_mem its bytes."""
     out = {}
     for f in dataclasses.fields(cls):
+        if f.metadata.get("cli") is False:
+            continue
         v = getattr(args, _dest(f, prefix), None)
         if v is not None:
             out[f.name] = v

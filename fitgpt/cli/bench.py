@@ -79,7 +79,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         args.budget,
     )
     check_systems(spec)
-    from fitgpt.cli.outputs import check_writable_dir, check_writable_file
+    from fitgpt.paths import check_writable_dir, check_writable_file
 
     out = check_writable_file(args.out, "--out")
     check_writable_dir(out.with_name(out.stem + ".logs"), "--out")  # the trials' logs go beside
@@ -103,7 +103,7 @@ def check_systems(spec) -> None:
 
 def run_report(args: argparse.Namespace) -> int:
     from fitgpt.bench.report import read_sweep, report_paths, write_report
-    from fitgpt.cli.outputs import check_readable_file, check_writable_dir, check_writable_file
+    from fitgpt.paths import check_readable_file, check_writable_dir, check_writable_file
 
     what = "the .jsonl a sweep wrote"
     path = check_readable_file(args.results, "", what)

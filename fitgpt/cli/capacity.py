@@ -113,7 +113,7 @@ def check_args(args: argparse.Namespace) -> Path | None:
         raise UserError(f"--start {args.start}: a layer count, at least 1")
     if args.out is None:
         return None
-    from fitgpt.cli.outputs import check_writable_file
+    from fitgpt.paths import check_writable_file
 
     return check_writable_file(args.out, "--out")
 

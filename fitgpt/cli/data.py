@@ -128,8 +128,8 @@ def _count(text: str) -> int:
 
 
 def _preprocess(args: argparse.Namespace) -> None:
-    from fitgpt.cli.outputs import check_readable_file
     from fitgpt.data.preprocess import preprocess
+    from fitgpt.paths import check_readable_file
 
     # An empty file is the reader's to explain (it says what "no documents" means there).
     check_readable_file(args.input, "--input", "a .jsonl or .jsonl.gz file", allow_empty=True)
@@ -150,8 +150,8 @@ def _fake(args: argparse.Namespace) -> None:
 
 
 def _clean(args: argparse.Namespace) -> None:
-    from fitgpt.cli.outputs import check_input_prefix
     from fitgpt.data.tools import clean
+    from fitgpt.paths import check_input_prefix
 
     check_input_prefix(args.input, "--input")
     names = [f.name for f in dataclasses.fields(CleanConfig)]
@@ -163,8 +163,8 @@ def _clean(args: argparse.Namespace) -> None:
 
 
 def _merge(args: argparse.Namespace) -> None:
-    from fitgpt.cli.outputs import check_input_prefix
     from fitgpt.data.tools import merge
+    from fitgpt.paths import check_input_prefix
 
     for prefix in args.inputs:
         check_input_prefix(prefix, "")
@@ -176,8 +176,8 @@ def _merge(args: argparse.Namespace) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> None:
-    from fitgpt.cli.outputs import check_input_prefix
     from fitgpt.data.tools import inspect
+    from fitgpt.paths import check_input_prefix
 
     check_input_prefix(args.prefix, "")
     print(inspect(args.prefix, args.tokenizer, args.docs, args.chars))

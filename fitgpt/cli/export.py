@@ -72,8 +72,8 @@ def run_fitgpt(args: argparse.Namespace) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from fitgpt.cli.outputs import check_writable_file
     from fitgpt.infer.generate import load_model
+    from fitgpt.paths import check_writable_file
 
     check_writable_file(args.out, "--out")  # before loading anything
     model, meta = load_model(Path(args.ckpt), torch.device("cpu"))

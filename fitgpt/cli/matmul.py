@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
 def check_outputs(cfg: MatmulConfig, json_path: str | None) -> None:
     """C's .npy and the JSON record can be written: checked before anything is computed."""
-    from fitgpt.cli.outputs import check_writable_file
+    from fitgpt.paths import check_writable_file
 
     if cfg.out is not None:
         check_writable_file(cfg.out, "--out")

@@ -21,8 +21,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from fitgpt.cli.outputs import check_writable_dir
     from fitgpt.errors import UserError
+    from fitgpt.paths import check_writable_dir
     from fitgpt.plan.rates import cache_path
 
     if args.nvme and not os.path.isdir(args.nvme):

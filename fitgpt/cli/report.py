@@ -16,7 +16,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from fitgpt.bench.report import read_metrics, run_chart
-    from fitgpt.cli.outputs import check_writable_file
+    from fitgpt.paths import check_writable_file
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():

@@ -51,9 +51,9 @@ def register(sub) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from fitgpt.cli.outputs import check_readable_file
     from fitgpt.data.tokenizer import train_tokenizer
     from fitgpt.errors import UserError
+    from fitgpt.paths import check_readable_file
 
     for f in args.input:  # an empty file is the trainer's to explain, with the others' sizes
         check_readable_file(f, "--input", "text or .jsonl files", allow_empty=True)

@@ -20,7 +20,7 @@ from fitgpt.data.config import DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
-from fitgpt.train.config import TrainConfig
+from fitgpt.train.config import RunConfig, TrainConfig
 
 DEFAULT_PRESET = "tiny"
 
@@ -54,11 +54,9 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     add_removed_flags(p)
 
 
-def run_config_from_args(args: argparse.Namespace):
+def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     """The run a fresh `fitgpt train` asks for: the preset with the model flags applied, the
     Python standard library as data unless --data says otherwise."""
-    from fitgpt.train.loop import RunConfig
-
     data = config_from_args(
         args, DataConfig, DataConfig(data="stdlib") if args.data is None else None
     )
@@ -133,7 +131,8 @@ def _resolve_command(args: argparse.Namespace):
 
 def init_config(args: argparse.Namespace):
     """The run `--init-from SRC` asks for: SRC's architecture, everything else from the flags."""
-    from fitgpt.train.init_from import find_source, model_from_source
+    from fitgpt.interop.init_source import find_source
+    from fitgpt.train.init_from import model_from_source
 
     if args.resume is not None:
         raise UserError(
@@ -238,24 +237,24 @@ def apply_deepspeed_flags(args: argparse.Namespace) -> None:
             print(line, flush=True)
 
 
-def check_settings(args: argparse.Namespace, run_cfg, world: int, typed: dict) -> None:
+def check_settings(args: argparse.Namespace, run_cfg: RunConfig, world: int, typed: dict) -> None:
     """Refuse, in one line, what train cannot run on `world` ranks or a typed flag that would
     change nothing (`typed`: the engine and precision flags on the command line), before
     torchrun starts and before anything is allocated: engine/validate.py, the validation plan,
     capacity and bench share. With --plan auto the engine fields not set are the planner's."""
-    from fitgpt.engine.validate import check_run
+    from fitgpt.engine import validate
 
     fixed = explicit(args, EngineConfig) if args.plan == "auto" else None
-    check_run(run_cfg, world, fixed, typed)
+    m, e, p, device = run_cfg.model, run_cfg.engine, run_cfg.precision, run_cfg.train.device
+    validate.check_settings(m, e, p, world, device, fixed, typed)
 
 
 def run(args: argparse.Namespace) -> int:
+    cpu_mem = 0  # --cpu-mem in bytes (parse_bytes refuses a size under one byte); 0: measured
     if args.cpu_mem is not None:
         from fitgpt.plan.hardware import parse_bytes
 
-        if parse_bytes(args.cpu_mem, "--cpu-mem") <= 0:
-            raise UserError(f"--cpu-mem {args.cpu_mem} must be a positive size, e.g. 240GB")
-        os.environ["FITGPT_CPU_MEM"] = args.cpu_mem  # the planner, the engine and every rank
+        cpu_mem = parse_bytes(args.cpu_mem, "--cpu-mem")
     from fitgpt.engine.validate import typed_flags
 
     # the flags typed, before a DeepSpeed config adds its keys as if typed (its keys are
@@ -273,8 +272,12 @@ def run(args: argparse.Namespace) -> int:
     if args.deepspeed_config:
         apply_deepspeed_flags(args)
     run_cfg, ckpt, notes = resolve_command(args)  # validates every config before allocating
+    # what this machine gives, for the planner and every rank's engine (each rank parses the
+    # flag itself); never a resumed run's saved figure
+    engine = dataclasses.replace(run_cfg.engine, cpu_mem=cpu_mem)
+    run_cfg = dataclasses.replace(run_cfg, engine=engine)
     check_settings(args, run_cfg, int(os.environ.get("WORLD_SIZE", 1)), typed)
-    from fitgpt.cli.outputs import check_writable_dir
+    from fitgpt.paths import check_writable_dir
 
     check_writable_dir(run_cfg.train.out, "--out")
     from fitgpt.dist import init_distributed, shutdown

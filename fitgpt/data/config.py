@@ -63,7 +63,7 @@ class DataConfig:
                 "a tokenizer (bytes, gpt2, ...)"
             )
         if self.data not in BUILTIN and not _prefix_exists(self.data):
-            from fitgpt.cli.outputs import check_input_prefix
+            from fitgpt.paths import check_input_prefix
 
             check_input_prefix(self.data, "--data")  # a folder is named as one
             raise UserError(

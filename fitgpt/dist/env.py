@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from fitgpt.dist.threads import ThreadTuner, busy_cores, cores_available, cpu_threads
+
 # NVLink multicast (NVLS, symmetric-memory multicast) stays off: on shared GPU hosts a program
 # that uses it can take the GPUs out of service. The collectives fitgpt issues barely use it.
 SAFE_ENV = {
@@ -30,18 +32,6 @@ SAFE_ENV = {
 # but-unused memory that makes a run near the GPU's limit fail; the memory model's fragmentation
 # margin (plan/memory.py) was measured with it on.
 ALLOC_CONF = "expandable_segments:True"
-
-
-def cores_available() -> int:
-    """Cores fitgpt shares out between this machine's ranks: FITGPT_CPU_CORES if set (to keep
-    cores for other work), else the cores this process may run on (its CPU affinity, which
-    containers and taskset narrow)."""
-    if os.environ.get("FITGPT_CPU_CORES", "").isdigit() and int(os.environ["FITGPT_CPU_CORES"]):
-        return int(os.environ["FITGPT_CPU_CORES"])
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def local_ranks() -> int:
@@ -59,8 +49,6 @@ def threads_per_rank(requested: int = 0, device_type: str = "cuda") -> int:
     if user:
         return user
     if device_type == "cpu":  # CPU compute: the cores other programs leave idle (threads.py)
-        from fitgpt.dist.threads import busy_cores, cpu_threads
-
         return cpu_threads(local_ranks(), busy_cores())
     return max(1, cores_available() // local_ranks())
 
@@ -78,8 +66,6 @@ def thread_tuner(requested: int, device_type: str):
     """The ThreadTuner of a run whose process configure_process set up: it re-times the thread
     count while a CPU run trains, where fitgpt chose the count (no --cpu-threads, no user
     OMP_NUM_THREADS); otherwise it never changes anything."""
-    from fitgpt.dist.threads import ThreadTuner
-
     active = device_type == "cpu" and requested <= 0 and not _user_threads()
     most = max(1, cores_available() // local_ranks())
     return ThreadTuner(torch.get_num_threads(), most, active)

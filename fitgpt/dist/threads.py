@@ -54,10 +54,20 @@ def busy_cores(sample_s: float = SAMPLE_S) -> float | None:
     return (os.cpu_count() or 1) * (b[0] - a[0]) / (b[1] - a[1])
 
 
+def cores_available() -> int:
+    """Cores fitgpt shares out between this machine's ranks: FITGPT_CPU_CORES if set (to keep
+    cores for other work), else the cores this process may run on (its CPU affinity, which
+    containers and taskset narrow)."""
+    if os.environ.get("FITGPT_CPU_CORES", "").isdigit() and int(os.environ["FITGPT_CPU_CORES"]):
+        return int(os.environ["FITGPT_CPU_CORES"])
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def cpu_threads(local_ranks: int = 1, busy: float | None = None) -> int:
     """Torch threads for each of `local_ranks` CPU training processes on this machine."""
-    from fitgpt.dist.env import cores_available
-
     cores = cores_available()
     per_rank = max(1, cores // max(1, local_ranks))
     if busy is None:

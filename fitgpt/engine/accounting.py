@@ -26,12 +26,14 @@ from fitgpt.errors import UserError
 
 def check_host_room(placement: Placement, device: torch.device, group=None, world: int = 1) -> None:
     """Refuse, before allocating anything, a placement whose host state does not fit in the RAM
-    the machine can give now (every local rank takes the same share): being OOM-killed an hour
+    the machine can give now, or the RAM the user stated (`--cpu-mem`, carried by the placement)
+    (every local rank takes the same share): being OOM-killed an hour
     into a run is the failure users of other offload engines report most."""
     if device.type != "cuda":
         return  # on CPU-only runs every tier is host memory; the planner accounts for it
     local = int(os.environ.get("LOCAL_WORLD_SIZE", placement.world))
-    refuse_unless_room(placement.host_bytes(), host_usable() // max(1, local), device, group, world)
+    avail = host_usable(placement.cpu_mem) // max(1, local)  # a stated --cpu-mem, else measured
+    refuse_unless_room(placement.host_bytes(), avail, device, group, world)
 
 
 def refuse_unless_room(need: int, avail: int, device: torch.device, group, world: int) -> None:

@@ -18,7 +18,7 @@ is its own part, reached only from here:
                          memory_report after
 Tensor parallelism (fitgpt/parallel, --tensor-parallel T) splits the model before the chunks are
 laid out: each rank's chunks hold its 1/T of the split weights, ZeRO runs over the data-parallel
-group, and checkpoints are gathered to the unsplit layout (parallel/state.py).
+group, and checkpoints are gathered to the unsplit layout (engine/tp_state.py).
 The step, per micro-batch: forward (fetch hooks), backward scaled by scale/(n·W) (reduction
 hooks); then every reduction completed, the loss and global gradient norm summed over ranks (one
 host sync per step), the clip coefficient, the update, the gradients zeroed.
@@ -56,15 +56,15 @@ from fitgpt.engine.reduce import GradReducer
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import KINDS, write_pieces
 from fitgpt.engine.timing import StepClock
-from fitgpt.engine.update import TieredUpdate
-from fitgpt.engine.wgrad import fuse_weight_grads
-from fitgpt.errors import UserError
-from fitgpt.model import DecoderLM, ModelConfig
-from fitgpt.parallel.state import (
+from fitgpt.engine.tp_state import (
     SequenceParallelGrads,
     TPGradNorm,
     replicated_ranges,
 )
+from fitgpt.engine.update import TieredUpdate
+from fitgpt.engine.wgrad import fuse_weight_grads
+from fitgpt.errors import UserError
+from fitgpt.model import DecoderLM, ModelConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -327,7 +327,7 @@ class ChunkEngine(Engine):
             self.state_io.save(folder, optimizer)
             return
         # tensor parallelism: whole chunks gathered over DP then TP, written by rank 0 alone in
-        # the unsplit layout (parallel/state.py), so any run can load them
+        # the unsplit layout (engine/tp_state.py), so any run can load them
         kinds = KINDS if optimizer else KINDS[:1]
         local = ((c.spec, t) for c, t in self.state_io.whole_chunks(kinds))
         pieces = self.view.pieces(local)

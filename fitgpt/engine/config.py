@@ -154,6 +154,15 @@ class EngineConfig:
             "nvme); with --plan auto, giving it lets the planner use the disk"
         },
     )
+    cpu_mem: int = field(
+        default=0,
+        metadata={
+            "cli": False,  # `fitgpt train --cpu-mem 240GB`, its own flag, parsed to bytes
+            "help": "host RAM (bytes) the machine gives the run, as the user stated it: the "
+            "planner fits plans to it and the engine checks its host state against it before "
+            "allocating; 0: what the kernel reports available, less a reserve",
+        },
+    )
     master: Literal["auto", "fp32", "split"] = field(
         default="auto",
         metadata={

@@ -7,7 +7,6 @@ read it from here; the engine imports nothing from plan/.
 
 from __future__ import annotations
 
-import os
 import re
 
 from fitgpt.errors import UserError
@@ -52,12 +51,12 @@ HOST_RESERVE_FRACTION = 0.05
 HOST_RESERVE_MIN = 4 << 30
 
 
-def host_usable() -> int:
-    """The host bytes a plan may fill now (0 when unknown): FITGPT_CPU_MEM when the user stated
-    it (`fitgpt train --cpu-mem`), else what the kernel says is available less a reserve."""
-    stated = os.environ.get("FITGPT_CPU_MEM")
+def host_usable(stated: int = 0) -> int:
+    """The host bytes a plan may fill now (0 when unknown): `stated` when the user stated it
+    (`fitgpt train --cpu-mem`, which the run carries as EngineConfig.cpu_mem), else what the
+    kernel says is available less a reserve."""
     if stated:
-        return parse_bytes(stated, "--cpu-mem")
+        return stated
     avail = host_available()
     return max(0, avail - max(HOST_RESERVE_MIN, int(HOST_RESERVE_FRACTION * avail))) if avail else 0
 

@@ -106,6 +106,9 @@ class Placement:
     offloaded_blocks: int
     nvme_blocks: int
     device: str = "cuda"  # the compute device's type (the compact update's piece size)
+    # host RAM (bytes) the user stated the machine gives (EngineConfig.cpu_mem; 0: measured),
+    # which the host-RAM check (engine/accounting.py) holds host_bytes() against
+    cpu_mem: int = 0
 
     @classmethod
     def of(
@@ -127,7 +130,7 @@ class Placement:
             homes[c.index] = "nvme" if j >= k - d else "cpu"
         stage = ecfg.zero_stage if ecfg.engine == "zero" else 0
         chunks = tuple(_chunk(c, homes[c.index], ecfg, world, stage, w) for c in layout)
-        return cls(chunks, world, stage, w, k, d, device)
+        return cls(chunks, world, stage, w, k, d, device, ecfg.cpu_mem)
 
     # ---- views ----------------------------------------------------------------------------
     @property

@@ -36,7 +36,7 @@ from fitgpt.engine.comm import Peers
 from fitgpt.engine.placement import MAX_INFLIGHT
 
 if TYPE_CHECKING:
-    from fitgpt.parallel.state import TPGradNorm
+    from fitgpt.engine.tp_state import TPGradNorm
 
 
 class GradReducer:
@@ -50,7 +50,7 @@ class GradReducer:
         self.pending = deque()
         self.last_micro = True  # set by the step: stages 0-1 reduce at the last micro-batch only
         self.on_final: Callable[[Chunk], None] | None = None  # hears of each final gradient
-        # tensor parallelism (parallel/state.py): the norm's squares weighted and summed over
+        # tensor parallelism (engine/tp_state.py): the norm's squares weighted and summed over
         # the TP group, with each chunk's replicated ranges
         self.tp_norm: TPGradNorm | None = None
         self.tp_ranges: list[list[tuple[int, int]]] = []

@@ -26,11 +26,11 @@ from fitgpt.engine.compile import compile_regions
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import write_pieces
-from fitgpt.model import DecoderLM, ModelConfig, build_model
-from fitgpt.parallel.state import (
+from fitgpt.engine.tp_state import (
     TPGradNorm,
     sync_replicated,
 )
+from fitgpt.model import DecoderLM, ModelConfig, build_model
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 DDP_BUCKET_MB = 100  # larger than DDP's 25 MB default: fewer, fuller NCCL calls for big models

@@ -25,14 +25,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fitgpt.engine.config import EngineConfig, PrecisionConfig
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
-
-if TYPE_CHECKING:
-    from fitgpt.train.loop import RunConfig
 
 ENGINE_FIELDS = frozenset(EngineConfig.__dataclass_fields__)
 SCALER_FIELDS = ("initial_scale", "growth_interval", "hysteresis", "min_scale")
@@ -214,13 +211,3 @@ def check_settings(
         why = no_effect(engine, prec, typed, chosen)
     if why:
         raise UserError(why)
-
-
-def check_run(
-    run: RunConfig,
-    world: int,
-    fixed: Mapping[str, Any] | None = None,
-    typed: Mapping[str, Any] | None = None,
-) -> None:
-    """check_settings for a RunConfig (its device: run.train.device)."""
-    check_settings(run.model, run.engine, run.precision, world, run.train.device, fixed, typed)

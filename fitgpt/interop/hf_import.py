@@ -313,8 +313,7 @@ def imported_meta(
     (write_meta adds the format, file sizes and checksums)."""
     from fitgpt.data.config import DataConfig
     from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
-    from fitgpt.train.config import TrainConfig
-    from fitgpt.train.loop import RunConfig
+    from fitgpt.train.config import RunConfig, TrainConfig
     from fitgpt.train.schedule import default_lr, end_lr
 
     data = DataConfig(tokenizer=tokenizer) if tokenizer else DataConfig()

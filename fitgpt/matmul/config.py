@@ -94,7 +94,7 @@ class MatmulConfig:
             raise UserError(f"--ref-n {self.ref_n}: use -1 (auto), 0 (skip) or a size")
         if self.host_mem < 0 or self.device_mem < 0:
             raise UserError("--host-mem/--device-mem: must be >= 0 GB (0 means measure it)")
-        from fitgpt.cli.outputs import check_readable_file
+        from fitgpt.paths import check_readable_file
 
         for flag, path in (("--a", self.a_path), ("--b", self.b_path)):
             if path is not None:

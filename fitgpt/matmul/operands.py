@@ -146,7 +146,7 @@ def npy_shape(path: str, flag: str) -> tuple[int, int]:
     folder, a missing or empty file, a file cut short or not a .npy (np.load raises EOFError,
     ValueError or OSError for those), a shape that is not square or holds no entry, a dtype that
     is not floating point."""
-    from fitgpt.cli.outputs import check_readable_file
+    from fitgpt.paths import check_readable_file
 
     check_readable_file(path, flag, "an n×n .npy saved with np.save")
     with open(path, "rb") as f:

@@ -105,7 +105,10 @@ def plan_engine(run, ctx: DistContext, fixed: Fixed, force: bool, log=print):
     if ctx.is_main:
         try:
             hw = hardware.detect(
-                gpus=ctx.world, device=ctx.device.type, nvme=run.engine.nvme_path or None
+                gpus=ctx.world,
+                device=ctx.device.type,
+                cpu_mem=run.engine.cpu_mem,
+                nvme=run.engine.nvme_path or None,
             )
             plans = plan_run(run, hw, rates.load(hw.gpu_name), fixed)
             if not plans.fits and not force:
@@ -121,4 +124,5 @@ def plan_engine(run, ctx: DistContext, fixed: Fixed, force: bool, log=print):
         raise err
     if "compile" not in fixed.as_dict():  # the planner places state; --compile stays the run's
         ecfg = {**ecfg, "compile": run.engine.compile}
+    ecfg["cpu_mem"] = run.engine.cpu_mem  # the machine's RAM as stated: the engine checks it too
     return dataclasses.replace(run, engine=EngineConfig(**ecfg))

@@ -67,7 +67,7 @@ class Hardware:
 def detect(
     gpus: int | None = None,
     gpu_mem: str | None = None,
-    cpu_mem: str | None = None,
+    cpu_mem: str | int | None = None,
     nvme: str | None = None,
     device: str = "auto",
 ) -> Hardware:
@@ -87,7 +87,10 @@ def detect(
         if gpus < 1:
             raise UserError(f"--gpus {gpus} must be at least 1")
         count = gpus
-    host = parse_bytes(cpu_mem, "--cpu-mem") if cpu_mem is not None else host_usable()
+    if isinstance(cpu_mem, str):  # `fitgpt plan --cpu-mem` as typed
+        host = parse_bytes(cpu_mem, "--cpu-mem")
+    else:  # a run's EngineConfig.cpu_mem, in bytes (None or 0: measured)
+        host = host_usable(cpu_mem or 0)
     nvme_path, nvme_free = "", 0
     if nvme:
         if re.fullmatch(r"\s*[0-9.]+\s*[a-zA-Z]*\s*", nvme) and not os.path.exists(nvme):

@@ -1,12 +1,17 @@
-"""The training loop's own config: schedule, batch, cadence of logs, evals and checkpoints."""
+"""A run's configs: the training loop's own (schedule, batch, cadence of logs, evals and
+checkpoints) and the RunConfig that gathers every component's config into one run."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from fitgpt.data.config import DataConfig
+from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
+from fitgpt.model import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -136,3 +141,18 @@ class TrainConfig:
         lr_ok = self.lr is None or self.lr > 0
         if not (lr_ok and (self.min_lr is None or 0 <= self.min_lr <= (self.lr or math.inf))):
             raise UserError(f"--lr {self.lr} must be > 0 and --min-lr {self.min_lr} in [0, lr]")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run is made of; saved in every checkpoint."""
+
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    engine: EngineConfig
+    precision: PrecisionConfig
+    optim: OptimConfig
+
+    def to_dict(self) -> dict:
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}

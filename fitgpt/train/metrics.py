@@ -1,5 +1,9 @@
 """One log line per interval on rank 0, and the same figures in metrics.jsonl.
 
+StepMetrics makes the records from the steps' stats and the engine's counters (its time
+breakdown, the compiled regions): a train record per logging interval, an eval record per
+evaluation, one compile record after the first step.
+
 Model FLOPs follow the ANCHORS protocol: (6·N + 12·L·h·S) per token, recompute not counted, so
 MFU here compares directly with the peers' figures.
 
@@ -14,12 +18,18 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from fitgpt.dist import DistContext
+from fitgpt.engine.base import Engine, StepStats
+from fitgpt.engine.compile import report_line
+from fitgpt.engine.timing import PHASES
 from fitgpt.errors import UserError
+from fitgpt.model import ModelConfig
 from fitgpt.units import tflops
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s, matched by substring of the device name.
@@ -35,6 +45,12 @@ PEAK_BF16 = {
     "A10": 125e12,
     "V100": 125e12,
 }
+
+
+def say(ctx: DistContext, msg: str) -> None:
+    """One line on rank 0's stdout."""
+    if ctx.is_main:
+        print(msg, flush=True)
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -99,6 +115,96 @@ class MetricsLog:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+class StepMetrics:
+    """The records of one run's steps, each written to `log` and said as one line on rank 0.
+    `tokens_per_step` counts every data-parallel rank's; `steps` is the run's length (the ETA)."""
+
+    def __init__(
+        self,
+        log: MetricsLog,
+        ctx: DistContext,
+        engine: Engine,
+        model: ModelConfig,
+        steps: int,
+        tokens: int,
+    ) -> None:
+        self.log, self.ctx, self.engine = log, ctx, engine
+        self.flops_per_token = model.flops_per_token()
+        self.steps, self.tokens_per_step = steps, tokens
+        self.peak = peak_flops(ctx.device)
+        self._counts: dict[str, float] = {}  # the engine's counters at the last train record
+
+    def train(
+        self, stats: StepStats, step: int, lr: float, skipped: int, window: list[float], t0: float
+    ) -> dict:
+        """One log line and metrics record for the steps whose seconds are `window`, the last
+        one `step`; `skipped`: fp16 steps skipped in the whole run; `t0`: when fit() began. The
+        ETA is the steps left at the median step time."""
+        ctx, ms = self.ctx, 1000 * statistics.median(window)
+        rec = {
+            "kind": "train",
+            "step": step,
+            "loss": stats.loss,
+            "lr": lr,
+            "loss_scale": stats.loss_scale,
+            "skipped": skipped,
+            "grad_norm": stats.grad_norm,
+            "ms_per_step": ms,
+            "tokens_per_s": self.tokens_per_step / (ms / 1000),
+        }
+        flops = self.flops_per_token * rec["tokens_per_s"] / ctx.world
+        if ctx.device.type == "cpu":  # the count can change while the run trains
+            rec["cpu_threads"] = torch.get_num_threads()
+        if ctx.device.type == "cuda":
+            rec["tflops"] = flops / 1e12  # per GPU
+            rec["peak_gib"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
+            if self.peak:
+                rec["mfu"] = flops / self.peak
+        report = self.engine.compile_report()
+        rec["compiled"] = bool(report and report["regions"])
+        if report is not None:
+            rec["compile_s"] = report["compile_s"]  # so far: ms_per_step is a median beside it
+        rec.update(self.breakdown(len(window)))
+        rec["elapsed_s"] = time.perf_counter() - t0
+        rec["eta_s"] = (self.steps - step) * ms / 1000
+        self.log.write(rec)
+        say(ctx, format_line(rec))
+        return rec
+
+    def breakdown(self, steps: int) -> dict:
+        """Where the steps' time went (engine.breakdown): the last step's phases in seconds, the
+        host optimizer's counters as seconds per step over the steps since the last record
+        (worker busy, main-thread waits, copies), and the speculative update's run totals."""
+        counts, out = self.engine.breakdown(), {}
+        run_totals = ("speculated_steps_total", "rollbacks_total")
+        out.update({f"{k}_s": counts[k] for k in PHASES if k in counts})
+        for key, v in counts.items():
+            if key in run_totals:
+                out[key.removesuffix("_total")] = v
+            elif key.endswith("_total"):
+                name = key.removesuffix("_total")
+                name += "" if name.endswith("_gb") else "_s"
+                out[name] = (v - self._counts.get(key, 0.0)) / max(steps, 1)
+        self._counts = counts
+        return out
+
+    def eval(self, rec: dict) -> None:
+        """An evaluation's record (Trainer.evaluate) and its line."""
+        self.log.write(rec)
+        say(
+            self.ctx,
+            f"eval step {rec['step']} | val loss {rec['val_loss']:.4f} | ppl {rec['val_ppl']:.2f}",
+        )
+
+    def compiled(self, step: int) -> None:
+        """--compile on: one log line and one metrics record of the compiled regions, their
+        graph breaks, recompiles and compile seconds (engine/compile.py)."""
+        report = self.engine.compile_report()
+        if report is not None:
+            self.log.write({"kind": "compile", "step": step, **report})
+            say(self.ctx, report_line(report))
 
 
 def strict(value):

@@ -29,7 +29,6 @@ import dataclasses
 import hashlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fitgpt.data import sidecar
 from fitgpt.data.config import BUILTIN, DataConfig
@@ -39,11 +38,8 @@ from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
 from fitgpt.train import checkpoint as ckpt_io
-from fitgpt.train.config import TrainConfig
+from fitgpt.train.config import RunConfig, TrainConfig
 from fitgpt.train.init_from import FREE
-
-if TYPE_CHECKING:  # loop.py imports this module
-    from fitgpt.train.loop import RunConfig
 
 PARTS = {
     "model": ModelConfig,
@@ -69,8 +65,9 @@ PATH_FIELDS = {
     ("train", "out"): "dir",
 }
 NAMES = {*BUILTIN, *sidecar.BUILTIN_SPECS, "auto", "none", ""}
-# Not a setting of the run: --profile looks at one leg's steps and is off on every resume.
-NOT_SETTINGS = {("train", "profile")}
+# Not settings of the run: --profile looks at one leg's steps and is off on every resume;
+# --cpu-mem states what the machine gives, and every command sets it anew (cli/train.py).
+NOT_SETTINGS = {("train", "profile"), ("engine", "cpu_mem")}
 # Values that mean another one where no planner replaced them: a storage format left "auto" is
 # fp32 to the engine (engine/placement.py), so a run saved with --plan off and resumed planned
 # has not changed it.
@@ -322,8 +319,6 @@ def resumed_config(
 
     `explicit` holds, per part, the fields the user set on the command line; `preset` the
     --preset named explicitly, if any."""
-    from fitgpt.train.loop import RunConfig
-
     saved = saved_config(meta, ckpt)
     asked = {k: dict(explicit.get(k, {})) for k in PARTS}
     data, notes = _data(saved["data"], asked["data"], meta, ckpt)  # it also decides the vocab

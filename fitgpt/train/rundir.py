@@ -7,6 +7,7 @@ all-reduce, so a refusal ends every rank at once instead of leaving them at a ba
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -86,3 +87,14 @@ def open_run_dir(out: Path, resume: bool, overwrite: bool, ctx: DistContext) -> 
         error.agreed = True
         raise error
     return lock
+
+
+def write_run_files(out: Path, files: dict[str, str]) -> None:
+    """Small text files kept with the run (deepspeed_notes.txt), each renamed into place whole."""
+    for name, text in files.items():
+        tmp = out / f".{name}.tmp"
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, out / name)
+        except OSError as e:
+            raise UserError(f"--out {out}: cannot write {name} ({e.strerror})") from None

@@ -129,7 +129,7 @@ def oom_message(run, ctx: DistContext, where: str, phase: str) -> str:
         predicted = f"the plan predicted {est.compute_total / GiB:.1f} GiB per GPU"
     else:
         predicted = f"the plan predicted {est.host_total / GiB:.1f} GiB of host RAM per rank"
-    hw = hardware.detect(gpus=ctx.world, device=ctx.device.type)
+    hw = hardware.detect(gpus=ctx.world, device=ctx.device.type, cpu_mem=run.engine.cpu_mem)
     # what the planner picks when what ran out holds 15% less than the plan predicted it needs
     if where == "gpu" and est.compute:
         hw = dataclasses.replace(hw, gpu_mem=int(0.85 * min(hw.gpu_mem, est.compute_total)))

@@ -1,4 +1,7 @@
-"""Output locations checked before the work that fills them, and OS errors told in one line.
+"""Paths checked before the work: outputs writable, inputs readable; OS errors told in one line.
+
+It sits beside errors.py at the bottom of the layers: the CLI checks every command's paths with
+it, and so do the configs below the CLI that name files (data/config.py, matmul/).
 
 Every command that writes calls `check_writable_file` / `check_writable_dir` on its outputs
 before any expensive work (a 20 s probe, a capacity trial, a matrix product), so a typo in a
