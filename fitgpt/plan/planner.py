@@ -17,11 +17,14 @@ refused before anything is allocated, naming the shortfall and what would fit in
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from fitgpt import units
 from fitgpt.engine import validate
 from fitgpt.engine.config import EngineConfig
+from fitgpt.engine.fixed import Fixed
 from fitgpt.engine.placement import Placement
 from fitgpt.errors import UserError
 from fitgpt.parallel.shard import tensor_parallel_refusal, tp_divisors
@@ -91,22 +94,20 @@ class Candidate:
         return f"{base}{tp}, checkpointing {e.checkpointing}{off}{formats.label(self.formats)}"
 
 
-def tp_degrees(work: Workload, fixed: dict) -> list[int]:
+def tp_degrees(work: Workload, fixed: Fixed) -> list[int]:
     """The tensor-parallel degrees to price: the one the user gave (default 1), or with auto
     (0) every T that divides the ranks, the heads, 4·hidden and the padded vocabulary (and the
     sequence, with --sequence-parallel: parallel/shard.py tp_divisors, the rule train checks)."""
-    t = fixed.get("tensor_parallel", 1)
+    t = fixed.tensor_parallel
     if t != 0:
-        why = tensor_parallel_refusal(
-            t, work.model, work.world, bool(fixed.get("sequence_parallel"))
-        )
+        why = tensor_parallel_refusal(t, work.model, work.world, fixed.sequence_parallel)
         if why:  # callers validate first (engine/validate.py); a T that cannot split is no plan
             raise UserError(why)
         return [t]
-    return tp_divisors(work.model, work.world, bool(fixed.get("sequence_parallel")))
+    return tp_divisors(work.model, work.world, fixed.sequence_parallel)
 
 
-def enumerate_plans(world: int, fixed: dict) -> list[EngineConfig]:
+def enumerate_plans(world: int, fixed: Fixed) -> list[EngineConfig]:
     """Every plan the engines can run, restricted to the fields the user fixed (a plan those
     fields rule out, such as ddp with an offload flag, is left out)."""
     stages = [0, 1, 2, 3] if world > 1 else [0]
@@ -116,29 +117,24 @@ def enumerate_plans(world: int, fixed: dict) -> list[EngineConfig]:
         for s in stages
         for ck in ("off", "full")
     ]
-    fixed = dict(fixed)
     if "offload_optimizer" not in fixed:
         # block counts imply their tier (engine/validate.py: implied_tier), and streamed
         # weights imply the host tier: a count the planner then ignored would change nothing
         tier = validate.implied_tier(fixed)
-        if tier == "none" and fixed.get("offload_params", "none") != "none":
+        if tier == "none" and fixed.offload_params not in (None, "none"):
             tier = "cpu"
         if tier != "none":
-            fixed["offload_optimizer"] = tier
+            fixed = fixed.with_(offload_optimizer=tier)
     out = []
     for p in plans:
-        if any(
-            getattr(p, k) != fixed[k]
-            for k in ("engine", "zero_stage", "checkpointing")
-            if k in fixed
-        ):
+        if not fixed.agrees(p, ("engine", "zero_stage", "checkpointing")):
             continue
         try:
-            out.append(dataclasses.replace(p, **fixed))
+            out.append(fixed.applied(p))
         except UserError:
             continue  # the fixed fields rule this engine out
-    if not out and fixed:
-        out = [EngineConfig(**{**dataclasses.asdict(EngineConfig()), **fixed})]  # its error
+    if not out and fixed.names:
+        out = [fixed.applied(EngineConfig())]  # its error
     return out
 
 
@@ -169,7 +165,11 @@ def evaluate(
 
 
 def plan(
-    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: dict | None = None
+    work: Workload,
+    grad_accum: int,
+    hw: Hardware,
+    rates: Rates,
+    fixed: Fixed | Mapping[str, Any] | None = None,
 ) -> list[Candidate]:
     """All candidates, the chosen one first: of the least compact formats with which some plan
     fits without the disk, the fastest plan (ties: the smaller peak), unless that plan offloads
@@ -180,13 +180,14 @@ def plan(
     only formats whose loss cost was measured within the noise. Where no rung fits without the
     disk, the least compact rung that fits with it. Rungs above the first that fits are priced
     only when its fastest plan offloads on a GPU machine (whose host AdamW is faster on compact
-    state), without the disk, and only their plans that fit are kept."""
-    fixed = fixed or {}
+    state), without the disk, and only their plans that fit are kept. `fixed`: the engine
+    fields the user set (a dict is read as Fixed.of(dict))."""
+    fixed = Fixed.of(fixed)
     layout = layout_of(work.model)
     bases = [
         b
         for t in tp_degrees(work, fixed)  # T × (world/T): the stages shard over world/T ranks
-        for b in enumerate_plans(work.world // t, {**fixed, "tensor_parallel": t})
+        for b in enumerate_plans(work.world // t, fixed.with_(tensor_parallel=t))
     ]
     cands: list[Candidate] = []
     seen: set[EngineConfig] = set()
@@ -271,7 +272,7 @@ def uses_disk(c: Candidate) -> bool:
     return c.placement is not None and c.placement.nvme_blocks > 0
 
 
-def plans_of(work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: dict) -> list[Candidate]:
+def plans_of(work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: Fixed) -> list[Candidate]:
     """`e` as it is, and its variants with the fewest blocks offloaded that fit (if any): the
     optimizer state alone, and with the offloaded blocks' weights streamed too. Both are priced
     because neither always wins: streaming moves each offloaded block's weights every pass, but
@@ -288,12 +289,12 @@ def plans_of(work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: dict) 
     return out
 
 
-def can_stream(work: Workload, e: EngineConfig, fixed: dict) -> bool:
+def can_stream(work: Workload, e: EngineConfig, fixed: Fixed) -> bool:
     """Whether the planner may stream the offloaded blocks' weights: not where the user ruled it
     out, and on several ranks only at ZeRO stage 3 (each rank streams its shard; the engine
     refuses stages 1-2)."""
     dp = work.world // max(1, e.tensor_parallel)
-    return fixed.get("offload_params") != "none" and (dp == 1 or e.zero_stage >= 3)
+    return fixed.offload_params != "none" and (dp == 1 or e.zero_stage >= 3)
 
 
 def offloaded_variant(
@@ -303,7 +304,7 @@ def offloaded_variant(
     rates,
     e: EngineConfig,
     layout,
-    fixed: dict,
+    fixed: Fixed,
     base: Candidate,
     stream: bool = False,
 ) -> Candidate | None:
@@ -312,16 +313,14 @@ def offloaded_variant(
     optimizer state alone is not enough, or the user asked for it). None when the engine cannot
     offload, the user ruled offload out, the plan fits without it (unless the user asked for
     offload), or `stream` and the weights cannot be streamed."""
-    if e.engine != "zero" or fixed.get("offload_optimizer") == "none" or hw.device != "cuda":
+    if e.engine != "zero" or fixed.offload_optimizer == "none" or hw.device != "cuda":
         return None
-    forced = fixed.get("offload_optimizer") == "cpu"
+    forced = fixed.offload_optimizer == "cpu"
     if "offload_blocks" in fixed or (base.fits and not forced):
         return None  # the fraction was given (base already is that plan), or nothing to offload
     if stream and not can_stream(work, e, fixed):
         return None
-    if fixed.get("offload_optimizer") == "nvme" or (
-        fixed.get("offload_optimizer") != "cpu" and hw.nvme_path
-    ):
+    if fixed.offload_optimizer == "nvme" or (fixed.offload_optimizer != "cpu" and hw.nvme_path):
         v = spill_variant(work, grad_accum, hw, rates, e, layout, fixed, stream)
         if v is not None:
             return v
@@ -352,7 +351,7 @@ def offloaded_variant(
 
 
 def spill_variant(
-    work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: dict, stream: bool = False
+    work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: Fixed, stream: bool = False
 ) -> Candidate | None:
     """Three tiers: the fewest (last) blocks offloaded that fit the GPU, and of those the fewest
     (last) on the disk that fit the host RAM. None when host RAM alone holds them (the cpu-only
@@ -360,7 +359,7 @@ def spill_variant(
     offloaded blocks' weights are streamed from host RAM when their optimizer state alone leaves
     the GPU short (or when `stream`)."""
     L = work.model.n_layer
-    want_nvme = fixed.get("offload_optimizer") == "nvme"
+    want_nvme = fixed.offload_optimizer == "nvme"
     stream = stream or e.offload_params == "cpu"
 
     def with_kd(k: int, d: int) -> Candidate:
@@ -458,7 +457,9 @@ def leanest(cands: list[Candidate]) -> Candidate:
     return min(cands, key=shortfall)
 
 
-def largest_layers(work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: dict) -> int:
+def largest_layers(
+    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: Fixed
+) -> int:
     """The most layers of this width that fit with some plan (0 if none)."""
     lo, hi = 0, max(1, work.model.n_layer)
     while fits_layers(work, grad_accum, hw, rates, fixed, hi):
@@ -477,7 +478,7 @@ def fits_layers(work, grad_accum, hw, rates, fixed, layers: int) -> bool:
 
 
 def largest_micro_batch(
-    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: dict
+    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: Fixed
 ) -> int:
     best = 0
     for b in (1, 2, 4, 8, 16, 32, 64):
@@ -492,8 +493,14 @@ def largest_micro_batch(
 
 
 def refusal(
-    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, cands: list[Candidate], fixed: dict
+    work: Workload,
+    grad_accum: int,
+    hw: Hardware,
+    rates: Rates,
+    cands: list[Candidate],
+    fixed: Fixed | Mapping[str, Any] | None,
 ) -> str:
+    fixed = Fixed.of(fixed)
     lean = leanest(cands)
     m = work.model
     need = []
@@ -523,10 +530,10 @@ def refusal(
         alt.append(f"this model at micro-batch {mb}")
     # int8 moments are never chosen by themselves (their loss cost), but name them where they
     # would make this very model fit
-    if fixed.get("moments", "auto") == "auto" and "int8" not in formats.AUTO_FORMATS:
+    if fixed.format("moments") == "auto" and "int8" not in formats.AUTO_FORMATS:
         try:
             fits8 = any(
-                c.fits for c in plan(work, grad_accum, hw, rates, {**fixed, "moments": "int8"})
+                c.fits for c in plan(work, grad_accum, hw, rates, fixed.with_(moments="int8"))
             )
         except UserError:  # the fixed fields rule compact moments out (--engine ddp)
             fits8 = False
@@ -544,11 +551,11 @@ def choose(
     grad_accum: int,
     hw: Hardware,
     rates: Rates,
-    fixed: dict | None = None,
+    fixed: Fixed | Mapping[str, Any] | None = None,
     force: bool = False,
 ) -> tuple[Candidate, list[Candidate]]:
     """The chosen plan and all candidates; a UserError naming the shortfall if none fits."""
-    fixed = fixed or {}
+    fixed = Fixed.of(fixed)
     cands = plan(work, grad_accum, hw, rates, fixed)
     if not cands[0].fits and not force:
         raise UserError(
