@@ -31,6 +31,7 @@ from fitgpt.dist.env import configure_process
 from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
 from fitgpt.train.metrics import peak_flops
+from fitgpt.train.schedule import tokens_per_step
 from fitgpt.train.setup import OutOfMemory
 
 
@@ -162,7 +163,9 @@ def run_trial(spec: dict) -> dict:
                 times.append(time.perf_counter() - t0)
                 if hasattr(engine, "breakdown"):
                     phases.append(engine.breakdown())
-        tokens = bench.micro_batch * bench.grad_accum * bench.seq_len * ctx.world // tp
+        tokens = tokens_per_step(
+            bench.micro_batch, bench.grad_accum, bench.seq_len, ctx.world // tp
+        )
         med = statistics.median(times)
         rec.update(
             {

@@ -25,6 +25,7 @@ from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
 from fitgpt.engine.placement import MAX_INFLIGHT, Placement
 from fitgpt.model import GPT, ModelConfig
+from fitgpt.train.schedule import tokens_per_step
 
 GiB = 2**30
 # Process baseline RSS: the interpreter, torch, and on GPU machines the CUDA/NCCL libraries.
@@ -61,6 +62,15 @@ class Workload:
     @property
     def w(self) -> int:
         return 4 if self.precision == "fp32" else 2
+
+    def dp_ranks(self, tp: int = 1) -> int:
+        """The data-parallel ranks under T-way tensor parallelism: the world over T."""
+        return self.world // max(1, tp)
+
+    def tokens_per_step(self, grad_accum: int, tp: int = 1) -> int:
+        """Tokens one optimizer step of the job trains on, over its world/T data-parallel ranks
+        (train/schedule.py: tokens_per_step, the one rank convention)."""
+        return tokens_per_step(self.micro_batch, grad_accum, self.model.seq_len, self.dp_ranks(tp))
 
 
 @dataclass

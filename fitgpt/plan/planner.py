@@ -187,7 +187,7 @@ def plan(
     bases = [
         b
         for t in tp_degrees(work, fixed)  # T × (world/T): the stages shard over world/T ranks
-        for b in enumerate_plans(work.world // t, fixed.with_(tensor_parallel=t))
+        for b in enumerate_plans(work.dp_ranks(t), fixed.with_(tensor_parallel=t))
     ]
     cands: list[Candidate] = []
     seen: set[EngineConfig] = set()
@@ -293,7 +293,7 @@ def can_stream(work: Workload, e: EngineConfig, fixed: Fixed) -> bool:
     """Whether the planner may stream the offloaded blocks' weights: not where the user ruled it
     out, and on several ranks only at ZeRO stage 3 (each rank streams its shard; the engine
     refuses stages 1-2)."""
-    dp = work.world // max(1, e.tensor_parallel)
+    dp = work.dp_ranks(e.tensor_parallel)
     return fixed.offload_params != "none" and (dp == 1 or e.zero_stage >= 3)
 
 

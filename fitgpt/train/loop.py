@@ -43,7 +43,7 @@ from fitgpt.train.metrics import MetricsLog, format_line, peak_flops
 from fitgpt.train.profile import StepProfiler
 from fitgpt.train.resume import changed_settings, saved_run
 from fitgpt.train.rundir import close_run_dir, open_run_dir
-from fitgpt.train.schedule import lr_at, resolve_schedule
+from fitgpt.train.schedule import lr_at, resolve_schedule, tokens_per_step
 from fitgpt.train.setup import OutOfMemory, is_oom, oom_message, phase_of, resolve_run
 
 
@@ -94,7 +94,9 @@ class Trainer:
         ctx = ctx.with_tensor_parallel(tp)
         # the rates and warm-up the command left unset, decided once (train/schedule.py): the
         # warm-up counts tokens, and the tokens per step count the data-parallel ranks
-        tokens = run.train.micro_batch * run.train.grad_accum * ctx.dp_world * run.model.seq_len
+        tokens = tokens_per_step(
+            run.train.micro_batch, run.train.grad_accum, run.model.seq_len, ctx.dp_world
+        )
         train_cfg, self.defaults_line, warning = resolve_schedule(
             run.train, run.model, tokens, run.optim.beta2
         )
@@ -405,7 +407,9 @@ class Trainer:
     @property
     def tokens_per_step(self) -> int:
         cfg = self.cfg
-        return cfg.micro_batch * cfg.grad_accum * self.ctx.dp_world * self.model_cfg.seq_len
+        return tokens_per_step(
+            cfg.micro_batch, cfg.grad_accum, self.model_cfg.seq_len, self.ctx.dp_world
+        )
 
     def _log_step(self, stats, lr: float, window: list[float], t_start: float) -> dict:
         """One log line and metrics record; the ETA is the steps left at the median step time."""

@@ -41,6 +41,7 @@ from fitgpt.model import ModelConfig, get_preset
 from fitgpt.train import checkpoint as ckpt_io
 from fitgpt.train.config import TrainConfig
 from fitgpt.train.init_from import FREE
+from fitgpt.train.schedule import tokens_per_step
 
 if TYPE_CHECKING:  # loop.py imports this module
     from fitgpt.train.loop import RunConfig
@@ -353,7 +354,7 @@ def _shown(value) -> str:
 
 
 def _tokens(train: dict, model: dict, dp_world: int) -> int:
-    return train["micro_batch"] * train["grad_accum"] * dp_world * model["seq_len"]
+    return tokens_per_step(train["micro_batch"], train["grad_accum"], model["seq_len"], dp_world)
 
 
 def changed_settings(

@@ -1,7 +1,8 @@
 """Learning rate: linear warm-up from 0, then cosine decay to min_lr at the last step; and the
 defaults a run takes when it names no rate or warm-up, decided here and only here
 (resolve_schedule): the peak by the model's width, the warm-up by tokens and the run's length,
-lower rates and a short warm-up when fine-tuning (--init-from)."""
+lower rates and a short warm-up when fine-tuning (--init-from); and the tokens a step trains
+on (tokens_per_step), which that warm-up counts and every other count of them shares."""
 
 from __future__ import annotations
 
@@ -100,6 +101,17 @@ def peak_lr(model: ModelConfig, finetune: bool) -> float:
     """The default peak learning rate: by the width (default_lr), a tenth of it to fine-tune."""
     lr = default_lr(model.n_embd)
     return float(f"{lr * FINETUNE_LR_RATIO:.2g}") if finetune else lr
+
+
+def tokens_per_step(micro_batch: int, grad_accum: int, seq_len: int, dp_ranks: int = 1) -> int:
+    """Tokens one optimizer step trains on: `grad_accum` micro-batches of `micro_batch`
+    sequences of `seq_len` tokens on each of `dp_ranks` data-parallel ranks. The one rank
+    convention: under T-way tensor parallelism the data-parallel ranks are world / T (the T ranks
+    of a group share every micro-batch, so they add no tokens); dp_ranks=1 counts one rank's
+    share. The warm-up below counts these tokens; the planner (plan/memory.py Workload),
+    `fitgpt plan`'s table, resume's changed-settings line and the benchmark harness count with
+    the same function."""
+    return micro_batch * grad_accum * dp_ranks * seq_len
 
 
 def first_step_warmup(lr: float, model: ModelConfig) -> int:

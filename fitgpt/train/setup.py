@@ -19,6 +19,7 @@ import torch
 from fitgpt.dist import DistContext
 from fitgpt.engine.compile import ASSUMED_MFU, auto_compile
 from fitgpt.errors import UserError
+from fitgpt.train.schedule import tokens_per_step
 
 
 class OutOfMemory(UserError):
@@ -66,7 +67,7 @@ def estimated_run_s(run, device_type: str) -> float:
     from fitgpt.train.metrics import PEAK_BF16, peak_flops
 
     t = run.train
-    tokens = t.micro_batch * t.grad_accum * run.model.seq_len  # per rank and step
+    tokens = tokens_per_step(t.micro_batch, t.grad_accum, run.model.seq_len)  # one rank's share
     peak = peak_flops(torch.device("cuda")) or max(PEAK_BF16.values())
     return t.steps * run.model.flops_per_token() * tokens / (ASSUMED_MFU * peak)
 
