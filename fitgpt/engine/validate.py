@@ -106,7 +106,7 @@ def refusal(
         )
     if settled("offload_blocks", "nvme_blocks"):
         # the placement's own rule (engine/placement.py), before anything is built; a tier the
-        # planner chooses is the one these counts imply (plan/planner.py: enumerate_plans)
+        # planner chooses is the one these counts imply (plan/enumeration.py: enumerate_plans)
         tier = e.offload_optimizer if settled("offload_optimizer") else implied_tier(e)
         counts = SimpleNamespace(
             offload_optimizer=tier, offload_blocks=e.offload_blocks, nvme_blocks=e.nvme_blocks

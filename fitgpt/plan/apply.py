@@ -19,9 +19,10 @@ from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
 from fitgpt.plan import hardware, rates
+from fitgpt.plan.candidate import Candidate
 from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import GiB, Workload
-from fitgpt.plan.planner import Candidate, plan, refusal, why
+from fitgpt.plan.planner import plan, refusal, why
 from fitgpt.plan.rates import Rates
 
 
