@@ -47,9 +47,10 @@ from fitgpt.engine.comm import Peers
 from fitgpt.engine.compact import Scratch
 from fitgpt.engine.compile import compile_regions, model_scope
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
+from fitgpt.engine.disk_tier import DiskTier
 from fitgpt.engine.fetch import WeightFetch
 from fitgpt.engine.layout import chunk_layout
-from fitgpt.engine.offload import DiskTier, HostOptimizer
+from fitgpt.engine.offload import HostOptimizer
 from fitgpt.engine.pinned import PinnedArena
 from fitgpt.engine.placement import Placement
 from fitgpt.engine.reduce import GradReducer
