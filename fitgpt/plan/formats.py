@@ -36,7 +36,7 @@ Formats = tuple[str, str, str]  # (master, moments of offloaded blocks, moments 
 AUTO_FORMATS = ("split", "bf16")
 
 # Least compact first; each rung saves more bytes per parameter than the one before it. The split
-# master is lossless (within compact.py's one-ulp ties), so it comes first; the offloaded blocks'
+# master is lossless (within engine/split_master.py's one-ulp ties), so it comes first; the offloaded blocks'
 # moments before the device's, because they are most of the parameters of a model that needs
 # the room and because host RAM and the disk, not the GPU, run out first once the GPU is filled
 # by offloading blocks.
