@@ -15,6 +15,7 @@ from fitgpt.bench.peers import LR
 from fitgpt.dist import DistContext
 from fitgpt.engine.base import Batch
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
+from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
 
@@ -36,10 +37,14 @@ class System:
     fixed: dict | None = None
     precision: str = "auto"
 
-    def plan_fixed(self, bench: BenchConfig) -> dict | None:
-        if self.fixed is None:
-            return None
-        return {k: (bench.checkpointing if v == "bench" else v) for k, v in self.fixed.items()}
+    def plan_fixed(self, bench: BenchConfig) -> Fixed | None:
+        """The fields the planner keeps for a trial at `bench`; None for a peer."""
+        return None if self.fixed is None else bench_fixed(self.fixed, bench)
+
+
+def bench_fixed(fixed: dict, bench: BenchConfig) -> Fixed:
+    """A system's fixed engine fields at `bench` ("bench": the harness's checkpointing)."""
+    return Fixed.of({k: (bench.checkpointing if v == "bench" else v) for k, v in fixed.items()})
 
 
 class TrainerRunner:
@@ -127,13 +132,12 @@ def trained(fixed: dict, precision: str = "auto"):
     def build(model: ModelConfig, bench: BenchConfig, ctx: DistContext) -> Runner:
         import tempfile
 
-        from fitgpt.plan.apply import Fixed
         from fitgpt.train.loop import Trainer
         from fitgpt.train.setup import setup_run
 
         out = tempfile.mkdtemp(prefix="fitgpt-trial-")
         run = bench_run(model, bench, precision, ctx.device.type, out)
-        f = Fixed.of({k: (bench.checkpointing if v == "bench" else v) for k, v in fixed.items()})
+        f = bench_fixed(fixed, bench)
         log = print if ctx.is_main else (lambda *_: None)
         return TrainerRunner(Trainer(setup_run(run, ctx, f, force=True, log=log), ctx))
 

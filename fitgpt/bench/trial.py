@@ -28,7 +28,9 @@ from fitgpt.data.source import BatchLoader
 from fitgpt.data.synthetic import UniformSource
 from fitgpt.dist import init_distributed
 from fitgpt.dist.env import configure_process
+from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
+from fitgpt.plan.memory import tokens_per_step
 from fitgpt.train.metrics import peak_flops
 from fitgpt.train.setup import OutOfMemory
 
@@ -136,7 +138,7 @@ def run_trial(spec: dict) -> dict:
     source = UniformSource(bench.seq_len, bench.vocab_size, bench.seed)
     # --tensor-parallel T: the T ranks of a TP group (consecutive ranks, dist/mesh.py) take the
     # same micro-batches; the batch is sharded over the world/T data-parallel ranks
-    tp = max(1, (system.plan_fixed(bench) or {}).get("tensor_parallel", 1))
+    tp = max(1, (system.plan_fixed(bench) or Fixed()).tensor_parallel)
     rec["tensor_parallel"] = tp
     loader = BatchLoader(source, bench.micro_batch, ctx.rank // tp, ctx.world // tp)
     runner = None
@@ -161,7 +163,9 @@ def run_trial(spec: dict) -> dict:
                 times.append(time.perf_counter() - t0)
                 if hasattr(engine, "breakdown"):
                     phases.append(engine.breakdown())
-        tokens = bench.micro_batch * bench.grad_accum * bench.seq_len * ctx.world // tp
+        tokens = tokens_per_step(
+            bench.micro_batch, bench.grad_accum, bench.seq_len, ctx.world // tp
+        )
         med = statistics.median(times)
         rec.update(
             {

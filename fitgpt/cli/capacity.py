@@ -122,7 +122,6 @@ def run(args: argparse.Namespace) -> int:
     from fitgpt.bench.sweep import SweepSpec, append_result, run_one
     from fitgpt.bench.systems import bench_run, check_trial, get_system
     from fitgpt.plan import rates
-    from fitgpt.plan.apply import Fixed
     from fitgpt.plan.capacity import (
         describe_formats,
         find_capacity,
@@ -143,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     # what `fitgpt train` would refuse (a T the GPUs or heads do not divide...): one line, before
     # any trial or prediction
     check_trial(system, bench, args.start or 1, args.gpus, hw.device)
-    fixed = None if system.fixed is None else Fixed.of(system.plan_fixed(bench))
+    fixed = system.plan_fixed(bench)  # None: a peer (no memory model)
     r = rates.load(hw.gpu_name)
 
     def planned(layers: int):

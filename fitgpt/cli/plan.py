@@ -90,19 +90,20 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fitgpt.engine.fixed import Fixed
     from fitgpt.engine.validate import check_settings, typed_flags
     from fitgpt.plan import hardware, rates
-    from fitgpt.plan.apply import Fixed, plan_run
+    from fitgpt.plan.apply import plan_run
     from fitgpt.plan.memory import GPU_SAFETY_MARGIN, GiB, gpu_budget
     from fitgpt.train.setup import engine_flags
 
     hw = hardware.detect(args.gpus, args.gpu_mem, args.cpu_mem, args.nvme, args.device)
     typed = typed_flags(args)  # as train judges them: before the shares become block counts
     run = planned_run(args, hw.device)
-    model, fixed = run.model, explicit(args, EngineConfig)
+    model, fixed = run.model, Fixed.of(explicit(args, EngineConfig))
     # what train refuses, plan refuses, in the same line, before pricing anything
     check_settings(model, run.engine, run.precision, hw.gpus, hw.device, fixed, typed)
-    plans = plan_run(run, hw, rates.load(hw.gpu_name), Fixed.of(fixed))
+    plans = plan_run(run, hw, rates.load(hw.gpu_name), fixed)
     work, t = plans.work, run.train
     print(
         f"model {args.preset if not explicit(args, ModelConfig) else 'custom'}: "
@@ -158,8 +159,7 @@ def print_table(cands, work, grad_accum: int, hw) -> None:
     for i, c in enumerate(cands):
         gpu = f"{c.est.compute_total / GiB:.1f}G" if c.est.compute else "-"
         t = c.time["total"]
-        # a step's tokens: micro-batch × accumulation × the world/T data-parallel ranks
-        tokens = work.micro_batch * work.model.seq_len * grad_accum * work.world // c.tp
+        tokens = work.tokens_per_step(grad_accum, c.tp)  # over the world/T data-parallel ranks
         flops = work.model.flops_per_token() * tokens / work.world  # per GPU
         row = f"{'>' if i == 0 and c.fits else ' '} {'yes' if c.fits else 'no':<4} {gpu:>9} "
         row += f"{c.est.host_total / GiB:7.1f}G  {short(c.formats):<15}"

@@ -18,6 +18,7 @@ from fitgpt.cli.args import (
 )
 from fitgpt.data.config import DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
+from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
 from fitgpt.train.config import RunConfig, TrainConfig
@@ -244,9 +245,14 @@ def check_settings(args: argparse.Namespace, run_cfg: RunConfig, world: int, typ
     capacity and bench share. With --plan auto the engine fields not set are the planner's."""
     from fitgpt.engine import validate
 
-    fixed = explicit(args, EngineConfig) if args.plan == "auto" else None
     m, e, p, device = run_cfg.model, run_cfg.engine, run_cfg.precision, run_cfg.train.device
-    validate.check_settings(m, e, p, world, device, fixed, typed)
+    validate.check_settings(m, e, p, world, device, planner_fixed(args), typed)
+
+
+def planner_fixed(args: argparse.Namespace) -> Fixed | None:
+    """The engine fields typed with --plan auto (the planner chooses the rest); None with
+    --plan off (the engine config is used as given)."""
+    return Fixed.of(explicit(args, EngineConfig)) if args.plan == "auto" else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -282,7 +288,6 @@ def run(args: argparse.Namespace) -> int:
     check_writable_dir(run_cfg.train.out, "--out")
     from fitgpt.dist import init_distributed, shutdown
     from fitgpt.dist.env import configure_process
-    from fitgpt.plan.apply import Fixed
     from fitgpt.train.loop import train
     from fitgpt.train.setup import setup_run
 
@@ -297,8 +302,7 @@ def run(args: argparse.Namespace) -> int:
 
         for note in notes:
             log(note)
-        fixed = Fixed.of(explicit(args, EngineConfig)) if args.plan == "auto" else None
-        run_cfg = setup_run(run_cfg, ctx, fixed, args.force, log)
+        run_cfg = setup_run(run_cfg, ctx, planner_fixed(args), args.force, log)
         resume = None if ckpt is None else str(ckpt)
         init = getattr(args, "init_source", None)
         files = getattr(args, "run_files", None)  # set by apply_deepspeed_flags

@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 from fitgpt.engine.chunk import Chunk
 from fitgpt.engine.compact import Scratch
+from fitgpt.engine.disk_tier import DiskTier
 from fitgpt.engine.hostmem import host_usable
-from fitgpt.engine.offload import DiskTier, HostOptimizer
+from fitgpt.engine.offload import HostOptimizer
 from fitgpt.engine.placement import HOST_SLOTS, Placement
 from fitgpt.errors import UserError
 

@@ -23,7 +23,7 @@ from torch import Tensor
 from fitgpt.engine.chunk import Chunk
 from fitgpt.engine.comm import Peers
 from fitgpt.engine.compact import Scratch
-from fitgpt.engine.offload import DiskTier
+from fitgpt.engine.disk_tier import DiskTier
 from fitgpt.engine.state_io import KINDS, Piece, StateReader, write_pieces
 from fitgpt.model import DecoderLM, ModelConfig, build_model
 

@@ -48,8 +48,9 @@ from fitgpt.engine.comm import Peers
 from fitgpt.engine.compact import Scratch
 from fitgpt.engine.compile import compile_regions, model_scope
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
+from fitgpt.engine.disk_tier import DiskTier
 from fitgpt.engine.fetch import WeightFetch
-from fitgpt.engine.offload import DiskTier, HostOptimizer
+from fitgpt.engine.offload import HostOptimizer
 from fitgpt.engine.pinned import PinnedArena
 from fitgpt.engine.placement import Placement, split_master_refusal, stream_refusal
 from fitgpt.engine.reduce import GradReducer

@@ -15,10 +15,10 @@ Compact formats (engine/compact.py): step 2 runs piece by piece through the work
 scratch; a split master whose working weights are on the GPU brings them down beside the
 gradient (a second pinned buffer per slot, `wstaging`), since they are its master's high half.
 
-Disk-homed chunks (the nvme tier, `DiskTier`): `submit` gives the chunk's state its host
-buffers back and starts reading its files (one per tensor, in its formats) at once, so the reads of the chunks queued behind
-the one the worker is updating overlap that update; the worker waits for its reads, steps, casts
-back, writes the state out and frees the buffers. At most `slots` chunks are in flight, so the
+Disk-homed chunks (the nvme tier, engine/disk_tier.py: one file per tensor, in its formats):
+`submit` gives the chunk's state its host buffers back and starts reading its files at once, so
+the reads of the chunks queued behind the one the worker is updating overlap that update; the
+worker waits for its reads, steps, casts back, writes the state out and frees the buffers. At most `slots` chunks are in flight, so the
 host holds at most `slots` chunks' state (12 bytes per element in fp32 formats) for the tier,
 whatever its size.
 
@@ -43,44 +43,9 @@ from torch import Tensor
 
 from fitgpt.engine.chunk import Chunk
 from fitgpt.engine.compact import Scratch, piece_elems, upcast_scaled
-from fitgpt.engine.nvme import NvmeStore
+from fitgpt.engine.disk_tier import DiskTier
 from fitgpt.engine.placement import HOST_SLOTS
 from fitgpt.engine.speculate import undo_optimizer_
-
-
-class DiskTier:
-    """The optimizer state of disk-homed chunks, one file per chunk and tensor (in its formats:
-    compact ones move fewer bytes), in a scratch folder under `path` that is removed at exit
-    (engine/nvme.py). The free space is checked for the whole tier before anything is written."""
-
-    def __init__(self, path: str, layouts: dict[int, dict[str, int]]) -> None:
-        """layouts: chunk index -> {tensor name: bytes} of its optimizer state on this rank."""
-        need = sum(sum(lay.values()) for lay in layouts.values())
-        self.store = NvmeStore(path, need_bytes=need)
-        for index, lay in layouts.items():
-            for name, nbytes in lay.items():
-                self.store.alloc(f"{index}.{name}", nbytes)
-
-    def write_out(self, c: Chunk) -> None:
-        """Write the chunk's state to its files, wait, and free its host buffers."""
-        futs = [self.store.write(f"{c.spec.index}.{k}", t) for k, t in c.state_tensors().items()]
-        for f in futs:
-            f.result()
-        c.free_state()
-
-    def read_in_async(self, c: Chunk) -> list[concurrent.futures.Future]:
-        c.alloc_state()
-        return [self.store.read(f"{c.spec.index}.{k}", t) for k, t in c.state_tensors().items()]
-
-    def read_in(self, c: Chunk) -> None:
-        for f in self.read_in_async(c):
-            f.result()
-
-    def stats(self) -> dict:
-        return self.store.stats()
-
-    def close(self) -> None:
-        self.store.close()
 
 
 class HostOptimizer:

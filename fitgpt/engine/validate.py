@@ -22,16 +22,15 @@ Two kinds of line:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
 from fitgpt.engine.config import EngineConfig, PrecisionConfig
+from fitgpt.engine.fixed import ENGINE_FIELDS, Fixed
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
 
-ENGINE_FIELDS = frozenset(EngineConfig.__dataclass_fields__)
 SCALER_FIELDS = ("initial_scale", "growth_interval", "hysteresis", "min_scale")
 
 # fp16 on a CPU: `fitgpt train --preset tiny --device cpu --steps 20 --cpu-threads 1` on the
@@ -103,7 +102,7 @@ def refusal(
         return stream_refusal(dp, e.zero_stage)
     if settled("offload_blocks", "nvme_blocks"):
         # the placement's own rule (engine/placement.py), before anything is built; a tier the
-        # planner chooses is the one these counts imply (plan/planner.py: enumerate_plans)
+        # planner chooses is the one these counts imply (plan/enumeration.py: enumerate_plans)
         tier = e.offload_optimizer if settled("offload_optimizer") else implied_tier(e)
         counts = SimpleNamespace(
             offload_optimizer=tier, offload_blocks=e.offload_blocks, nvme_blocks=e.nvme_blocks
@@ -115,14 +114,13 @@ def refusal(
     return None
 
 
-def implied_tier(fixed: Any) -> str:
+def implied_tier(fixed: EngineConfig | Fixed) -> str:
     """The offload tier block counts imply when the user fixed them but not the tier: nvme
-    for --nvme-blocks, cpu for --offload-blocks, none otherwise (`fixed`: an EngineConfig or a
-    dict of the fixed fields)."""
-    get = fixed.get if isinstance(fixed, Mapping) else lambda k: getattr(fixed, k)
-    if get("nvme_blocks") is not None:
+    for --nvme-blocks, cpu for --offload-blocks, none otherwise (`fixed`: an EngineConfig or the
+    fields the user fixed)."""
+    if fixed.nvme_blocks is not None:
         return "nvme"
-    return "cpu" if get("offload_blocks") is not None else "none"
+    return "cpu" if fixed.offload_blocks is not None else "none"
 
 
 def no_effect(
@@ -194,7 +192,7 @@ def check_settings(
     precision: PrecisionConfig,
     world: int,
     device: str,
-    fixed: Mapping[str, Any] | None = None,
+    fixed: Fixed | None = None,
     typed: Mapping[str, Any] | None = None,
 ) -> None:
     """Refuse (UserError, one line) a run `train` would refuse, before anything is planned or
@@ -203,9 +201,10 @@ def check_settings(
     used as it is. `typed`: the engine and precision flags typed on the command line."""
     dev = device_type(device)
     prec = precision.resolved(dev).precision
-    if fixed:  # the fields the planner keeps (a benchmark system's, or the flags: no change)
-        engine = dataclasses.replace(engine, **fixed)
-    chosen = frozenset() if fixed is None else ENGINE_FIELDS - set(fixed)
+    if fixed is not None and fixed.names:
+        # the fields the planner keeps (a benchmark system's, or the flags: no change)
+        engine = fixed.applied(engine)
+    chosen = frozenset() if fixed is None else ENGINE_FIELDS - fixed.names
     why = refusal(model, engine, prec, world, dev, fixed is not None, chosen)
     if why is None and typed:
         why = no_effect(engine, prec, typed, chosen)

@@ -11,39 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import torch.distributed as dist
 
 from fitgpt.dist import DistContext
 from fitgpt.engine.config import EngineConfig
+from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
 from fitgpt.plan import hardware, rates
+from fitgpt.plan.candidate import Candidate
 from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import GiB, Workload
-from fitgpt.plan.planner import Candidate, plan, refusal, why
+from fitgpt.plan.planner import plan, refusal, why
 from fitgpt.plan.rates import Rates
-
-ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
-
-
-@dataclass(frozen=True)
-class Fixed:
-    """The engine fields a user set (flags, a DeepSpeed config, a benchmark system's ablation);
-    the planner chooses the rest. Names are checked against EngineConfig's fields."""
-
-    fields: tuple[tuple[str, Any], ...] = ()
-
-    @classmethod
-    def of(cls, values: dict[str, Any] | None = None) -> Fixed:
-        values = dict(values or {})
-        unknown = set(values) - ENGINE_FIELDS
-        if unknown:
-            raise ValueError(f"not engine fields: {sorted(unknown)}")
-        return cls(tuple(sorted(values.items())))
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.fields)
 
 
 @dataclass
@@ -67,8 +47,8 @@ class Plans:
 
     def refusal(self) -> str:
         """One line: the leanest plan's shortfall and what would fit instead."""
-        w, r, f = self.work, self.rates, self.fixed.as_dict()
-        return refusal(w, self.grad_accum, self.hw, r, self.candidates, f)
+        w, r = self.work, self.rates
+        return refusal(w, self.grad_accum, self.hw, r, self.candidates, self.fixed)
 
     def summary(self) -> str:
         """The line `fitgpt train` prints: the plan, its prediction, and why it was chosen."""
@@ -89,7 +69,7 @@ def workload_of(run, world: int, device: str) -> Workload:
 def plan_run(run, hw: Hardware, r: Rates, fixed: Fixed) -> Plans:
     """Every plan for `run` on `hw`, the chosen one first (nothing allocated)."""
     work = workload_of(run, hw.gpus, hw.device)  # ranks: GPUs, or a CPU run's processes
-    f = {**fixed.as_dict(), "nvme_path": run.engine.nvme_path}  # the disk the user offered
+    f = fixed.with_(nvme_path=run.engine.nvme_path)  # the disk the user offered
     cands = plan(work, run.train.grad_accum, hw, r, f)
     return Plans(cands, work, run.train.grad_accum, hw, r, fixed)
 
@@ -122,7 +102,7 @@ def plan_engine(run, ctx: DistContext, fixed: Fixed, force: bool, log=print):
     ecfg, err = decision[0]
     if err is not None:
         raise err
-    if "compile" not in fixed.as_dict():  # the planner places state; --compile stays the run's
+    if "compile" not in fixed:  # the planner places state; --compile stays the run's
         ecfg = {**ecfg, "compile": run.engine.compile}
     ecfg["cpu_mem"] = run.engine.cpu_mem  # the machine's RAM as stated: the engine checks it too
     return dataclasses.replace(run, engine=EngineConfig(**ecfg))

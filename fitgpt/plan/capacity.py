@@ -130,7 +130,7 @@ def predicted_largest(run, hw, rates, fixed) -> int:
     from fitgpt.plan.planner import largest_layers
 
     work = workload_of(run, hw.gpus, hw.device)
-    return max(1, largest_layers(work, run.train.grad_accum, hw, rates, fixed.as_dict()))
+    return max(1, largest_layers(work, run.train.grad_accum, hw, rates, fixed))
 
 
 def find_capacity(

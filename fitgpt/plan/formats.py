@@ -16,8 +16,11 @@ already. Bytes per parameter and the reasons for this order: docs/planner.md.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 from fitgpt.engine.config import EngineConfig
+from fitgpt.engine.fixed import Fixed
 from fitgpt.engine.placement import Placement
 from fitgpt.errors import UserError
 
@@ -33,7 +36,7 @@ Formats = tuple[str, str, str]  # (master, moments of offloaded blocks, moments 
 AUTO_FORMATS = ("split", "bf16")
 
 # Least compact first; each rung saves more bytes per parameter than the one before it. The split
-# master is lossless (within compact.py's one-ulp ties), so it comes first; the offloaded blocks'
+# master is lossless (within engine/split_master.py's one-ulp ties), so it comes first; the offloaded blocks'
 # moments before the device's, because they are most of the parameters of a model that needs
 # the room and because host RAM and the disk, not the GPU, run out first once the GPU is filled
 # by offloading blocks.
@@ -59,17 +62,18 @@ def allowed(name: str, value: str, split_ok: bool) -> str:
     return ok[-1]
 
 
-def rungs(fixed: dict, precision: str) -> list[Formats]:
+def rungs(fixed: Fixed | Mapping[str, Any], precision: str) -> list[Formats]:
     """The ladder as this run may climb it: the fields the user fixed as fixed; the rest from
     each rung, a format outside AUTO_FORMATS replaced by the most compact one below it; repeats
     dropped. A split master shares its high half with bf16 working weights: under fp32 compute
     the master is the weights (or plain fp32 for offloaded chunks), and fp16 refuses it, so
     there it stays fp32."""
     split_ok = precision == "bf16"
+    fixed = Fixed.of(fixed)
     out: list[Formats] = []
     for rung in LADDER:
         a, b, c = (
-            fixed[name] if fixed.get(name, "auto") != "auto" else allowed(name, value, split_ok)
+            allowed(name, value, split_ok) if fixed.format(name) == "auto" else fixed.format(name)
             for name, value in zip(FIELDS, rung)
         )
         if (a, b, c) not in out:

@@ -50,6 +50,17 @@ def gpu_budget(gpu_mem: int) -> int:
     return int(gpu_mem * (1 - GPU_SAFETY_MARGIN))
 
 
+def tokens_per_step(micro_batch: int, grad_accum: int, seq_len: int, dp_ranks: int = 1) -> int:
+    """Tokens one optimizer step trains on: `grad_accum` micro-batches of `micro_batch`
+    sequences of `seq_len` tokens on each of `dp_ranks` data-parallel ranks. The one rank
+    convention: under T-way tensor parallelism the data-parallel ranks are world / T (the T ranks
+    of a group share every micro-batch, so they add no tokens); dp_ranks=1 counts one rank's
+    share. The warm-up (train/schedule.py) counts these tokens; the planner (Workload below),
+    `fitgpt plan`'s table, resume's changed-settings line and the benchmark harness count with
+    the same function."""
+    return micro_batch * grad_accum * dp_ranks * seq_len
+
+
 @dataclass(frozen=True)
 class Workload:
     model: ModelConfig
@@ -61,6 +72,15 @@ class Workload:
     @property
     def w(self) -> int:
         return 4 if self.precision == "fp32" else 2
+
+    def dp_ranks(self, tp: int = 1) -> int:
+        """The data-parallel ranks under T-way tensor parallelism: the world over T."""
+        return self.world // max(1, tp)
+
+    def tokens_per_step(self, grad_accum: int, tp: int = 1) -> int:
+        """Tokens one optimizer step of the job trains on, over its world/T data-parallel ranks
+        (tokens_per_step above, the one rank convention)."""
+        return tokens_per_step(self.micro_batch, grad_accum, self.model.seq_len, self.dp_ranks(tp))
 
 
 @dataclass

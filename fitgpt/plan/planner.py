@@ -12,164 +12,56 @@ room they free keeps more blocks on the GPU. That costs no accuracy the planner 
 accept for room: a split master leaves the forward's bf16 weights unchanged, and bf16 moments
 kept the loss within the seed noise (1.56 B, 1,000 steps). A request that fits nowhere is
 refused before anything is allocated, naming the shortfall and what would fit instead.
+
+The plans and their offloaded variants come from plan/enumeration.py, each priced as a
+Candidate (plan/candidate.py, with the comparisons the sort below uses); this file climbs the
+ladder, sorts, says why the chosen plan won (`why`) and words the refusal (`refusal`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from typing import Any
 
 from fitgpt import units
 from fitgpt.engine import validate
 from fitgpt.engine.config import EngineConfig
-from fitgpt.engine.placement import Placement
+from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
-from fitgpt.parallel.shard import tensor_parallel_refusal, tp_divisors
 from fitgpt.plan import formats
-from fitgpt.plan.hardware import Hardware
-from fitgpt.plan.memory import (
-    GPU_SAFETY_MARGIN,
-    Estimate,
-    GiB,
-    Workload,
-    estimate,
-    gpu_budget,
-    layout_of,
-    placement_of,
+from fitgpt.plan.candidate import (
+    Candidate,
+    in_ram,
+    leanest,
+    offloads,
+    shortfall,
+    speed,
+    uses_disk,
 )
+from fitgpt.plan.enumeration import enumerate_plans, plans_of, runnable, tp_degrees
+from fitgpt.plan.hardware import Hardware
+from fitgpt.plan.memory import GPU_SAFETY_MARGIN, GiB, Workload, gpu_budget, layout_of
 from fitgpt.plan.rates import Rates
-from fitgpt.plan.throughput import step_time
+
+# A more compact rung is chosen for speed only where its plan takes at least this share less
+# time than the least compact rung's that fits: the step time is a prediction, and bf16 moments
+# round m and v each step (within the loss noise at 1.56 B, but not free), so a near tie keeps
+# the less compact state.
+SPEED_MARGIN = 0.10
 
 
-@dataclass
-class Candidate:
-    ecfg: EngineConfig
-    est: Estimate
-    time: dict[str, float]
-    gpu_short: int  # bytes over the GPU budget (<= 0: fits)
-    host_short: int
-    disk_short: int = 0  # bytes of the nvme tier over the disk's free space
-    placement: Placement | None = None  # the zero engine's (None for ddp)
-    disk_written: int = 0  # bytes written per optimizer step to this machine's disk tier
-    rung: int = 0  # the formats' rung on the ladder this run climbs (0: fp32 unless fixed)
-
-    @property
-    def fits(self) -> bool:
-        return self.gpu_short <= 0 and self.host_short <= 0 and self.disk_short <= 0
-
-    @property
-    def tp(self) -> int:
-        return max(1, self.ecfg.tensor_parallel)
-
-    @property
-    def compared_time(self) -> float:
-        """Seconds for the tokens of one step without tensor parallelism: a T-way plan's step
-        takes 1/T of them (T ranks share each micro-batch), so plans compare per token."""
-        return self.time["total"] * self.tp
-
-    @property
-    def formats(self) -> formats.Formats:
-        """(master, offloaded moments, device moments) as stored; "-" for an empty tier."""
-        return formats.in_effect(self.placement)
-
-    @property
-    def name(self) -> str:
-        e = self.ecfg
-        base = "ddp" if e.engine == "ddp" else f"zero-{e.zero_stage}"
-        off = ""
-        if e.offload_optimizer != "none":
-            p = self.placement
-            n = sum(1 for c in p.chunks if c.block)
-            off = f", optimizer of {p.offloaded_blocks} of {n} blocks offloaded"
-            if e.offload_optimizer == "nvme":
-                off += f" ({p.nvme_blocks} of those on nvme, the rest on cpu)"
-            else:
-                off += " to cpu"
-            if e.offload_params == "cpu":
-                off += ", their weights streamed from cpu"
-        tp = f", tensor-parallel {e.tensor_parallel}" if e.tensor_parallel > 1 else ""
-        return f"{base}{tp}, checkpointing {e.checkpointing}{off}{formats.label(self.formats)}"
-
-
-def tp_degrees(work: Workload, fixed: dict) -> list[int]:
-    """The tensor-parallel degrees to price: the one the user gave (default 1), or with auto
-    (0) every T that divides the ranks, the heads, 4·hidden and the padded vocabulary (and the
-    sequence, with --sequence-parallel: parallel/shard.py tp_divisors, the rule train checks)."""
-    t = fixed.get("tensor_parallel", 1)
-    if t != 0:
-        why = tensor_parallel_refusal(
-            t, work.model, work.world, bool(fixed.get("sequence_parallel"))
-        )
-        if why:  # callers validate first (engine/validate.py); a T that cannot split is no plan
-            raise UserError(why)
-        return [t]
-    return tp_divisors(work.model, work.world, bool(fixed.get("sequence_parallel")))
-
-
-def enumerate_plans(world: int, fixed: dict) -> list[EngineConfig]:
-    """Every plan the engines can run, restricted to the fields the user fixed (a plan those
-    fields rule out, such as ddp with an offload flag, is left out)."""
-    stages = [0, 1, 2, 3] if world > 1 else [0]
-    plans = [EngineConfig(engine="ddp", checkpointing=ck) for ck in ("off", "full")]
-    plans += [
-        EngineConfig(engine="zero", zero_stage=s, checkpointing=ck)
-        for s in stages
-        for ck in ("off", "full")
-    ]
-    fixed = dict(fixed)
-    if "offload_optimizer" not in fixed:
-        # block counts imply their tier (engine/validate.py: implied_tier), and streamed
-        # weights imply the host tier: a count the planner then ignored would change nothing
-        tier = validate.implied_tier(fixed)
-        if tier == "none" and fixed.get("offload_params", "none") != "none":
-            tier = "cpu"
-        if tier != "none":
-            fixed["offload_optimizer"] = tier
-    out = []
-    for p in plans:
-        if any(
-            getattr(p, k) != fixed[k]
-            for k in ("engine", "zero_stage", "checkpointing")
-            if k in fixed
-        ):
-            continue
-        try:
-            out.append(dataclasses.replace(p, **fixed))
-        except UserError:
-            continue  # the fixed fields rule this engine out
-    if not out and fixed:
-        out = [EngineConfig(**{**dataclasses.asdict(EngineConfig()), **fixed})]  # its error
-    return out
-
-
-def runnable(work: Workload, e: EngineConfig) -> bool:
-    """Whether train would run plan `e` for this work (engine/validate.py: the one validation
-    of a run's settings): a plan it would refuse is never a candidate."""
-    why = validate.refusal(work.model, e, work.precision, work.world, work.device, planning=True)
-    return why is None
-
-
-def evaluate(
-    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, ecfg: EngineConfig, layout=None
-) -> Candidate:
-    layout = layout or layout_of(work.model)
-    placement = placement_of(work, ecfg, layout) if ecfg.engine == "zero" else None
-    est = estimate(work, ecfg, layout, placement)
-    t = step_time(work, ecfg, grad_accum, rates, placement)
-    ranks_here = hw.gpus if hw.device == "cuda" else work.world
-    gpu_short = est.compute_total - gpu_budget(hw.gpu_mem) if hw.device == "cuda" else 0
-    host_short = est.host_total * ranks_here - hw.cpu_mem if hw.cpu_mem else 0
-    disk = sum(est.nvme.values()) * ranks_here
-    disk_short = 0
-    if disk:
-        # nvme_free is already net of the spare room the store leaves (engine/nvme.py)
-        disk_short = disk - hw.nvme_free if hw.nvme_path else disk
-    written = placement.disk_traffic()[1] * ranks_here if placement else 0
-    return Candidate(ecfg, est, t, gpu_short, host_short, disk_short, placement, written)
+def faster(c: Candidate, than: Candidate) -> bool:
+    """Whether `c` fits in RAM and saves SPEED_MARGIN of `than`'s step time."""
+    return in_ram(c) and c.compared_time <= (1 - SPEED_MARGIN) * than.compared_time
 
 
 def plan(
-    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: dict | None = None
+    work: Workload,
+    grad_accum: int,
+    hw: Hardware,
+    rates: Rates,
+    fixed: Fixed | Mapping[str, Any] | None = None,
 ) -> list[Candidate]:
     """All candidates, the chosen one first: of the least compact formats with which some plan
     fits without the disk, the fastest plan (ties: the smaller peak), unless that plan offloads
@@ -180,13 +72,14 @@ def plan(
     only formats whose loss cost was measured within the noise. Where no rung fits without the
     disk, the least compact rung that fits with it. Rungs above the first that fits are priced
     only when its fastest plan offloads on a GPU machine (whose host AdamW is faster on compact
-    state), without the disk, and only their plans that fit are kept."""
-    fixed = fixed or {}
+    state), without the disk, and only their plans that fit are kept. `fixed`: the engine
+    fields the user set (a dict is read as Fixed.of(dict))."""
+    fixed = Fixed.of(fixed)
     layout = layout_of(work.model)
     bases = [
         b
         for t in tp_degrees(work, fixed)  # T × (world/T): the stages shard over world/T ranks
-        for b in enumerate_plans(work.world // t, {**fixed, "tensor_parallel": t})
+        for b in enumerate_plans(work.dp_ranks(t), fixed.with_(tensor_parallel=t))
     ]
     cands: list[Candidate] = []
     seen: set[EngineConfig] = set()
@@ -238,158 +131,6 @@ def plan(
         )
     )
     return cands
-
-
-# A more compact rung is chosen for speed only where its plan takes at least this share less
-# time than the least compact rung's that fits: the step time is a prediction, and bf16 moments
-# round m and v each step (within the loss noise at 1.56 B, but not free), so a near tie keeps
-# the less compact state.
-SPEED_MARGIN = 0.10
-
-
-def speed(c: Candidate) -> tuple:
-    """How plans that fit compare (the sort's tail): step time, then the smaller peak."""
-    return (c.compared_time, c.est.compute_total, c.ecfg.engine != "zero")
-
-
-def faster(c: Candidate, than: Candidate) -> bool:
-    """Whether `c` fits in RAM and saves SPEED_MARGIN of `than`'s step time."""
-    return in_ram(c) and c.compared_time <= (1 - SPEED_MARGIN) * than.compared_time
-
-
-def in_ram(c: Candidate) -> bool:
-    """Fits on the GPU and in host RAM without the disk tier."""
-    return c.fits and not uses_disk(c)
-
-
-def offloads(c: Candidate) -> bool:
-    """Whether some blocks' optimizer state is updated on the host."""
-    return c.placement is not None and c.placement.offloaded_blocks > 0
-
-
-def uses_disk(c: Candidate) -> bool:
-    return c.placement is not None and c.placement.nvme_blocks > 0
-
-
-def plans_of(work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: dict) -> list[Candidate]:
-    """`e` as it is, and its variants with the fewest blocks offloaded that fit (if any): the
-    optimizer state alone, and with the offloaded blocks' weights streamed too. Both are priced
-    because neither always wins: streaming moves each offloaded block's weights every pass, but
-    frees their GPU copies, so fewer blocks need the slower host update. At 13b on an H100 the
-    streamed plan (33 blocks on the host) stepped 5.2-5.3 s compiled, the unstreamed one (40)
-    6.3 s
-    (results/offload_compile_h100_2026-11-24); priced alone, the first that fits was taken."""
-    base = evaluate(work, grad_accum, hw, rates, e, layout)
-    out = [base]
-    for stream in (False, True):
-        off = offloaded_variant(work, grad_accum, hw, rates, e, layout, fixed, base, stream)
-        if off is not None and all(off.ecfg != c.ecfg for c in out):
-            out.append(off)
-    return out
-
-
-def can_stream(work: Workload, e: EngineConfig, fixed: dict) -> bool:
-    """Whether the planner may stream the offloaded blocks' weights: not where the user ruled it
-    out, and on several ranks only at ZeRO stage 3 (each rank streams its shard; the engine
-    refuses stages 1-2)."""
-    dp = work.world // max(1, e.tensor_parallel)
-    return fixed.get("offload_params") != "none" and (dp == 1 or e.zero_stage >= 3)
-
-
-def offloaded_variant(
-    work,
-    grad_accum,
-    hw,
-    rates,
-    e: EngineConfig,
-    layout,
-    fixed: dict,
-    base: Candidate,
-    stream: bool = False,
-) -> Candidate | None:
-    """Fill the GPU first: the plan with the fewest (last) blocks' optimizer state on the host
-    that fits the GPU, their weights streamed from host RAM too when `stream` (or when the
-    optimizer state alone is not enough, or the user asked for it). None when the engine cannot
-    offload, the user ruled offload out, the plan fits without it (unless the user asked for
-    offload), or `stream` and the weights cannot be streamed."""
-    if e.engine != "zero" or fixed.get("offload_optimizer") == "none" or hw.device != "cuda":
-        return None
-    forced = fixed.get("offload_optimizer") == "cpu"
-    if "offload_blocks" in fixed or (base.fits and not forced):
-        return None  # the fraction was given (base already is that plan), or nothing to offload
-    if stream and not can_stream(work, e, fixed):
-        return None
-    if fixed.get("offload_optimizer") == "nvme" or (
-        fixed.get("offload_optimizer") != "cpu" and hw.nvme_path
-    ):
-        v = spill_variant(work, grad_accum, hw, rates, e, layout, fixed, stream)
-        if v is not None:
-            return v
-    L = work.model.n_layer
-    stream = stream or e.offload_params == "cpu"
-
-    def with_k(k: int) -> Candidate:
-        cfg = dataclasses.replace(
-            e,
-            offload_optimizer="cpu",
-            offload_blocks=k,
-            offload_params="cpu" if stream else "none",
-        )
-        return evaluate(work, grad_accum, hw, rates, cfg, layout)
-
-    lo, hi = (
-        (1 if forced else 0),
-        L,
-    )  # the fewest offloaded blocks that fit the GPU lies in (lo, hi]
-    if with_k(hi).gpu_short > 0 and not stream and can_stream(work, e, fixed):
-        stream = True  # the optimizer state alone is not enough: stream the weights too
-    if with_k(hi).gpu_short > 0:
-        return with_k(hi)  # even all blocks on the host do not fit the GPU: report the leanest
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if with_k(mid).gpu_short <= 0 else (mid, hi)
-    return with_k(hi)
-
-
-def spill_variant(
-    work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: dict, stream: bool = False
-) -> Candidate | None:
-    """Three tiers: the fewest (last) blocks offloaded that fit the GPU, and of those the fewest
-    (last) on the disk that fit the host RAM. None when host RAM alone holds them (the cpu-only
-    variant is then as good and faster) unless the user asked for nvme. As on the host tier, the
-    offloaded blocks' weights are streamed from host RAM when their optimizer state alone leaves
-    the GPU short (or when `stream`)."""
-    L = work.model.n_layer
-    want_nvme = fixed.get("offload_optimizer") == "nvme"
-    stream = stream or e.offload_params == "cpu"
-
-    def with_kd(k: int, d: int) -> Candidate:
-        cfg = dataclasses.replace(
-            e,
-            offload_optimizer="nvme",
-            offload_blocks=k,
-            nvme_blocks=d,
-            nvme_path=hw.nvme_path or e.nvme_path,
-            offload_params="cpu" if stream else "none",
-        )
-        return evaluate(work, grad_accum, hw, rates, cfg, layout)
-
-    if with_kd(L, L).gpu_short > 0 and not stream and can_stream(work, e, fixed):
-        stream = True
-    if with_kd(L, L).gpu_short > 0:
-        return None  # not even every block on the disk fits the GPU
-    lo, hi = 0, L  # the fewest offloaded blocks that fit the GPU lie in (lo, hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if with_kd(mid, mid).gpu_short <= 0 else (mid, hi)
-    k = hi
-    if with_kd(k, 0).host_short <= 0 and not want_nvme:
-        return None  # RAM holds every offloaded block
-    lo, hi = (0, k) if with_kd(k, k).host_short <= 0 else (k, k)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if with_kd(k, mid).host_short <= 0 else (mid, hi)
-    return with_kd(k, max(hi, 1 if want_nvme else 0))
 
 
 def why(chosen: Candidate, cands: list[Candidate]) -> str:
@@ -449,16 +190,9 @@ def state_reason(chosen: Candidate, fitting: list[Candidate]) -> str:
     return ""
 
 
-def shortfall(c: Candidate) -> int:
-    """Bytes the plan is short of, over every tier that is short (room elsewhere cannot help)."""
-    return max(c.gpu_short, 0) + max(c.host_short, 0) + max(c.disk_short, 0)
-
-
-def leanest(cands: list[Candidate]) -> Candidate:
-    return min(cands, key=shortfall)
-
-
-def largest_layers(work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: dict) -> int:
+def largest_layers(
+    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: Fixed
+) -> int:
     """The most layers of this width that fit with some plan (0 if none)."""
     lo, hi = 0, max(1, work.model.n_layer)
     while fits_layers(work, grad_accum, hw, rates, fixed, hi):
@@ -477,7 +211,7 @@ def fits_layers(work, grad_accum, hw, rates, fixed, layers: int) -> bool:
 
 
 def largest_micro_batch(
-    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: dict
+    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: Fixed
 ) -> int:
     best = 0
     for b in (1, 2, 4, 8, 16, 32, 64):
@@ -492,8 +226,14 @@ def largest_micro_batch(
 
 
 def refusal(
-    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, cands: list[Candidate], fixed: dict
+    work: Workload,
+    grad_accum: int,
+    hw: Hardware,
+    rates: Rates,
+    cands: list[Candidate],
+    fixed: Fixed | Mapping[str, Any] | None,
 ) -> str:
+    fixed = Fixed.of(fixed)
     lean = leanest(cands)
     m = work.model
     need = []
@@ -523,10 +263,10 @@ def refusal(
         alt.append(f"this model at micro-batch {mb}")
     # int8 moments are never chosen by themselves (their loss cost), but name them where they
     # would make this very model fit
-    if fixed.get("moments", "auto") == "auto" and "int8" not in formats.AUTO_FORMATS:
+    if fixed.format("moments") == "auto" and "int8" not in formats.AUTO_FORMATS:
         try:
             fits8 = any(
-                c.fits for c in plan(work, grad_accum, hw, rates, {**fixed, "moments": "int8"})
+                c.fits for c in plan(work, grad_accum, hw, rates, fixed.with_(moments="int8"))
             )
         except UserError:  # the fixed fields rule compact moments out (--engine ddp)
             fits8 = False
@@ -544,11 +284,11 @@ def choose(
     grad_accum: int,
     hw: Hardware,
     rates: Rates,
-    fixed: dict | None = None,
+    fixed: Fixed | Mapping[str, Any] | None = None,
     force: bool = False,
 ) -> tuple[Candidate, list[Candidate]]:
     """The chosen plan and all candidates; a UserError naming the shortfall if none fits."""
-    fixed = fixed or {}
+    fixed = Fixed.of(fixed)
     cands = plan(work, grad_accum, hw, rates, fixed)
     if not cands[0].fits and not force:
         raise UserError(

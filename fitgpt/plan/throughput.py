@@ -209,8 +209,9 @@ def step_time(
     """Seconds per optimizer step, term by term; `placement` (the engine's, from the planner)
     says what the host tier and weight streaming move."""
     m, tp = work.model, tp_of(ecfg)
-    W = work.world // tp  # data-parallel ranks
-    tokens = work.micro_batch * m.seq_len * grad_accum  # per rank
+    W = work.dp_ranks(tp)
+    # per rank: a data-parallel rank's share, which each of its group's T ranks sees
+    tokens = work.tokens_per_step(grad_accum, tp) // W
     flops = m.flops_per_token()
     if ecfg.checkpointing != "off":
         flops += RECOMPUTE * (2.0 * m.num_params() + 4.0 * m.n_layer * m.n_embd * m.seq_len)
@@ -227,7 +228,7 @@ def step_time(
     if ecfg.checkpointing == "cpu":
         # block inputs down in forward and back in backward, on a side stream: exposed only
         # where the link is slower than the compute it hides behind (forward ~1/4 of a step)
-        moved = grad_accum * m.n_layer * work.micro_batch * m.seq_len * m.n_embd * work.w
+        moved = tokens * m.n_layer * m.n_embd * work.w
         exposed = max(0.0, moved / (rates.d2h_gbps * 1e9) - compute / 4)
         exposed += max(0.0, moved / (rates.h2d_gbps * 1e9) - 3 * compute / 4)
     backward_last = compute / grad_accum * 0.6  # the window the final reductions can hide in

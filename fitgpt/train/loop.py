@@ -25,6 +25,7 @@ from fitgpt.engine.comm import CollectiveError
 from fitgpt.engine.factory import build_engine
 from fitgpt.errors import UserError
 from fitgpt.parallel.shard import check_tensor_parallel
+from fitgpt.plan.memory import tokens_per_step
 from fitgpt.train import checkpoint as ckpt_io
 from fitgpt.train.checkpoint_policy import CheckpointPolicy
 from fitgpt.train.config import RunConfig
@@ -52,7 +53,9 @@ class Trainer:
         ctx = ctx.with_tensor_parallel(tp)
         # the rates and warm-up the command left unset, decided once (train/schedule.py): the
         # warm-up counts tokens, and the tokens per step count the data-parallel ranks
-        tokens = run.train.micro_batch * run.train.grad_accum * ctx.dp_world * run.model.seq_len
+        tokens = tokens_per_step(
+            run.train.micro_batch, run.train.grad_accum, run.model.seq_len, ctx.dp_world
+        )
         train_cfg, self.defaults_line, warning = resolve_schedule(
             run.train, run.model, tokens, run.optim.beta2
         )
@@ -303,7 +306,9 @@ class Trainer:
     @property
     def tokens_per_step(self) -> int:
         cfg = self.cfg
-        return cfg.micro_batch * cfg.grad_accum * self.ctx.dp_world * self.model_cfg.seq_len
+        return tokens_per_step(
+            cfg.micro_batch, cfg.grad_accum, self.model_cfg.seq_len, self.ctx.dp_world
+        )
 
 
 def _is_backend_error(e: RuntimeError) -> bool:

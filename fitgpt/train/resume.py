@@ -37,6 +37,7 @@ from fitgpt.data.tokenizer import Tokenizer, load_tokenizer
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
+from fitgpt.plan.memory import tokens_per_step
 from fitgpt.train import checkpoint as ckpt_io
 from fitgpt.train.config import RunConfig, TrainConfig
 from fitgpt.train.init_from import FREE
@@ -348,7 +349,7 @@ def _shown(value) -> str:
 
 
 def _tokens(train: dict, model: dict, dp_world: int) -> int:
-    return train["micro_batch"] * train["grad_accum"] * dp_world * model["seq_len"]
+    return tokens_per_step(train["micro_batch"], train["grad_accum"], model["seq_len"], dp_world)
 
 
 def changed_settings(

@@ -1,7 +1,8 @@
 """Learning rate: linear warm-up from 0, then cosine decay to min_lr at the last step; and the
 defaults a run takes when it names no rate or warm-up, decided here and only here
 (resolve_schedule): the peak by the model's width, the warm-up by tokens and the run's length,
-lower rates and a short warm-up when fine-tuning (--init-from)."""
+lower rates and a short warm-up when fine-tuning (--init-from). The warm-up counts the tokens a
+step trains on as every other count of them does (plan/memory.py tokens_per_step)."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ import torch
 from fitgpt.dist import DistContext
 from fitgpt.engine.compile import ASSUMED_MFU, auto_compile
 from fitgpt.errors import UserError
+from fitgpt.plan.memory import tokens_per_step
 
 
 class OutOfMemory(UserError):
@@ -66,21 +67,20 @@ def estimated_run_s(run, device_type: str) -> float:
     from fitgpt.train.metrics import PEAK_BF16, peak_flops
 
     t = run.train
-    tokens = t.micro_batch * t.grad_accum * run.model.seq_len  # per rank and step
+    tokens = tokens_per_step(t.micro_batch, t.grad_accum, run.model.seq_len)  # one rank's share
     peak = peak_flops(torch.device("cuda")) or max(PEAK_BF16.values())
     return t.steps * run.model.flops_per_token() * tokens / (ASSUMED_MFU * peak)
 
 
 def setup_run(run, ctx: DistContext, fixed, force: bool = False, log=print):
     """The run as it will be built: resolved, then planned (`fixed`: the engine fields the user
-    set, a plan.apply.Fixed; None: no planning, the engine config is used as given)."""
+    set, an engine.fixed.Fixed; None: no planning, the engine config is used as given)."""
     run = resolve_run(run, ctx.device.type, settle_compile=fixed is None)
     # the one validation of a run's settings (engine/validate.py), on the model as built (its
     # vocabulary is the tokenizer's now): what the CLI checked, and the benchmark harness's runs
     from fitgpt.engine.validate import check_settings
 
-    f = None if fixed is None else fixed.as_dict()
-    check_settings(run.model, run.engine, run.precision, ctx.world, ctx.device.type, f)
+    check_settings(run.model, run.engine, run.precision, ctx.world, ctx.device.type, fixed)
     if fixed is None:
         return run
     from fitgpt.plan.apply import plan_engine
@@ -120,8 +120,9 @@ def phase_of(e: BaseException, default: str) -> str:
 
 def oom_message(run, ctx: DistContext, where: str, phase: str) -> str:
     """One line: what ran out, at which phase, the plan's prediction, and a plan that would fit."""
+    from fitgpt.engine.fixed import Fixed
     from fitgpt.plan import hardware, rates
-    from fitgpt.plan.apply import Fixed, plan_run, workload_of
+    from fitgpt.plan.apply import plan_run, workload_of
     from fitgpt.plan.memory import GiB, estimate
 
     est = estimate(workload_of(run, ctx.world, ctx.device.type), run.engine)

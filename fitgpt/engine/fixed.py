@@ -1,0 +1,99 @@
+"""The engine fields a user fixed; the planner (plan/planner.py) chooses the rest.
+
+A `Fixed` comes from the flags typed under `--plan auto`, a DeepSpeed config's mapped keys or a
+benchmark system's ablation. It travels typed from the CLI through the one validation
+(engine/validate.py: a fixed field is settled, any other is the planner's to choose) into the
+planner, which asks it questions by name (`fixed.offload_optimizer`, `fixed.format("moments")`)
+instead of reading a dict with defaults repeated at every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fitgpt.engine.config import EngineConfig, Tier
+
+ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """The engine fields a user set, by name (sorted: two Fixed of the same fields are equal).
+    Names are checked against EngineConfig's fields; values are checked where they are applied
+    (EngineConfig's own __post_init__)."""
+
+    fields: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any] | Fixed | None = None) -> Fixed:
+        """`values` as a Fixed; a Fixed is returned as it is (the planner's entry points take
+        either, so a test or a script may write the fields as a dict)."""
+        if isinstance(values, Fixed):
+            return values
+        values = dict(values or {})
+        unknown = set(values) - ENGINE_FIELDS
+        if unknown:
+            raise ValueError(f"not engine fields: {sorted(unknown)}")
+        return cls(tuple(sorted(values.items())))
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.fields)
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The fields the user set (empty: the planner chooses every one)."""
+        return frozenset(name for name, _ in self.fields)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def with_(self, **values: Any) -> Fixed:
+        """These fields and `values` (which replace any of the same name)."""
+        return Fixed.of({**self.as_dict(), **values})
+
+    def applied(self, e: EngineConfig) -> EngineConfig:
+        """`e` with the fixed fields set (a UserError where they rule `e`'s engine out)."""
+        return dataclasses.replace(e, **self.as_dict())
+
+    def agrees(self, e: EngineConfig, names: Iterable[str]) -> bool:
+        """Whether `e` has the fixed value of each of `names` that the user fixed."""
+        fixed = self.as_dict()
+        return all(getattr(e, k) == fixed[k] for k in names if k in fixed)
+
+    def _get(self, name: str, default: Any = None) -> Any:
+        return self.as_dict().get(name, default)
+
+    # ---- the planner's questions: the value fixed, or what an unset field means ----------------
+    @property
+    def tensor_parallel(self) -> int:
+        """T as given: 1 when not given, 0 for auto (every T that divides is priced)."""
+        return self._get("tensor_parallel", 1)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return bool(self._get("sequence_parallel"))
+
+    @property
+    def offload_optimizer(self) -> Tier | None:
+        """The optimizer state's tier; None: the planner's to choose."""
+        return self._get("offload_optimizer")
+
+    @property
+    def offload_params(self) -> Tier | None:
+        """Where offloaded blocks' weights live; None: the planner's to choose."""
+        return self._get("offload_params")
+
+    @property
+    def offload_blocks(self) -> int | None:
+        return self._get("offload_blocks")
+
+    @property
+    def nvme_blocks(self) -> int | None:
+        return self._get("nvme_blocks")
+
+    def format(self, name: str) -> str:
+        """A storage format field (master, moments, device_moments) as fixed; "auto" if not."""
+        return self._get(name, "auto")

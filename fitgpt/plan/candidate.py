@@ -1,0 +1,116 @@
+"""One priced plan, a `Candidate`: its EngineConfig, predicted bytes and step time, and what it
+is short of on this machine; and how candidates compare (the planner's sort, plan/planner.py).
+
+`evaluate` prices one EngineConfig: its Placement (the zero engine's chunks and tiers), the
+memory model's bytes (plan/memory.py) and the step-time model's seconds (plan/throughput.py),
+against the GPU budget, the host RAM of every rank on this machine and the disk's free space.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fitgpt.engine.config import EngineConfig
+from fitgpt.engine.placement import Placement
+from fitgpt.plan import formats
+from fitgpt.plan.hardware import Hardware
+from fitgpt.plan.memory import Estimate, Workload, estimate, gpu_budget, layout_of, placement_of
+from fitgpt.plan.rates import Rates
+from fitgpt.plan.throughput import step_time
+
+
+@dataclass
+class Candidate:
+    ecfg: EngineConfig
+    est: Estimate
+    time: dict[str, float]
+    gpu_short: int  # bytes over the GPU budget (<= 0: fits)
+    host_short: int
+    disk_short: int = 0  # bytes of the nvme tier over the disk's free space
+    placement: Placement | None = None  # the zero engine's (None for ddp)
+    disk_written: int = 0  # bytes written per optimizer step to this machine's disk tier
+    rung: int = 0  # the formats' rung on the ladder this run climbs (0: fp32 unless fixed)
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_short <= 0 and self.host_short <= 0 and self.disk_short <= 0
+
+    @property
+    def tp(self) -> int:
+        return max(1, self.ecfg.tensor_parallel)
+
+    @property
+    def compared_time(self) -> float:
+        """Seconds for the tokens of one step without tensor parallelism: a T-way plan's step
+        takes 1/T of them (T ranks share each micro-batch), so plans compare per token."""
+        return self.time["total"] * self.tp
+
+    @property
+    def formats(self) -> formats.Formats:
+        """(master, offloaded moments, device moments) as stored; "-" for an empty tier."""
+        return formats.in_effect(self.placement)
+
+    @property
+    def name(self) -> str:
+        e = self.ecfg
+        base = "ddp" if e.engine == "ddp" else f"zero-{e.zero_stage}"
+        off = ""
+        if e.offload_optimizer != "none":
+            p = self.placement
+            n = sum(1 for c in p.chunks if c.block)
+            off = f", optimizer of {p.offloaded_blocks} of {n} blocks offloaded"
+            if e.offload_optimizer == "nvme":
+                off += f" ({p.nvme_blocks} of those on nvme, the rest on cpu)"
+            else:
+                off += " to cpu"
+            if e.offload_params == "cpu":
+                off += ", their weights streamed from cpu"
+        tp = f", tensor-parallel {e.tensor_parallel}" if e.tensor_parallel > 1 else ""
+        return f"{base}{tp}, checkpointing {e.checkpointing}{off}{formats.label(self.formats)}"
+
+
+def evaluate(
+    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, ecfg: EngineConfig, layout=None
+) -> Candidate:
+    layout = layout or layout_of(work.model)
+    placement = placement_of(work, ecfg, layout) if ecfg.engine == "zero" else None
+    est = estimate(work, ecfg, layout, placement)
+    t = step_time(work, ecfg, grad_accum, rates, placement)
+    ranks_here = hw.gpus if hw.device == "cuda" else work.world
+    gpu_short = est.compute_total - gpu_budget(hw.gpu_mem) if hw.device == "cuda" else 0
+    host_short = est.host_total * ranks_here - hw.cpu_mem if hw.cpu_mem else 0
+    disk = sum(est.nvme.values()) * ranks_here
+    disk_short = 0
+    if disk:
+        # nvme_free is already net of the spare room the store leaves (engine/nvme.py)
+        disk_short = disk - hw.nvme_free if hw.nvme_path else disk
+    written = placement.disk_traffic()[1] * ranks_here if placement else 0
+    return Candidate(ecfg, est, t, gpu_short, host_short, disk_short, placement, written)
+
+
+def speed(c: Candidate) -> tuple:
+    """How plans that fit compare (the sort's tail): step time, then the smaller peak."""
+    return (c.compared_time, c.est.compute_total, c.ecfg.engine != "zero")
+
+
+def in_ram(c: Candidate) -> bool:
+    """Fits on the GPU and in host RAM without the disk tier."""
+    return c.fits and not uses_disk(c)
+
+
+def offloads(c: Candidate) -> bool:
+    """Whether some blocks' optimizer state is updated on the host."""
+    return c.placement is not None and c.placement.offloaded_blocks > 0
+
+
+def uses_disk(c: Candidate) -> bool:
+    return c.placement is not None and c.placement.nvme_blocks > 0
+
+
+def shortfall(c: Candidate) -> int:
+    """Bytes the plan is short of, over every tier that is short (room elsewhere cannot help)."""
+    return max(c.gpu_short, 0) + max(c.host_short, 0) + max(c.disk_short, 0)
+
+
+def leanest(cands: list[Candidate]) -> Candidate:
+    return min(cands, key=shortfall)
