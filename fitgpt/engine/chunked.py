@@ -5,8 +5,8 @@ embedding and head chunks. The model's parameters are views into the chunks' fla
 buffers, so the model code never changes. Mixed precision keeps bf16/fp16 weights and gradients
 for compute and fp32 master weights and Adam moments over each rank's optimizer range.
 
-This file is the facade: it builds the chunks from the placement and runs the step; each concern
-is its own part, reached only from here:
+This file is the facade: it builds the model (engine/build.py) and the chunks from the placement
+(engine/chunk_build.py) and runs the step; each concern is its own part, reached only from here:
   engine/reduce.py       gradient reduction, overlapped with the backward (all-reduce at stage 0,
                          reduce-scatter from stage 1; every micro-batch from stage 2)
   engine/fetch.py        weight fetch: stage-3 all-gathers and host→device streaming of
@@ -42,17 +42,15 @@ from fitgpt.engine.accounting import check_host_room, memory_report
 from fitgpt.engine.activation import checkpoint_blocks
 from fitgpt.engine.base import Batch, Engine, StepStats, batch_to
 from fitgpt.engine.build import build
-from fitgpt.engine.chunk import Chunk
+from fitgpt.engine.chunk_build import build_chunks, shared_state, warm_up_codecs
 from fitgpt.engine.chunk_state import ChunkStateIO
 from fitgpt.engine.comm import Peers
-from fitgpt.engine.compact import Scratch
 from fitgpt.engine.compile import compile_regions, model_scope
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
-from fitgpt.engine.disk_tier import DiskTier
 from fitgpt.engine.fetch import WeightFetch
 from fitgpt.engine.offload import HostOptimizer
 from fitgpt.engine.pinned import PinnedArena
-from fitgpt.engine.placement import Placement, split_master_refusal, stream_refusal
+from fitgpt.engine.placement import Placement
 from fitgpt.engine.reduce import GradReducer
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import KINDS, write_pieces
@@ -99,9 +97,15 @@ class ChunkEngine(Engine):
         model.materialize_buffers(self.device)
         self.placement = self._placement()
         self.pinned = PinnedArena(self.cuda)  # streamed weights
-        self.scratch, self.disk = self._shared_state()
-        self.chunks = self._build_chunks(model, seed)
-        self._warm_up_codecs()
+        self.scratch, self.disk = shared_state(self.placement, self.device, self.ecfg.nvme_path)
+        # under TP each rank's part of the weights an unsplit run starts from
+        init = self.view.init(partial(model.init_parameter_, seed=seed))
+        self.chunks = build_chunks(
+            self.placement, model, init, self.ocfg,
+            rank=self.ctx.dp_rank if self.world > 1 else 0, dtype=self.dtype,
+            device=self.device, pinned=self.pinned, scratch=self.scratch, disk=self.disk,
+        )  # fmt: skip
+        warm_up_codecs(self.chunks, self.scratch)
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         self.blocks = [c for c in self.chunks if c.spec.name.startswith("block.")]
         self.compiled = None
@@ -139,67 +143,10 @@ class ChunkEngine(Engine):
         placement = Placement.of(
             self.local_layout, self.ecfg, self.world, self.dtype.itemsize, self.device.type
         )
-        split = any(c.master == "split" for c in placement.chunks)
-        why = (split and split_master_refusal(self.precision)) or (
-            placement.streams and stream_refusal(self.world, placement.stage)
-        )
-        if why:
+        if why := placement.refusal(self.precision):
             raise UserError(why)
         check_host_room(placement, self.device, self.ctx.group, self.ctx.world)
         return placement
-
-    def _shared_state(self) -> tuple[dict[str, Scratch], DiskTier | None]:
-        """What chunks share: the fp32 scratch the compact formats are stepped through, one per
-        tier that has them ("device": the main thread's, "host": the host optimizer worker's;
-        engine/compact.py), and the disk tier, whose free space is checked here, before anything
-        else is allocated."""
-        scratch = {}
-        for tier in ("device", "host"):
-            if elems := self.placement.scratch_elems(tier):
-                dev = self.device if tier == "device" else torch.device("cpu")
-                scratch[tier] = Scratch(elems, dev)
-        on_disk = {c.spec.index: c.state_layout() for c in self.placement.chunks if c.on_disk}
-        disk = DiskTier(self.ecfg.nvme_path, on_disk) if on_disk else None
-        return scratch, disk
-
-    def _build_chunks(self, model: DecoderLM, seed: int) -> list[Chunk]:
-        """One chunk at a time: allocate, bind into the model, initialise, build its optimizer
-        (its views are cut while the state is resident), and write a disk-homed chunk's state
-        out, so init transients and host RAM stay at one chunk's worth."""
-        chunks = []
-        init = partial(model.init_parameter_, seed=seed)
-        init = self.view.init(init)  # under TP each rank's part of the unsplit run's weights
-        for plan in self.placement.chunks:
-            c = Chunk(
-                plan,
-                rank=self.ctx.dp_rank if self.world > 1 else 0,
-                dtype=self.dtype,
-                device=self.device,
-                pinned=self.pinned,
-            )
-            c.bind(model)
-            c.build_optimizer(self.ocfg)
-            c.init_weights(init, self.scratch_of(c))
-            if c.on_disk:
-                self.disk.write_out(c)  # host RAM holds one disk-homed chunk's state at a time
-            chunks.append(c)
-        return chunks
-
-    def _warm_up_codecs(self) -> None:
-        """Compile the host tier's fused codecs (engine/codec.py) here, on the main thread,
-        once per format, rather than inside the host optimizer's first step."""
-        seen = set()
-        for c in self.chunks:
-            if (
-                c.offloaded
-                and c.compact is not None
-                and (c.plan.master, c.plan.moments) not in seen
-            ):
-                seen.add((c.plan.master, c.plan.moments))
-                c.compact.warm_up(self.scratch["host"])
-
-    def scratch_of(self, c: Chunk) -> Scratch | None:
-        return self.scratch.get("host" if c.offloaded else "device")
 
     def _connect_parts(self) -> None:
         """The engine's parts, and their hooks on the model (handles removed at close())."""

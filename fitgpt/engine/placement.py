@@ -157,6 +157,15 @@ class Placement:
         from host RAM): the engine fetches them ahead of each use."""
         return any(c.weights != "device" for c in self.chunks)
 
+    def refusal(self, precision: str) -> str | None:
+        """The one line refusing what this placement cannot run under `precision`, or None."""
+        split = any(c.master == "split" for c in self.chunks)
+        return (
+            (split and split_master_refusal(precision))
+            or (self.streams and stream_refusal(self.world, self.stage))
+            or None
+        )
+
     def offloaded_elems(self) -> int:
         """Optimizer elements this rank updates on the host (host RAM and disk tiers)."""
         return sum(c.opt_elems for c in self.hosted)
