@@ -29,6 +29,7 @@ in the KV cache.
 from __future__ import annotations
 
 import zlib
+from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
@@ -55,7 +56,7 @@ class KVCache:
         return self.k[layer][:, :, :t1], self.v[layer][:, :, :t1]
 
 
-class DecoderLM(nn.Module):
+class DecoderLM(nn.Module, ABC):
     """Base of every family's network: `wte` (the token embedding), `blocks`, the head."""
 
     family: ClassVar  # the family's Family (model/family.py), set where it is registered
@@ -67,23 +68,23 @@ class DecoderLM(nn.Module):
         self.cfg = cfg
 
     # ---- the family's hooks ---------------------------------------------------------------
-    def embed_rest(self, x_BTH: Tensor, start: int) -> Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def embed_rest(self, x_BTH: Tensor, start: int) -> Tensor: ...
 
     def block_aux(self, T: int, past: int, device) -> Tensor | None:
         return None
 
-    def final_norm(self, x_BTH: Tensor) -> Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def final_norm(self, x_BTH: Tensor) -> Tensor: ...
 
-    def head_weight(self) -> Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def head_weight(self) -> Tensor: ...
 
-    def init_std(self, name: str) -> float | None:
-        raise NotImplementedError
+    @abstractmethod
+    def init_std(self, name: str) -> float | None: ...
 
-    def split_heads(self, rank: int, tp: int) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def split_heads(self, rank: int, tp: int) -> None: ...
 
     def materialize_buffers(self, device) -> None:
         return None

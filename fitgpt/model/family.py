@@ -21,6 +21,7 @@ Family and calls register_family; nothing in engine/, plan/ or parallel/ names a
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -41,7 +42,7 @@ class Split:
     parts: int = 1
 
 
-class Family:
+class Family(ABC):
     """One model family (subclass it; register one instance with register_family)."""
 
     name: ClassVar[str] = ""
@@ -57,12 +58,13 @@ class Family:
                 return rule
         return None
 
+    @abstractmethod
     def tp_sizes(self, cfg: ModelConfig) -> list[tuple[int, str]]:
         """(size, what it is, as a refusal names it) for each size the TP degree must divide."""
-        raise NotImplementedError
+        ...
 
-    def num_params(self, cfg: ModelConfig) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def num_params(self, cfg: ModelConfig) -> int: ...
 
     def flops_per_token(self, cfg: ModelConfig) -> float:
         """Model FLOPs per trained token, recompute not counted: 6 per parameter, plus
@@ -70,10 +72,11 @@ class Family:
         published figures use)."""
         return 6.0 * self.num_params(cfg) + 12.0 * cfg.n_layer * cfg.n_embd * cfg.seq_len
 
+    @abstractmethod
     def block_activations(self, cfg: ModelConfig) -> tuple[int, int]:
         """Elements per token one block saves for its backward: (left whole by tensor
         parallelism, cut 1/T by it). Flash attention: no S² term."""
-        raise NotImplementedError
+        ...
 
 
 FAMILIES: dict[str, Family] = {}
