@@ -70,7 +70,12 @@ def refusal(
         split_master_refusal,
         stream_refusal,
     )
-    from fitgpt.parallel.shard import tensor_parallel_refusal, tp_divisors
+    from fitgpt.parallel.shard import (
+        tensor_parallel_refusal,
+        tp_divisors,
+        tp_sizes,
+        what_divides,
+    )
 
     def settled(*names: str) -> bool:
         return not chosen.intersection(names)
@@ -89,9 +94,9 @@ def refusal(
         )
     if tp == 0 and e.sequence_parallel and not tp_divisors(model, world, True):
         return (
-            f"--tensor-parallel auto --sequence-parallel: no T of 2 or more divides the {world} "
-            f"rank(s), the {model.n_head} heads, 4·hidden, the padded vocabulary and --seq-len "
-            f"{model.seq_len}; drop --sequence-parallel or change --gpus"
+            "--tensor-parallel auto --sequence-parallel: no T of 2 or more divides "
+            f"{what_divides(tp_sizes(model, world, True))}; drop --sequence-parallel or change "
+            "--gpus"
         )
     why = tensor_parallel_refusal(tp, model, world, e.sequence_parallel)
     if why:

@@ -42,7 +42,7 @@ def unshard(rule: Split | None, shards: list[Tensor]) -> Tensor:
     return torch.cat([split[r][k] for k in range(parts) for r in range(len(shards))], dim)
 
 
-def _splits(cfg: ModelConfig, world: int | None, sequence_parallel: bool) -> list[tuple[int, str]]:
+def tp_sizes(cfg: ModelConfig, world: int | None, sequence_parallel: bool) -> list[tuple[int, str]]:
     """What T must divide: (size, what it is, as the line names it)."""
     checks = family_of(cfg).tp_sizes(cfg)
     if world is not None:
@@ -52,10 +52,16 @@ def _splits(cfg: ModelConfig, world: int | None, sequence_parallel: bool) -> lis
     return checks
 
 
+def what_divides(checks: list[tuple[int, str]]) -> str:
+    """'a, b and c' of the sizes a refusal names (the model family's, with the ranks)."""
+    names = [what for _, what in checks]
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+
+
 def tp_divisors(cfg: ModelConfig, world: int, sequence_parallel: bool = False) -> list[int]:
     """Every T the job and the model can be split by (what --tensor-parallel auto prices);
     with --sequence-parallel only T >= 2 (it splits within a TP group)."""
-    sizes = [n for n, _ in _splits(cfg, world, sequence_parallel)]
+    sizes = [n for n, _ in tp_sizes(cfg, world, sequence_parallel)]
     low = 2 if sequence_parallel else 1
     return [d for d in range(low, world + 1) if all(n % d == 0 for n in sizes)]
 
@@ -69,14 +75,13 @@ def tensor_parallel_refusal(
         return f"--tensor-parallel {tp} must be at least 1"
     if tp <= 1:
         return None
-    checks = _splits(cfg, world, sequence_parallel)
+    checks = tp_sizes(cfg, world, sequence_parallel)
     for n, what in checks:
         if n % tp:
             ok = [d for d in range(1, tp + 1) if all(m % d == 0 for m, _ in checks)]
             return (
                 f"--tensor-parallel {tp} does not divide {what}, {n}: use one of "
-                f"{', '.join(map(str, ok))} (it must divide the ranks, heads, 4·hidden and "
-                "the padded vocabulary)"
+                f"{', '.join(map(str, ok))} (it must divide {what_divides(checks)})"
             )
     return None
 
