@@ -20,8 +20,9 @@ from fitgpt.plan.memory import Workload
 
 def tp_degrees(work: Workload, fixed: Fixed) -> list[int]:
     """The tensor-parallel degrees to price: the one the user gave (default 1), or with auto
-    (0) every T that divides the ranks and the model family's sizes (GPT-2: heads, 4·hidden, vocabulary; and the
-    sequence, with --sequence-parallel: parallel/shard.py tp_divisors, the rule train checks)."""
+    (0) every T that divides the ranks and the model family's sizes (GPT-2: heads, 4·hidden,
+    vocabulary; and the sequence, with --sequence-parallel: parallel/shard.py tp_divisors, the
+    rule train checks)."""
     t = fixed.tensor_parallel
     if t != 0:
         why = tensor_parallel_refusal(t, work.model, work.world, fixed.sequence_parallel)
