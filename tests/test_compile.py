@@ -3,7 +3,7 @@
 Compiling on 2 CPU cores takes 10-20 s per region kind when Inductor's disk caches are cold, so
 there are two compiled cases: the chunk engine at stage 3 with activation checkpointing (weights
 whose storage is freed and restored around every use), and a compiler that cannot run. The
-rest (the flag, the auto rule, the planner keeping the flag) compiles nothing.
+rest (the flag, the auto rule, the planner resolving the flag) compiles nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from helpers import TINY, run_config
 
 from fitgpt.dist import DistContext
-from fitgpt.engine.compile import auto_compile, compile_pays, report_line
+from fitgpt.engine.compile import auto_compile, compile_pays, compile_scope, report_line
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.errors import UserError
@@ -61,7 +61,7 @@ def test_compiled_stage3_with_checkpointing_trains_like_eager(tmp_path, capsys):
     assert not any(r.get("compiled") for r in off) and not any("compile_s" in r for r in off)
 
     # the engine directly: 4 steps on fresh batches, the weights freed between uses each time
-    e = build_engine(TINY, EngineConfig(compile="on", **engine), PrecisionConfig("fp32"),
+    e = build_engine(TINY, EngineConfig(compile="blocks", **engine), PrecisionConfig("fp32"),
                      OptimConfig(), CPU)  # fmt: skip
     for step in range(4):
         e.train_step(batches(2, 2, step), 1e-3)
@@ -73,23 +73,21 @@ def test_compiled_stage3_with_checkpointing_trains_like_eager(tmp_path, capsys):
 
 @pytest.mark.slow
 @needs_cxx
-def test_the_whole_model_as_one_graph_trains_like_eager(tmp_path, capsys, monkeypatch):
-    """model_scope's form (on a GPU: CUDA graphs, which a CPU has not; the graph is the same):
+def test_the_whole_model_as_one_graph_trains_like_eager(tmp_path, capsys):
+    """--compile model (on a GPU: CUDA graphs, which a CPU has not; the graph is the same):
     the same losses as eager, one region reported, no recompile over steps, and evaluation and
     sampling running the eager forward (no second compile)."""
-    import fitgpt.engine.chunked as chunked
-
-    monkeypatch.setattr(chunked, "model_scope", lambda *a: True)
     runs = {}
-    for mode in ("off", "on"):
+    for mode in ("off", "model"):
         cfg = run_config(
             tmp_path / mode, steps=3, log_every=1, compile=mode, eval_every=3, engine="zero"
         )
-        runs[mode] = train(cfg, CPU)
+        runs["on" if mode == "model" else mode] = train(cfg, CPU)
     torch.testing.assert_close(runs["on"]["losses"], runs["off"]["losses"], rtol=1e-5, atol=0)
     log = capsys.readouterr().out
     assert log.count("compile: the whole model as one graph, 0 graph breaks, 0 recompiles") == 1
-    recs = {m: [json.loads(x) for x in (tmp_path / m / "metrics.jsonl").open()] for m in runs}
+    recs = {m: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").open()]
+            for m, d in (("off", "off"), ("on", "model"))}  # fmt: skip
     evals = [[r["val_loss"] for r in recs[m] if r["kind"] == "eval"] for m in runs]
     assert evals[0] and evals[1] and abs(evals[0][0] - evals[1][0]) < 1e-4
     records = recs["on"]
@@ -98,14 +96,38 @@ def test_the_whole_model_as_one_graph_trains_like_eager(tmp_path, capsys, monkey
 
 
 def test_only_one_rank_holding_a_small_model_whole_compiles_it_whole():
-    from fitgpt.engine.compile import MODEL_SCOPE_MAX_HIDDEN, model_scope
+    """compile_scope, the one decision: the whole model for one GPU rank of the chunk engine
+    holding a model up to MODEL_SCOPE_MAX_HIDDEN whole, unchecked; the regions otherwise; a
+    scope given outright is kept; auto compiles only a long GPU run."""
+    from fitgpt.engine.compile import MODEL_SCOPE_MAX_HIDDEN
 
-    assert model_scope("cuda", 768, 1, True, "off")
-    assert not model_scope("cpu", 768, 1, True, "off")  # no CUDA graphs: the regions
-    assert not model_scope("cuda", MODEL_SCOPE_MAX_HIDDEN + 1, 1, True, "off")  # GPU-bound
-    assert not model_scope("cuda", 768, 2, True, "off")  # reductions overlap block by block
-    assert not model_scope("cuda", 768, 1, False, "off")  # host waits, streams before blocks
-    assert not model_scope("cuda", 768, 1, True, "full")  # the checkpoint wraps each block
+    def scope(asked="on", engine="zero", dev="cuda", h=768, world=1, resident=True, ck="off"):
+        return compile_scope(asked, engine, dev, h, world, resident, ck, 1e9)
+
+    assert scope() == "model"
+    assert scope(dev="cpu") == "blocks"  # no CUDA graphs: the regions
+    assert scope(h=MODEL_SCOPE_MAX_HIDDEN + 1) == "blocks"  # GPU-bound
+    assert scope(world=2) == "blocks"  # reductions overlap block by block
+    assert scope(resident=False) == "blocks"  # host waits, streams before blocks
+    assert scope(ck="full") == "blocks"  # the checkpoint wraps each block
+    assert scope(engine="ddp") == "blocks"  # DDP's reducer hooks sit between blocks
+    assert scope("blocks") == "blocks" and scope("off") == "off" and scope("model", dev="cpu")
+    assert scope("auto", dev="cpu") == "off"
+    assert compile_scope("auto", "zero", "cuda", 768, 1, True, "off", 100.0) == "off"  # short
+
+
+def test_the_engines_build_what_the_config_says():
+    """An engine decides nothing: a config never planned reads auto as off and on as the
+    regions, whatever the machine (the planner, or setup for a run given whole, resolves them
+    first on the user's path); --compile model needs the chunk engine."""
+    from fitgpt.engine.compile import scope_of
+    from fitgpt.engine.validate import refusal
+
+    assert [scope_of(EngineConfig(compile=c)) for c in ("auto", "on", "off", "blocks", "model")] == [
+        "off", "blocks", "off", "blocks", "model"
+    ]  # fmt: skip
+    why = refusal(TINY, EngineConfig(engine="ddp", compile="model"), "fp32", 1, "cpu")
+    assert why.startswith("--compile model needs --engine zero")
 
 
 @pytest.mark.slow
@@ -117,7 +139,7 @@ def test_a_region_that_cannot_compile_runs_eagerly_after_one_warning(capfd):
     import torch._functorch.config
     import torch._inductor.config
 
-    ecfg = EngineConfig(engine="zero", zero_stage=0, compile="on")
+    ecfg = EngineConfig(engine="zero", zero_stage=0, compile="blocks")
     eager = build_engine(TINY, dataclasses.replace(ecfg, compile="off"), PrecisionConfig("fp32"),
                          OptimConfig(), CPU)  # fmt: skip
     want = [eager.train_step(batches(1, 2, s), 1e-3).loss for s in range(2)]
@@ -141,7 +163,7 @@ def test_a_region_that_cannot_compile_runs_eagerly_after_one_warning(capfd):
 
 
 def test_compile_flag_is_checked():
-    with pytest.raises(UserError, match=r"--compile 'yes': use auto, on or off"):
+    with pytest.raises(UserError, match=r"--compile 'yes': use auto, on, off, blocks or model"):
         EngineConfig(compile="yes")
     from fitgpt.bench.config import BenchConfig
 
@@ -161,14 +183,14 @@ def test_auto_compiles_only_long_gpu_runs():
     resolved = resolve_run(run, "cpu")
     assert resolved.engine.compile == "off" and estimated_run_s(run, "cpu") == 0.0
     on = run_config("unused", compile="on")
-    assert resolve_run(on, "cpu").engine.compile == "on"  # asked for: compiled, even on a CPU
+    assert resolve_run(on, "cpu").engine.compile == "blocks"  # asked for: compiled, even on a CPU
 
 
-def test_auto_is_settled_on_the_plans_checkpointing(tmp_path, monkeypatch):
-    """--compile auto is decided once, after planning, with the checkpointing the planner chose
-    (it cannot be known before): the decision sees the plan's value, and what it returns is the
-    run's --compile."""
-    import fitgpt.train.setup as setup
+def test_auto_is_settled_for_each_plan_on_its_own_checkpointing(tmp_path, monkeypatch):
+    """--compile auto is decided by the planner for every plan it prices, with that plan's
+    checkpointing (it cannot be known before), and what the chosen plan says is the run's
+    --compile."""
+    import fitgpt.engine.compile as compile_mod
     from fitgpt.plan.apply import Fixed
 
     seen = []
@@ -177,23 +199,23 @@ def test_auto_is_settled_on_the_plans_checkpointing(tmp_path, monkeypatch):
         seen.append(checkpointing)
         return checkpointing == "off"  # the rule's checkpointing part, whatever this machine is
 
-    monkeypatch.setattr(setup, "auto_compile", decide)
+    monkeypatch.setattr(compile_mod, "auto_compile", decide)
     run = run_config(tmp_path, engine="zero", compile="auto")
     planned = setup_run(run, CPU, Fixed(), log=lambda *_: None)
-    assert seen == [planned.engine.checkpointing]
-    assert planned.engine.compile == ("on" if seen == ["off"] else "off")
-    seen.clear()
+    assert {"off", "full"} <= set(seen)  # each plan weighed on its own
+    assert planned.engine.compile == ("blocks" if planned.engine.checkpointing == "off" else "off")
     forced = setup_run(run, CPU, Fixed.of({"checkpointing": "full"}), log=lambda *_: None)
-    assert seen == ["full"] and forced.engine.compile == "off"
+    assert forced.engine.compile == "off"
 
 
-def test_the_planner_keeps_the_compile_flag(tmp_path):
-    """setup_run (train and the bench harness): the planner chooses placement, never --compile."""
+def test_the_planner_resolves_the_compile_flag(tmp_path):
+    """setup_run (train and the bench harness): the planner resolves --compile on into the
+    scope it priced; off stays off."""
     from fitgpt.plan.apply import Fixed
 
     run = run_config(tmp_path, engine="zero", compile="on")
     planned = setup_run(run, CPU, Fixed(), log=lambda *_: None)
-    assert planned.engine.compile == "on"
+    assert planned.engine.compile == "blocks"  # on a CPU: never the whole model
     fixed = setup_run(run, CPU, Fixed.of({"compile": "off"}), log=lambda *_: None)
     assert fixed.engine.compile == "off"
 
@@ -238,7 +260,7 @@ def test_a_compiled_bf16_run_updates_through_the_pass_or_warns_once(capfd):
     import torch._functorch.config
     import torch._inductor.config
 
-    ecfg = EngineConfig(engine="zero", zero_stage=0, compile="on")
+    ecfg = EngineConfig(engine="zero", zero_stage=0, compile="blocks")
     bf16 = PrecisionConfig("bf16")
     eager = build_engine(TINY, dataclasses.replace(ecfg, compile="off"), bf16, OptimConfig(), CPU)
     want = [eager.train_step(batches(1, 2, s), 1e-3).loss for s in range(3)]

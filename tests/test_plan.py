@@ -350,7 +350,7 @@ def test_the_step_model_prices_small_and_compiled_models_as_measured():
     ):
         work = Workload(get_preset(preset), mb, world=1, precision="bf16", device="cuda")
         off = step_time(work, EngineConfig(zero_stage=0, compile="off"), 4, r)["total"]
-        on = step_time(work, EngineConfig(zero_stage=0, compile="on"), 4, r)["total"]
+        on = step_time(work, EngineConfig(zero_stage=0, compile="blocks"), 4, r)["total"]
         assert off == pytest.approx(eager, rel=0.05) and on == pytest.approx(compiled, rel=0.05)
     # the factor is 1 where compiling was not measured to pay, and the curve is continuous
     assert compiled_factor(8192) == 1.0 and compiled_factor(1600) == pytest.approx(0.966)
@@ -366,7 +366,7 @@ def test_compiled_checkpointed_blocks_are_priced_slower():
         work = Workload(get_preset(preset), 8, world=1, precision="bf16", device="cuda")
         off, on = (
             step_time(work, EngineConfig(zero_stage=0, checkpointing="full", compile=c), 4, r)
-            for c in ("off", "on")
+            for c in ("off", "blocks")
         )
         assert on["compute"] == pytest.approx(1.08 * off["compute"])
     assert compiled_factor(768, "full") == compiled_factor(5120, "cpu") == 1.08
@@ -374,17 +374,20 @@ def test_compiled_checkpointed_blocks_are_priced_slower():
 
 def test_a_compiled_runs_device_update_is_priced_as_one_pass():
     # engine/update.py's one pass moves 28 bytes per element where the fused kernel's path moves
-    # 36 in the model; fp32 (the master is the weight) and "auto" (priced eager) keep 36
+    # 36 in the model; fp32 (the master is the weight) keeps 36, and so does an unresolved
+    # "auto" (the planner prices only what it resolved: plan/candidate.py settle_compile)
     r = DEFAULTS["H100"]
     bf16 = Workload(get_preset("2.7b"), 8, world=1, precision="bf16", device="cuda")
     fp32 = Workload(get_preset("gpt2-125m"), 8, world=1, precision="fp32", device="cuda")
     opt = {
         (w.precision, c): step_time(w, EngineConfig(zero_stage=0, compile=c), 4, r)["optimizer"]
         for w in (bf16, fp32)
-        for c in ("off", "on", "auto")
+        for c in ("off", "blocks", "model", "auto")
     }
-    assert opt["bf16", "on"] == pytest.approx(opt["bf16", "off"] * 28 / 36)
-    assert opt["bf16", "auto"] == opt["bf16", "off"] and opt["fp32", "on"] == opt["fp32", "off"]
+    assert opt["bf16", "blocks"] == opt["bf16", "model"]
+    assert opt["bf16", "blocks"] == pytest.approx(opt["bf16", "off"] * 28 / 36)
+    assert opt["bf16", "auto"] == opt["bf16", "off"]
+    assert opt["fp32", "blocks"] == opt["fp32", "off"]
 
 
 def test_compiled_logits_are_priced_without_their_fp32_copies():
@@ -396,7 +399,7 @@ def test_compiled_logits_are_priced_without_their_fp32_copies():
     entries = 12 * 1024 * 50304
     assert eager["logits"] - compiled["logits"] == 8 * entries
     assert eager["activations"] == compiled["activations"]
-    on = estimate(work, EngineConfig(zero_stage=0, compile="on"))
+    on = estimate(work, EngineConfig(zero_stage=0, compile="blocks"))
     off = estimate(work, EngineConfig(zero_stage=0, compile="off"))
     assert on.compute_total < off.compute_total
 

@@ -27,7 +27,7 @@ class BenchConfig:
     checkpointing: str = field(
         default="full", metadata={"help": "activation checkpointing of every system: full or off"}
     )
-    compile: Literal["auto", "on", "off"] = field(
+    compile: Literal["auto", "on", "off", "blocks", "model"] = field(
         default="auto",
         metadata={
             "help": "fitgpt's systems: --compile of `fitgpt train` (compiled blocks and head); "
@@ -51,8 +51,8 @@ class BenchConfig:
         for k in ("hidden", "heads", "seq_len", "micro_batch", "grad_accum", "steps"):
             if getattr(self, k) < 1:
                 raise UserError(f"--{k.replace('_', '-')} must be at least 1")
-        if self.compile not in ("auto", "on", "off"):
-            raise UserError(f"--compile {self.compile!r}: use auto, on or off")
+        if self.compile not in ("auto", "on", "off", "blocks", "model"):
+            raise UserError(f"--compile {self.compile!r}: use auto, on, off, blocks or model")
         if self.checkpointing not in ("full", "off"):
             raise UserError(f"--checkpointing {self.checkpointing!r}: use full or off")
         if self.warmup < 0 or self.time_limit <= 0:

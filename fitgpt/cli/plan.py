@@ -143,7 +143,7 @@ def planned_run(args: argparse.Namespace, device: str):
             run.engine, offload_blocks=args.offload_blocks, nvme_blocks=args.nvme_blocks
         )
         run = dataclasses.replace(run, engine=engine)
-    return resolve_run(run, device, settle_compile=False)
+    return resolve_run(run, device, settle_compile=False)  # the planner settles --compile
 
 
 def print_table(cands, work, grad_accum: int, hw) -> None:

@@ -45,7 +45,7 @@ from fitgpt.engine.build import build
 from fitgpt.engine.chunk_build import build_chunks, shared_state, warm_up_codecs
 from fitgpt.engine.chunk_state import ChunkStateIO
 from fitgpt.engine.comm import Peers
-from fitgpt.engine.compile import compile_regions, model_scope
+from fitgpt.engine.compile import compile_regions, scope_of
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.fetch import WeightFetch
 from fitgpt.engine.offload import HostOptimizer
@@ -109,12 +109,9 @@ class ChunkEngine(Engine):
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         self.blocks = [c for c in self.chunks if c.spec.name.startswith("block.")]
         self.compiled = None
-        if ecfg.compile == "on":
-            resident = not any(c.offloaded or c.streamed for c in self.chunks)
-            whole = model_scope(
-                self.device.type, model_cfg.n_embd, ctx.world, resident, ecfg.checkpointing
-            )
-            self.compiled = compile_regions(model, ctx.is_main, whole)
+        scope = scope_of(ecfg)  # the planner's (engine/compile.py compile_scope)
+        if scope != "off":
+            self.compiled = compile_regions(model, ctx.is_main, whole=scope == "model")
         if ecfg.checkpointing != "off":  # after compiling: the checkpoint wraps compiled blocks
             checkpoint_blocks(model, to_host=ecfg.checkpointing == "cpu")
         self.model = model

@@ -7,11 +7,14 @@ Two kinds of region are compiled (TorchInductor, dynamo's default backend):
              2..L hit its cache. Compile time does not grow with depth.
   head       DecoderLM.head_loss: the final norm, the head and cross-entropy as one graph (the
              [B, T, V] logits and their fp32 copy become a fused transient).
-One rank holding a small model whole (model_scope) compiles a third kind instead of the two:
+One rank holding a small model whole (scope "model") compiles a third kind instead of the two:
   model      the whole training forward (embeddings, every block, head + loss) as one graph,
              run as CUDA graphs on a GPU (Inductor's mode="reduce-overhead"): one launch per
              forward and backward, where the regions pay a compiled call per block and the GPU
              waits for the host between them.
+Who decides: the planner, once per candidate plan (compile_scope below, called from
+plan/candidate.py; for a run given without planning, from train/setup.py), and it prices the
+result; the engines build what EngineConfig.compile says (scope_of) and decide nothing.
 Only the forward *function* is replaced, never the module's __call__: the engine's hooks on a
 block (host-optimizer waits, stage-3 gathers and frees, streamed weights) and on its parameters
 (gradient reduction) keep running eagerly around the compiled code, as they do without it.
@@ -64,16 +67,22 @@ def compile_errors() -> tuple[type[Exception], ...]:
     )
 
 
-# --compile auto (train/setup.py resolve_run): compile on GPUs when the run's estimated step time
-# (its model FLOPs at ASSUMED_MFU of the GPU's peak) times GAIN, the share of it compiling is
-# assumed to save, pays back COMPILE_S, the compile time assumed: runs of about 333 s or more.
-# Measured on an H100 (benchmarks/results/nanogpt_compare_h100_2026-11-23): compiling saved 25%
-# at GPT-2 124 M and 3.4% at 1.5 B (GAIN: the smaller), and took 8.6 s and 8.1 s cold. The
-# whole-model graph (model_scope) compiles in 19-26 s but saves 29% at 124 M
-# (nanogpt_compare3_h100_2026-11-24): paid back in ~90 s, well inside the rule's 333 s.
+# --compile auto: compile on GPUs when the run's priced eager step time times its steps, times
+# GAIN, the share of it compiling is assumed to save, pays back COMPILE_S, the compile time
+# assumed: runs of about 333 s or more. Measured on an H100
+# (benchmarks/results/nanogpt_compare_h100_2026-11-23): compiling saved 25% at GPT-2 124 M and
+# 3.4% at 1.5 B (GAIN: the smaller), and took 8.6 s and 8.1 s cold. The whole-model graph
+# (scope "model") compiles in 19-26 s but saves 29% at 124 M (nanogpt_compare3_h100_2026-11-24):
+# paid back in ~90 s, well inside the rule's 333 s. ASSUMED_MFU prices a run that is not planned
+# (train/setup.py: an engine config given whole), from its model FLOPs.
 ASSUMED_MFU = 0.4
 GAIN = 0.03
 COMPILE_S = 10.0
+
+# What --compile resolves to, the only values an engine accepts: nothing compiled, the regions
+# (every block's forward and the head + loss), or the whole training forward as one graph.
+SCOPES = ("off", "blocks", "model")
+UNPLANNED = {"auto": "off", "on": "blocks"}  # scope_of: an engine config that was never planned
 
 
 def compile_pays(run_s: float, checkpointing: str = "off") -> bool:
@@ -87,7 +96,7 @@ def compile_pays(run_s: float, checkpointing: str = "off") -> bool:
 
 
 def auto_compile(device_type: str, run_s: float, checkpointing: str = "off") -> bool:
-    """--compile auto's decision: never on CPUs (a CPU run is a test or a demo: the compile
+    """--compile auto's on-or-off: never on CPUs (a CPU run is a test or a demo: the compile
     would take longer than it), on GPUs where compile_pays and triton (Inductor's GPU code
     generator) is installed."""
     if device_type != "cuda" or not compile_pays(run_s, checkpointing):
@@ -97,10 +106,10 @@ def auto_compile(device_type: str, run_s: float, checkpointing: str = "off") -> 
     return importlib.util.find_spec("triton") is not None
 
 
-# model_scope: the widest model whose steps are bound by the host's launches (measured on an
-# H100, GPT-2 124 M, h=768: 108-120 ms per step with regions against 106 ms as one CUDA-graphed
-# graph, benchmarks/results/ab_speed_h100_2026-11-24; at h=1600 and above a block's kernels
-# outlast its launches and the regions' short compile wins)
+# the widest model whose steps are bound by the host's launches (measured on an H100, GPT-2
+# 124 M, h=768: 108-120 ms per step with regions against 106 ms as one CUDA-graphed graph,
+# benchmarks/results/ab_speed_h100_2026-11-24; at h=1600 and above a block's kernels outlast
+# its launches and the regions' short compile wins)
 MODEL_SCOPE_MAX_HIDDEN = 1024
 
 
@@ -119,6 +128,43 @@ def model_scope(
         and resident
         and checkpointing == "off"
     )
+
+
+def compile_scope(
+    asked: str,
+    engine: str,
+    device_type: str,
+    n_embd: int,
+    world: int,
+    resident: bool,
+    checkpointing: str,
+    run_s: float,
+) -> str:
+    """--compile's one decision, one of SCOPES: what the planner prices for each candidate plan
+    (plan/candidate.py) and the engine then builds. `asked`: the flag (auto, on, off, or a scope
+    given outright); `resident`: no chunk of the plan is offloaded or streamed; `run_s`: the
+    plan's seconds of steps, eager. auto compiles where auto_compile says; on compiles; either
+    takes the whole model as one graph where model_scope says, on the chunk engine (the DDP
+    engine's reducer hooks need the regions' boundaries), else the regions."""
+    if asked in SCOPES:
+        return asked
+    if asked == "auto" and not auto_compile(device_type, run_s, checkpointing):
+        return "off"
+    whole = engine == "zero" and model_scope(device_type, n_embd, world, resident, checkpointing)
+    return "model" if whole else "blocks"
+
+
+def compiled(ecfg) -> bool:
+    """Whether a resolved EngineConfig compiles anything (either scope)."""
+    return ecfg.compile in ("blocks", "model")
+
+
+def scope_of(ecfg) -> str:
+    """The scope an engine builds: EngineConfig.compile, which the planner resolved. An engine
+    decides nothing from the model or the machine: a config built by hand and never planned
+    (a library caller, a test) gets the flag's literal reading, auto as off and on as the
+    regions."""
+    return UNPLANNED.get(ecfg.compile, ecfg.compile)
 
 
 def _model_train(model: nn.Module, idx_BT: Tensor, targets_BT: Tensor) -> Tensor:
@@ -265,7 +311,7 @@ class CompiledRegions:
 
 
 def compile_regions(model: nn.Module, is_main: bool = True, whole: bool = False) -> CompiledRegions:
-    """Compile `model`'s block forwards and its head + loss, or with `whole` (model_scope) its
+    """Compile `model`'s block forwards and its head + loss, or with `whole` (scope "model") its
     whole training forward (see the module docstring); call it before checkpoint_blocks.
     Warnings go to stderr, one line, from rank 0 only."""
 

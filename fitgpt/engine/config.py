@@ -218,20 +218,21 @@ class EngineConfig:
             "communicated). The sequence length must divide by T"
         },
     )
-    compile: Literal["auto", "on", "off"] = field(
+    compile: Literal["auto", "on", "off", "blocks", "model"] = field(
         default="auto",
         metadata={
-            "help": "compile each transformer block's forward and the head + loss with "
-            "torch.compile (regional; the engine's hooks stay eager; one GPU holding a model "
-            "up to hidden 1024 whole: the whole forward as one graph run as CUDA graphs): "
-            "faster steps after a one-off compile at the first step. auto: on for GPU runs long enough to pay the "
-            "compile back (docs/engine.md says the rule), never on CPUs"
+            "help": "torch.compile the training forward: blocks (each transformer block's "
+            "forward and the head + loss; the engine's hooks stay eager) or model (the whole "
+            "forward as one graph, run as CUDA graphs: one GPU holding a model up to hidden "
+            "1024 whole). Faster steps after a one-off compile at the first step. on: the "
+            "planner picks the scope; auto: as on for GPU runs long enough to pay the compile "
+            "back, off otherwise and on CPUs (docs/engine.md says the rule)"
         },
     )
 
     def __post_init__(self) -> None:
-        if self.compile not in ("auto", "on", "off"):
-            raise UserError(f"--compile {self.compile!r}: use auto, on or off")
+        if self.compile not in ("auto", "on", "off", "blocks", "model"):
+            raise UserError(f"--compile {self.compile!r}: use auto, on, off, blocks or model")
         if self.engine not in ("ddp", "zero"):
             raise UserError(f"--engine {self.engine!r}: use ddp or zero")
         tp = self.tensor_parallel

@@ -146,6 +146,12 @@ class Placement:
         return any(c.streamed for c in self.chunks)
 
     @property
+    def resident(self) -> bool:
+        """No chunk is updated on the host or streamed in: nothing waits on the host between
+        blocks (what lets --compile take the whole model as one graph, engine/compile.py)."""
+        return not any(c.offloaded or c.streamed for c in self.chunks)
+
+    @property
     def replicated(self) -> bool:
         """Every rank holds the whole optimizer state (stage 0): rank 0 alone writes it to a
         checkpoint, the others' copies being the same; otherwise every rank writes its shard."""

@@ -22,7 +22,7 @@ from fitgpt.engine import comm
 from fitgpt.engine.activation import checkpoint_blocks
 from fitgpt.engine.base import Batch, Engine, StepStats, batch_to
 from fitgpt.engine.build import build
-from fitgpt.engine.compile import compile_regions
+from fitgpt.engine.compile import compile_regions, scope_of
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import write_pieces
@@ -62,7 +62,8 @@ class TorchEngine(Engine):
         model.to_empty(device=self.device)
         model.materialize_buffers(self.device)  # to_empty left the non-persistent ones undefined
         self._init(model, seed)
-        self.compiled = compile_regions(model, ctx.is_main) if ecfg.compile == "on" else None
+        scope = scope_of(ecfg)  # the planner's (engine/compile.py compile_scope)
+        self.compiled = compile_regions(model, ctx.is_main) if scope != "off" else None
         if ecfg.checkpointing != "off":  # after compiling: the checkpoint wraps compiled blocks
             checkpoint_blocks(model, to_host=ecfg.checkpointing == "cpu")
         self.model = model

@@ -101,6 +101,10 @@ def refusal(
     why = tensor_parallel_refusal(tp, model, world, e.sequence_parallel)
     if why:
         return why
+    if e.compile == "model" and settled("engine") and e.engine != "zero":
+        # DDP's reducer starts each bucket's all-reduce from a gradient hook between blocks,
+        # which one graph of the whole model would not leave room for
+        return "--compile model needs --engine zero (DDP compiles the blocks): use --compile blocks"
     dp = world // max(1, tp)  # the ranks ZeRO shards over
     streams = e.offload_params == "cpu" and e.offload_blocks != 0
     if settled("offload_params", "zero_stage") and streams and stream_refusal(dp, e.zero_stage):

@@ -63,13 +63,15 @@ class Plans:
 def workload_of(run, world: int, device: str) -> Workload:
     """What the memory and step-time models price for `run` on `world` ranks of `device`."""
     prec = run.precision.resolved(device).precision
-    return Workload(run.model, run.train.micro_batch, world, prec, device)
+    return Workload(run.model, run.train.micro_batch, world, prec, device, run.train.steps)
 
 
 def plan_run(run, hw: Hardware, r: Rates, fixed: Fixed) -> Plans:
     """Every plan for `run` on `hw`, the chosen one first (nothing allocated)."""
     work = workload_of(run, hw.gpus, hw.device)  # ranks: GPUs, or a CPU run's processes
     f = fixed.with_(nvme_path=run.engine.nvme_path)  # the disk the user offered
+    if "compile" not in f:  # --compile as the run asks it; each plan resolves it
+        f = f.with_(compile=run.engine.compile)  # (plan/candidate.py settle_compile)
     cands = plan(work, run.train.grad_accum, hw, r, f)
     return Plans(cands, work, run.train.grad_accum, hw, r, fixed)
 
@@ -102,7 +104,5 @@ def plan_engine(run, ctx: DistContext, fixed: Fixed, force: bool, log=print):
     ecfg, err = decision[0]
     if err is not None:
         raise err
-    if "compile" not in fixed:  # the planner places state; --compile stays the run's
-        ecfg = {**ecfg, "compile": run.engine.compile}
     ecfg["cpu_mem"] = run.engine.cpu_mem  # the machine's RAM as stated: the engine checks it too
     return dataclasses.replace(run, engine=EngineConfig(**ecfg))

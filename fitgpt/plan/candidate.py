@@ -8,8 +8,10 @@ against the GPU budget, the host RAM of every rank on this machine and the disk'
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from fitgpt.engine.compile import SCOPES, compile_scope
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.placement import Placement
 from fitgpt.plan import formats
@@ -66,7 +68,10 @@ class Candidate:
             if e.offload_params == "cpu":
                 off += ", their weights streamed from cpu"
         tp = f", tensor-parallel {e.tensor_parallel}" if e.tensor_parallel > 1 else ""
-        return f"{base}{tp}, checkpointing {e.checkpointing}{off}{formats.label(self.formats)}"
+        comp = {"blocks": ", compiled", "model": ", compiled whole"}.get(e.compile, "")
+        return (
+            f"{base}{tp}, checkpointing {e.checkpointing}{off}{comp}{formats.label(self.formats)}"
+        )
 
 
 def evaluate(
@@ -74,6 +79,7 @@ def evaluate(
 ) -> Candidate:
     layout = layout or layout_of(work.model)
     placement = placement_of(work, ecfg, layout) if ecfg.engine == "zero" else None
+    ecfg = settle_compile(work, grad_accum, rates, ecfg, placement)
     est = estimate(work, ecfg, layout, placement)
     t = step_time(work, ecfg, grad_accum, rates, placement)
     ranks_here = hw.gpus if hw.device == "cuda" else work.world
@@ -86,6 +92,27 @@ def evaluate(
         disk_short = disk - hw.nvme_free if hw.nvme_path else disk
     written = placement.disk_traffic()[1] * ranks_here if placement else 0
     return Candidate(ecfg, est, t, gpu_short, host_short, disk_short, placement, written)
+
+
+def settle_compile(
+    work: Workload, grad_accum: int, rates: Rates, ecfg: EngineConfig, placement
+) -> EngineConfig:
+    """`ecfg` with --compile resolved for this plan (engine/compile.py compile_scope, the one
+    decision): auto weighs the compile against this plan's own eager step time times the run's
+    steps; the scope follows this plan's placement. What comes back is what is priced, then
+    built."""
+    if ecfg.compile in SCOPES:
+        return ecfg
+    run_s = 0.0
+    if ecfg.compile == "auto" and work.device == "cuda":
+        eager = dataclasses.replace(ecfg, compile="off")
+        run_s = work.steps * step_time(work, eager, grad_accum, rates, placement)["total"]
+    resident = placement is None or placement.resident
+    scope = compile_scope(
+        ecfg.compile, ecfg.engine, work.device, work.model.n_embd, work.world, resident,
+        ecfg.checkpointing, run_s,
+    )  # fmt: skip
+    return dataclasses.replace(ecfg, compile=scope)
 
 
 def speed(c: Candidate) -> tuple:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fitgpt.dist.mesh import Mesh
+from fitgpt.engine.compile import compiled
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
 from fitgpt.engine.placement import MAX_INFLIGHT, Placement
@@ -68,6 +69,9 @@ class Workload:
     world: int = 1
     precision: str = "bf16"  # resolved: bf16, fp16 or fp32
     device: str = "cuda"  # where compute runs: cuda or cpu
+    # the run's optimizer steps: what --compile auto weighs a compile against (0: not known,
+    # priced as a short run, which compiles nothing)
+    steps: int = 0
 
     @property
     def w(self) -> int:
@@ -218,7 +222,7 @@ def estimate(
     (`placement`: the zero engine's, when the caller has it already)."""
     layout = rank_layout(work, ecfg, layout)
     act = activation_bytes(
-        work, ecfg.checkpointing, tp_of(ecfg), ecfg.sequence_parallel, ecfg.compile == "on"
+        work, ecfg.checkpointing, tp_of(ecfg), ecfg.sequence_parallel, compiled(ecfg)
     )
     est = Estimate()
     host_dev = "cpu" if work.device == "cpu" else "cuda"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 
+from fitgpt.engine.compile import compiled
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.moments import bytes_per_param
 from fitgpt.engine.placement import ChunkPlan, Placement
@@ -223,7 +224,7 @@ def step_time(
     elif work.precision == "fp32":
         rate *= FP32_FRACTION
     compute = tokens * flops / tp / rate  # each rank computes 1/T of every layer
-    if ecfg.compile == "on":  # "auto" is resolved after planning: priced eager, as it may run
+    if compiled(ecfg):  # either scope: the factors were measured with the regions
         compute *= compiled_factor(hidden, ecfg.checkpointing)
     if ecfg.checkpointing == "cpu":
         # block inputs down in forward and back in backward, on a side stream: exposed only
@@ -254,9 +255,8 @@ def step_time(
                 + (ag if ecfg.zero_stage < 3 else 0.0) * 0.5
             )
     opt_elems = n / W if (ecfg.engine == "zero" and ecfg.zero_stage >= 1) else n
-    # a compiled chunk engine in a 16-bit precision steps its plain state in one pass ("auto"
-    # is priced eager, as it may run)
-    one_pass = ecfg.engine == "zero" and ecfg.compile == "on" and work.precision != "fp32"
+    # a compiled chunk engine in a 16-bit precision steps its plain state in one pass
+    one_pass = ecfg.engine == "zero" and compiled(ecfg) and work.precision != "fp32"
     plain = ONE_PASS_BYTES if one_pass else FP32_DEVICE_BYTES
     out["optimizer"] = opt_elems * plain / (rates.hbm_gbps * 1e9)
     if ecfg.engine == "zero":

@@ -29,7 +29,8 @@ from pathlib import Path
 from fitgpt.dist import DistContext
 from fitgpt.engine.base import Engine
 from fitgpt.engine.scaler import LossScaler
-from fitgpt.plan.memory import layout_of
+from fitgpt.plan.apply import workload_of
+from fitgpt.plan.memory import layout_of, placement_of
 from fitgpt.train import checkpoint as ckpt_io
 from fitgpt.train import space
 from fitgpt.train.config import RunConfig
@@ -63,8 +64,12 @@ class CheckpointPolicy:
                 "scaler": LossScaler(self.run.precision).state_dict(),
             },
         }
-        # under TP, rank 0 writes every chunk whole (engine/tp_state.py)
-        sharded = e.engine == "zero" and e.zero_stage >= 1 and e.tensor_parallel == 1
+        # who writes what is the placement's to say (Placement.replicated: rank 0 alone, or
+        # each rank its shard); under TP rank 0 writes every chunk whole (engine/tp_state.py)
+        sharded = False
+        if e.engine == "zero" and e.tensor_parallel == 1:
+            work = workload_of(self.run, self.ctx.world, self.ctx.device.type)
+            sharded = not placement_of(work, e, layout).replicated
         meta_bytes = len(json.dumps(meta, indent=1))
         return space.checkpoint_size(layout, self.ctx.world, sharded, meta_bytes)
 

@@ -84,8 +84,9 @@ class Trainer:
                 f"the model's vocabulary ({run.model.vocab_size}) is not the tokenizer's "
                 f"({self.tokenizer.vocab_size}): make the run with fitgpt.train.setup.setup_run"
             )
-        self.model_cfg = run.model
-        run = self.run = dataclasses.replace(run, precision=run.precision.resolved(ctx.device.type))
+        if run.precision.precision == "auto":  # resolve_run decides it, for the planner too
+            raise UserError("the run's precision is unresolved: make the run with setup_run")
+        self.model_cfg, self.run = run.model, run
         self.loader = BatchLoader(train_src, self.cfg.micro_batch, ctx.dp_rank, ctx.dp_world)
         self.step = 0
         self.skipped = 0  # fp16 steps skipped on overflow, over the whole run
@@ -327,7 +328,7 @@ def train(
 ) -> dict:
     """Train `run`; `run_files` (name -> text) are kept in the run folder (rank 0), written once
     the trainer has started, so a run refused at start-up still leaves no folder behind."""
-    run = resolve_run(run, ctx.device.type)  # a no-op for a run setup_run made (and planned)
+    run = resolve_run(run, ctx.device.type, ctx.world)  # a no-op for a run setup_run made
     out = Path(run.train.out)
     lock = open_run_dir(out, resume is not None, overwrite, ctx)  # run folder: locked, checked
     trainer, failed = None, True

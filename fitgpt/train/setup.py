@@ -2,7 +2,8 @@
 
 `fitgpt train` (however it is launched) and the benchmark harness both go through `setup_run`:
 
-    configure_process ─> resolve_run (vocabulary, precision) ─> plan_engine ─> Trainer
+    configure_process ─> resolve_run (vocabulary, precision) ─> plan_engine (placement,
+    --compile) ─> Trainer
 
 so the planner prices exactly the model the engine builds. Before this, the trainer swapped the
 tokenizer's vocabulary in after planning: a 38-layer model with GPT-2's 50,304-row embedding was
@@ -17,7 +18,7 @@ import traceback
 import torch
 
 from fitgpt.dist import DistContext
-from fitgpt.engine.compile import ASSUMED_MFU, auto_compile
+from fitgpt.engine.compile import ASSUMED_MFU, SCOPES, compile_scope
 from fitgpt.errors import UserError
 from fitgpt.plan.memory import tokens_per_step
 
@@ -41,27 +42,44 @@ def model_for_data(model, data):
     return model
 
 
-def resolve_run(run, device_type: str, settle_compile: bool = True):
+def resolve_run(run, device_type: str, world: int = 1, settle_compile: bool = True):
     """`run` with everything that changes the model settled: the vocabulary (model_for_data),
-    the precision for this device, and --compile auto (auto_compile, which reads the plan's
-    activation checkpointing: setup_run settles it after planning, `settle_compile` False)."""
+    the precision for this device, and, unless `settle_compile` is False or it is settled
+    already, --compile (unplanned_compile). A planned run's --compile is the planner's."""
     run = dataclasses.replace(
         run,
         model=model_for_data(run.model, run.data),
         precision=run.precision.resolved(device_type),
     )
-    if run.engine.compile != "auto" or not settle_compile:
+    if run.engine.compile in SCOPES or not settle_compile:
         return run
-    on = auto_compile(device_type, estimated_run_s(run, device_type), run.engine.checkpointing)
-    return dataclasses.replace(
-        run, engine=dataclasses.replace(run.engine, compile="on" if on else "off")
-    )
+    scope = unplanned_compile(run, device_type, world)
+    return dataclasses.replace(run, engine=dataclasses.replace(run.engine, compile=scope))
+
+
+def unplanned_compile(run, device_type: str, world: int) -> str:
+    """--compile of a run that is not planned (--plan off, or a RunConfig trained directly):
+    the planner's rule (engine/compile.py compile_scope) applied to the engine config as given,
+    the run's length estimated from its FLOPs (estimated_run_s) instead of a priced step."""
+    from fitgpt.plan.apply import workload_of
+    from fitgpt.plan.memory import layout_of, placement_of
+
+    e = run.engine
+    resident = True
+    if e.engine == "zero":
+        work = workload_of(run, world, device_type)
+        resident = placement_of(work, e, layout_of(run.model)).resident
+    return compile_scope(
+        e.compile, e.engine, device_type, run.model.n_embd, world, resident, e.checkpointing,
+        estimated_run_s(run, device_type),
+    )  # fmt: skip
 
 
 def estimated_run_s(run, device_type: str) -> float:
     """Seconds of training steps `run` takes on one GPU, estimated from its model FLOPs at
     ASSUMED_MFU of the GPU's bf16 peak (the fastest known GPU's if unknown); 0 on CPUs. Only
-    --compile auto reads it: compiling is worth it when the run is long (engine/compile.py)."""
+    an unplanned --compile auto reads it: compiling is worth it when the run is long
+    (engine/compile.py)."""
     if device_type != "cuda":
         return 0.0
     from fitgpt.train.metrics import PEAK_BF16, peak_flops
@@ -75,19 +93,18 @@ def estimated_run_s(run, device_type: str) -> float:
 def setup_run(run, ctx: DistContext, fixed, force: bool = False, log=print):
     """The run as it will be built: resolved, then planned (`fixed`: the engine fields the user
     set, an engine.fixed.Fixed; None: no planning, the engine config is used as given)."""
-    run = resolve_run(run, ctx.device.type, settle_compile=fixed is None)
+    run = resolve_run(run, ctx.device.type, ctx.world, settle_compile=False)
     # the one validation of a run's settings (engine/validate.py), on the model as built (its
     # vocabulary is the tokenizer's now): what the CLI checked, and the benchmark harness's runs
     from fitgpt.engine.validate import check_settings
 
     check_settings(run.model, run.engine, run.precision, ctx.world, ctx.device.type, fixed)
-    if fixed is None:
-        return run
+    if fixed is None:  # --plan off: the engine config as given, --compile settled on it
+        return resolve_run(run, ctx.device.type, ctx.world)
     from fitgpt.plan.apply import plan_engine
 
-    # --compile auto is priced eager (plan/throughput.py) and settled here, on the plan's
-    # activation checkpointing
-    return resolve_run(plan_engine(run, ctx, fixed, force, log), ctx.device.type)
+    # the planner settles --compile with the rest of the plan, and priced what it chose
+    return plan_engine(run, ctx, fixed, force, log)
 
 
 # ---- out of memory ---------------------------------------------------------------------------
