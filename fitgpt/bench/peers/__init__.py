@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from fitgpt.dist import DistContext
 from fitgpt.engine.base import Batch
 from fitgpt.engine.config import OptimConfig
-from fitgpt.model import GPT
+from fitgpt.model import DecoderLM
 from fitgpt.model.gpt import alibi_slopes
 
 LR = 1e-4  # the constant learning rate every system in a sweep trains at (systems.trained)
@@ -71,7 +71,7 @@ def share_cores() -> None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
-def initial_value(model: GPT, name: str, shape: torch.Size, seed: int, device) -> Tensor:
+def initial_value(model: DecoderLM, name: str, shape: torch.Size, seed: int, device) -> Tensor:
     """Parameter `name` as fitgpt initialises it (fp32, on `device`): every system starts from
     the same weights on a given device type, whatever it shards or casts them to afterwards."""
     t = torch.empty(shape, dtype=torch.float32, device=device)
@@ -80,7 +80,7 @@ def initial_value(model: GPT, name: str, shape: torch.Size, seed: int, device) -
 
 
 @torch.no_grad()
-def restore_buffers(model: GPT) -> None:
+def restore_buffers(model: DecoderLM) -> None:
     """Recompute the model's one buffer (ALiBi's slopes), which a meta-device build followed by
     to_empty leaves uninitialised; the bench's learned positions have none."""
     if model.cfg.position == "alibi":

@@ -1,4 +1,5 @@
-"""DeepSpeed 0.19.8 training fitgpt's GPT: `deepspeed-z3-offload` and `deepspeed-z2-offload`.
+"""DeepSpeed 0.19.8 training fitgpt's model (any family): `deepspeed-z3-offload` and
+`deepspeed-z2-offload`.
 
 Configured as DeepSpeed's own tutorials show for a model larger than one GPU:
 - ZeRO-3 + offload (the ZeRO tutorial's "ZeRO-Infinity" CPU example): bf16 parameters
@@ -50,7 +51,7 @@ from fitgpt.engine.activation import checkpoint_blocks
 from fitgpt.engine.base import Batch
 from fitgpt.engine.config import OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
-from fitgpt.model import GPT, ModelConfig
+from fitgpt.model import DecoderLM, ModelConfig, build_model
 
 INSTALL_HINT = (
     "deepspeed is not installed: pip install 'fitgpt[bench]' (DeepSpeed 0.19.8) to benchmark "
@@ -110,7 +111,7 @@ def ds_config(bench: BenchConfig, stage: int, bf16: bool, ocfg: OptimConfig) -> 
     }
 
 
-def parts(model: GPT):
+def parts(model: DecoderLM):
     """(prefix, module) for every block and every other top-level child: the units whose
     weights are gathered together to be initialised."""
     for name, child in model.named_children():
@@ -121,7 +122,7 @@ def parts(model: GPT):
 
 
 @torch.no_grad()
-def build_zero3_model(deepspeed, cfg: ModelConfig, config: dict, seed: int, ctx) -> GPT:
+def build_zero3_model(deepspeed, cfg: ModelConfig, config: dict, seed: int, ctx) -> DecoderLM:
     """GPT constructed inside zero.Init: each module's weights are partitioned (and cast to
     bf16) into pinned CPU memory as soon as it is built; then fitgpt's initial values are
     written in one gathered block at a time."""
@@ -130,7 +131,7 @@ def build_zero3_model(deepspeed, cfg: ModelConfig, config: dict, seed: int, ctx)
         remote_device="cpu",
         pin_memory=ctx.device.type == "cuda",  # pinning needs a GPU
     ):
-        model = GPT(cfg)
+        model = build_model(cfg)
     for prefix, module in parts(model):
         named = list(module.named_parameters(prefix=prefix))
         if not named:
@@ -146,10 +147,10 @@ def build_zero3_model(deepspeed, cfg: ModelConfig, config: dict, seed: int, ctx)
 
 
 @torch.no_grad()
-def build_plain_model(cfg: ModelConfig, dtype: torch.dtype, seed: int, ctx) -> GPT:
+def build_plain_model(cfg: ModelConfig, dtype: torch.dtype, seed: int, ctx) -> DecoderLM:
     """GPT in the compute dtype on the GPU, where ZeRO-2 keeps the working weights."""
     with torch.device("meta"):
-        model = GPT(cfg).to(dtype)
+        model = build_model(cfg).to(dtype)
     model.to_empty(device=ctx.device)
     for name, p in model.named_parameters():
         p.copy_(initial_value(model, name, p.shape, seed, ctx.device))

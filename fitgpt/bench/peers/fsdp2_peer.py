@@ -1,4 +1,5 @@
-"""PyTorch FSDP2 with CPUOffloadPolicy training fitgpt's GPT: the `fsdp2-offload` system.
+"""PyTorch FSDP2 with CPUOffloadPolicy training fitgpt's model (any family): the
+`fsdp2-offload` system.
 
 Configured as FSDP2's documentation (the `fully_shard` API reference) and torchtitan, its
 reference trainer, recommend for a model larger than the GPU:
@@ -46,7 +47,7 @@ from fitgpt.dist import DistContext
 from fitgpt.engine.activation import checkpoint_blocks
 from fitgpt.engine.base import Batch
 from fitgpt.engine.config import OptimConfig, PrecisionConfig
-from fitgpt.model import GPT, ModelConfig
+from fitgpt.model import DecoderLM, ModelConfig, build_model
 
 try:  # torch >= 2.6 exports FSDP2 here
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -60,7 +61,7 @@ except ImportError:  # its home before that
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def shard_model(model: GPT, mesh: DeviceMesh, param_dtype: torch.dtype, pin: bool) -> None:
+def shard_model(model: DecoderLM, mesh: DeviceMesh, param_dtype: torch.dtype, pin: bool) -> None:
     """fully_shard every block, then the root (bottom-up, as FSDP2 requires)."""
     kwargs = {
         "mesh": mesh,
@@ -73,7 +74,7 @@ def shard_model(model: GPT, mesh: DeviceMesh, param_dtype: torch.dtype, pin: boo
 
 
 @torch.no_grad()
-def init_shards(model: GPT, seed: int, device: torch.device, ctx: DistContext) -> None:
+def init_shards(model: DecoderLM, seed: int, device: torch.device, ctx: DistContext) -> None:
     """Fill every local shard with its rows of fitgpt's initial value of the full parameter.
 
     FSDP2 shards dim 0 like torch.chunk (rank r holds chunk r, possibly short or empty), so the
@@ -92,7 +93,9 @@ def init_shards(model: GPT, seed: int, device: torch.device, ctx: DistContext) -
 
 
 class FSDP2Runner:
-    def __init__(self, model: GPT, opt: torch.optim.Optimizer, ocfg: OptimConfig, ctx) -> None:
+    def __init__(
+        self, model: DecoderLM, opt: torch.optim.Optimizer, ocfg: OptimConfig, ctx
+    ) -> None:
         self.model, self.opt, self.ocfg, self.ctx = model, opt, ocfg, ctx
         self.params = [p for p in model.parameters() if p.requires_grad]
 
@@ -128,7 +131,7 @@ def build(model_cfg: ModelConfig, bench: BenchConfig, ctx: DistContext) -> FSDP2
     cuda = ctx.device.type == "cuda"
     precision = PrecisionConfig("auto").resolved(ctx.device.type).precision
     with torch.device("meta"):
-        model = GPT(model_cfg)
+        model = build_model(model_cfg)
     ndims = {n: p.ndim for n, p in model.named_parameters()}
     if bench.checkpointing == "full":
         checkpoint_blocks(model)  # before sharding, so FSDP2's hooks stay outside the recompute
