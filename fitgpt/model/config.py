@@ -261,7 +261,43 @@ def _p(n_layer: int, n_embd: int, n_head: int, seq_len: int = 1024, **kw) -> Mod
     return ModelConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, seq_len=seq_len, **kw)
 
 
-# Named presets. `tiny` is the CPU demo (byte vocabulary set by the data at train time).
+LLAMA3_ROPE = 500000.0  # Llama 3's rope_theta; Qwen2.5, Qwen3 and Mistral v0.3 use 1e6
+
+
+def _hf(family: str, n_layer: int, n_embd: int, n_head: int, kv: int, ffn: int, vocab: int,
+        max_positions: int, tied: bool = False, **kw) -> ModelConfig:  # fmt: skip
+    """A Hugging Face model's shape (its config.json's values), trained at 4096 tokens: rotary
+    positions, no biases but the family's, RMSNorm."""
+    return ModelConfig(
+        family=family, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=kv,
+        ffn_hidden=ffn, vocab_size=vocab, max_positions=max_positions, tie_embeddings=tied,
+        seq_len=4096, position="rope", bias=False, qkv_bias=family == "qwen2",
+        qk_norm=family == "qwen3", **kw,
+    )  # fmt: skip
+
+
+def _llama3(n_layer: int, n_embd: int, n_head: int, ffn: int, factor: float, **kw):
+    scaling = RopeScaling(factor=factor)
+    return _hf("llama", n_layer, n_embd, n_head, 8, ffn, 128256, 131072,
+               rope_theta=LLAMA3_ROPE, rope_scaling=scaling, **kw)  # fmt: skip
+
+
+def _qwen2(n_layer: int, n_embd: int, n_head: int, kv: int, ffn: int, eps: float, **kw):
+    vocab = 151936 if kw.get("tied") else 152064
+    return _hf("qwen2", n_layer, n_embd, n_head, kv, ffn, vocab, 32768, rope_theta=1e6,
+               norm_eps=eps, **kw)  # fmt: skip
+
+
+def _qwen3(n_layer: int, n_embd: int, n_head: int, ffn: int) -> ModelConfig:
+    return _hf("qwen3", n_layer, n_embd, n_head, 8, ffn, 151936, 40960, head_size=128,
+               rope_theta=1e6, norm_eps=1e-6)  # fmt: skip
+
+
+# Named presets. `tiny` is the CPU demo (byte vocabulary set by the data at train time), and
+# `tiny-llama` the same demo in the Llama family. The Llama, Qwen and Mistral presets are the
+# Hugging Face models' shapes, parameter counts equal to theirs (tests/test_llama.py builds each
+# in transformers on the meta device); they train at 4096 tokens, max_positions keeps the
+# model's own context for export.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": _p(4, 128, 4, seq_len=128, vocab_size=256),
     "gpt2-125m": _p(12, 768, 12),
@@ -273,6 +309,32 @@ PRESETS: dict[str, ModelConfig] = {
     "13b": _p(40, 5120, 40),
     "20b": _p(44, 6144, 48),
     "40b": _p(48, 8192, 64),
+    "tiny-llama": _p(
+        4,
+        128,
+        4,
+        seq_len=128,
+        vocab_size=256,
+        n_kv_head=2,
+        family="llama",
+        position="rope",
+        bias=False,
+        tie_embeddings=False,
+    ),
+    "llama3.2-1b": _llama3(16, 2048, 32, 8192, 32.0, tied=True),
+    "llama3.2-3b": _llama3(28, 3072, 24, 8192, 32.0, tied=True),
+    "llama3.1-8b": _llama3(32, 4096, 32, 14336, 8.0),
+    "llama3.1-70b": _llama3(80, 8192, 64, 28672, 8.0),
+    "qwen2.5-0.5b": _qwen2(24, 896, 14, 2, 4864, 1e-6, tied=True),
+    "qwen2.5-1.5b": _qwen2(28, 1536, 12, 2, 8960, 1e-6, tied=True),
+    "qwen2.5-3b": _qwen2(36, 2048, 16, 2, 11008, 1e-6, tied=True),
+    "qwen2.5-7b": _qwen2(28, 3584, 28, 4, 18944, 1e-6),
+    "qwen2.5-14b": _qwen2(48, 5120, 40, 8, 13824, 1e-5),
+    "qwen2.5-32b": _qwen2(64, 5120, 40, 8, 27648, 1e-5),
+    "qwen2.5-72b": _qwen2(80, 8192, 64, 8, 29568, 1e-5),
+    "qwen3-8b": _qwen3(36, 4096, 32, 12288),
+    "qwen3-32b": _qwen3(64, 5120, 64, 25600),
+    "mistral-7b": _hf("mistral", 32, 4096, 32, 8, 14336, 32768, 32768, rope_theta=1e6),
 }
 
 

@@ -293,14 +293,17 @@ class LlamaFamily(Family):
         return 6.0 * n + attn
 
     def block_activations(self, cfg: ModelConfig) -> tuple[int, int]:
-        """Left whole by TP, 4H: the two RMSNorms' inputs and outputs. Cut by it: q after the
-        rotation (N·D) and k, v (2·K·D) that attention saves, its output and the re-laid copy
-        proj reads (2·N·D); the MLP's gate and up (2F), silu(gate) and the product proj reads
-        (2F); with qk_norm the norms' inputs (N·D + K·D) too. Flash attention: no S² term."""
+        """Left whole by TP, 4H: the two RMSNorms' inputs and outputs (a fused RMSNorm keeps
+        its input and per-token statistics; CPU's decomposed one keeps one H more). Cut by it,
+        as measured on the CPU (tests/test_llama.py): q and k after the rotation (N·D + K·D),
+        v, a view that holds kv's whole output (2·K·D), and attention's output, which proj
+        reads as a view (N·D; GPT-2's count has a re-laid copy of it too); the MLP's gate and
+        up (2F), silu(gate) and the product proj reads (2F); with qk_norm q before its norm
+        (N·D; k's is the kv output already held). Flash attention: no S² term."""
         N, K, D, F = cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.ffn_width
-        cut = 3 * N * D + 2 * K * D + 4 * F
+        cut = 2 * N * D + 3 * K * D + 4 * F
         if cfg.qk_norm:
-            cut += N * D + K * D
+            cut += N * D
         return 4 * cfg.n_embd, cut
 
 
