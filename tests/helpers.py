@@ -1,8 +1,10 @@
-"""Tiny configs for fast CPU tests."""
+"""Tiny configs for fast CPU tests, and the engines' two-rank training comparison."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 from fitgpt.data.config import DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
@@ -74,3 +76,39 @@ def engine_losses(model_cfg, ecfg: EngineConfig, ctx, steps: int, clip: float) -
     out["mem"] = e.memory_report()
     e.close()
     return out
+
+
+# world 2: data parallel over both ranks, or TP 2 (one data-parallel rank)
+TWO_RANK_ENGINES = {
+    "ddp": EngineConfig(engine="ddp"),
+    "zero1": EngineConfig(engine="zero", zero_stage=1),
+    "zero2": EngineConfig(engine="zero", zero_stage=2, checkpointing="full"),
+    "zero3": EngineConfig(engine="zero", zero_stage=3),
+    "zero3_offload_stream": EngineConfig(engine="zero", zero_stage=3, offload_optimizer="cpu",
+                                         offload_blocks=1, offload_params="cpu"),
+    "tp2_ddp": EngineConfig(engine="ddp", tensor_parallel=2),
+    "tp2_zero1_offload": EngineConfig(engine="zero", zero_stage=1, tensor_parallel=2,
+                                      offload_optimizer="cpu", offload_blocks=1),
+    "tp2_zero2_sp": EngineConfig(engine="zero", zero_stage=2, tensor_parallel=2,
+                                 sequence_parallel=True),
+}  # fmt: skip
+
+
+def two_rank_losses(runs: dict, tmp: str, steps: int, clip: float) -> None:
+    """Inside each rank of a world-2 gloo job (conftest's gloo): for each name -> (model
+    config, keys of TWO_RANK_ENGINES) of `runs`, engine_losses of every engine named; rank 0
+    writes {name: {key: result}} to tmp/results.json. A test-defined family must be registered
+    in the worker's process: call this from a worker function of the module that defines it."""
+    from fitgpt.dist import init_distributed
+
+    ctx = init_distributed("cpu")
+    res = {
+        name: {key: engine_losses(cfg, TWO_RANK_ENGINES[key], ctx, steps, clip) for key in keys}
+        for name, (cfg, keys) in runs.items()
+    }
+    if ctx.rank == 0:
+        (Path(tmp) / "results.json").write_text(json.dumps(res))
+
+
+def close(a: list[float], b: list[float], tol: float = 1e-5) -> bool:
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < tol
