@@ -1,4 +1,5 @@
-"""The mapping between fitgpt's GPT and Hugging Face's GPT2LMHeadModel.
+"""The mapping between fitgpt's GPT and Hugging Face's GPT2LMHeadModel (one entry of hf.py's
+registry).
 
 The two compute the same function (pre-LayerNorm blocks, tanh GELU, learned positions, LayerNorm
 eps 1e-5, attention scaled by 1/sqrt(head dim)); they differ in how they store it:
@@ -34,27 +35,14 @@ What HF GPT-2 cannot represent, and what we do about it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from torch import Tensor
-
 from fitgpt.errors import UserError
+from fitgpt.interop.hf import HFMapping, TensorMap, register_mapping, tied
 from fitgpt.model import ModelConfig
 
 # Every HF activation that computes 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast")
 EXPORT_ACTIVATION = "gelu_pytorch_tanh"  # torch's own tanh GELU, the kernel fitgpt runs
 LAYER_NORM_EPS = 1e-5  # torch's nn.LayerNorm default, which fitgpt uses
-
-
-@dataclass(frozen=True)
-class TensorMap:
-    """One HF tensor and where it lives in fitgpt; `fitgpt` None means "zeros" (bias=False)."""
-
-    hf: str  # name in GPT2LMHeadModel's state dict (with the `transformer.` prefix)
-    fitgpt: str | None  # name in fitgpt's GPT, None when fitgpt has no such parameter
-    transpose: bool  # Conv1D [in, out] against nn.Linear [out, in]
-    vocab_rows: bool  # dim 0 is the vocabulary: padded in fitgpt, exact in HF
 
 
 def _block_maps(i: int, bias: bool) -> list[TensorMap]:
@@ -68,83 +56,15 @@ def _block_maps(i: int, bias: bool) -> list[TensorMap]:
         ("mlp.c_proj", "mlp.proj", True),
     ):
         hf, fit = f"transformer.h.{i}.{hf_mod}", f"blocks.{i}.{fit_mod}"
-        out.append(TensorMap(f"{hf}.weight", f"{fit}.weight", transpose, False))
-        out.append(TensorMap(f"{hf}.bias", f"{fit}.bias" if bias else None, False, False))
+        out.append(TensorMap(f"{hf}.weight", f"{fit}.weight", transpose))
+        out.append(TensorMap(f"{hf}.bias", f"{fit}.bias" if bias else None))
     return out
-
-
-def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
-    """Every tensor of the HF model for `cfg`, in HF's order (embeddings, blocks, head)."""
-    check_exportable(cfg)
-    maps = [
-        TensorMap("transformer.wte.weight", "wte.weight", False, True),
-        TensorMap("transformer.wpe.weight", "wpe.weight", False, False),
-    ]
-    for i in range(cfg.n_layer):
-        maps += _block_maps(i, cfg.bias)
-    maps.append(TensorMap("transformer.ln_f.weight", "ln_f.weight", False, False))
-    maps.append(TensorMap("transformer.ln_f.bias", "ln_f.bias" if cfg.bias else None, False, False))
-    if not cfg.tie_embeddings:
-        maps.append(TensorMap("lm_head.weight", "lm_head.weight", False, True))
-    return maps
-
-
-def hf_shape(m: TensorMap, fit_shape: tuple[int, ...], cfg: ModelConfig) -> tuple[int, ...]:
-    """The HF shape of a tensor whose fitgpt shape is `fit_shape`."""
-    shape = tuple(reversed(fit_shape)) if m.transpose else tuple(fit_shape)
-    return (cfg.vocab_size, *shape[1:]) if m.vocab_rows else shape
-
-
-def copy_to_fitgpt(m: TensorMap, t: Tensor, out: Tensor) -> None:
-    """Copy HF tensor `t` into `out`, its place in fitgpt's layout (fp32): Conv1D weights
-    transposed, vocabulary rows beyond HF's zero. No intermediate copy is made."""
-    src = t.t() if m.transpose else t
-    rows = src.shape[0]
-    out[:rows].copy_(src)  # converts bf16/fp16 checkpoints to fp32 on the way
-    out[rows:].zero_()  # the padded vocabulary rows (empty for every other tensor)
-
-
-def to_hf(m: TensorMap, t: Tensor, cfg: ModelConfig) -> Tensor:
-    """A fitgpt tensor in HF's layout (Conv1D transposed, vocabulary cut to the real size)."""
-    if m.vocab_rows:
-        t = t[: cfg.vocab_size]
-    return (t.t() if m.transpose else t).contiguous()
-
-
-# ---- configs -------------------------------------------------------------------------------------
-def check_exportable(cfg: ModelConfig) -> None:
-    """Refuse, in one line, what HF GPT-2 has no place for. This module maps the gpt2 family
-    (model/gpt.py) only: another family's mapping is its own module here."""
-    if cfg.family != "gpt2":
-        raise UserError(
-            f"model family {cfg.family!r} has no Hugging Face mapping: fitgpt reads and writes "
-            "HF checkpoints of GPT-2"
-        )
-    if cfg.position != "learned":
-        raise UserError(
-            f"position={cfg.position!r}: HF GPT-2 has learned positions only; a model trained "
-            "with --position alibi cannot be exported as GPT-2"
-        )
-    if cfg.embed_norm:
-        raise UserError(
-            "embed_norm=True: HF GPT-2 has no LayerNorm after the embedding; a model trained "
-            "with --embed-norm cannot be exported as GPT-2"
-        )
 
 
 def _int_field(hf: dict, key: str, source: str) -> int:
     v = hf.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise UserError(f"{source}: {key}={v!r} must be a positive integer; is this GPT-2's?")
-    return v
-
-
-def _tied(hf: dict, source: str) -> bool:
-    """tie_word_embeddings, true by default; a string such as "false" is refused, not read as
-    true (bool("false") is True), which would import an untied model as a tied one."""
-    v = hf.get("tie_word_embeddings", True)
-    if not isinstance(v, bool):
-        raise UserError(f"{source}: tie_word_embeddings={v!r} must be true or false; fix the file")
     return v
 
 
@@ -170,51 +90,100 @@ def _refuse_unsupported(hf: dict, source: str) -> None:
             raise UserError(f"{source}: {key}={hf[key]} has no fitgpt equivalent; cannot import")
 
 
-def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
-    """fitgpt's ModelConfig for an HF GPT-2 config.json, or one UserError line naming the key."""
-    if hf.get("model_type", "gpt2") != "gpt2":
-        raise UserError(
-            f"{source}: model_type={hf.get('model_type')!r}; only GPT-2 checkpoints import"
+class GPT2Mapping(HFMapping):
+    model_types = ("gpt2",)
+    families = ("gpt2",)
+    layers_key = "n_layer"
+    import_format = "hf-gpt2"
+
+    def architecture(self, cfg: ModelConfig) -> str:
+        return "GPT2LMHeadModel"
+
+    def canonical(self, key: str) -> str | None:
+        """GPT2LMHeadModel's spelling; None for buffers (attn.bias, masked_bias). Checkpoints
+        saved from GPT2Model (openai-community/gpt2's own) lack the `transformer.` prefix; both
+        spellings name the same tensor."""
+        if key.endswith(("attn.bias", "attn.masked_bias")) and ".c_attn" not in key:
+            return None
+        if key.startswith(("transformer.", "lm_head.")):
+            return key
+        if key.startswith(("h.", "wte.", "wpe.", "ln_f.")):
+            return "transformer." + key
+        return None
+
+    def layer_of(self, name: str) -> int | None:
+        parts = name.split(".")
+        return int(parts[2]) if parts[1:2] == ["h"] else None
+
+    def tensor_maps(self, cfg: ModelConfig) -> list[TensorMap]:
+        """Every tensor of the HF model for `cfg`, in HF's order (embeddings, blocks, head)."""
+        self.check_exportable(cfg)
+        maps = [
+            TensorMap("transformer.wte.weight", "wte.weight", vocab_rows=True),
+            TensorMap("transformer.wpe.weight", "wpe.weight"),
+        ]
+        for i in range(cfg.n_layer):
+            maps += _block_maps(i, cfg.bias)
+        maps.append(TensorMap("transformer.ln_f.weight", "ln_f.weight"))
+        maps.append(TensorMap("transformer.ln_f.bias", "ln_f.bias" if cfg.bias else None))
+        if not cfg.tie_embeddings:
+            maps.append(TensorMap("lm_head.weight", "lm_head.weight", vocab_rows=True))
+        return maps
+
+    def check_exportable(self, cfg: ModelConfig) -> None:
+        if cfg.position != "learned":
+            raise UserError(
+                f"position={cfg.position!r}: HF GPT-2 has learned positions only; a model "
+                "trained with --position alibi cannot be exported as GPT-2"
+            )
+        if cfg.embed_norm:
+            raise UserError(
+                "embed_norm=True: HF GPT-2 has no LayerNorm after the embedding; a model "
+                "trained with --embed-norm cannot be exported as GPT-2"
+            )
+
+    def config_from_hf(self, hf: dict, source: str) -> ModelConfig:
+        _refuse_unsupported(hf, source)
+        return ModelConfig(
+            n_layer=_int_field(hf, "n_layer", source),
+            n_embd=_int_field(hf, "n_embd", source),
+            n_head=_int_field(hf, "n_head", source),
+            seq_len=_int_field(hf, "n_positions", source),
+            vocab_size=_int_field(hf, "vocab_size", source),
+            bias=True,
+            dropout=0.0,
+            tie_embeddings=tied(hf, source, True),
         )
-    _refuse_unsupported(hf, source)
-    return ModelConfig(
-        n_layer=_int_field(hf, "n_layer", source),
-        n_embd=_int_field(hf, "n_embd", source),
-        n_head=_int_field(hf, "n_head", source),
-        seq_len=_int_field(hf, "n_positions", source),
-        vocab_size=_int_field(hf, "vocab_size", source),
-        bias=True,
-        dropout=0.0,
-        tie_embeddings=_tied(hf, source),
-    )
+
+    def hf_config(self, cfg: ModelConfig, ids: dict) -> dict:
+        """config.json of the GPT2LMHeadModel equal to fitgpt's `cfg`."""
+        self.check_exportable(cfg)
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": cfg.vocab_size,
+            "n_positions": cfg.seq_len,
+            "n_embd": cfg.n_embd,
+            "n_layer": cfg.n_layer,
+            "n_head": cfg.n_head,
+            "n_inner": None,
+            "activation_function": EXPORT_ACTIVATION,
+            "resid_pdrop": cfg.dropout,
+            "embd_pdrop": cfg.dropout,
+            "attn_pdrop": cfg.dropout,
+            "layer_norm_epsilon": LAYER_NORM_EPS,
+            "initializer_range": 0.02,
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+            "add_cross_attention": False,
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "use_cache": True,
+            "bos_token_id": ids.get("bos_token_id"),
+            "eos_token_id": ids.get("eos_token_id"),
+            "pad_token_id": None,
+            "dtype": "float32",
+        }
 
 
-def hf_config(cfg: ModelConfig, eos_id: int | None) -> dict:
-    """config.json of the GPT2LMHeadModel equal to fitgpt's `cfg`."""
-    check_exportable(cfg)
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": cfg.vocab_size,
-        "n_positions": cfg.seq_len,
-        "n_embd": cfg.n_embd,
-        "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head,
-        "n_inner": None,
-        "activation_function": EXPORT_ACTIVATION,
-        "resid_pdrop": cfg.dropout,
-        "embd_pdrop": cfg.dropout,
-        "attn_pdrop": cfg.dropout,
-        "layer_norm_epsilon": LAYER_NORM_EPS,
-        "initializer_range": 0.02,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "add_cross_attention": False,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "use_cache": True,
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": None,
-        "dtype": "float32",
-    }
+GPT2 = register_mapping(GPT2Mapping())
