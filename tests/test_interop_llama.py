@@ -313,7 +313,7 @@ LLAMA = {
         ({"mlp_bias": True}, "mlp_bias=True"),
         ({"head_dim": 15}, "head_dim=15 is odd"),
         ({"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide"),
-        ({"num_attention_heads": 5}, "not divisible by num_attention_heads=5"),
+        ({"num_attention_heads": 5, "num_key_value_heads": 5}, "not divisible by num_attention_heads=5"),
         ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false'"),
         ({"model_type": "gemma"}, "model_type='gemma'"),
         ({"model_type": None}, "has no model_type"),
