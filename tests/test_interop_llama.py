@@ -8,10 +8,12 @@ folder: nothing is downloaded. The models are tiny (2 layers, 64 wide) and built
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
+from helpers import run_config
 from safetensors import safe_open
 from transformers import (
     AutoModelForCausalLM,
@@ -23,12 +25,18 @@ from transformers import (
     Qwen3Config,
 )
 
+from fitgpt.cli import main
+from fitgpt.data.config import open_data
+from fitgpt.data.source import BatchLoader
+from fitgpt.dist import DistContext
 from fitgpt.errors import UserError
 from fitgpt.infer.generate import SampleConfig, generate, load_model
 from fitgpt.interop.hf import model_config_from_hf
 from fitgpt.interop.hf_export import export_hf
 from fitgpt.interop.hf_import import import_hf
 from fitgpt.interop.init_source import find_source
+from fitgpt.train.init_from import model_from_source
+from fitgpt.train.loop import train
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -175,24 +183,45 @@ def test_import_then_export_is_bit_exact_and_loads_in_transformers(
         assert torch.equal(back(X).logits, ref(X).logits)
 
 
-def test_bf16_sharded_source_to_sharded_bf16_export(hf_folders, tmp_path):
-    """A bf16 checkpoint in shards with its index comes in (fp32, exactly) and goes out in
-    bf16 in several shards whose index transformers follows: every bit as it was."""
-    ref = build_hf("qwen2-gqa2-bias").to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_sharded_source_to_sharded_half_export(tmp_path, dtype):
+    """A bf16 or fp16 checkpoint in shards with its index comes in (fp32, exactly) and goes
+    out in its dtype in several shards whose index transformers follows: every bit as it was."""
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    ref = build_hf("qwen2-gqa2-bias").to(torch_dtype)
     ref.save_pretrained(tmp_path / "hf", max_shard_size="60KB")
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 2
     import_hf(tmp_path / "hf" / "model.safetensors.index.json", tmp_path / "run")
-    r = export_hf(tmp_path / "run", tmp_path / "out", dtype="bf16", max_shard_bytes=60_000)
+    r = export_hf(tmp_path / "run", tmp_path / "out", dtype=dtype, max_shard_bytes=60_000)
     a, b = tensors(tmp_path / "hf"), tensors(tmp_path / "out")
     assert r.files > 2 and len(list((tmp_path / "out").glob("*.safetensors"))) == r.files
-    assert all(t.dtype == torch.bfloat16 for t in b.values())
+    assert all(t.dtype == torch_dtype for t in b.values())
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(b)
     assert index["metadata"]["total_size"] == sum(2 * t.numel() for t in b.values())
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["torch_dtype"] == str(torch_dtype).removeprefix("torch.")
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
-    assert back.dtype == torch.bfloat16
+    assert back.dtype == torch_dtype
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in ref.state_dict().items())
+
+
+def test_cli_import_and_sharded_export(hf_folders, tmp_path, capsys):
+    ref, folder = hf_folders["mistral-window8"]
+    for argv in (
+        ["import", "hf", str(folder), "--out", str(tmp_path / "run")],
+        ["export", "--ckpt", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "out"),
+         "--max-shard-size", "40KB"],
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code in (0, None), argv
+    out = capsys.readouterr().out.splitlines()
+    assert "mistral" in out[0] and "4 heads (1 key/value)" in out[0] and "64 positions" in out[0]
+    assert "MistralForCausalLM" in out[1] and "safetensors shards" in out[1]
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in ref.state_dict().items())
 
 
@@ -269,11 +298,20 @@ def test_tokenizer_generation_config_and_chat_template_travel(tmp_path):
     assert theirs.encode("the lazy dog") == ours.encode("the lazy dog")
 
 
-def test_init_from_names_a_llama_folder(hf_folders):
-    _, folder = hf_folders["mistral-window8"]
-    src = find_source(str(folder))
-    assert src.model.family == "mistral" and src.model.sliding_window == 8
-    assert src.convert is not None  # imported tensor by tensor into the trainer's scratch
+def test_init_from_a_qwen2_folder_trains_from_transformers_loss(hf_folders, tmp_path):
+    """`fitgpt train --init-from HF_FOLDER`: the first loss is transformers' on that batch."""
+    ref, folder = hf_folders["qwen2-gqa2-bias"]
+    source = find_source(str(folder))
+    assert source.model.family == "qwen2" and source.convert is not None
+    run = run_config(tmp_path / "run", steps=2, micro_batch=2, data="synthetic")
+    run = dataclasses.replace(run, model=model_from_source(source, {}, run.data))
+    train_src, _, _ = open_data(run.data, run.model.seq_len, run.model.vocab_size, 0)
+    x, y = BatchLoader(train_src, 2, 0, 1).next()
+    with torch.no_grad():
+        logits = ref(x).logits
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
+    got = train(run, DistContext(0, 1, 0, torch.device("cpu")), init_from=source)["losses"]
+    assert got[0] == pytest.approx(want, abs=1e-5) and got[1] == got[1]
 
 
 def test_export_config_round_trips_through_import():
@@ -313,7 +351,10 @@ LLAMA = {
         ({"mlp_bias": True}, "mlp_bias=True"),
         ({"head_dim": 15}, "head_dim=15 is odd"),
         ({"num_key_value_heads": 3}, "num_key_value_heads=3 does not divide"),
-        ({"num_attention_heads": 5, "num_key_value_heads": 5}, "not divisible by num_attention_heads=5"),
+        (
+            {"num_attention_heads": 5, "num_key_value_heads": 5},
+            "not divisible by num_attention_heads=5",
+        ),
         ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false'"),
         ({"model_type": "gemma"}, "model_type='gemma'"),
         ({"model_type": None}, "has no model_type"),
