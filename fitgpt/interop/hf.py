@@ -179,10 +179,6 @@ def check_exportable(cfg: ModelConfig) -> None:
     mapping_for_model(cfg).check_exportable(cfg)
 
 
-def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
-    return mapping_for_model(cfg).tensor_maps(cfg)
-
-
 # ---- config.json helpers shared by the mappings ------------------------------------------
 def int_field(hf: dict, key: str, source: str, default: int | None = None) -> int:
     v = hf.get(key, default)
