@@ -1,5 +1,10 @@
 """Model configuration and the named presets.
 
+One ModelConfig describes a model of any family (model/family.py): the fields every decoder has
+(layers, width, heads, context, vocabulary), and those only some families honour (key/value
+heads, rotary positions, q/k norms, biases on q/k/v, a sliding window). Each family refuses the
+fields it cannot honour, in one line, when the config is made (Family.check).
+
 Vocabulary padding lives here and only here: `padded_vocab(v)` is what training, generation and
 export all call, so a checkpoint's embedding shape never disagrees with the model that loads it.
 """
@@ -42,8 +47,36 @@ def small_init_std(n_embd: int) -> float:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's stretch of rotary frequencies for long contexts (HF rope_type "llama3"):
+    wavelengths longer than original_max_positions / low_freq_factor are divided by `factor`,
+    shorter than original_max_positions / high_freq_factor kept, those between interpolated."""
+
+    kind: Literal["llama3"] = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind != "llama3":
+            raise UserError(f"rope scaling {self.kind!r} is not supported: only 'llama3' is")
+        if not (self.factor >= 1 and 0 < self.low_freq_factor < self.high_freq_factor):
+            raise UserError(
+                f"rope scaling factor={self.factor}, low_freq_factor={self.low_freq_factor}, "
+                f"high_freq_factor={self.high_freq_factor}: need factor >= 1 and "
+                "0 < low_freq_factor < high_freq_factor"
+            )
+        if self.original_max_positions < 1:
+            raise UserError(
+                f"rope scaling original_max_positions={self.original_max_positions} must be >= 1"
+            )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """A GPT-2 style decoder. Every field is a CLI flag of `fitgpt train`."""
+    """A decoder of one family (`family`). Every field without metadata cli=False is a flag of
+    `fitgpt train`; the family-specific ones keep defaults that mean GPT-2's behaviour."""
 
     n_layer: int = field(default=12, metadata={"help": "transformer blocks", "flag": "layers"})
     n_embd: int = field(
@@ -63,8 +96,9 @@ class ModelConfig:
     )
     bias: bool = field(default=True, metadata={"help": "biases in linear layers and LayerNorms"})
     dropout: float = field(default=0.0, metadata={"help": "dropout on embeddings, attention, MLP"})
-    position: Literal["learned", "alibi"] = field(
-        default="learned", metadata={"help": "learned absolute positions, or ALiBi biases"}
+    position: Literal["learned", "alibi", "rope"] = field(
+        default="learned",
+        metadata={"help": "learned absolute positions, ALiBi biases, or rotary (Llama families)"},
     )
     embed_norm: bool = field(
         default=False, metadata={"help": "LayerNorm after the embedding (BLOOM's stability fix)"}
@@ -72,8 +106,7 @@ class ModelConfig:
     tie_embeddings: bool = field(
         default=True, metadata={"help": "share the input embedding with the output head"}
     )
-    # the network this config builds (model/family.py); GPT-2 is the only family so far, so it
-    # is no flag yet
+    # the network this config builds (model/family.py): set by presets and Hugging Face import
     family: str = field(default="gpt2", metadata={"help": "model family", "cli": False})
     init_std: float | None = field(
         default=None,
@@ -84,22 +117,81 @@ class ModelConfig:
             "0.0158 at 1600, 0.0081 at 6144",
         },
     )
+    # ---- honoured by some families only (Family.check refuses the rest) --------------------
+    n_kv_head: int | None = field(
+        default=None,
+        metadata={
+            "help": "key/value heads of grouped-query attention (must divide the heads)",
+            "flag": "kv-heads",
+            "default_text": "the head count",
+        },
+    )
+    # D when it is not hidden/heads (Qwen3-32B: hidden 5120, 64 heads of 128)
+    head_size: int | None = field(
+        default=None, metadata={"help": "per-head dimension", "cli": False}
+    )
+    ffn_hidden: int | None = field(
+        default=None,
+        metadata={
+            "help": "MLP width (a gated MLP's gate and up each)",
+            "flag": "ffn-hidden",
+            "default_text": "the family's: 4·hidden for GPT-2, 8·hidden/3 rounded up to 256 "
+            "for the Llama families",
+        },
+    )
+    norm_eps: float = field(default=1e-5, metadata={"help": "RMSNorm epsilon", "cli": False})
+    rope_theta: float = field(
+        default=10000.0, metadata={"help": "rotary base frequency", "cli": False}
+    )
+    rope_scaling: RopeScaling | None = field(
+        default=None, metadata={"help": "Llama 3's rotary scaling", "cli": False}
+    )
+    qkv_bias: bool = field(default=False, metadata={"help": "biases on q, k and v (Qwen2)"})
+    qk_norm: bool = field(
+        default=False, metadata={"help": "RMSNorm over each head of q and k (Qwen3)"}
+    )
+    sliding_window: int | None = field(
+        default=None,
+        metadata={
+            "help": "attention sees at most this many tokens back (Mistral); only sequences "
+            "longer than it are masked",
+        },
+    )
+    # Hugging Face's max_position_embeddings, kept for export; None: seq_len
+    max_positions: int | None = field(
+        default=None, metadata={"help": "positions the model was made for", "cli": False}
+    )
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)} must be a positive integer")
-        if self.n_embd % self.n_head:
+        for name in ("n_kv_head", "head_size", "ffn_hidden", "sliding_window", "max_positions"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise UserError(f"{name}={getattr(self, name)} must be a positive integer")
+        if self.head_size is None and self.n_embd % self.n_head:
             raise UserError(
                 f"hidden={self.n_embd} is not divisible by heads={self.n_head}; "
                 "choose heads that divide the hidden size"
             )
+        if self.n_head % self.kv_heads:
+            raise UserError(
+                f"--kv-heads {self.kv_heads} does not divide heads={self.n_head}; "
+                "choose key/value heads that divide the head count"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"dropout={self.dropout} must be in [0, 1)")
-        if self.position not in ("learned", "alibi"):
-            raise UserError(f"position={self.position!r}: use 'learned' or 'alibi'")
+        if self.position not in ("learned", "alibi", "rope"):
+            raise UserError(f"position={self.position!r}: use 'learned', 'alibi' or 'rope'")
         if self.init_std is not None and not 0 < self.init_std < 1:
             raise UserError(f"--init-std {self.init_std} must be in (0, 1), e.g. 0.02")
+        if not (self.norm_eps > 0 and self.rope_theta > 0):
+            raise UserError(
+                f"norm_eps={self.norm_eps} and rope_theta={self.rope_theta} must be positive"
+            )
+        from fitgpt.model.family import family_of  # the families import this module
+
+        family_of(self).check(self)
 
     def weight_std(self) -> float:
         """The standard deviation of every initial weight matrix and embedding (INIT_STD_MAX,
@@ -113,7 +205,20 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        """D: head_size, or hidden / heads."""
+        return self.head_size if self.head_size is not None else self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """K: the key/value heads (n_kv_head, or one per query head)."""
+        return self.n_kv_head if self.n_kv_head is not None else self.n_head
+
+    @property
+    def ffn_width(self) -> int:
+        """F: the MLP width, ffn_hidden or the family's default."""
+        from fitgpt.model.family import family_of
+
+        return self.ffn_hidden if self.ffn_hidden is not None else family_of(self).ffn_default(self)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -142,6 +247,10 @@ class ModelConfig:
         unknown = set(d) - known
         if unknown:
             raise UserError(f"model config has unknown fields {sorted(unknown)}")
+        # fields missing (a meta.json written before they existed) take their defaults;
+        # rope_scaling comes back as the dict to_dict made of it
+        if isinstance(d.get("rope_scaling"), dict):
+            d = {**d, "rope_scaling": RopeScaling(**d["rope_scaling"])}
         return cls(**d)
 
     def replace(self, **changes) -> ModelConfig:

@@ -23,7 +23,7 @@ The hooks:
                          the buffers a model built on the meta device lacks, made on `device`
 
 Shape legend: B batch, T tokens in this call, H hidden, V padded vocabulary, P positions already
-in the KV cache.
+in the KV cache, K key/value heads, D head dimension.
 """
 
 from __future__ import annotations
@@ -40,26 +40,29 @@ from fitgpt.model.config import ModelConfig
 
 
 class KVCache:
-    """Keys and values of every layer for incremental decoding: [B, N, S, D] per layer."""
+    """Keys and values of every layer for incremental decoding: [B, K, S, D] per layer (K the
+    key/value heads: grouped-query attention caches K heads, not N)."""
 
     def __init__(self, cfg: ModelConfig, batch: int, device, dtype) -> None:
-        shape = (batch, cfg.n_head, cfg.seq_len, cfg.head_dim)
+        shape = (batch, cfg.kv_heads, cfg.seq_len, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.length = 0  # P: positions filled so far, the same for every layer
 
-    def append(self, layer: int, k_BNTD: Tensor, v_BNTD: Tensor) -> tuple[Tensor, Tensor]:
-        """Store this call's keys/values; return all keys/values so far, [B, N, P+T, D]."""
-        t0, t1 = self.length, self.length + k_BNTD.shape[2]
-        self.k[layer][:, :, t0:t1] = k_BNTD
-        self.v[layer][:, :, t0:t1] = v_BNTD
+    def append(self, layer: int, k_BKTD: Tensor, v_BKTD: Tensor) -> tuple[Tensor, Tensor]:
+        """Store this call's keys/values; return all keys/values so far, [B, K, P+T, D]."""
+        t0, t1 = self.length, self.length + k_BKTD.shape[2]
+        self.k[layer][:, :, t0:t1] = k_BKTD
+        self.v[layer][:, :, t0:t1] = v_BKTD
         return self.k[layer][:, :, :t1], self.v[layer][:, :, :t1]
 
 
 class DecoderLM(nn.Module, ABC):
     """Base of every family's network: `wte` (the token embedding), `blocks`, the head."""
 
-    family: ClassVar  # the family's Family (model/family.py), set where it is registered
+    # the family's Family (model/family.py), set where it is registered; a network serving
+    # several families (model/llama.py) sets its config's on the instance
+    family: ClassVar
     wte: nn.Embedding
     blocks: nn.ModuleList
 

@@ -14,6 +14,11 @@ else:
   block_activations the elements per token a block saves for backward, split into those tensor
                     parallelism leaves whole (the norms) and those it cuts 1/T (inside attention
                     and the MLP): what the planner's memory model prices
+  head_shared       replicated parameters applied to every head (a per-head norm's weight):
+                    under tensor parallelism each rank's gradient of them covers its heads only
+  check, ffn_default
+                    the one-line refusal of config fields the family cannot honour (called when
+                    a ModelConfig is made), and its MLP width when the config sets none
 The Hugging Face name mapping of a family lives with the other interop code (interop/hf.py).
 Adding a family touches model/ and interop/ only: a new module defines its network and its
 Family and calls register_family; nothing in engine/, plan/ or parallel/ names a family.
@@ -49,6 +54,17 @@ class Family(ABC):
     model: ClassVar[type]  # the network: a DecoderLM subclass taking a ModelConfig
     # parameter-name suffix ("attn.qkv.weight", "wte.weight") -> how TP cuts it
     splits: ClassVar[dict[str, Split]] = {}
+    # suffixes of replicated parameters used by every head: parallel/layers.py sums their
+    # gradients over the TP group (each rank saw only its heads)
+    head_shared: ClassVar[tuple[str, ...]] = ()
+
+    def check(self, cfg: ModelConfig) -> None:
+        """Raise UserError, in one line, for a field of `cfg` this family cannot honour."""
+        return None
+
+    def ffn_default(self, cfg: ModelConfig) -> int:
+        """The MLP width when cfg.ffn_hidden is None."""
+        return 4 * cfg.n_embd
 
     def split_rule(self, name: str) -> Split | None:
         """How TP cuts parameter `name` (a full name like 'blocks.3.mlp.fc.weight'), or None for
@@ -90,7 +106,9 @@ def register_family(family: Family) -> Family:
 
 def family_of(cfg: ModelConfig) -> Family:
     """The family of the model `cfg` describes (a one-line refusal for an unknown one)."""
-    import fitgpt.model.gpt  # noqa: F401  (registers GPT-2, the default family)
+    # registers GPT-2 (the default family), and llama, qwen2, qwen3, mistral
+    import fitgpt.model.gpt
+    import fitgpt.model.llama  # noqa: F401
 
     try:
         return FAMILIES[cfg.family]

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fitgpt.errors import UserError
 from fitgpt.model.config import ModelConfig
 from fitgpt.model.decoder import DecoderLM, KVCache
 from fitgpt.model.family import Family, Split, register_family
@@ -201,6 +202,31 @@ class GPT2Family(Family):
         "wte.weight": Split(0),
         "lm_head.weight": Split(0),
     }
+
+    def check(self, cfg: ModelConfig) -> None:
+        """GPT-2 has one key/value head per head, hidden/heads per head, a 4·hidden MLP and
+        learned or ALiBi positions: the Llama families' fields are refused."""
+        wrong = [
+            (cfg.position == "rope", "position='rope'", "use learned or alibi"),
+            (cfg.kv_heads != cfg.n_head, f"--kv-heads {cfg.kv_heads}", f"use {cfg.n_head}"),
+            (
+                cfg.head_size not in (None, cfg.n_embd // cfg.n_head),
+                f"head_size={cfg.head_size}",
+                "leave it unset (hidden/heads)",
+            ),
+            (
+                cfg.ffn_hidden not in (None, 4 * cfg.n_embd),
+                f"--ffn-hidden {cfg.ffn_hidden}",
+                f"GPT-2's MLP is 4·hidden = {4 * cfg.n_embd}",
+            ),
+            (cfg.qkv_bias, "--qkv-bias", "--bias sets GPT-2's biases"),
+            (cfg.qk_norm, "--qk-norm", "drop it"),
+            (cfg.sliding_window is not None, "--sliding-window", "drop it"),
+            (cfg.rope_scaling is not None, "rope_scaling", "drop it"),
+        ]
+        for bad, what, fix in wrong:
+            if bad:
+                raise UserError(f"{what}: the gpt2 family does not have it ({fix})")
 
     def tp_sizes(self, cfg: ModelConfig) -> list[tuple[int, str]]:
         return [

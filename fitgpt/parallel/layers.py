@@ -16,6 +16,11 @@ elements (fitgpt/parallel/shard.py):
                         rest, and the T partial embeddings are all-reduced.
   TensorParallelLM.head_loss  the (tied) head's logits stay split by vocabulary: the loss is
                         the vocabulary-parallel cross-entropy (parallel/functions.py).
+  HeadSharedRMSNorm     an RMSNorm applied to every head (Qwen3's q_norm and k_norm: the
+                        family's head_shared): replicated, but each rank normalises only its
+                        heads, so its weight's gradient is all-reduced backward (f on the
+                        weight). Under sequence parallelism the engines sum every replicated
+                        gradient over the group anyway (each rank's tokens), which covers it.
 
 With sequence parallelism (`sequence_parallel=True`, Korthikanti et al. 2022) the residual
 stream between the layers is split along the sequence too ([B, S/T, H] per rank): the norms,
@@ -97,6 +102,16 @@ class RowParallelLinear(_Split, nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
+class HeadSharedRMSNorm(nn.RMSNorm):
+    """An RMSNorm whose weight's gradient is summed over the TP group (the module docstring)."""
+
+    mesh: Mesh
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = copy_to_tp(self.weight, self.mesh.tp_group)
+        return F.rms_norm(x, self.normalized_shape, w, self.eps)
+
+
 class VocabParallelEmbedding(_Split, nn.Embedding):
     def forward(self, idx_BT: Tensor) -> Tensor:
         Vl = self.weight.shape[0]
@@ -175,6 +190,11 @@ def parallelize(model: DecoderLM, mesh: Mesh, sequence_parallel: bool = False) -
     by columns row-parallel; the token embedding vocabulary-parallel. The head is never
     sequence-parallel in effect: TensorParallelLM._head_shard gathers its input itself."""
     sp, rule = sequence_parallel, model.family.split_rule
+    shared = model.family.head_shared
+
+    def rule_of_shared(name: str) -> bool:
+        return any(name.endswith("." + suffix) for suffix in shared)
+
     swaps = []
     for path, module in model.named_modules():
         if not path or not isinstance(module, nn.Linear | nn.Embedding):
@@ -192,6 +212,14 @@ def parallelize(model: DecoderLM, mesh: Mesh, sequence_parallel: bool = False) -
     for path, new in swaps:
         parent, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, name, new)
+    if not sp:  # sequence parallelism sums every replicated gradient over the group already
+        for path, module in model.named_modules():
+            if any(
+                rule_of_shared(f"{path}.{n}") for n, _ in module.named_parameters(recurse=False)
+            ):
+                if type(module) is not nn.RMSNorm:
+                    raise TypeError(f"{path}: only an RMSNorm can be shared by heads under TP")
+                module.__class__, module.mesh = HeadSharedRMSNorm, mesh
     model.split_heads(mesh.tp_rank, mesh.tp)
     model.__class__ = tensor_parallel_class(type(model))
     model.mesh, model.sequence_parallel = mesh, sp
