@@ -537,7 +537,7 @@ CASES: list[Case] = [
     Case("import-hf-llama-kv-heads-not-dividing", "import hf {t}/hf --out {t}/r", "num_key_value_heads=3", setup=broken_llama({"num_attention_heads": 4, "num_key_value_heads": 3})),
     Case("import-hf-no-model-type", "import hf {t}/hf --out {t}/r", "hf/config.json has no model_type", setup=broken_llama({"model_type": None})),
     Case("import-hf-unknown-model-type", "import hf {t}/hf --out {t}/r", "model_type='phi3'", setup=broken_llama({"model_type": "phi3"})),
-    Case("import-hf-qwen2-window-in-some-layers", "import hf {t}/hf --out {t}/r", "slides the window in 1 of 2 layers", setup=broken_llama({"model_type": "qwen2", "num_hidden_layers": 2, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})),
+    Case("import-hf-qwen2-window-in-some-layers", "import hf {t}/hf --out {t}/r", "slides a window of 4 in 1 of 2 layers", setup=broken_llama({"model_type": "qwen2", "num_hidden_layers": 2, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})),
     Case("import-hf-llama-missing-shard", "import hf {t}/hf --out {t}/r", "model-00002-of-00002.safetensors", setup=broken_llama(how="missing-shard")),
     Case("import-hf-llama-tensor-without-place", "import hf {t}/hf --out {t}/r", "o_proj.bias has no place in a LlamaForCausalLM", setup=broken_llama(how="extra-bias")),
     Case("import-hf-llama-more-layers-than-weights", "import hf {t}/hf --out {t}/r", "num_hidden_layers=5, but the weights hold 1 blocks", setup=broken_llama({"num_hidden_layers": 5})),

@@ -367,7 +367,7 @@ LLAMA = {
                 "sliding_window": 8,
                 "max_window_layers": 1,
             },
-            "slides the window in 1 of 2 layers",
+            "slides a window of 8 in 1 of 2 layers",
         ),
     ],
 )
@@ -379,11 +379,15 @@ def test_configs_fitgpt_cannot_compute_are_refused_in_one_line(change, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_qwen_sliding_window_in_every_layer_or_none_is_taken():
+def test_qwen_without_a_sliding_layer_is_taken():
+    """Qwen2.5 configs carry sliding_window with use_sliding_window false, or a
+    max_window_layers past the last layer: no layer slides, so fitgpt's full attention is
+    exact; a window in every layer is refused as one in some."""
     q = LLAMA | {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8}
-    assert model_config_from_hf(q | {"max_window_layers": 0}, "c").sliding_window == 8
     assert model_config_from_hf(q | {"max_window_layers": 2}, "c").sliding_window is None
     assert model_config_from_hf(q | {"use_sliding_window": False}, "c").sliding_window is None
+    with pytest.raises(UserError, match="slides a window of 8 in 2 of 2 layers"):
+        model_config_from_hf(q | {"max_window_layers": 0}, "c")
 
 
 def test_damaged_or_mismatched_checkpoints_write_nothing(hf_folders, tmp_path):

@@ -35,9 +35,9 @@ Refused on import, in one line naming the key and the value: hidden_act other th
 rope_scaling (rope_type) other than the default and llama3, or a partial_rotary_factor;
 attention_bias or mlp_bias (Llama, Qwen3 and Mistral put them on every projection, fitgpt has
 none there); a head_dim that is odd (rotary pairs) or missing where heads do not divide
-hidden_size; key/value heads that do not divide the heads; a sliding window in some layers only
-(Qwen2/3's max_window_layers between 0 and the layer count): fitgpt slides one window in every
-layer or none.
+hidden_size; key/value heads that do not divide the heads; a Qwen2/3 sliding window
+(use_sliding_window with any layer sliding): fitgpt's qwen families attend fully, only its
+mistral family slides a window (in every layer).
 """
 
 from __future__ import annotations
@@ -105,9 +105,10 @@ def _rope(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
 
 
 def _sliding_window(hf: dict, mt: str, n_layer: int, source: str) -> int | None:
-    """The one window every layer slides, or None. Mistral slides it in every layer when set;
-    Qwen2/3 only with use_sliding_window, and only in the layers layer_types marks (derived,
-    when absent, as transformers does: those from max_window_layers on)."""
+    """Mistral's window (every layer slides it when set), or None. Qwen2/3 slide one only with
+    use_sliding_window, in the layers layer_types marks (derived, when absent, as transformers
+    does: those from max_window_layers on); fitgpt's qwen families have none, so a window in
+    any layer is refused (released Qwen2.5/Qwen3 checkpoints set use_sliding_window false)."""
     if mt == "llama":
         return None
     window = hf.get("sliding_window")
@@ -125,13 +126,11 @@ def _sliding_window(hf: dict, mt: str, n_layer: int, source: str) -> int | None:
     sliding = sum(t == "sliding_attention" for t in types) if isinstance(types, list) else -1
     if sliding == 0:
         return None
-    if sliding != n_layer or len(types) != n_layer:
-        raise UserError(
-            f"{source}: use_sliding_window with layer_types/max_window_layers="
-            f"{hf.get('max_window_layers')!r} slides the window in {sliding} of {n_layer} "
-            "layers; fitgpt slides one window in every layer or none"
-        )
-    return window
+    raise UserError(
+        f"{source}: use_sliding_window=true slides a window of {window} in {sliding} of "
+        f"{n_layer} layers (max_window_layers={hf.get('max_window_layers')!r}); fitgpt's {mt} "
+        "has full attention in every layer (its mistral family slides one window in all)"
+    )
 
 
 def _refuse_unsupported(hf: dict, mt: str, source: str) -> None:
@@ -232,27 +231,9 @@ class LlamaMapping(HFMapping):
         return maps
 
     def check_exportable(self, cfg: ModelConfig) -> None:
-        """What the HF class of `cfg.family` has no switch for (the family itself refuses
-        what its network cannot compute, model/llama.py)."""
-        if cfg.qkv_bias and cfg.family != "qwen2":
-            raise UserError(
-                f"qkv_bias=True: HF's {ARCHITECTURES[cfg.family]} has no q/k/v-only biases; "
-                "only the qwen2 family exports them"
-            )
-        if cfg.qk_norm and cfg.family != "qwen3":
-            raise UserError(
-                f"qk_norm=True: HF's {ARCHITECTURES[cfg.family]} has no q/k norms; only the "
-                "qwen3 family exports them"
-            )
-        if cfg.family == "qwen3" and not cfg.qk_norm:
-            raise UserError("qk_norm=False: HF's Qwen3ForCausalLM always normalises q and k")
-        if cfg.family == "qwen2" and not cfg.qkv_bias:
-            raise UserError("qkv_bias=False: HF's Qwen2ForCausalLM always has q/k/v biases")
-        if cfg.sliding_window is not None and cfg.family == "llama":
-            raise UserError(
-                f"sliding_window={cfg.sliding_window}: HF's LlamaForCausalLM has no sliding "
-                "window (mistral, qwen2 and qwen3 do)"
-            )
+        """Nothing to refuse: each family's check (model/llama.py) already refuses, when the
+        config is made, every switch its HF class lacks (q/k/v biases outside qwen2, q/k norms
+        outside qwen3, a window outside mistral)."""
 
     def config_from_hf(self, hf: dict, source: str) -> ModelConfig:
         mt = hf["model_type"]
@@ -305,7 +286,7 @@ class LlamaMapping(HFMapping):
             "model_type": cfg.family,
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.n_embd,
-            "intermediate_size": self._ffn(cfg),
+            "intermediate_size": cfg.ffn_width,
             "num_hidden_layers": cfg.n_layer,
             "num_attention_heads": cfg.n_head,
             "num_key_value_heads": cfg.kv_heads,
@@ -330,26 +311,12 @@ class LlamaMapping(HFMapping):
             out["mlp_bias"] = False
         if cfg.family == "mistral":
             out["sliding_window"] = cfg.sliding_window
-        if cfg.family in ("qwen2", "qwen3"):
-            window = cfg.sliding_window is not None
-            out["use_sliding_window"] = window
-            out["sliding_window"] = cfg.sliding_window
-            out["max_window_layers"] = 0 if window else cfg.n_layer
-            kind = "sliding_attention" if window else "full_attention"
-            out["layer_types"] = [kind] * cfg.n_layer
+        if cfg.family in ("qwen2", "qwen3"):  # full attention everywhere (model/llama.py)
+            out["use_sliding_window"] = False
+            out["sliding_window"] = None
+            out["max_window_layers"] = cfg.n_layer
+            out["layer_types"] = ["full_attention"] * cfg.n_layer
         return out
-
-    @staticmethod
-    def _ffn(cfg: ModelConfig) -> int:
-        """intermediate_size: fitgpt's MLP width (the family's default when not set)."""
-        if cfg.ffn_hidden is not None:
-            return cfg.ffn_hidden
-        import torch
-
-        from fitgpt.model import build_model
-
-        with torch.device("meta"):
-            return build_model(cfg).blocks[0].mlp.proj.weight.shape[1]
 
 
 LLAMA = register_mapping(LlamaMapping())
