@@ -325,6 +325,28 @@ def test_export_config_round_trips_through_import():
         assert model_config_from_hf(again, name) == cfg, name
 
 
+def test_released_shapes_import_with_their_parameter_counts():
+    """Llama 3.1 8B's and Qwen2.5 7B's config.json (their published shapes) give the published
+    parameter counts, the context capped; an MLP width that is the family's default is left
+    unset (as a preset leaves it)."""
+    llama = LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+        rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE, "original_max_position_embeddings": 8192},
+    )  # fmt: skip
+    cfg = model_config_from_hf(llama.to_dict(), "llama")
+    assert cfg.num_params() == 8_030_261_248 and cfg.ffn_hidden == 14336 and cfg.kv_heads == 8
+    assert (cfg.seq_len, cfg.max_positions) == (4096, 131072)
+    llama2 = llama.to_dict() | {"intermediate_size": 11008, "num_key_value_heads": 32}
+    assert model_config_from_hf(llama2, "llama2").ffn_hidden is None  # 8·4096/3 rounded to 256
+    qwen = Qwen2Config(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )  # fmt: skip
+    assert model_config_from_hf(qwen.to_dict(), "qwen").num_params() == 7_615_616_512
+
+
 # ---- refusals ----------------------------------------------------------------------------------
 LLAMA = {
     "model_type": "llama",

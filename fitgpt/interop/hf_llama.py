@@ -242,14 +242,13 @@ class LlamaMapping(HFMapping):
         heads, kv, head_size = _heads(hf, source)
         theta, scaling = _rope(hf, source)
         max_pos = int_field(hf, "max_position_embeddings", source)
-        return ModelConfig(
+        cfg = ModelConfig(
             family=mt,
             n_layer=n_layer,
             n_embd=int_field(hf, "hidden_size", source),
             n_head=heads,
             n_kv_head=kv if kv != heads else None,
             head_size=head_size,
-            ffn_hidden=int_field(hf, "intermediate_size", source),
             seq_len=min(max_pos, IMPORT_SEQ_LEN),
             max_positions=max_pos,
             vocab_size=int_field(hf, "vocab_size", source),
@@ -264,6 +263,10 @@ class LlamaMapping(HFMapping):
             sliding_window=_sliding_window(hf, mt, n_layer, source),
             tie_embeddings=tied(hf, source, self.default_tied()),
         )
+        # stored only where it is not the family's default, as n_kv_head and head_size are,
+        # so an import equals the preset of its shape
+        ffn = int_field(hf, "intermediate_size", source)
+        return cfg if cfg.ffn_width == ffn else cfg.replace(ffn_hidden=ffn)
 
     def hf_config(self, cfg: ModelConfig, ids: dict) -> dict:
         """config.json for transformers 5 (rope_parameters) and 4 (rope_theta, rope_scaling)
