@@ -1,6 +1,6 @@
-"""Set-up helpers for the `fitgpt import hf` rows of test_cli_bad_inputs.py: a tiny HF GPT-2
-checkpoint (config.json + model.safetensors, random weights, written without transformers so a
-case costs milliseconds), then one thing broken in it."""
+"""Set-up helpers for the `fitgpt import hf` rows of test_cli_bad_inputs.py: a tiny HF GPT-2 or
+Llama checkpoint (config.json + model.safetensors, random weights, written without transformers
+so a case costs milliseconds), then one thing broken in it."""
 
 from __future__ import annotations
 
@@ -32,12 +32,62 @@ def _shapes() -> list[tuple[str, tuple[int, ...]]]:
     return [*out, ("transformer.ln_f.weight", (h,)), ("transformer.ln_f.bias", (h,))]
 
 
-def checkpoint(folder: Path, weights: str = "model.safetensors") -> None:
+LLAMA = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 8, "intermediate_size": 12}
+LLAMA |= {"num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 16}
+LLAMA |= {"vocab_size": 64, "tie_word_embeddings": True}
+
+
+def _llama_shapes() -> list[tuple[str, tuple[int, ...]]]:
+    h, f, v = LLAMA["hidden_size"], LLAMA["intermediate_size"], LLAMA["vocab_size"]
+    kv = LLAMA["num_key_value_heads"] * h // LLAMA["num_attention_heads"]
+    out = [("model.embed_tokens.weight", (v, h))]
+    for i in range(LLAMA["num_hidden_layers"]):
+        b = f"model.layers.{i}."
+        out += [(b + "input_layernorm.weight", (h,)), (b + "self_attn.q_proj.weight", (h, h))]
+        out += [(b + "self_attn.k_proj.weight", (kv, h)), (b + "self_attn.v_proj.weight", (kv, h))]
+        out += [
+            (b + "self_attn.o_proj.weight", (h, h)),
+            (b + "post_attention_layernorm.weight", (h,)),
+        ]
+        out += [(b + "mlp.gate_proj.weight", (f, h)), (b + "mlp.up_proj.weight", (f, h))]
+        out += [(b + "mlp.down_proj.weight", (h, f))]
+    return [*out, ("model.norm.weight", (h,))]
+
+
+def checkpoint(folder: Path, weights: str = "model.safetensors", llama: bool = False) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(CONFIG))
-    with SafetensorsWriter(folder / weights, _shapes(), torch.float32, {}) as w:
-        for name, shape in _shapes():
+    (folder / "config.json").write_text(json.dumps(LLAMA if llama else CONFIG))
+    shapes = _llama_shapes() if llama else _shapes()
+    with SafetensorsWriter(folder / weights, shapes, torch.float32, {}) as w:
+        for name, shape in shapes:
             w.write(name, torch.randn(shape))
+
+
+def broken_llama(change: dict | None = None, how: str = "none") -> Callable[[dict], None]:
+    """A Llama checkpoint at {t}/hf with `change` merged into its config.json (a key set to
+    None is removed), or one file broken by name (see the branches)."""
+
+    def f(p: dict) -> None:
+        d = Path(p["t"]) / "hf"
+        checkpoint(d, llama=True)
+        cfg = {k: v for k, v in (LLAMA | (change or {})).items() if v is not None}
+        (d / "config.json").write_text(json.dumps(cfg))
+        if how == "missing-shard":
+            names = dict.fromkeys(
+                (n for n, _ in _llama_shapes()), "model-00001-of-00002.safetensors"
+            )
+            names["model.norm.weight"] = "model-00002-of-00002.safetensors"
+            os.replace(d / "model.safetensors", d / "model-00001-of-00002.safetensors")
+            (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
+        elif how == "extra-bias":  # an o_proj bias the config has no place for
+            names = [*_llama_shapes(), ("model.layers.0.self_attn.o_proj.bias", (8,))]
+            with SafetensorsWriter(d / "model.safetensors", names, torch.float32, {}) as w:
+                for name, shape in names:
+                    w.write(name, torch.randn(shape))
+        elif how != "none":
+            raise ValueError(how)
+
+    return f
 
 
 def broken(how: str, rel: str = "hf") -> Callable[[dict], None]:

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hf_bad_inputs import broken as hf_broken
+from hf_bad_inputs import broken_llama
 
 from fitgpt.cli import main
 
@@ -526,6 +527,21 @@ CASES: list[Case] = [
     Case("import-hf-config-file-given", "import hf {t}/hf/config.json --out {t}/r", "{t}/hf/config.json is not a weight file", setup=hf_broken("none")),
     Case("import-hf-weights-without-config", "import hf {t}/hf/model.safetensors --out {t}/r", "{t}/hf/model.safetensors: its folder", setup=hf_broken("no-config")),
     Case("import-hf-text-file-given", "import hf {file} --out {t}/r", "{file} is not a weight file"),
+    # helper H2 (issue 36: Llama, Qwen2, Qwen3, Mistral in and out)
+    Case("import-hf-llama-rope-yarn", "import hf {t}/hf --out {t}/r", "hf/config.json: rope_scaling type 'yarn'", setup=broken_llama({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})),
+    Case("import-hf-llama-rope-parameters-linear", "import hf {t}/hf --out {t}/r", "rope_parameters type 'linear'", setup=broken_llama({"rope_parameters": {"rope_type": "linear", "factor": 2.0}})),
+    Case("import-hf-llama-gelu", "import hf {t}/hf --out {t}/r", "hidden_act='gelu'", setup=broken_llama({"hidden_act": "gelu"})),
+    Case("import-hf-llama-attention-bias", "import hf {t}/hf --out {t}/r", "attention_bias=True", setup=broken_llama({"attention_bias": True})),
+    Case("import-hf-llama-mlp-bias", "import hf {t}/hf --out {t}/r", "mlp_bias=True", setup=broken_llama({"mlp_bias": True})),
+    Case("import-hf-llama-head-dim-odd", "import hf {t}/hf --out {t}/r", "head_dim=3 is odd", setup=broken_llama({"head_dim": 3})),
+    Case("import-hf-llama-kv-heads-not-dividing", "import hf {t}/hf --out {t}/r", "num_key_value_heads=3", setup=broken_llama({"num_attention_heads": 4, "num_key_value_heads": 3})),
+    Case("import-hf-no-model-type", "import hf {t}/hf --out {t}/r", "hf/config.json has no model_type", setup=broken_llama({"model_type": None})),
+    Case("import-hf-unknown-model-type", "import hf {t}/hf --out {t}/r", "model_type='phi3'", setup=broken_llama({"model_type": "phi3"})),
+    Case("import-hf-qwen2-window-in-some-layers", "import hf {t}/hf --out {t}/r", "slides a window of 4 in 1 of 2 layers", setup=broken_llama({"model_type": "qwen2", "num_hidden_layers": 2, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1})),
+    Case("import-hf-llama-missing-shard", "import hf {t}/hf --out {t}/r", "model-00002-of-00002.safetensors", setup=broken_llama(how="missing-shard")),
+    Case("import-hf-llama-tensor-without-place", "import hf {t}/hf --out {t}/r", "o_proj.bias has no place in a LlamaForCausalLM", setup=broken_llama(how="extra-bias")),
+    Case("import-hf-llama-more-layers-than-weights", "import hf {t}/hf --out {t}/r", "num_hidden_layers=5, but the weights hold 1 blocks", setup=broken_llama({"num_hidden_layers": 5})),
+    Case("export-hf-max-shard-size-garbage", "export --ckpt {run} --format hf --out {t}/h --max-shard-size lots", "--max-shard-size lots"),
     Case("preprocess-tokenizer-empty-pair", "data preprocess --input {jsonl} --output-prefix {t}/o --tokenizer {t}/tk", "tk/vocab.json + {t}/tk/merges.txt", setup=chain(write("tk/vocab.json", b""), write("tk/merges.txt", b""))),
     Case("preprocess-tokenizer-empty-pair-comma", "data preprocess --input {jsonl} --output-prefix {t}/o --tokenizer {t}/v.json,{t}/m.txt", "v.json + {t}/m.txt", setup=chain(write("v.json", b""), write("m.txt", b""))),
     Case("train-tokenizer-empty-pair", f"{TRAIN} --data {{data}} --split 9,1,0 --tokenizer {{t}}/tk --out {{t}}/r", "tk/vocab.json", setup=chain(write("tk/vocab.json", b""), write("tk/merges.txt", b""))),

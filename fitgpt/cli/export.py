@@ -16,8 +16,9 @@ def register(sub) -> None:
         help="write a checkpoint's weights as one safetensors file or a Hugging Face folder",
         description="Gather the fp32 master weights of a checkpoint (any engine, any world "
         "size). --format fitgpt (default): one .safetensors file of whole parameters named as "
-        "in fitgpt/model/gpt.py. --format hf: a folder that GPT2LMHeadModel.from_pretrained "
-        "and AutoTokenizer.from_pretrained load offline (see docs/interop.md).",
+        "in the model's own parameter names. --format hf: a folder that "
+        "AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load offline "
+        "(GPT-2, Llama, Qwen2, Qwen3, Mistral; see docs/interop.md).",
     )
     p.add_argument("--ckpt", required=True, help="checkpoint folder, or a run folder (its newest)")
     p.add_argument("--out", required=True, help="output .safetensors path (fitgpt) or folder (hf)")
@@ -25,8 +26,15 @@ def register(sub) -> None:
         "--format",
         choices=["fitgpt", "hf"],
         default="fitgpt",
-        help="fitgpt: one safetensors file, fitgpt names; hf: a Hugging Face GPT-2 folder "
+        help="fitgpt: one safetensors file, fitgpt names; hf: a Hugging Face folder "
         "(default: fitgpt)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="hf: the largest safetensors file, e.g. 5GB, 500MB, 2GiB; more weights are "
+        "written as shards with model.safetensors.index.json (default: 5GB, as transformers)",
     )
     p.add_argument(
         "--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="(default: fp32)"
@@ -54,16 +62,38 @@ def run(args: argparse.Namespace) -> int:
     return run_fitgpt(args)
 
 
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def shard_bytes(text: str) -> int:
+    """'5GB' -> 5·10^9 (decimal units, as transformers' max_shard_size; KiB/MiB/GiB binary)."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).upper() if m else ""
+    if m is None or unit not in UNITS or float(m.group(1)) * UNITS[unit] < 1:
+        raise UserError(
+            f"--max-shard-size {text}: not a size; pass e.g. 5GB, 500MB or 2GiB (bytes: 1000000)"
+        )
+    return int(float(m.group(1)) * UNITS[unit])
+
+
 def run_hf(args: argparse.Namespace) -> int:
     from fitgpt.interop.hf_export import export_hf
 
-    r = export_hf(Path(args.ckpt), Path(args.out), args.dtype, args.overwrite, args.tokenizer)
+    limit = shard_bytes(args.max_shard_size)
+    r = export_hf(
+        Path(args.ckpt), Path(args.out), args.dtype, args.overwrite, args.tokenizer, limit
+    )
     c = r.cfg
     tok = f"tokenizer {r.tokenizer}" if r.tokenizer else "no tokenizer (the run recorded none)"
+    files = "one safetensors file" if r.files == 1 else f"{r.files} safetensors shards"
     print(
-        f"wrote {r.out}: GPT2LMHeadModel, {r.params:,} values in {args.dtype} ({c.n_layer} "
-        f"layers, hidden {c.n_embd}, vocabulary {c.vocab_size} cut from {c.padded_vocab_size}"
-        f"{', zero biases' if not c.bias else ''}), {tok}"
+        f"wrote {r.out}: {r.architecture}, {r.params:,} values in {args.dtype} in {files} "
+        f"({c.n_layer} layers, hidden {c.n_embd}, vocabulary {c.vocab_size} cut from "
+        f"{c.padded_vocab_size}{f', {r.zeros} zero biases' if r.zeros else ''}), "
+        f"{tok}"
     )
     return 0
 

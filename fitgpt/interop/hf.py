@@ -1,220 +1,203 @@
-"""The mapping between fitgpt's GPT and Hugging Face's GPT2LMHeadModel.
+"""Hugging Face checkpoints and fitgpt's families: one registry of mappings, keyed by HF's
+`model_type` (import) and fitgpt's family name (export).
 
-The two compute the same function (pre-LayerNorm blocks, tanh GELU, learned positions, LayerNorm
-eps 1e-5, attention scaled by 1/sqrt(head dim)); they differ in how they store it:
+Each entry is an `HFMapping` (hf_gpt2.py: GPT2LMHeadModel; hf_llama.py: LlamaForCausalLM,
+Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM). An entry says, for its families:
+  config_from_hf / hf_config   config.json ⇄ ModelConfig, refusing in one line what fitgpt's
+                               network cannot compute
+  tensor_maps                  every HF tensor and its place in fitgpt's parameters
+  canonical, layer_of          how stored keys are spelled, and which block a tensor is in
+The import (hf_import.py) and the export (hf_export.py) read and write tensors through these
+maps alone, so they name no family; no module outside interop/ and model/ does either.
 
-| fitgpt (model/gpt.py)            | HF GPT2LMHeadModel                      | layout                    |
-|----------------------------------|-----------------------------------------|---------------------------|
-| wte.weight [V_pad, H]            | transformer.wte.weight [V, H]           | rows cut / zero-padded    |
-| wpe.weight [S, H]                | transformer.wpe.weight [n_positions, H] | S = n_positions           |
-| blocks.i.ln_1/ln_2.{weight,bias} | transformer.h.i.ln_1/ln_2.*             | same                      |
-| blocks.i.attn.qkv.weight [3H, H] | transformer.h.i.attn.c_attn.weight      | Conv1D stores [in, out]:  |
-| blocks.i.attn.proj.weight        | transformer.h.i.attn.c_proj.weight      | transposed                |
-| blocks.i.mlp.fc.weight [4H, H]   | transformer.h.i.mlp.c_fc.weight         | transposed                |
-| blocks.i.mlp.proj.weight         | transformer.h.i.mlp.c_proj.weight       | transposed                |
-| ln_f.*                           | transformer.ln_f.*                      | same                      |
-| lm_head.weight (untied only)     | lm_head.weight (untied only)            | rows cut / zero-padded    |
-
-V_pad is the vocabulary padded to a multiple of 128 (`padded_vocab`); HF holds exactly V rows.
-The padded rows are no tokens (the model gives them -inf logits), so cutting them loses nothing
-and zero-filling them on import adds nothing.
-
-What HF GPT-2 cannot represent, and what we do about it:
-- bias=False: HF GPT-2 always has biases. A model without biases equals one whose biases are
-  zero, so export writes zero biases (exact). Import always gives bias=True.
-- position='alibi' and embed_norm=True: no HF GPT-2 equivalent; refused.
-- Activation: fitgpt uses torch's tanh GELU; export writes `gelu_pytorch_tanh`, the very same
-  kernel (bit-identical). Import accepts every tanh approximation (`gelu_new`, the GPT-2 default,
-  differs from it by float rounding only, 2.4e-7 at most); the erf GELU and others are refused.
-- n_inner other than 4h, layer_norm_epsilon other than 1e-5, scale_attn_weights=false,
-  scale_attn_by_inverse_layer_idx, cross-attention: refused on import.
-- Dropout is a training choice, not part of the weights: import sets fitgpt's dropout to 0 (set
-  --dropout when fine-tuning); export writes fitgpt's one dropout to HF's three.
+A TensorMap ties one HF tensor to one fitgpt parameter, or to a part of one: fitgpt fuses some
+projections that HF keeps apart (Llama's k and v into `attn.kv`, gate and up into `mlp.fc`),
+and `part=(i, n)` says the HF tensor is the i-th of n equal row blocks of the fitgpt one. A
+fused parameter is then assembled on import from its HF tensors, each copied into its rows, and
+cut back into them on export, with no intermediate copy of the whole.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torch import Tensor
 
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
 
-# Every HF activation that computes 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
-TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast")
-EXPORT_ACTIVATION = "gelu_pytorch_tanh"  # torch's own tanh GELU, the kernel fitgpt runs
-LAYER_NORM_EPS = 1e-5  # torch's nn.LayerNorm default, which fitgpt uses
-
 
 @dataclass(frozen=True)
 class TensorMap:
-    """One HF tensor and where it lives in fitgpt; `fitgpt` None means "zeros" (bias=False)."""
+    """One HF tensor and where it lives in fitgpt; `fitgpt` None means "zeros" (a GPT-2 bias
+    of a bias-free model)."""
 
-    hf: str  # name in GPT2LMHeadModel's state dict (with the `transformer.` prefix)
-    fitgpt: str | None  # name in fitgpt's GPT, None when fitgpt has no such parameter
-    transpose: bool  # Conv1D [in, out] against nn.Linear [out, in]
-    vocab_rows: bool  # dim 0 is the vocabulary: padded in fitgpt, exact in HF
-
-
-def _block_maps(i: int, bias: bool) -> list[TensorMap]:
-    out = []
-    for hf_mod, fit_mod, transpose in (
-        ("ln_1", "ln_1", False),
-        ("attn.c_attn", "attn.qkv", True),
-        ("attn.c_proj", "attn.proj", True),
-        ("ln_2", "ln_2", False),
-        ("mlp.c_fc", "mlp.fc", True),
-        ("mlp.c_proj", "mlp.proj", True),
-    ):
-        hf, fit = f"transformer.h.{i}.{hf_mod}", f"blocks.{i}.{fit_mod}"
-        out.append(TensorMap(f"{hf}.weight", f"{fit}.weight", transpose, False))
-        out.append(TensorMap(f"{hf}.bias", f"{fit}.bias" if bias else None, False, False))
-    return out
+    hf: str  # name in the HF model's state dict, as `canonical` spells it
+    fitgpt: str | None  # name of the fitgpt parameter, None when fitgpt has no such parameter
+    transpose: bool = False  # GPT-2's Conv1D stores [in, out] against nn.Linear's [out, in]
+    vocab_rows: bool = False  # dim 0 is the vocabulary: padded in fitgpt, exact in HF
+    part: tuple[int, int] | None = None  # (i, n): rows block i of n of the fitgpt parameter
 
 
-def tensor_maps(cfg: ModelConfig) -> list[TensorMap]:
-    """Every tensor of the HF model for `cfg`, in HF's order (embeddings, blocks, head)."""
-    check_exportable(cfg)
-    maps = [
-        TensorMap("transformer.wte.weight", "wte.weight", False, True),
-        TensorMap("transformer.wpe.weight", "wpe.weight", False, False),
-    ]
-    for i in range(cfg.n_layer):
-        maps += _block_maps(i, cfg.bias)
-    maps.append(TensorMap("transformer.ln_f.weight", "ln_f.weight", False, False))
-    maps.append(TensorMap("transformer.ln_f.bias", "ln_f.bias" if cfg.bias else None, False, False))
-    if not cfg.tie_embeddings:
-        maps.append(TensorMap("lm_head.weight", "lm_head.weight", False, True))
-    return maps
+def _rows(m: TensorMap, t: Tensor) -> Tensor:
+    """The view of fitgpt tensor `t` that HF tensor `m` is: its part's rows, or all of it."""
+    if m.part is None:
+        return t
+    i, n = m.part
+    return t.chunk(n, dim=0)[i]
 
 
 def hf_shape(m: TensorMap, fit_shape: tuple[int, ...], cfg: ModelConfig) -> tuple[int, ...]:
-    """The HF shape of a tensor whose fitgpt shape is `fit_shape`."""
-    shape = tuple(reversed(fit_shape)) if m.transpose else tuple(fit_shape)
+    """The HF shape of map `m` of a fitgpt parameter of shape `fit_shape`."""
+    shape = tuple(fit_shape)
+    if m.part is not None:
+        shape = (shape[0] // m.part[1], *shape[1:])
+    if m.transpose:
+        shape = tuple(reversed(shape))
     return (cfg.vocab_size, *shape[1:]) if m.vocab_rows else shape
 
 
 def copy_to_fitgpt(m: TensorMap, t: Tensor, out: Tensor) -> None:
-    """Copy HF tensor `t` into `out`, its place in fitgpt's layout (fp32): Conv1D weights
-    transposed, vocabulary rows beyond HF's zero. No intermediate copy is made."""
+    """Copy HF tensor `t` into `out`, the whole fitgpt parameter (fp32): into its part's rows,
+    Conv1D weights transposed, vocabulary rows beyond HF's zero. No intermediate copy."""
+    dst = _rows(m, out)
     src = t.t() if m.transpose else t
     rows = src.shape[0]
-    out[:rows].copy_(src)  # converts bf16/fp16 checkpoints to fp32 on the way
-    out[rows:].zero_()  # the padded vocabulary rows (empty for every other tensor)
+    dst[:rows].copy_(src)  # converts bf16/fp16 checkpoints to fp32 on the way
+    dst[rows:].zero_()  # the padded vocabulary rows (empty for every other tensor)
 
 
 def to_hf(m: TensorMap, t: Tensor, cfg: ModelConfig) -> Tensor:
-    """A fitgpt tensor in HF's layout (Conv1D transposed, vocabulary cut to the real size)."""
+    """A fitgpt parameter's share for HF tensor `m`, in HF's layout (its rows, Conv1D
+    transposed, the vocabulary cut to the real size)."""
+    t = _rows(m, t)
     if m.vocab_rows:
         t = t[: cfg.vocab_size]
     return (t.t() if m.transpose else t).contiguous()
 
 
-# ---- configs -------------------------------------------------------------------------------------
-def check_exportable(cfg: ModelConfig) -> None:
-    """Refuse, in one line, what HF GPT-2 has no place for. This module maps the gpt2 family
-    (model/gpt.py) only: another family's mapping is its own module here."""
-    if cfg.family != "gpt2":
+class HFMapping(ABC):
+    """How the HF architectures of some fitgpt families store them (subclass, then register)."""
+
+    model_types: ClassVar[tuple[str, ...]]  # HF config.json `model_type` values
+    families: ClassVar[tuple[str, ...]]  # fitgpt ModelConfig.family values
+    layers_key: ClassVar[str]  # config.json's key for the number of blocks
+    import_format: ClassVar[str]  # meta.json's imported_from.format
+
+    @abstractmethod
+    def architecture(self, cfg: ModelConfig) -> str:
+        """The transformers class, e.g. 'LlamaForCausalLM'."""
+
+    @abstractmethod
+    def config_from_hf(self, hf: dict, source: str) -> ModelConfig:
+        """fitgpt's ModelConfig for config.json `hf`, or one UserError line naming the key."""
+
+    @abstractmethod
+    def hf_config(self, cfg: ModelConfig, ids: dict) -> dict:
+        """config.json of the HF model equal to `cfg`; `ids` holds bos/eos_token_id if known."""
+
+    @abstractmethod
+    def check_exportable(self, cfg: ModelConfig) -> None:
+        """Refuse, in one line, what the HF architecture has no place for."""
+
+    @abstractmethod
+    def tensor_maps(self, cfg: ModelConfig) -> list[TensorMap]:
+        """Every tensor of the HF model, grouped as fitgpt's chunks are (embedding, each block,
+        head), so an export reads each chunk once."""
+
+    @abstractmethod
+    def canonical(self, key: str) -> str | None:
+        """A stored key as tensor_maps names it; None for what is no weight (buffers)."""
+
+    @abstractmethod
+    def layer_of(self, name: str) -> int | None:
+        """The block a canonical tensor name belongs to, None outside the blocks."""
+
+    def default_tied(self) -> bool:
+        """tie_word_embeddings when config.json does not say (the HF class's default)."""
+        return True
+
+
+MAPPINGS: list[HFMapping] = []
+
+
+def register_mapping(m: HFMapping) -> HFMapping:
+    MAPPINGS.append(m)
+    return m
+
+
+def _loaded() -> list[HFMapping]:
+    from fitgpt.interop import hf_gpt2, hf_llama  # noqa: F401  (each registers its mapping)
+
+    return MAPPINGS
+
+
+def _known_types() -> str:
+    return ", ".join(t for m in _loaded() for t in m.model_types)
+
+
+def mapping_for_hf(hf: dict, source: str) -> HFMapping:
+    """The mapping of config.json `hf` by its model_type. A config without one is GPT-2's when
+    it has GPT-2's own key names (old GPT-2 files lack model_type), else refused."""
+    mt = hf.get("model_type")
+    if mt is None and "n_embd" in hf:
+        mt = "gpt2"
+    if mt is None:
         raise UserError(
-            f"model family {cfg.family!r} has no Hugging Face mapping: fitgpt reads and writes "
-            "HF checkpoints of GPT-2"
+            f"{source} has no model_type; fitgpt reads model_type {_known_types()}: add the "
+            "key, or pass the checkpoint's own config.json"
         )
-    if cfg.position != "learned":
-        raise UserError(
-            f"position={cfg.position!r}: HF GPT-2 has learned positions only; a model trained "
-            "with --position alibi cannot be exported as GPT-2"
-        )
-    if cfg.embed_norm:
-        raise UserError(
-            "embed_norm=True: HF GPT-2 has no LayerNorm after the embedding; a model trained "
-            "with --embed-norm cannot be exported as GPT-2"
-        )
-
-
-def _int_field(hf: dict, key: str, source: str) -> int:
-    v = hf.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise UserError(f"{source}: {key}={v!r} must be a positive integer; is this GPT-2's?")
-    return v
-
-
-def _tied(hf: dict, source: str) -> bool:
-    """tie_word_embeddings, true by default; a string such as "false" is refused, not read as
-    true (bool("false") is True), which would import an untied model as a tied one."""
-    v = hf.get("tie_word_embeddings", True)
-    if not isinstance(v, bool):
-        raise UserError(f"{source}: tie_word_embeddings={v!r} must be true or false; fix the file")
-    return v
-
-
-def _refuse_unsupported(hf: dict, source: str) -> None:
-    act = hf.get("activation_function", "gelu_new")
-    if act not in TANH_GELUS:
-        raise UserError(
-            f"{source}: activation_function={act!r}; fitgpt's MLP is the tanh GELU "
-            f"({', '.join(TANH_GELUS)}), other activations cannot be imported"
-        )
-    eps = hf.get("layer_norm_epsilon", LAYER_NORM_EPS)
-    if eps != LAYER_NORM_EPS:
-        raise UserError(f"{source}: layer_norm_epsilon={eps}; fitgpt's LayerNorms use 1e-05")
-    n_inner, n_embd = hf.get("n_inner"), _int_field(hf, "n_embd", source)
-    if n_inner is not None and n_inner != 4 * n_embd:
-        raise UserError(f"{source}: n_inner={n_inner}; fitgpt's MLP is 4 x n_embd={4 * n_embd}")
-    for key, ok in (
-        ("scale_attn_weights", True),
-        ("scale_attn_by_inverse_layer_idx", False),
-        ("add_cross_attention", False),
-    ):
-        if hf.get(key, ok) != ok:
-            raise UserError(f"{source}: {key}={hf[key]} has no fitgpt equivalent; cannot import")
-
-
-def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
-    """fitgpt's ModelConfig for an HF GPT-2 config.json, or one UserError line naming the key."""
-    if hf.get("model_type", "gpt2") != "gpt2":
-        raise UserError(
-            f"{source}: model_type={hf.get('model_type')!r}; only GPT-2 checkpoints import"
-        )
-    _refuse_unsupported(hf, source)
-    return ModelConfig(
-        n_layer=_int_field(hf, "n_layer", source),
-        n_embd=_int_field(hf, "n_embd", source),
-        n_head=_int_field(hf, "n_head", source),
-        seq_len=_int_field(hf, "n_positions", source),
-        vocab_size=_int_field(hf, "vocab_size", source),
-        bias=True,
-        dropout=0.0,
-        tie_embeddings=_tied(hf, source),
+    for m in _loaded():
+        if mt in m.model_types:
+            return m
+    raise UserError(
+        f"{source}: model_type={mt!r}; fitgpt imports only GPT-2, Llama, Qwen2, Qwen3 and "
+        f"Mistral checkpoints (model_type {_known_types()})"
     )
 
 
-def hf_config(cfg: ModelConfig, eos_id: int | None) -> dict:
-    """config.json of the GPT2LMHeadModel equal to fitgpt's `cfg`."""
-    check_exportable(cfg)
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": cfg.vocab_size,
-        "n_positions": cfg.seq_len,
-        "n_embd": cfg.n_embd,
-        "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head,
-        "n_inner": None,
-        "activation_function": EXPORT_ACTIVATION,
-        "resid_pdrop": cfg.dropout,
-        "embd_pdrop": cfg.dropout,
-        "attn_pdrop": cfg.dropout,
-        "layer_norm_epsilon": LAYER_NORM_EPS,
-        "initializer_range": 0.02,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
-        "reorder_and_upcast_attn": False,
-        "add_cross_attention": False,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "use_cache": True,
-        "bos_token_id": eos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": None,
-        "dtype": "float32",
-    }
+def mapping_for_model(cfg: ModelConfig) -> HFMapping:
+    """The mapping that exports `cfg`'s family, or one line saying there is none."""
+    for m in _loaded():
+        if cfg.family in m.families:
+            return m
+    fams = ", ".join(f for m in _loaded() for f in m.families)
+    raise UserError(
+        f"model family {cfg.family!r} has no Hugging Face mapping: fitgpt reads and writes HF "
+        f"checkpoints of the families {fams}"
+    )
+
+
+# ---- one call per question, whatever the family ---------------------------------------------
+def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
+    return mapping_for_hf(hf, source).config_from_hf(hf, source)
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    mapping_for_model(cfg).check_exportable(cfg)
+
+
+# ---- config.json helpers shared by the mappings ------------------------------------------
+def int_field(hf: dict, key: str, source: str, default: int | None = None) -> int:
+    v = hf.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise UserError(f"{source}: {key}={v!r} must be a positive integer; fix the file")
+    return v
+
+
+def float_field(hf: dict, key: str, source: str, default: float) -> float:
+    v = hf.get(key, default)
+    if not isinstance(v, int | float) or isinstance(v, bool) or not v > 0:
+        raise UserError(f"{source}: {key}={v!r} must be a positive number; fix the file")
+    return float(v)
+
+
+def tied(hf: dict, source: str, default: bool) -> bool:
+    """tie_word_embeddings, `default` when absent; a string such as "false" is refused, not
+    read as true (bool("false") is True), which would import an untied model as a tied one."""
+    v = hf.get("tie_word_embeddings", default)
+    if not isinstance(v, bool):
+        raise UserError(f"{source}: tie_word_embeddings={v!r} must be true or false; fix the file")
+    return v

@@ -1,14 +1,17 @@
 """`fitgpt export --format hf`: a checkpoint as a folder that transformers loads offline.
 
-The folder holds config.json (GPT2LMHeadModel), model.safetensors (HF names and Conv1D layout,
-the vocabulary cut back to the tokenizer's size), generation_config.json (the end-of-document
-token as eos) and the tokenizer files (hf_tokenizer.py), so that
-`GPT2LMHeadModel.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` work offline.
-It is written into a temporary folder that is renamed into place when complete.
+The folder holds config.json (the family's HF class, hf.py's registry), the weights in HF names
+and layout (the vocabulary cut back to the tokenizer's size, fused parameters cut into HF's
+tensors) as model.safetensors, or as shards model-0000i-of-0000n.safetensors with
+model.safetensors.index.json once they exceed the shard size (5 GB by default, as
+transformers' save_pretrained), generation_config.json (the run's own, carried from an
+import, else the end-of-document token as eos) and the tokenizer files (hf_tokenizer.py), so
+that `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` work
+offline. It is written into a temporary folder that is renamed into place when complete.
 
-Memory: the weights stream from the checkpoint's chunk files into the safetensors file one chunk
-at a time (safetensors_stream.py), so exporting needs about one chunk of host RAM, whatever the
-size of the model.
+Memory: the weights stream from the checkpoint's chunk files into the safetensors files one
+chunk at a time (safetensors_stream.py), so exporting needs about one chunk of host RAM,
+whatever the size of the model.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from fitgpt.data.tokenizer import load_tokenizer
 from fitgpt.engine.layout import ChunkSpec
 from fitgpt.engine.state_io import StateReader
 from fitgpt.errors import UserError
-from fitgpt.interop.hf import check_exportable, hf_config, hf_shape, tensor_maps, to_hf
+from fitgpt.interop.hf import HFMapping, TensorMap, hf_shape, mapping_for_model, to_hf
 from fitgpt.interop.hf_tokenizer import write_hf_tokenizer
 from fitgpt.interop.safetensors_stream import SafetensorsWriter
 from fitgpt.model import ModelConfig
@@ -33,6 +36,9 @@ from fitgpt.train import checkpoint as ckpt_io
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+MAX_SHARD_BYTES = 5 * 10**9  # transformers' own "5GB" (decimal, as its save_pretrained counts)
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,9 @@ class ExportResult:
     cfg: ModelConfig
     params: int  # values written, biases of a bias-free model (zeros) included
     tokenizer: str | None  # what was written, in words; None when the run has no tokenizer
+    architecture: str  # the transformers class, e.g. LlamaForCausalLM
+    files: int  # safetensors files written (1, or the number of shards)
+    zeros: int  # HF tensors written as zeros (the biases of a bias-free GPT-2)
 
 
 def check_output(out: Path, overwrite: bool) -> None:
@@ -54,26 +63,30 @@ def export_hf(
     dtype: str = "fp32",
     overwrite: bool = False,
     tokenizer: str | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> ExportResult:
     """Write checkpoint (or newest of run) `ckpt_path` as the HF folder `out`."""
     ckpt = ckpt_io.resolve(ckpt_path)
     meta = ckpt_io.load_meta(ckpt)
     cfg = ModelConfig.from_dict(meta["config"]["model"])
-    check_exportable(cfg)
+    mapping = mapping_for_model(cfg)
+    mapping.check_exportable(cfg)
     check_output(out, overwrite)
+    if max_shard_bytes < 1:
+        raise UserError(f"max shard size {max_shard_bytes} bytes must be positive")
     spec = tokenizer or meta.get("tokenizer")
-    eos_id = _check_tokenizer(spec, cfg)
+    ids = _special_ids(spec, cfg)
     tmp = out.parent / f".{out.name}.export.tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed export are never valid
     tmp.mkdir(parents=True)
     try:
-        n = write_weights(tmp / "model.safetensors", ckpt, meta, cfg, DTYPES[dtype])
-        config = hf_config(cfg, eos_id) | {"dtype": HF_DTYPE_NAMES[dtype]}
+        n, files = write_weights(tmp, ckpt, meta, cfg, mapping, DTYPES[dtype], max_shard_bytes)
+        names = {"dtype": HF_DTYPE_NAMES[dtype], "torch_dtype": HF_DTYPE_NAMES[dtype]}
+        config = mapping.hf_config(cfg, ids) | names  # torch_dtype: transformers 4's key
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        if eos_id is not None:
-            gen = {"bos_token_id": eos_id, "eos_token_id": eos_id}
-            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         written = write_hf_tokenizer(spec, tmp, cfg.seq_len)
+        if ids and not (tmp / "generation_config.json").is_file():  # none carried: write one
+            (tmp / "generation_config.json").write_text(json.dumps(ids, indent=2))
         old = out.parent / f".{out.name}.export.old"
         if out.exists():  # --overwrite: the old output goes only once the new one is complete
             os.replace(out, old)
@@ -81,27 +94,42 @@ def export_hf(
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return ExportResult(out, cfg, n, written)
+    zeros = sum(m.fitgpt is None for m in mapping.tensor_maps(cfg))
+    return ExportResult(out, cfg, n, written, mapping.architecture(cfg), files, zeros)
 
 
-def _check_tokenizer(spec: str | None, cfg: ModelConfig) -> int | None:
-    """The tokenizer's end-of-document id; refuse one with more tokens than the model has."""
+def _special_ids(spec: str | None, cfg: ModelConfig) -> dict:
+    """bos_token_id and eos_token_id for config.json: those of the generation_config.json
+    carried beside the tokenizer (an import's), else the tokenizer's end-of-document token as
+    both (GPT-2's habit); refuse a tokenizer with more tokens than the model has."""
     if spec is None:
-        return None
+        return {}
     tok = load_tokenizer(spec)
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(
             f"tokenizer {spec} has {tok.vocab_size} tokens, the model's vocabulary "
             f"{cfg.vocab_size}; pass --tokenizer with the one the model was trained with"
         )
-    return tok.eod_id
+    gen = Path(spec) / "generation_config.json"
+    if gen.is_file():
+        try:
+            carried = json.loads(gen.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"{gen} is not valid JSON ({e}); fix or remove it") from None
+        if isinstance(carried, dict):
+            return {k: carried[k] for k in ("bos_token_id", "eos_token_id") if k in carried}
+    if tok.eod_id is None:
+        return {}
+    return {"bos_token_id": tok.eod_id, "eos_token_id": tok.eod_id}
 
 
-def _hf_shapes(cfg: ModelConfig, layout: list[ChunkSpec]) -> dict[str, tuple[int, ...]]:
+def _hf_shapes(
+    cfg: ModelConfig, layout: list[ChunkSpec], maps: list[TensorMap]
+) -> dict[str, tuple[int, ...]]:
     """Every HF tensor's shape; a zero bias (bias=False) takes its weight's output size."""
     fit_shapes = {s.name: s.shape for c in layout for s in c.slots}
     shapes: dict[str, tuple[int, ...]] = {}
-    for m in tensor_maps(cfg):
+    for m in maps:
         if m.fitgpt is not None:
             if m.fitgpt not in fit_shapes:
                 raise UserError(f"checkpoint lacks parameter {m.fitgpt}; is it damaged?")
@@ -112,23 +140,66 @@ def _hf_shapes(cfg: ModelConfig, layout: list[ChunkSpec]) -> dict[str, tuple[int
     return shapes
 
 
-def write_weights(path: Path, ckpt: Path, meta: dict, cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """model.safetensors in HF names and layout, streamed chunk by chunk; values written."""
+def shard_plan(
+    entries: list[tuple[str, tuple[int, ...]]], itemsize: int, max_bytes: int
+) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """The tensors in order, cut into files of at most `max_bytes` each (a tensor larger than
+    that alone in its own), as save_pretrained cuts them."""
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in entries:
+        nbytes = itemsize * int(torch.Size(shape).numel())
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    return shards
+
+
+def write_weights(
+    folder: Path,
+    ckpt: Path,
+    meta: dict,
+    cfg: ModelConfig,
+    mapping: HFMapping,
+    dtype: torch.dtype,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> tuple[int, int]:
+    """The safetensors file(s) in HF names and layout, streamed chunk by chunk; (values
+    written, files written)."""
     layout = [ChunkSpec.from_dict(d) for d in meta["layout"]]
     where = {s.name: (c, s) for c in layout for s in c.slots}
-    shapes = _hf_shapes(cfg, layout)
-    maps = tensor_maps(cfg)
+    maps = mapping.tensor_maps(cfg)
+    by_hf = {m.hf: m for m in maps}
+    shapes = _hf_shapes(cfg, layout, maps)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards = shard_plan([(m.hf, shapes[m.hf]) for m in maps], itemsize, max_shard_bytes)
+    n = len(shards)
+    names = (
+        [SINGLE_FILE]
+        if n == 1
+        else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    )
     reader = StateReader(ckpt)
     held, flat = -1, torch.empty(0)
-    entries = [(m.hf, shapes[m.hf]) for m in maps]
-    with SafetensorsWriter(path, entries, dtype, {"format": "pt"}) as writer:
-        for m in maps:  # HF order = chunk order, so each chunk is read once and then dropped
-            if m.fitgpt is None:
-                writer.write(m.hf, torch.zeros(shapes[m.hf]))
-                continue
-            c, s = where[m.fitgpt]
-            if c.index != held:
-                flat = torch.empty(0)  # free the previous chunk before reading the next
-                held, flat = c.index, reader.read(c.index, "master", 0, c.numel)
-            writer.write(m.hf, to_hf(m, flat[s.offset : s.offset + s.numel].view(s.shape), cfg))
-    return sum(int(torch.Size(s).numel()) for s in shapes.values())
+    for name, entries in zip(names, shards, strict=True):
+        with SafetensorsWriter(folder / name, entries, dtype, {"format": "pt"}) as writer:
+            for hf, shape in entries:  # HF order = chunk order: each chunk read once, dropped
+                m = by_hf[hf]
+                if m.fitgpt is None:
+                    writer.write(hf, torch.zeros(shape))
+                    continue
+                c, s = where[m.fitgpt]
+                if c.index != held:
+                    flat = torch.empty(0)  # free the previous chunk before reading the next
+                    held, flat = c.index, reader.read(c.index, "master", 0, c.numel)
+                writer.write(hf, to_hf(m, flat[s.offset : s.offset + s.numel].view(s.shape), cfg))
+    if n > 1:
+        total = sum(itemsize * int(torch.Size(s).numel()) for s in shapes.values())
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {hf: f for f, entries in zip(names, shards) for hf, _ in entries},
+        }
+        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    return sum(int(torch.Size(s).numel()) for s in shapes.values()), n

@@ -1,16 +1,20 @@
-"""`fitgpt import hf`: a Hugging Face GPT-2 checkpoint as a fitgpt run holding weights only.
+"""`fitgpt import hf`: a Hugging Face checkpoint (GPT-2, Llama, Qwen2, Qwen3, Mistral: the
+mappings of hf.py) as a fitgpt run holding weights only.
 
 The run gets one checkpoint, RUN/step_00000000/, in the engines' own state format (state_io: one
 safetensors file per chunk, fp32 `master` only) and a meta.json like the trainer's with
 `"optimizer_state": false`: whatever engine, ZeRO stage, placement and world size loads it
-starts the optimizer fresh. The HF tokenizer files are copied to RUN/tokenizer/.
+starts the optimizer fresh. The HF tokenizer files, generation_config.json and any chat
+template are copied to RUN/tokenizer/.
 
 Memory: the model is never held twice. Tensors are read one at a time (from safetensors by plain
 file reads of that tensor's bytes, see safetensors_stream.py; a pytorch_model.bin is
 memory-mapped, so its pages stay resident but reclaimable), and only one chunk's flat fp32
 buffer is assembled at a time, written, and freed: peak host RAM is a small multiple of the
 largest chunk (its buffer, the tensor being read, the copy safetensors makes while writing; the
-previous chunk until the writer lets it go), never the model. Measured: 0.74 GiB peak RSS for a 204 M-parameter model
+previous chunk until the writer lets it go), never the model. A parameter fitgpt fuses (Llama's
+k and v, gate and up) is assembled in the chunk's buffer from its HF tensors, one at a time.
+Measured: 0.74 GiB peak RSS for a 204 M-parameter model
 (0.81 GB of fp32 weights), 0.29 GiB of it torch itself.
 """
 
@@ -32,13 +36,7 @@ from torch import Tensor
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
 from fitgpt.engine.state_io import Piece, write_pieces
 from fitgpt.errors import UserError
-from fitgpt.interop.hf import (
-    TensorMap,
-    copy_to_fitgpt,
-    hf_shape,
-    model_config_from_hf,
-    tensor_maps,
-)
+from fitgpt.interop.hf import HFMapping, TensorMap, copy_to_fitgpt, hf_shape, mapping_for_hf
 from fitgpt.interop.hf_tokenizer import copy_hf_tokenizer
 from fitgpt.interop.safetensors_stream import SafetensorsError, SafetensorsReader
 from fitgpt.model import DecoderLM, ModelConfig, build_model
@@ -56,31 +54,22 @@ CHECKPOINT_DIR = "step_00000000"
 TOKENIZER_DIR = "tokenizer"
 
 
-def canonical(key: str) -> str | None:
-    """A stored key as GPT2LMHeadModel names it; None for buffers (attn.bias, masked_bias).
-
-    Checkpoints saved from GPT2Model (openai-community/gpt2's own) lack the `transformer.`
-    prefix; both spellings name the same tensor."""
-    if key.endswith(("attn.bias", "attn.masked_bias")) and ".c_attn" not in key:
-        return None
-    if key.startswith(("transformer.", "lm_head.")):
-        return key
-    if key.startswith(("h.", "wte.", "wpe.", "ln_f.")):
-        return "transformer." + key
-    return None
-
-
 class HFWeights:
-    """The tensors of an HF checkpoint by canonical name, each read only when asked for."""
+    """The tensors of an HF checkpoint by canonical name (the mapping's spelling), each read
+    only when asked for."""
 
-    def __init__(self, files: list[Path]) -> None:
+    def __init__(self, files: list[Path], mapping: HFMapping) -> None:
+        self.mapping = mapping
         self._where: dict[str, tuple[SafetensorsReader | dict[str, Tensor], str]] = {}
         for f in files:
             h = _open_weights(f)
             for k in h:
-                name = canonical(k)
+                name = mapping.canonical(k)
                 if name is not None:
                     self._where[name] = (h, k)
+
+    def names(self) -> set[str]:
+        return set(self._where)
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         if name not in self._where:
@@ -89,9 +78,9 @@ class HFWeights:
         return tuple(h[k].shape) if isinstance(h, dict) else h.shape(k)
 
     def blocks(self) -> int:
-        """How many transformer blocks the weights hold (the highest `h.N` + 1)."""
-        ids = [int(n.split(".")[2]) for n in self._where if n.split(".")[1:2] == ["h"]]
-        return max(ids, default=-1) + 1
+        """How many transformer blocks the weights hold (the highest block index + 1)."""
+        ids = [self.mapping.layer_of(n) for n in self._where]
+        return max((i for i in ids if i is not None), default=-1) + 1
 
     def get(self, name: str) -> Tensor:
         h, k = self._where[name]
@@ -151,7 +140,7 @@ def locate(src: Path) -> tuple[Path, list[Path]]:
     config = folder / "config.json"
     if not config.is_file():
         where = f"{src}" if src.is_dir() else f"{src}: its folder {folder.resolve()}"
-        raise UserError(f"{where} has no config.json; an HF GPT-2 checkpoint needs one beside it")
+        raise UserError(f"{where} has no config.json; an HF checkpoint needs one beside it")
     if src.is_file():
         weights = src
     else:
@@ -191,36 +180,54 @@ def read_config(path: Path) -> dict:
     return cfg
 
 
-def check_tensors(weights: HFWeights, model: DecoderLM, cfg: ModelConfig, source: Path) -> None:
-    """Every tensor the model needs is there with the right shape, before anything is written."""
+def check_tensors(
+    weights: HFWeights, model: DecoderLM, cfg: ModelConfig, source: Path, maps: list[TensorMap]
+) -> None:
+    """Every tensor the model needs is there with the right shape, and none is left over (a
+    bias or norm fitgpt's network lacks would be dropped silently), before anything is
+    written."""
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    for m in tensor_maps(cfg):
+    arch = weights.mapping.architecture(cfg)
+    for m in maps:
         want = hf_shape(m, shapes[m.fitgpt], cfg)
         got = weights.shape(m.hf)
         if got is None:
             hint = " (config.json says tie_word_embeddings=false)" if "lm_head" in m.hf else ""
-            raise UserError(f"{source}: tensor {m.hf} is missing{hint}; not a GPT-2 checkpoint?")
+            raise UserError(f"{source}: tensor {m.hf} is missing{hint}; not a {arch} checkpoint?")
         if got != want:
             raise UserError(
                 f"{source}: tensor {m.hf} has shape {list(got)}, config.json implies {list(want)}"
             )
+    # a tied model's stored lm_head is ignored, as transformers ignores it (the embedding wins)
+    extra = sorted(weights.names() - {m.hf for m in maps} - {"lm_head.weight"})
+    if extra:
+        raise UserError(
+            f"{source}: tensor {extra[0]}{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}"
+            f" has no place in a {arch} as config.json describes it; is config.json this "
+            "checkpoint's own?"
+        )
 
 
 def chunk_pieces(
     weights: HFWeights,
     layout: list[ChunkSpec],
     cfg: ModelConfig,
+    maps: list[TensorMap],
     progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[Piece]:
-    """Each chunk's fp32 flat buffer, assembled from HF tensors one at a time."""
-    by_name: dict[str, TensorMap] = {m.fitgpt: m for m in tensor_maps(cfg) if m.fitgpt}
+    """Each chunk's fp32 flat buffer, assembled from HF tensors one at a time (a fused
+    parameter from each of its HF tensors in turn)."""
+    by_name: dict[str, list[TensorMap]] = {}
+    for m in maps:
+        if m.fitgpt is not None:
+            by_name.setdefault(m.fitgpt, []).append(m)
     for c in layout:
         flat = torch.empty(c.numel, dtype=torch.float32)
         for s in c.slots:
-            m = by_name[s.name]
-            t = weights.get(m.hf)
-            copy_to_fitgpt(m, t, flat[s.offset : s.offset + s.numel].view(s.shape))
-            del t  # freed before the next tensor is read
+            for m in by_name[s.name]:
+                t = weights.get(m.hf)
+                copy_to_fitgpt(m, t, flat[s.offset : s.offset + s.numel].view(s.shape))
+                del t  # freed before the next tensor is read
         yield Piece(c.index, 0, c.numel, {"master": flat})
         if progress is not None:
             progress(c.index + 1, len(layout))
@@ -253,31 +260,36 @@ def import_hf(
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> ImportResult:
-    """Write the HF GPT-2 checkpoint `src` as the fitgpt run `out` (see the module docstring)."""
+    """Write the HF checkpoint `src` as the fitgpt run `out` (see the module docstring)."""
     t0 = time.perf_counter()
     config_path, files = locate(src)
     hf_cfg = read_config(config_path)
-    cfg = model_config_from_hf(hf_cfg, str(config_path))
+    mapping = mapping_for_hf(hf_cfg, str(config_path))
+    cfg = mapping.config_from_hf(hf_cfg, str(config_path))
     check_output(out, overwrite, 4 * cfg.num_params() + 2**20)
-    weights = HFWeights(files)  # headers only: cheap, and refuses damaged files before any work
+    # headers only: cheap, and refuses damaged files before any work
+    weights = HFWeights(files, mapping)
     if weights.blocks() != cfg.n_layer:  # before the model is built: n_layer may be absurd
         raise UserError(
-            f"{config_path}: n_layer={cfg.n_layer}, but the weights hold {weights.blocks()} "
-            "blocks; the config and the weights are of different models"
+            f"{config_path}: {mapping.layers_key}={cfg.n_layer}, but the weights hold "
+            f"{weights.blocks()} blocks; the config and the weights are of different models"
         )
     with torch.device("meta"):
         model = build_model(cfg)
-    check_tensors(weights, model, cfg, src)
+    maps = mapping.tensor_maps(cfg)
+    check_tensors(weights, model, cfg, src, maps)
     layout = chunk_layout(model)
 
     tmp = out.parent / f".{out.name}.import.tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed import are never valid
     (tmp / CHECKPOINT_DIR).mkdir(parents=True)
     try:
-        spec = _import_tokenizer(config_path.parent, tmp / TOKENIZER_DIR, out, cfg)
+        spec = _import_tokenizer(config_path.parent, tmp / TOKENIZER_DIR, out, cfg, hf_cfg)
         step = tmp / CHECKPOINT_DIR
-        write_pieces(step, 0, chunk_pieces(weights, layout, cfg, progress))
-        write_meta(step, imported_meta(cfg, layout, spec, out, src, hf_cfg))
+        write_pieces(step, 0, chunk_pieces(weights, layout, cfg, maps, progress))
+        meta = imported_meta(cfg, layout, spec, out, src, hf_cfg)
+        meta["imported_from"]["format"] = mapping.import_format
+        write_meta(step, meta)
         _swap_into_place(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -285,11 +297,21 @@ def import_hf(
     return ImportResult(out / CHECKPOINT_DIR, cfg, spec, time.perf_counter() - t0, peak)
 
 
-def _import_tokenizer(src: Path, dest: Path, out: Path, cfg: ModelConfig) -> str | None:
-    """The run's tokenizer spec: its copied files, else GPT-2's for a 50257-token vocabulary."""
+def _import_tokenizer(
+    src: Path, dest: Path, out: Path, cfg: ModelConfig, hf_cfg: dict
+) -> str | None:
+    """The run's tokenizer spec: its copied files, else GPT-2's for a GPT-2 of 50257 tokens.
+
+    generation_config.json travels with the tokenizer files (export writes it back); where the
+    checkpoint has none, one is written from config.json's bos/eos ids, so they are not lost."""
     if copy_hf_tokenizer(src, dest):
+        gen = dest / "generation_config.json"
+        ids = {k: hf_cfg[k] for k in ("bos_token_id", "eos_token_id") if hf_cfg.get(k) is not None}
+        if not gen.is_file() and ids:
+            gen.write_text(json.dumps(ids, indent=2))
         return str((out / TOKENIZER_DIR).resolve())
-    return "gpt2" if cfg.vocab_size == GPT2_VOCAB else None
+    gpt2 = cfg.family == "gpt2" and cfg.vocab_size == GPT2_VOCAB
+    return "gpt2" if gpt2 else None
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:

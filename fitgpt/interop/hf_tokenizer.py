@@ -8,7 +8,8 @@ Export writes what `AutoTokenizer.from_pretrained(DIR)` reads, encoding exactly 
 - `bytes` (the CPU demo's UTF-8 bytes): a tokenizer.json whose 256 tokens are the bytes, through
   GPT-2's byte-to-character table, with no merges.
 
-Import copies an HF checkpoint's tokenizer files into the run, and derives vocab.json +
+Import copies an HF checkpoint's tokenizer files into the run (with what travels beside them:
+generation_config.json, the chat template file), and derives vocab.json +
 merges.txt from a byte-level BPE tokenizer.json when they are missing (transformers 5 writes
 tokenizer.json alone), so fitgpt's vocab/merges loader reads it.
 """
@@ -30,6 +31,9 @@ HF_TOKENIZER_FILES = (
     "special_tokens_map.json",
     "added_tokens.json",
 )
+# Not the tokenizer, but read with it: the ids generation starts and stops at, and the chat
+# template transformers 5 keeps in a file of its own (older ones in tokenizer_config.json).
+CARRIED_FILES = ("generation_config.json", "chat_template.jinja", "chat_template.json")
 
 
 # ---- import ------------------------------------------------------------------------------------
@@ -50,7 +54,7 @@ def copy_hf_tokenizer(src: Path, dest: Path) -> bool:
     except UserError as e:
         raise UserError(f"{src}: its tokenizer files cannot be used ({e})") from None
     dest.mkdir(parents=True, exist_ok=True)
-    for name in present:
+    for name in present + [n for n in CARRIED_FILES if (src / n).is_file()]:
         shutil.copyfile(src / name, dest / name)
     if has_json and "vocab.json" not in present:
         _vocab_merges_from_tokenizer_json(src / "tokenizer.json", dest)
@@ -97,7 +101,7 @@ def write_hf_tokenizer(spec: str | None, dest: Path, seq_len: int) -> str | None
     elif "," in spec:
         _copy_vocab_merges(*(Path(p) for p in spec.split(",", 1)), dest)
     elif Path(spec).is_dir():
-        for name in HF_TOKENIZER_FILES:
+        for name in HF_TOKENIZER_FILES + CARRIED_FILES:
             if (Path(spec) / name).is_file():
                 shutil.copyfile(Path(spec) / name, dest / name)
         if not (dest / "tokenizer.json").is_file():

@@ -1,5 +1,6 @@
-"""What `fitgpt train --init-from SRC` names: a fitgpt run or checkpoint, or a Hugging Face GPT-2
-checkpoint, as the InitSource the trainer loads (train/init_from.py).
+"""What `fitgpt train --init-from SRC` names: a fitgpt run or checkpoint, or a Hugging Face
+checkpoint of a family hf.py maps (GPT-2, Llama, Qwen2, Qwen3, Mistral), as the InitSource the
+trainer loads (train/init_from.py).
 
 A Hugging Face source carries its conversion, an import into the scratch folder the trainer
 gives it (hf_import.py, tensor by tensor): so train/ loads any source without importing interop/.
@@ -21,7 +22,8 @@ def find_source(src: str) -> InitSource:
     path = Path(src)
     if not path.exists():
         raise UserError(
-            f"--init-from {src} does not exist; pass a fitgpt run or checkpoint, or a Hugging Face GPT-2 folder"
+            f"--init-from {src} does not exist; pass a fitgpt run or checkpoint, or a Hugging "
+            "Face checkpoint folder"
         )
     source = fitgpt_source(path)
     if source is not None:
