@@ -16,6 +16,7 @@ from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
+from fitgpt.model.loss import PIECE_LOGITS, loss_pieces, piece_bytes
 from fitgpt.plan.capacity import search
 from fitgpt.plan.hardware import Hardware, parse_bytes
 from fitgpt.plan.memory import (
@@ -29,7 +30,6 @@ from fitgpt.plan.memory import (
 )
 from fitgpt.plan.planner import choose, leanest, plan, why
 from fitgpt.plan.rates import DEFAULTS
-from fitgpt.model.loss import PIECE_LOGITS, loss_pieces, piece_bytes
 from fitgpt.plan.throughput import compiled_factor, efficiency, step_time
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
