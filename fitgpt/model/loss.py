@@ -93,7 +93,7 @@ class _PiecesCrossEntropy(torch.autograd.Function):
             count = valid_N.sum()
             # the mean's 1/count per row, 0 for ignored rows (all ignored: loss nan, gradient 0,
             # as F.cross_entropy); fp16 applies it in the backward (module docstring)
-            scale_N = valid_N / count if not fp16 else valid_N.float()
+            scale_N = torch.where(valid_N, 1 / count, 0.0) if not fp16 else valid_N.float()
             loss = torch.zeros((), device=x.device, dtype=torch.float32)
             grad_x = torch.empty_like(x)  # [N, H]: each piece writes its rows
             grad_w = None  # [V, H], the sum over the pieces
@@ -134,7 +134,7 @@ class _PiecesCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         grad_x, grad_w, count = ctx.saved_tensors
-        post = grad / count if ctx.fp16 else grad
+        post = grad / count.clamp(min=1) if ctx.fp16 else grad  # no row valid: gradients 0
         # scaled in place (a second backward through a retained graph fails on their version)
         gx = grad_x.mul_(post.to(grad_x.dtype)).to(ctx.dtypes[0])
         gw = grad_w.mul_(post.to(grad_w.dtype)).to(ctx.dtypes[1])
