@@ -13,8 +13,8 @@ not by recomputing each piece in the backward: the head's FLOPs stay the plain l
 What it costs instead: the [N, H] hidden gradient and the [V, H] weight gradient exist from the
 forward to the backward, where the plain path makes the same two in its backward, while every
 activation is still alive: the same peak. The weight gradient is a sum over the pieces: one
-read and write of [V, H] per piece after the first (addmm_'s beta = 1, ~1 ms per piece at
-Llama 3 8B on an H100), which is what bounds how small a piece should be (PIECE_LOGITS).
+read and write of [V, H] per piece after the first (addmm_'s beta = 1; estimated ~0.7 ms per
+piece at Llama 3 8B on an H100, not yet measured: benchmarks/loss_pieces_gpu.py), which is what bounds how small a piece should be (PIECE_LOGITS).
 
 Precision: the softmax, the loss and the logit gradient are fp32 as in the plain path; the
 matmuls run in the compute dtype (the working dtype, or autocast's). The gradient of the mean
@@ -43,8 +43,8 @@ from torch.autograd.function import once_differentiable
 
 # The most logits one piece holds; also the threshold: logits that fit in one piece take the
 # plain path (every small model and test, bit-identical to before). 2^27 logits are 0.5 GiB in
-# fp32; a piece holds them in the compute dtype, in fp32 and as the compute-dtype gradient
-# (PIECE_BYTES_PER_LOGIT): ~1 GiB at bf16, against 12.6 GB for the plain loss of 8,192 tokens of
+# fp32; a piece holds them in the compute dtype and in fp32, then as the fp32 gradient and its
+# compute-dtype copy (piece_bytes: w + 4 bytes per logit): ~0.75 GiB at bf16, against 12.6 GB for the plain loss of 8,192 tokens of
 # Llama 3 (eight pieces of 1,046 rows). Smaller pieces cost a [V, H] read and write each (the
 # weight gradient's sum) and matmuls of fewer rows.
 PIECE_LOGITS = 2**27
