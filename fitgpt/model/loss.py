@@ -44,9 +44,9 @@ from torch.autograd.function import once_differentiable
 # The most logits one piece holds; also the threshold: logits that fit in one piece take the
 # plain path (every small model and test, bit-identical to before). 2^27 logits are 0.5 GiB in
 # fp32; a piece holds them in the compute dtype and in fp32, then as the fp32 gradient and its
-# compute-dtype copy (piece_bytes: w + 4 bytes per logit): ~0.75 GiB at bf16, against 12.6 GB for the plain loss of 8,192 tokens of
-# Llama 3 (eight pieces of 1,046 rows). Smaller pieces cost a [V, H] read and write each (the
-# weight gradient's sum) and matmuls of fewer rows.
+# compute-dtype copy (piece_bytes: w + 4 bytes per logit): ~0.75 GiB at bf16, against 12.6 GB
+# for the plain loss of 8,192 tokens of Llama 3 (eight pieces of 1,046 rows). Smaller pieces
+# cost a [V, H] read and write each (the weight gradient's sum) and matmuls of fewer rows.
 PIECE_LOGITS = 2**27
 
 
