@@ -16,6 +16,7 @@ from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
+from fitgpt.model.loss import PIECE_LOGITS, loss_pieces, piece_bytes
 from fitgpt.plan.capacity import search
 from fitgpt.plan.hardware import Hardware, parse_bytes
 from fitgpt.plan.memory import (
@@ -393,10 +394,11 @@ def test_a_compiled_runs_device_update_is_priced_as_one_pass():
 def test_compiled_logits_are_priced_without_their_fp32_copies():
     # the compiled head keeps the bf16 logits only: 8 bytes fewer per entry than eager (the peak
     # fell 9.6-9.7 bytes per entry on the H100); the blocks' activations are priced as before
-    work = Workload(get_preset("gpt2-125m"), 12, world=1, precision="bf16", device="cuda")
+    # (measured at micro-batch 12; priced here at 2, whose logits fit one piece: model/loss.py)
+    work = Workload(get_preset("gpt2-125m"), 2, world=1, precision="bf16", device="cuda")
     eager = activation_bytes(work, "off")
     compiled = activation_bytes(work, "off", compiled=True)
-    entries = 12 * 1024 * 50304
+    entries = 2 * 1024 * 50304
     assert eager["logits"] - compiled["logits"] == 8 * entries
     assert eager["activations"] == compiled["activations"]
     on = estimate(work, EngineConfig(zero_stage=0, compile="blocks"))
@@ -418,3 +420,22 @@ def test_cpu_pricing_never_predicts_a_16_bit_precision_faster_than_fp32():
     assert step("fp32", "cpu") == step("bf16", "cpu") < step("fp16", "cpu")
     assert step("fp16", "cpu") >= 10 * step("fp32", "cpu")
     assert step("bf16", "cuda") == step("fp16", "cuda") < step("fp32", "cuda")
+
+
+def test_logits_past_one_piece_are_priced_as_one_piece():
+    # Llama 3's vocabulary at 8,192 tokens: the loss goes a piece of rows at a time
+    # (model/loss.py), priced as one piece's logits and the two gradients, eager or compiled
+    m = ModelConfig(n_layer=2, n_embd=4096, n_head=32, seq_len=8192, vocab_size=128256)
+    work = Workload(m, 1, world=1, precision="bf16", device="cuda")
+    V = m.padded_vocab_size
+    rows = loss_pieces(8192, V)
+    assert rows == PIECE_LOGITS // V and 0 < rows < 8192
+    piece = rows * V * 6 + V * 4096 * 2 + 8192 * 4096 * 2
+    assert activation_bytes(work, "off")["logits"] == piece
+    assert activation_bytes(work, "off", compiled=True)["logits"] == piece
+    assert piece < 8192 * V * 12 / 4  # under a quarter of the whole logits' 12.6 GB
+    # under T = 2 the decision is taken on this rank's V/2 columns
+    assert activation_bytes(work, "off", tp=2)["logits"] == piece_bytes(8192, V // 2, 4096, 2)
+    # fp16 sums the weight gradient in fp32 (model/loss.py's docstring)
+    fp16 = Workload(m, 1, world=1, precision="fp16", device="cuda")
+    assert activation_bytes(fp16, "off")["logits"] == piece + V * 4096 * 2

@@ -334,7 +334,10 @@ def test_the_plan_table_shows_formats_and_disk_writes(capsys):
     row = chosen_row(out)
     assert row[1] == "yes" and row[4] == "fp32/fp32/fp32"
     hw = Hardware("cuda", 1, int(79.2 * GiB), "(planned GPU)", 122 * GiB, 1, "(planned)", 51 * GiB)
-    chosen, _ = choose(work(68), 4, hw, R, FP32_STATE)
+    # the run the CLI planned: train's batch defaults, the synthetic data's 256-token vocabulary
+    mb, ga = map(int, re.search(r"micro-batch (\d+) × (\d+) accumulation", out).groups())
+    m = dataclasses.replace(work(68).model, vocab_size=256)
+    chosen, _ = choose(Workload(m, mb, 1, "bf16"), ga, hw, R, FP32_STATE)
     gb = f"{chosen.disk_written / 1e9:.1f}"
     assert row[5] == gb and row[6] == gb  # GB per step = TB per 1,000 steps
     assert re.search(rf"disk tier: {gb} GB written per step .* {gb} TB per 1,000 steps", out)

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fitgpt.model.config import ModelConfig
+from fitgpt.model.loss import loss_pieces, pieces_cross_entropy
 
 
 class KVCache:
@@ -156,7 +157,15 @@ class DecoderLM(nn.Module, ABC):
 
     def head_loss(self, x_BTH: Tensor, targets_BT: Tensor) -> Tensor:
         """Final norm, head and mean cross-entropy (-1 targets ignored): one method, so the
-        [B, T, V] logits are a transient inside it (a compiler may fuse the three whole)."""
+        [B, T, V] logits are a transient inside it (a compiler may fuse the three whole). Past
+        one piece of logits (model/loss.py loss_pieces) the loss goes a piece of rows at a time
+        and the whole [B·T, V] is never made."""
+        rows = loss_pieces(targets_BT.numel(), self.head_weight().shape[0])
+        if rows:
+            x_NH = self.final_norm(x_BTH).reshape(-1, x_BTH.shape[-1])
+            return pieces_cross_entropy(
+                x_NH, self.head_weight(), targets_BT.reshape(-1), rows, self.cfg.vocab_size
+            )
         logits = self.head(x_BTH)
         # fp32 softmax: bf16 log-probabilities lose the small differences the loss is made of.
         return F.cross_entropy(

@@ -15,6 +15,8 @@ Vl = V/T the vocabulary rows of one rank.
                   backward, the input gathered again (only this rank's shard is kept: T times
                   less, one more all-gather per use, Megatron-LM's choice) and its gradient
                   reduce-scattered along the sequence.
+  gather_seq      gathered_linear's all-gather alone (its backward a reduce-scatter along the
+                  sequence), for the loss taken a piece of rows at a time (model/loss.py).
   vocab_parallel_cross_entropy: the loss of [N, Vl] logit shards without any rank holding the
                   [N, V] logits: a max, a sum of exponentials and the target's logit, each
                   all-reduced over the group ([N] floats each, instead of N·V).
@@ -94,6 +96,17 @@ class _ScatterSeq(torch.autograd.Function):
         return _gather(grad, ctx.group, ctx.tp), None, None
 
 
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group, tp: int) -> Tensor:
+        ctx.group, ctx.tp = group, tp
+        return _gather(x, group, tp)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _scatter(grad, ctx.group, ctx.tp), None, None
+
+
 class _GatheredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_BSlH: Tensor, weight: Tensor, bias: Tensor | None, group, tp: int):
@@ -120,6 +133,15 @@ def gathered_linear(x: Tensor, weight: Tensor, bias: Tensor | None, group, tp: i
     if group is None:
         return F.linear(x, weight, bias)
     return _GatheredLinear.apply(x, weight, bias, group, tp)
+
+
+def gather_seq(x: Tensor, group, tp: int) -> Tensor:
+    """[B, S/T, …] → [B, S, …] forward, the gradient reduce-scattered back: sequence
+    parallelism's f without the matmul, for the pieces loss (model/loss.py), which keeps none
+    of its input for the backward."""
+    if group is None:
+        return x
+    return _GatherSeq.apply(x, group, tp)
 
 
 def scatter_seq(x: Tensor, group, tp: int) -> Tensor:

@@ -15,7 +15,8 @@ elements (fitgpt/parallel/shard.py):
   VocabParallelEmbedding  rank r looks up the ids in its rows [r·V/T, (r+1)·V/T), zeros for the
                         rest, and the T partial embeddings are all-reduced.
   TensorParallelLM.head_loss  the (tied) head's logits stay split by vocabulary: the loss is
-                        the vocabulary-parallel cross-entropy (parallel/functions.py).
+                        the vocabulary-parallel cross-entropy (parallel/functions.py), or past
+                        one piece of logits the same a piece of rows at a time (model/loss.py).
   HeadSharedRMSNorm     an RMSNorm applied to every head (Qwen3's q_norm and k_norm: the
                         family's head_shared): replicated, but each rank normalises only its
                         heads, so its weight's gradient is all-reduced backward (f on the
@@ -43,8 +44,10 @@ from torch import Tensor, nn
 
 from fitgpt.dist.mesh import Mesh
 from fitgpt.model import DecoderLM, Split
+from fitgpt.model.loss import loss_pieces, pieces_cross_entropy
 from fitgpt.parallel.functions import (
     copy_to_tp,
+    gather_seq,
     gathered_linear,
     reduce_from_tp,
     scatter_seq,
@@ -148,6 +151,16 @@ class TensorParallelLM:
         return F.linear(copy_to_tp(x, g), w)
 
     def head_loss(self, x_BTH: Tensor, targets_BT: Tensor) -> Tensor:
+        w = self.head_weight()
+        lo = self.mesh.tp_rank * w.shape[0]
+        rows = loss_pieces(targets_BT.numel(), w.shape[0])  # decided on this rank's Vl logits
+        if rows:  # a piece of rows at a time (model/loss.py), the all-reduces per piece
+            g, x = self.mesh.tp_group, self.final_norm(x_BTH)
+            x = gather_seq(x, g, self.mesh.tp) if self.sequence_parallel else copy_to_tp(x, g)
+            x_NH = x.reshape(-1, x.shape[-1])
+            return pieces_cross_entropy(
+                x_NH, w, targets_BT.reshape(-1), rows, self.cfg.vocab_size, lo, g
+            )
         logits = self._head_shard(x_BTH)
         lo = self.mesh.tp_rank * logits.shape[-1]
         # fp32 softmax, as DecoderLM.head_loss: the [B·T, Vl] fp32 copy is this rank's 1/T of it

@@ -26,6 +26,7 @@ from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
 from fitgpt.engine.placement import MAX_INFLIGHT, Placement
 from fitgpt.model import ModelConfig, build_model, family_of
+from fitgpt.model.loss import loss_pieces, piece_bytes
 
 GiB = 2**30
 # Process baseline RSS: the interpreter, torch, and on GPU machines the CUDA/NCCL libraries.
@@ -180,7 +181,8 @@ def activation_bytes(
     parallelism (`sp`) the residual stream and the norms are split along the sequence too (the
     column-parallel matmuls keep their input's shard and gather it again in backward): all of it
     1/T, (r + c)·S·b/T per block, the block inputs kept by checkpointing, the embedding output,
-    the final norm and backward's working gradients included.
+    the final norm and backward's working gradients included. Logits past one piece
+    (model/loss.py loss_pieces: more than PIECE_LOGITS per rank) are priced as one piece.
     """
     m, b = work.model, work.micro_batch
     a = work.w
@@ -207,7 +209,12 @@ def activation_bytes(
     per_logit = 12 if a == 4 else 2 * a + 8
     if compiled and a != 4:
         per_logit = 2 * a
-    out["logits"] = b * m.seq_len * m.padded_vocab_size // tp * per_logit
+    tokens, vocab = b * m.seq_len, m.padded_vocab_size // tp
+    out["logits"] = tokens * vocab * per_logit
+    if loss_pieces(tokens, vocab):  # past one piece the loss goes a piece of rows at a time
+        # (model/loss.py, the model's decision): one piece's logits and the two gradients it
+        # makes in the forward, priced alike eager and compiled
+        out["logits"] = piece_bytes(tokens, vocab, m.n_embd, a, work.precision == "fp16")
     return out
 
 
