@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from pathlib import Path
 
+from fitgpt.data.indexed import LOSS_MASK_SUFFIX, paths
 from fitgpt.data.tokenizer import JSONTokenizer, Tokenizer
 from fitgpt.errors import UserError
 
@@ -273,8 +273,5 @@ def mask_prefix(prefix: str) -> str:
     return prefix + LOSS_MASK_SUFFIX
 
 
-LOSS_MASK_SUFFIX = ".loss_mask"
-
-
 def has_mask(prefix: str) -> bool:
-    return all(Path(mask_prefix(prefix) + s).is_file() for s in (".bin", ".idx"))
+    return all(p.is_file() for p in paths(mask_prefix(prefix)))
