@@ -154,7 +154,7 @@ def test_packing_keeps_samples_whole_with_their_segment_ids(folders, tmp_path):
     data, src = _packed_data(folders["qwen"], tmp_path, conversations(60, seed=11), seq_len=599)
     docs = [data[i].tolist() for i in range(data.num_sequences)]
     assert max(map(len, docs)) <= 600 and src.cut_samples == 0
-    tokens, keep, seg = src.get_packed(np.arange(src.samples_per_epoch))
+    tokens, _, seg = src.get_packed(np.arange(src.samples_per_epoch))
     found = []
     for row_t, row_s in zip(tokens, seg):
         assert (np.diff(row_s) >= 0).all() and row_s[0] == 0  # ids 0, 1, ... in order
@@ -174,9 +174,11 @@ def test_targets_are_minus_one_exactly_where_the_mask_is_zero(folders, tmp_path)
     """Over one epoch of rows: a target counts where its token is the assistant's and in the
     input's sample; every assistant token is a target exactly once, also for samples longer
     than a row (cut in overlapping pieces)."""
-    convs = conversations(30, seed=13) + [
-        [{"role": "user", "content": "long"}, {"role": "assistant", "content": _text(random.Random(1), 200)}]
-    ]  # fmt: skip
+    long = _text(random.Random(1), 200)
+    convs = [
+        *conversations(30, seed=13),
+        [{"role": "user", "content": "long"}, {"role": "assistant", "content": long}],
+    ]
     data, src = _packed_data(folders["llama3"], tmp_path, convs, seq_len=64)
     assert src.cut_samples >= 1
     loader = BatchLoader(src, micro_batch=src.samples_per_epoch)
@@ -208,12 +210,12 @@ def test_open_data_reads_chat_data_packed(folders, tmp_path):
     train, valid, tok = open_data(DataConfig(data=data.prefix), 64, 0, seed=1)
     assert isinstance(train, PackedSamples) and isinstance(valid, PackedSamples)
     assert tok.name == str(folders["qwen"])  # the recorded tokenizer
-    with pytest.raises(UserError, match="--sample-order megatron: .* chat data"):
+    with pytest.raises(UserError, match=r"--sample-order megatron: .* chat data"):
         open_data(DataConfig(data=data.prefix, sample_order="megatron"), 64, 0, seed=1)
 
 
 def test_text_preprocess_over_chat_data_removes_its_mask(folders, tmp_path):
-    data, _ = _packed_data(folders["qwen"], tmp_path, conversations(5, seed=2), seq_len=64)
+    _packed_data(folders["qwen"], tmp_path, conversations(5, seed=2), seq_len=64)
     (tmp_path / "t.jsonl").write_text('{"text": "plain"}\n')
     cfg = PreprocessConfig(
         input=str(tmp_path / "t.jsonl"), output_prefix=str(tmp_path / "o"), json_key="chat",

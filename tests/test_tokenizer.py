@@ -251,9 +251,13 @@ def _random_texts(n: int, seed: int = 0) -> list[str]:
         "</s>", "<|im_start|>", "<|endoftext|>", "<|begin_of_text|>", "[INST]", "ﬁ", "Ǆ",
         "zqx", "ÿ", "\u00a0", "x" * 30, "<0x41>", "▁",
     ]  # fmt: skip
-    return [
-        "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12))) for _ in range(n)
-    ] + ["", " ", "Hello world", " leading space", "trailing space "]
+    return ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 12))) for _ in range(n)] + [
+        "",
+        " ",
+        "Hello world",
+        " leading space",
+        "trailing space ",
+    ]
 
 
 HF_FOLDERS = {
@@ -269,7 +273,9 @@ def hf_folders(tmp_path_factory):
     import tokenizer_folders
 
     root = tmp_path_factory.mktemp("hf")
-    return {name: getattr(tokenizer_folders, b)(root / name) for name, (b, *_) in HF_FOLDERS.items()}
+    return {
+        name: getattr(tokenizer_folders, b)(root / name) for name, (b, *_) in HF_FOLDERS.items()
+    }
 
 
 @pytest.mark.parametrize("name", sorted(HF_FOLDERS))
