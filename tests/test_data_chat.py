@@ -283,3 +283,13 @@ def test_template_rendering_earlier_turns_differently_is_refused(folders):
     msgs = [{"role": r, "content": c} for r, c in zip(["user", "assistant"] * 2, "abcd")]
     with pytest.raises(ValueError, match="split the conversation into one line per assistant"):
         enc.encode(msgs)
+
+
+def test_inspect_counts_the_trained_tokens_and_merge_refuses_chat_data(folders, tmp_path):
+    from fitgpt.data.tools import inspect, merge
+
+    data, _ = _packed_data(folders["qwen"], tmp_path, conversations(5, seed=2), seq_len=64)
+    trained = int(np.asarray(IndexedDataset(mask_prefix(data.prefix)).tokens).sum())
+    assert f"loss on {trained:,} assistant tokens" in inspect(data.prefix)
+    with pytest.raises(UserError, match=r"is chat data .* cannot carry"):
+        merge([data.prefix, data.prefix], str(tmp_path / "m"))
