@@ -16,7 +16,7 @@ from fitgpt.data.chat import ChatEncoder, conversation, mask_prefix
 from fitgpt.data.indexed import IndexedDataset
 from fitgpt.data.packed import PackedSamples, best_fit
 from fitgpt.data.preprocess import PreprocessConfig, preprocess
-from fitgpt.data.source import BatchLoader
+from fitgpt.data.source import BatchLoader, segment_positions
 from fitgpt.data.tokenizer import load_tokenizer
 from fitgpt.errors import UserError
 
@@ -190,6 +190,9 @@ def test_targets_are_minus_one_exactly_where_the_mask_is_zero(folders, tmp_path)
     assert (targets.numpy()[counted] == tokens[:, 1:][counted]).all()
     mask = IndexedDataset(mask_prefix(data.prefix))
     assert int(counted.sum()) == int(np.asarray(mask.tokens).sum())  # each assistant token once
+    pos = segment_positions(segments)
+    for row_s, row_p in zip(segments.tolist(), pos.tolist()):
+        assert row_p == [row_s[:t].count(row_s[t]) for t in range(len(row_s))]
     x, y = BatchLoader(src, 2).next()  # what the trainer reads: the same targets
     assert (y.numpy() == targets.numpy()[:2]).all() and x.shape == (2, 64)
 

@@ -97,6 +97,18 @@ class BatchLoader:
         self.position = samples // per_step
 
 
+def segment_positions(segments_BT: Tensor) -> Tensor:
+    """Each token's position inside its own sample, int64 [B, T]: 0 at every sample's first
+    token. Rotary (or learnt) positions from this make a packed sample see the positions it would
+    see alone. Segment ids never decrease along a row (BatchLoader.next_with_segments)."""
+    T = segments_BT.shape[1]
+    t = torch.arange(T, device=segments_BT.device).expand_as(segments_BT)
+    new = torch.ones_like(segments_BT, dtype=torch.bool)
+    new[:, 1:] = segments_BT[:, 1:] != segments_BT[:, :-1]
+    start = torch.where(new, t, torch.zeros_like(t)).cummax(dim=1).values  # where each began
+    return t - start
+
+
 def splitmix64(x: np.ndarray) -> np.ndarray:
     """A stateless 64-bit hash: counter-based randomness, so sample j is O(1) to regenerate."""
     x = x.astype(np.uint64, copy=True)
