@@ -234,3 +234,129 @@ def test_train_output_that_is_a_file_is_refused_before_training(tmp_path):
     )  # fmt: skip
     assert_refused(r.returncode, r.stderr, "--output out is a file, not a directory")
     assert files(tmp_path) == {"c.txt", "out"} and (tmp_path / "out").read_text() == "a file"
+
+
+# ---- Hugging Face tokenizer folders: Llama 3, Qwen 2.5, Llama 2 / Mistral ---------------------
+
+
+def _random_texts(n: int, seed: int = 0) -> list[str]:
+    """Text that exercises pre-tokenizers and special-token matching: words, digits, runs of
+    spaces and newlines, accents (composed and not), CJK, emoji, and special tokens' text."""
+    import random
+
+    rng = random.Random(seed)
+    pieces = [
+        "the", " quick", "Hello", "world", "café", "cafe\u0301", "Straße", "日本語", "🙂", "👍🏽",
+        "  ", "\n", "\n\n", "\t", " ", "12345", "3.14", "it's", "DON'T", "<|eot_id|>", "<s>",
+        "</s>", "<|im_start|>", "<|endoftext|>", "<|begin_of_text|>", "[INST]", "ﬁ", "Ǆ",
+        "zqx", "ÿ", "\u00a0", "x" * 30, "<0x41>", "▁",
+    ]  # fmt: skip
+    return ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 12))) for _ in range(n)] + [
+        "",
+        " ",
+        "Hello world",
+        " leading space",
+        "trailing space ",
+    ]
+
+
+HF_FOLDERS = {
+    # name: (builder, BOS prepended?, end-of-document text, eos_token text)
+    "llama3": ("llama3", True, "<|end_of_text|>", "<|eot_id|>"),
+    "qwen": ("qwen", False, "<|endoftext|>", "<|im_end|>"),
+    "mistral": ("mistral", True, "</s>", "</s>"),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory):
+    import tokenizer_folders
+
+    root = tmp_path_factory.mktemp("hf")
+    return {
+        name: getattr(tokenizer_folders, b)(root / name) for name, (b, *_) in HF_FOLDERS.items()
+    }
+
+
+@pytest.mark.parametrize("name", sorted(HF_FOLDERS))
+def test_hf_folder_ids_equal_transformers(hf_folders, name):
+    from transformers import AutoTokenizer
+
+    folder = hf_folders[name]
+    _, bos_first, eod_text, eos_text = HF_FOLDERS[name]
+    ref = AutoTokenizer.from_pretrained(str(folder))
+    tok = load_tokenizer(str(folder))
+    texts = _random_texts(120)
+    for text in texts:
+        assert tok.encode(text) == ref(text)["input_ids"], text
+        assert tok.encode_plain(text) == ref(text, add_special_tokens=False)["input_ids"], text
+    assert tok.encode_batch(texts) == [ref(t)["input_ids"] for t in texts]
+    # the rules: BOS only where the post-processor adds it, documents end at the document token
+    assert tok.prefix_ids == ((ref.bos_token_id,) if bos_first else ())
+    assert tok.suffix_ids == ()
+    assert tok.eod_id == ref.convert_tokens_to_ids(eod_text)
+    assert tok.eos_id == ref.eos_token_id == ref.convert_tokens_to_ids(eos_text)
+    assert set(tok.stop_ids) == {tok.eod_id, tok.eos_id}
+    assert tok.vocab_size == len(ref)
+    ids = tok.encode("naïve café 日本語 🙂 ok")
+    assert tok.decode(ids) == ref.decode(ids)
+
+
+def test_generation_config_adds_stop_ids(hf_folders, tmp_path):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(hf_folders["llama3"], folder)
+    tok = load_tokenizer(str(folder))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, tok.eos_id]}))
+    assert load_tokenizer(str(folder)).stop_ids == tuple(sorted({7, tok.eos_id, tok.eod_id}))
+
+
+@pytest.mark.parametrize("name", sorted(HF_FOLDERS))
+def test_preprocess_puts_bos_and_end_of_document_as_the_tokenizer_says(hf_folders, tmp_path, name):
+    from fitgpt.data.indexed import IndexedDataset
+    from fitgpt.data.preprocess import PreprocessConfig, preprocess
+
+    texts = ["Hello world", "naïve café 🙂", "  two  spaces"]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tok = load_tokenizer(str(hf_folders[name]))
+    cfg = PreprocessConfig(
+        input=str(tmp_path / "d.jsonl"), output_prefix=str(tmp_path / "o"),
+        tokenizer=str(hf_folders[name]), workers=0, append_eod=True, progress=False,
+    )  # fmt: skip
+    preprocess(cfg)
+    data = IndexedDataset(cfg.prefix)
+    bos = list(tok.prefix_ids)
+    assert [data[i].tolist() for i in range(3)] == [
+        [*bos, *tok.encode_plain(t), tok.eod_id] for t in texts
+    ]
+    assert (bos != []) == (name != "qwen")
+
+
+def test_vocabulary_past_65535_gives_int32_files_megatron_reads(tmp_path):
+    """Llama 3's special tokens lie past id 128,000: the .bin must hold int32 (dtype code 4 in
+    the .idx, Megatron's rule for vocabularies of 65,500+), read back exactly."""
+    import struct
+
+    import numpy as np
+    import tokenizer_folders
+
+    from fitgpt.data.preprocess import PreprocessConfig, preprocess
+
+    folder = tokenizer_folders.llama3(tmp_path / "big", big=True)
+    tok = load_tokenizer(str(folder))
+    assert tok.vocab_size > 65_535 and min(tok.prefix_ids) > 65_535 and tok.eod_id > 65_535
+    texts = ["Hello <|eot_id|> world", "café 🙂", "<|reserved_special_token_5|>"]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    cfg = PreprocessConfig(
+        input=str(tmp_path / "d.jsonl"), output_prefix=str(tmp_path / "o"), tokenizer=str(folder),
+        workers=1, append_eod=True, progress=False,
+    )  # fmt: skip
+    assert preprocess(cfg).dtype == "int32"
+    # Megatron's reader: the dtype code at byte 17 of the .idx, then the .bin as that dtype
+    head = (tmp_path / "o_text_document.idx").read_bytes()[:34]
+    version, code, n, m = struct.unpack("<QBQQ", head[9:])
+    assert (version, code, n, m) == (1, 4, 3, 4)
+    tokens = np.fromfile(tmp_path / "o_text_document.bin", dtype=np.int32)
+    expected = [i for t in texts for i in (*tok.encode(t), tok.eod_id)]
+    assert tokens.tolist() == expected and max(expected) > 65_535

@@ -38,7 +38,10 @@ def register(sub) -> None:
         "preprocess",
         help="tokenize JSON lines into PREFIX_KEY_document.bin/.idx",
         description="Tokenize a JSON-lines file (optionally .gz) in parallel worker processes "
-        "into OUTPUT_PREFIX_{json_key}_document.bin/.idx, byte-compatible with Megatron-LM.",
+        "into OUTPUT_PREFIX_{json_key}_document.bin/.idx, byte-compatible with Megatron-LM. "
+        "With --chat, each line is a conversation rendered by the tokenizer folder's chat "
+        "template, written to OUTPUT_PREFIX_chat_document.bin/.idx with a loss mask beside it "
+        "(.loss_mask.bin/.idx, 1 on the assistant's tokens); see docs/data.md.",
     )
     _flag(pre, PreprocessConfig, "input", metavar="FILE")
     _flag(pre, PreprocessConfig, "output_prefix", metavar="PREFIX")
@@ -46,6 +49,7 @@ def register(sub) -> None:
     _flag(pre, PreprocessConfig, "tokenizer", metavar="SPEC")
     _flag(pre, PreprocessConfig, "workers", type=int, metavar="N")
     _flag(pre, PreprocessConfig, "append_eod", action="store_true")
+    _flag(pre, PreprocessConfig, "chat", action="store_true")
     _flag(pre, PreprocessConfig, "on_error", choices=["skip", "fail"])
     _flag(pre, PreprocessConfig, "on_bad_utf8", choices=["replace", "skip", "fail"])
     pre.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -22,6 +22,9 @@ by split, document range, seq_len, seed, N and epoch, each written to a temporar
 renamed, and memory-mapped when read; smaller splits are rebuilt in memory in milliseconds. A
 read-only data directory only disables the cache.
 
+Chat data (a PREFIX.loss_mask pair beside the tokens, from `fitgpt data preprocess --chat`) is
+read by packed.PackedSamples instead: whole samples packed into rows, never a stream.
+
 vocab_size is the tokenizer's when given (checked against the data), else the largest token + 1;
 the largest token is found by one pass over the .bin and cached in PREFIX.index-cache/.
 """
@@ -36,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fitgpt.data.chat import has_mask
 from fitgpt.data.indexed import IndexedDataset
 from fitgpt.data.megatron_order import MegatronSamples
 from fitgpt.data.splits import SPLITS, cache_dir, parse_split, save_atomic, split_ranges
@@ -103,6 +107,15 @@ def _samples(
     name: str,
     num_samples: int | None,
 ) -> SampleSource:
+    if has_mask(data.prefix):  # chat data (preprocess --chat): samples packed whole, packed.py
+        if order != "fitgpt":
+            raise UserError(
+                f"--sample-order {order}: {data.prefix} is chat data with a loss mask, whose "
+                "samples fitgpt packs whole (Megatron has no such order); use --sample-order fitgpt"
+            )
+        from fitgpt.data.packed import PackedSamples
+
+        return PackedSamples(data, split, name, seq_len, seed, vocab)
     if order == "fitgpt":
         return GPTSamples(data, split, name, seq_len, seed, vocab)
     if order == "megatron":

@@ -53,6 +53,9 @@ DTYPES: dict[int, type[np.generic]] = {
 }
 CODES = {np.dtype(t): c for c, t in DTYPES.items()}
 SIDECAR_SUFFIX = ".fitgpt.json"  # PREFIX.fitgpt.json: the tokenizer record, fitgpt/data/sidecar.py
+# PREFIX.loss_mask.bin/.idx: chat data's per-token loss mask, a pair of uint8 0/1 "tokens" with
+# the same sequences as PREFIX's (fitgpt/data/chat.py writes it, packed.py reads it)
+LOSS_MASK_SUFFIX = ".loss_mask"
 _CHUNK = 1 << 24  # elements per streamed chunk: 64-128 MiB of int32/int64, constant memory
 
 
@@ -339,9 +342,12 @@ class IndexedWriter:
             with open(self._tmp["bin"], "rb+") as f:
                 os.fsync(f.fileno())
             # An old .idx must not pair with the new .bin if we die between the two renames, and
-            # an old sidecar (fitgpt/data/sidecar.py) must not describe the new pair.
+            # an old sidecar (fitgpt/data/sidecar.py) or loss mask must not describe the new pair
+            # (a chat preprocess writes its mask after this).
             self.idx_path.unlink(missing_ok=True)
             Path(self.prefix + SIDECAR_SUFFIX).unlink(missing_ok=True)
+            for p in paths(self.prefix + LOSS_MASK_SUFFIX):
+                p.unlink(missing_ok=True)
             os.replace(self._tmp["bin"], self.bin_path)
             os.replace(self._tmp["idx"], self.idx_path)
             self._remove_temporaries()

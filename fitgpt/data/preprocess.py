@@ -15,6 +15,13 @@ an integer of more than 4,300 digits) counts as malformed. A damaged gzip stream
 the last whole line read: skipped and reported (or fatal) like a bad line. Every problem is
 reported as FILE:LINE.
 
+With --chat, each line is a conversation (`{"messages": [...]}` or `{"prompt": ..., "response":
+...}`) rendered by the tokenizer folder's chat template and tokenized (fitgpt/data/chat.py); a
+second pair, PREFIX.loss_mask.bin/.idx, holds a uint8 0/1 per token, 1 on the assistant's
+tokens, with the same sequences as the tokens' pair. Every bad conversation is fatal, whatever
+--on-error says, in one line naming FILE:LINE and the fix: a conversation silently dropped
+from an instruction set is a change to the fine-tune nobody asked for.
+
 Failures leave nothing behind: an input giving no tokens is an error (no empty pair), the
 output location is checked before any work, and a failed write (full disk) removes every
 temporary (IndexedWriter). Worker processes die with the main process, even when it is killed
@@ -46,7 +53,8 @@ from typing import BinaryIO, Literal
 import numpy as np
 
 from fitgpt.data import sidecar
-from fitgpt.data.indexed import IndexedWriter, token_dtype
+from fitgpt.data.chat import ChatEncoder, ChatLineError, conversation, mask_prefix
+from fitgpt.data.indexed import LOSS_MASK_SUFFIX, IndexedWriter, paths, token_dtype
 from fitgpt.data.outputs import check_prefix
 from fitgpt.data.tokenizer import load_tokenizer
 from fitgpt.errors import UserError
@@ -77,7 +85,19 @@ class PreprocessConfig:
         metadata={"help": "tokenizing processes; 0 tokenizes in this process (tiny inputs)"},
     )
     append_eod: bool = field(
-        default=False, metadata={"help": "end every document with <|endoftext|>"}
+        default=False,
+        metadata={
+            "help": "end every document with the tokenizer's end-of-document token "
+            "(<|endoftext|>, Llama 3's <|end_of_text|>, else its eos_token)"
+        },
+    )
+    chat: bool = field(
+        default=False,
+        metadata={
+            "help": 'lines are conversations ({"messages": [...]} or {"prompt", "response"}): '
+            "render them with the tokenizer folder's chat template, loss on the assistant's "
+            "tokens only (PREFIX.loss_mask.bin/.idx); writes OUTPUT_PREFIX_chat_document"
+        },
     )
     on_error: Literal["skip", "fail"] = field(
         default="skip",
@@ -109,10 +129,15 @@ class PreprocessConfig:
             raise UserError(f"chunk_bytes {self.chunk_bytes} must be positive")
         if not self.json_key:
             raise UserError("--json-key is empty; name the key that holds each document's text")
+        if self.chat and self.append_eod:
+            raise UserError(
+                "--append-eod is for text documents; with --chat the template ends each turn "
+                "itself: drop --append-eod"
+            )
 
     @property
     def prefix(self) -> str:
-        return f"{self.output_prefix}_{self.json_key}_document"
+        return f"{self.output_prefix}_{'chat' if self.chat else self.json_key}_document"
 
 
 @dataclass
@@ -126,6 +151,7 @@ class PreprocessReport:
     seconds: float = 0.0
     skipped: Counter = field(default_factory=Counter)  # reason -> lines skipped
     empty: int = 0  # documents with no tokens, kept (of `documents`) as Megatron keeps them
+    trained: int | None = None  # --chat: tokens the loss counts (the assistant's); else None
     replaced_utf8: int = 0  # lines kept with U+FFFD in place of bad bytes
     shown: list[str] = field(default_factory=list)  # the first problems, as FILE:LINE: message
     printed: int = 0  # of `shown`, printed as warnings so far
@@ -150,6 +176,10 @@ class PreprocessReport:
             + (", ".join(f"{n:,} {why}" for why, n in sorted(self.skipped.items())) or "0 lines"),
             f"  repaired   {self.replaced_utf8:,} lines with non-UTF-8 bytes (replaced by U+FFFD)",
         ]
+        if self.trained is not None:
+            share = self.trained / max(self.tokens, 1)
+            rows[0] += f" and {self.prefix}{LOSS_MASK_SUFFIX}.bin/.idx (loss mask)"
+            rows.insert(2, f"  loss on    {self.trained:,} assistant tokens ({share:.0%})")
         return "\n".join(rows)
 
 
@@ -161,8 +191,11 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessReport:
     tok = load_tokenizer(cfg.tokenizer)
     if cfg.append_eod and tok.eod_id is None:
         raise UserError(
-            f"--append-eod needs a tokenizer with <|endoftext|>; {cfg.tokenizer} has none"
+            f"--append-eod needs a tokenizer with an end-of-document token (<|endoftext|>, "
+            f"<|end_of_text|> or an eos_token); {cfg.tokenizer} has none"
         )
+    if cfg.chat:
+        ChatEncoder(tok)  # no template, or one that does not compile: refused before any input
     dtype = token_dtype(tok.vocab_size)
     state = _State(
         cfg.tokenizer,
@@ -172,12 +205,14 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessReport:
         cfg.on_bad_utf8,
         dtype.str,
         parent_pid=os.getpid(),
+        chat=cfg.chat,
     )
-    report = PreprocessReport(prefix=cfg.prefix, dtype=dtype.name)
+    report = PreprocessReport(prefix=cfg.prefix, dtype=dtype.name, trained=0 if cfg.chat else None)
     damage: list[tuple[int, str]] = []  # (first unread line, error) of a damaged gzip stream
     start = time.perf_counter()
     with (
         _open_input(cfg.input) as (stream, raw),
+        _mask_writer(cfg) as masks,  # listed first: finishes after the tokens' pair
         IndexedWriter(cfg.prefix, dtype) as writer,
         _progress_bar(cfg.progress, os.path.getsize(cfg.input)) as (bar, task),
         contextlib.closing(
@@ -185,7 +220,7 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessReport:
         ) as out,
     ):
         for chunk in out:
-            _take(chunk, writer, report, cfg)
+            _take(chunk, writer, masks, report, cfg)
             _warn(report, bar)
             report.seconds = time.perf_counter() - start
             docs, toks, mbps = report.documents, report.tokens, report.mb_per_s
@@ -196,8 +231,32 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessReport:
         if report.tokens == 0:  # raised inside `with`: the writer removes its temporaries
             raise _no_documents(cfg, report)
     report.seconds = time.perf_counter() - start
-    sidecar.write(cfg.prefix, tok, made_by="fitgpt data preprocess")
+    made_by = "fitgpt data preprocess" + (" --chat" if cfg.chat else "")
+    sidecar.write(cfg.prefix, tok, made_by=made_by)
     return report
+
+
+@contextlib.contextmanager
+def _mask_writer(cfg: PreprocessConfig) -> Iterator[IndexedWriter | None]:
+    """The loss-mask pair of a --chat run (None otherwise), finished after the tokens' pair
+    (whose finish removes any older mask); if it cannot be finished, the tokens' pair is
+    removed too: without its mask it would train as plain text."""
+    if not cfg.chat:
+        yield None
+        return
+    masks = IndexedWriter(mask_prefix(cfg.prefix), np.uint8)
+    try:
+        yield masks
+    except BaseException:
+        masks.abort()
+        raise
+    try:
+        masks.finish()
+    except BaseException:
+        masks.abort()
+        for p in paths(cfg.prefix):
+            p.unlink(missing_ok=True)
+        raise
 
 
 def _damaged(cfg: PreprocessConfig, report: PreprocessReport, line: int, err: str) -> None:
@@ -231,6 +290,8 @@ def _problem(
 ) -> None:
     """Count (and keep the first MAX_SHOWN of) one skipped line, or stop under policy 'fail'."""
     where = msg if msg.startswith(f"{cfg.input}:") else f"{cfg.input}:{line}: {msg}"
+    if cfg.chat:  # every chat problem is fatal; its message carries the fix
+        raise UserError(where)
     if policy == "fail":
         fix = "--on-bad-utf8 replace" if why == "invalid UTF-8" else "--on-error skip"
         raise UserError(f"{where}; fix the line or pass {fix}")
@@ -249,12 +310,19 @@ def _warn(report: PreprocessReport, bar) -> None:
 
 
 def _take(
-    chunk: _Chunk, writer: IndexedWriter, report: PreprocessReport, cfg: PreprocessConfig
+    chunk: _Chunk,
+    writer: IndexedWriter,
+    masks: IndexedWriter | None,
+    report: PreprocessReport,
+    cfg: PreprocessConfig,
 ) -> None:
     """Account for one encoded chunk (in input order) and append its documents."""
     for line, why, message, fatal in chunk.problems:
         _problem(cfg, report, line, why, message, "fail" if fatal else "skip")
     writer.add(chunk.tokens, chunk.lengths, chunk.doc_ends)
+    if masks is not None:
+        masks.add(chunk.mask, chunk.lengths, chunk.doc_ends)
+        report.trained += int(chunk.mask.sum(dtype=np.int64))
     report.documents += len(chunk.doc_ends)
     report.tokens += int(chunk.tokens.size)
     report.lines += chunk.lines
@@ -384,6 +452,7 @@ class _State:
     on_bad_utf8: str
     dtype: str
     parent_pid: int = 0  # the main process: workers exit when it is gone
+    chat: bool = False
 
 
 @dataclass
@@ -396,6 +465,7 @@ class _Chunk:
     nbytes: int
     empty: int
     replaced: int
+    mask: np.ndarray | None = None  # --chat: uint8, flat like tokens: 1 on the assistant's tokens
 
 
 _WORKER: dict = {}
@@ -408,7 +478,8 @@ def _init(state: _State) -> None:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         # Ctrl-C is the main process's to handle: it stops the pool and removes the temporaries.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _WORKER.update(state=state, tok=load_tokenizer(state.tokenizer))
+    tok = load_tokenizer(state.tokenizer)
+    _WORKER.update(state=state, tok=tok, chat=ChatEncoder(tok) if state.chat else None)
 
 
 def _die_with_parent(parent: int) -> None:
@@ -437,6 +508,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _encode(block: bytes, first_line: int) -> _Chunk:
+    if _WORKER["chat"] is not None:
+        return _encode_chat(block, first_line)
     state: _State = _WORKER["state"]
     tok = _WORKER["tok"]
     texts, problems, replaced = [], [], 0
@@ -467,8 +540,55 @@ def _encode(block: bytes, first_line: int) -> _Chunk:
     return _Chunk(tokens, lengths, doc_ends, problems, len(raw_lines), len(block), empty, replaced)
 
 
-def _document(raw: bytes, state: _State) -> tuple[str, tuple[str, str, bool] | None, int]:
-    """(text, problem or None, 1 if bad bytes were replaced) for one non-blank line."""
+def _encode_chat(block: bytes, first_line: int) -> _Chunk:
+    """--chat: each non-blank line one conversation, as tokens and their loss mask; the first
+    bad line ends the chunk as a fatal problem (the main process stops there)."""
+    state: _State = _WORKER["state"]
+    chat: ChatEncoder = _WORKER["chat"]
+    ids, masks, problems, replaced = [], [], [], 0
+    raw_lines = block.split(b"\n")
+    if raw_lines and not raw_lines[-1]:
+        raw_lines.pop()
+    for n, raw in enumerate(raw_lines, first_line):
+        if not raw.strip():
+            continue
+        obj, problem, fixed = _json_line(raw, state)
+        replaced += fixed
+        try:
+            if problem is not None:
+                raise ChatLineError(f"{problem[1]}; each line must be one JSON conversation")
+            doc, mask = chat.encode(conversation(_without_surrogates(obj)))
+        except ChatLineError as e:
+            problems.append((n, "bad conversation", str(e), True))
+            break
+        ids.append(doc)
+        masks.append(mask)
+    lengths = np.fromiter(map(len, ids), np.int32, count=len(ids))
+    total = int(lengths.sum())
+    tokens = np.fromiter(itertools.chain.from_iterable(ids), np.dtype(state.dtype), count=total)
+    mask = np.fromiter(itertools.chain.from_iterable(masks), np.uint8, count=total)
+    doc_ends = np.arange(1, len(ids) + 1, dtype=np.int64)
+    return _Chunk(
+        tokens, lengths, doc_ends, problems, len(raw_lines), len(block), 0, replaced, mask
+    )
+
+
+def _without_surrogates(obj: object) -> object:
+    """`obj` with lone surrogates (a \\ud800 escape) in its strings replaced by U+FFFD: the
+    tokenizer cannot encode them. Conversations are small: one walk over the parsed line."""
+    if isinstance(obj, str):
+        if obj.isascii():
+            return obj
+        return obj.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    if isinstance(obj, list):
+        return [_without_surrogates(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _without_surrogates(v) for k, v in obj.items()}
+    return obj
+
+
+def _json_line(raw: bytes, state: _State) -> tuple[object, tuple[str, str, bool] | None, int]:
+    """(parsed JSON, problem or None, 1 if bad bytes were replaced) for one non-blank line."""
     fatal, err = state.on_bad_utf8 == "fail", state.on_error == "fail"
     fixed = 0
     try:
@@ -476,23 +596,32 @@ def _document(raw: bytes, state: _State) -> tuple[str, tuple[str, str, bool] | N
     except UnicodeDecodeError as e:
         bad = f"invalid UTF-8 byte 0x{raw[e.start]:02x} at byte {e.start}"
         if state.on_bad_utf8 != "replace":
-            return "", ("invalid UTF-8", bad, fatal), 0
+            return None, ("invalid UTF-8", bad, fatal), 0
         line, fixed = raw.decode("utf-8", errors="replace"), 1
     try:
-        obj = json.loads(line)
+        return json.loads(line), None, fixed
     except json.JSONDecodeError as e:
-        return "", ("malformed JSON", f"malformed JSON ({e.msg} at column {e.colno})", err), fixed
+        return None, ("malformed JSON", f"malformed JSON ({e.msg} at column {e.colno})", err), fixed
     except RecursionError:  # valid JSON nested deeper than the parser's recursion limit
-        return "", ("malformed JSON", "JSON nested too deeply to parse", err), fixed
+        return None, ("malformed JSON", "JSON nested too deeply to parse", err), fixed
     except ValueError as e:  # valid JSON the parser refuses: an integer over 4,300 digits
         why = str(e).split(";")[0]
-        return "", ("malformed JSON", f"JSON the parser refuses ({why})", err), fixed
+        return None, ("malformed JSON", f"JSON the parser refuses ({why})", err), fixed
+
+
+def _document(raw: bytes, state: _State) -> tuple[str, tuple[str, str, bool] | None, int]:
+    """(text, problem or None, 1 if bad bytes were replaced) for one non-blank line."""
+    fatal, err = state.on_bad_utf8 == "fail", state.on_error == "fail"
+    obj, problem, fixed = _json_line(raw, state)
+    if problem is not None:
+        return "", problem, fixed
     if not isinstance(obj, dict):
         kind = type(obj).__name__
         return "", ("not a JSON object", f"a JSON {kind}, not an object", err), fixed
     if state.json_key not in obj:
         keys = ", ".join(list(obj)[:5]) or "none"
-        msg = f"no key {state.json_key!r} (keys: {keys}); pass --json-key"
+        fix = "pass --chat (conversations)" if "messages" in obj else "pass --json-key"
+        msg = f"no key {state.json_key!r} (keys: {keys}); {fix}"
         return "", (f"missing key {state.json_key!r}", msg, err), fixed
     text = obj[state.json_key]
     if not isinstance(text, str):

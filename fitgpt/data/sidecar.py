@@ -250,6 +250,7 @@ class RecordedVocabulary:
 
     name = "none"  # the spec of token-id data without a tokenizer
     eod_id = None
+    stop_ids = ()
 
     def __init__(self, prefix: str, vocab_size: int) -> None:
         self.prefix, self.vocab_size = prefix, vocab_size

@@ -47,12 +47,35 @@ class BatchLoader:
         return np.arange(start, start + self.micro_batch, dtype=np.int64)
 
     def next(self) -> tuple[Tensor, Tensor]:
-        """(inputs, targets), int64 [b, S] on the CPU."""
-        tokens = torch.from_numpy(
-            np.ascontiguousarray(self.source.get(self.indices(self.position)))
-        )
+        """(inputs, targets), int64 [b, S] on the CPU; a target of -1 is not trained on."""
+        inputs, targets, _ = self.next_with_segments()
+        return inputs, targets
+
+    def next_with_segments(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(inputs, targets, segments), int64 [b, S] each on the CPU.
+
+        segments numbers the samples packed into each row (0, 1, ...: a new sample starts a new
+        id), for attention that stays inside a sample (token t may see token u only where
+        segments[t] == segments[u]). Packed chat data (packed.py) has several per row, and its
+        targets are -1 on every token outside the assistant's replies and at each sample's
+        first token; a stream source (text: documents joined, Megatron's default) is one
+        segment per row, all zeros.
+        """
+        idx = self.indices(self.position)
         self.position += 1
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        if hasattr(self.source, "get_packed"):
+            tokens, keep, segment = self.source.get_packed(idx)
+            targets = tokens[:, 1:].copy()
+            counted = (keep[:, 1:] != 0) & (segment[:, 1:] == segment[:, :-1])
+            targets[~counted] = -1
+            return (
+                torch.from_numpy(np.ascontiguousarray(tokens[:, :-1])),
+                torch.from_numpy(targets),
+                torch.from_numpy(segment[:, :-1].astype(np.int64)),
+            )
+        tokens = torch.from_numpy(np.ascontiguousarray(self.source.get(idx)))
+        segments = torch.zeros(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.int64)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), segments
 
     def state_dict(self) -> dict:
         return {"position": self.position, "micro_batch": self.micro_batch, "world": self.world}
@@ -72,6 +95,18 @@ class BatchLoader:
                 "count whose product divides it"
             )
         self.position = samples // per_step
+
+
+def segment_positions(segments_BT: Tensor) -> Tensor:
+    """Each token's position inside its own sample, int64 [B, T]: 0 at every sample's first
+    token. Rotary (or learnt) positions from this make a packed sample see the positions it would
+    see alone. Segment ids never decrease along a row (BatchLoader.next_with_segments)."""
+    T = segments_BT.shape[1]
+    t = torch.arange(T, device=segments_BT.device).expand_as(segments_BT)
+    new = torch.ones_like(segments_BT, dtype=torch.bool)
+    new[:, 1:] = segments_BT[:, 1:] != segments_BT[:, :-1]
+    start = torch.where(new, t, torch.zeros_like(t)).cummax(dim=1).values  # where each began
+    return t - start
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:

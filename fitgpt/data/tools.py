@@ -139,6 +139,7 @@ class CleanReport:
 
 def clean(cfg: CleanConfig, progress: bool = False) -> CleanReport:
     """Copy the documents of `cfg.input` that pass the filters to `cfg.output_prefix`."""
+    _refuse_chat(cfg.input, "clean")
     data = IndexedDataset(cfg.input)
     check_prefix(cfg.output_prefix)
     record = sidecar.read(cfg.input)
@@ -246,6 +247,8 @@ def merge(inputs: list[str], output_prefix: str, force: bool = False, progress: 
         raise UserError(f"merge needs at least two input prefixes, got {len(inputs)}")
     if any(_same_prefix(p, output_prefix) for p in inputs):
         raise UserError(f"--output-prefix {output_prefix} is also an input; pick a new prefix")
+    for p in inputs:
+        _refuse_chat(p, "merge")
     sets = [IndexedDataset(p) for p in inputs]
     check_prefix(output_prefix)
     record = _merged_record(inputs, force)
@@ -301,6 +304,18 @@ def _same_prefix(a: str, b: str) -> bool:
 
 
 # ---- inspect -----------------------------------------------------------------------------------
+def _refuse_chat(prefix: str, what: str) -> None:
+    """clean and merge copy tokens only: chat data would lose its loss mask and then train as
+    plain text, on every token."""
+    from fitgpt.data.chat import has_mask
+
+    if has_mask(prefix):
+        raise UserError(
+            f"{prefix} is chat data (with a .loss_mask pair), which `fitgpt data {what}` cannot "
+            "carry; run `fitgpt data preprocess --chat` on the JSONL files joined instead"
+        )
+
+
 def inspect(prefix: str, tokenizer: str = "auto", documents: int = 1, chars: int = 400) -> str:
     """A one-screen description: counts, dtype, length statistics and histogram, decoded text.
 
@@ -323,6 +338,12 @@ def inspect(prefix: str, tokenizer: str = "auto", documents: int = 1, chars: int
         f"  tokens     {data.num_tokens:,}, largest id {top} (a vocabulary of >= {top + 1})",
         f"  tokenizer  {about}",
     ]
+    from fitgpt.data.chat import has_mask, mask_prefix
+
+    if has_mask(prefix):
+        trained = int(IndexedDataset(mask_prefix(prefix)).tokens.sum(dtype=np.int64))
+        share = trained / max(data.num_tokens, 1)
+        lines.append(f"  chat data  loss on {trained:,} assistant tokens ({share:.0%}), .loss_mask")
     if data.num_documents:
         lines.append(
             f"  length     min {lengths.min():,}  median {np.median(lengths):,.0f}  "

@@ -1,0 +1,277 @@
+"""Chat and instruction data: a conversation rendered by the tokenizer's own chat template,
+tokenized, with a loss mask that is 1 on the assistant's tokens and 0 elsewhere.
+
+One JSON line is one conversation: `{"messages": [{"role": ..., "content": ...}, ...]}`, or
+`{"prompt": ..., "response": ...}` (optionally with "system"), which is the conversation
+system? / user / assistant. The template is the folder's chat_template.jinja, else
+tokenizer_config.json's "chat_template" (a string, or a list of named templates whose "default"
+is used), as transformers picks it. It is rendered the way transformers' `apply_chat_template`
+renders it: jinja2's sandboxed environment with trim_blocks and lstrip_blocks, loop controls,
+`raise_exception`, `strftime_now`, a `tojson` filter that keeps non-ASCII text, the folder's
+special tokens (bos_token, eos_token, ...) as variables, tools and documents None, and
+add_generation_prompt False. The rendered text is tokenized without the post-processor's
+BOS/EOS (the template writes BOS itself), as `apply_chat_template(tokenize=True)` does.
+
+Where the assistant's tokens are: rendering prefixes of the conversation (`assistant_spans`).
+Searching the rendered text for each reply fails wherever a template changes the text (Llama 3
+trims it, others escape or reformat it) or a reply also occurs earlier; `{% generation %}`
+markers (transformers' return_assistant_tokens_mask) exist in few published templates. A
+template is a function of the messages so far, so rendering messages[:i] with the generation
+prompt gives the text up to where reply i starts, and messages[:i+1] without it the text up to
+where it ends: this works with any template whose earlier turns do not change when later ones
+follow, which is checked, and it costs 2 renders per assistant message.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+from fitgpt.data.indexed import LOSS_MASK_SUFFIX, paths
+from fitgpt.data.tokenizer import JSONTokenizer, Tokenizer
+from fitgpt.errors import UserError
+
+ASSISTANT = "assistant"
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # names templates read it under
+
+
+class ChatLineError(ValueError):
+    """One conversation that cannot be used; the message says what is wrong and the fix."""
+
+
+def template_text(tok: Tokenizer) -> str:
+    """The chat template of `tok`'s folder, or a one-line refusal naming the fix."""
+    if not isinstance(tok, JSONTokenizer):
+        raise UserError(
+            f"--chat needs a Hugging Face tokenizer folder with a chat template; {tok.name} is "
+            "not one: pass --tokenizer DIR holding tokenizer.json and tokenizer_config.json"
+        )
+    jinja = tok.folder / "chat_template.jinja"
+    if jinja.is_file():  # transformers 5 writes the template here, and prefers it
+        return jinja.read_text(encoding="utf-8")
+    found = tok.config.get("chat_template")
+    if isinstance(found, list):  # [{"name": ..., "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
+        if "default" not in named:
+            raise UserError(
+                f"{tok.folder}/tokenizer_config.json: chat templates {sorted(map(str, named))} "
+                "but none named default; put the one to train with in chat_template.jinja"
+            )
+        found = named["default"]
+    if not isinstance(found, str) or not found.strip():
+        raise UserError(
+            f"tokenizer {tok.name} has no chat template (no chat_template.jinja, no "
+            '"chat_template" in tokenizer_config.json); use the instruct model\'s tokenizer '
+            "folder or add its template there"
+        )
+    return found
+
+
+def _environment():
+    """A sandboxed jinja2 environment with what chat templates expect of transformers'."""
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """`{% generation %}...{% endgeneration %}` renders its body: the assistant spans come
+        from rendering prefixes (module docstring), so the marker adds nothing here."""
+
+        tags = frozenset({"generation"})
+
+        def parse(self, parser) -> list[nodes.Node]:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    class Namespace(jinja2.utils.Namespace):
+        """namespace() without underscore names: templates come from the Hub, and a stored
+        `__class__` is a first step out of the sandbox."""
+
+        def __init__(*args, **kwargs):  # self among args: namespace(self=...) stays usable
+            self, rest = args[0], args[1:]
+            attrs = dict(*rest, **kwargs)
+            for k in attrs:
+                Namespace.check(k)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            Namespace.check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def check(name: object) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} refused")
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+        # jinja's own tojson escapes <, >, & and ' for HTML; templates want the JSON itself
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals.update(
+        raise_exception=raise_exception,
+        strftime_now=lambda fmt: datetime.now().strftime(fmt),
+        namespace=Namespace,
+    )
+    return env
+
+
+class ChatEncoder:
+    """Renders, tokenizes and masks conversations with one tokenizer folder's chat template."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        import jinja2
+
+        self.source = template_text(tok)
+        self.tok: JSONTokenizer = tok  # type: ignore[assignment]  (template_text checked it)
+        try:
+            self._template = _environment().from_string(self.source)
+        except jinja2.TemplateSyntaxError as e:
+            raise UserError(
+                f"the chat template of {tok.name} is not valid jinja (line {e.lineno}: "
+                f"{e.message}); fix the template"
+            ) from None
+        self._variables = dict(self.tok.special_tokens, tools=None, documents=None)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The template's text for `messages`; a template that refuses them (raise_exception,
+        or a failure inside it) raises ChatLineError with its message."""
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._variables
+            )
+        except Exception as e:  # raise_exception's TemplateError, or any error inside the template
+            raise ChatLineError(
+                f"the chat template refuses this conversation ({type(e).__name__}: "
+                f"{str(e)[:160]}); fix the roles or contents the template expects"
+            ) from None
+
+    def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """(the rendered conversation, the [start, end) characters of each assistant reply).
+
+        A reply starts where the text rendered up to it with the generation prompt stops
+        agreeing with the text rendered with it (the end of the prompt, as a template's
+        generation prompt is the header it writes before a reply), and ends where the text
+        rendered with it ends, less trailing whitespace: the end-of-turn token (<|eot_id|>,
+        <|im_end|>, </s>) is the reply's, for the model to learn to stop, while the newline a
+        template writes after it opens the next turn and is never generated.
+        """
+        full = self.render(messages)
+        spans = []
+        for i, m in enumerate(messages):
+            if m.get("role") != ASSISTANT:
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True)
+            upto = self.render(messages[: i + 1])
+            if not full.startswith(upto):
+                raise ChatLineError(
+                    f"the chat template renders turns before message {i + 1} differently once "
+                    "later turns follow, so the assistant's tokens cannot be located; split the "
+                    "conversation into one line per assistant reply"
+                )
+            start = _common_prefix(before, upto)
+            end = max(start, len(upto.rstrip()))
+            if end > start:
+                spans.append((start, end))
+        return full, spans
+
+    def encode(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """(token ids, loss mask): 1 for each token that overlaps an assistant reply, as
+        transformers marks every token holding a character of a generation block."""
+        text, spans = self.assistant_spans(messages)
+        ids, offsets = self.tok.encode_offsets(text)
+        mask = [0] * len(ids)
+        k = 0  # spans and tokens both run left to right: one merge-like pass
+        for t, (a, b) in enumerate(offsets):
+            while k < len(spans) and spans[k][1] <= a:
+                k += 1
+            if k < len(spans) and a < spans[k][1] and b > spans[k][0]:
+                mask[t] = 1
+        if not any(mask):
+            raise ChatLineError(
+                "the rendered conversation holds no assistant token (the template drops the "
+                "replies?); give each sample an assistant reply the template renders"
+            )
+        return ids, mask
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # binary search on the first difference: texts run to thousands of characters
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def conversation(obj: object) -> list[dict]:
+    """The messages of one parsed JSON line, checked: a list of objects with a string role, at
+    least one of them the assistant's. prompt/response lines become user + assistant (after a
+    system message when the line has "system")."""
+    if not isinstance(obj, dict):
+        raise ChatLineError(
+            f'a JSON {type(obj).__name__}, not an object; write {{"messages": [...]}} or '
+            '{"prompt": ..., "response": ...}'
+        )
+    if "messages" in obj:
+        messages = obj["messages"]
+    elif "prompt" in obj and "response" in obj:
+        if not all(isinstance(obj[k], str) for k in ("prompt", "response")):
+            raise ChatLineError('"prompt" and "response" must be strings; fix the line')
+        messages = [{"role": "user", "content": obj["prompt"]}]
+        messages.append({"role": ASSISTANT, "content": obj["response"]})
+        if isinstance(obj.get("system"), str):
+            messages.insert(0, {"role": "system", "content": obj["system"]})
+    else:
+        keys = ", ".join(list(obj)[:5]) or "none"
+        raise ChatLineError(
+            f'no "messages" (keys: {keys}); write {{"messages": [{{"role": ..., "content": '
+            '...}, ...]} or {"prompt": ..., "response": ...}'
+        )
+    if not isinstance(messages, list) or not messages:
+        raise ChatLineError('"messages" must be a non-empty list of {"role", "content"} objects')
+    for n, m in enumerate(messages, 1):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
+            raise ChatLineError(
+                f'message {n} is not an object with a string "role"; write '
+                '{"role": "user", "content": ...}'
+            )
+    if not any(m["role"] == ASSISTANT for m in messages):
+        roles = ", ".join(dict.fromkeys(m["role"] for m in messages))
+        raise ChatLineError(
+            f'no message has role "assistant" (roles: {roles}), so nothing is trained on; '
+            "add the reply, or fix the role's spelling"
+        )
+    return [_with_reasoning_aliases(m) for m in messages]
+
+
+def _with_reasoning_aliases(m: dict) -> dict:
+    """A reply's reasoning under every name templates read it by (transformers does the same:
+    Qwen 3 reads reasoning_content, gpt-oss thinking)."""
+    reasoning = next((m[k] for k in _REASONING_KEYS if m.get(k) is not None), None)
+    if reasoning is None:
+        return m
+    return {"thinking": reasoning, **m, "reasoning_content": reasoning}
+
+
+def mask_prefix(prefix: str) -> str:
+    """Where the loss mask of the pair at `prefix` lives: PREFIX.loss_mask.bin/.idx."""
+    return prefix + LOSS_MASK_SUFFIX
+
+
+def has_mask(prefix: str) -> bool:
+    return all(p.is_file() for p in paths(mask_prefix(prefix)))
