@@ -27,6 +27,12 @@ SCRATCH = ".init-from"  # under --out: where a Hugging Face source is imported f
 FREE = ("dropout",)  # model fields a fine-tune may set differently from its source
 
 
+def free_fields(cfg: ModelConfig) -> tuple[str, ...]:
+    """FREE, and the context length where no weight depends on it (rotary or ALiBi positions:
+    no position table), so a Llama fine-tune picks its own --seq-len."""
+    return FREE if cfg.position == "learned" else (*FREE, "seq_len")
+
+
 @dataclass(frozen=True)
 class InitSource:
     path: Path
@@ -50,12 +56,12 @@ def check_same_architecture(meta: dict, model_cfg: ModelConfig, ckpt: Path) -> N
     """Refuse, in one line naming the fields, a checkpoint (a resume's or an --init-from
     source's) whose model differs from `model_cfg` in more than the FREE fields."""
     saved = ModelConfig.from_dict(meta["config"]["model"])
-    free = {k: getattr(model_cfg, k) for k in FREE}  # not the weights' shape: may differ
+    free = {k: getattr(model_cfg, k) for k in free_fields(saved)}  # not in the weights' shape
     if dataclasses.replace(saved, **free) != model_cfg:
         diff = {
             k: (v, getattr(model_cfg, k))
             for k, v in saved.to_dict().items()
-            if getattr(model_cfg, k) != v and k not in FREE
+            if getattr(model_cfg, k) != v and k not in free_fields(saved)
         }
         raise UserError(
             f"{ckpt} holds another architecture (saved vs asked: {diff}); "
@@ -69,7 +75,7 @@ def model_from_source(source: InitSource, asked: dict, data) -> ModelConfig:
     refused in one line."""
     model = source.model
     for name, value in asked.items():
-        if name in FREE:
+        if name in free_fields(source.model):
             model = dataclasses.replace(model, **{name: value})
         elif getattr(model, name) != value:
             raise UserError(
