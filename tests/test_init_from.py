@@ -108,3 +108,17 @@ def test_init_from_on_the_command_line(tmp_path):
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert both.returncode == 2 and "pass one of them" in both.stderr
+
+
+def test_the_context_length_is_free_where_no_weight_holds_it(tmp_path):
+    """A rotary model (a Llama) may be fine-tuned at another --seq-len: no weight depends on it;
+    GPT-2's learned position table does, so its source's length stays."""
+    from fitgpt.model import get_preset
+    from fitgpt.train.init_from import InitSource
+
+    data = DataConfig(data="synthetic")
+    llama = InitSource(tmp_path, get_preset("tiny-llama"))
+    assert model_from_source(llama, {"seq_len": 64}, data).seq_len == 64
+    gpt2 = InitSource(tmp_path, get_preset("tiny"))
+    with pytest.raises(UserError, match="seq_len=128"):
+        model_from_source(gpt2, {"seq_len": 64}, data)
