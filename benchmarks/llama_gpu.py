@@ -112,8 +112,9 @@ def make(out: Path, text_jsonl: Path) -> None:
 
 
 def windows(prefix: str, seq: int, count: int) -> torch.Tensor:
-    """`count` windows of seq+1 tokens from the end of the token file (held out: the run's
-    10 steps of 4 × 4 × 4096 tokens read from its start, its splits' own order aside)."""
+    """`count` windows of seq+1 tokens from the end of the token file. Not strictly held out:
+    the run's 10 steps read 655 k tokens in the dataset's shuffled order, a few percent of the
+    file, so a window may overlap them; both models score the same tokens either way."""
     from fitgpt.data.indexed import IndexedDataset
 
     ds = IndexedDataset(prefix)
