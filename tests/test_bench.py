@@ -58,6 +58,9 @@ def test_sweep_two_sizes_two_systems_with_gloo_and_report(tmp_path):
         assert x["params"] > 0 and len(x["losses"]) == 3 and x["host_rss_peak_gib"] > 0
         assert {"device", "versions", "date", "bench"} <= set(x) and x["cpu_threads"] >= 1
         assert x["compiled"] is False and x["bench"]["compile"] == "auto"  # auto: off on CPUs
+        if x["system"] == "fitgpt":  # the planner's step time beside the measured one
+            terms = x["predicted_terms_s"]
+            assert x["predicted_step_s"] == terms["total"] > terms["compute"] > 0
     # the same data and initial weights: the two systems' first losses agree
     first = {(x["system"], x["layers"]): x["losses"][0] for x in recs}
     assert abs(first[("fitgpt", 1)] - first[("ddp", 1)]) < 1e-4

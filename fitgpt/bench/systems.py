@@ -65,11 +65,16 @@ class TrainerRunner:
         for it, recorded beside the measurement."""
         import dataclasses
 
+        import torch
+
+        from fitgpt.plan import rates
         from fitgpt.plan.apply import workload_of
         from fitgpt.plan.memory import GiB, estimate
+        from fitgpt.plan.throughput import step_time
 
         run, ctx = self.trainer.run, self.trainer.ctx
-        est = estimate(workload_of(run, ctx.world, ctx.device.type), run.engine)
+        work = workload_of(run, ctx.world, ctx.device.type)
+        est = estimate(work, run.engine)
         out = {
             "engine": dataclasses.asdict(run.engine),
             "placement": self.engine.describe()["placement"],
@@ -79,6 +84,13 @@ class TrainerRunner:
         if est.compute:
             out["predicted_gpu_peak_gib"] = est.compute_peak / GiB
             out["predicted_gpu_total_gib"] = est.compute_total / GiB
+        # the planner's step time, term by term, at the rates it used (a probe cached on this
+        # machine, else its GPU family's defaults), beside the measured step_s
+        gpu = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
+        placement = getattr(self.engine, "placement", None)
+        terms = step_time(work, run.engine, run.train.grad_accum, rates.load(gpu), placement)
+        out["predicted_step_s"] = terms["total"]
+        out["predicted_terms_s"] = terms
         return out
 
 
