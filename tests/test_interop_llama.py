@@ -302,7 +302,7 @@ def test_init_from_a_qwen2_folder_trains_from_transformers_loss(hf_folders, tmp_
     """`fitgpt train --init-from HF_FOLDER`: the first loss is transformers' on that batch."""
     ref, folder = hf_folders["qwen2-gqa2-bias"]
     source = find_source(str(folder))
-    assert source.model.family == "qwen2" and source.convert is not None
+    assert source.model.family == "qwen2" and source.weights is not None
     run = run_config(tmp_path / "run", steps=2, micro_batch=2, data="synthetic")
     run = dataclasses.replace(run, model=model_from_source(source, {}, run.data))
     train_src, _, _ = open_data(run.data, run.model.seq_len, run.model.vocab_size, 0)
