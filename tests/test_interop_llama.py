@@ -235,7 +235,7 @@ def test_greedy_generation_equals_transformers(hf_folders, imported, name):
     ref, _ = hf_folders[name]
     model, _ = load_model(imported[name], torch.device("cpu"))
     x = X[:1, :5]
-    ours = generate(model, x, SampleConfig(max_new_tokens=30, temperature=0.0), eos_id=None)
+    ours = generate(model, x, SampleConfig(max_new_tokens=30, temperature=0.0))
     with torch.no_grad():
         theirs = ref.generate(
             x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=30,
