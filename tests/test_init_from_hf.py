@@ -141,6 +141,7 @@ def test_two_ranks_load_the_hf_weights_and_start_at_transformers_loss(gloo, tmp_
     assert not (tmp_path / "run" / ".init-from").exists()
 
 
+@pytest.mark.slow
 def test_gpt2_tp2_reads_conv1d_columns(gloo, tmp_path):
     """GPT-2's transposed Conv1D weights and fused q/k/v split over two TP ranks."""
     ref = hf_folder("gpt2", torch.float32, tmp_path / "hf")

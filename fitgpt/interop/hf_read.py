@@ -19,8 +19,12 @@ kept for the next slice) and a pytorch_model.bin (memory-mapped by torch.load: i
 resident but reclaimable).
 
 Cost against a checkpoint: none written, none read back (a Llama-3.1-70B's fp32 copy is 282 GB);
-bf16 bytes are read where a checkpoint has fp32, and under TP each rank reads only its split,
-where a checkpoint's TPReader reads every chunk whole on every rank.
+bf16 bytes are read where a checkpoint has fp32, and under TP each rank reads its rows of the
+column-parallel weights alone (q, k/v, gate/up, the vocabulary), where a checkpoint's TPReader
+reads every chunk whole on every rank. A row-parallel weight (o_proj, down_proj: split by
+columns) is read by whole rows and its columns kept: T times its bytes over the TP group, from
+the page cache after the first rank (a rank's columns of a row are no contiguous bytes; reading
+them row by row would be one small read per row).
 """
 
 from __future__ import annotations
