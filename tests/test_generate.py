@@ -46,10 +46,10 @@ def test_generation_stops_at_eos_and_ignore_eos_keeps_going():
     # the end-of-document token: the first new token not seen before, as late as possible
     k = max(i for i in range(8) if full[i] not in full[:i])
     assert k >= 2, full  # the stop must come after a few tokens to show anything
-    stopped = generate(model, x, sample, eos_id=full[k])
+    stopped = generate(model, x, sample, stop_ids=(full[k],))
     assert stopped[0, 5:].tolist() == full[: k + 1]  # the stop token itself is kept, last
     ignoring = SampleConfig(max_new_tokens=30, temperature=1.0, seed=7, ignore_eos=True)
-    assert generate(model, x, ignoring, eos_id=full[k])[0, 5:].tolist() == full
+    assert generate(model, x, ignoring, stop_ids=(full[k],))[0, 5:].tolist() == full
 
 
 def test_rows_that_end_first_are_padded_with_eos():
@@ -57,7 +57,7 @@ def test_rows_that_end_first_are_padded_with_eos():
     sample = SampleConfig(max_new_tokens=12, temperature=1.0, seed=1)
     free = generate(model, x, sample)
     eos = int(free[0, 4 + 1])  # row 0's second new token
-    out = generate(model, x, sample, eos_id=eos)
+    out = generate(model, x, sample, stop_ids=(eos,))
     ends = []
     for row in range(2):
         new = free[row, 4:].tolist()
@@ -159,3 +159,59 @@ def test_an_alibi_checkpoint_loads_with_its_slopes(tmp_path):
     idx = prompt(8, batch=2, vocab=cfg.model.vocab_size)
     with torch.no_grad():
         torch.testing.assert_close(model(idx), fresh.eval()(idx), rtol=0, atol=0)
+
+
+def test_generation_stops_at_any_stop_id_as_transformers_does(tmp_path, capsys):
+    """A Llama with Llama 3's tokenizer and generation_config.json's eos_token_id list
+    [<|eot_id|>, <|end_of_text|>], its head rigged so that greedy decoding emits <|eot_id|> a
+    few tokens in: fitgpt stops there as transformers' generate does with the same list, and
+    `fitgpt generate` prints the text without the stop token."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    from tokenizer_folders import llama3
+
+    from fitgpt.cli import main
+    from fitgpt.data.tokenizer import load_tokenizer
+    from fitgpt.infer.generate import load_model
+    from fitgpt.interop.hf_import import import_hf
+
+    folder = llama3(tmp_path / "hf")
+    tok = load_tokenizer(str(folder))
+    eot, end = tok._id("<|eot_id|>"), tok._id("<|end_of_text|>")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=tok.vocab_size, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            p.normal_(1.0 if "norm" in n else 0.0, 0.3 if "lm_head" in n else 0.08)
+    text = "The quick brown fox"
+    x = torch.tensor([tok.encode(text)])
+    greedy = dict(do_sample=False, max_new_tokens=16, pad_token_id=end)
+    free = ref.generate(x, eos_token_id=None, min_new_tokens=16, **greedy)[0, x.shape[1] :]
+    free = free.tolist()
+    k = next(i for i in range(2, 16) if free[i] not in [*free[:i], eot, end])
+    with torch.no_grad():  # <|eot_id|> takes the row of the token greedy first picks at step k
+        w = ref.lm_head.weight
+        w[[eot, free[k]]] = w[[free[k], eot]]
+    ref.save_pretrained(folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eot, end]}))
+    want = ref.generate(x, eos_token_id=[eot, end], **greedy)[0].tolist()
+    assert want[x.shape[1] :] == [*free[:k], eot]  # transformers stops at the stop id
+
+    run = import_hf(folder, tmp_path / "run").ckpt.parent
+    model, meta = load_model(run, torch.device("cpu"))
+    stops = tokenizer_for(meta, None, model.cfg).stop_ids
+    assert {eot, end} <= set(stops)
+    ours = generate(model, x, SampleConfig(max_new_tokens=16, temperature=0.0), stop_ids=stops)
+    assert ours[0].tolist() == want
+    argv = ["generate", "--ckpt", str(run), "--prompt", text, "--temperature", "0"]
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--max-new-tokens", "16", "--device", "cpu"])
+    assert done.value.code == 0
+    printed = capsys.readouterr().out.rstrip("\n")
+    assert printed == tok.decode(want[:-1]) and "<|eot_id|>" not in printed

@@ -235,7 +235,7 @@ def test_greedy_generation_equals_transformers(hf_folders, imported, name):
     ref, _ = hf_folders[name]
     model, _ = load_model(imported[name], torch.device("cpu"))
     x = X[:1, :5]
-    ours = generate(model, x, SampleConfig(max_new_tokens=30, temperature=0.0), eos_id=None)
+    ours = generate(model, x, SampleConfig(max_new_tokens=30, temperature=0.0))
     with torch.no_grad():
         theirs = ref.generate(
             x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=30,
@@ -302,7 +302,7 @@ def test_init_from_a_qwen2_folder_trains_from_transformers_loss(hf_folders, tmp_
     """`fitgpt train --init-from HF_FOLDER`: the first loss is transformers' on that batch."""
     ref, folder = hf_folders["qwen2-gqa2-bias"]
     source = find_source(str(folder))
-    assert source.model.family == "qwen2" and source.convert is not None
+    assert source.model.family == "qwen2" and source.weights is not None
     run = run_config(tmp_path / "run", steps=2, micro_batch=2, data="synthetic")
     run = dataclasses.replace(run, model=model_from_source(source, {}, run.data))
     train_src, _, _ = open_data(run.data, run.model.seq_len, run.model.vocab_size, 0)

@@ -265,6 +265,10 @@ HF_FOLDERS = {
     "llama3": ("llama3", True, "<|end_of_text|>", "<|eot_id|>"),
     "qwen": ("qwen", False, "<|endoftext|>", "<|im_end|>"),
     "mistral": ("mistral", True, "</s>", "</s>"),
+    # Llama 2's tokenizer.json (a Prepend + Replace normalizer), read by transformers 5's
+    # LlamaTokenizer as a Metaspace pre-tokenizer whose prefix follows `legacy`
+    "llama2": ("llama2", True, "</s>", "</s>"),
+    "llama2-legacy": ("llama2_legacy", True, "</s>", "</s>"),
 }
 
 
@@ -300,6 +304,23 @@ def test_hf_folder_ids_equal_transformers(hf_folders, name):
     assert tok.vocab_size == len(ref)
     ids = tok.encode("naïve café 日本語 🙂 ok")
     assert tok.decode(ids) == ref.decode(ids)
+
+
+@pytest.mark.parametrize("legacy", [True, False])
+def test_llama2_without_a_prefix_space_encodes_and_decodes_as_transformers(tmp_path, legacy):
+    """tokenizer_config.json's add_prefix_space false: no "▁" put before the text, none
+    stripped when decoding (transformers 5's LlamaTokenizer; data/tokenizer.py _class_pipeline)."""
+    import tokenizer_folders
+    from transformers import AutoTokenizer
+
+    folder = tokenizer_folders.llama2(tmp_path / "t", legacy=legacy)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_prefix_space": False}))
+    ref, tok = AutoTokenizer.from_pretrained(str(folder)), load_tokenizer(str(folder))
+    for text in _random_texts(60, seed=1):
+        ids = ref(text)["input_ids"]
+        assert tok.encode(text) == ids, text
+        assert tok.decode(ids) == ref.decode(ids), text
 
 
 def test_generation_config_adds_stop_ids(hf_folders, tmp_path):

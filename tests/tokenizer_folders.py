@@ -231,3 +231,40 @@ def mistral(folder: Path, *, template: str | None = MISTRAL_TEMPLATE) -> Path:
         legacy=False,
     )  # fmt: skip
     return folder
+
+
+def llama2(folder: Path, *, legacy: bool = False, template: str | None = None) -> Path:
+    """Llama 2's own shape (and Mistral 7B v0.1's), older than `mistral`'s: the same
+    SentencePiece-derived BPE (byte fallback, <unk> <s> </s> then the 256 byte tokens), but
+    spaces made "▁" by the normalizer (Prepend "▁", then Replace " " by "▁") and no
+    pre-tokenizer, <s> added by a TemplateProcessing post-processor, and tokenizer_config.json
+    as Llama 2 ships it (LlamaTokenizer, add_bos_token, the `legacy` flag)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    mistral(folder, template=template)  # its vocabulary, merges, specials and post-processor
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = None
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1),
+        ]
+    )
+    assert isinstance(tok.model, models.BPE)
+    tok.save(str(folder / "tokenizer.json"))
+    special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    _config(
+        folder, tok, "LlamaTokenizer", special, template, add_bos_token=True, add_eos_token=False,
+        legacy=legacy, clean_up_tokenization_spaces=False, pad_token=None,
+        sp_model_kwargs={}, padding_side="right",
+    )  # fmt: skip
+    return folder
+
+
+def llama2_legacy(folder: Path) -> Path:
+    """llama2 with `"legacy": true` (Mistral 7B v0.1's tokenizer_config.json says so)."""
+    return llama2(folder, legacy=True)

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     from fitgpt.dist import pick_device
     from fitgpt.dist.env import configure_process
-    from fitgpt.infer.generate import SampleConfig, generate, load_model, tokenizer_for
+    from fitgpt.infer.generate import SampleConfig, generate, load_model, strip_stop, tokenizer_for
 
     cfg = config_from_args(args, SampleConfig)
     path = Path(args.ckpt)
@@ -60,10 +60,9 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         x = torch.tensor([ids], device=device)
-        out = generate(model, x, cfg, eos_id=tok.eod_id, vocab_size=tok.vocab_size)[0].tolist()
-        if tok.eod_id is not None and not cfg.ignore_eos and out[-1] == tok.eod_id:
-            out = out[:-1]  # the stop token ends the text; it is not printed
-        print(tok.decode(out[1:] if seeded else out), flush=True)
+        out = generate(model, x, cfg, stop_ids=tok.stop_ids, vocab_size=tok.vocab_size)
+        new = strip_stop(out[0, len(ids) :].tolist(), tok.stop_ids, cfg)  # the stop not printed
+        print(tok.decode((ids[1:] if seeded else ids) + new), flush=True)
 
     if not args.interactive:
         once(args.prompt)

@@ -173,8 +173,9 @@ def register(sub) -> None:
         default=None,
         metavar="SRC",
         help="start a new run from the weights of SRC: a fitgpt run or checkpoint, or a Hugging "
-        "Face GPT-2 folder (config.json + weights); its architecture, this command's data and "
-        "settings, a fresh optimizer (docs/interop.md)",
+        "Face folder (config.json + weights: GPT-2, Llama, Qwen2, Qwen3, Mistral; read in place, "
+        "no copy written); its architecture, this command's data and settings, a fresh "
+        "optimizer (docs/interop.md)",
     )
     p.add_argument(
         "--overwrite", action="store_true", help="delete --out's checkpoints and start over"

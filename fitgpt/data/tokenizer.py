@@ -112,6 +112,9 @@ class JSONTokenizer(_HFTokenizer):
       eos_token ends a turn (<|eot_id|>, <|im_end|>), not a document, hence this order.
     - `stop_ids`, where generation stops: the end-of-document token, the declared eos_token and
       generation_config.json's eos_token_id(s) when that file sits beside tokenizer.json.
+    - the text pipeline: tokenizer.json's as written, except where transformers 5 builds its
+      own for the tokenizer_class named (`_class_pipeline`: LlamaTokenizer, Llama 2's and
+      Mistral's), so the ids are the ones every HF user of the folder gets.
     vocab_size is the largest id + 1, added tokens included (their ids may lie past the base
     vocabulary).
     """
@@ -134,6 +137,7 @@ class JSONTokenizer(_HFTokenizer):
             )
         self.vocab_size = max(ids) + 1
         self.config = _folder_config(path.parent)
+        _class_pipeline(self._tok, self.config)
         self.special_tokens = {  # bos_token, eos_token, ...: the names a chat template may use
             k: v for k in SPECIAL_TOKEN_NAMES if (v := _token_text(self.config.get(k)))
         }
@@ -175,6 +179,39 @@ SPECIAL_TOKEN_NAMES = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
 )  # fmt: skip
 DOCUMENT_END_TEXTS = ("<|end_of_text|>", EOD_TEXT)
+
+
+# The classes transformers 5 builds LlamaTokenizer's pipeline for (LlamaTokenizerFast is an alias).
+LLAMA_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")
+
+
+def _class_pipeline(tok: object, config: dict) -> None:
+    """The normalizer, pre-tokenizer and decoder transformers 5 gives a folder whose
+    tokenizer_config.json names LlamaTokenizer (Llama 2, Mistral 7B, CodeLlama): it keeps
+    tokenizer.json's vocabulary, merges, added tokens and post-processor, and replaces the rest
+    by a Metaspace pre-tokenizer (spaces as "▁") with no normalizer. The "▁" put before the text
+    follows tokenizer_config.json: none with add_prefix_space false; else before every piece of
+    text between special tokens with `legacy` true, before the first piece only with `legacy`
+    false or absent. Llama 2's tokenizer.json itself normalizes with Prepend("▁") +
+    Replace(" ", "▁"), SentencePiece's rule, which gives a text that starts with a space (or
+    follows a special token) one "▁" more: " hi" is "▁▁hi" there, "▁hi" in transformers 5.
+    We follow transformers 5, which is what an HF user of the folder encodes with (tested
+    against AutoTokenizer); other tokenizer classes keep tokenizer.json's pipeline as written."""
+    if config.get("tokenizer_class") not in LLAMA_CLASSES:
+        return
+    from tokenizers import decoders, pre_tokenizers
+
+    prefix = config.get("add_prefix_space")
+    prefix = True if prefix is None else bool(prefix)
+    scheme = ("always" if config.get("legacy") else "first") if prefix else "never"
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme=scheme, split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1))  # the "▁" put in front comes off
+    tok.decoder = decoders.Sequence(steps)
 
 
 def _folder_config(folder: Path) -> dict:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from fitgpt.engine.layout import ChunkSpec
+from fitgpt.engine.state_io import WeightSource
 from fitgpt.model import DecoderLM, ModelConfig
 
 if TYPE_CHECKING:
@@ -60,9 +61,10 @@ class Engine(ABC):
         `folder` (state_io)."""
 
     @abstractmethod
-    def load_state(self, folder: Path, extra: dict, optimizer: bool = True) -> None:
+    def load_state(self, folder: Path | WeightSource, extra: dict, optimizer: bool = True) -> None:
         """Load weights and optimizer state saved by any engine at any world size; with
-        optimizer=False only the weights, the optimizer and loss scaler starting fresh."""
+        optimizer=False only the weights, the optimizer and loss scaler starting fresh. A
+        WeightSource (a Hugging Face model read in place) is loaded as a weights-only folder."""
 
     @abstractmethod
     def extra_state(self) -> dict:

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from fitgpt.dist.mesh import Mesh
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
-from fitgpt.engine.state_io import Piece, StateReader
+from fitgpt.engine.state_io import Piece, Reader, StateReader, WeightSource, open_reader
 from fitgpt.engine.tp_state import TPReader, sharded_init, tp_pieces, unsplitter
 from fitgpt.model import DecoderLM, ModelConfig, build_model
 from fitgpt.parallel import check_tensor_parallel, parallelize
@@ -40,9 +40,9 @@ class StateView:
         """init(name, t) for this rank's tensor t, from the unsplit model's init by name."""
         return init
 
-    def reader(self, folder: Path) -> StateReader:
-        """Reads a checkpoint's ranges in this rank's layout."""
-        return StateReader(folder)
+    def reader(self, src: Path | WeightSource) -> Reader:
+        """Reads a checkpoint's (or a WeightSource's) ranges in this rank's layout."""
+        return open_reader(src)
 
     def pieces(self, local: Iterator[tuple[ChunkSpec, dict[str, Tensor]]]) -> Iterator[Piece]:
         """Whole-chunk pieces in the unsplit layout from this rank's whole local chunks
@@ -60,8 +60,10 @@ class SplitView(StateView):
     def init(self, init: Init) -> Init:
         return sharded_init(init, self.layout, self.mesh)
 
-    def reader(self, folder: Path) -> StateReader:
-        return TPReader(StateReader(folder), self.layout, self.local, self.mesh)
+    def reader(self, src: Path | WeightSource) -> Reader:
+        if isinstance(src, WeightSource):  # reads this rank's rows and columns alone
+            return src.reader(self.local, self.mesh.tp_rank, self.mesh.tp)
+        return TPReader(StateReader(src), self.layout, self.local, self.mesh)
 
     def pieces(self, local):
         return tp_pieces(local, self.layout, self.mesh, self.device)

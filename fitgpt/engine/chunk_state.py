@@ -120,8 +120,8 @@ class ChunkStateIO:
             else:
                 for kind, buf in zip(KINDS, (c.master, c.exp_avg, c.exp_avg_sq)):
                     buf.zero_()  # the padding beyond k stays zero; so do fresh moments
-                    if k and (optimizer or kind == "master"):
-                        buf[:k].copy_(reader.read(c.spec.index, kind, lo, hi))
+                    if k and (optimizer or kind == "master"):  # straight into the buffer
+                        reader.read(c.spec.index, kind, lo, hi, out=buf[:k])
             c.set_step(step)
             self._weights_from_master(c)
             if c.on_disk:

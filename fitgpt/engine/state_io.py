@@ -23,15 +23,18 @@ import json
 import os
 import struct
 import zlib
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from fitgpt.engine.layout import ChunkSpec
 from fitgpt.errors import UserError
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -114,6 +117,31 @@ def _entries(ix: Path) -> list[dict]:
         raise CorruptCheckpoint(
             f"{ix} is unreadable or malformed ({type(ex).__name__}: {ex})"
         ) from None
+
+
+class Reader(Protocol):
+    """What engines load state through: elements [lo, hi) of one kind of one chunk's flat buffer,
+    in the loading rank's layout (StateReader; TPReader; a WeightSource's reader)."""
+
+    def read(
+        self, chunk: int, kind: str, lo: int, hi: int, out: Tensor | None = None
+    ) -> Tensor: ...
+
+
+class WeightSource(ABC):
+    """Weights that are no checkpoint folder (a Hugging Face model), read where they lie: each
+    rank opens a reader of its own ranges, `master` only (an engine loads it as a weights-only
+    checkpoint, optimizer=False). Engines take one wherever they take a checkpoint folder."""
+
+    @abstractmethod
+    def reader(self, local: list[ChunkSpec] | None, tp_rank: int, tp: int) -> Reader:
+        """A reader in this rank's layout: `local`, the rank's ChunkSpecs under tensor
+        parallelism (rank `tp_rank` of `tp`), None for the unsplit model's."""
+
+
+def open_reader(src: Path | WeightSource) -> Reader:
+    """The reader of a checkpoint folder or a WeightSource, in the unsplit model's layout."""
+    return src.reader(None, 0, 1) if isinstance(src, WeightSource) else StateReader(src)
 
 
 class StateReader:

@@ -3,7 +3,9 @@
 Each new token is predicted from the last seq_len tokens at most: a prompt or an output longer
 than the model's context slides the window (the KV cache is rebuilt for each token once the
 window slides, since learned positions shift), and never shortens the output. Generation stops
-at the tokenizer's end-of-document token unless `ignore_eos` is set.
+at any of the tokenizer's stop ids (data/tokenizer.py `stop_ids`: the end-of-document token,
+the declared eos_token, generation_config.json's eos_token_id list, e.g. Llama 3's <|eot_id|>
+and <|end_of_text|>) unless `ignore_eos` is set.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ class SampleConfig:
     seed: int = field(default=0, metadata={"help": "sampling seed"})
     ignore_eos: bool = field(
         default=False,
-        metadata={"help": "keep generating past the tokenizer's end-of-document token"},
+        metadata={
+            "help": "keep generating past the tokenizer's stop tokens (end of document, "
+            "eos, generation_config.json's eos_token_id)"
+        },
     )
 
     def __post_init__(self) -> None:
@@ -164,18 +169,23 @@ def generate(
     idx_BT: Tensor,
     cfg: SampleConfig,
     use_cache: bool = True,
-    eos_id: int | None = None,
+    stop_ids: tuple[int, ...] = (),
     vocab_size: int | None = None,
 ) -> Tensor:
     """Prompt plus up to max_new_tokens new tokens, [B, T + n].
 
-    n is max_new_tokens unless every row has produced `eos_id` (kept, as the last token; rows
-    that ended first are padded with it), and `cfg.ignore_eos` is off. Ids at or above
-    `vocab_size` (a tokenizer smaller than the model's vocabulary) are never sampled."""
+    n is max_new_tokens unless every row has produced one of `stop_ids` (kept, as the row's
+    last token; rows that ended first are padded with the id they stopped at), and
+    `cfg.ignore_eos` is off. Ids at or above `vocab_size` (a tokenizer smaller than the model's
+    vocabulary) are never sampled."""
     gen = torch.Generator(device=idx_BT.device).manual_seed(cfg.seed)
-    stop = None if cfg.ignore_eos else eos_id
+    stops = None
+    if stop_ids and not cfg.ignore_eos:
+        stops = torch.tensor(sorted(set(stop_ids)), device=idx_BT.device)
     window = _Window(model, idx_BT, use_cache)
-    done_B = torch.zeros(idx_BT.shape[0], dtype=torch.bool, device=idx_BT.device)
+    B = idx_BT.shape[0]
+    done_B = torch.zeros(B, dtype=torch.bool, device=idx_BT.device)
+    last_B1 = torch.zeros(B, 1, dtype=idx_BT.dtype, device=idx_BT.device)
     out = [idx_BT]
     for i in range(cfg.max_new_tokens):
         logits_BV = window.logits
@@ -183,12 +193,24 @@ def generate(
             logits_BV = logits_BV.clone()
             logits_BV[:, vocab_size:] = float("-inf")
         nxt = pick(logits_BV, cfg, gen)
-        if stop is not None:
-            nxt = nxt.masked_fill(done_B[:, None], stop)
-            done_B |= nxt[:, 0] == stop
+        if stops is not None:
+            nxt = torch.where(done_B[:, None], last_B1, nxt)  # an ended row repeats its stop id
+            done_B |= torch.isin(nxt[:, 0], stops)
+            last_B1 = nxt
         out.append(nxt)
-        if stop is not None and bool(done_B.all()):  # host sync per token: cheap next to a step
+        if stops is not None and bool(done_B.all()):  # host sync per token: cheap next to a step
             break
         if i + 1 < cfg.max_new_tokens:
             window.push(nxt)
     return torch.cat(out, dim=1)
+
+
+def strip_stop(ids: list[int], stop_ids: tuple[int, ...], cfg: SampleConfig) -> list[int]:
+    """One row's ids without the stop id that ended it (and the padding after it): the stop
+    ends the text and is not printed."""
+    if cfg.ignore_eos:
+        return ids
+    for i, t in enumerate(ids):
+        if t in stop_ids:
+            return ids[:i]
+    return ids

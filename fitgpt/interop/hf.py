@@ -7,14 +7,16 @@ Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM). An entry says, for its 
                                network cannot compute
   tensor_maps                  every HF tensor and its place in fitgpt's parameters
   canonical, layer_of          how stored keys are spelled, and which block a tensor is in
-The import (hf_import.py) and the export (hf_export.py) read and write tensors through these
-maps alone, so they name no family; no module outside interop/ and model/ does either.
+The reader (hf_read.py: `fitgpt import hf` and `--init-from`) and the export (hf_export.py)
+read and write tensors through these maps alone, so they name no family; no module outside
+interop/ and model/ does either.
 
 A TensorMap ties one HF tensor to one fitgpt parameter, or to a part of one: fitgpt fuses some
 projections that HF keeps apart (Llama's k and v into `attn.kv`, gate and up into `mlp.fc`),
 and `part=(i, n)` says the HF tensor is the i-th of n equal row blocks of the fitgpt one. A
-fused parameter is then assembled on import from its HF tensors, each copied into its rows, and
-cut back into them on export, with no intermediate copy of the whole.
+fused parameter is then read on import from its HF tensors, each into its rows (hf_read.py,
+which reads any range of rows of it), and cut back into them on export, with no intermediate
+copy of the whole.
 """
 
 from __future__ import annotations
@@ -57,16 +59,6 @@ def hf_shape(m: TensorMap, fit_shape: tuple[int, ...], cfg: ModelConfig) -> tupl
     if m.transpose:
         shape = tuple(reversed(shape))
     return (cfg.vocab_size, *shape[1:]) if m.vocab_rows else shape
-
-
-def copy_to_fitgpt(m: TensorMap, t: Tensor, out: Tensor) -> None:
-    """Copy HF tensor `t` into `out`, the whole fitgpt parameter (fp32): into its part's rows,
-    Conv1D weights transposed, vocabulary rows beyond HF's zero. No intermediate copy."""
-    dst = _rows(m, out)
-    src = t.t() if m.transpose else t
-    rows = src.shape[0]
-    dst[:rows].copy_(src)  # converts bf16/fp16 checkpoints to fp32 on the way
-    dst[rows:].zero_()  # the padded vocabulary rows (empty for every other tensor)
 
 
 def to_hf(m: TensorMap, t: Tensor, cfg: ModelConfig) -> Tensor:

@@ -2,18 +2,19 @@
 checkpoint of a family hf.py maps (GPT-2, Llama, Qwen2, Qwen3, Mistral), as the InitSource the
 trainer loads (train/init_from.py).
 
-A Hugging Face source carries its conversion, an import into the scratch folder the trainer
-gives it (hf_import.py, tensor by tensor): so train/ loads any source without importing interop/.
+A Hugging Face source is checked whole here, before any work (hf_read.py open_hf: every shard
+there, every header sound, every tensor's dtype and shape as config.json implies), and carries
+an HFSource: a WeightSource that each rank's engine reads its own ranges of, straight from the
+safetensors files. Nothing is converted on disk; train/ loads any source without importing
+interop/.
 """
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 from fitgpt.errors import UserError
-from fitgpt.interop.hf import model_config_from_hf
-from fitgpt.interop.hf_import import import_hf, locate, read_config
+from fitgpt.interop.hf_read import HFSource, open_hf
 from fitgpt.train.init_from import InitSource, fitgpt_source
 
 
@@ -28,6 +29,5 @@ def find_source(src: str) -> InitSource:
     source = fitgpt_source(path)
     if source is not None:
         return source
-    config, _ = locate(path)
-    model = model_config_from_hf(read_config(config), str(path))
-    return InitSource(path, model, functools.partial(import_hf, path, overwrite=True))
+    model = open_hf(path).cfg  # the preflight: headers only, refused in one line
+    return InitSource(path, model, HFSource(path, model))

@@ -8,8 +8,9 @@ up front, so the header is written first and the tensors follow in the order it 
 
 Reading: `safe_open` memory-maps the file, and every page a read touches stays mapped (and
 counted in the process's RSS) until the file is closed: reading a whole model tensor by tensor
-would show the whole file as resident. `SafetensorsReader` reads each tensor with plain file
-reads into a buffer of its own, so only the tensor being converted is held.
+would show the whole file as resident. `SafetensorsReader` reads each tensor, or a range of its
+rows, with plain file reads into a buffer of its own, so only what is being converted is held
+(the page cache keeps the file, outside the process's RSS, reclaimable).
 """
 
 from __future__ import annotations
@@ -79,15 +80,26 @@ class SafetensorsReader:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.entries[name]["shape"])
 
+    def dtype(self, name: str) -> torch.dtype:
+        return READ_DTYPES[self.entries[name]["dtype"]]
+
     def get(self, name: str) -> Tensor:
+        return self.rows(name, 0, self.shape(name)[0] if self.shape(name) else 1)
+
+    def rows(self, name: str, r0: int, r1: int) -> Tensor:
+        """Rows [r0, r1) along dim 0 (a 0-d tensor is one row): one contiguous byte range of the
+        file, read into a buffer of its own, so only those rows are held."""
         e = self.entries[name]
-        begin, end = e["data_offsets"]
-        buf = torch.empty(end - begin, dtype=torch.uint8)
+        shape, begin = e["shape"], e["data_offsets"][0]
+        row_bytes = (e["data_offsets"][1] - begin) // max(1, shape[0] if shape else 1)
+        n = (r1 - r0) * row_bytes
+        buf = torch.empty(n, dtype=torch.uint8)
         with open(self.path, "rb") as f:
-            f.seek(self.base + begin)
-            if f.readinto(memoryview(buf.numpy())) != end - begin:  # shrunk since it was opened
+            f.seek(self.base + begin + r0 * row_bytes)
+            if f.readinto(memoryview(buf.numpy())) != n:  # shrunk since it was opened
                 raise SafetensorsError(f"truncated inside tensor {name}")
-        return buf.view(READ_DTYPES[e["dtype"]]).view(e["shape"])
+        out = buf.view(self.dtype(name))
+        return out.view([r1 - r0, *shape[1:]] if shape else [])
 
 
 def _check_entry(name: str, e: object, data_bytes: int) -> None:

@@ -1,29 +1,27 @@
 """`fitgpt train --init-from SRC`: a new run that starts from another model's weights.
 
-SRC is a fitgpt run or checkpoint, or a Hugging Face GPT-2 checkpoint (a folder with
-config.json, or its weight file). The architecture is SRC's; the data, schedule, placement and
-world size are this command's; the optimizer, step count and data position start fresh. A
-source in another format carries its own conversion (`InitSource.convert`, supplied by the layer
-that recognised it: interop/init_source.py for Hugging Face): rank 0 writes a fitgpt checkpoint
-of it into a scratch folder under --out, every rank loads it through the engines' normal state
-files like any checkpoint, and it is removed once loaded, so any engine, stage, placement and
-world size can train it. This module never imports the formats it is handed.
+SRC is a fitgpt run or checkpoint, or a Hugging Face checkpoint (a folder with config.json, or
+its weight file). The architecture is SRC's; the data, schedule, placement and world size are
+this command's; the optimizer, step count and data position start fresh. A source in another
+format carries a WeightSource (engine/state_io.py; supplied by the layer that recognised it:
+interop/init_source.py for Hugging Face) that the engines load like a weights-only checkpoint,
+each rank reading its own ranges where the source lies: no copy on disk, so any engine, stage,
+placement, TP degree and world size can train it. This module never imports the formats it is
+handed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fitgpt.engine.state_io import WeightSource
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
 from fitgpt.train import checkpoint as ckpt_io
 from fitgpt.train.setup import model_for_data
 
-SCRATCH = ".init-from"  # under --out: where a Hugging Face source is imported for loading
 FREE = ("dropout",)  # model fields a fine-tune may set differently from its source
 
 
@@ -37,9 +35,9 @@ def free_fields(cfg: ModelConfig) -> tuple[str, ...]:
 class InitSource:
     path: Path
     model: ModelConfig
-    # a source in another format (a Hugging Face folder): writes a fitgpt checkpoint of it into
-    # the folder given (rank 0); None for a fitgpt checkpoint, which is loaded where it lies
-    convert: Callable[[Path], object] | None = None
+    # a source in another format (a Hugging Face folder), read in place by every rank; None for
+    # a fitgpt checkpoint, which is loaded through its meta.json and state files
+    weights: WeightSource | None = None
 
 
 def fitgpt_source(path: Path) -> InitSource | None:
@@ -91,19 +89,13 @@ def model_from_source(source: InitSource, asked: dict, data) -> ModelConfig:
     return model
 
 
-def checkpoint_of(source: InitSource, out: Path, ctx) -> Path:
-    """A fitgpt checkpoint holding the source's weights: the source itself, or (rank 0) its
-    conversion into out/.init-from, which every rank then reads."""
-    if source.convert is None:
-        return source.path
-    scratch = out / SCRATCH
-    if ctx.is_main:
-        source.convert(scratch)
-    ctx.barrier()
-    return ckpt_io.resolve(scratch)
-
-
-def drop_scratch(out: Path, ctx) -> None:
-    ctx.barrier()  # every rank has read it
-    if ctx.is_main:
-        shutil.rmtree(out / SCRATCH, ignore_errors=True)
+def load_source(source: InitSource, engine, model_cfg: ModelConfig, ctx) -> None:
+    """The source's weights into `engine`, the optimizer fresh: a fitgpt checkpoint through its
+    meta.json (architecture and layout checked), a WeightSource read in place (checked by its
+    own preflight: interop/init_source.py)."""
+    if source.weights is not None:
+        engine.load_state(source.weights, {}, optimizer=False)
+        return
+    meta = ckpt_io.load_meta(source.path)
+    check_same_architecture(meta, model_cfg, source.path)
+    ckpt_io.load_state(source.path, meta, engine, ctx, weights_only=True)

@@ -30,7 +30,7 @@ from fitgpt.train import checkpoint as ckpt_io
 from fitgpt.train.checkpoint_policy import CheckpointPolicy
 from fitgpt.train.config import RunConfig
 from fitgpt.train.guard import DivergenceGuard, Interrupted, StopRequest
-from fitgpt.train.init_from import InitSource, check_same_architecture, checkpoint_of, drop_scratch
+from fitgpt.train.init_from import InitSource, check_same_architecture, load_source
 from fitgpt.train.metrics import MetricsLog, StepMetrics, say
 from fitgpt.train.profile import StepProfiler
 from fitgpt.train.resume import changed_settings, saved_run
@@ -151,13 +151,7 @@ class Trainer:
 
     def init_from(self, source: InitSource) -> None:
         """Start from `source`'s weights: optimizer, step count and data position stay fresh."""
-        ckpt = checkpoint_of(source, self.out, self.ctx)
-        try:
-            meta = ckpt_io.load_meta(ckpt)
-            check_same_architecture(meta, self.model_cfg, ckpt)
-            ckpt_io.load_state(ckpt, meta, self.engine, self.ctx, weights_only=True)
-        finally:
-            drop_scratch(self.out, self.ctx)
+        load_source(source, self.engine, self.model_cfg, self.ctx)
         self.source = str(source.path)
         say(
             self.ctx, f"initialised from {source.path}: its weights; optimizer, step and data fresh"
