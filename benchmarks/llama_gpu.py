@@ -39,6 +39,12 @@ QWEN_14B = dict(
     rope_theta=1_000_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu",
     use_sliding_window=False,
 )  # fmt: skip
+# meta-llama/Llama-3.1-70B's config.json; MODEL=llama3.1-70b (too big for one GPU: built on
+# the meta device, materialised in host RAM and filled from the GPUs, benchmarks/llama70_x4.sh)
+LLAMA_70B = dict(
+    SHAPE, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+    num_attention_heads=64, num_key_value_heads=8,
+)  # fmt: skip
 SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -93,9 +99,11 @@ def make(out: Path, text_jsonl: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     qwen = os.environ.get("MODEL") == "qwen2.5-14b"
-    if qwen:
+    big = os.environ.get("MODEL") == "llama3.1-70b"
+    if qwen or big:
+        shape = QWEN_14B if qwen else LLAMA_70B
         SHAPE.clear()
-        SHAPE.update(QWEN_14B)
+        SHAPE.update(shape)
     hf = out / "hf"
     hf.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -103,12 +111,35 @@ def make(out: Path, text_jsonl: Path) -> None:
     t1 = time.time()
     cfg = (Qwen2Config if qwen else LlamaConfig)(**SHAPE, torch_dtype="bfloat16")
     torch.manual_seed(0)
-    with torch.device("cuda"):  # transformers' own init, std 0.02
-        model = (Qwen2ForCausalLM if qwen else LlamaForCausalLM)(cfg).to(torch.bfloat16)
+    if big:
+        model = filled_on_gpus(LlamaForCausalLM, cfg)
+    else:
+        with torch.device("cuda"):  # transformers' own init, std 0.02
+            model = (Qwen2ForCausalLM if qwen else LlamaForCausalLM)(cfg).to(torch.bfloat16)
     model.save_pretrained(hf, max_shard_size="5GB")
     n = sum(p.numel() for p in model.parameters())
     print(json.dumps({"stage": "make", "params": n, "tokenizer_s": round(t1 - t0, 1),
                       "model_s": round(time.time() - t1, 1)}))  # fmt: skip
+
+
+@torch.no_grad()
+def filled_on_gpus(cls, cfg):
+    """A model bigger than one GPU: built on the meta device, materialised in host RAM in bf16,
+    and given transformers' initial values (normal, std initializer_range; norms 1) drawn on
+    the GPUs in turn, one tensor at a time: seconds, where CPU sampling of 70 B would take
+    minutes."""
+    with torch.device("meta"):
+        model = cls(cfg).to(torch.bfloat16)
+    model.to_empty(device="cpu")
+    gpus = torch.cuda.device_count()
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+            continue
+        dev = torch.device("cuda", i % gpus)
+        g = torch.empty(p.shape, dtype=p.dtype, device=dev).normal_(0, cfg.initializer_range)
+        p.copy_(g.cpu())
+    return model
 
 
 def windows(prefix: str, seq: int, count: int) -> torch.Tensor:
