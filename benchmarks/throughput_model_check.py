@@ -1,5 +1,6 @@
 """The throughput model against a sweep: for every fitgpt trial that trained, the planner's
-predicted step time for the plan it ran, beside the measured one. Runs anywhere (no GPU needed).
+predicted step time for the plan it ran, beside the measured one, at the trial's world size and
+with its card's default rates (a record's `device`: H100 or H200). Runs anywhere (no GPU needed).
 
 Usage: python benchmarks/throughput_model_check.py RESULTS.jsonl
 """
@@ -34,8 +35,9 @@ def engine_fields(rec: dict, layers: int) -> dict:
 
 
 def main(path: str) -> None:
-    r0 = rates.DEFAULTS["H100"]
-    print(f"{'system':<20}{'L':>3}  {'plan':<34}{'measured s':>11}{'predicted s':>12}{'error':>8}")
+    print(
+        f"{'system':<20}{'G':>2}{'L':>4}  {'plan':<34}{'measured s':>11}{'predicted s':>12}{'error':>8}"
+    )
     errs = []
     for line in Path(path).read_text().splitlines():
         r = json.loads(line)
@@ -44,17 +46,19 @@ def main(path: str) -> None:
         bench = BenchConfig(**r.get("bench_effective", r["bench"]))
         ecfg = EngineConfig(**engine_fields(r["engine"], r["layers"]))
         prec = "fp32" if r["system"] == "fitgpt-no-mixed" else "bf16"
-        work = Workload(bench.model(r["layers"]), bench.micro_batch, 1, prec, "cuda")
+        world = r.get("world", 1)
+        work = Workload(bench.model(r["layers"]), bench.micro_batch, world, prec, "cuda")
+        r0 = rates.DEFAULTS["H200" if "H200" in r.get("device", "") else "H100"]
         t = step_time(work, ecfg, bench.grad_accum, r0)["total"]
         err = t / r["step_s"] - 1
         errs.append(abs(err))
-        plan = f"ckpt {ecfg.checkpointing}, " + (
+        plan = f"zero-{ecfg.zero_stage}, ckpt {ecfg.checkpointing}, " + (
             f"{ecfg.offload_blocks} of {r['layers']} blocks on host"
             if ecfg.offload_optimizer != "none"
             else "on GPU"
         )
         print(
-            f"{r['system']:<20}{r['layers']:>3}  {plan:<34}{r['step_s']:>11.2f}{t:>12.2f}{err:>+8.0%}"
+            f"{r['system']:<20}{world:>2}{r['layers']:>4}  {plan:<34}{r['step_s']:>11.2f}{t:>12.2f}{err:>+8.0%}"
         )
     errs.sort()
     print(f"\n{len(errs)} trials: median |error| {errs[len(errs) // 2]:.0%}, worst {errs[-1]:.0%}")
