@@ -92,7 +92,9 @@ class StepStats:
     grad_norm: float  # global norm before clipping (inf/nan when fp16 overflowed)
     loss_scale: float  # 1.0 unless fp16
     skipped: bool  # fp16 overflow: the update was not applied
-    counted: int = -1  # targets the loss counted, over ranks; 0: no update (nothing to learn)
+    # targets the loss counted, over ranks (read with the loss as fp32: exact to 2^24 per
+    # step); 0: no update (nothing to learn); -1: not reported
+    counted: int = -1
 
 
 class Engine(ABC):

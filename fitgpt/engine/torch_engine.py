@@ -182,8 +182,10 @@ class TorchEngine(Engine):
         return self.module(x, y) if seg is None else self.module(x, y, segments_BT=seg)
 
     def _dp_sum(self, t: torch.Tensor) -> None:
+        """t summed over the data-parallel ranks, in place (the device waits, not the host)."""
         if self.dp > 1:
-            dist.all_reduce(t, group=self.ctx.dp_group)
+            work = dist.all_reduce(t, group=self.ctx.dp_group, async_op=True)
+            comm.wait(work, "all-reduce counted targets", self.ctx.rank)
 
     @torch.no_grad()
     def eval_loss(self, batches: list[Batch]) -> float:
