@@ -259,3 +259,22 @@ def test_compiled_regions_with_checkpointing_train_packed_rows_as_eager():
         want, got = eager.train_step([batch], 1e-2), comp.train_step([batch], 1e-2)
         assert abs(want.loss - got.loss) < 1e-4 and abs(want.grad_norm - got.grad_norm) < 1e-3
     assert comp.compile_report()["eager"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler: TorchInductor cannot compile CPU code")
+@pytest.mark.parametrize("window", [None, 17])
+def test_the_cuda_kernels_document_mask_equals_the_reference_mask(window):
+    """The flex path's BlockMask and call (what CUDA runs) against the SDPA mask, forward only:
+    FlexAttention has no CPU backward (benchmarks/packed_attention_gpu.py checks gradients on a
+    GPU). Grouped-query heads, samples of 1-130 tokens, Mistral's window inside them."""
+    from fitgpt.model.packing import Packing, block_mask, keep_mask, segment_positions
+
+    seg = torch.zeros(2, 256, dtype=torch.int64)
+    seg[0, 40:], seg[0, 170:], seg[1, 100:], seg[1, 101:] = 1, 2, 1, 2
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 256, 16, generator=g) for h in (4, 2, 2))
+    pos = segment_positions(seg)
+    flex = Packing(seg, pos, flex=block_mask(seg, window)).attend(q, k, v, 0.0)
+    ref = Packing(seg, pos, mask=keep_mask(seg, window)).attend(q, k, v, 0.0)
+    assert torch.allclose(flex, ref, atol=1e-5)

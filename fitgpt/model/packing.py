@@ -19,14 +19,16 @@ Two ways to apply the attention rule, chosen once here (Packing.of):
        BlockMask of (T/128)² block flags per row, and the kernel skips the blocks that cross
        samples, so a row of short samples costs less than a full causal square.
 Why FlexAttention and not torch.nn.attention.varlen.varlen_attn (read in the venv's torch
-2.13 and in the 2.9-2.10 sources): varlen's signature changed between releases (`is_causal`
-then, `window_size=(-1, 0)` for causal and `enable_gqa` now), so one call cannot serve the
-GPU's torch 2.11 and the CPU's 2.13 alike; it has no additive bias (ALiBi) nor dropout either,
-and its max_q argument is a Python int that changes with every batch (a recompile per step
-under --compile). flex_attention's call (block_mask, enable_gqa) is the same from 2.5 to
-2.13, takes the window and the document rule as one mask function, and its max lengths are
-the row's T. Its cost: it runs fast only compiled (torch.compile of flex_attention, once per
-shape; eager flex materialises the scores), and dropout needs the mask path.
+2.13, and in an earlier release's source): varlen's signature changed between releases
+(`is_causal=` and no window or grouped-query heads then; causal as `window_size=(-1, 0)` and
+`enable_gqa` in 2.13), so one call is not known to serve the GPU's torch 2.11 and the CPU's
+2.13 alike; it takes no additive bias (ALiBi) nor dropout, and its max_q argument is a Python
+int that changes with every batch (a recompile per step under --compile). flex_attention's
+call (block_mask, enable_gqa) is the same from 2.5 to 2.13, takes the window and the document
+rule as one mask function, and its lengths are the row's T. Its cost: it runs fast only
+compiled (torch.compile of flex_attention, once per shape; eager flex materialises the
+scores), and dropout needs the mask path. FlexAttention has no CPU backward, so CPU runs keep
+the mask path; its forward on the CPU equals the mask's (tests/test_packing.py).
 benchmarks/packed_attention_gpu.py checks flex against the mask path on a GPU and times both.
 
 Generation (the KV cache) never packs: a cache serves one sequence per row.
