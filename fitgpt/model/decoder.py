@@ -162,7 +162,7 @@ class DecoderLM(nn.Module, ABC):
             if cache is not None:
                 raise ValueError("packed segments are for training; decode without them")
             drop = self.cfg.dropout if self.training else 0.0
-            packing = Packing.of(segments_BT, self.cfg.sliding_window, drop)
+            packing = Packing.of(segments_BT, self.cfg, drop)
         aux = self.block_aux(idx_BT.shape[1], past, idx_BT.device, packing)
         x = self.embed(idx_BT, past if packing is None else packing.positions_BT)
         for i, block in enumerate(self.blocks):

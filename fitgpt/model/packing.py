@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fitgpt.model.config import ModelConfig
+
 
 def segment_positions(segments_BT: Tensor) -> Tensor:
     """Each token's position inside its own sample, int64 [B, T]: 0 at every sample's first
@@ -108,19 +110,19 @@ class Packing:
     flex: Any = None  # BlockMask
 
     @staticmethod
-    def of(segments_BT: Tensor, window: int | None, dropout: float) -> Packing:
-        """The one place the kernel is chosen (module docstring): flex on CUDA without dropout,
-        the boolean mask otherwise."""
+    def of(segments_BT: Tensor, cfg: ModelConfig, dropout: float) -> Packing:
+        """The one place the kernel is chosen (module docstring): flex on CUDA without dropout
+        or ALiBi's additive bias, the boolean mask otherwise; the window is the config's."""
         positions = segment_positions(segments_BT)
-        if segments_BT.is_cuda and dropout == 0.0:
+        window = cfg.sliding_window
+        if segments_BT.is_cuda and dropout == 0.0 and cfg.position != "alibi":
             return Packing(segments_BT, positions, flex=block_mask(segments_BT, window))
         return Packing(segments_BT, positions, mask=keep_mask(segments_BT, window))
 
     def with_bias(self, bias_NTT: Tensor) -> Packing:
-        """ALiBi: its additive bias folded into a float mask, -inf across samples ([B, N, T, T]:
-        B times the bias's own memory; flex is not used)."""
-        keep = self.mask if self.mask is not None else keep_mask(self.segments_BT, None)
-        mask = bias_NTT[None].masked_fill(~keep, float("-inf"))
+        """ALiBi: its additive bias folded into the mask, -inf across samples: a float
+        [B, N, T, T], B times the bias's own memory."""
+        mask = bias_NTT[None].masked_fill(~self.mask, float("-inf"))
         return Packing(self.segments_BT, self.positions_BT, mask=mask)
 
     def attend(self, q_BNTD: Tensor, k_BKTD: Tensor, v_BKTD: Tensor, dropout: float) -> Tensor:
