@@ -112,7 +112,7 @@ def bench_loader(prefix: str, batches: int, seq_len: int = 1024, micro_batch: in
     times = np.empty(batches)
     for i in range(batches):
         t = time.perf_counter()
-        x, y = loader.next()
+        x, y, _ = loader.next()
         times[i] = time.perf_counter() - t
     assert x.shape == (micro_batch, seq_len) and y.shape == (micro_batch, seq_len)
     return {

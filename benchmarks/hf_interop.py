@@ -62,7 +62,7 @@ def held_out_losses(ckpt: Path, exported: Path) -> dict:
     from fitgpt.infer.generate import load_model
 
     _, valid, _tok = open_data(DataConfig(data=str(DATA)), 1024, 50257, 0)
-    x, y = BatchLoader(valid, 1 if SMALL else 4).next()
+    x, y, _ = BatchLoader(valid, 1 if SMALL else 4).next()
     x, y = x.to(DEV), y.to(DEV)
     ours, _ = load_model(ckpt, torch.device("cpu"))  # fp32 weights
     with torch.no_grad():

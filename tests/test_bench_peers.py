@@ -82,7 +82,7 @@ def fsdp2_gradients(rank: int, world: int) -> None:
     ref = GPT(BENCH.model(2))
     ref.reset_parameters(BENCH.seed)  # fitgpt's initial weights, as every system starts from
     n = world * BENCH.grad_accum
-    for x, y in (b for per_rank in micro for b in per_rank):
+    for x, y, _ in (b for per_rank in micro for b in per_rank):
         (ref(x, y) / n).backward()
     # fp32 sums in other orders: ~1e-7 relative to the largest gradient
     reduced = {name: p.grad.clone() for name, p in ref.named_parameters()}

@@ -10,6 +10,7 @@ import random
 import numpy as np
 import pytest
 import tokenizer_folders as tf
+import torch
 from cli_refusal import assert_refused, files, run_in_process
 
 from fitgpt.data.chat import ChatEncoder, conversation, mask_prefix
@@ -193,8 +194,9 @@ def test_targets_are_minus_one_exactly_where_the_mask_is_zero(folders, tmp_path)
     pos = segment_positions(segments)
     for row_s, row_p in zip(segments.tolist(), pos.tolist()):
         assert row_p == [row_s[:t].count(row_s[t]) for t in range(len(row_s))]
-    x, y = BatchLoader(src, 2).next()  # what the trainer reads: the same targets
+    x, y, seg = BatchLoader(src, 2).next()  # what the trainer reads: the same targets
     assert (y.numpy() == targets.numpy()[:2]).all() and x.shape == (2, 64)
+    assert torch.equal(seg, segments[:2])  # packed data: the segments travel with the batch
 
 
 def test_best_fit_packs_tighter_than_one_per_row():

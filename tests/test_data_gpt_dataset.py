@@ -76,7 +76,7 @@ def test_deterministic_and_resumable(tmp_path):
     resumed = BatchLoader(b, 4)
     resumed.load_state_dict({"position": 25})
     for k in range(25, 40):
-        x, y = resumed.next()
+        x, y, _ = resumed.next()
         assert torch.equal(x, batches[k][0]) and torch.equal(y, batches[k][1])
 
 

@@ -306,7 +306,7 @@ def test_init_from_a_qwen2_folder_trains_from_transformers_loss(hf_folders, tmp_
     run = run_config(tmp_path / "run", steps=2, micro_batch=2, data="synthetic")
     run = dataclasses.replace(run, model=model_from_source(source, {}, run.data))
     train_src, _, _ = open_data(run.data, run.model.seq_len, run.model.vocab_size, 0)
-    x, y = BatchLoader(train_src, 2, 0, 1).next()
+    x, y, _ = BatchLoader(train_src, 2, 0, 1).next()
     with torch.no_grad():
         logits = ref(x).logits
     want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item()

@@ -12,11 +12,28 @@ same global batch, and gradient accumulation 4×2 equal 1×8. Each rank reads on
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from fitgpt.model.packing import segment_positions
+
+__all__ = ["Batch", "BatchLoader", "SampleSource", "segment_positions", "splitmix64"]
+
+
+class Batch(NamedTuple):
+    """One micro-batch, as the loader hands it to the loop and the loop to the engine.
+
+    segments is None for token streams (one document stream per row: nothing to keep apart, and
+    the model runs exactly as without it); packed chat data (packed.py) carries its segment ids
+    so the model keeps each sample's attention and positions to itself (model/packing.py). A
+    plain (inputs, targets) pair is read as a Batch without segments (Batch(*pair))."""
+
+    inputs: Tensor  # int64 [b, S]
+    targets: Tensor  # int64 [b, S]; -1: not trained on
+    segments: Tensor | None = None  # int64 [b, S], the sample each token belongs to
 
 
 class SampleSource(Protocol):
@@ -46,10 +63,14 @@ class BatchLoader:
         start = k * self.micro_batch * self.world + self.rank * self.micro_batch
         return np.arange(start, start + self.micro_batch, dtype=np.int64)
 
-    def next(self) -> tuple[Tensor, Tensor]:
-        """(inputs, targets), int64 [b, S] on the CPU; a target of -1 is not trained on."""
-        inputs, targets, _ = self.next_with_segments()
-        return inputs, targets
+    def next(self) -> Batch:
+        """The next micro-batch on the CPU: segments only where the source packs samples."""
+        inputs, targets, segments = self.next_with_segments()
+        return Batch(inputs, targets, segments if self.packed else None)
+
+    @property
+    def packed(self) -> bool:
+        return hasattr(self.source, "get_packed")
 
     def next_with_segments(self) -> tuple[Tensor, Tensor, Tensor]:
         """(inputs, targets, segments), int64 [b, S] each on the CPU.
@@ -63,7 +84,7 @@ class BatchLoader:
         """
         idx = self.indices(self.position)
         self.position += 1
-        if hasattr(self.source, "get_packed"):
+        if self.packed:
             tokens, keep, segment = self.source.get_packed(idx)
             targets = tokens[:, 1:].copy()
             counted = (keep[:, 1:] != 0) & (segment[:, 1:] == segment[:, :-1])
@@ -95,18 +116,6 @@ class BatchLoader:
                 "count whose product divides it"
             )
         self.position = samples // per_step
-
-
-def segment_positions(segments_BT: Tensor) -> Tensor:
-    """Each token's position inside its own sample, int64 [B, T]: 0 at every sample's first
-    token. Rotary (or learnt) positions from this make a packed sample see the positions it would
-    see alone. Segment ids never decrease along a row (BatchLoader.next_with_segments)."""
-    T = segments_BT.shape[1]
-    t = torch.arange(T, device=segments_BT.device).expand_as(segments_BT)
-    new = torch.ones_like(segments_BT, dtype=torch.bool)
-    new[:, 1:] = segments_BT[:, 1:] != segments_BT[:, :-1]
-    start = torch.where(new, t, torch.zeros_like(t)).cummax(dim=1).values  # where each began
-    return t - start
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:

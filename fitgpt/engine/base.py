@@ -3,11 +3,19 @@
 The loop hands an engine micro-batches and a learning rate and gets back one StepStats; it never
 touches parameters, gradients or optimizer state. Engines differ in where that state lives
 (replicated, sharded across ranks, tiered over GPU/CPU/NVMe), not in this interface.
+
+The step's loss is the mean over every counted target (not -1) of the step, over its
+micro-batches and data-parallel ranks, and its gradients are that loss's: micro-batch i's mean
+loss is weighted by c_i·n·W / C (c_i its counted targets, n micro-batches, W ranks, C the
+step's count), so the engines' usual scale/(n·W) and their sum over ranks give Σ c_i·loss_i / C
+(loss_weights). Chat data (-1 on every non-assistant token) needs it: a micro-batch of few
+answer tokens would otherwise weigh as much as a full one, and one of none would give NaN.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from fitgpt.data.source import Batch  # (inputs, targets, segments | None): data's type
 from fitgpt.engine.layout import ChunkSpec
 from fitgpt.engine.state_io import WeightSource
 from fitgpt.model import DecoderLM, ModelConfig
@@ -22,7 +31,52 @@ from fitgpt.model import DecoderLM, ModelConfig
 if TYPE_CHECKING:
     from fitgpt.engine.compile import CompiledRegions
 
-Batch = tuple[Tensor, Tensor]  # (inputs, targets), int64 [b, S] on the CPU
+# An engine reads every micro-batch as Batch(*b): a plain (inputs, targets) pair is a Batch
+# without segments.
+
+
+def loss_weights(
+    micro_batches: list[Batch], device: torch.device, reduce: Callable[[Tensor], None], world: int
+) -> tuple[Tensor, Tensor]:
+    """(weights [n] fp32, the step's counted targets over ranks, int64 scalar) on `device`
+    (module docstring). The counts are taken where the targets are (the CPU: no device work),
+    and `reduce` sums the total over the data-parallel ranks in place: one 8-byte all-reduce
+    per step, queued on the device, no host sync. Always, not only for data with -1 targets:
+    it costs that much, and ranks never have to agree on whether to run it. Data with every
+    target counted gets c_i·n·W = C exactly, weights exactly 1.0 (integers, divided in
+    float64): the loss and gradients bit for bit as before. C = 0 gives weights 0 (the engine
+    then skips the update: StepStats.counted)."""
+    counts = torch.stack([(Batch(*b).targets != -1).sum() for b in micro_batches])
+    counts = batch_to(counts, device)
+    total = counts.sum()
+    reduce(total)
+    n = len(micro_batches)
+    weights = (counts * (n * world)).double() / total.clamp(min=1).double()
+    return weights.float(), total
+
+
+def weighted(loss: Tensor, weight: Tensor) -> Tensor:
+    """loss·weight, 0 (value and gradient) where the weight is 0: a micro-batch with no counted
+    target, whose mean loss is NaN (0/0), adds nothing instead of NaN."""
+    return torch.where(weight > 0, loss, torch.zeros_like(loss)) * weight
+
+
+def token_mean(
+    loss_of: Callable[[Batch], Tensor],
+    batches: list[Batch],
+    device: torch.device,
+    reduce: Callable[[Tensor], None],
+) -> float:
+    """Evaluation's loss: Σ c_i·loss_i / Σ c_i over `batches` and the ranks (`reduce` sums a
+    device tensor over them in place), loss_of(batch) a batch's mean loss. One host sync."""
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for b in batches:
+        b = Batch(*b)
+        count = batch_to((b.targets != -1).sum(), device)
+        loss = loss_of(b).double()
+        sums += torch.stack([torch.where(count > 0, loss, 0.0) * count, count.double()])
+    reduce(sums)
+    return (sums[0] / sums[1]).item()  # host sync; NaN when nothing is counted
 
 
 def batch_to(t: Tensor, device: torch.device) -> Tensor:
@@ -35,10 +89,13 @@ def batch_to(t: Tensor, device: torch.device) -> Tensor:
 
 @dataclass
 class StepStats:
-    loss: float  # mean training loss of the step's micro-batches, over all ranks
+    loss: float  # mean loss over the step's counted targets, all micro-batches and ranks
     grad_norm: float  # global norm before clipping (inf/nan when fp16 overflowed)
     loss_scale: float  # 1.0 unless fp16
     skipped: bool  # fp16 overflow: the update was not applied
+    # targets the loss counted, over ranks (read with the loss as fp32: exact to 2^24 per
+    # step); 0: no update (nothing to learn); -1: not reported
+    counted: int = -1
 
 
 class Engine(ABC):
@@ -52,8 +109,9 @@ class Engine(ABC):
         """Forward and backward over every micro-batch, then one optimizer update."""
 
     @abstractmethod
-    def eval_loss(self, batch: Batch) -> float:
-        """Mean loss of one batch (no gradients), averaged over ranks."""
+    def eval_loss(self, batches: list[Batch]) -> float:
+        """Mean loss over the counted targets of `batches` and of every rank's (no gradients);
+        NaN if none is counted."""
 
     @abstractmethod
     def save_state(self, folder: Path, optimizer: bool = True) -> None:

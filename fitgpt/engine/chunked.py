@@ -40,7 +40,15 @@ from torch import Tensor
 from fitgpt.dist import DistContext
 from fitgpt.engine.accounting import check_host_room, memory_report
 from fitgpt.engine.activation import checkpoint_blocks
-from fitgpt.engine.base import Batch, Engine, StepStats, batch_to
+from fitgpt.engine.base import (
+    Batch,
+    Engine,
+    StepStats,
+    batch_to,
+    loss_weights,
+    token_mean,
+    weighted,
+)
 from fitgpt.engine.build import build
 from fitgpt.engine.chunk_build import build_chunks, shared_state, warm_up_codecs
 from fitgpt.engine.chunk_state import ChunkStateIO
@@ -195,15 +203,18 @@ class ChunkEngine(Engine):
         self.clock.close_step()  # the previous step's phases, complete since its host sync
         self.clock.mark("start")
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        # each micro-batch's share of the step's token mean (engine/base.py loss_weights)
+        weights, counted = loss_weights(micro_batches, self.device, self._dp_sum, self.world)
         self.updater.begin_step(lr, scale)
-        for i, (x, y) in enumerate(micro_batches):
+        for i, b in enumerate(micro_batches):
             self.reducer.last_micro = i == n - 1
-            loss = self.model(self._to_device(x), self._to_device(y))
+            loss = weighted(self._forward(Batch(*b)).float(), weights[i])
             (loss * (scale / (n * self.world))).backward()
-            loss_sum += loss.detach().float()
+            loss_sum += loss.detach()
         self.clock.mark("backward_done")
         self.reducer.finish_all()
         loss_avg, sq = self.reducer.totals(loss_sum / n, self.chunks)
+        empty = counted == 0  # no counted target on any rank: no update (StepStats.counted)
         clip = self.ocfg.grad_clip
         if self.updater.sync_free:
             # the clip coefficient and the overflow test on the device, in float64 as the host
@@ -211,27 +222,41 @@ class ChunkEngine(Engine):
             # the backward, and the step's one host sync comes after it
             norm_t = sq.double().sqrt() / scale
             coef = (clip / (norm_t + 1e-6)).clamp(max=1.0) if clip > 0 else torch.ones_like(norm_t)
-            skip = (~torch.isfinite(norm_t)).float()
-            ready = self._stats_down(torch.stack([loss_avg, sq]))
+            skip = (~torch.isfinite(norm_t) | empty).float()
+            ready = self._stats_down(torch.stack([loss_avg, sq, counted.float()]))
             self.clock.mark("synced")
             self.updater.step_on_device(lr, (coef / scale).float().reshape(1), skip)
             self.reducer.zero_grads(self.chunks)
             self.clock.mark("updated")
-            loss_v, sq_v = ready()  # host sync: one per step, the update still running
+            loss_v, sq_v, counted_v = ready()  # host sync: one per step, the update still running
             norm, overflow = _norm_of(sq_v, scale)
         else:
-            loss_v, sq_v = torch.stack([loss_avg, sq]).tolist()  # host sync: one per step
+            stats = torch.stack([loss_avg, sq, counted.float()])
+            loss_v, sq_v, counted_v = stats.tolist()  # host sync: one per step
             self.clock.mark("synced")
             norm, overflow = _norm_of(sq_v, scale)
-            grad_mul = None  # an overflow: no step (speculative ones undone)
-            if not overflow:
+            grad_mul = None  # an overflow or nothing counted: no step (speculative ones undone)
+            if not overflow and counted_v > 0:
                 coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
                 grad_mul = coef / scale
             self.updater.step(lr, grad_mul)
             self.reducer.zero_grads(self.chunks)
             self.clock.mark("updated")
         self.scaler.update(overflow)
-        return StepStats(loss_v, norm, scale, overflow)
+        return StepStats(loss_v, norm, scale, overflow, int(counted_v))
+
+    def _forward(self, b: Batch) -> Tensor:
+        """The model's mean loss; segments passed only for packed data (a plain batch calls the
+        model exactly as before)."""
+        x, y = self._to_device(b.inputs), self._to_device(b.targets)
+        if b.segments is None:
+            return self.model(x, y)
+        return self.model(x, y, segments_BT=self._to_device(b.segments))
+
+    def _dp_sum(self, t: Tensor) -> None:
+        """t summed over the data-parallel ranks, in place (the device waits, not the host)."""
+        if self.world > 1:
+            self.peers.wait(self.peers.all_reduce(t), "all-reduce counted targets")
 
     def _stats_down(self, stats: Tensor) -> Callable[[], list[float]]:
         """Start copying the step's [loss, squared norm] to the host ahead of the update; the
@@ -241,7 +266,7 @@ class ChunkEngine(Engine):
         if not self.cuda:
             return stats.tolist
         if self._stats_host is None:
-            self._stats_host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+            self._stats_host = torch.empty(3, dtype=torch.float32, pin_memory=True)
         self._stats_host.copy_(stats, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
@@ -253,13 +278,12 @@ class ChunkEngine(Engine):
         return ready
 
     @torch.no_grad()
-    def eval_loss(self, batch: Batch) -> float:
+    def eval_loss(self, batches: list[Batch]) -> float:
         self._sync_host()
         self.model.eval()
-        x, y = (self._to_device(t) for t in batch)
-        loss = self.reducer.mean(self.model(x, y).float())
+        loss = token_mean(lambda b: self._forward(b).float(), batches, self.device, self._dp_sum)
         self.model.train()
-        return loss.item()
+        return loss
 
     def _sync_host(self) -> None:
         """Every host update landed: eval, checkpoints and generation see the newest weights."""

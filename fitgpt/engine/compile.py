@@ -167,14 +167,17 @@ def scope_of(ecfg) -> str:
     return UNPLANNED.get(ecfg.compile, ecfg.compile)
 
 
-def _model_train(model: nn.Module, idx_BT: Tensor, targets_BT: Tensor) -> Tensor:
-    return type(model).forward(model, idx_BT, targets_BT)
+def _model_train(
+    model: nn.Module, idx_BT: Tensor, targets_BT: Tensor, segments_BT: Tensor | None
+) -> Tensor:
+    return type(model).forward(model, idx_BT, targets_BT, None, segments_BT)
 
 
-def _block_train(block: nn.Module, x_BTH: Tensor, aux: Tensor | None) -> Tensor:
+def _block_train(block: nn.Module, x_BTH: Tensor, aux) -> Tensor:
     """A block's forward as training calls it (`aux`: DecoderLM.block_aux's, e.g. ALiBi's
-    bias); the class's forward, not the instance attribute (which activation checkpointing and
-    this module replace)."""
+    bias, rotary tables, packed samples' Packing: dynamo guards on its kind, so packed and
+    plain batches are two graphs); the class's forward, not the instance attribute (which
+    activation checkpointing and this module replace)."""
     return type(block).forward(block, x_BTH, None, 0, aux)
 
 
@@ -270,12 +273,12 @@ class CompiledRegions:
     def _wrap_model(self, model: nn.Module) -> None:
         eager = model.forward
 
-        def forward(idx_BT, targets_BT=None, cache=None):
+        def forward(idx_BT, targets_BT=None, cache=None, segments_BT=None):
             # training alone: evaluation (no grad) and decoding run eagerly rather than pay a
             # second whole-model compile and CUDA graph for a few batches
             if targets_BT is None or cache is not None or not torch.is_grad_enabled():
-                return eager(idx_BT, targets_BT, cache)
-            return self.whole(self, model, idx_BT, targets_BT)
+                return eager(idx_BT, targets_BT, cache, segments_BT)
+            return self.whole(self, model, idx_BT, targets_BT, segments_BT)
 
         model.forward = forward
         self.whole.regions = 1

@@ -20,7 +20,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fitgpt.dist import DistContext
 from fitgpt.engine import comm
 from fitgpt.engine.activation import checkpoint_blocks
-from fitgpt.engine.base import Batch, Engine, StepStats, batch_to
+from fitgpt.engine.base import (
+    Batch,
+    Engine,
+    StepStats,
+    batch_to,
+    loss_weights,
+    token_mean,
+    weighted,
+)
 from fitgpt.engine.build import build
 from fitgpt.engine.compile import compile_regions, scope_of
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
@@ -130,8 +138,10 @@ class TorchEngine(Engine):
             g["lr"] = lr
         n, scale = len(micro_batches), self.scaler.scale
         loss_sum = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(micro_batches):
-            x, y = self._to_device(x), self._to_device(y)
+        # each micro-batch's share of the step's token mean (engine/base.py loss_weights)
+        weights, counted = loss_weights(micro_batches, self.device, self._dp_sum, self.dp)
+        for i, b in enumerate(micro_batches):
+            x, y, seg = (None if t is None else self._to_device(t) for t in Batch(*b))
             last = i == n - 1
             sync = (
                 contextlib.nullcontext()
@@ -140,7 +150,7 @@ class TorchEngine(Engine):
             )
             with sync:
                 with self._autocast():
-                    loss = self.module(x, y)
+                    loss = weighted(self._forward(x, y, seg), weights[i])
                 (loss * (scale / n)).backward()
             loss_sum += loss.detach()
         if self.ecfg.sequence_parallel:  # replicated gradients: partial sums over the tokens
@@ -157,25 +167,39 @@ class TorchEngine(Engine):
             work = dist.all_reduce(loss_avg, group=self.ctx.dp_group, async_op=True)
             comm.wait(work, "all-reduce loss (after DDP's gradient all-reduce)", self.ctx.rank)
             loss_avg /= self.dp
-        loss_v, norm_v = torch.stack([loss_avg, norm.to(loss_avg)]).tolist()  # host sync
+        stats = torch.stack([loss_avg, norm.to(loss_avg), counted.to(loss_avg)])
+        loss_v, norm_v, counted_v = stats.tolist()  # host sync
         overflow = not (norm_v == norm_v and abs(norm_v) != float("inf"))
-        if not overflow:
+        if not overflow and counted_v > 0:  # no counted target: nothing to learn, no update
             self.opt.step()
         self.scaler.update(overflow)
         self.opt.zero_grad(set_to_none=True)  # free the gradients until the next backward
-        return StepStats(loss_v, norm_v, scale, overflow)
+        return StepStats(loss_v, norm_v, scale, overflow, int(counted_v))
+
+    def _forward(self, x, y, seg):
+        """The model's mean loss; segments passed only for packed data (a plain batch calls the
+        model exactly as before: DDP's forward and every hook see the same call)."""
+        return self.module(x, y) if seg is None else self.module(x, y, segments_BT=seg)
+
+    def _dp_sum(self, t: torch.Tensor) -> None:
+        """t summed over the data-parallel ranks, in place (the device waits, not the host)."""
+        if self.dp > 1:
+            work = dist.all_reduce(t, group=self.ctx.dp_group, async_op=True)
+            comm.wait(work, "all-reduce counted targets", self.ctx.rank)
 
     @torch.no_grad()
-    def eval_loss(self, batch: Batch) -> float:
+    def eval_loss(self, batches: list[Batch]) -> float:
         self.model.eval()
-        x, y = (self._to_device(t) for t in batch)
-        with self._autocast():
-            loss = self.model(x, y).float()
-        if self.dp > 1:
-            dist.all_reduce(loss, group=self.ctx.dp_group)
-            loss /= self.dp
+
+        def loss_of(b: Batch) -> torch.Tensor:
+            x, y, seg = (None if t is None else self._to_device(t) for t in b)
+            with self._autocast():
+                loss = self.model(x, y) if seg is None else self.model(x, y, segments_BT=seg)
+            return loss.float()
+
+        loss = token_mean(loss_of, batches, self.device, self._dp_sum)
         self.model.train()
-        return loss.item()
+        return loss
 
     # ---- checkpoints ---------------------------------------------------------------------
     def _flat(self, chunk, getter) -> torch.Tensor:

@@ -7,11 +7,14 @@ chunks (engine/layout.py): what comes before `blocks` is the embedding chunk, ea
 what comes after the head chunk.
 
 The hooks:
-  embed_rest(x, start)   after the token embedding: positions (start is the first token's), norms,
-                         dropout. Tensor parallelism calls it on its slice of the tokens.
-  block_aux(T, past, device)
+  embed_rest(x, start)   after the token embedding: positions (start is the first token's, or
+                         packed rows' [B, T] positions of every token), norms, dropout. Tensor
+                         parallelism calls it on its slice of the tokens.
+  block_aux(T, past, device, packing)
                          what every block takes besides the stream and the cache (ALiBi's bias,
-                         rotary tables), computed once per forward; None if nothing
+                         rotary tables; with packed samples, model/packing.py's Packing, which
+                         keeps each sample's attention to itself), computed once per forward;
+                         None if nothing
   final_norm(x), head_weight()
                          the norm before the head, and the [V, H] matrix of the head (the
                          embedding's when tied)
@@ -38,6 +41,7 @@ from torch import Tensor, nn
 
 from fitgpt.model.config import ModelConfig
 from fitgpt.model.loss import loss_pieces, pieces_cross_entropy
+from fitgpt.model.packing import Packing
 
 
 class KVCache:
@@ -73,10 +77,10 @@ class DecoderLM(nn.Module, ABC):
 
     # ---- the family's hooks ---------------------------------------------------------------
     @abstractmethod
-    def embed_rest(self, x_BTH: Tensor, start: int) -> Tensor: ...
+    def embed_rest(self, x_BTH: Tensor, start: int | Tensor) -> Tensor: ...
 
-    def block_aux(self, T: int, past: int, device) -> Tensor | None:
-        return None
+    def block_aux(self, T: int, past: int, device, packing: Packing | None = None):
+        return packing
 
     @abstractmethod
     def final_norm(self, x_BTH: Tensor) -> Tensor: ...
@@ -117,7 +121,8 @@ class DecoderLM(nn.Module, ABC):
         for name, p in self.named_parameters():
             self.init_parameter_(name, p, seed)
 
-    def embed(self, idx_BT: Tensor, past: int = 0) -> Tensor:
+    def embed(self, idx_BT: Tensor, past: int | Tensor = 0) -> Tensor:
+        """`past`: the first token's position, or every token's ([B, T], packed rows)."""
         return self.embed_rest(self.wte(idx_BT), past)
 
     def head(self, x_BTH: Tensor) -> Tensor:
@@ -134,18 +139,32 @@ class DecoderLM(nn.Module, ABC):
                 logits[..., real:] = float("-inf")
         return logits
 
-    def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, cache=None) -> Tensor:
+    def forward(
+        self,
+        idx_BT: Tensor,
+        targets_BT: Tensor | None = None,
+        cache=None,
+        segments_BT: Tensor | None = None,
+    ) -> Tensor:
         """Mean next-token cross-entropy if targets are given (-1 targets ignored), else logits.
 
-        With a cache, only the logits of the last position are returned: [B, 1, V].
+        With a cache, only the logits of the last position are returned: [B, 1, V]. With
+        segments (packed samples, int64 [B, T]) each sample attends only to itself and takes
+        positions from 0 (model/packing.py); without, the row is one sequence.
         """
         past = cache.length if cache is not None else 0
         if idx_BT.shape[1] + past > self.cfg.seq_len:
             raise ValueError(
                 f"{idx_BT.shape[1] + past} tokens exceed the context of {self.cfg.seq_len}"
             )
-        aux = self.block_aux(idx_BT.shape[1], past, idx_BT.device)
-        x = self.embed(idx_BT, past)
+        packing = None
+        if segments_BT is not None:
+            if cache is not None:
+                raise ValueError("packed segments are for training; decode without them")
+            drop = self.cfg.dropout if self.training else 0.0
+            packing = Packing.of(segments_BT, self.cfg, drop)
+        aux = self.block_aux(idx_BT.shape[1], past, idx_BT.device, packing)
+        x = self.embed(idx_BT, past if packing is None else packing.positions_BT)
         for i, block in enumerate(self.blocks):
             x = block(x, cache, i, aux)
         if cache is not None:

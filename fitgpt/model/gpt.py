@@ -21,6 +21,7 @@ from fitgpt.errors import UserError
 from fitgpt.model.config import ModelConfig
 from fitgpt.model.decoder import DecoderLM, KVCache
 from fitgpt.model.family import Family, Split, register_family
+from fitgpt.model.packing import Packing
 
 
 def alibi_slopes(n_head: int) -> Tensor:
@@ -51,8 +52,10 @@ class CausalSelfAttention(nn.Module):
         x_BTH: Tensor,
         cache: KVCache | None = None,
         layer: int = 0,
-        alibi_NTT: Tensor | None = None,
+        aux: Tensor | Packing | None = None,
     ) -> Tensor:
+        """`aux`: GPT.block_aux's, ALiBi's bias, or with packed samples a Packing (model/packing.py,
+        ALiBi's bias folded into its mask)."""
         qkv = self.qkv(x_BTH)
         # q, k, v of this module's n_head heads (all of them, or 1/T under fitgpt/parallel, whose
         # sequence parallelism gathers the tokens of x inside qkv: T is the output's)
@@ -63,7 +66,10 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.append(layer, k, v)
         drop = self.dropout if self.training else 0.0
-        if alibi_NTT is not None:
+        if isinstance(aux, Packing):
+            y = aux.attend(q, k, v, drop)
+        elif aux is not None:
+            alibi_NTT = aux
             # ALiBi adds a float bias, so flash attention (boolean-causal only) is not used.
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=alibi_NTT.to(q.dtype), dropout_p=drop
@@ -106,9 +112,9 @@ class Block(nn.Module):
         x: Tensor,
         cache: KVCache | None = None,
         layer: int = 0,
-        alibi_NTT: Tensor | None = None,
+        aux: Tensor | Packing | None = None,
     ) -> Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer, alibi_NTT)
+        x = x + self.attn(self.ln_1(x), cache, layer, aux)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -140,17 +146,25 @@ class GPT(DecoderLM):
             return self.cfg.residual_std()
         return self.cfg.weight_std()
 
-    def embed_rest(self, x_BTH: Tensor, start: int) -> Tensor:
+    def embed_rest(self, x_BTH: Tensor, start: int | Tensor) -> Tensor:
         if self.wpe is not None:
-            x_BTH = x_BTH + self.wpe(
-                torch.arange(start, start + x_BTH.shape[1], device=x_BTH.device)
-            )
+            if isinstance(start, Tensor):  # packed samples: each token's position in its own
+                x_BTH = x_BTH + self.wpe(start)
+            else:
+                x_BTH = x_BTH + self.wpe(
+                    torch.arange(start, start + x_BTH.shape[1], device=x_BTH.device)
+                )
         if self.emb_ln is not None:
             x_BTH = self.emb_ln(x_BTH)
         return F.dropout(x_BTH, self.cfg.dropout, self.training)
 
-    def block_aux(self, T: int, past: int, device) -> Tensor | None:
-        return self.alibi_bias(T, past, device) if self.cfg.position == "alibi" else None
+    def block_aux(self, T: int, past: int, device, packing: Packing | None = None):
+        """ALiBi's bias, or None; packed samples: the Packing, ALiBi's bias folded in (its
+        distances are within a sample already: no position shift needed)."""
+        bias = self.alibi_bias(T, past, device) if self.cfg.position == "alibi" else None
+        if packing is None or bias is None:
+            return bias if packing is None else packing
+        return packing.with_bias(bias)
 
     def final_norm(self, x_BTH: Tensor) -> Tensor:
         return self.ln_f(x_BTH)

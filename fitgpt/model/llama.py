@@ -28,6 +28,7 @@ from fitgpt.errors import UserError
 from fitgpt.model.config import ModelConfig
 from fitgpt.model.decoder import DecoderLM, KVCache
 from fitgpt.model.family import Family, Split, family_of, register_family
+from fitgpt.model.packing import Packing
 
 
 # ---- rotary positions ------------------------------------------------------------------------
@@ -55,12 +56,18 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def rope_tables(cfg: ModelConfig, T: int, past: int, device) -> Tensor:
+def rope_tables(
+    cfg: ModelConfig, T: int, past: int, device, positions_BT: Tensor | None = None
+) -> Tensor:
     """[2, T, D] fp32: cos and sin of positions past..past+T-1 for each of a head's D
-    dimensions (the frequencies repeated: dimension i pairs with i + D/2)."""
+    dimensions (the frequencies repeated: dimension i pairs with i + D/2). Packed rows give
+    every token's position instead: [2, B, 1, T, D] (B·T·D·8 bytes, shared by the blocks)."""
     inv = rope_inv_freq(cfg, device)
-    pos = torch.arange(past, past + T, device=device, dtype=torch.float32)
-    angles = torch.outer(pos, inv)  # [T, D/2]
+    if positions_BT is None:
+        pos = torch.arange(past, past + T, device=device, dtype=torch.float32)
+        angles = torch.outer(pos, inv)  # [T, D/2]
+    else:
+        angles = (positions_BT.float()[..., None] * inv)[:, None]  # [B, 1, T, D/2]
     angles = torch.cat((angles, angles), dim=-1)
     return torch.stack((angles.cos(), angles.sin()))
 
@@ -91,7 +98,9 @@ class GroupedQueryAttention(nn.Module):
         self.dropout = cfg.dropout
         self.window = cfg.sliding_window
 
-    def forward(self, x_BTH: Tensor, cache: KVCache | None, layer: int, rope_2TD: Tensor) -> Tensor:
+    def forward(self, x_BTH: Tensor, cache: KVCache | None, layer: int, aux) -> Tensor:
+        """`aux`: Llama.block_aux's, the rotary tables, or with packed samples (tables, Packing)."""
+        rope_2TD, packing = aux if isinstance(aux, tuple) else (aux, None)
         q = self.q(x_BTH)
         kv = self.kv(x_BTH)
         B, T, _ = q.shape  # T: all the tokens, also under sequence parallelism (q gathers them)
@@ -108,8 +117,10 @@ class GroupedQueryAttention(nn.Module):
         # K < N: SDPA pairs the heads itself (no repeated copy of k and v; flash attention on
         # CUDA takes it as is)
         gqa = {"enable_gqa": True} if self.n_kv != self.n_head else {}
-        mask_TP = self.mask(T, past, q.device)
-        if mask_TP is not None:
+        mask_TP = self.mask(T, past, q.device) if packing is None else None
+        if packing is not None:  # samples kept apart, the window inside each (model/packing.py)
+            y = packing.attend(q, k, v, drop)
+        elif mask_TP is not None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TP, dropout_p=drop, **gqa)
         elif past == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=drop, **gqa)
@@ -157,10 +168,8 @@ class LlamaBlock(nn.Module):
         self.ln_2 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
 
-    def forward(
-        self, x: Tensor, cache: KVCache | None = None, layer: int = 0, rope_2TD: Tensor = None
-    ) -> Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer, rope_2TD)
+    def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0, aux=None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer, aux)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -186,13 +195,16 @@ class Llama(DecoderLM):
             return self.cfg.residual_std()
         return self.cfg.weight_std()
 
-    def embed_rest(self, x_BTH: Tensor, start: int) -> Tensor:
+    def embed_rest(self, x_BTH: Tensor, start: int | Tensor) -> Tensor:
         return F.dropout(x_BTH, self.cfg.dropout, self.training)  # positions: in attention
 
-    def block_aux(self, T: int, past: int, device) -> Tensor:
+    def block_aux(self, T: int, past: int, device, packing: Packing | None = None):
         """The rotary tables of this call's positions, [2, T, D] fp32 (made on the device each
-        forward: a few small kernels, no state to place, cast or checkpoint)."""
-        return rope_tables(self.cfg, T, past, device)
+        forward: a few small kernels, no state to place, cast or checkpoint); packed samples:
+        (the tables at each token's position in its sample, the Packing)."""
+        if packing is None:
+            return rope_tables(self.cfg, T, past, device)
+        return rope_tables(self.cfg, T, past, device, packing.positions_BT), packing
 
     def final_norm(self, x_BTH: Tensor) -> Tensor:
         return self.ln_f(x_BTH)

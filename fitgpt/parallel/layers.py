@@ -132,16 +132,25 @@ class TensorParallelLM:
     mesh: Mesh
     sequence_parallel: bool
 
-    def embed(self, idx_BT: Tensor, past: int = 0) -> Tensor:
+    def embed(self, idx_BT: Tensor, past: int | Tensor = 0) -> Tensor:
         if not self.sequence_parallel:
             return super().embed(idx_BT, past)
         x = self.wte(idx_BT)  # [B, T/TP, H]: this rank's tokens, reduce-scattered
-        return self.embed_rest(x, past + self.mesh.tp_rank * x.shape[1])
+        t0 = self.mesh.tp_rank * x.shape[1]
+        if isinstance(past, Tensor):  # packed rows' positions: this rank's slice of them
+            return self.embed_rest(x, past[:, t0 : t0 + x.shape[1]])
+        return self.embed_rest(x, past + t0)
 
-    def forward(self, idx_BT: Tensor, targets_BT: Tensor | None = None, cache=None) -> Tensor:
+    def forward(
+        self,
+        idx_BT: Tensor,
+        targets_BT: Tensor | None = None,
+        cache=None,
+        segments_BT: Tensor | None = None,
+    ) -> Tensor:
         if cache is not None and self.sequence_parallel:
             raise ValueError("a sequence-parallel model trains; sample from inference_model()")
-        return super().forward(idx_BT, targets_BT, cache)
+        return super().forward(idx_BT, targets_BT, cache, segments_BT)
 
     def _head_shard(self, x_BTH: Tensor) -> Tensor:
         """[B, T, Vl] logits of this rank's vocabulary rows."""

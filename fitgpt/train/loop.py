@@ -162,8 +162,8 @@ class Trainer:
         loader = BatchLoader(
             self.val_src, self.cfg.micro_batch, self.ctx.dp_rank, self.ctx.dp_world
         )
-        losses = [self.engine.eval_loss(loader.next()) for _ in range(self.cfg.eval_batches)]
-        loss = sum(losses) / len(losses)
+        # one token-weighted mean over every batch and rank, as the training loss
+        loss = self.engine.eval_loss([loader.next() for _ in range(self.cfg.eval_batches)])
         return {
             "kind": "eval",
             "step": self.step,
@@ -281,6 +281,12 @@ class Trainer:
     def _after_step(self, stats, lr: float) -> list[dict]:
         """Divergence check, log line, evaluation and checkpoint of the step just taken."""
         cfg, guard, logged = self.cfg, self.guard, []
+        if stats.counted == 0:  # every target of the step masked: the engine took no update
+            say(
+                self.ctx,
+                f"step {self.step}: no target of the step counts toward the loss (all -1: no "
+                "assistant tokens in its samples?); no update, the run goes on",
+            )
         self.skipped += stats.skipped
         guard.record(self.step, stats.loss, stats.skipped, stats.loss_scale)
         if guard.healthy:

@@ -98,10 +98,13 @@ def adamw_groups(named: list[tuple[str, nn.Parameter]], ndims: dict[str, int], o
     ]
 
 
-def to_device(batch: Batch, device: torch.device) -> Batch:
+def to_device(batch: Batch, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(inputs, targets) on the device: the peers train token streams (a sweep's data has no
+    packed segments to carry)."""
+    pair = Batch(*batch)[:2]
     if device.type == "cuda":
-        return tuple(t.pin_memory().to(device, non_blocking=True) for t in batch)  # type: ignore[return-value]
-    return batch
+        return tuple(t.pin_memory().to(device, non_blocking=True) for t in pair)  # type: ignore[return-value]
+    return pair
 
 
 def mean_loss(loss_sum: Tensor, n: int, ctx: DistContext) -> float:
