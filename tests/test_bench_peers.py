@@ -136,3 +136,36 @@ def test_deepspeed_refused_without_deepspeed(tmp_path):
     for rec in recs.values():
         assert rec["status"] == "refused", rec
         assert "deepspeed is not installed: pip install 'fitgpt[bench]'" in rec["reason"]
+
+
+def test_zero_infinity_needs_a_disk_folder_and_swaps_both_tiers_there(tmp_path):
+    """deepspeed-z3-nvme: refused in one line without --nvme-path (before DeepSpeed is
+    imported), and its config puts parameters and optimizer state on that folder's disk with
+    swap buffers the size of the largest parameter."""
+    out = tmp_path / "peers.jsonl"
+    cmd = [
+        sys.executable, "-m", "fitgpt", "bench", "sweep", "--systems", "deepspeed-z3-nvme",
+        "--sizes", "1", "--hidden", "32", "--heads", "4", "--seq-len", "32", "--vocab-size",
+        "256", "--device", "cpu", "--out", str(out),
+    ]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (rec,) = map(json.loads, out.read_text().splitlines())
+    assert rec["status"] == "refused" and "--nvme-path" in rec["reason"], rec
+
+    from fitgpt.bench.config import BenchConfig
+    from fitgpt.bench.peers.deepspeed_peer import ds_config, largest_parameter
+    from fitgpt.engine.config import OptimConfig
+
+    bench = BenchConfig(hidden=32, heads=4, seq_len=32, vocab_size=256, nvme_path=str(tmp_path))
+    cfg = bench.model(2)
+    largest = largest_parameter(cfg)
+    assert largest == cfg.padded_vocab_size * cfg.n_embd  # the (untied) head or the embedding
+    zero = ds_config(bench, 3, True, OptimConfig(), largest)["zero_optimization"]
+    for tier in ("offload_param", "offload_optimizer"):
+        assert zero[tier]["device"] == "nvme" and zero[tier]["nvme_path"] == str(tmp_path)
+    assert zero["offload_param"]["buffer_size"] == largest
+    assert ds_config(bench, 3, True, OptimConfig())["zero_optimization"]["offload_param"] == {
+        "device": "cpu",
+        "pin_memory": True,
+    }

@@ -253,6 +253,12 @@ SYSTEMS: dict[str, System] = {
             peer("deepspeed_peer", "zero3_offload"),
         ),
         System(
+            "deepspeed-z3-nvme",
+            "DeepSpeed 0.19.8 ZeRO-Infinity: ZeRO-3 with the bf16 parameters and the optimizer "
+            "state on the disk at --nvme-path, DeepSpeedCPUAdam (needs fitgpt[bench] and libaio)",
+            peer("deepspeed_peer", "zero3_nvme"),
+        ),
+        System(
             "deepspeed-z2-offload",
             "DeepSpeed 0.19.8 ZeRO-2 (ZeRO-Offload): the optimizer offloaded to pinned CPU "
             "memory, DeepSpeedCPUAdam (needs fitgpt[bench])",

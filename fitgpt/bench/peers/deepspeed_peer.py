@@ -1,5 +1,5 @@
-"""DeepSpeed 0.19.8 training fitgpt's model (any family): `deepspeed-z3-offload` and
-`deepspeed-z2-offload`.
+"""DeepSpeed 0.19.8 training fitgpt's model (any family): `deepspeed-z3-offload`,
+`deepspeed-z3-nvme` and `deepspeed-z2-offload`.
 
 Configured as DeepSpeed's own tutorials show for a model larger than one GPU:
 - ZeRO-3 + offload (the ZeRO tutorial's "ZeRO-Infinity" CPU example): bf16 parameters
@@ -7,6 +7,10 @@ Configured as DeepSpeed's own tutorials show for a model larger than one GPU:
   moments in pinned CPU memory (offload_optimizer), stepped by DeepSpeedCPUAdam; the model is
   constructed inside `deepspeed.zero.Init(remote_device="cpu", pin_memory=True)` so no process
   ever holds the whole model; the stage-3 knobs at the tutorial's values.
+- ZeRO-Infinity (`deepspeed-z3-nvme`, the ZeRO-Infinity tutorial's NVMe example): the same
+  ZeRO-3, with the parameters and the optimizer state swapped to files under --nvme-path
+  through libaio (DeepSpeed's async_io op, compiled at first use), the model constructed inside
+  `zero.Init(remote_device="nvme")`; swap buffers as large as the largest parameter.
 - ZeRO-2 + optimizer offload (the ZeRO-Offload tutorial): bf16 parameters and gradients on the
   GPU, fp32 master weights, moments and the Adam step on the CPU; plain construction.
 Both: the config's "AdamW" optimizer (DeepSpeed picks DeepSpeedCPUAdam in AdamW mode under
@@ -70,18 +74,28 @@ def import_deepspeed():
     return deepspeed
 
 
-def ds_config(bench: BenchConfig, stage: int, bf16: bool, ocfg: OptimConfig) -> dict:
-    """The DeepSpeed config of one trial (DeepSpeed derives train_batch_size from these)."""
+def ds_config(
+    bench: BenchConfig, stage: int, bf16: bool, ocfg: OptimConfig, largest: int = 0
+) -> dict:
+    """The DeepSpeed config of one trial (DeepSpeed derives train_batch_size from these).
+    `largest` > 0: ZeRO-Infinity, the parameters and the optimizer state on the disk at
+    bench.nvme_path (stage 3 only), with swap buffers of `largest` elements, the largest
+    parameter's size (DeepSpeed refuses smaller ones)."""
     pinned_cpu = {"device": "cpu", "pin_memory": True}
+    tier = pinned_cpu
+    if largest:
+        tier = {"device": "nvme", "nvme_path": bench.nvme_path, "pin_memory": True}
     zero: dict = {
         "stage": stage,
-        "offload_optimizer": pinned_cpu,
+        "offload_optimizer": dict(tier, **({"buffer_count": 4} if largest else {})),
         "overlap_comm": True,
         "contiguous_gradients": True,
     }
     if stage == 3:
         zero |= {
-            "offload_param": pinned_cpu,
+            "offload_param": dict(
+                tier, **({"buffer_count": 5, "buffer_size": largest} if largest else {})
+            ),
             # the ZeRO tutorial's CPU-offload example; all but the two bucket sizes (defaults
             # 5e7 and 5e8) are also the config's defaults
             "stage3_max_live_parameters": 1e9,
@@ -91,7 +105,11 @@ def ds_config(bench: BenchConfig, stage: int, bf16: bool, ocfg: OptimConfig) -> 
             "reduce_bucket_size": 1e7,
             "sub_group_size": 1e9,
         }
-    return {
+    aio = {}
+    if largest:  # the ZeRO-Infinity tutorial's libaio settings
+        aio = {"aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1,
+                       "single_submit": False, "overlap_events": True}}  # fmt: skip
+    return aio | {
         "train_micro_batch_size_per_gpu": bench.micro_batch,
         "gradient_accumulation_steps": bench.grad_accum,
         "gradient_clipping": ocfg.grad_clip,
@@ -122,13 +140,15 @@ def parts(model: DecoderLM):
 
 
 @torch.no_grad()
-def build_zero3_model(deepspeed, cfg: ModelConfig, config: dict, seed: int, ctx) -> DecoderLM:
+def build_zero3_model(
+    deepspeed, cfg: ModelConfig, config: dict, seed: int, ctx, nvme: bool = False
+) -> DecoderLM:
     """GPT constructed inside zero.Init: each module's weights are partitioned (and cast to
     bf16) into pinned CPU memory as soon as it is built; then fitgpt's initial values are
     written in one gathered block at a time."""
     with deepspeed.zero.Init(
         config_dict_or_path=config,
-        remote_device="cpu",
+        remote_device="nvme" if nvme else "cpu",
         pin_memory=ctx.device.type == "cuda",  # pinning needs a GPU
     ):
         model = build_model(cfg)
@@ -178,16 +198,29 @@ class DeepSpeedRunner:
         return mean_loss(loss_sum, n, self.ctx)
 
 
-def build(stage: int, model_cfg: ModelConfig, bench: BenchConfig, ctx: DistContext):
+def largest_parameter(cfg: ModelConfig) -> int:
+    """Elements of the model's largest parameter (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        return max(p.numel() for p in build_model(cfg).parameters())
+
+
+def build(
+    stage: int, model_cfg: ModelConfig, bench: BenchConfig, ctx: DistContext, nvme: bool = False
+):
+    if nvme and not bench.nvme_path:
+        raise UserError(
+            "deepspeed-z3-nvme keeps parameters and optimizer state on the disk: give "
+            "--nvme-path FOLDER on a local NVMe disk"
+        )
     deepspeed = import_deepspeed()
     ctx = ensure_group(ctx)
     deepspeed.init_distributed()  # adopts the torch.distributed group that now exists
     share_cores()
     bf16 = PrecisionConfig("auto").resolved(ctx.device.type).precision == "bf16"
     ocfg = OptimConfig()
-    config = ds_config(bench, stage, bf16, ocfg)
+    config = ds_config(bench, stage, bf16, ocfg, largest_parameter(model_cfg) if nvme else 0)
     if stage == 3:
-        model = build_zero3_model(deepspeed, model_cfg, config, bench.seed, ctx)
+        model = build_zero3_model(deepspeed, model_cfg, config, bench.seed, ctx, nvme)
         ndims = {n: len(p.ds_shape) for n, p in model.named_parameters()}
     else:
         dtype = torch.bfloat16 if bf16 else torch.float32
@@ -206,3 +239,7 @@ def zero3_offload(model_cfg: ModelConfig, bench: BenchConfig, ctx: DistContext):
 
 def zero2_offload(model_cfg: ModelConfig, bench: BenchConfig, ctx: DistContext):
     return build(2, model_cfg, bench, ctx)
+
+
+def zero3_nvme(model_cfg: ModelConfig, bench: BenchConfig, ctx: DistContext):
+    return build(3, model_cfg, bench, ctx, nvme=True)
