@@ -102,12 +102,18 @@ class WeightFetch:
         self.copy_stream.wait_stream(compute)  # the weight's storage was allocated on `compute`
         with torch.cuda.stream(self.copy_stream):
             c.weight[c.lo : c.hi].copy_(c.weight_shard, non_blocking=True)
+            if self.peers.world > 1:
+                # launched from the copy stream, so NCCL's stream waits for the copy (it waits on
+                # the stream current at launch) and the compute stream only where ensure() waits
+                # for the gather. Making the compute stream wait for the copy here instead, as
+                # this did before 2026-11-26, held the block running now (the prefetch comes
+                # from its pre-hook) until the next block's host copy had landed: every
+                # streamed block's PCIe time exposed on several ranks (4x H200:
+                # benchmarks/results/x4_peers_h200_2026-11-26/README.md).
+                return self.peers.all_gather(c.weight, c.weight[c.lo : c.hi])
             landed = torch.cuda.Event()
             landed.record(self.copy_stream)
-        if self.peers.world == 1:
-            return _EventWork(landed)
-        compute.wait_event(landed)
-        return self.peers.all_gather(c.weight, c.weight[c.lo : c.hi])
+        return _EventWork(landed)
 
 
 class _EventWork:
