@@ -75,11 +75,30 @@ def plan(
     state), without the disk, and only their plans that fit are kept. `fixed`: the engine
     fields the user set (a dict is read as Fixed.of(dict))."""
     fixed = Fixed.of(fixed)
+    cands = plan_among(work, grad_accum, hw, rates, fixed, host_activations=False)
+    if work.device == "cuda" and not any(c.fits for c in cands) and "checkpointing" not in fixed:
+        # the block inputs in pinned host RAM (--checkpointing cpu) only where nothing fits
+        # without: the step model does not price its copies' share of the PCIe link with the
+        # offloaded optimizer's and the streamed weights' traffic (engine/activation.py)
+        cands = plan_among(work, grad_accum, hw, rates, fixed, host_activations=True)
+    return cands
+
+
+def plan_among(
+    work: Workload,
+    grad_accum: int,
+    hw: Hardware,
+    rates: Rates,
+    fixed: Fixed,
+    host_activations: bool,
+) -> list[Candidate]:
+    """plan() over the engine configs enumerate_plans gives (`host_activations`: with
+    --checkpointing cpu among them)."""
     layout = layout_of(work.model)
     bases = [
         b
         for t in tp_degrees(work, fixed)  # T × (world/T): the stages shard over world/T ranks
-        for b in enumerate_plans(work.dp_ranks(t), fixed.with_(tensor_parallel=t))
+        for b in enumerate_plans(work.dp_ranks(t), fixed.with_(tensor_parallel=t), host_activations)
     ]
     cands: list[Candidate] = []
     seen: set[EngineConfig] = set()
@@ -125,9 +144,11 @@ def plan(
             not c.fits,
             uses_disk(c) if c.fits else 0,
             rank(c) if c.fits else 0,
-            c.compared_time if c.fits else shortfall(c),  # unfitting: the leanest first
-            c.est.compute_total,
-            c.ecfg.engine != "zero",
+            *(
+                speed(c)
+                if c.fits
+                else (shortfall(c), False, c.est.compute_total, c.ecfg.engine != "zero")
+            ),
         )
     )
     return cands

@@ -1,0 +1,99 @@
+"""Long sequences priced: attention's work at its own rate, quadratic in S, half the square for a
+causal kernel, capped by a sliding window; activations with no S² term unless a T×T mask is
+really built; the preset's own vocabulary without --data; the refusal's longest sequence."""
+
+from __future__ import annotations
+
+import pytest
+
+from fitgpt.engine.config import EngineConfig
+from fitgpt.model import ModelConfig, get_preset
+from fitgpt.plan.memory import Workload, activation_bytes, attention_path
+from fitgpt.plan.rates import DEFAULTS
+from fitgpt.plan.throughput import (
+    RECOMPUTE,
+    attention_flops,
+    compute_seconds,
+    keys_per_query,
+    matmul_flops,
+)
+
+R = DEFAULTS["H100"]
+
+
+def llama(seq_len: int, **kw) -> ModelConfig:
+    return get_preset("llama3.1-8b").replace(seq_len=seq_len, **kw)
+
+
+def test_attention_work_is_half_the_reported_square_and_quadratic_in_s():
+    for S in (4096, 131072):
+        m = llama(S)
+        square = 12.0 * m.n_layer * m.n_head * m.head_dim * S  # the reporting convention
+        assert attention_flops(m) == pytest.approx(square / 2)
+        assert matmul_flops(m) + square == pytest.approx(m.flops_per_token())
+    # per token linear in S, so per sequence quadratic; the matmuls' per token do not grow
+    assert attention_flops(llama(131072)) == pytest.approx(32 * attention_flops(llama(4096)))
+    assert matmul_flops(llama(131072)) == matmul_flops(llama(4096))
+    # the attention term is priced at the attention rate: doubling it halves that term only
+    w, e = Workload(llama(131072), 1), EngineConfig()
+    fast = type(R)(**{**R.to_dict(), "attn_tflops": 2 * R.attn_tflops})
+    t, t2 = compute_seconds(w, e, 131072, R), compute_seconds(w, e, 131072, fast)
+    attn_part = 2 * (t - t2)
+    assert 0.7 < attn_part / t < 0.9  # attention is ~80% of Llama 3 8B's work at 128k tokens
+
+
+def test_a_sliding_window_caps_the_attention_work():
+    m = get_preset("mistral-7b").replace(seq_len=131072, sliding_window=4096)
+    assert attention_path(m, "cuda") == "flex"
+    k = keys_per_query(m, "cuda")
+    assert k == pytest.approx(4096 - 4096**2 / (2 * 131072))
+    longer = m.replace(seq_len=262144)
+    assert keys_per_query(longer, "cuda") == pytest.approx(4096, rel=0.01)  # ∝ min(S, window)
+    assert attention_flops(longer, "cuda") < 1.02 * attention_flops(m, "cuda")
+    # a window longer than the sequence changes nothing; on a CPU the mask skips no block
+    assert keys_per_query(m.replace(sliding_window=200000), "cuda") == 131072 / 2
+    assert keys_per_query(m, "cpu") == 131072
+
+
+def test_recompute_prices_attention_by_heads_times_head_dim_not_hidden():
+    # Qwen3-32B: 64 heads of 128 at hidden 5120 (N·D = 8192): the recompute's attention forward
+    # is RECOMPUTE x 4·L·N·D·S/2 (it was 4·L·h·S: the full square, and h for N·D)
+    m = get_preset("qwen3-32b").replace(seq_len=32768)
+    w = Workload(m, 1)
+    off = compute_seconds(w, EngineConfig(checkpointing="off"), 1, R)
+    full = compute_seconds(w, EngineConfig(checkpointing="full"), 1, R)
+    from fitgpt.plan.throughput import efficiency
+
+    share = efficiency(m.n_embd, R.model_efficiency)
+    gemm, attn = R.gemm_tflops * 1e12 * share, R.attn_tflops * 1e12 * share / R.model_efficiency
+    attn_fwd = 4.0 * m.n_layer * 64 * 128 * m.seq_len / 2
+    expected = RECOMPUTE * (2.0 * m.num_params() / gemm + attn_fwd / attn)
+    assert full - off == pytest.approx(expected)
+    assert m.n_head * m.head_dim != m.n_embd
+
+
+def test_activations_have_no_s_squared_term_without_a_mask():
+    def act(m: ModelConfig, device: str = "cuda") -> int:
+        a = activation_bytes(Workload(m, 1, device=device), "full")
+        return a["activations"] + a["block_backward"] + a.get("attention_bias", 0)
+
+    # flash: bytes per token do not grow with S (a few % from the logits' piece, fixed)
+    per_token = [act(llama(S)) / S for S in (32768, 131072, 524288)]
+    assert max(per_token) / min(per_token) < 1.01
+    # a window shorter than S on a CPU builds a [S, S] boolean per block; on CUDA none
+    m = get_preset("mistral-7b").replace(seq_len=16384, sliding_window=4096, n_layer=2)
+    assert act(m, "cpu") - act(m.replace(sliding_window=None), "cpu") == 16384**2
+    assert act(m, "cuda") == act(m.replace(sliding_window=None), "cuda")
+    # ALiBi: the fp32 [N, S, S] bias shared by the blocks, and each block's working-dtype copy
+    g = ModelConfig(n_layer=2, n_embd=64, n_head=4, seq_len=2048, vocab_size=256)
+    a = activation_bytes(Workload(g.replace(position="alibi"), 1), "off")
+    assert a["attention_bias"] == 4 * 2048**2 * 4
+    plain = activation_bytes(Workload(g, 1), "off")
+    assert a["activations"] - plain["activations"] == 2 * 4 * 2048**2 * 2
+
+
+def test_softmax_statistics_and_backward_workspace_scale_with_s():
+    small, big = (activation_bytes(Workload(llama(S), 1), "full") for S in (8192, 131072))
+    assert big["block_backward"] == 16 * small["block_backward"]
+    m = llama(131072)
+    assert big["block_backward"] == 131072 * m.n_head * m.head_dim * (4 + 2 * 2)
