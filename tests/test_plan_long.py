@@ -4,6 +4,9 @@ really built; the preset's own vocabulary without --data; the refusal's longest 
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 
 from fitgpt.engine.config import EngineConfig
@@ -97,3 +100,35 @@ def test_softmax_statistics_and_backward_workspace_scale_with_s():
     assert big["block_backward"] == 16 * small["block_backward"]
     m = llama(131072)
     assert big["block_backward"] == 131072 * m.n_head * m.head_dim * (4 + 2 * 2)
+
+
+# ---- the refusal names the longest sequence that fits; the preset's own vocabulary ----------
+def test_the_refusal_names_the_longest_sequence_that_fits():
+    from fitgpt.engine.fixed import Fixed
+    from fitgpt.errors import UserError
+    from fitgpt.plan.hardware import Hardware
+    from fitgpt.plan.memory import GiB
+    from fitgpt.plan.planner import choose, fits_seq
+
+    m = ModelConfig(n_layer=4, n_embd=512, n_head=4, seq_len=131072, vocab_size=256)
+    hw = Hardware("cuda", 1, int(4 * GiB), "NVIDIA H100 80GB HBM3", int(16 * GiB), 16)
+    work = Workload(m, 1)
+    with pytest.raises(UserError) as refused:
+        choose(work, 1, hw, R, Fixed())
+    said = str(refused.value)
+    seq = int(re.search(r"what fits: seq (\d+) at micro-batch 1", said).group(1))
+    assert seq % 1024 == 0 and 0 < seq < 131072
+    # it is the longest: it fits and one quantum more does not
+    assert fits_seq(work, 1, hw, R, Fixed(), seq)
+    assert not fits_seq(work, 1, hw, R, Fixed(), seq + 1024)
+    choose(dataclasses.replace(work, model=m.replace(seq_len=seq)), 1, hw, R, Fixed())
+
+
+def test_plan_prices_the_presets_own_vocabulary_without_data(capsys):
+    from fitgpt.cli import main
+
+    for extra, params in (((), "70.55 B"), (("--vocab-size", "256"), "68.46 B")):
+        with pytest.raises(SystemExit):
+            main(["plan", "--preset", "llama3.1-70b", "--device", "cuda", "--gpu-mem", "80GiB",
+                  "--cpu-mem", "125GiB", "--gpus", "8", "--micro-batch", "1", *extra])  # fmt: skip
+        assert f"{params} parameters (80×8192)" in capsys.readouterr().out

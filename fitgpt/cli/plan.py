@@ -132,7 +132,12 @@ def planned_run(args: argparse.Namespace, device: str):
     """The run `fitgpt train` makes of these flags (cli/train.py run_config_from_args: the same
     preset, data, batch and engine defaults), resolved as train resolves it for `device` (the
     data's vocabulary, the precision): the planner prices the model train builds. Nothing is
-    opened but the tokenizer."""
+    opened but the tokenizer.
+
+    One difference: with neither --data nor --tokenizer, train's default data (the standard
+    library through the bytes tokenizer) would give the model a 256-row vocabulary, and a
+    preset's plan would price a model nobody trains (llama3.1-70b as 68.46 B parameters, not
+    its 70.55 B). There the model keeps its own vocabulary: the preset's, or --vocab-size."""
     from fitgpt.cli.train import run_config_from_args
     from fitgpt.train.setup import resolve_run
 
@@ -143,7 +148,11 @@ def planned_run(args: argparse.Namespace, device: str):
             run.engine, offload_blocks=args.offload_blocks, nvme_blocks=args.nvme_blocks
         )
         run = dataclasses.replace(run, engine=engine)
-    return resolve_run(run, device, settle_compile=False)  # the planner settles --compile
+    resolved = resolve_run(run, device, settle_compile=False)  # the planner settles --compile
+    if not {"data", "tokenizer"} & set(explicit(args, DataConfig)):
+        own = resolved.model.replace(vocab_size=run.model.vocab_size)
+        resolved = dataclasses.replace(resolved, model=own)
+    return resolved
 
 
 def print_table(cands, work, grad_accum: int, hw) -> None:
