@@ -132,3 +132,51 @@ def test_plan_prices_the_presets_own_vocabulary_without_data(capsys):
             main(["plan", "--preset", "llama3.1-70b", "--device", "cuda", "--gpu-mem", "80GiB",
                   "--cpu-mem", "125GiB", "--gpus", "8", "--micro-batch", "1", *extra])  # fmt: skip
         assert f"{params} parameters (80×8192)" in capsys.readouterr().out
+
+
+# ---- `fitgpt capacity --search seq-len` -----------------------------------------------------
+@pytest.mark.slow
+def test_capacity_seq_search_on_cpu_finds_the_true_boundary(tmp_path):
+    """Real trials in their own processes under a 1 MB budget on the engine's state bytes, which
+    GPT-2's learned position table makes grow with the sequence (S·h parameters)."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    from fitgpt.dist import DistContext
+    from fitgpt.engine.config import OptimConfig, PrecisionConfig
+    from fitgpt.engine.factory import build_engine
+
+    cpu = DistContext(0, 1, 0, torch.device("cpu"))
+    m = dict(n_layer=1, n_embd=32, n_head=2, vocab_size=256, tie_embeddings=False)
+    step, truth = 128, 0
+    for seq in range(step, 4096, step):
+        e = build_engine(
+            ModelConfig(seq_len=seq, **m),
+            EngineConfig(engine="zero"),
+            PrecisionConfig("fp32"),
+            OptimConfig(),
+            cpu,
+        )
+        state = sum(v for kinds in e.memory_report().values() for v in kinds.values())
+        if state <= 1_000_000:
+            truth = seq
+    assert 0 < truth < 4096 - step
+    out = tmp_path / "seq.jsonl"
+    args = ["capacity", "--search", "seq-len", "--layers", "1", "--seq-step", str(step),
+            "--max-seq", "8192", "--system", "zero0", "--device", "cpu", "--hidden", "32",
+            "--heads", "2", "--vocab-size", "256", "--micro-batch", "1", "--grad-accum", "1",
+            "--warmup", "0", "--steps", "1", "--cap", "1MB", "--max-trials", "9",
+            "--out", str(out)]  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "fitgpt", *args], capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads([line for line in r.stdout.splitlines() if line.startswith("{")][-1])
+    assert summary["largest_seq_len"] == truth and summary["first_fail"] == truth + step
+    trials = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(trials) <= 9 and all(t["seq_len"] % step == 0 for t in trials)
+    assert all("predicted_peak_gib" in t for t in trials)
+    assert re.search(rf"longest that trained: seq {truth} at 1 layers", r.stdout)

@@ -248,13 +248,19 @@ def fits_seq(work: Workload, grad_accum: int, hw, rates, fixed, seq_len: int) ->
 
 
 def largest_seq_len(
-    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: Fixed, below: int = 0
+    work: Workload,
+    grad_accum: int,
+    hw: Hardware,
+    rates: Rates,
+    fixed: Fixed,
+    below: int = 0,
+    quantum: int = 0,
 ) -> int:
-    """The longest sequence, a multiple of seq_quantum, shorter than `below` (default: the
-    work's) with which this model fits at the work's micro-batch under some plan (0 if none):
-    a bisection, ~log2(S/1024) plans (7 at 128k tokens)."""
+    """The longest sequence, a multiple of `quantum` (default: seq_quantum's), shorter than
+    `below` (default: the work's) with which this model fits at the work's micro-batch under
+    some plan (0 if none): a bisection, ~log2(S/1024) plans (7 at 128k tokens)."""
     S = below or work.model.seq_len
-    q = seq_quantum(S)
+    q = quantum or seq_quantum(S)
     lo, hi = 0, (S - 1) // q + 1  # in quanta: lo fits (0: nothing yet), hi does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
