@@ -180,3 +180,37 @@ def test_capacity_seq_search_on_cpu_finds_the_true_boundary(tmp_path):
     assert len(trials) <= 9 and all(t["seq_len"] % step == 0 for t in trials)
     assert all("predicted_peak_gib" in t for t in trials)
     assert re.search(rf"longest that trained: seq {truth} at 1 layers", r.stdout)
+
+
+# ---- the attention rate: probed on CUDA, defaulted for caches written before it ------------
+def test_a_probe_cache_without_the_attention_rate_keeps_its_figures(tmp_path, monkeypatch):
+    import json
+
+    from fitgpt.plan import rates
+
+    monkeypatch.setenv("FITGPT_CACHE", str(tmp_path))
+    old = R.to_dict()
+    del old["attn_tflops"]  # a cache written before the field existed
+    old.update(gemm_tflops=700.0, source="probe 2026-11-22 10:00")
+    name = "NVIDIA H100 80GB HBM3"
+    rates.cache_path(name).write_text(json.dumps(old))
+    r = rates.load(name)
+    assert r.gemm_tflops == 700.0 and r.attn_tflops == rates.DEFAULTS["H100"].attn_tflops
+
+
+def test_the_attention_probe_counts_the_causal_half_square(monkeypatch):
+    import torch
+
+    from fitgpt.plan import rates
+
+    calls = []
+    real = rates._time
+
+    def timed(fn, repeat=5):
+        calls.append(repeat)
+        real(fn, 1)  # it runs: forward and backward of a causal SDPA
+        return 1.0  # one second a pass: the rate is the FLOPs it counts
+
+    monkeypatch.setattr(rates, "_time", timed)
+    got = rates._probe_attention(torch.device("cpu"), B=1, N=2, S=64, D=16)
+    assert got == pytest.approx(12 * 2 * 16 * 64 * 64 / 2 / 1e12) and calls
