@@ -87,3 +87,37 @@ def test_sample_offsets_past_int32_are_kept_in_int64():
     cum = np.concatenate([[0], np.cumsum(lengths)])
     for i, (k, offset) in enumerate(index[1:].tolist(), start=1):
         assert cum[k] + offset == i * seq and 0 <= offset < lengths[k]
+
+
+def test_packed_rows_at_long_context_hold_every_piece_whole(tmp_path):
+    """Chat data packed into rows of S + 1 tokens: samples shorter than a row are placed whole,
+    longer ones (up to 2.3 rows here) cut into pieces of S + 1 overlapping by one; every piece
+    read back is the exact, contiguous slice of the .bin the plain rule names."""
+    from fitgpt.data.chat import mask_prefix
+    from fitgpt.data.packed import PackedSamples
+
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 40_000, 80)
+    lengths[[5, 40]] = (S + 1, 2 * S + 77)  # one exactly a row, one cut into 3 pieces
+    path = str(tmp_path / "chat")
+    with IndexedWriter(path, np.int32) as w:
+        w.add(np.arange(lengths.sum(), dtype=np.int64), lengths)
+    with IndexedWriter(mask_prefix(path), np.uint8) as w:
+        w.add(np.ones(lengths.sum(), dtype=np.uint8), lengths)
+    src = PackedSamples(IndexedDataset(path), "1", "train", S, seed=1, vocab_size=2**31 - 1)
+    assert src.cut_samples == 1
+    tokens, keep, seg = src.get_packed(np.arange(src.samples_per_epoch))
+    assert tokens.shape == (src.samples_per_epoch, S + 1) and keep.dtype == np.uint8
+    got = []
+    for row_t, row_s, row_k in zip(tokens, seg, keep):
+        for s in range(int(row_s.max()) + 1):
+            piece = row_t[row_s == s]
+            if row_k[row_s == s].any():  # a sample's piece (padding keeps nothing)
+                assert (np.diff(piece) == 1).all()  # contiguous in the .bin
+                got.append((int(piece[0]), len(piece)))
+    starts = np.cumsum(lengths) - lengths
+    want = []
+    for first, n in zip(starts.tolist(), lengths.tolist()):
+        count = max(1, -(-(n - 1) // S))
+        want += [(first + k * S, min(S + 1, n - k * S)) for k in range(count)]
+    assert sorted(got) == sorted(want)
