@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     plans = plan_run(run, hw, rates.load(hw.gpu_name), fixed)
     work, t = plans.work, run.train
     print(
-        f"model {args.preset if not explicit(args, ModelConfig) else 'custom'}: "
+        f"model {model_name(args)}: "
         f"{units.params(model.num_params())} parameters ({model.n_layer}×{model.n_embd}), micro-batch "
         f"{t.micro_batch} × {t.grad_accum} accumulation × seq {model.seq_len}, {work.precision}"
     )
@@ -126,6 +126,14 @@ def run(args: argparse.Namespace) -> int:
     if wear:
         print(wear)
     return 0
+
+
+def model_name(args: argparse.Namespace) -> str:
+    """The preset, with the fields the flags changed: "llama3.1-8b with seq_len=131072"."""
+    changed = explicit(args, ModelConfig)
+    if not changed:
+        return args.preset
+    return f"{args.preset} with " + ", ".join(f"{k}={v}" for k, v in changed.items())
 
 
 def planned_run(args: argparse.Namespace, device: str):
