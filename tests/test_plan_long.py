@@ -214,3 +214,21 @@ def test_the_attention_probe_counts_the_causal_half_square(monkeypatch):
     monkeypatch.setattr(rates, "_time", timed)
     got = rates._probe_attention(torch.device("cpu"), B=1, N=2, S=64, D=16)
     assert got == pytest.approx(12 * 2 * 16 * 64 * 64 / 2 / 1e12) and calls
+
+
+def test_host_checkpointed_inputs_and_their_copies_scale_with_s():
+    from fitgpt.plan.memory import GiB, estimate
+    from fitgpt.plan.throughput import step_time
+
+    e = EngineConfig(checkpointing="cpu")
+    host = {
+        S: estimate(Workload(llama(S), 1), e).host["checkpointed_inputs"] for S in (65536, 131072)
+    }
+    assert host[131072] == 2 * host[65536] == 32 * GiB  # 32 block inputs of S·h·2 bytes, pinned
+    slow = type(R)(**{**R.to_dict(), "d2h_gbps": 0.5, "h2d_gbps": 0.5})  # a link that cannot hide
+    t = {S: step_time(Workload(llama(S), 1), e, 1, slow) for S in (65536, 131072)}
+    moved = {S: S * 32 * 4096 * 2 for S in t}  # down in forward and back in backward, each way
+    for S in t:
+        c = t[S]["compute"]
+        want = (moved[S] / 0.5e9 - c / 4) + max(0.0, moved[S] / 0.5e9 - 3 * c / 4)
+        assert t[S]["activation_offload"] == pytest.approx(want)
