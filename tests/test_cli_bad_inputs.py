@@ -395,6 +395,8 @@ CASES: list[Case] = [
     Case("capacity-out-under-file", f"{CAPACITY} --out {{file}}/c.jsonl", "--out"),
     Case("capacity-out-unwritable", f"{CAPACITY} --out {{ro}}/c.jsonl", "--out"),
     Case("capacity-cap-0", f"{CAPACITY} --cap 0GB", "--cap"),
+    Case("capacity-seq-without-layers", f"{CAPACITY} --search seq-len", "--layers"),
+    Case("capacity-seq-step-0", f"{CAPACITY} --search seq-len --layers 1 --seq-step 0", "--seq-step"),
     Case("capacity-cap-words", f"{CAPACITY} --cap much", "--cap"),
     Case("capacity-zero-without-stage", f"{CAPACITY} --engine zero", "--zero-stage"),
     Case("capacity-zero-stage-7", f"{CAPACITY} --engine zero --zero-stage 7", "--zero-stage"),

@@ -87,9 +87,12 @@ def test_activation_terms_by_hand():
     m = ModelConfig(n_layer=3, n_embd=16, n_head=2, seq_len=8, vocab_size=128)
     w = Workload(m, micro_batch=2, world=1, precision="bf16")
     sbh = 8 * 2 * 16
+    lse = 4 * 2 * 8 * 2  # each block saves its softmax's log-sum-exp: fp32 [b, N, S]
     off, full = activation_bytes(w, "off"), activation_bytes(w, "full")
-    assert off["activations"] == 3 * 17 * sbh * 2 + 11 * sbh * 2
-    assert full["activations"] == 3 * sbh * 2 + 17 * sbh * 2 + 11 * sbh * 2
+    assert off["activations"] == 3 * (17 * sbh * 2 + lse) + 11 * sbh * 2
+    assert full["activations"] == 3 * sbh * 2 + 17 * sbh * 2 + lse + 11 * sbh * 2
+    # one block's backward: the kernel's fp32 dq and k, v gradients over the 2 heads of 8
+    assert off["block_backward"] == 2 * 8 * 16 * (4 + 2 * 2)
     assert off["logits"] == full["logits"] == 2 * 8 * 128 * 12
 
 

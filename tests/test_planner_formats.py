@@ -334,9 +334,10 @@ def test_the_plan_table_shows_formats_and_disk_writes(capsys):
     row = chosen_row(out)
     assert row[1] == "yes" and row[4] == "fp32/fp32/fp32"
     hw = Hardware("cuda", 1, int(79.2 * GiB), "(planned GPU)", 122 * GiB, 1, "(planned)", 51 * GiB)
-    # the run the CLI planned: train's batch defaults, the synthetic data's 256-token vocabulary
+    # the run the CLI planned: train's batch defaults, and with no --data the preset's own
+    # vocabulary (it priced train's default data's 256 bytes before: cli/plan.py planned_run)
     mb, ga = map(int, re.search(r"micro-batch (\d+) × (\d+) accumulation", out).groups())
-    m = dataclasses.replace(work(68).model, vocab_size=256)
+    m = work(68).model
     chosen, _ = choose(Workload(m, mb, 1, "bf16"), ga, hw, R, FP32_STATE)
     gb = f"{chosen.disk_written / 1e9:.1f}"
     assert row[5] == gb and row[6] == gb  # GB per step = TB per 1,000 steps

@@ -57,7 +57,33 @@ def register(sub) -> None:
         help="where to run: auto (a GPU if there is one), cuda or cpu (default: auto)",
     )
     p.add_argument(
-        "--start", type=int, default=None, help="first layer count to try (default: the prediction)"
+        "--search",
+        choices=["layers", "seq-len"],
+        default="layers",
+        help="what to search: the most layers at --hidden (default), or with seq-len the "
+        "longest sequence that trains at --layers",
+    )
+    p.add_argument(
+        "--layers", type=int, default=None, help="with --search seq-len: the model's layer count"
+    )
+    p.add_argument(
+        "--seq-step",
+        type=int,
+        default=1024,
+        help="with --search seq-len: sequence lengths tried are multiples of this (default: 1024)",
+    )
+    p.add_argument(
+        "--max-seq",
+        type=int,
+        default=1 << 20,
+        help="with --search seq-len: the longest sequence tried (default: 1048576)",
+    )
+    p.add_argument(
+        "--start",
+        type=int,
+        default=None,
+        help="first layer count (or with --search seq-len, sequence length) to try (default: "
+        "the prediction)",
     )
     p.add_argument("--max-trials", type=int, default=8, help="trials at most (default: 8)")
     p.add_argument(
@@ -111,6 +137,17 @@ def check_args(args: argparse.Namespace) -> Path | None:
                         "on a fast disk")  # fmt: skip
     if args.start is not None and args.start < 1:
         raise UserError(f"--start {args.start}: a layer count, at least 1")
+    if args.search == "seq-len":
+        if args.layers is None or args.layers < 1:
+            raise UserError(
+                f"--search seq-len needs --layers N (at least 1), the model to lengthen; got "
+                f"{args.layers}"
+            )
+        if args.seq_step < 1 or args.max_seq < args.seq_step:
+            raise UserError(
+                f"--seq-step {args.seq_step} --max-seq {args.max_seq}: a step of at least 1 "
+                "and a longest sequence of at least one step"
+            )
     if args.out is None:
         return None
     from fitgpt.paths import check_writable_file
@@ -141,9 +178,12 @@ def run(args: argparse.Namespace) -> int:
     hw, cap = capped_hardware(args)
     # what `fitgpt train` would refuse (a T the GPUs or heads do not divide...): one line, before
     # any trial or prediction
-    check_trial(system, bench, args.start or 1, args.gpus, hw.device)
+    layers = args.layers if args.search == "seq-len" else (args.start or 1)
+    check_trial(system, bench, layers, args.gpus, hw.device)
     fixed = system.plan_fixed(bench)  # None: a peer (no memory model)
     r = rates.load(hw.gpu_name)
+    if args.search == "seq-len":
+        return run_seq_search(args, out, system, bench, hw, cap, fixed, r)
 
     def planned(layers: int):
         return bench_run(bench.model(layers), bench, system.precision, hw.device)
@@ -195,6 +235,85 @@ def run(args: argparse.Namespace) -> int:
     state = describe_formats(formats_of(best))
     if state:
         print(f"its optimizer state: {state}")
+    return 0
+
+
+def run_seq_search(args, out, system, bench, hw, cap, fixed, r) -> int:
+    """`--search seq-len`: the longest sequence that trains at --layers, by real trials (each
+    its own process, as the layer search), from the planner's prediction."""
+    from fitgpt.bench.sweep import SweepSpec, append_result, run_one
+    from fitgpt.bench.systems import bench_run
+    from fitgpt.plan.capacity import find_longest_seq, predicted_longest_seq, predicted_peak_gib
+
+    layers, q = args.layers, args.seq_step
+
+    def at(seq: int):
+        return dataclasses.replace(bench, seq_len=seq)
+
+    def planned(seq: int):
+        b = at(seq)
+        return bench_run(b.model(layers), b, system.precision, hw.device)
+
+    def predicted(seq: int) -> float | None:
+        return None if fixed is None else predicted_peak_gib(planned(seq), hw, r, fixed)
+
+    start = args.start
+    if start is None:
+        if fixed is None:
+            raise UserError(f"system {system.name} has no memory model: pass --start SEQ_LEN")
+        start = predicted_longest_seq(planned, hw, r, fixed, q, args.max_seq)
+    print(
+        f"longest sequence of {system.name}: {layers} layers of hidden {bench.hidden} "
+        f"({units.params(bench.model(layers).num_params())} at seq {bench.seq_len}), micro-batch "
+        f"{bench.micro_batch}, {args.gpus} GPU(s); predicted longest seq {start}",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory(prefix="fitgpt-capacity-seq-") as tmp:
+
+        def trial(seq: int) -> dict:
+            work = Path(tmp) / f"seq{seq}"  # every trial its own folder: the files name layers
+            work.mkdir()
+            spec = SweepSpec((system.name,), (), at(seq), args.gpus, args.device)
+            rec = run_one(spec, system.name, layers, work, cap)
+            if out:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                append_result(out, {**rec, "seq_len": seq, "predicted_peak_gib": predicted(seq)})
+            return rec
+
+        found = find_longest_seq(
+            trial,
+            start,
+            q,
+            args.max_trials,
+            predicted,
+            args.max_seq,
+            lambda m: print(m, flush=True),
+        )
+    best = found.best()
+    if best is None:
+        smallest = found.records[min(found.records)]
+        print(f"no sequence length trained ({len(found.result.trials)} trials); shortest tried "
+              f"failed: {smallest['reason'][:200]}")  # fmt: skip
+        return 1
+    summary = {
+        "system": system.name,
+        "layers": layers,
+        "largest_seq_len": found.result.largest_ok,
+        "predicted_seq_len": start,
+        "first_fail": found.result.first_fail,
+        "tokens_per_s": best.get("tokens_per_s"),
+        "gpu_peak_gib": best.get("gpu_peak_gib"),
+        "host_rss_peak_gib": best.get("host_rss_peak_gib"),
+        "predicted_peak_gib": best.get("predicted_peak_gib"),
+        "trials": len(found.result.trials),
+    }
+    print(json.dumps(summary))
+    fail = found.result.first_fail
+    print(
+        f"longest that trained: seq {found.result.largest_ok} at {layers} layers, micro-batch "
+        f"{bench.micro_batch} (predicted {start})"
+        + ("" if fail is None else f"; seq {fail} failed")
+    )
     return 0
 
 

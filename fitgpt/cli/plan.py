@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     plans = plan_run(run, hw, rates.load(hw.gpu_name), fixed)
     work, t = plans.work, run.train
     print(
-        f"model {args.preset if not explicit(args, ModelConfig) else 'custom'}: "
+        f"model {model_name(args)}: "
         f"{units.params(model.num_params())} parameters ({model.n_layer}×{model.n_embd}), micro-batch "
         f"{t.micro_batch} × {t.grad_accum} accumulation × seq {model.seq_len}, {work.precision}"
     )
@@ -128,11 +128,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def model_name(args: argparse.Namespace) -> str:
+    """The preset, with the fields the flags changed: "llama3.1-8b with seq_len=131072"."""
+    changed = explicit(args, ModelConfig)
+    if not changed:
+        return args.preset
+    return f"{args.preset} with " + ", ".join(f"{k}={v}" for k, v in changed.items())
+
+
 def planned_run(args: argparse.Namespace, device: str):
     """The run `fitgpt train` makes of these flags (cli/train.py run_config_from_args: the same
     preset, data, batch and engine defaults), resolved as train resolves it for `device` (the
     data's vocabulary, the precision): the planner prices the model train builds. Nothing is
-    opened but the tokenizer."""
+    opened but the tokenizer.
+
+    One difference: with neither --data nor --tokenizer, train's default data (the standard
+    library through the bytes tokenizer) would give the model a 256-row vocabulary, and a
+    preset's plan would price a model nobody trains (llama3.1-70b as 68.46 B parameters, not
+    its 70.55 B). There the model keeps its own vocabulary: the preset's, or --vocab-size."""
     from fitgpt.cli.train import run_config_from_args
     from fitgpt.train.setup import resolve_run
 
@@ -143,7 +156,11 @@ def planned_run(args: argparse.Namespace, device: str):
             run.engine, offload_blocks=args.offload_blocks, nvme_blocks=args.nvme_blocks
         )
         run = dataclasses.replace(run, engine=engine)
-    return resolve_run(run, device, settle_compile=False)  # the planner settles --compile
+    resolved = resolve_run(run, device, settle_compile=False)  # the planner settles --compile
+    if not {"data", "tokenizer"} & set(explicit(args, DataConfig)):
+        own = resolved.model.replace(vocab_size=run.model.vocab_size)
+        resolved = dataclasses.replace(resolved, model=own)
+    return resolved
 
 
 def print_table(cands, work, grad_accum: int, hw) -> None:

@@ -160,3 +160,55 @@ def find_capacity(
         return rec["status"] == "ok"
 
     return Capacity(search(run, start, max_trials), records)
+
+
+# ---- the longest sequence that trains at a fixed model (`fitgpt capacity --search seq-len`) -----
+def predicted_longest_seq(run_at, hw, rates, fixed, quantum: int, limit: int) -> int:
+    """The longest sequence, a multiple of `quantum` up to `limit`, that the planner predicts to
+    fit here (at least one quantum); `run_at(seq)`: the run at that sequence length."""
+    from fitgpt.plan.apply import workload_of
+    from fitgpt.plan.planner import largest_seq_len
+
+    run = run_at(limit)
+    work = workload_of(run, hw.gpus, hw.device)
+    below = limit + quantum  # limit itself may fit
+    seq = largest_seq_len(work, run.train.grad_accum, hw, rates, fixed, below, quantum)
+    return max(quantum, seq)
+
+
+def find_longest_seq(
+    trial: Callable[[int], dict],
+    start: int,
+    quantum: int,
+    max_trials: int,
+    predicted: Callable[[int], float | None],
+    limit: int,
+    log: Callable[[str], None] = print,
+) -> Capacity:
+    """The search above over sequence lengths in multiples of `quantum` (from `start`, the
+    prediction, galloping by doubling steps, then bisecting), `trial(seq)` a real training
+    run's record; the Capacity's sizes (largest_ok, first_fail, records' keys) are tokens."""
+    records: dict[int, dict] = {}
+
+    def run(k: int) -> bool:
+        seq = k * quantum
+        rec = trial(seq)
+        rec["predicted_peak_gib"] = predicted(seq)
+        rec["kind"] = "capacity-seq"
+        rec["seq_len"] = seq
+        records[seq] = rec
+        mem = rec.get("gpu_peak_gib", rec.get("host_rss_peak_gib", 0))
+        pred = rec["predicted_peak_gib"]
+        why = "" if rec["status"] == "ok" else ": " + rec["reason"][:100]
+        log(
+            f"  trial {len(records)}: seq {seq} {rec['status']}{why}; measured peak {mem:.1f} "
+            f"GiB, predicted {pred if pred is None else f'{pred:.1f} GiB'}"
+        )
+        return rec["status"] == "ok"
+
+    res = search(run, max(1, start // quantum), max_trials, hi_limit=max(1, limit // quantum))
+    fail = None if res.first_fail is None else res.first_fail * quantum
+    tokens = SearchResult(
+        res.largest_ok * quantum, fail, [(k * quantum, ok) for k, ok in res.trials]
+    )
+    return Capacity(tokens, records)

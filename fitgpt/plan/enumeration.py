@@ -32,15 +32,17 @@ def tp_degrees(work: Workload, fixed: Fixed) -> list[int]:
     return tp_divisors(work.model, work.world, fixed.sequence_parallel)
 
 
-def enumerate_plans(world: int, fixed: Fixed) -> list[EngineConfig]:
+def enumerate_plans(world: int, fixed: Fixed, host_activations: bool = False) -> list[EngineConfig]:
     """Every plan the engines can run, restricted to the fields the user fixed (a plan those
-    fields rule out, such as ddp with an offload flag, is left out)."""
+    fields rule out, such as ddp with an offload flag, is left out). `host_activations` (a
+    GPU run): also --checkpointing cpu, the block inputs in pinned host RAM, which is what lets
+    long sequences fit (Llama 3 8B at 128k tokens: 32 GiB of block inputs); on a CPU run it
+    would keep them where they are, the same plan as full."""
     stages = [0, 1, 2, 3] if world > 1 else [0]
-    plans = [EngineConfig(engine="ddp", checkpointing=ck) for ck in ("off", "full")]
+    kinds = ("off", "full", "cpu") if host_activations else ("off", "full")
+    plans = [EngineConfig(engine="ddp", checkpointing=ck) for ck in kinds]
     plans += [
-        EngineConfig(engine="zero", zero_stage=s, checkpointing=ck)
-        for s in stages
-        for ck in ("off", "full")
+        EngineConfig(engine="zero", zero_stage=s, checkpointing=ck) for s in stages for ck in kinds
     ]
     if "offload_optimizer" not in fixed:
         # block counts imply their tier (engine/validate.py: implied_tier), and streamed

@@ -164,6 +164,66 @@ def torch_state(work: Workload, layout: list[ChunkSpec] | None = None) -> dict[s
 
 
 # ---- activations ----------------------------------------------------------------------------
+def attention_path(model: ModelConfig, device: str) -> str:
+    """The attention kernel a training forward runs, as the model decides it: "mask" where a
+    dense T×T mask or bias is built (model/gpt.py: ALiBi's float bias, [N, T, T]; model/llama.py:
+    a sliding window shorter than the sequence on a CPU, a [T, T] boolean, since FlexAttention
+    has no CPU backward), "flex" for such a window on CUDA (FlexAttention's block mask: no T×T
+    tensor, and the kernel skips the blocks outside the window; model/llama.py on the
+    long-context branch), "flash" otherwise (SDPA is_causal: no S² term). Packed rows
+    (model/packing.py) are the data's choice, not priced here."""
+    if model.position == "alibi":
+        return "mask"
+    W = model.sliding_window
+    if W is not None and model.seq_len > W:
+        return "flex" if device == "cuda" else "mask"
+    return "flash"
+
+
+def mlp_working_bytes(model: ModelConfig, tokens: int, w: int, tp: int = 1) -> int:
+    """Bytes the MLP holds at once in one block's forward or backward beyond what the family
+    counts saved (Family.block_activations), for `tokens` tokens of this rank.
+
+    The one place the planner prices the MLP's working set. Today every family runs its MLP
+    whole: its intermediates (Llama: gate and up, silu(gate), the product, 4F per token) are
+    among the saved elements block_activations counts, and nothing more is priced here. A
+    family whose MLP runs in pieces along the sequence past a threshold (the long-context
+    branch's model/) says so with `Family.mlp_working(cfg, tokens) -> int`: the elements, before
+    tensor parallelism's 1/T, of the transient one piece makes (its intermediates, recomputed
+    in the backward, and their gradients), 0 below the threshold; its block_activations then
+    leaves out the intermediates it no longer saves."""
+    family = family_of(model)
+    piece = getattr(family, "mlp_working", None)
+    if piece is None:
+        return 0
+    return int(piece(model, tokens)) * w // tp
+
+
+def attention_bytes(work: Workload, tp: int = 1) -> dict[str, int]:
+    """Attention's bytes past q, k, v and its output (which block_activations counts), by the
+    kernel that runs (attention_path), for one micro-batch on this rank (heads 1/T):
+      stats      per block, saved: the softmax's log-sum-exp, fp32 [b, N, S] (flash, flex and
+                 the masked kernels alike): 4·N·S·b
+      mask       per block, saved with it: a window's [S, S] boolean (S² bytes, CPU), or the
+                 ALiBi bias cast to the working dtype, [N, S, S] (N·S²·w; none in fp32)
+      shared     once per forward, alive until the backward ends: ALiBi's fp32 bias, N·S²·4
+      backward   one block's backward at a time: the kernel's fp32 dq accumulator and the
+                 gradients of k and v expanded to the N query heads before the grouped sum:
+                 b·S·N·D·(4 + 2w)
+    """
+    m, b, w = work.model, work.micro_batch, work.w
+    S, N = m.seq_len, m.n_head // tp
+    out = {"stats": 4 * N * S * b, "mask": 0, "shared": 0}
+    out["backward"] = b * S * N * m.head_dim * (4 + 2 * w)
+    if attention_path(m, work.device) == "mask":
+        if m.position == "alibi":
+            out["shared"] = N * S * S * 4
+            out["mask"] = N * S * S * w if w != 4 else 0
+        else:
+            out["mask"] = S * S
+    return out
+
+
 def activation_bytes(
     work: Workload, checkpointing: str, tp: int = 1, sp: bool = False, compiled: bool = False
 ) -> dict[str, int]:
@@ -193,6 +253,8 @@ def activation_bytes(
     if sp:
         sbh //= tp  # the stream between the layers: S/T tokens per rank
         per_block = (whole + cut) * sb // tp * a
+    attn = attention_bytes(work, tp)
+    per_block += attn["stats"] + attn["mask"]
     if checkpointing == "off":
         blocks = m.n_layer * per_block
     elif checkpointing == "full":
@@ -200,6 +262,10 @@ def activation_bytes(
     else:  # cpu: inputs in pinned host RAM; on the GPU block i's and the prefetched i-1's
         blocks = 2 * sbh * a + per_block
     out = {"activations": blocks + 8 * sbh * a + 3 * sbh * a}  # + embedding output, final norm
+    # one block's backward at a time: attention's workspace, then the MLP's (not both at once)
+    out["block_backward"] = max(attn["backward"], mlp_working_bytes(m, sb, a, tp))
+    if attn["shared"]:
+        out["attention_bias"] = attn["shared"]
     # logits in the working dtype, their fp32 copy for a stable softmax, the saved log-probs,
     # and in backward the fp32 gradient (the bf16 one replaces the logits): 2w + 8 per entry.
     # --compile on fuses the head's loss (engine/compile.py): the softmax runs over the logits

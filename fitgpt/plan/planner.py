@@ -75,11 +75,30 @@ def plan(
     state), without the disk, and only their plans that fit are kept. `fixed`: the engine
     fields the user set (a dict is read as Fixed.of(dict))."""
     fixed = Fixed.of(fixed)
+    cands = plan_among(work, grad_accum, hw, rates, fixed, host_activations=False)
+    if work.device == "cuda" and not any(c.fits for c in cands) and "checkpointing" not in fixed:
+        # the block inputs in pinned host RAM (--checkpointing cpu) only where nothing fits
+        # without: the step model does not price its copies' share of the PCIe link with the
+        # offloaded optimizer's and the streamed weights' traffic (engine/activation.py)
+        cands = plan_among(work, grad_accum, hw, rates, fixed, host_activations=True)
+    return cands
+
+
+def plan_among(
+    work: Workload,
+    grad_accum: int,
+    hw: Hardware,
+    rates: Rates,
+    fixed: Fixed,
+    host_activations: bool,
+) -> list[Candidate]:
+    """plan() over the engine configs enumerate_plans gives (`host_activations`: with
+    --checkpointing cpu among them)."""
     layout = layout_of(work.model)
     bases = [
         b
         for t in tp_degrees(work, fixed)  # T × (world/T): the stages shard over world/T ranks
-        for b in enumerate_plans(work.dp_ranks(t), fixed.with_(tensor_parallel=t))
+        for b in enumerate_plans(work.dp_ranks(t), fixed.with_(tensor_parallel=t), host_activations)
     ]
     cands: list[Candidate] = []
     seen: set[EngineConfig] = set()
@@ -125,9 +144,11 @@ def plan(
             not c.fits,
             uses_disk(c) if c.fits else 0,
             rank(c) if c.fits else 0,
-            c.compared_time if c.fits else shortfall(c),  # unfitting: the leanest first
-            c.est.compute_total,
-            c.ecfg.engine != "zero",
+            *(
+                speed(c)
+                if c.fits
+                else (shortfall(c), False, c.est.compute_total, c.ecfg.engine != "zero")
+            ),
         )
     )
     return cands
@@ -210,6 +231,58 @@ def fits_layers(work, grad_accum, hw, rates, fixed, layers: int) -> bool:
     return any(c.fits for c in plan(w, grad_accum, hw, rates, fixed))
 
 
+# Sequence lengths are searched in multiples of this (a flash kernel's tile divides it, and
+# the packed loader's rows and the capacity search use the same step); shorter sequences in
+# eighths of themselves.
+SEQ_QUANTUM = 1024
+
+
+def seq_quantum(seq_len: int) -> int:
+    """The step of a sequence-length search below `seq_len`."""
+    return SEQ_QUANTUM if seq_len >= 2 * SEQ_QUANTUM else max(1, seq_len // 8)
+
+
+def fits_seq(work: Workload, grad_accum: int, hw, rates, fixed, seq_len: int) -> bool:
+    w = dataclasses.replace(work, model=work.model.replace(seq_len=seq_len))
+    return any(c.fits for c in plan(w, grad_accum, hw, rates, fixed))
+
+
+def largest_seq_len(
+    work: Workload,
+    grad_accum: int,
+    hw: Hardware,
+    rates: Rates,
+    fixed: Fixed,
+    below: int = 0,
+    quantum: int = 0,
+) -> int:
+    """The longest sequence, a multiple of `quantum` (default: seq_quantum's), shorter than
+    `below` (default: the work's) with which this model fits at the work's micro-batch under
+    some plan (0 if none): a bisection, ~log2(S/1024) plans (7 at 128k tokens)."""
+    S = below or work.model.seq_len
+    q = quantum or seq_quantum(S)
+    lo, hi = 0, (S - 1) // q + 1  # in quanta: lo fits (0: nothing yet), hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits_seq(work, grad_accum, hw, rates, fixed, mid * q) else (lo, mid)
+    return lo * q
+
+
+def longest_that_fits(
+    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: Fixed
+) -> list[tuple[int, int]]:
+    """[(sequence length, micro-batch)] of the longest shorter sequences that fit this model,
+    at the work's micro-batch and at micro-batch 1 (longer: a long context trains one sequence
+    at a time); those that fit at all."""
+    out = []
+    for mb in dict.fromkeys((work.micro_batch, 1)):
+        w = dataclasses.replace(work, micro_batch=mb)
+        seq = largest_seq_len(w, grad_accum, hw, rates, fixed, below=work.model.seq_len)
+        if seq and all(seq > s for s, _ in out):
+            out.append((seq, mb))
+    return out
+
+
 def largest_micro_batch(
     work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: Fixed
 ) -> int:
@@ -261,6 +334,9 @@ def refusal(
     mb = largest_micro_batch(work, grad_accum, hw, rates, fixed)
     if mb:
         alt.append(f"this model at micro-batch {mb}")
+    else:  # not even one sequence of this length: the longest that fits
+        for seq, seq_mb in longest_that_fits(work, grad_accum, hw, rates, fixed):
+            alt.append(f"seq {seq} at micro-batch {seq_mb}")
     # int8 moments are never chosen by themselves (their loss cost), but name them where they
     # would make this very model fit
     if fixed.format("moments") == "auto" and "int8" not in formats.AUTO_FORMATS:

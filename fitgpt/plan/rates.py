@@ -33,6 +33,10 @@ class Rates:
     nvme_read_gbps: float
     nvme_write_gbps: float
     bus_gbps: float  # collective bus bandwidth between GPUs (all-gather / reduce-scatter)
+    # causal attention, forward + backward (SDPA's flash kernel, head dim 128), in the reporting
+    # convention's FLOPs: 4·N·D per query-key pair forward, 3x that with the backward, over the
+    # pairs the causal kernel computes (half the square): plan/throughput.py attention_flops
+    attn_tflops: float = 300.0
     source: str = "defaults"
 
     def to_dict(self) -> dict:
@@ -43,9 +47,15 @@ DEFAULTS = {
     # ANCHORS.md (nvidia-h100-x1 / h200-x2, 2026-11-22) and KINDS.md readings; the host optimizer's
     # 1.53 G params/s is its measured busy rate at 8 B (offload_preview_h100_2026-11-22, 4.83 B
     # parameters in 3.15 s), DRAM-bound, not the 4.8 G/s of cache-sized AdamW in ANCHORS
-    "H100": Rates(790.0, 0.88, 3000.0, 55.0, 55.0, 1.53e9, 1.8, 1.7, 265.0),
-    "H200": Rates(790.0, 0.88, 4300.0, 55.0, 55.0, 1.53e9, 1.8, 1.7, 265.0),
-    "cpu": Rates(0.2, 0.5, 20.0, 20.0, 20.0, 2.0e8, 1.0, 1.0, 5.0),
+    # attention: an ESTIMATE until `fitgpt probe` measures it here. The FlashAttention-3 paper
+    # (Shah et al. 2024, figs. 5-6, H100 SXM5, head dim 128) has FlashAttention-2, the kernel
+    # behind SDPA's flash path, at 333-370 TFLOP/s forward from 8k tokens and slower in the
+    # backward; PyTorch's own benchmark (pytorch/benchmark #2296, H100, d 128) has SDPA at
+    # 287-304. 300 for forward + backward, the H200 the same chip (compute-bound: its faster
+    # memory does not help). The CPU's is assumed, half its GEMM rate.
+    "H100": Rates(790.0, 0.88, 3000.0, 55.0, 55.0, 1.53e9, 1.8, 1.7, 265.0, attn_tflops=300.0),
+    "H200": Rates(790.0, 0.88, 4300.0, 55.0, 55.0, 1.53e9, 1.8, 1.7, 265.0, attn_tflops=300.0),
+    "cpu": Rates(0.2, 0.5, 20.0, 20.0, 20.0, 2.0e8, 1.0, 1.0, 5.0, attn_tflops=0.1),
 }
 
 
@@ -55,18 +65,26 @@ def cache_path(gpu_name: str) -> Path:
     return root / f"probe-{slug}.json"
 
 
-def load(gpu_name: str) -> Rates:
-    """The cached probe for this machine's GPU, else the defaults for its family."""
-    p = cache_path(gpu_name)
-    if p.is_file():
-        try:
-            return Rates(**json.loads(p.read_text()))
-        except (TypeError, json.JSONDecodeError):
-            pass
+def defaults_for(gpu_name: str) -> Rates:
+    """The defaults for this GPU's family (an unknown GPU: the H100's)."""
     for key, r in DEFAULTS.items():
         if key != "cpu" and key in gpu_name:
             return r
     return DEFAULTS["cpu"] if gpu_name == "cpu" else DEFAULTS["H100"]
+
+
+def load(gpu_name: str) -> Rates:
+    """The cached probe for this machine's GPU, else the defaults for its family. A cache
+    written before a rate existed (attn_tflops) keeps its measurements and takes the family's
+    default for the rest."""
+    p = cache_path(gpu_name)
+    base = defaults_for(gpu_name)
+    if p.is_file():
+        try:
+            return Rates(**{**asdict(base), **json.loads(p.read_text())})
+        except (TypeError, json.JSONDecodeError):
+            pass
+    return base
 
 
 def _time(fn, repeat: int = 5) -> float:
@@ -119,6 +137,10 @@ def probe(nvme_path: str = "", log=print) -> Rates:
         t = _time(lambda: a @ b, 20)
         r = replace(r, gemm_tflops=2 * 8192 * 4096 * 16384 / t / 1e12)
         log(f"GEMM bf16 8192×4096×16384: {units.tflops(r.gemm_tflops)}")
+        r = replace(r, attn_tflops=_probe_attention(dev))
+        log(
+            f"causal attention bf16 forward + backward, head dim 128: {units.tflops(r.attn_tflops)}"
+        )
         x = torch.empty(2**28, device=dev, dtype=torch.float32)  # 1 GiB
         y = torch.empty_like(x)
         r = replace(r, hbm_gbps=2 * x.numel() * 4 / _time(lambda: y.copy_(x), 10) / 1e9)
@@ -159,6 +181,24 @@ def probe(nvme_path: str = "", log=print) -> Rates:
     os.replace(tmp, path)
     log(f"cached in {path}")
     return r
+
+
+def _probe_attention(dev: torch.device, B: int = 1, N: int = 32, S: int = 8192, D: int = 128):
+    """SDPA's causal forward + backward at head dim 128 (the flash kernel, CUDA only), in the
+    reporting convention's FLOPs: 12·N·D per query-key pair over the S²/2 pairs a causal
+    kernel computes (plan/throughput.py attention_flops). 1×32×8192×128 is Llama 3 8B's layer
+    at 8k tokens: ~0.3 GiB of q, k, v and their gradients, ~10 ms a pass on an H100."""
+    q, k, v = (
+        torch.randn(B, N, S, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    g = torch.randn(B, N, S, D, device=dev, dtype=torch.bfloat16)
+
+    def step() -> None:
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(y, (q, k, v), g)
+
+    return 12 * N * D * B * S * S / 2 / _time(step, 10) / 1e12
 
 
 def _probe_collectives(nbytes: int = 256 << 20) -> float:

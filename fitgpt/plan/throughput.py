@@ -1,7 +1,12 @@
 """The throughput model: predicted seconds per optimizer step of a plan, term by term.
 
-compute   tokens · FLOPs/token (+ one more forward under checkpointing) at the GPU's achievable
-          rate (probe GEMM rate × model efficiency; fp32 runs on the non-tensor-core rate).
+compute   the matmuls (6 FLOPs per multiplying parameter per token, + 0.6 of a forward's under
+          checkpointing) at the GPU's achievable GEMM rate (probe GEMM rate × model efficiency),
+          and attention's causal work (quadratic in the sequence: attention_flops) at the probe's
+          attention rate × the same efficiency share; fp32 runs on the non-tensor-core rate.
+          Model FLOPs (family.flops_per_token, the TFLOP/s and MFU we report) count attention
+          over the full S×S square, 12·L·N·D·S per token, as the peers' published figures do: a
+          reporting convention, not the work a causal kernel does (half of it).
 comm      ZeRO/DDP collectives at the probe's bus bandwidth; what overlaps with backward (or with
           forward, for stage-3 prefetches) is hidden, the rest exposed.
 optimizer fused AdamW streams ~36 bytes per parameter of its range through device memory;
@@ -25,7 +30,7 @@ from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.moments import bytes_per_param
 from fitgpt.engine.placement import ChunkPlan, Placement
 from fitgpt.engine.validate import CPU_FP16_SLOWDOWN
-from fitgpt.plan.memory import Workload, layout_of, placement_of, tp_of
+from fitgpt.plan.memory import Workload, attention_path, layout_of, placement_of, tp_of
 from fitgpt.plan.rates import Rates
 
 FP32_FRACTION = (
@@ -95,6 +100,64 @@ def compiled_factor(hidden: int, checkpointing: str = "off") -> float:
 # Measured: 2.7b on the H100 at 53.0% -> 44.1% MFU (zero) and 47.0% -> 38.7% (ddp), and 4.44 B at
 # hidden 4096 (sweep_h100_2026-11-22: 594 TFLOP/s at 3.64 B without, 501 at 4.44 B with).
 RECOMPUTE = 0.6
+
+
+def keys_per_query(model, device: str = "cuda") -> float:
+    """The keys one query is scored against, on average, by the kernel that runs: S/2 for a
+    causal flash kernel (it skips the blocks above the diagonal); with a sliding window W < S
+    run through FlexAttention, W - W²/2S (the first W queries see fewer); S where attention runs
+    on a dense T×T mask or bias (memory.attention_path: the masked kernels skip no block)."""
+    S, W = model.seq_len, model.sliding_window
+    path = attention_path(model, device)
+    if path == "mask":
+        return float(S)
+    if path == "flex" and W is not None and W < S:
+        return W - W * W / (2.0 * S)
+    return S / 2.0
+
+
+def attention_flops(model, device: str = "cuda") -> float:
+    """Attention's FLOPs per token, forward + backward, as its kernel does them: QK^T and AV
+    are 4·N·D per query-key pair forward, 3x that with the backward: 12·L·N·D·keys_per_query.
+    Causal at S ≤ the window: 6·L·N·D·S, half the reporting convention's square."""
+    return 12.0 * model.n_layer * model.n_head * model.head_dim * keys_per_query(model, device)
+
+
+def matmul_flops(model) -> float:
+    """The model FLOPs per token less attention's full square (the convention's 12·L·N·D·S):
+    6 per parameter that multiplies, at the GEMM rate."""
+    square = 12.0 * model.n_layer * model.n_head * model.head_dim * model.seq_len
+    return model.flops_per_token() - square
+
+
+def compute_seconds(work: Workload, ecfg: EngineConfig, tokens: int, rates: Rates) -> float:
+    """One rank's compute for `tokens` tokens: the matmuls at the achieved GEMM rate, attention
+    at the achieved attention rate, each 1/T under tensor parallelism.
+
+    The efficiency curve was calibrated on whole steps at 1-4k tokens with attention priced at
+    the GEMM rate; the attention kernel is taken to reach the same share of its own probe rate
+    (efficiency / ceiling: the launches, layout copies and rotary around it scale alike), so
+    the calibrated predictions move by about 2% at those lengths (compute: GPT-2 124 M +2.1%,
+    1.5 B +1.5%, Llama 3 8B at 4k +2.0%, at 8k +3.5%; at 128k +13%, where attention is 80% of
+    the work). Under checkpointing the recompute adds RECOMPUTE of a
+    forward to both: 2 FLOPs per parameter (as before) and attention's causal forward,
+    4·L·N·D·keys_per_query (it was 4·L·h·S: the full square and n_embd, not N·D, wrong where
+    they differ, Qwen3-32B's 64 heads of 128 at hidden 5120)."""
+    m, tp = work.model, tp_of(ecfg)
+    hidden = tp_efficiency_hidden(m.n_embd, tp) if tp > 1 else m.n_embd
+    share = efficiency(hidden, rates.model_efficiency)
+    if work.device == "cpu":
+        share *= CPU_PRECISION_SHARE[work.precision]
+    elif work.precision == "fp32":
+        share *= FP32_FRACTION
+    mm, attn = matmul_flops(m), attention_flops(m, work.device)
+    if ecfg.checkpointing != "off":
+        mm += RECOMPUTE * 2.0 * m.num_params()
+        attn += RECOMPUTE * attn / 3  # the forward is a third of forward + backward
+    gemm = rates.gemm_tflops * 1e12 * share
+    attn_rate = rates.attn_tflops * 1e12 * share / rates.model_efficiency
+    return tokens * (mm / gemm + attn / attn_rate) / tp  # each rank computes 1/T of every layer
+
 
 # Measured extra time over the compute term, as a fraction of it: the stage-2 per-micro-batch
 # gradient flattening and accumulation, stage-3 gathers and their allocations, and autocast's
@@ -213,17 +276,9 @@ def step_time(
     W = work.dp_ranks(tp)
     # per rank: a data-parallel rank's share, which each of its group's T ranks sees
     tokens = work.tokens_per_step(grad_accum, tp) // W
-    flops = m.flops_per_token()
-    if ecfg.checkpointing != "off":
-        flops += RECOMPUTE * (2.0 * m.num_params() + 4.0 * m.n_layer * m.n_embd * m.seq_len)
     n = sum(c.numel for c in layout_of(m, tp))  # this rank's parameters (1/T of the split ones)
     hidden = tp_efficiency_hidden(m.n_embd, tp) if tp > 1 else m.n_embd
-    rate = rates.gemm_tflops * 1e12 * efficiency(hidden, rates.model_efficiency)
-    if work.device == "cpu":
-        rate *= CPU_PRECISION_SHARE[work.precision]
-    elif work.precision == "fp32":
-        rate *= FP32_FRACTION
-    compute = tokens * flops / tp / rate  # each rank computes 1/T of every layer
+    compute = compute_seconds(work, ecfg, tokens, rates)
     if compiled(ecfg):  # either scope: the factors were measured with the regions
         compute *= compiled_factor(hidden, ecfg.checkpointing)
     if ecfg.checkpointing == "cpu":
