@@ -22,6 +22,7 @@ from fitgpt.model.config import ModelConfig
 from fitgpt.model.decoder import DecoderLM, KVCache
 from fitgpt.model.family import Family, Split, register_family
 from fitgpt.model.packing import Packing
+from fitgpt.model.pieces import along_tokens
 
 
 def alibi_slopes(n_head: int) -> Tensor:
@@ -91,8 +92,13 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
+        self.width = 4 * cfg.n_embd  # F of the whole model, also under TP: what pieces decide on
 
     def forward(self, x: Tensor) -> Tensor:
+        """A piece of tokens at a time past model/pieces.py's MLP_PIECE_ELEMS."""
+        return along_tokens(self.whole, x, self.width)
+
+    def whole(self, x: Tensor) -> Tensor:
         h = F.gelu(self.fc(x), approximate="tanh")
         return F.dropout(self.proj(h), self.dropout, self.training)
 
@@ -274,6 +280,12 @@ class GPT2Family(Family):
         (3h), the attention output and its re-laid copy (2h), the MLP's fc and GELU outputs
         (8h): 13h cut by heads and MLP columns."""
         return 4 * cfg.n_embd, 13 * cfg.n_embd
+
+    def mlp_activations(self, cfg: ModelConfig) -> tuple[int, int]:
+        """Saved whole: fc's and GELU's outputs (8h, block_activations' MLP part). A piece's
+        backward at its peak (measured, tests/test_long.py): 11h, the recomputed fc output and
+        GELU's gradients beside it."""
+        return 8 * cfg.n_embd, 11 * cfg.n_embd
 
 
 GPT.family = register_family(GPT2Family())

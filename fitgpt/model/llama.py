@@ -29,6 +29,7 @@ from fitgpt.model.config import ModelConfig
 from fitgpt.model.decoder import DecoderLM, KVCache
 from fitgpt.model.family import Family, Split, family_of, register_family
 from fitgpt.model.packing import Packing
+from fitgpt.model.pieces import along_tokens
 
 
 # ---- rotary positions ------------------------------------------------------------------------
@@ -152,8 +153,13 @@ class SwiGLU(nn.Module):
         self.fc = nn.Linear(cfg.n_embd, 2 * cfg.ffn_width, bias=False)
         self.proj = nn.Linear(cfg.ffn_width, cfg.n_embd, bias=False)
         self.dropout = cfg.dropout
+        self.width = cfg.ffn_width  # F of the whole model, also under TP: what pieces decide on
 
     def forward(self, x_BTH: Tensor) -> Tensor:
+        """A piece of tokens at a time past model/pieces.py's MLP_PIECE_ELEMS."""
+        return along_tokens(self.whole, x_BTH, self.width)
+
+    def whole(self, x_BTH: Tensor) -> Tensor:
         gate, up = self.fc(x_BTH).chunk(2, dim=-1)  # each [B, T, F] (F/T under TP)
         return F.dropout(self.proj(F.silu(gate) * up), self.dropout, self.training)
 
@@ -317,6 +323,13 @@ class LlamaFamily(Family):
         if cfg.qk_norm:
             cut += N * D
         return 4 * cfg.n_embd, cut
+
+    def mlp_activations(self, cfg: ModelConfig) -> tuple[int, int]:
+        """Saved whole: gate and up, silu(gate) and the product (4F, block_activations' MLP
+        part). A piece's backward at its peak (measured, tests/test_long.py: 6F less H): the
+        recomputed gate and up, their gradients' concatenation (2F) and the two gradients it
+        is made of (2F)."""
+        return 4 * cfg.ffn_width, 6 * cfg.ffn_width
 
 
 class Qwen2Family(LlamaFamily):
