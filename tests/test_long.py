@@ -249,3 +249,46 @@ def test_the_planner_reads_the_pieces_from_the_family():
     assert fam.mlp_piece_elems(cfg, 1, 131072, tp=2) == 6 * F * t // 2
     assert fam.mlp_piece_elems(cfg, 1, 131072, tp=2, sp=True) == 6 * F * t
     assert fam.mlp_piece_elems(cfg, 1, 32768, tp=2, sp=True) == 0  # 16,384 a rank: whole
+
+
+# ---- rotary scaling past the training length: YaRN -------------------------------------------
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"truncate": True}, {"beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.25,
+                              "truncate": False}],
+)  # fmt: skip
+def test_yarn_tables_are_transformers_to_the_last_bit(extra):
+    """cos and sin (attention factor applied) of 40 positions, past the original 16, equal to
+    transformers' rotary embedding of the same config.json, bit for bit."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from fitgpt.interop.hf import model_config_from_hf
+    from fitgpt.model.llama import rope_tables
+
+    hf = LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, vocab_size=300,
+        rope_parameters={"rope_theta": 1e6, **YARN, **extra},
+    )  # fmt: skip
+    cfg = model_config_from_hf(hf.to_dict(), "config.json")
+    assert cfg.rope_scaling.kind == "yarn"
+    cos, sin = LlamaRotaryEmbedding(hf)(torch.zeros(1, 40, 16), torch.arange(40)[None])
+    ours = rope_tables(cfg, 40, 0, "cpu")
+    assert torch.equal(ours[0], cos[0]) and torch.equal(ours[1], sin[0])
+
+
+def test_unknown_rope_scalings_are_refused_naming_them():
+    from fitgpt.errors import UserError
+    from fitgpt.model.config import RopeScaling
+
+    with pytest.raises(UserError, match="rope scaling 'dynamic' is not supported"):
+        RopeScaling(kind="dynamic")
+    # a meta.json written before yarn existed reads back (its llama3 scaling unchanged)
+    old = {"kind": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_positions": 8192}  # fmt: skip
+    cfg = llama(rope_scaling=RopeScaling(**old))
+    assert ModelConfig.from_dict({**cfg.to_dict(), "rope_scaling": old}) == cfg
