@@ -292,3 +292,58 @@ def test_unknown_rope_scalings_are_refused_naming_them():
            "original_max_positions": 8192}  # fmt: skip
     cfg = llama(rope_scaling=RopeScaling(**old))
     assert ModelConfig.from_dict({**cfg.to_dict(), "rope_scaling": old}) == cfg
+
+
+# ---- attention at any length -------------------------------------------------------------------
+def test_the_window_takes_flex_only_where_it_serves():
+    """Packing.window: None on the CPU (the attention's own mask, the reference), within the
+    window and with dropout; the choice is Packing.of's (model/packing.py)."""
+    from fitgpt.model.packing import Packing
+
+    cfg = llama(family="mistral", sliding_window=8)
+    assert Packing.window(64, cfg, "cpu", 0.0) is None
+    assert Packing.window(64, llama(), "cuda", 0.0) is None  # no window: is_causal, no mask
+    assert Packing.window(8, cfg, "cuda", 0.0) is None  # within the window: is_causal
+    assert Packing.window(64, cfg, "cuda", 0.1) is None  # dropout: the mask path
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    __import__("shutil").which("g++") is None, reason="no C++ compiler: no CPU FlexAttention"
+)
+def test_the_windows_flex_path_equals_the_mask_path():
+    """What CUDA runs for Mistral's window (one segment's BlockMask, [1, T] broadcast over a
+    batch of 2) through the attention module, against its own [T, T] mask, forward only
+    (FlexAttention has no CPU backward; benchmarks/long_seq_gpu.py checks it on a GPU)."""
+    from fitgpt.model.llama import rope_tables
+    from fitgpt.model.packing import Packing, segment_positions, window_block_mask
+
+    cfg = llama(family="mistral", sliding_window=17, seq_len=256)
+    model = build_model(cfg)
+    model.reset_parameters(0)
+    attn = model.blocks[0].attn.eval()
+    seg = torch.zeros(1, 256, dtype=torch.int64)
+    pos = segment_positions(seg)
+    packing = Packing(seg, pos, flex=window_block_mask(256, cfg.sliding_window, "cpu"))
+    x = torch.randn(2, 256, cfg.n_embd, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = attn(x, None, 0, rope_tables(cfg, 256, 0, "cpu"))
+        got = attn(x, None, 0, (rope_tables(cfg, 256, 0, "cpu", pos), packing))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_attention_builds_no_square_and_alibi_refuses_past_its_bias():
+    """GPT-2 with learned positions at 8,192 tokens: no tensor of T² elements (SDPA's causal
+    kernel; the CPU's flash kernel as the GPU's); ALiBi, whose [N, S, S] bias is built whole,
+    refused in one line where that bias passes ALIBI_BIAS_MAX_BYTES."""
+    from fitgpt.errors import UserError
+
+    cfg = gpt2(seq_len=8192, n_layer=1, n_embd=16, n_head=2)
+    model = build_model(cfg)
+    x = batch_of(cfg, rows=1)
+    with LargestTensor() as seen:
+        model(x[:, :-1], x[:, 1:]).backward()
+    assert seen.largest < 8192**2 // 16
+    gpt2(position="alibi", seq_len=4096)  # 0.75 GiB of bias: taken
+    with pytest.raises(UserError, match=r"position='alibi' at seq_len=131072: .* seq_len <= "):
+        gpt2(position="alibi", seq_len=131072)

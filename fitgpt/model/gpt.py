@@ -24,6 +24,13 @@ from fitgpt.model.family import Family, Split, register_family
 from fitgpt.model.packing import Packing
 from fitgpt.model.pieces import along_tokens
 
+# ALiBi adds a float bias to the scores, so its attention is SDPA with an [N, S, S] bias built
+# once per forward in fp32 (GPT.alibi_bias) and cast to the compute dtype in every block: 6·N·S²
+# bytes at the least under bf16 (at 128 k tokens and 12 heads, 1.1 TiB). Past this much no GPU
+# holds it beside a model: such a config is refused when it is made (GPT2Family.check). The
+# causal rule alone (learned positions, the Llama families) builds no S×S tensor.
+ALIBI_BIAS_MAX_BYTES = 16 * 2**30
+
 
 def alibi_slopes(n_head: int) -> Tensor:
     """ALiBi's per-head slopes: a geometric sequence starting at 2^(-8/n) (Press et al.)."""
@@ -247,6 +254,14 @@ class GPT2Family(Family):
         for bad, what, fix in wrong:
             if bad:
                 raise UserError(f"{what}: the gpt2 family does not have it ({fix})")
+        bias = 6 * cfg.n_head * cfg.seq_len**2  # bytes: fp32, and its bf16 copy per block
+        if cfg.position == "alibi" and bias > ALIBI_BIAS_MAX_BYTES:
+            most = math.isqrt(ALIBI_BIAS_MAX_BYTES // (6 * cfg.n_head))
+            raise UserError(
+                f"position='alibi' at seq_len={cfg.seq_len}: ALiBi's [{cfg.n_head}, S, S] bias "
+                f"takes {bias / 2**30:.0f} GiB, past {ALIBI_BIAS_MAX_BYTES // 2**30} GiB; use "
+                f"seq_len <= {most} or learned positions"
+            )
 
     def tp_sizes(self, cfg: ModelConfig) -> list[tuple[int, str]]:
         return [
