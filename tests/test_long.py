@@ -347,3 +347,28 @@ def test_causal_attention_builds_no_square_and_alibi_refuses_past_its_bias():
     gpt2(position="alibi", seq_len=4096)  # 0.75 GiB of bias: taken
     with pytest.raises(UserError, match=r"position='alibi' at seq_len=131072: .* seq_len <= "):
         gpt2(position="alibi", seq_len=131072)
+
+
+# ---- the loss at long T ------------------------------------------------------------------------
+def test_the_loss_goes_by_rows_at_long_t_and_never_makes_all_the_logits(monkeypatch):
+    """At 128 k tokens of Llama 3's 128,256 tokens the loss takes pieces of 1,046 rows (a
+    [1046, V] piece, 0.5 GiB fp32, where all the logits would be 62.6 GiB); at small sizes with
+    PIECE_LOGITS lowered, a Llama's step over 2,048 tokens of a 1,024 vocabulary never makes a
+    [T, V] tensor and gives the plain loss and gradients."""
+    import fitgpt.model.loss as loss_mod
+
+    assert loss_mod.loss_pieces(131072, 128256) == 1046
+    cfg = llama(seq_len=2048, vocab_size=1000, n_layer=1)  # padded to 1,024
+    T, V = cfg.seq_len, cfg.padded_vocab_size
+    model = build_model(cfg)
+    model.reset_parameters(0)
+    x = batch_of(cfg, rows=1)
+    want, gw = loss_and_grads(model, x)  # the plain loss: [T, V] logits
+    monkeypatch.setattr(loss_mod, "PIECE_LOGITS", 64 * V)
+    assert loss_mod.loss_pieces(T, V) == 64
+    with LargestTensor() as seen:
+        got, gg = loss_and_grads(model, x)
+    assert seen.largest < T * V
+    assert_close_rel(got, want, 1e-6, "loss")
+    for name in gw:
+        assert_close_rel(gg[name], gw[name], 1e-5, name)
