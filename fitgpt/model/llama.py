@@ -6,7 +6,8 @@ What they share, and what sets them apart from GPT-2: RMSNorm without biases, ro
 bias anywhere, tied or untied head. What sets them apart from each other is a field of the
 config each (LlamaFamily.check refuses the others, so every config exports to its Hugging Face
 class): Qwen2 biases on q, k and v; Qwen3 an RMSNorm over each head of q and k before the
-rotation; Mistral a sliding window, applied by a boolean mask only to sequences longer than it.
+rotation; Mistral a sliding window, applied only to sequences longer than it: on CUDA by
+FlexAttention (model/packing.py Packing.window), on the CPU by a boolean mask (mask below).
 
 Like model/gpt.py this file holds the architecture only: sharding, offload and mixed precision
 are applied from outside.
@@ -173,7 +174,10 @@ class GroupedQueryAttention(nn.Module):
     def mask(self, T: int, past: int, device) -> Tensor | None:
         """[T, P+T] boolean (True: attend), or None where is_causal or no mask says it: needed
         for several new tokens after a cache, and for a sliding window the sequence outgrows
-        (query i sees keys i-window+1..i). Shorter sequences keep the mask-free flash path."""
+        (query i sees keys i-window+1..i). Shorter sequences keep the mask-free flash path.
+        The window's mask costs T·(P+T) bytes (16 GiB at 128 k tokens) and a masked kernel over
+        the whole square: a CUDA run without dropout takes FlexAttention instead (the forward
+        hands a Packing from Packing.window), so this serves the CPU, dropout and decoding."""
         windowed = self.window is not None and past + T > self.window
         if not windowed and (past == 0 or T == 1):
             return None

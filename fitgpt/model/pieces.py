@@ -13,9 +13,10 @@ What it costs: one more forward of the MLP per block (2·3·H·F FLOPs a token f
 of the MLP's training FLOPs), with or without the engine's block checkpoint around it (inside
 one, the block's recompute runs the pieces but keeps nothing of them, the piece's own
 checkpoint recomputes again; both checkpoints are non-reentrant, so they nest). At Llama 3.1 8B
-and 128 k tokens that is ~+5% of a step (attention's T² term dominates there), at the
-threshold ~+20% of a block: why the threshold sits above every ordinary micro-batch. The
-pieces' outputs are concatenated: one [B, T, H] copy.
+and 128 k tokens that is ~+6% of a checkpointed block's FLOPs (attention's T² term dominates
+there: 0.35 of ~6 GFLOP a token), at the threshold ~+15% (+20% without the block checkpoint):
+why the threshold sits above every ordinary micro-batch. The pieces' outputs are
+concatenated: one [B, T, H] copy.
 
 Tensor parallelism cuts F, never T, so the pieces go along T on every rank alike. Under
 sequence parallelism a rank holds T/tp tokens; its column-parallel fc gathers each piece from
