@@ -45,6 +45,7 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,
 }
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=64)
 # name -> (config class, its fields): GQA ratios 1:1, 2:1, 4:1, tied and untied, llama3 rope
 # scaling, q/k/v biases (Qwen2), q/k norms with head_dim != hidden/heads (Qwen3), a sliding
@@ -74,6 +75,33 @@ CASES = {
     "qwen3-qknorm-headdim": (
         Qwen3Config,
         dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=300),
+    ),
+    # YaRN past its original 16 positions (X has 32 tokens): transformers' defaults, and
+    # every optional key given
+    "qwen2-yarn": (
+        Qwen2Config,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=300,
+            rope_parameters={"rope_theta": 1e6, **YARN_ROPE},
+        ),
+    ),
+    "llama-yarn-all-keys": (
+        LlamaConfig,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=300,
+            rope_parameters={
+                "rope_theta": 10000.0,
+                **YARN_ROPE,
+                "beta_fast": 16.0,
+                "beta_slow": 2.0,
+                "attention_factor": 1.25,
+                "truncate": False,
+            },
+        ),
     ),
     "mistral-window8": (
         MistralConfig,
@@ -363,7 +391,9 @@ LLAMA = {
 @pytest.mark.parametrize(
     "change, needle",
     [
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "original_max_position_embed"),
+        ({"rope_scaling": {**YARN_ROPE, "mscale": 0.7}}, "mscale=0.7"),
+        ({"rope_parameters": {"rope_type": "longrope", "factor": 2.0}}, "'longrope'"),
         ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "'linear'"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic'"),
         ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial"),

@@ -75,8 +75,8 @@ def test_each_family_refuses_what_it_cannot_honour_in_one_line(family, changes, 
 def test_rope_scaling_is_checked_and_rebuilt_from_its_dict():
     with pytest.raises(UserError, match="low_freq_factor < high_freq_factor"):
         RopeScaling(low_freq_factor=4.0, high_freq_factor=1.0)
-    with pytest.raises(UserError, match="only 'llama3'"):
-        RopeScaling(kind="yarn")
+    with pytest.raises(UserError, match="'linear' is not supported: use one of llama3, yarn"):
+        RopeScaling(kind="linear")
     d = llama(rope_scaling=RopeScaling(factor=32.0)).to_dict()
     assert d["rope_scaling"]["factor"] == 32.0
     assert ModelConfig.from_dict(d).rope_scaling == RopeScaling(factor=32.0)

@@ -32,7 +32,8 @@ context nobody fine-tunes at by default) and keeps max_position_embeddings in ma
 export writes back.
 
 Refused on import, in one line naming the key and the value: hidden_act other than silu; a
-rope_scaling (rope_type) other than the default and llama3, or a partial_rotary_factor;
+rope_scaling (rope_type) other than the default, llama3 and yarn (yarn with DeepSeek's mscale
+keys too), or a partial_rotary_factor;
 attention_bias or mlp_bias (Llama, Qwen3 and Mistral put them on every projection, fitgpt has
 none there); a head_dim that is odd (rotary pairs) or missing where heads do not divide
 hidden_size; key/value heads that do not divide the heads; a Qwen2/3 sliding window
@@ -61,7 +62,9 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
 }
 IMPORT_SEQ_LEN = 4096  # the training context an import records, at most (see the docstring)
-ROPE_TYPES = ("default", "llama3")  # what fitgpt's rotary embedding computes
+ROPE_TYPES = ("default", "llama3", "yarn")  # what fitgpt's rotary embedding computes
+# YaRN's optional keys, read when present and written back only then (RopeScaling's fields)
+YARN_OPTIONAL = ("beta_fast", "beta_slow", "attention_factor")
 # The HF classes' defaults, for keys a hand-written config.json may leave out.
 DEFAULT_EPS, DEFAULT_THETA = 1e-6, 10000.0
 
@@ -85,8 +88,8 @@ def _rope(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise UserError(
-            f"{source}: {key} type {kind!r}; fitgpt's rotary positions support the default "
-            "and 'llama3' scalings only"
+            f"{source}: {key} type {kind!r}; fitgpt's rotary positions support the default, "
+            "'llama3' and 'yarn' scalings only"
         )
     partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
@@ -95,6 +98,8 @@ def _rope(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
         )
     if kind == "default":
         return theta, None
+    if kind == "yarn":
+        return theta, _yarn(scaling, key, source)
     return theta, RopeScaling(
         kind="llama3",
         factor=float_field(scaling, "factor", source, None),
@@ -102,6 +107,46 @@ def _rope(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
         high_freq_factor=float_field(scaling, "high_freq_factor", source, None),
         original_max_positions=int_field(scaling, "original_max_position_embeddings", source),
     )
+
+
+def _yarn(scaling: dict, key: str, source: str) -> RopeScaling:
+    """YaRN's fields; the optional ones kept None when absent (export leaves them out)."""
+    for extra in ("mscale", "mscale_all_dim"):  # DeepSeek's variant of the attention factor
+        if scaling.get(extra) is not None:
+            raise UserError(
+                f"{source}: {key} {extra}={scaling[extra]!r}; fitgpt's yarn takes "
+                "attention_factor (or derives it from factor), not mscale"
+            )
+    opt = {
+        k: float_field(scaling, k, source, None)
+        for k in YARN_OPTIONAL
+        if scaling.get(k) is not None
+    }
+    truncate = scaling.get("truncate")
+    if truncate is not None and not isinstance(truncate, bool):
+        raise UserError(f"{source}: {key} truncate={truncate!r} must be true or false")
+    return RopeScaling(
+        kind="yarn",
+        factor=float_field(scaling, "factor", source, None),
+        original_max_positions=int_field(scaling, "original_max_position_embeddings", source),
+        truncate=truncate,
+        **opt,
+    )
+
+
+def _rope_out(r: RopeScaling) -> dict:
+    """The rope_scaling keys of `r` as transformers reads them."""
+    out: dict = {"rope_type": r.kind, "factor": r.factor}
+    if r.kind == "llama3":
+        out |= {"low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor}
+    out["original_max_position_embeddings"] = r.original_max_positions
+    if r.kind == "yarn":
+        for k in YARN_OPTIONAL:
+            if getattr(r, k) is not None:
+                out[k] = getattr(r, k)
+        if r.truncate is not None:
+            out["truncate"] = r.truncate
+    return out
 
 
 def _sliding_window(hf: dict, mt: str, n_layer: int, source: str) -> int | None:
@@ -275,14 +320,7 @@ class LlamaMapping(HFMapping):
         rope: dict = {"rope_type": "default", "rope_theta": cfg.rope_theta}
         scaling = None
         if cfg.rope_scaling is not None:
-            r = cfg.rope_scaling
-            scaling = {
-                "rope_type": r.kind,
-                "factor": r.factor,
-                "low_freq_factor": r.low_freq_factor,
-                "high_freq_factor": r.high_freq_factor,
-                "original_max_position_embeddings": r.original_max_positions,
-            }
+            scaling = _rope_out(cfg.rope_scaling)
             rope = scaling | {"rope_theta": cfg.rope_theta}
         out = {
             "architectures": [ARCHITECTURES[cfg.family]],

@@ -46,30 +46,57 @@ def small_init_std(n_embd: int) -> float:
     return min(INIT_STD_MAX, math.sqrt(2 / (5 * n_embd)))
 
 
+ROPE_KINDS = ("llama3", "yarn")  # the rotary scalings model/llama.py computes
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3's stretch of rotary frequencies for long contexts (HF rope_type "llama3"):
-    wavelengths longer than original_max_positions / low_freq_factor are divided by `factor`,
-    shorter than original_max_positions / high_freq_factor kept, those between interpolated."""
+    """Rotary frequencies stretched for contexts past the length a model was trained at
+    (Hugging Face's rope_scaling / rope_parameters), as model/llama.py rope_inv_freq computes:
 
-    kind: Literal["llama3"] = "llama3"
+    llama3  Llama 3's: wavelengths longer than original_max_positions / low_freq_factor are
+            divided by `factor`, shorter than original_max_positions / high_freq_factor kept,
+            those between interpolated.
+    yarn    YaRN (Peng et al. 2023; Qwen2.5's and Qwen3's long-context configs): frequencies
+            that turn fewer than beta_slow times over original_max_positions divided by
+            `factor`, more than beta_fast times kept, a linear ramp between; cos and sin
+            multiplied by attention_factor (0.1·ln(factor) + 1 when not given).
+    The yarn fields left None were absent from the config it came from: transformers'
+    defaults apply (beta_fast 32, beta_slow 1, truncate true) and export leaves them out, so
+    a config goes out as it came in. The llama3 fields mean nothing to yarn."""
+
+    kind: Literal["llama3", "yarn"] = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_positions: int = 8192
+    beta_fast: float | None = None  # yarn
+    beta_slow: float | None = None  # yarn
+    attention_factor: float | None = None  # yarn
+    truncate: bool | None = None  # yarn: round the ramp's ends outwards to whole dimensions
 
     def __post_init__(self) -> None:
-        if self.kind != "llama3":
-            raise UserError(f"rope scaling {self.kind!r} is not supported: only 'llama3' is")
+        if self.kind not in ROPE_KINDS:
+            raise UserError(
+                f"rope scaling {self.kind!r} is not supported: use one of {', '.join(ROPE_KINDS)}"
+            )
+        if self.original_max_positions < 1:
+            raise UserError(
+                f"rope scaling original_max_positions={self.original_max_positions} must be >= 1"
+            )
+        if self.kind == "yarn":
+            for name in ("beta_fast", "beta_slow", "attention_factor"):
+                v = getattr(self, name)
+                if v is not None and not v > 0:
+                    raise UserError(f"yarn rope scaling {name}={v} must be positive")
+            if not self.factor >= 1:
+                raise UserError(f"yarn rope scaling factor={self.factor} must be >= 1")
+            return
         if not (self.factor >= 1 and 0 < self.low_freq_factor < self.high_freq_factor):
             raise UserError(
                 f"rope scaling factor={self.factor}, low_freq_factor={self.low_freq_factor}, "
                 f"high_freq_factor={self.high_freq_factor}: need factor >= 1 and "
                 "0 < low_freq_factor < high_freq_factor"
-            )
-        if self.original_max_positions < 1:
-            raise UserError(
-                f"rope scaling original_max_positions={self.original_max_positions} must be >= 1"
             )
 
 
@@ -144,7 +171,8 @@ class ModelConfig:
         default=10000.0, metadata={"help": "rotary base frequency", "cli": False}
     )
     rope_scaling: RopeScaling | None = field(
-        default=None, metadata={"help": "Llama 3's rotary scaling", "cli": False}
+        default=None,
+        metadata={"help": "rotary scaling past the training length: llama3 or yarn", "cli": False},
     )
     qkv_bias: bool = field(default=False, metadata={"help": "biases on q, k and v (Qwen2)"})
     qk_norm: bool = field(

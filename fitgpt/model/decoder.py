@@ -158,11 +158,13 @@ class DecoderLM(nn.Module, ABC):
                 f"{idx_BT.shape[1] + past} tokens exceed the context of {self.cfg.seq_len}"
             )
         packing = None
+        drop = self.cfg.dropout if self.training else 0.0
         if segments_BT is not None:
             if cache is not None:
                 raise ValueError("packed segments are for training; decode without them")
-            drop = self.cfg.dropout if self.training else 0.0
             packing = Packing.of(segments_BT, self.cfg, drop)
+        elif cache is None:  # a sliding window on CUDA: FlexAttention (model/packing.py)
+            packing = Packing.window(idx_BT.shape[1], self.cfg, idx_BT.device, drop)
         aux = self.block_aux(idx_BT.shape[1], past, idx_BT.device, packing)
         x = self.embed(idx_BT, past if packing is None else packing.positions_BT)
         for i, block in enumerate(self.blocks):

@@ -14,6 +14,10 @@ else:
   block_activations the elements per token a block saves for backward, split into those tensor
                     parallelism leaves whole (the norms) and those it cuts 1/T (inside attention
                     and the MLP): what the planner's memory model prices
+  mlp_activations, mlp_piece_elems
+                    what the block's MLP keeps per token when it runs whole, and what it holds
+                    at once when a long micro-batch runs it a piece of tokens at a time
+                    (model/pieces.py): what the planner prices past MLP_PIECE_ELEMS
   head_shared       replicated parameters applied to every head (a per-head norm's weight):
                     under tensor parallelism each rank's gradient of them covers its heads only
   check, ffn_default
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from fitgpt.errors import UserError
+from fitgpt.model.pieces import mlp_piece_tokens
 
 if TYPE_CHECKING:
     from fitgpt.model.config import ModelConfig
@@ -93,6 +98,35 @@ class Family(ABC):
         """Elements per token one block saves for its backward: (left whole by tensor
         parallelism, cut 1/T by it). Flash attention: no S² term."""
         ...
+
+    def mlp_activations(self, cfg: ModelConfig) -> tuple[int, int]:
+        """(saved, peak), elements per token, both cut 1/T by tensor parallelism: `saved`, what
+        the block's MLP keeps for backward when it runs whole (a part of block_activations'
+        cut); `peak`, what one piece's backward holds at once per token of the piece when it
+        runs in pieces (model/pieces.py), measured on the CPU (tests/test_long.py). (0, 0): the
+        family's MLP never runs in pieces (the default)."""
+        return 0, 0
+
+    def mlp_piece_elems(
+        self, cfg: ModelConfig, batch: int, seq: int, tp: int = 1, sp: bool = False
+    ) -> int:
+        """Elements one rank holds at once for the MLP of one block running a micro-batch of
+        `batch` rows of `seq` tokens (the whole sequence) a piece of tokens at a time, at the
+        peak of a piece's backward; 0 when that micro-batch runs the MLP whole (then
+        block_activations prices it). The model's own decision (model/pieces.py
+        mlp_piece_tokens, on this rank's tokens and the whole MLP width). When not 0, price a
+        block as block_activations with mlp_activations' `saved` taken off its cut per token
+        (a piece keeps only its input, a view of the norm's output, in block_activations'
+        whole part), plus this many elements once: one piece of one block exists at a time,
+        in the forward and the backward. Under tensor parallelism the width is cut (1/tp of a
+        piece's elements per rank); under sequence parallelism a rank holds seq/tp tokens and
+        each piece gathers tp times its tokens, so per rank a piece is what one process's is."""
+        peak = self.mlp_activations(cfg)[1]
+        local = seq // tp if sp else seq
+        t = mlp_piece_tokens(batch, local, cfg.ffn_width) if peak else 0
+        if not t:
+            return 0
+        return peak * batch * t if sp else peak * batch * t // tp
 
 
 FAMILIES: dict[str, Family] = {}

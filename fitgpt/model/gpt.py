@@ -22,6 +22,14 @@ from fitgpt.model.config import ModelConfig
 from fitgpt.model.decoder import DecoderLM, KVCache
 from fitgpt.model.family import Family, Split, register_family
 from fitgpt.model.packing import Packing
+from fitgpt.model.pieces import along_tokens
+
+# ALiBi adds a float bias to the scores, so its attention is SDPA with an [N, S, S] bias built
+# once per forward in fp32 (GPT.alibi_bias) and cast to the compute dtype in every block: 6·N·S²
+# bytes at the least under bf16 (at 128 k tokens and 12 heads, 1.1 TiB). Past this much no GPU
+# holds it beside a model: such a config is refused when it is made (GPT2Family.check). The
+# causal rule alone (learned positions, the Llama families) builds no S×S tensor.
+ALIBI_BIAS_MAX_BYTES = 16 * 2**30
 
 
 def alibi_slopes(n_head: int) -> Tensor:
@@ -91,8 +99,13 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
+        self.width = 4 * cfg.n_embd  # F of the whole model, also under TP: what pieces decide on
 
     def forward(self, x: Tensor) -> Tensor:
+        """A piece of tokens at a time past model/pieces.py's MLP_PIECE_ELEMS."""
+        return along_tokens(self.whole, x, self.width)
+
+    def whole(self, x: Tensor) -> Tensor:
         h = F.gelu(self.fc(x), approximate="tanh")
         return F.dropout(self.proj(h), self.dropout, self.training)
 
@@ -241,6 +254,14 @@ class GPT2Family(Family):
         for bad, what, fix in wrong:
             if bad:
                 raise UserError(f"{what}: the gpt2 family does not have it ({fix})")
+        bias = 6 * cfg.n_head * cfg.seq_len**2  # bytes: fp32, and its bf16 copy per block
+        if cfg.position == "alibi" and bias > ALIBI_BIAS_MAX_BYTES:
+            most = math.isqrt(ALIBI_BIAS_MAX_BYTES // (6 * cfg.n_head))
+            raise UserError(
+                f"position='alibi' at seq_len={cfg.seq_len}: ALiBi's [{cfg.n_head}, S, S] bias "
+                f"takes {bias / 2**30:.0f} GiB, past {ALIBI_BIAS_MAX_BYTES // 2**30} GiB; use "
+                f"seq_len <= {most} or learned positions"
+            )
 
     def tp_sizes(self, cfg: ModelConfig) -> list[tuple[int, str]]:
         return [
@@ -274,6 +295,12 @@ class GPT2Family(Family):
         (3h), the attention output and its re-laid copy (2h), the MLP's fc and GELU outputs
         (8h): 13h cut by heads and MLP columns."""
         return 4 * cfg.n_embd, 13 * cfg.n_embd
+
+    def mlp_activations(self, cfg: ModelConfig) -> tuple[int, int]:
+        """Saved whole: fc's and GELU's outputs (8h, block_activations' MLP part). A piece's
+        backward at its peak (measured, tests/test_long.py): 11h, the recomputed fc output and
+        GELU's gradients beside it."""
+        return 8 * cfg.n_embd, 11 * cfg.n_embd
 
 
 GPT.family = register_family(GPT2Family())

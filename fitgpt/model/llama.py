@@ -1,12 +1,13 @@
 """The Llama families: Llama 3, Qwen2/2.5, Qwen3 and Mistral, one network for all four.
 
 What they share, and what sets them apart from GPT-2: RMSNorm without biases, rotary positions
-(no position table; Llama 3's frequency scaling when the config has it), grouped-query attention
+(no position table; Llama 3's or YaRN's frequency scaling when the config has it), grouped-query attention
 (K key/value heads serve N query heads, K dividing N), a gated MLP proj(silu(gate)·up), and no
 bias anywhere, tied or untied head. What sets them apart from each other is a field of the
 config each (LlamaFamily.check refuses the others, so every config exports to its Hugging Face
 class): Qwen2 biases on q, k and v; Qwen3 an RMSNorm over each head of q and k before the
-rotation; Mistral a sliding window, applied by a boolean mask only to sequences longer than it.
+rotation; Mistral a sliding window, applied only to sequences longer than it: on CUDA by
+FlexAttention (model/packing.py Packing.window), on the CPU by a boolean mask (mask below).
 
 Like model/gpt.py this file holds the architecture only: sharding, offload and mixed precision
 are applied from outside.
@@ -25,23 +26,26 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fitgpt.errors import UserError
-from fitgpt.model.config import ModelConfig
+from fitgpt.model.config import ModelConfig, RopeScaling
 from fitgpt.model.decoder import DecoderLM, KVCache
 from fitgpt.model.family import Family, Split, family_of, register_family
 from fitgpt.model.packing import Packing
+from fitgpt.model.pieces import along_tokens
 
 
 # ---- rotary positions ------------------------------------------------------------------------
 def rope_inv_freq(cfg: ModelConfig, device=None) -> Tensor:
-    """[D/2] fp32 rotation frequencies theta^(-2i/D), stretched by Llama 3's scaling when the
-    config has it, in the order of operations transformers uses (so the tables agree to the
-    last bit on the same device)."""
+    """[D/2] fp32 rotation frequencies theta^(-2i/D), stretched by the config's scaling (Llama
+    3's or YaRN's) when it has one, in the order of operations transformers uses (so the
+    tables agree to the last bit on the same device)."""
     D = cfg.head_dim
     exponent = torch.arange(0, D, 2, dtype=torch.int64, device=device).float() / D
     inv = 1.0 / (cfg.rope_theta**exponent)
     rs = cfg.rope_scaling
     if rs is None:
         return inv
+    if rs.kind == "yarn":
+        return yarn_inv_freq(rs, cfg.rope_theta**exponent, cfg.rope_theta, D)
     # long wavelengths (past original/low_freq_factor) slowed by `factor`, short ones (under
     # original/high_freq_factor) kept, those between blended linearly in original/wavelength
     low_wavelen = rs.original_max_positions / rs.low_freq_factor
@@ -56,12 +60,47 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def yarn_inv_freq(rs: RopeScaling, pos_freqs: Tensor, theta: float, D: int) -> Tensor:
+    """YaRN's frequencies (transformers' _compute_yarn_parameters, step for step): the
+    dimensions i whose frequency turns fewer than beta_slow times over the original context
+    take theta^(2i/D)·factor's (interpolated), more than beta_fast times theta^(2i/D)'s
+    (kept), a linear ramp between, over dimension indices rounded outwards unless truncate is
+    false. `pos_freqs`: theta^(2i/D), [D/2] fp32."""
+    beta_fast, beta_slow = rs.beta_fast or 32, rs.beta_slow or 1
+    orig = rs.original_max_positions
+
+    def dim_of(turns: float) -> float:  # the dimension that turns `turns` times over orig
+        return (D * math.log(orig / (turns * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if rs.truncate is not False:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(D // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = (1 - ramp).to(pos_freqs.device)  # 1: the frequency kept (extrapolated)
+    return (1.0 / (rs.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's attention_factor (given, or
+    0.1·ln(factor) + 1 as transformers derives it), 1 for every other rotation."""
+    rs = cfg.rope_scaling
+    if rs is None or rs.kind != "yarn":
+        return 1.0
+    if rs.attention_factor is not None:
+        return rs.attention_factor
+    return 1.0 if rs.factor <= 1 else 0.1 * math.log(rs.factor) + 1.0
+
+
 def rope_tables(
     cfg: ModelConfig, T: int, past: int, device, positions_BT: Tensor | None = None
 ) -> Tensor:
     """[2, T, D] fp32: cos and sin of positions past..past+T-1 for each of a head's D
-    dimensions (the frequencies repeated: dimension i pairs with i + D/2). Packed rows give
-    every token's position instead: [2, B, 1, T, D] (B·T·D·8 bytes, shared by the blocks)."""
+    dimensions (the frequencies repeated: dimension i pairs with i + D/2), times YaRN's
+    attention factor when the config scales that way. Packed rows give every token's position
+    instead: [2, B, 1, T, D] (B·T·D·8 bytes, shared by the blocks)."""
     inv = rope_inv_freq(cfg, device)
     if positions_BT is None:
         pos = torch.arange(past, past + T, device=device, dtype=torch.float32)
@@ -69,6 +108,9 @@ def rope_tables(
     else:
         angles = (positions_BT.float()[..., None] * inv)[:, None]  # [B, 1, T, D/2]
     angles = torch.cat((angles, angles), dim=-1)
+    scale = rope_attention_factor(cfg)
+    if scale != 1.0:  # YaRN: as transformers, cos·s and sin·s in fp32, before any cast
+        return torch.stack((angles.cos() * scale, angles.sin() * scale))
     return torch.stack((angles.cos(), angles.sin()))
 
 
@@ -132,7 +174,10 @@ class GroupedQueryAttention(nn.Module):
     def mask(self, T: int, past: int, device) -> Tensor | None:
         """[T, P+T] boolean (True: attend), or None where is_causal or no mask says it: needed
         for several new tokens after a cache, and for a sliding window the sequence outgrows
-        (query i sees keys i-window+1..i). Shorter sequences keep the mask-free flash path."""
+        (query i sees keys i-window+1..i). Shorter sequences keep the mask-free flash path.
+        The window's mask costs T·(P+T) bytes (16 GiB at 128 k tokens) and a masked kernel over
+        the whole square: a CUDA run without dropout takes FlexAttention instead (the forward
+        hands a Packing from Packing.window), so this serves the CPU, dropout and decoding."""
         windowed = self.window is not None and past + T > self.window
         if not windowed and (past == 0 or T == 1):
             return None
@@ -152,8 +197,13 @@ class SwiGLU(nn.Module):
         self.fc = nn.Linear(cfg.n_embd, 2 * cfg.ffn_width, bias=False)
         self.proj = nn.Linear(cfg.ffn_width, cfg.n_embd, bias=False)
         self.dropout = cfg.dropout
+        self.width = cfg.ffn_width  # F of the whole model, also under TP: what pieces decide on
 
     def forward(self, x_BTH: Tensor) -> Tensor:
+        """A piece of tokens at a time past model/pieces.py's MLP_PIECE_ELEMS."""
+        return along_tokens(self.whole, x_BTH, self.width)
+
+    def whole(self, x_BTH: Tensor) -> Tensor:
         gate, up = self.fc(x_BTH).chunk(2, dim=-1)  # each [B, T, F] (F/T under TP)
         return F.dropout(self.proj(F.silu(gate) * up), self.dropout, self.training)
 
@@ -317,6 +367,13 @@ class LlamaFamily(Family):
         if cfg.qk_norm:
             cut += N * D
         return 4 * cfg.n_embd, cut
+
+    def mlp_activations(self, cfg: ModelConfig) -> tuple[int, int]:
+        """Saved whole: gate and up, silu(gate) and the product (4F, block_activations' MLP
+        part). A piece's backward at its peak (measured, tests/test_long.py: 6F less H): the
+        recomputed gate and up, their gradients' concatenation (2F) and the two gradients it
+        is made of (2F)."""
+        return 4 * cfg.ffn_width, 6 * cfg.ffn_width
 
 
 class Qwen2Family(LlamaFamily):

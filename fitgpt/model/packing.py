@@ -31,7 +31,11 @@ scores), and dropout needs the mask path. FlexAttention has no CPU backward, so 
 the mask path; its forward on the CPU equals the mask's (tests/test_packing.py).
 benchmarks/packed_attention_gpu.py checks flex against the mask path on a GPU and times both.
 
-Generation (the KV cache) never packs: a cache serves one sequence per row.
+Mistral's sliding window over rows of one sequence each is the same rule with one segment: on
+CUDA, past the window, Packing.window gives the blocks a flex Packing of a single segment
+(no T×T mask: at 128 k tokens the boolean mask is 16 GiB); the CPU keeps the attention's own
+mask (the reference). Generation (the KV cache) never packs: a cache serves one sequence per
+row.
 
 Shape legend: B batch, T tokens, N query heads, K key/value heads, D head dim.
 """
@@ -99,6 +103,22 @@ def block_mask(segments_BT: Tensor, window: int | None) -> Any:
     return create(document, B, None, T, T, device=seg.device, _compile=True)
 
 
+def _flex_serves(device: torch.device, cfg: ModelConfig, dropout: float) -> bool:
+    """FlexAttention on CUDA, without dropout (it has none) or ALiBi's additive bias."""
+    return device.type == "cuda" and dropout == 0.0 and cfg.position != "alibi"
+
+
+def window_block_mask(T: int, window: int, device) -> Any:
+    """FlexAttention's BlockMask of a causal window over one sequence (query i sees keys
+    i-window+1..i), made once for every row and head (B and H broadcast): (T/128)² flags."""
+    _, create = _flex()
+
+    def sliding(b, h, q, k):
+        return (k <= q) & (q - k < window)
+
+    return create(sliding, None, None, T, T, device=device, _compile=True)
+
+
 @dataclass(frozen=True)
 class Packing:
     """What every block needs to keep packed samples apart, made once per forward (Packing.of):
@@ -115,9 +135,23 @@ class Packing:
         or ALiBi's additive bias, the boolean mask otherwise; the window is the config's."""
         positions = segment_positions(segments_BT)
         window = cfg.sliding_window
-        if segments_BT.is_cuda and dropout == 0.0 and cfg.position != "alibi":
+        if _flex_serves(segments_BT.device, cfg, dropout):
             return Packing(segments_BT, positions, flex=block_mask(segments_BT, window))
         return Packing(segments_BT, positions, mask=keep_mask(segments_BT, window))
+
+    @staticmethod
+    def window(T: int, cfg: ModelConfig, device, dropout: float) -> Packing | None:
+        """Mistral's sliding window over rows of one sequence each, longer than the window: on
+        CUDA (no dropout) the rule of one segment by FlexAttention, a [1, T] segment row
+        broadcast over the batch (no T×T tensor; the kernel skips the blocks outside the
+        window, so attention costs T·window, not T²/2). None elsewhere: the attention's own
+        boolean [T, T] mask (model/llama.py GroupedQueryAttention.mask), the CPU reference,
+        T² bytes (16 GiB at 128 k tokens) and a masked kernel over the whole square."""
+        w = cfg.sliding_window
+        if w is None or w >= T or not _flex_serves(torch.device(device), cfg, dropout):
+            return None
+        seg = torch.zeros(1, T, dtype=torch.int64, device=device)
+        return Packing(seg, segment_positions(seg), flex=window_block_mask(T, w, device))
 
     def with_bias(self, bias_NTT: Tensor) -> Packing:
         """ALiBi: its additive bias folded into the mask, -inf across samples: a float
