@@ -80,9 +80,11 @@ def test_activations_have_no_s_squared_term_without_a_mask():
         a = activation_bytes(Workload(m, 1, device=device), "full")
         return a["activations"] + a["block_backward"] + a.get("attention_bias", 0)
 
-    # flash: bytes per token do not grow with S (a few % from the logits' piece, fixed)
+    # flash: bytes per token never grow with S; past a few pieces of the MLP (one piece's
+    # transient and the logits' piece are fixed sizes) they settle
     per_token = [act(llama(S)) / S for S in (32768, 131072, 524288)]
-    assert max(per_token) / min(per_token) < 1.01
+    assert per_token[0] >= per_token[1] >= per_token[2]
+    assert per_token[1] / per_token[2] < 1.01
     # a window shorter than S on a CPU builds a [S, S] boolean per block; on CUDA none
     m = get_preset("mistral-7b").replace(seq_len=16384, sliding_window=4096, n_layer=2)
     assert act(m, "cpu") - act(m.replace(sliding_window=None), "cpu") == 16384**2

@@ -180,23 +180,20 @@ def attention_path(model: ModelConfig, device: str) -> str:
     return "flash"
 
 
-def mlp_working_bytes(model: ModelConfig, tokens: int, w: int, tp: int = 1) -> int:
-    """Bytes the MLP holds at once in one block's forward or backward beyond what the family
-    counts saved (Family.block_activations), for `tokens` tokens of this rank.
-
-    The one place the planner prices the MLP's working set. Today every family runs its MLP
-    whole: its intermediates (Llama: gate and up, silu(gate), the product, 4F per token) are
-    among the saved elements block_activations counts, and nothing more is priced here. A
-    family whose MLP runs in pieces along the sequence past a threshold (the long-context
-    branch's model/) says so with `Family.mlp_working(cfg, tokens) -> int`: the elements, before
-    tensor parallelism's 1/T, of the transient one piece makes (its intermediates, recomputed
-    in the backward, and their gradients), 0 below the threshold; its block_activations then
-    leaves out the intermediates it no longer saves."""
+def mlp_working_bytes(model: ModelConfig, batch: int, w: int, tp: int = 1, sp: bool = False):
+    """(elements per token to take off block_activations' cut, bytes of one piece's transient):
+    the one place the planner prices the MLP's working set. A family's MLP runs whole up to a
+    size the model decides (model/pieces.py mlp_piece_tokens): its intermediates (Llama: gate
+    and up, silu(gate), the product, 4F per token) are then among the saved elements
+    block_activations counts, and this returns (0, 0). Past it the MLP runs a piece of tokens at
+    a time, each piece checkpointed: a block saves only the piece's input, and one piece of one
+    block holds its intermediates and their gradients at once, in the forward and the backward
+    (Family.mlp_piece_elems, per rank, tensor and sequence parallelism included)."""
     family = family_of(model)
-    piece = getattr(family, "mlp_working", None)
-    if piece is None:
-        return 0
-    return int(piece(model, tokens)) * w // tp
+    piece = family.mlp_piece_elems(model, batch, model.seq_len, tp, sp)
+    if not piece:
+        return 0, 0
+    return family.mlp_activations(model)[0], piece * w
 
 
 def attention_bytes(work: Workload, tp: int = 1) -> dict[str, int]:
@@ -248,6 +245,8 @@ def activation_bytes(
     a = work.w
     sbh = m.seq_len * b * m.n_embd
     whole, cut = family_of(m).block_activations(m)  # elements per token
+    unsaved, mlp_piece = mlp_working_bytes(m, b, a, tp, sp)
+    cut -= unsaved  # an MLP run in pieces saves only each piece's input (already in `whole`)
     sb = m.seq_len * b
     per_block = (whole * sb + cut * sb // tp) * a
     if sp:
@@ -263,7 +262,7 @@ def activation_bytes(
         blocks = 2 * sbh * a + per_block
     out = {"activations": blocks + 8 * sbh * a + 3 * sbh * a}  # + embedding output, final norm
     # one block's backward at a time: attention's workspace, then the MLP's (not both at once)
-    out["block_backward"] = max(attn["backward"], mlp_working_bytes(m, sb, a, tp))
+    out["block_backward"] = max(attn["backward"], mlp_piece)
     if attn["shared"]:
         out["attention_bias"] = attn["shared"]
     # logits in the working dtype, their fp32 copy for a stable softmax, the saved log-probs,
