@@ -66,3 +66,39 @@ def build_mesh(rank: int, world: int, tp: int) -> Mesh:
                 mine[kind] = (g, ranks.index(rank))
     (tp_group, tp_rank), (dp_group, dp_rank) = mine["tp"], mine["dp"]
     return Mesh(tp, world // tp, tp_rank, dp_rank, tp_group, dp_group)
+
+
+# ---- context parallelism --------------------------------------------------------------------
+@dataclass(frozen=True)
+class ContextGroup:
+    """This rank's place in a C-rank context-parallel (CP) group: C consecutive ranks that
+    share every row, each holding the contiguous slice [rank·S/C, (rank+1)·S/C) of its
+    tokens (fitgpt/parallel/context.py). For gradients and ZeRO the C ranks are data-parallel
+    ranks like any other (they train different tokens of the same weights), so the engines
+    reduce over the whole job; only the data loader and attention's all-to-alls see the group."""
+
+    size: int  # C
+    rank: int  # which slice of every row this rank holds
+    group: dist.ProcessGroup | None  # the C ranks; None: a group of one
+
+
+def cp_ranks(world: int, cp: int) -> list[list[int]]:
+    """The CP groups: C consecutive ranks each (one box's fastest links: attention's
+    all-to-alls run 4 times per layer per pass)."""
+    return [list(range(g * cp, (g + 1) * cp)) for g in range(world // cp)]
+
+
+def build_context_group(rank: int, world: int, cp: int) -> ContextGroup:
+    """Create every CP group (collective: every rank calls it with the same arguments)."""
+    if cp < 1 or world % cp:
+        raise UserError(
+            f"--context-parallel {cp} does not divide the {world} rank(s) of this run: use a "
+            f"divisor of {world} (or --gpus a multiple of {cp})"
+        )
+    mine = None
+    for ranks in cp_ranks(world, cp):
+        g = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            mine = ContextGroup(cp, ranks.index(rank), g)
+    assert mine is not None
+    return mine
