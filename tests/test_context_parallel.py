@@ -135,7 +135,9 @@ def engine_worker(rank: int, world: int, tmp: str) -> None:
         for packed in (False, True) if key in PACKED else (False,):
             res[f"{key}/{packed}"] = engine_run(cfg, ecfg, ctx, packed)
     # the training loop: the loader's data rank and slices, the tokens per step
-    run = run_config(Path(tmp) / "cp2", **TRAIN, engine="zero", zero_stage=2, context_parallel=2)
+    run = run_config(
+        Path(tmp) / "cp2", **TRAIN, save_every=2, engine="zero", zero_stage=2, context_parallel=2
+    )
     res["train"] = train(run, ctx)["losses"]
     if rank == 0:
         (Path(tmp) / "results.json").write_text(json.dumps(res))
@@ -151,6 +153,10 @@ def test_context_parallel_engines_train_as_one_process(tmp_path, gloo):
     res = json.loads((tmp_path / "results.json").read_text())
     want = train(run_config(tmp_path / "one", **TRAIN), CPU)["losses"]
     assert close(res.pop("train"), want, 1e-5)
+    # its checkpoint (ZeRO-2 shards over both CP ranks) resumes on one process
+    run = run_config(tmp_path / "cp2", **TRAIN, engine="ddp")
+    resumed = train(run, CPU, resume=str(tmp_path / "cp2" / "step_00000002"))["losses"]
+    assert close(resumed, want[2:], 1e-5)
     refs: dict = {}
     for key, got in res.items():
         name, _, packed = key.split("/")

@@ -97,7 +97,7 @@ def build(
         model = build_model(cfg)
     layout = chunk_layout(model)
     if cp is not None:  # the weights stay whole: the unsplit layout and view
-        check_context_parallel(cp.size, cfg, world, mesh.tp if mesh is not None else 1)
+        check_context_parallel(cp.size, cfg, world)  # T > 1 refused by EngineConfig
         return Built(context_parallel(model, cp), layout, layout, StateView())
     if mesh is None:
         return Built(model, layout, layout, StateView())

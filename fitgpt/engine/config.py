@@ -258,7 +258,7 @@ class EngineConfig:
         if cp > 1 and tp != 1:
             raise UserError(
                 f"--context-parallel {cp} with --tensor-parallel {tp or 'auto'}: the two are not "
-                "composed yet; use one of them"
+                "composed yet; use one of them (C splits the sequence, T the weights)"
             )
         if self.zero_stage not in (0, 1, 2, 3):
             raise UserError(f"--zero-stage {self.zero_stage}: use 0, 1, 2 or 3")

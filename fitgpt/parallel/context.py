@@ -133,21 +133,12 @@ def cp_sizes(cfg: ModelConfig, world: int | None) -> list[tuple[int, str]]:
     return checks
 
 
-def context_parallel_refusal(
-    cp: int, cfg: ModelConfig, world: int | None = None, tp: int = 1
-) -> str | None:
-    """The one line refusing a C the model, the job or the other settings cannot run, or None
-    (engine/validate.py asks it for train, plan, capacity and the planner's candidates)."""
-    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-        return f"--context-parallel {cp!r} must be a whole number >= 1"
-    if cp == 1:
+def context_parallel_refusal(cp: int, cfg: ModelConfig, world: int | None = None) -> str | None:
+    """The one line refusing a C the model or the job cannot be split by, or None
+    (engine/validate.py asks it for train, plan, capacity and the planner's candidates; C >= 1
+    and C without tensor parallelism are EngineConfig's own checks)."""
+    if cp <= 1:
         return None
-    if tp != 1:
-        return (
-            f"--context-parallel {cp} with --tensor-parallel {tp or 'auto'}: the two are not "
-            "composed yet; use one of them (context parallelism splits the sequence, tensor "
-            "parallelism the weights)"
-        )
     checks = cp_sizes(cfg, world)
     for n, what in checks:
         if n % cp:
@@ -161,9 +152,9 @@ def context_parallel_refusal(
     return None
 
 
-def check_context_parallel(cp: int, cfg: ModelConfig, world: int | None = None, tp: int = 1):
+def check_context_parallel(cp: int, cfg: ModelConfig, world: int | None = None) -> None:
     """Refuse in one line, before anything is built (context_parallel_refusal)."""
-    why = context_parallel_refusal(cp, cfg, world, tp)
+    why = context_parallel_refusal(cp, cfg, world)
     if why:
         raise UserError(why)
 
