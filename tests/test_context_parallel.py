@@ -24,7 +24,7 @@ from fitgpt.engine.validate import check_settings
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, build_model
 from fitgpt.parallel import context_parallel
-from fitgpt.parallel.context import check_context_parallel
+from fitgpt.parallel.context import check_context_parallel, heads_to_seq, seq_to_heads
 from fitgpt.train.loop import train
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
@@ -95,7 +95,23 @@ def check_model(cfg: ModelConfig, packed: bool) -> None:
         torch.testing.assert_close(g, grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def check_all_to_alls(rank: int) -> None:
+    """seq_to_heads gives this rank's heads (1/C of each fused part) of every token, in order;
+    heads_to_seq undoes it, and each one's backward is the other."""
+    cp = init_distributed("cpu").with_context_parallel(2).cp
+    full = torch.randn(2, 8, 3 * 4 * 5, generator=torch.Generator().manual_seed(3))  # P=3, F=20
+    mine = full[:, rank * 4 : (rank + 1) * 4].clone().requires_grad_()
+    heads = seq_to_heads(mine, 3, cp)
+    want = full.view(2, 8, 3, 2, 10)[:, :, :, rank].reshape(2, 8, 30)  # 2 of 4 heads of D=5
+    assert torch.equal(heads, want)
+    back = heads_to_seq(heads, 3, cp)
+    assert torch.equal(back, mine)
+    back.sum().backward()
+    assert torch.equal(mine.grad, torch.ones_like(mine))
+
+
 def model_worker(rank: int, world: int) -> None:
+    check_all_to_alls(rank)
     for name in ("llama", "qwen3", "mistral", "gpt2", "gpt2_alibi"):
         for packed in (False, True):
             check_model(MODELS[name], packed)
