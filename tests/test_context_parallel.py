@@ -23,8 +23,9 @@ from fitgpt.engine.factory import build_engine
 from fitgpt.engine.validate import check_settings
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, build_model
-from fitgpt.parallel import context_parallel
+from fitgpt.parallel import context_parallel, parallelize
 from fitgpt.parallel.context import check_context_parallel, heads_to_seq, seq_to_heads
+from fitgpt.parallel.shard import unshard
 from fitgpt.train.loop import train
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
@@ -122,6 +123,72 @@ def test_context_parallel_model_gives_the_unsplit_loss_and_gradients(gloo):
     gloo(2, model_worker)
 
 
+# ---- with tensor parallelism (world 4: T = 2 × C = 2) ---------------------------------------
+def check_tp_model(cfg: ModelConfig, sp: bool) -> None:
+    """T = 2 (with or without sequence parallelism) × C = 2: the loss, and each gradient summed
+    over the CP group (and a replicated one over the TP group under SP, as the engines do) and
+    unsplit over the TP group, against the unsplit model's."""
+    torch.manual_seed(0)
+    ref = build_model(cfg)
+    ref.reset_parameters(0)
+    ctx = init_distributed("cpu").with_tensor_parallel(2).with_context_parallel(2)
+    m = context_parallel(parallelize(copy.deepcopy(ref), ctx.mesh, sp), ctx.cp)
+    b = packed_batch(2, seed=5, masked=0.3)
+    want = ref(b.inputs, b.targets, segments_BT=b.segments)
+    want.backward()
+    mine = sliced(b, ctx.cp.rank, 2)
+    count = (mine.targets != -1).sum().float()
+    total = count.clone()
+    dist.all_reduce(total, group=ctx.cp.group)
+    got = m(mine.inputs, mine.targets, segments_BT=mine.segments) * (count / total)
+    got.backward()
+    loss = got.detach().clone()
+    dist.all_reduce(loss, group=ctx.cp.group)
+    assert abs(loss.item() - want.item()) < 1e-5, (cfg.family, sp, loss.item(), want.item())
+    rule, grads = ref.family.split_rule, dict(ref.named_parameters())
+    for name, p in m.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g, group=ctx.cp.group)
+        if sp and rule(name) is None:
+            dist.all_reduce(g, group=ctx.mesh.tp_group)
+        parts = [torch.empty_like(g) for _ in range(2)]
+        dist.all_gather(parts, g.contiguous(), group=ctx.mesh.tp_group)
+        torch.testing.assert_close(
+            unshard(rule(name), parts), grads[name].grad, atol=1e-5, rtol=1e-4, msg=name
+        )
+
+
+TP_ENGINES = {
+    "zero1": EngineConfig(engine="zero", zero_stage=1, tensor_parallel=2, context_parallel=2),
+    "zero3_sp": EngineConfig(engine="zero", zero_stage=3, checkpointing="full",
+                             tensor_parallel=2, sequence_parallel=True, context_parallel=2),
+}  # fmt: skip
+
+
+LLAMA_TC = MODELS["llama"].replace(n_head=8, n_kv_head=4)  # GQA that T·C = 4 divides
+
+
+def tp_worker(rank: int, world: int, tmp: str) -> None:
+    for cfg in (LLAMA_TC, MODELS["gpt2"]):
+        for sp in (False, True):
+            check_tp_model(cfg, sp)
+    ctx = init_distributed("cpu")
+    res = {key: engine_run(LLAMA_TC, e, ctx, True) for key, e in TP_ENGINES.items()}
+    if rank == 0:
+        (Path(tmp) / "results.json").write_text(json.dumps(res))
+
+
+@pytest.mark.slow
+def test_context_parallel_composes_with_tensor_parallel(tmp_path, gloo):
+    gloo(4, tp_worker, str(tmp_path))
+    res = json.loads((tmp_path / "results.json").read_text())
+    want = engine_run(LLAMA_TC, EngineConfig(engine="ddp"), CPU, True)
+    for key, got in res.items():
+        assert close(got["loss"], want["loss"], 1e-5), (key, got["loss"], want["loss"])
+        assert close(got["norm"], want["norm"], 1e-4), (key, got["norm"], want["norm"])
+        assert close(got["weights"], want["weights"], 1e-4), key
+
+
 # ---- engines -------------------------------------------------------------------------------
 def engine_run(cfg: ModelConfig, ecfg: EngineConfig, ctx, packed: bool) -> dict:
     """STEPS steps of 2 micro-batches of 2 rows, each rank its slice of every row; the losses,
@@ -215,8 +282,8 @@ def test_context_parallel_the_scheme_cannot_run_is_refused_in_one_line():
     odd = llama.replace(seq_len=33)
     with pytest.raises(UserError, match=r"the sequence length \(--seq-len\), 33"):
         check_context_parallel(2, odd, 2)
-    with pytest.raises(UserError, match="not composed yet"):
-        EngineConfig(context_parallel=2, tensor_parallel=2)
+    with pytest.raises(UserError, match=r"with --tensor-parallel 2 does not divide the key/val"):
+        check_context_parallel(2, llama, 4, tp=2)  # 2 key/value heads: 1 per TP rank
     with pytest.raises(UserError, match="whole number"):
         EngineConfig(context_parallel=0)
     # the one validation train, plan and the planner share (engine/validate.py)

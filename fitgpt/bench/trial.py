@@ -148,7 +148,7 @@ def run_trial(spec: dict) -> dict:
         ctx.rank // (tp * cp),
         ctx.world // (tp * cp),
         0,
-        ctx.rank % cp,
+        (ctx.rank // tp) % cp,  # the DP index's place in its CP group (dist/mesh.py cp_ranks)
         cp,
     )
     runner = None

@@ -82,7 +82,8 @@ class DistContext:
             return self
         if self.cp is not None:
             raise ValueError(f"this context is laid out for C={self.cp_size}, not {cp}")
-        return dataclasses.replace(self, cp=build_context_group(self.rank, self.world, cp))
+        group = build_context_group(self.rank, self.world, cp, self.tp)  # after the TP layout
+        return dataclasses.replace(self, cp=group)
 
     def with_tensor_parallel(self, tp: int) -> DistContext:
         """This context with a T-rank tensor-parallel layout (collective: every rank calls it).

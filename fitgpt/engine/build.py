@@ -96,12 +96,15 @@ def build(
     with torch.device("meta"):
         model = build_model(cfg)
     layout = chunk_layout(model)
-    if cp is not None:  # the weights stay whole: the unsplit layout and view
-        check_context_parallel(cp.size, cfg, world)  # T > 1 refused by EngineConfig
-        return Built(context_parallel(model, cp), layout, layout, StateView())
-    if mesh is None:
+    if cp is not None:
+        tp = mesh.tp if mesh is not None else 1
+        check_context_parallel(cp.size, cfg, world, tp, sequence_parallel)
+    if mesh is None:  # context parallelism keeps the weights whole: the unsplit layout and view
+        model = context_parallel(model, cp) if cp is not None else model
         return Built(model, layout, layout, StateView())
     check_tensor_parallel(mesh.tp, cfg, world, sequence_parallel)
     model = parallelize(model, mesh, sequence_parallel)
+    if cp is not None:  # after TP: its head-cut linears get the all-to-alls
+        model = context_parallel(model, cp)
     local = chunk_layout(model)
     return Built(model, layout, local, SplitView(layout, local, mesh, device))

@@ -226,8 +226,8 @@ class EngineConfig:
             "runs over the whole sequence for 1/C of the heads), for sequences whose "
             "activations one GPU cannot hold; the C ranks are data-parallel for the weights "
             "(ZeRO, offload as usual), and the job reads world/C different rows. C must divide "
-            "the GPU count, the query and key/value heads and --seq-len; not with "
-            "--tensor-parallel (docs/parallel.md)"
+            "the GPU count, the query and key/value heads and --seq-len; with "
+            "--tensor-parallel T, C·T divides the GPUs and the heads (docs/parallel.md)"
         },
     )
     compile: Literal["auto", "on", "off", "blocks", "model"] = field(
@@ -255,11 +255,6 @@ class EngineConfig:
         cp = self.context_parallel
         if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
             raise UserError(f"--context-parallel {cp!r}: use a whole number >= 1")
-        if cp > 1 and tp != 1:
-            raise UserError(
-                f"--context-parallel {cp} with --tensor-parallel {tp or 'auto'}: the two are not "
-                "composed yet; use one of them (C splits the sequence, T the weights)"
-            )
         if self.zero_stage not in (0, 1, 2, 3):
             raise UserError(f"--zero-stage {self.zero_stage}: use 0, 1, 2 or 3")
         if self.engine == "ddp" and (self.zero_stage or self.offloads):

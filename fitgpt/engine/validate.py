@@ -102,7 +102,7 @@ def refusal(
     why = tensor_parallel_refusal(tp, model, world, e.sequence_parallel)
     if why:
         return why
-    why = context_parallel_refusal(e.context_parallel, model, world)
+    why = context_parallel_refusal(e.context_parallel, model, world, tp, e.sequence_parallel)
     if why:
         return why
     if e.compile == "model" and settled("engine") and e.engine != "zero":

@@ -40,6 +40,11 @@ partial (each rank's tokens) and are summed over the job with the data-parallel 
 rank is a data-parallel rank to the engines (ZeRO shards, offload tiers, streamed weights,
 the token-weighted loss of engine/base.py), and one data rank to the loader (ctx.data_rank).
 
+With tensor parallelism (applied first) a rank's N/T heads are split C ways again: C·T must
+divide the heads and the key/value heads, the all-to-alls run over the CP group (ranks of one
+TP index: dist/mesh.py cp_ranks) on 1/T of the bytes above, and sequence parallelism splits
+each CP slice T ways more.
+
 How it is applied: from outside the model, as tensor parallelism is (parallel/layers.py). The
 attention's input linears (the family's head-cut q, kv or qkv: parts from its Split) get a
 forward hook trading their output, its output linear (proj) a pre-hook trading its input;
@@ -122,39 +127,58 @@ def heads_to_seq(y_BSFl: Tensor, parts: int, cp: ContextGroup) -> Tensor:
 
 
 # ---- what C must divide --------------------------------------------------------------------
-def cp_sizes(cfg: ModelConfig, world: int | None) -> list[tuple[int, str]]:
-    """What C must divide: (size, what it is, as the line names it)."""
-    checks = [(cfg.n_head, "the head count (--heads)")]
+def cp_sizes(
+    cfg: ModelConfig, world: int | None, tp: int = 1, sequence_parallel: bool = False
+) -> list[tuple[int, int, str]]:
+    """What C must divide: (size, T·C or C: what divides it, what it is, as the line names
+    it). Under tensor parallelism a rank's heads are N/T, split C ways again."""
+    tc = max(1, tp)
+    checks = [(cfg.n_head, tc, "the head count (--heads)")]
     if cfg.kv_heads != cfg.n_head:
-        checks.append((cfg.kv_heads, "the key/value heads (--kv-heads)"))
-    checks.append((cfg.seq_len, "the sequence length (--seq-len)"))
+        checks.append((cfg.kv_heads, tc, "the key/value heads (--kv-heads)"))
+    seq = "the sequence length (--seq-len)"
+    checks.append((cfg.seq_len, tc if sequence_parallel else 1, seq))
     if world is not None:
-        checks.insert(0, (world, "the rank count (--gpus)"))
+        checks.insert(0, (world, tc, "the rank count (--gpus)"))
     return checks
 
 
-def context_parallel_refusal(cp: int, cfg: ModelConfig, world: int | None = None) -> str | None:
+def context_parallel_refusal(
+    cp: int,
+    cfg: ModelConfig,
+    world: int | None = None,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+) -> str | None:
     """The one line refusing a C the model or the job cannot be split by, or None
     (engine/validate.py asks it for train, plan, capacity and the planner's candidates; C >= 1
-    and C without tensor parallelism are EngineConfig's own checks)."""
-    if cp <= 1:
+    is EngineConfig's own check). `tp`: T (0, auto: judged once the planner has chosen)."""
+    if cp <= 1 or tp == 0:
         return None
-    checks = cp_sizes(cfg, world)
-    for n, what in checks:
-        if n % cp:
-            ok = [d for d in range(1, cp + 1) if all(m % d == 0 for m, _ in checks)]
-            names = [w for _, w in checks]
+    checks = cp_sizes(cfg, world, tp, sequence_parallel)
+    for n, other, what in checks:
+        if n % (cp * other):
+            ok = [d for d in range(1, cp + 1) if all(m % (d * o) == 0 for m, o, _ in checks)]
+            names = [w for _, _, w in checks]
+            by_tp = f" with --tensor-parallel {tp}" if tp > 1 else ""
             return (
-                f"--context-parallel {cp} does not divide {what}, {n}: use one of "
-                f"{', '.join(map(str, ok))} (it must divide {', '.join(names[:-1])} and "
-                f"{names[-1]}: each rank takes 1/C of the tokens, then 1/C of the heads)"
+                f"--context-parallel {cp}{by_tp} does not divide {what}, {n}: use one of "
+                f"{', '.join(map(str, ok))} (C{'·T' if tp > 1 else ''} must divide "
+                f"{', '.join(names[:-1])} and {names[-1]}: each rank takes 1/C of the tokens, "
+                "then 1/C of the heads)"
             )
     return None
 
 
-def check_context_parallel(cp: int, cfg: ModelConfig, world: int | None = None) -> None:
+def check_context_parallel(
+    cp: int,
+    cfg: ModelConfig,
+    world: int | None = None,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+) -> None:
     """Refuse in one line, before anything is built (context_parallel_refusal)."""
-    why = context_parallel_refusal(cp, cfg, world)
+    why = context_parallel_refusal(cp, cfg, world, tp, sequence_parallel)
     if why:
         raise UserError(why)
 
@@ -225,7 +249,11 @@ def context_parallel(model: DecoderLM, cp: ContextGroup) -> DecoderLM:
         found += 1
     if not found:
         raise TypeError(f"{type(model).__name__}: no attention linears (blocks.*.attn.*) to split")
-    model.split_heads(cp.rank, cp.size)
+    # under tensor parallelism (applied first: parallel/layers.py) this rank's N/T heads are
+    # split C ways again: head block tp_rank·C + cp_rank of T·C
+    mesh = getattr(model, "mesh", None)
+    tp, tp_rank = (mesh.tp, mesh.tp_rank) if mesh is not None else (1, 0)
+    model.split_heads(tp_rank * cp.size + cp.rank, tp * cp.size)
     model.__class__ = context_parallel_class(type(model))
     model.cp = cp
     return model
