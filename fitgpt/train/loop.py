@@ -238,11 +238,9 @@ class Trainer:
         if self.engine.compiled is not None:
             whole = self.engine.compiled.report()["scope"] == "model"
             compiled = " (compiled: the whole model)" if whole else " (compiled blocks and head)"
-        tp_note = (
-            f" (tensor-parallel {ctx.tp} × data-parallel {ctx.dp_world})" if ctx.tp > 1 else ""
-        )
-        if ctx.cp_size > 1:
-            tp_note = f" (context-parallel {ctx.cp_size} × data-parallel {ctx.data_world})"
+        layout = [f"tensor-parallel {ctx.tp}"] if ctx.tp > 1 else []
+        layout += [f"context-parallel {ctx.cp_size}"] if ctx.cp_size > 1 else []
+        tp_note = f" ({' × '.join([*layout, f'data-parallel {ctx.data_world}'])})" if layout else ""
         say(
             ctx,
             f"model {units.params(self.model_cfg.num_params())} parameters, engine "
