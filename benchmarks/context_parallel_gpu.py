@@ -22,6 +22,7 @@ Usage (device, from the repository root):
     python3 benchmarks/context_parallel_gpu.py --gpus 2 --stage long --out $OUT
     python3 benchmarks/context_parallel_gpu.py --gpus 4 --stage long --lengths 131072,262144 \
         --out $OUT
+    python3 benchmarks/context_parallel_gpu.py --gpus 4 --tp 2 --stage long --out $OUT  # T2×C2
 One stage per call keeps each under the 10-minute command limit (parity ~3 min on 2×H100;
 long at 128 k ~4-6 min with the model's materialisation). --compile on times the compiled
 blocks (a one-off compile at the first step; the default off measures eager).
@@ -50,6 +51,8 @@ def train(out: Path, name: str, gpus: int, cp: int, args, extra: list[str], limi
     ]  # fmt: skip
     if cp > 1:
         cmd += ["--context-parallel", str(cp)]
+    if gpus > 1 and args.tp > 1:  # T·C = the GPUs
+        cmd += ["--tensor-parallel", str(args.tp)]
     if args.tiny:
         cmd += ["--device", "cpu", "--cpu-threads", "1"]
     run.mkdir(parents=True, exist_ok=True)
@@ -99,7 +102,8 @@ def parity(args, out: Path) -> dict:
         "--compile", args.compile,
     ]  # fmt: skip
     one = train(out, "parity_1gpu", 1, 1, args, common, args.limit)
-    many = train(out, f"parity_cp{args.gpus}", args.gpus, args.gpus, args, common, args.limit)
+    cp = args.gpus // args.tp
+    many = train(out, f"parity_cp{cp}_tp{args.tp}", args.gpus, cp, args, common, args.limit)
     gaps = [abs(a - b) for a, b in zip(one["losses"], many["losses"])]
     print("step  1 GPU     CP", args.gpus, flush=True)
     for i, (a, b) in enumerate(zip(one["losses"], many["losses"])):
@@ -121,7 +125,9 @@ def long(args, out: Path) -> dict:
             "--engine", "zero", "--zero-stage", "3", "--offload-optimizer", "cpu",
             "--checkpointing", "cpu", "--compile", args.compile,
         ]  # fmt: skip
-        r = train(out, f"long_cp{args.gpus}_{seq}", args.gpus, args.gpus, args, flags, args.limit)
+        cp = args.gpus // args.tp
+        name = f"long_cp{cp}_tp{args.tp}_{seq}"
+        r = train(out, name, args.gpus, cp, args, flags, args.limit)
         r["seq_len"] = seq
         res.append(r)
         if r["rc"] != 0:
@@ -133,6 +139,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--gpus", type=int, default=2, help="GPUs, all in one CP group (2 or 4)")
+    p.add_argument(
+        "--tp", type=int, default=1, help="--tensor-parallel T beside C = gpus/T (default 1)"
+    )
     p.add_argument("--stage", choices=["parity", "long", "both"], default="both")
     p.add_argument("--parity-len", type=int, default=8192)
     p.add_argument("--parity-layers", type=int, default=8)
@@ -154,7 +163,7 @@ def main() -> None:
     if args.stage in ("parity", "both"):
         summary["parity"] = parity(args, out)
     if args.stage in ("long", "both"):
-        summary[f"long_cp{args.gpus}"] = long(args, out)
+        summary[f"long_gpus{args.gpus}_tp{args.tp}"] = long(args, out)
     tmp = summary_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(summary, indent=1))
     tmp.rename(summary_path)
