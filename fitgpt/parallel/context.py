@@ -1,7 +1,7 @@
 """Context parallelism (`--context-parallel C`): every sequence split along its tokens over a
 group of C ranks, for sequences whose activations one GPU cannot hold (docs/parallel.md).
 
-Rank r of a CP group (dist/mesh.py ContextGroup: C consecutive ranks) holds the contiguous
+Rank r of a CP group (dist/mesh.py cp_ranks: C consecutive ranks at T = 1) holds the contiguous
 slice [r·S/C, (r+1)·S/C) of every row's tokens. Everything outside attention works on a token
 alone (embedding, norms, MLP, head and loss), so it runs on the slice as it is, on 1/C of the
 activations. Attention needs every token, and is run DeepSpeed-Ulysses style (Jacobs et al.
@@ -70,7 +70,9 @@ from fitgpt.model import DecoderLM, ModelConfig
 
 # ---- the all-to-alls -----------------------------------------------------------------------
 def _all_to_all(x_C: Tensor, group) -> Tensor:
-    """x [C, ...]: piece j goes to rank j; returns [C, ...], piece j from rank j."""
+    """x [C, ...]: piece j goes to rank j; returns [C, ...], piece j from rank j. Costs, beside
+    the transfer, a copy of the input into rank order here and one of the output back into
+    [B, tokens, features] by the caller's reshape: two passes over each rank's q/k/v/y bytes."""
     return funcol.wait_tensor(funcol.all_to_all_single(x_C.contiguous(), None, None, group))
 
 
