@@ -228,6 +228,16 @@ SYSTEMS: dict[str, System] = {
             )
             for t in (2, 4, 8)
         ],
+        *[
+            _fitgpt(
+                f"cp{c}",
+                f"fitgpt's engine with --context-parallel {c} (each sequence split over {c} "
+                "ranks, data-parallel over the rest at ZeRO stage 1), checkpointing as "
+                "--checkpointing",
+                {"context_parallel": c, "zero_stage": 1, "checkpointing": "bench"},
+            )
+            for c in (2, 4, 8)
+        ],
         _fitgpt(
             "tp2sp",
             "fitgpt's engine with --tensor-parallel 2 --sequence-parallel (ZeRO stage 0 over the "

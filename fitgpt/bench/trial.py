@@ -138,9 +138,19 @@ def run_trial(spec: dict) -> dict:
     source = UniformSource(bench.seq_len, bench.vocab_size, bench.seed)
     # --tensor-parallel T: the T ranks of a TP group (consecutive ranks, dist/mesh.py) take the
     # same micro-batches; the batch is sharded over the world/T data-parallel ranks
-    tp = max(1, (system.plan_fixed(bench) or Fixed()).tensor_parallel)
-    rec["tensor_parallel"] = tp
-    loader = BatchLoader(source, bench.micro_batch, ctx.rank // tp, ctx.world // tp)
+    # (--context-parallel C the same for the C ranks of a CP group, each its slice of the rows)
+    fixed = system.plan_fixed(bench) or Fixed()
+    tp, cp = max(1, fixed.tensor_parallel), fixed.context_parallel
+    rec["tensor_parallel"], rec["context_parallel"] = tp, cp
+    loader = BatchLoader(
+        source,
+        bench.micro_batch,
+        ctx.rank // (tp * cp),
+        ctx.world // (tp * cp),
+        0,
+        (ctx.rank // tp) % cp,  # the DP index's place in its CP group (dist/mesh.py cp_ranks)
+        cp,
+    )
     runner = None
     try:
         cap = int(spec.get("cap_bytes", 0))
@@ -164,7 +174,7 @@ def run_trial(spec: dict) -> dict:
                 if hasattr(engine, "breakdown"):
                     phases.append(engine.breakdown())
         tokens = tokens_per_step(
-            bench.micro_batch, bench.grad_accum, bench.seq_len, ctx.world // tp
+            bench.micro_batch, bench.grad_accum, bench.seq_len, ctx.world // (tp * cp)
         )
         med = statistics.median(times)
         rec.update(

@@ -8,6 +8,9 @@ The BatchLoader turns sources into micro-batches. Micro-batch k of data-parallel
 global samples k·b·W + r·b + [0, b): the union over ranks of micro-batch k is the same global
 batch whatever the world size W, which is what makes W=2 training equal W=1 training on the
 same global batch, and gradient accumulation 4×2 equal 1×8. Each rank reads only its rows.
+Under context parallelism (`--context-parallel C`) the C ranks of a group read the same rows
+(r is their data rank) and each keeps its slice of the tokens, [c·S/C, (c+1)·S/C) for its CP
+index c; the segments stay whole rows (the attention mask and positions are the row's).
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ class Batch(NamedTuple):
     so the model keeps each sample's attention and positions to itself (model/packing.py). A
     plain (inputs, targets) pair is read as a Batch without segments (Batch(*pair))."""
 
-    inputs: Tensor  # int64 [b, S]
-    targets: Tensor  # int64 [b, S]; -1: not trained on
-    segments: Tensor | None = None  # int64 [b, S], the sample each token belongs to
+    inputs: Tensor  # int64 [b, S] ([b, S/C] under context parallelism: this rank's slice)
+    targets: Tensor  # int64 [b, S] (the same); -1: not trained on
+    segments: Tensor | None = None  # int64 [b, S], the sample each token belongs to (whole)
 
 
 class SampleSource(Protocol):
@@ -55,9 +58,12 @@ class BatchLoader:
         rank: int = 0,
         world: int = 1,
         position: int = 0,
+        cp_rank: int = 0,
+        cp: int = 1,
     ) -> None:
         self.source, self.micro_batch, self.rank, self.world = source, micro_batch, rank, world
         self.position = position
+        self.cp_rank, self.cp = cp_rank, cp  # which of C slices of every row's tokens
 
     def indices(self, k: int) -> np.ndarray:
         start = k * self.micro_batch * self.world + self.rank * self.micro_batch
@@ -66,6 +72,10 @@ class BatchLoader:
     def next(self) -> Batch:
         """The next micro-batch on the CPU: segments only where the source packs samples."""
         inputs, targets, segments = self.next_with_segments()
+        if self.cp > 1:  # this rank's tokens (their targets counted here: engine/base.py)
+            n = inputs.shape[1] // self.cp
+            cut = slice(self.cp_rank * n, (self.cp_rank + 1) * n)
+            inputs, targets = inputs[:, cut].contiguous(), targets[:, cut].contiguous()
         return Batch(inputs, targets, segments if self.packed else None)
 
     @property

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fitgpt.dist.mesh import Mesh, build_mesh
+from fitgpt.dist.mesh import ContextGroup, Mesh, build_context_group, build_mesh
 from fitgpt.errors import UserError
 
 # A collective that waits longer than this ends the job with the rank and operation named,
@@ -35,6 +35,9 @@ class DistContext:
     # --tensor-parallel T > 1: the TP × DP layout (dist/mesh.py); None: every rank is
     # data-parallel, and the dp_* properties below are the whole job's
     mesh: Mesh | None = None
+    # --context-parallel C > 1: this rank's CP group (dist/mesh.py ContextGroup); its C ranks
+    # are data-parallel ranks for the engines (dp_*), and one data rank for the loader (data_*)
+    cp: ContextGroup | None = None
 
     @property
     def is_main(self) -> bool:
@@ -56,6 +59,31 @@ class DistContext:
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         return self.mesh.dp_group if self.mesh is not None else self.group
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp.size if self.cp is not None else 1
+
+    @property
+    def data_rank(self) -> int:
+        """Which rows this rank reads: the ranks of one CP group read the same rows (each
+        keeps its slice of their tokens), as the ranks of one TP group do."""
+        return self.dp_rank // self.cp_size
+
+    @property
+    def data_world(self) -> int:
+        """How many ranks read different rows (dp_world / C)."""
+        return self.dp_world // self.cp_size
+
+    def with_context_parallel(self, cp: int) -> DistContext:
+        """This context with C-rank context-parallel groups (collective: every rank calls it).
+        C = 1, or a context that has them already, is returned as it is."""
+        if cp == self.cp_size:
+            return self
+        if self.cp is not None:
+            raise ValueError(f"this context is laid out for C={self.cp_size}, not {cp}")
+        group = build_context_group(self.rank, self.world, cp, self.tp)  # after the TP layout
+        return dataclasses.replace(self, cp=group)
 
     def with_tensor_parallel(self, tp: int) -> DistContext:
         """This context with a T-rank tensor-parallel layout (collective: every rank calls it).

@@ -66,3 +66,46 @@ def build_mesh(rank: int, world: int, tp: int) -> Mesh:
                 mine[kind] = (g, ranks.index(rank))
     (tp_group, tp_rank), (dp_group, dp_rank) = mine["tp"], mine["dp"]
     return Mesh(tp, world // tp, tp_rank, dp_rank, tp_group, dp_group)
+
+
+# ---- context parallelism --------------------------------------------------------------------
+@dataclass(frozen=True)
+class ContextGroup:
+    """This rank's place in a C-rank context-parallel (CP) group (cp_ranks): C ranks that
+    share every row, each holding the contiguous slice [rank·S/C, (rank+1)·S/C) of its
+    tokens (fitgpt/parallel/context.py). For gradients and ZeRO the C ranks are data-parallel
+    ranks like any other (they train different tokens of the same weights), so the engines
+    reduce over the whole job; only the data loader and attention's all-to-alls see the group."""
+
+    size: int  # C
+    rank: int  # which slice of every row this rank holds
+    group: dist.ProcessGroup | None  # the C ranks; None: a group of one
+
+
+def cp_ranks(world: int, cp: int, tp: int = 1) -> list[list[int]]:
+    """The CP groups: C consecutive ranks of each DP group (ranks i, i+T, ..., i+(C-1)T: at
+    T = 1 consecutive ranks, one box's fastest links; attention's all-to-alls run 4 times per
+    layer per pass). With T > 1 the T ranks of a TP group sit in T CP groups of the same
+    slice index, so they share rows and slices.
+
+        W = 4, T = 2, C = 2:   TP {0,1} {2,3}   CP {0,2} {1,3}   (DP: the same, one row each)"""
+    out = []
+    for dp_group in dp_ranks(world, tp):
+        out += [dp_group[g * cp : (g + 1) * cp] for g in range(len(dp_group) // cp)]
+    return out
+
+
+def build_context_group(rank: int, world: int, cp: int, tp: int = 1) -> ContextGroup:
+    """Create every CP group (collective: every rank calls it with the same arguments)."""
+    if cp < 1 or world % (cp * tp):
+        raise UserError(
+            f"--context-parallel {cp} × --tensor-parallel {tp} does not divide the {world} "
+            f"rank(s) of this run: use --gpus a multiple of {cp * tp}"
+        )
+    mine = None
+    for ranks in cp_ranks(world, cp, tp):
+        g = dist.new_group(ranks) if len(ranks) > 1 else None
+        if rank in ranks:
+            mine = ContextGroup(cp, ranks.index(rank), g)
+    assert mine is not None
+    return mine

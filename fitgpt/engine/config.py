@@ -218,6 +218,18 @@ class EngineConfig:
             "communicated). The sequence length must divide by T"
         },
     )
+    context_parallel: int = field(
+        default=1,
+        metadata={
+            "help": "split every sequence into C contiguous slices over groups of C "
+            "consecutive GPUs (context parallelism, DeepSpeed-Ulysses all-to-all: attention "
+            "runs over the whole sequence for 1/C of the heads), for sequences whose "
+            "activations one GPU cannot hold; the C ranks are data-parallel for the weights "
+            "(ZeRO, offload as usual), and the job reads world/C different rows. C must divide "
+            "the GPU count, the query and key/value heads and --seq-len; with "
+            "--tensor-parallel T, C·T divides the GPUs and the heads (docs/parallel.md)"
+        },
+    )
     compile: Literal["auto", "on", "off", "blocks", "model"] = field(
         default="auto",
         metadata={
@@ -240,6 +252,9 @@ class EngineConfig:
             raise UserError(f"--tensor-parallel {tp!r}: use a whole number >= 1, or auto")
         if self.sequence_parallel and tp == 1:
             raise UserError("--sequence-parallel splits within a TP group: add --tensor-parallel T")
+        cp = self.context_parallel
+        if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+            raise UserError(f"--context-parallel {cp!r}: use a whole number >= 1")
         if self.zero_stage not in (0, 1, 2, 3):
             raise UserError(f"--zero-stage {self.zero_stage}: use 0, 1, 2 or 3")
         if self.engine == "ddp" and (self.zero_stage or self.offloads):

@@ -62,9 +62,10 @@ class TorchEngine(Engine):
         seed: int = 0,
     ) -> None:
         ctx = ctx.with_tensor_parallel(ecfg.tensor_parallel)  # the TP × DP layout (dist/mesh.py)
+        ctx = ctx.with_context_parallel(ecfg.context_parallel)  # DDP over all ranks, CP or not
         self.model_cfg, self.ecfg, self.pcfg, self.ocfg, self.ctx = model_cfg, ecfg, pcfg, ocfg, ctx
         self.device, self.mesh = ctx.device, ctx.mesh
-        built = build(model_cfg, self.mesh, ctx.world, ecfg.sequence_parallel, self.device)
+        built = build(model_cfg, self.mesh, ctx.world, ecfg.sequence_parallel, self.device, ctx.cp)
         model, self.layout, self.local_layout = built.model, built.layout, built.local_layout
         self.view = built.view
         model.to_empty(device=self.device)
@@ -289,10 +290,12 @@ class TorchEngine(Engine):
         }
 
     def inference_model(self) -> DecoderLM:
-        if self.mesh is None:
+        if self.mesh is None and self.ctx.cp is None:
             return self.model
-        model = build_model(self.model_cfg).to(self.device)  # the whole weights, gathered over TP
-        unsplit = self.view.unsplit
+        # the whole weights, gathered over TP; a context-parallel model's are whole already, but
+        # it takes slices of rows and trades heads: a plain model samples
+        model = build_model(self.model_cfg).to(self.device)
+        unsplit = self.view.unsplit or (lambda name, t: t)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 dict(model.named_parameters())[name].copy_(unsplit(name, p.detach()))

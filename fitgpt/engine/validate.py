@@ -11,7 +11,7 @@ rank count or the device is decided here, once, and called by everything that pl
   so it can never choose a plan that train would refuse (tests/test_settings_grid.py).
 
 Two kinds of line:
-- a setting the engines cannot run (a T that does not divide the heads, a split master under
+- a setting the engines cannot run (a T or C that does not divide the heads, a split master under
   fp16, fp16 on a CPU, ...): `refusal`;
 - a flag the user typed that would change nothing (`--master split` under fp32 compute,
   `--moments int8` with nothing offloaded, a loss-scale flag without fp16): `no_effect`. Only
@@ -70,6 +70,7 @@ def refusal(
         split_master_refusal,
         stream_refusal,
     )
+    from fitgpt.parallel.context import context_parallel_refusal
     from fitgpt.parallel.shard import (
         tensor_parallel_refusal,
         tp_divisors,
@@ -99,6 +100,9 @@ def refusal(
             "--gpus"
         )
     why = tensor_parallel_refusal(tp, model, world, e.sequence_parallel)
+    if why:
+        return why
+    why = context_parallel_refusal(e.context_parallel, model, world, tp, e.sequence_parallel)
     if why:
         return why
     if e.compile == "model" and settled("engine") and e.engine != "zero":

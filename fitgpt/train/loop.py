@@ -51,10 +51,13 @@ class Trainer:
         # --tensor-parallel T: the ranks of one TP group take the same micro-batches, so data is
         # sharded by the data-parallel rank (ctx.dp_rank, ctx.dp_world; the job's at T=1)
         ctx = ctx.with_tensor_parallel(tp)
+        # --context-parallel C: the C ranks of a CP group read the same rows too (ctx.data_rank,
+        # ctx.data_world), each keeping its slice of their tokens
+        ctx = ctx.with_context_parallel(run.engine.context_parallel)
         # the rates and warm-up the command left unset, decided once (train/schedule.py): the
         # warm-up counts tokens, and the tokens per step count the data-parallel ranks
         tokens = tokens_per_step(
-            run.train.micro_batch, run.train.grad_accum, run.model.seq_len, ctx.dp_world
+            run.train.micro_batch, run.train.grad_accum, run.model.seq_len, ctx.data_world
         )
         train_cfg, self.defaults_line, warning = resolve_schedule(
             run.train, run.model, tokens, run.optim.beta2
@@ -66,7 +69,7 @@ class Trainer:
         self.out = Path(self.cfg.out)
         c = self.cfg
         # the samples this run draws (Megatron's sample order is fixed for a run's length)
-        per_batch = c.micro_batch * ctx.dp_world
+        per_batch = c.micro_batch * ctx.data_world
         train_src, self.val_src, self.tokenizer = open_data(
             run.data,
             run.model.seq_len,
@@ -87,7 +90,7 @@ class Trainer:
         if run.precision.precision == "auto":  # resolve_run decides it, for the planner too
             raise UserError("the run's precision is unresolved: make the run with setup_run")
         self.model_cfg, self.run = run.model, run
-        self.loader = BatchLoader(train_src, self.cfg.micro_batch, ctx.dp_rank, ctx.dp_world)
+        self.loader = self._loader(train_src)
         self.step = 0
         self.skipped = 0  # fp16 steps skipped on overflow, over the whole run
         self.source: str | None = None  # --init-from
@@ -140,7 +143,7 @@ class Trainer:
         # every setting that differs from the saved run's, the planner's choices included: the
         # one place a resume says what it changed (train/resume.py)
         ctx = self.ctx
-        changes = changed_settings(meta, ckpt, self.run, ctx.world, ctx.dp_world, ctx.device.type)
+        changes = changed_settings(meta, ckpt, self.run, ctx.world, ctx.data_world, ctx.device.type)
         changed = f"; changed {', '.join(changes)}" if changes else ""
         fresh = (
             ""
@@ -157,11 +160,17 @@ class Trainer:
             self.ctx, f"initialised from {source.path}: its weights; optimizer, step and data fresh"
         )
 
+    def _loader(self, source) -> BatchLoader:
+        """This rank's rows (its data rank's), and under context parallelism its slice of them."""
+        ctx = self.ctx
+        cp_rank = ctx.cp.rank if ctx.cp is not None else 0
+        return BatchLoader(
+            source, self.cfg.micro_batch, ctx.data_rank, ctx.data_world, 0, cp_rank, ctx.cp_size
+        )
+
     # ---- evaluation ---------------------------------------------------------------------------
     def evaluate(self) -> dict:
-        loader = BatchLoader(
-            self.val_src, self.cfg.micro_batch, self.ctx.dp_rank, self.ctx.dp_world
-        )
+        loader = self._loader(self.val_src)
         # one token-weighted mean over every batch and rank, as the training loss
         loss = self.engine.eval_loss([loader.next() for _ in range(self.cfg.eval_batches)])
         return {
@@ -229,9 +238,9 @@ class Trainer:
         if self.engine.compiled is not None:
             whole = self.engine.compiled.report()["scope"] == "model"
             compiled = " (compiled: the whole model)" if whole else " (compiled blocks and head)"
-        tp_note = (
-            f" (tensor-parallel {ctx.tp} × data-parallel {ctx.dp_world})" if ctx.tp > 1 else ""
-        )
+        layout = [f"tensor-parallel {ctx.tp}"] if ctx.tp > 1 else []
+        layout += [f"context-parallel {ctx.cp_size}"] if ctx.cp_size > 1 else []
+        tp_note = f" ({' × '.join([*layout, f'data-parallel {ctx.data_world}'])})" if layout else ""
         say(
             ctx,
             f"model {units.params(self.model_cfg.num_params())} parameters, engine "
@@ -308,7 +317,7 @@ class Trainer:
     def tokens_per_step(self) -> int:
         cfg = self.cfg
         return tokens_per_step(
-            cfg.micro_batch, cfg.grad_accum, self.model_cfg.seq_len, self.ctx.dp_world
+            cfg.micro_batch, cfg.grad_accum, self.model_cfg.seq_len, self.ctx.data_world
         )
 
 

@@ -358,7 +358,8 @@ def changed_settings(
     """Every setting of the resumed `run` (as planned and resolved for `world` ranks on
     `device`) that differs from the saved run's, as 'what old → new' strings: world size,
     device, tokens per step, then every config field by its flag. Fields the checkpoint does
-    not record (added to fitgpt since) are not compared."""
+    not record (added to fitgpt since) are not compared. `dp_world`: the ranks that read
+    different rows (DistContext.data_world: world / (T·C))."""
     saved, now = saved_config(meta, ckpt), portable(run.to_dict())
     out = []
     if meta["world"] != world:
@@ -366,7 +367,8 @@ def changed_settings(
     if meta.get("device", device) != device:
         out.append(f"device {meta['device']} → {device}")
     tp = saved["engine"].get("tensor_parallel") or 1
-    before = _tokens(saved["train"], saved["model"], meta["world"] // tp)
+    cp = saved["engine"].get("context_parallel") or 1  # C ranks read the same rows, as T do
+    before = _tokens(saved["train"], saved["model"], meta["world"] // (tp * cp))
     after = _tokens(now["train"], now["model"], dp_world)
     if before != after:
         per_accum = after // now["train"]["grad_accum"]
