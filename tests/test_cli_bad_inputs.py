@@ -530,7 +530,8 @@ CASES: list[Case] = [
     Case("import-hf-weights-without-config", "import hf {t}/hf/model.safetensors --out {t}/r", "{t}/hf/model.safetensors: its folder", setup=hf_broken("no-config")),
     Case("import-hf-text-file-given", "import hf {file} --out {t}/r", "{file} is not a weight file"),
     # helper H2 (issue 36: Llama, Qwen2, Qwen3, Mistral in and out)
-    Case("import-hf-llama-rope-yarn", "import hf {t}/hf --out {t}/r", "hf/config.json: rope_scaling type 'yarn'", setup=broken_llama({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})),
+    Case("import-hf-llama-rope-yarn-no-original", "import hf {t}/hf --out {t}/r", "original_max_position_embeddings=None must be a positive integer", setup=broken_llama({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})),
+    Case("import-hf-llama-rope-dynamic", "import hf {t}/hf --out {t}/r", "hf/config.json: rope_scaling type 'dynamic'", setup=broken_llama({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})),
     Case("import-hf-llama-rope-parameters-linear", "import hf {t}/hf --out {t}/r", "rope_parameters type 'linear'", setup=broken_llama({"rope_parameters": {"rope_type": "linear", "factor": 2.0}})),
     Case("import-hf-llama-gelu", "import hf {t}/hf --out {t}/r", "hidden_act='gelu'", setup=broken_llama({"hidden_act": "gelu"})),
     Case("import-hf-llama-attention-bias", "import hf {t}/hf --out {t}/r", "attention_bias=True", setup=broken_llama({"attention_bias": True})),
