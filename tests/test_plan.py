@@ -442,3 +442,28 @@ def test_logits_past_one_piece_are_priced_as_one_piece():
     # fp16 sums the weight gradient in fp32 (model/loss.py's docstring)
     fp16 = Workload(m, 1, world=1, precision="fp16", device="cuda")
     assert activation_bytes(fp16, "off")["logits"] == piece + V * 4096 * 2
+
+
+def test_plan_breakdown_lists_the_chosen_plans_bytes_and_step_terms():
+    """--breakdown: the chosen plan's GPU items (with the fragmentation margin) add up to the
+    per-rank figure the plan names, and the host items to the host figure."""
+    cmd = [sys.executable, "-m", "fitgpt", "plan", "--preset", "gpt2-1.5b", "--gpus", "2",
+           "--gpu-mem", "12GiB", "--cpu-mem", "64GiB", "--device", "cuda", "--breakdown"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    gpu = next(i for i, x in enumerate(lines) if x.startswith("GPU per rank:"))
+    host = next(i for i, x in enumerate(lines) if x.startswith("host per rank:"))
+
+    def gib(line: str) -> float:
+        return float(line.split()[-2])
+
+    items = [gib(x) for x in lines[gpu + 1 : host]]
+    assert any(x.split()[0] == "grads" for x in lines[gpu + 1 : host])
+    assert abs(sum(items) - gib(lines[gpu])) < 0.01 * len(items)
+    predicted = float(
+        next(x for x in lines if x.startswith("chosen:")).split("predicted ")[1].split()[0]
+    )
+    assert abs(gib(lines[gpu]) - predicted) < 0.06
+    step = next(x for x in lines if x.startswith("step "))
+    assert "compute" in step and float(step.split()[1]) > 0

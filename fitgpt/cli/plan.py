@@ -76,6 +76,12 @@ def register(sub) -> None:
         default="auto",
         help="where to run: auto (a GPU if there is one), cuda or cpu (default: auto)",
     )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also print where the chosen plan's memory goes: its bytes per rank by item, on the "
+        "GPU and in host RAM, and its step time by term",
+    )
     add_hardware_args(p)
     add_config_args(
         p.add_argument_group("fix part of the plan (the planner chooses what you do not set)"),
@@ -125,7 +131,28 @@ def run(args: argparse.Namespace) -> int:
     wear = disk_wear(plans.best)
     if wear:
         print(wear)
+    if args.breakdown:
+        print_breakdown(plans.best)
     return 0
+
+
+def print_breakdown(c) -> None:
+    """The chosen plan's estimate item by item (plan/memory.py Estimate; docs/memory.md names
+    each item), largest first, and its step time term by term (plan/throughput.py)."""
+    from fitgpt.plan.memory import FRAGMENTATION, GiB
+
+    for tier, items in (("GPU", c.est.compute), ("host", c.est.host), ("disk", c.est.nvme)):
+        if not items:
+            continue
+        total = c.est.compute_total if tier == "GPU" else sum(items.values())
+        print(f"{tier} per rank: {total / GiB:.2f} GiB")
+        for name, n in sorted(items.items(), key=lambda kv: -kv[1]):
+            print(f"  {name:<32}{n / GiB:>9.2f} GiB")
+        if tier == "GPU":  # what compute_total adds to the allocator's peak
+            frag = c.est.compute_peak * FRAGMENTATION
+            print(f"  {'fragmentation margin':<32}{frag / GiB:>9.2f} GiB")
+    terms = ", ".join(f"{k} {v:.2f}" for k, v in c.time.items() if k != "total")
+    print(f"step {c.time['total']:.2f} s: {terms}")
 
 
 def model_name(args: argparse.Namespace) -> str:
