@@ -234,3 +234,27 @@ def test_host_checkpointed_inputs_and_their_copies_scale_with_s():
         c = t[S]["compute"]
         want = (moved[S] / 0.5e9 - c / 4) + max(0.0, moved[S] / 0.5e9 - 3 * c / 4)
         assert t[S]["activation_offload"] == pytest.approx(want)
+
+
+def test_context_parallel_is_priced_per_rank_slice_with_its_all_to_alls():
+    """C-way context parallelism: a rank's activations are the model's at S/C, its compute is
+    1/C of each sequence (attention per token still over all of S), the step trains 1/C of the
+    tokens of as many data-parallel ranks, and the all-to-alls add (2N+2K)·D·b·S·w·(C-1)/C²
+    bytes per block and pass."""
+    from fitgpt.plan.throughput import step_time
+
+    S, C = 131072, 4
+    m = llama(S)
+    work = Workload(m, 1, world=C)
+    dp = EngineConfig(engine="zero", zero_stage=3, checkpointing="full")
+    cp = dataclasses.replace(dp, context_parallel=C)
+    whole = activation_bytes(work, "full")
+    local = activation_bytes(Workload(llama(S // C), 1, world=C), "full")
+    assert activation_bytes(work, "full", cp=C) == local
+    assert local["activations"] < whole["activations"] / (C - 0.5)
+    assert work.tokens_per_step(1, cp=C) == S == work.tokens_per_step(1) // C
+    t_dp, t_cp = (step_time(work, e, 1, DEFAULTS["H100"]) for e in (dp, cp))
+    assert t_cp["compute"] == pytest.approx(t_dp["compute"] / C, rel=0.01)
+    per_pass = (2 * m.n_head + 2 * m.kv_heads) * m.head_dim * S * 2 * (C - 1) / C**2
+    assert t_cp["cp_comm"] == pytest.approx(3 * m.n_layer * per_pass / 265e9)
+    assert "cp_comm" not in t_dp

@@ -203,7 +203,8 @@ def print_table(cands, work, grad_accum: int, hw) -> None:
     for i, c in enumerate(cands):
         gpu = f"{c.est.compute_total / GiB:.1f}G" if c.est.compute else "-"
         t = c.time["total"]
-        tokens = work.tokens_per_step(grad_accum, c.tp)  # over the world/T data-parallel ranks
+        # over the world/(T·C) data-parallel ranks
+        tokens = work.tokens_per_step(grad_accum, c.tp, max(1, c.ecfg.context_parallel))
         flops = work.model.flops_per_token() * tokens / work.world  # per GPU
         row = f"{'>' if i == 0 and c.fits else ' '} {'yes' if c.fits else 'no':<4} {gpu:>9} "
         row += f"{c.est.host_total / GiB:7.1f}G  {short(c.formats):<15}"

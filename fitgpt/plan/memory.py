@@ -16,7 +16,7 @@ activations inside attention and the MLP are 1/T per rank (fitgpt/parallel).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -82,10 +82,12 @@ class Workload:
         """The data-parallel ranks under T-way tensor parallelism: the world over T."""
         return self.world // max(1, tp)
 
-    def tokens_per_step(self, grad_accum: int, tp: int = 1) -> int:
-        """Tokens one optimizer step of the job trains on, over its world/T data-parallel ranks
-        (tokens_per_step above, the one rank convention)."""
-        return tokens_per_step(self.micro_batch, grad_accum, self.model.seq_len, self.dp_ranks(tp))
+    def tokens_per_step(self, grad_accum: int, tp: int = 1, cp: int = 1) -> int:
+        """Tokens one optimizer step of the job trains on, over its world/(T·C) data-parallel
+        ranks: C context-parallel ranks share each sequence (tokens_per_step above, the one rank
+        convention)."""
+        ranks = self.dp_ranks(tp) // max(1, cp)
+        return tokens_per_step(self.micro_batch, grad_accum, self.model.seq_len, ranks)
 
 
 @dataclass
@@ -222,9 +224,19 @@ def attention_bytes(work: Workload, tp: int = 1) -> dict[str, int]:
 
 
 def activation_bytes(
-    work: Workload, checkpointing: str, tp: int = 1, sp: bool = False, compiled: bool = False
+    work: Workload,
+    checkpointing: str,
+    tp: int = 1,
+    sp: bool = False,
+    compiled: bool = False,
+    cp: int = 1,
 ) -> dict[str, int]:
     """Bytes alive at the start of the last micro-batch's backward (the activation peak).
+
+    Under C-way context parallelism (parallel/context.py) a rank holds S/C tokens of each
+    sequence outside attention, and inside it all S tokens of N/C heads: the same element
+    counts as S/C tokens of all heads, so a rank is priced as the model at seq_len S/C. What
+    that misses: a T×T mask or ALiBi bias (CPU and ALiBi runs only) is S² per rank, not (S/C)².
 
     Per block, forward saves what the model family says (Family.block_activations: elements per
     token left whole by tensor parallelism, r, and cut by it, c; GPT-2: r = 4h, the LayerNorms'
@@ -241,6 +253,8 @@ def activation_bytes(
     the final norm and backward's working gradients included. Logits past one piece
     (model/loss.py loss_pieces: more than PIECE_LOGITS per rank) are priced as one piece.
     """
+    if cp > 1:
+        work = replace(work, model=work.model.replace(seq_len=work.model.seq_len // cp))
     m, b = work.model, work.micro_batch
     a = work.w
     sbh = m.seq_len * b * m.n_embd
@@ -294,7 +308,12 @@ def estimate(
     (`placement`: the zero engine's, when the caller has it already)."""
     layout = rank_layout(work, ecfg, layout)
     act = activation_bytes(
-        work, ecfg.checkpointing, tp_of(ecfg), ecfg.sequence_parallel, compiled(ecfg)
+        work,
+        ecfg.checkpointing,
+        tp_of(ecfg),
+        ecfg.sequence_parallel,
+        compiled(ecfg),
+        max(1, ecfg.context_parallel),
     )
     est = Estimate()
     host_dev = "cpu" if work.device == "cpu" else "cuda"

@@ -237,6 +237,19 @@ def tp_comm_time(work: Workload, ecfg: EngineConfig, grad_accum: int, bus_gbps: 
     return bytes_moved / (bus_gbps * 1e9) + launches * TP_LATENCY_S
 
 
+def cp_comm_time(work: Workload, ecfg: EngineConfig, grad_accum: int, bus_gbps: float) -> float:
+    """Seconds per step of context parallelism's all-to-alls (parallel/context.py), on the
+    critical path (attention waits for them): per block and micro-batch, q, k, v in and the
+    attention output back, (2N + 2K)·D·b·S·w·(C-1)/C² bytes per rank (N, K: this rank's heads
+    under TP); the backward moves the same again and checkpointing's recompute one forward more.
+    """
+    m, tp, cp = work.model, tp_of(ecfg), max(1, ecfg.context_parallel)
+    heads = (2 * m.n_head + 2 * m.kv_heads) // tp
+    per_pass = heads * m.head_dim * work.micro_batch * m.seq_len * work.w * (cp - 1) / cp**2
+    passes = 3 if ecfg.checkpointing != "off" else 2
+    return grad_accum * m.n_layer * passes * per_pass / (bus_gbps * 1e9)
+
+
 def cached_compact_bytes(c: ChunkPlan, w: int) -> float:
     """DRAM bytes per element of a compact chunk's update whose pieces stay in the caches."""
     master = 8.0 if c.master == "split" else 8.0 + w
@@ -275,7 +288,10 @@ def step_time(
     m, tp = work.model, tp_of(ecfg)
     W = work.dp_ranks(tp)
     # per rank: a data-parallel rank's share, which each of its group's T ranks sees
-    tokens = work.tokens_per_step(grad_accum, tp) // W
+    cp = max(1, ecfg.context_parallel)
+    # a context-parallel rank computes 1/C of each sequence's tokens (attention per token still
+    # spans the whole sequence: flops_per_token's S is the model's)
+    tokens = work.tokens_per_step(grad_accum, tp) // W // cp
     n = sum(c.numel for c in layout_of(m, tp))  # this rank's parameters (1/T of the split ones)
     hidden = tp_efficiency_hidden(m.n_embd, tp) if tp > 1 else m.n_embd
     compute = compute_seconds(work, ecfg, tokens, rates)
@@ -293,6 +309,8 @@ def step_time(
         out["activation_offload"] = exposed
     if tp > 1:
         out["tp_comm"] = tp_comm_time(work, ecfg, grad_accum, rates.bus_gbps)
+    if cp > 1:
+        out["cp_comm"] = cp_comm_time(work, ecfg, grad_accum, rates.bus_gbps)
     if W > 1:
         bw = rates.bus_gbps * 1e9
         frac = (W - 1) / W
