@@ -112,3 +112,23 @@ def two_rank_losses(runs: dict, tmp: str, steps: int, clip: float) -> None:
 
 def close(a: list[float], b: list[float], tol: float = 1e-5) -> bool:
     return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < tol
+
+
+def full_tp_grads(tp_model, mesh, split, sp: bool) -> dict:
+    """Each parameter's gradient of a tensor-parallel model, gathered over its TP group of 2
+    and unsharded into the full parameter's shape; under sequence parallelism the replicated
+    parameters' gradients are first summed over the group, as the engines do."""
+    import torch
+    import torch.distributed as dist
+
+    from fitgpt.engine.tp_state import sync_replicated
+    from fitgpt.parallel.shard import unshard
+
+    if sp:
+        sync_replicated([p.grad for n, p in tp_model.named_parameters() if split(n) is None], mesh)
+    full = {}
+    for name, p in tp_model.named_parameters():
+        parts = [torch.empty_like(p.grad) for _ in range(2)]
+        dist.all_gather(parts, p.grad.contiguous())
+        full[name] = unshard(split(name), parts)
+    return full

@@ -16,7 +16,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -227,10 +226,10 @@ def test_compiled_blocks_at_stage_3_with_checkpointing_take_the_pieces(monkeypat
 
 
 def tp_worker(rank: int, world: int) -> None:
+    from helpers import full_tp_grads
+
     from fitgpt.dist import init_distributed
-    from fitgpt.engine.tp_state import sync_replicated
     from fitgpt.parallel import parallelize
-    from fitgpt.parallel.shard import unshard
 
     ctx = init_distributed("cpu").with_tensor_parallel(2)
     for family in ("llama", "gpt2"):
@@ -246,15 +245,9 @@ def tp_worker(rank: int, world: int) -> None:
             pieces_mod.MLP_PIECE_ELEMS = pieces_of(10, cfg)
             got, _ = loss_and_grads(tp, x)
             assert abs(got.item() - want.item()) <= 1e-6 * abs(want.item()), (family, sp)
-            split = ref.family.split_rule
-            if sp:
-                rep = [p.grad for n, p in tp.named_parameters() if split(n) is None]
-                sync_replicated(rep, ctx.mesh)
-            for name, p in tp.named_parameters():
-                parts = [torch.empty_like(p.grad) for _ in range(2)]
-                dist.all_gather(parts, p.grad.contiguous())
-                full = unshard(split(name), parts)
-                assert_close_rel(full, gw[name], 1e-5, f"{family} sp={sp} {name}")
+            full = full_tp_grads(tp, ctx.mesh, ref.family.split_rule, sp)
+            for name, g in full.items():
+                assert_close_rel(g, gw[name], 1e-5, f"{family} sp={sp} {name}")
 
 
 def test_tensor_and_sequence_parallel_pieces_equal_one_process(gloo):

@@ -10,7 +10,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -172,10 +171,10 @@ def test_the_compiled_head_keeps_the_pieces_in_one_graph(small_pieces):
 
 
 def tp_worker(rank: int, world: int) -> None:
+    from helpers import full_tp_grads
+
     from fitgpt.dist import init_distributed
-    from fitgpt.engine.tp_state import sync_replicated
     from fitgpt.parallel import parallelize
-    from fitgpt.parallel.shard import unshard
 
     loss_mod.PIECE_LOGITS = 10 * 128  # this rank's 128 columns: pieces of 10 rows
     assert loss_pieces(48, 128) == 10
@@ -188,15 +187,9 @@ def tp_worker(rank: int, world: int) -> None:
         loss_mod.PIECE_LOGITS = saved
         got, _ = grads_of(tp, x)
         assert abs(got.item() - want.item()) < 1e-5, (tie, sp)
-        split = ref.family.split_rule
-        if sp:
-            rep = [p.grad for n, p in tp.named_parameters() if split(n) is None]
-            sync_replicated(rep, ctx.mesh)
-        for name, p in tp.named_parameters():
-            parts = [torch.empty_like(p.grad) for _ in range(2)]
-            dist.all_gather(parts, p.grad.contiguous())
-            full = unshard(split(name), parts)
-            torch.testing.assert_close(full, gw[name], rtol=1e-4, atol=1e-6, msg=name)
+        full = full_tp_grads(tp, ctx.mesh, ref.family.split_rule, sp)
+        for name, g in full.items():
+            torch.testing.assert_close(g, gw[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_vocab_parallel_pieces_equal_one_process(gloo):
