@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 from fitgpt.data.config import DataConfig
@@ -12,6 +13,10 @@ from fitgpt.model import ModelConfig
 from fitgpt.train.config import RunConfig, TrainConfig
 
 TINY = ModelConfig(n_layer=2, n_embd=32, n_head=4, seq_len=32, vocab_size=96)
+
+
+# the C++ compiler TorchInductor (and CPU FlexAttention) compiles CPU code with; None: none here
+CXX = shutil.which("g++") or shutil.which("c++")
 
 
 def run_config(out, **overrides) -> RunConfig:

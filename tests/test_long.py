@@ -16,6 +16,7 @@ import copy
 
 import pytest
 import torch
+from helpers import CXX
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -202,9 +203,7 @@ def test_a_compiled_block_keeps_the_pieces_in_one_graph(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    __import__("shutil").which("g++") is None, reason="no C++ compiler: Inductor cannot compile"
-)
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler: Inductor cannot compile")
 def test_compiled_blocks_at_stage_3_with_checkpointing_take_the_pieces(monkeypatch):
     """--compile blocks (Inductor) at ZeRO stage 3 with --checkpointing full and the MLP in
     pieces: every region compiled, no graph break, no recompile, and the eager losses and
@@ -327,9 +326,7 @@ def test_the_window_takes_flex_only_where_it_serves():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    __import__("shutil").which("g++") is None, reason="no C++ compiler: no CPU FlexAttention"
-)
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler: no CPU FlexAttention")
 def test_the_windows_flex_path_equals_the_mask_path():
     """What CUDA runs for Mistral's window (one segment's BlockMask, [1, T] broadcast over a
     batch of 2) through the attention module, against its own [T, T] mask, forward only

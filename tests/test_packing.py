@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
 
 import pytest
 import tokenizer_folders as tf
 import torch
 from cli_refusal import run_in_process
-from helpers import TWO_RANK_ENGINES, close
+from helpers import CXX, TWO_RANK_ENGINES, close
 
 from fitgpt.data.source import Batch
 from fitgpt.dist import DistContext
@@ -245,9 +244,6 @@ def test_preprocess_chat_then_train_runs_end_to_end(tmp_path, capsys):
     losses = [r["loss"] for r in records if r.get("kind") == "train"]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), records
     assert all(math.isfinite(r["val_loss"]) for r in records if r.get("kind") == "eval")
-
-
-CXX = shutil.which("g++") or shutil.which("c++")
 
 
 @pytest.mark.slow
