@@ -143,14 +143,16 @@ def filled_on_gpus(cls, cfg):
 
 
 def windows(prefix: str, seq: int, count: int) -> torch.Tensor:
-    """`count` windows of seq+1 tokens from the end of the token file. Not strictly held out:
-    the run's 10 steps read 655 k tokens in the dataset's shuffled order, a few percent of the
-    file, so a window may overlap them; both models score the same tokens either way."""
+    """`count` windows of seq+1 tokens from the end of the token file, inside the documents
+    past the training split (the default 969,30,1: the valid and test documents, which
+    `fitgpt train` never reads), so the tokens are held out."""
     from fitgpt.data.indexed import IndexedDataset
+    from fitgpt.data.splits import split_ranges
 
     ds = IndexedDataset(prefix)
     n = len(ds)
-    toks = np.concatenate([np.asarray(ds[i]) for i in range(max(0, n - 400), n)])
+    first = split_ranges("969,30,1", n)["train"][1]
+    toks = np.concatenate([np.asarray(ds[i]) for i in range(first, n)])
     need = count * (seq + 1)
     assert len(toks) >= need, (len(toks), need)
     return torch.from_numpy(toks[-need:].astype(np.int64)).view(count, seq + 1)

@@ -4,7 +4,7 @@
 # library's source) through `fitgpt data preprocess` with that folder's tokenizer, then
 #   fitgpt train --init-from HF (the planner's plan), fitgpt export --format hf,
 #   transformers' held-out loss against fitgpt's (llama_gpu.py heldout), fitgpt generate.
-# Usage (device): source benchmarks/device_env.sh; OUT=$OUT bash benchmarks/llama_gpu.sh
+# Usage (device): source benchmarks/device_env.sh; [EXTRA=...] OUT=$OUT bash benchmarks/llama_gpu.sh
 # Disk (64 GB): the HF source (16 GB bf16) is removed once the run has imported it, before the
 # checkpoint (32 GB fp32 master) and the export (16 GB bf16) are written.
 set -u
@@ -24,6 +24,10 @@ echo "preprocess: $(( $(t) - s )) s"; tail -2 "$OUT/preprocess.log"
 CMD=(python3 -m fitgpt train --init-from "$W/hf" --data "$W/pystd_text_document"
   --micro-batch 4 --grad-accum 4 --steps "$STEPS" --log-every 1 --eval-every 0 --lr 1e-5
   --seq-len 4096 --save-optimizer none --out "$W/run")
+# EXTRA: more train flags, e.g. EXTRA="--compile on" (a 10-step run is too short for
+# --compile auto to pay back the compile; a real fine-tune's is not)
+read -r -a extra <<< "${EXTRA:-}"
+CMD+=("${extra[@]}")
 echo "== ${CMD[*]}" | tee "$OUT/train.log"
 s=$(t)
 ( "${CMD[@]}" >> "$OUT/train.log" 2>&1; echo "== exit $?" >> "$OUT/train.log" ) &

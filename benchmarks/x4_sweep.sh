@@ -11,7 +11,7 @@
 #          the budget allows, 8 layers (3.7 B) for DDP and fitgpt; then `fitgpt probe` (this
 #          box's rates, for the record: the sweep ran on the defaults)
 #   scale  fitgpt at 20.25 B on 1, 2 and 4 GPUs of the same box (CUDA_VISIBLE_DEVICES), tokens/s
-#          per GPU
+#          per GPU (GPUS="4" for a subset of the three)
 # Each trial records the planner's step time term by term (predicted_terms_s) beside the
 # measured one, and the engine's phase breakdown.
 # Usage (device): OUT=... bash benchmarks/x4_sweep.sh STAGE
@@ -42,7 +42,7 @@ case $STAGE in
     tail -12 "$OUT/probe.txt"
     ;;
   scale)
-    for g in 1 2 4; do
+    for g in ${GPUS:-1 2 4}; do
       CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((g - 1))) python3 -m fitgpt bench sweep --gpus $g \
         --systems fitgpt --sizes 44 "${SHAPE[@]}" --time-limit 170 --budget $(($(left) - 10)) \
         --out "$OUT/scale.jsonl"

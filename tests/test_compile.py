@@ -179,6 +179,11 @@ def test_auto_compiles_only_long_gpu_runs():
     assert compile_pays(340.0) and not compile_pays(330.0)
     # checkpointed blocks run slower compiled (the checkpoint reruns the compiled forward)
     assert not compile_pays(1e9, "full") and not compile_pays(1e9, "cpu")
+    # unless the family's blocks run faster compiled (Llama's 0.933): then once 6.7% of the
+    # run pays back the 30 s compile (~450 s of steps), and that only under checkpointing
+    assert compile_pays(460.0, "full", 0.933) and not compile_pays(440.0, "full", 0.933)
+    assert not compile_pays(330.0, "off", 0.933)
+    assert compile_scope("auto", "zero", "cuda", 4096, 1, False, "full", 1e9, 1.08) == "off"
     run = run_config("unused", compile="auto")
     resolved = resolve_run(run, "cpu")
     assert resolved.engine.compile == "off" and estimated_run_s(run, "cpu") == 0.0
@@ -195,7 +200,7 @@ def test_auto_is_settled_for_each_plan_on_its_own_checkpointing(tmp_path, monkey
 
     seen = []
 
-    def decide(device_type, run_s, checkpointing="off"):
+    def decide(device_type, run_s, checkpointing="off", checkpointed=1.08):
         seen.append(checkpointing)
         return checkpointing == "off"  # the rule's checkpointing part, whatever this machine is
 

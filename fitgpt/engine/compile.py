@@ -78,6 +78,11 @@ def compile_errors() -> tuple[type[Exception], ...]:
 ASSUMED_MFU = 0.4
 GAIN = 0.03
 COMPILE_S = 10.0
+# A checkpointed run compiles only where its family's blocks run faster compiled
+# (Family.compiled_checkpointed < 1): it saves 1 - that share of its steps, and the compile
+# took 28.5 s cold for Llama-3.1-8B's block and head on an H100 (the first step, 37.5 s against
+# 9.0 s eager: results/llama_speed_h100_2026-11-27), so such runs compile from ~7 minutes.
+COMPILE_CHECKPOINTED_S = 30.0
 
 # What --compile resolves to, the only values an engine accepts: nothing compiled, the regions
 # (every block's forward and the head + loss), or the whole training forward as one graph.
@@ -85,21 +90,27 @@ SCOPES = ("off", "blocks", "model")
 UNPLANNED = {"auto": "off", "on": "blocks"}  # scope_of: an engine config that was never planned
 
 
-def compile_pays(run_s: float, checkpointing: str = "off") -> bool:
+def compile_pays(run_s: float, checkpointing: str = "off", checkpointed: float = 1.08) -> bool:
     """Whether compiling a GPU run of about `run_s` seconds of steps is expected to pay: when
-    GAIN·run_s >= COMPILE_S, and never with activation checkpointing. The checkpoint wraps the
-    compiled forward and runs it again in the backward: on an H100 a block's forward and
-    backward took 6-13% longer compiled than eager at h=2560 to 5120, and the offloaded
-    (checkpointed) plans of the 6.7b and 13b presets 8% and 3% longer per step compiled (each
-    with the blocks the planner offloaded for it: results/offload_compile_h100_2026-11-24)."""
-    return checkpointing == "off" and GAIN * run_s >= COMPILE_S
+    GAIN·run_s >= COMPILE_S without activation checkpointing. With it, the checkpoint wraps the
+    compiled forward and runs it again in the backward, and whether that is faster depends on
+    the family (`checkpointed`, Family.compiled_checkpointed: compiled over eager). GPT-2's
+    blocks took 6-13% longer compiled at h=2560 to 5120 on an H100, and its offloaded
+    (checkpointed) plans of the 6.7b and 13b presets 8% and 3% longer per step
+    (results/offload_compile_h100_2026-11-24): never. Llama's save 1 - checkpointed of the
+    run, against COMPILE_CHECKPOINTED_S."""
+    if checkpointing == "off":
+        return GAIN * run_s >= COMPILE_S
+    return checkpointed < 1.0 and (1.0 - checkpointed) * run_s >= COMPILE_CHECKPOINTED_S
 
 
-def auto_compile(device_type: str, run_s: float, checkpointing: str = "off") -> bool:
+def auto_compile(
+    device_type: str, run_s: float, checkpointing: str = "off", checkpointed: float = 1.08
+) -> bool:
     """--compile auto's on-or-off: never on CPUs (a CPU run is a test or a demo: the compile
     would take longer than it), on GPUs where compile_pays and triton (Inductor's GPU code
     generator) is installed."""
-    if device_type != "cuda" or not compile_pays(run_s, checkpointing):
+    if device_type != "cuda" or not compile_pays(run_s, checkpointing, checkpointed):
         return False
     import importlib.util
 
@@ -139,16 +150,18 @@ def compile_scope(
     resident: bool,
     checkpointing: str,
     run_s: float,
+    checkpointed: float = 1.08,
 ) -> str:
     """--compile's one decision, one of SCOPES: what the planner prices for each candidate plan
     (plan/candidate.py) and the engine then builds. `asked`: the flag (auto, on, off, or a scope
     given outright); `resident`: no chunk of the plan is offloaded or streamed; `run_s`: the
-    plan's seconds of steps, eager. auto compiles where auto_compile says; on compiles; either
+    plan's seconds of steps, eager; `checkpointed`: the model family's compiled-over-eager
+    ratio under activation checkpointing (Family.compiled_checkpointed). auto compiles where auto_compile says; on compiles; either
     takes the whole model as one graph where model_scope says, on the chunk engine (the DDP
     engine's reducer hooks need the regions' boundaries), else the regions."""
     if asked in SCOPES:
         return asked
-    if asked == "auto" and not auto_compile(device_type, run_s, checkpointing):
+    if asked == "auto" and not auto_compile(device_type, run_s, checkpointing, checkpointed):
         return "off"
     whole = engine == "zero" and model_scope(device_type, n_embd, world, resident, checkpointing)
     return "model" if whole else "blocks"

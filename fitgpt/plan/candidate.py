@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from fitgpt.engine.compile import SCOPES, compile_scope
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.placement import Placement
+from fitgpt.model.family import family_of
 from fitgpt.plan import formats
 from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import Estimate, Workload, estimate, gpu_budget, layout_of, placement_of
@@ -110,7 +111,7 @@ def settle_compile(
     resident = placement is None or placement.resident
     scope = compile_scope(
         ecfg.compile, ecfg.engine, work.device, work.model.n_embd, work.world, resident,
-        ecfg.checkpointing, run_s,
+        ecfg.checkpointing, run_s, family_of(work.model).compiled_checkpointed,
     )  # fmt: skip
     return dataclasses.replace(ecfg, compile=scope)
 

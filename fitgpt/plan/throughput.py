@@ -30,6 +30,7 @@ from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.moments import bytes_per_param
 from fitgpt.engine.placement import ChunkPlan, Placement
 from fitgpt.engine.validate import CPU_FP16_SLOWDOWN
+from fitgpt.model.family import family_of
 from fitgpt.plan.memory import Workload, attention_path, layout_of, placement_of, tp_of
 from fitgpt.plan.rates import Rates
 
@@ -74,16 +75,15 @@ COMPILED = ((768, 0.716), (1600, 0.966), (4096, 1.0))
 
 
 # Under activation checkpointing the checkpoint wraps the compiled forward and runs it again in
-# the backward: one block's forward and backward took 1.129, 1.062 and 1.080 times as long
-# compiled as eager at h=2560, 4096 and 5120 (benchmarks/history/block_speed_gpu.py on an H100,
-# results/offload_compile_h100_2026-11-24), the median priced at every width (assumed below
-# h=2560, not measured there).
-COMPILED_CHECKPOINTED = 1.08
+# the backward: the ratio is the model family's own (Family.compiled_checkpointed: GPT-2's
+# blocks 1.08, Llama's 0.933, each measured on an H100), priced at every width.
 
 
-def compiled_factor(hidden: int, checkpointing: str = "off") -> float:
+def compiled_factor(hidden: int, checkpointing: str = "off", checkpointed: float = 1.08) -> float:
+    """A compiled step's compute time over the eager one's: by width without checkpointing,
+    the family's `checkpointed` ratio with it."""
     if checkpointing != "off":
-        return COMPILED_CHECKPOINTED
+        return checkpointed
     pts = COMPILED
     if hidden <= pts[0][0]:
         return pts[0][1]
@@ -296,7 +296,7 @@ def step_time(
     hidden = tp_efficiency_hidden(m.n_embd, tp) if tp > 1 else m.n_embd
     compute = compute_seconds(work, ecfg, tokens, rates)
     if compiled(ecfg):  # either scope: the factors were measured with the regions
-        compute *= compiled_factor(hidden, ecfg.checkpointing)
+        compute *= compiled_factor(hidden, ecfg.checkpointing, family_of(m).compiled_checkpointed)
     if ecfg.checkpointing == "cpu":
         # block inputs down in forward and back in backward, on a side stream: exposed only
         # where the link is slower than the compute it hides behind (forward ~1/4 of a step)

@@ -20,6 +20,7 @@ import torch
 from fitgpt.dist import DistContext
 from fitgpt.engine.compile import ASSUMED_MFU, SCOPES, compile_scope
 from fitgpt.errors import UserError
+from fitgpt.model.family import family_of
 from fitgpt.plan.memory import tokens_per_step
 
 
@@ -71,7 +72,7 @@ def unplanned_compile(run, device_type: str, world: int) -> str:
         resident = placement_of(work, e, layout_of(run.model)).resident
     return compile_scope(
         e.compile, e.engine, device_type, run.model.n_embd, world, resident, e.checkpointing,
-        estimated_run_s(run, device_type),
+        estimated_run_s(run, device_type), family_of(run.model).compiled_checkpointed,
     )  # fmt: skip
 
 
