@@ -13,7 +13,8 @@
 #   all (default) in one call; or `make` (the folder and the data, ~230 s) in one call and
 #   `train` in the next on the same warm machine (it finds the folder under /tmp and makes it
 #   only if it is missing), so the run has the whole next call: MB and GA (default 1 and 8)
-#   set the micro-batch and accumulation, STEPS the steps, PROFILE=N adds --profile N.
+#   set the micro-batch and accumulation, STEPS the steps, PROFILE=N adds --profile N, EXTRA
+#   more flags.
 set -u
 STAGE=${1:-all}
 OUT=${OUT:-/tmp/llama70}
@@ -42,6 +43,8 @@ CMD=(python3 -m fitgpt train --gpus 4 --init-from "$W/hf" --data "$W/pystd_text_
   --micro-batch "${MB:-1}" --grad-accum "${GA:-8}" --seq-len 4096 --steps "${STEPS:-6}"
   --log-every 1 --eval-every 0 --lr 1e-5 --no-save --overwrite --out "$W/run")
 [ -n "${PROFILE:-}" ] && CMD+=(--profile "$PROFILE")
+read -r -a extra <<< "${EXTRA:-}"  # more train flags, e.g. EXTRA="--compile on"
+CMD+=("${extra[@]}")
 echo "== ${CMD[*]}" | tee "$OUT/train.log"
 s=$(date +%s)
 ( timeout $((LIMIT - $(t))) "${CMD[@]}" 2>&1 | while IFS= read -r l; do

@@ -7,6 +7,7 @@ Stages (`python3 benchmarks/llama_gpu.py STAGE OUT`):
            128,256-row head) with random weights, bf16, 5 GB shards; a Llama-3-style tokenizer
            (byte-level BPE trained on the Python standard library's source, BOS by its
            post-processor, reserved special tokens filling the vocabulary to 128,256)
+  tokenizer  that tokenizer alone, in OUT (benchmarks/long_h100.sh: the 8B shape's own vocabulary)
   heldout  the mean next-token loss on held-out windows of the preprocessed tokens, by
            transformers on OUT/export and by fitgpt on the run's checkpoint (same windows,
            both bf16 weights on the GPU): one JSON line
@@ -185,5 +186,8 @@ if __name__ == "__main__":
     stage, out = sys.argv[1], Path(sys.argv[2])
     if stage == "make":
         make(out, Path(sys.argv[3]))
+    elif stage == "tokenizer":  # the tokenizer alone, into OUT
+        out.mkdir(parents=True, exist_ok=True)
+        tokenizer(out, Path(sys.argv[3]))
     else:
         heldout(out, sys.argv[3], Path(sys.argv[4]))

@@ -2,7 +2,7 @@
 
 Loss and gradients (hidden rows, head weight; tied and untied) within fp32 rounding for several
 piece sizes, padded vocabulary rows, ignored targets; bf16 close to the plain path; the model
-(head_loss) switching past PIECE_LOGITS and compiled without a graph break; the vocabulary-
+(head_loss) switching past PIECE_LOGITS, left out of a compiled graph; the vocabulary-
 parallel form at T = 2 on gloo equal to one process; no [N, V] tensor made.
 """
 
@@ -149,25 +149,34 @@ def test_no_tensor_of_all_tokens_by_vocabulary_is_made(small_pieces):
     assert seen.largest == 48 * Vp
 
 
-def test_the_compiled_head_keeps_the_pieces_in_one_graph(small_pieces):
-    # checked: Inductor on the CPU compiles head_loss with the autograd.Function inside one
-    # graph (fullgraph: no break), in ~2 s; the result equals the eager pieces loss
+def test_the_compiled_head_leaves_the_pieces_out_of_its_graph(small_pieces):
+    # compiled, the unrolled pieces held nearly the whole [N, V] from 64 pieces on and ran an
+    # H100 out of memory (model/loss.py pieces_cross_entropy): the compiled head breaks the
+    # graph around them and runs them as the eager loss does; equal results
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
     m, x = tiny(True), batch()
     h = torch.randn(2, 24, 32, requires_grad=True)
-    counter = CompileCounterWithBackend("inductor")
-    fn = torch.compile(lambda h, t: GPT.head_loss(m, h, t), backend=counter, fullgraph=True)
+    counter = CompileCounterWithBackend("eager")
+    fn = torch.compile(lambda h, t: GPT.head_loss(m, h, t), backend=counter)
     got = fn(h, x[:, 1:])
     (gh,) = torch.autograd.grad(got, h)
     want = GPT.head_loss(m, h, x[:, 1:])
     (wh,) = torch.autograd.grad(want, h)
-    assert counter.frame_count == 1
-    ops = [n.target for n in counter.graphs[0].graph.nodes if n.op == "call_function"]
-    assert any(type(op).__name__ == "AutogradFunctionApply" for op in ops)
+    assert counter.frame_count >= 1  # the final norm is still compiled
+    ops = [n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert not any(type(op).__name__ == "AutogradFunctionApply" for op in ops)
+    assert not any("mm" in str(op) or "matmul" in str(op) for op in ops), ops
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gh, wh, rtol=1e-5, atol=1e-6)
+    # below one piece the plain loss stays in the graph (fused whole: its peak is priced so)
+    loss_mod.PIECE_LOGITS = 10**9
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    fn = torch.compile(lambda h, t: GPT.head_loss(m, h, t), backend=counter, fullgraph=True)
+    fn(h, x[:, 1:])
+    assert counter.frame_count == 1
 
 
 def tp_worker(rank: int, world: int) -> None:

@@ -74,3 +74,16 @@ def test_bench_lines_stay_whole_in_a_pipe():
     )
     assert r.returncode == 0, r.stderr
     assert r.stderr.splitlines() == ["[1/1] " + "x" * 150 + " 3,200 tok/s"]
+
+
+def test_the_sweep_tables_last_column_tells_a_failed_peer_from_none_tried():
+    # a ratio, "no peer fits" (a peer was tried at that size and did not train) or "no peer
+    # run" (none was tried: a scaling stage runs fitgpt alone)
+    def row(system, status, tps=1000.0):
+        r = {"system": system, "layers": 4, "params": 1e9, "status": status, "tokens_per_s": tps}
+        return r if status == "ok" else {**r, "reason": "out of memory"}
+
+    assert "no peer run" in sweep_table([row("fitgpt", "ok")])
+    table = sweep_table([row("fitgpt", "ok"), row("deepspeed-z3-offload", "oom")])
+    assert "no peer fits" in table and "no peer run" not in table
+    assert "2.00×" in sweep_table([row("fitgpt", "ok", 2000.0), row("ddp", "ok", 1000.0)])

@@ -99,7 +99,8 @@ def sweep_table(results: list[dict]) -> str:
         if mine and mine["status"] == "ok" and best_peer:
             ratio = f"{mine['tokens_per_s'] / best_peer:.2f}×"
         elif mine and mine["status"] == "ok":
-            ratio = "no peer fits"
+            tried = any(is_peer(s) and (s, layers) in by for s in systems)
+            ratio = "no peer fits" if tried else "no peer run"
         lines.append(
             f"| {units.params(params)} | {layers} | " + " | ".join(cells) + f" | {ratio} |"
         )

@@ -141,6 +141,15 @@ class _PiecesCrossEntropy(torch.autograd.Function):
         return gx, gw, None, None, None, None, None
 
 
+# Never traced by torch.compile (a graph break around it in a compiled head): the pieces are
+# already one matmul, one fp32 softmax and two gradient matmuls each, and Inductor, given the
+# piece loop unrolled, schedules the independent pieces' logits early. On the CPU the compiled
+# loss held about one extra piece at 8-32 pieces and nearly the whole [N, V] from 64 on (548
+# against 116 MiB eager at 128 pieces, its compile 239 s:
+# benchmarks/compiled_long_memory_cpu.py); on an H100 a compiled Llama-3.1-8B at 247,808
+# tokens (237 pieces) ran out of memory in its first forward where the plan priced one piece
+# (results/long_h100_2026-11-27). Cost: the head's final norm compiles apart from the loss.
+@torch.compiler.disable
 def pieces_cross_entropy(
     x_NH: Tensor,
     w_VH: Tensor,
