@@ -76,8 +76,16 @@ def child(a) -> dict:
     from fitgpt.model import ModelConfig, build_model
 
     cfg = ModelConfig(
-        family="llama", position="rope", bias=False, tie_embeddings=False, n_layer=1,
-        n_embd=a.n_embd, n_head=a.heads, n_kv_head=a.kv, ffn_hidden=a.ffn, seq_len=a.T,
+        family="llama",
+        position="rope",
+        bias=False,
+        tie_embeddings=False,
+        n_layer=1,
+        n_embd=a.n_embd,
+        n_head=a.heads,
+        n_kv_head=a.kv,
+        ffn_hidden=a.ffn,
+        seq_len=a.T,
         vocab_size=a.vocab,
     )
     T, H, F = a.T, cfg.n_embd, cfg.ffn_width
@@ -122,8 +130,9 @@ def child(a) -> dict:
         bwd_peak = _status("VmHWM") - base
         del y, x
         model.zero_grad(set_to_none=True)
-        return dict(fwd_peak=fwd_peak, kept_after_fwd=kept, bwd_peak=bwd_peak,
-                    fwd_s=t1 - t0, bwd_s=t2 - t1)
+        return dict(
+            fwd_peak=fwd_peak, kept_after_fwd=kept, bwd_peak=bwd_peak, fwd_s=t1 - t0, bwd_s=t2 - t1
+        )
 
     t0 = time.perf_counter()
     step(False)  # warm-up: compiles forward and backward
@@ -135,12 +144,21 @@ def child(a) -> dict:
 
 VARIANTS = {
     "block": [
-        ("eager", "whole", 0), ("eager", "whole", 1), ("compiled", "whole", 0),
-        ("compiled", "whole", 1), ("eager", "pieces", 0), ("eager", "pieces", 1),
-        ("compiled", "pieces", 0), ("compiled", "pieces", 1),
+        ("eager", "whole", 0),
+        ("eager", "whole", 1),
+        ("compiled", "whole", 0),
+        ("compiled", "whole", 1),
+        ("eager", "pieces", 0),
+        ("eager", "pieces", 1),
+        ("compiled", "pieces", 0),
+        ("compiled", "pieces", 1),
     ],
-    "head": [("eager", "whole", 0), ("compiled", "whole", 0),
-             ("eager", "pieces", 0), ("compiled", "pieces", 0)],
+    "head": [
+        ("eager", "whole", 0),
+        ("compiled", "whole", 0),
+        ("eager", "pieces", 0),
+        ("compiled", "pieces", 0),
+    ],
 }
 
 
@@ -169,9 +187,24 @@ def main() -> None:
         print("RESULT " + json.dumps(child(a)), flush=True)
         return
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "2"}
-    common = ["--T", str(a.T), "--n-embd", str(a.n_embd), "--ffn", str(a.ffn),
-              "--heads", str(a.heads), "--kv", str(a.kv), "--vocab", str(a.vocab),
-              "--pieces", str(a.pieces), "--dtype", a.dtype]
+    common = [
+        "--T",
+        str(a.T),
+        "--n-embd",
+        str(a.n_embd),
+        "--ffn",
+        str(a.ffn),
+        "--heads",
+        str(a.heads),
+        "--kv",
+        str(a.kv),
+        "--vocab",
+        str(a.vocab),
+        "--pieces",
+        str(a.pieces),
+        "--dtype",
+        a.dtype,
+    ]
     rows = []
     for region in ("block", "head"):
         if a.only and a.only != region:
@@ -179,9 +212,20 @@ def main() -> None:
         for mode, split, ckpt in VARIANTS[region]:
             if a.variants and f"{mode}:{split}:{ckpt}" not in a.variants.split(","):
                 continue
-            cmd = [sys.executable, __file__, "--child", "--region", region, "--mode", mode,
-                   "--ckpt", str(ckpt), *common,
-                   "--mlp" if region == "block" else "--loss", split]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                "--region",
+                region,
+                "--mode",
+                mode,
+                "--ckpt",
+                str(ckpt),
+                *common,
+                "--mlp" if region == "block" else "--loss",
+                split,
+            ]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True)
             line = [s for s in out.stdout.splitlines() if s.startswith("RESULT ")]
             if out.returncode or not line:
@@ -190,17 +234,22 @@ def main() -> None:
             r = json.loads(line[0][7:])
             r.update(region=region, mode=mode, split=split, ckpt=ckpt)
             rows.append(r)
-            print(f"{region:5} {mode:8} {split:6} {'ckpt' if ckpt else 'nockpt':6} "
-                  f"fwd peak {r['fwd_peak'] / MiB:8.0f} MiB  kept {r['kept_after_fwd'] / MiB:7.0f}"
-                  f"  bwd peak {r['bwd_peak'] / MiB:8.0f} MiB  (fwd {r['fwd_s']:.1f} s, "
-                  f"bwd {r['bwd_s']:.1f} s, warm-up {r['warm_s']:.0f} s)", flush=True)
+            print(
+                f"{region:5} {mode:8} {split:6} {'ckpt' if ckpt else 'nockpt':6} "
+                f"fwd peak {r['fwd_peak'] / MiB:8.0f} MiB  kept {r['kept_after_fwd'] / MiB:7.0f}"
+                f"  bwd peak {r['bwd_peak'] / MiB:8.0f} MiB  (fwd {r['fwd_s']:.1f} s, "
+                f"bwd {r['bwd_s']:.1f} s, warm-up {r['warm_s']:.0f} s)",
+                flush=True,
+            )
     if rows:
         r0 = rows[0]
         T, H, F = r0["T"], r0["H"], r0["F"]
         w = 4 if a.dtype == "float32" else 2
-        print(f"\nunits at T={T}, {a.dtype}: [T,H] {T * H * w / MiB:.0f} MiB, "
-              f"[T,F] {T * F * w / MiB:.0f} MiB, [T,2F] {T * 2 * F * w / MiB:.0f} MiB, "
-              f"[T,V] {T * r0['V'] * w / MiB:.0f} MiB; elements per token = bytes / {T * w}")
+        print(
+            f"\nunits at T={T}, {a.dtype}: [T,H] {T * H * w / MiB:.0f} MiB, "
+            f"[T,F] {T * F * w / MiB:.0f} MiB, [T,2F] {T * 2 * F * w / MiB:.0f} MiB, "
+            f"[T,V] {T * r0['V'] * w / MiB:.0f} MiB; elements per token = bytes / {T * w}"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
