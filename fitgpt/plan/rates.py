@@ -47,14 +47,14 @@ DEFAULTS = {
     # ANCHORS.md (nvidia-h100-x1 / h200-x2, 2026-11-22) and KINDS.md readings; the host optimizer's
     # 1.53 G params/s is its measured busy rate at 8 B (offload_preview_h100_2026-11-22, 4.83 B
     # parameters in 3.15 s), DRAM-bound, not the 4.8 G/s of cache-sized AdamW in ANCHORS
-    # attention: an ESTIMATE until `fitgpt probe` measures it here. The FlashAttention-3 paper
-    # (Shah et al. 2024, figs. 5-6, H100 SXM5, head dim 128) has FlashAttention-2, the kernel
-    # behind SDPA's flash path, at 333-370 TFLOP/s forward from 8k tokens and slower in the
-    # backward; PyTorch's own benchmark (pytorch/benchmark #2296, H100, d 128) has SDPA at
-    # 287-304. 300 for forward + backward, the H200 the same chip (compute-bound: its faster
-    # memory does not help). The CPU's is assumed, half its GEMM rate.
-    "H100": Rates(790.0, 0.88, 3000.0, 55.0, 55.0, 1.53e9, 1.8, 1.7, 265.0, attn_tflops=300.0),
-    "H200": Rates(790.0, 0.88, 4300.0, 55.0, 55.0, 1.53e9, 1.8, 1.7, 265.0, attn_tflops=300.0),
+    # attention: `fitgpt probe` on an H100 with torch 2.11 (SDPA took cuDNN's flash kernel)
+    # measured 466 TFLOP/s forward + backward at head dim 128 (results/llama_speed_h100_2026-11-27
+    # probe.txt; before it, 300 was assumed from FlashAttention-2's published 287-370); with it
+    # the 8 B shape's step at 131,072 tokens is priced within 10% of the measured 55.5 s
+    # (results/long_h100_2026-11-27), against 70.2 s at 300. The H200 is the same chip
+    # (compute-bound: its faster memory does not help). The CPU's is assumed, half its GEMM rate.
+    "H100": Rates(790.0, 0.88, 3000.0, 55.0, 55.0, 1.53e9, 1.8, 1.7, 265.0, attn_tflops=466.0),
+    "H200": Rates(790.0, 0.88, 4300.0, 55.0, 55.0, 1.53e9, 1.8, 1.7, 265.0, attn_tflops=466.0),
     "cpu": Rates(0.2, 0.5, 20.0, 20.0, 20.0, 2.0e8, 1.0, 1.0, 5.0, attn_tflops=0.1),
 }
 
