@@ -13,3 +13,7 @@ class UserError(Exception):
     # before exiting: torchrun ends the remaining ranks as soon as one has exited, so without the
     # wait the rank whose line names the cause could be killed before it prints.
     agreed: bool = False
+    # True when, besides, every rank's message is the same (rank 0's plan refusal, broadcast;
+    # a verdict on all-reduced figures): printed once, by rank 0. Where the ranks' messages
+    # differ (a save that failed on one rank names its cause there only) each prints its own.
+    identical: bool = False

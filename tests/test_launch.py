@@ -123,6 +123,17 @@ def test_an_error_on_one_rank_is_printed_with_its_rank_and_ends_the_job(tmp_path
     assert time.time() - t0 < 200  # the peer's collective would have waited 300 s
 
 
+def test_a_refused_plan_is_one_line_on_two_ranks(tmp_path):
+    """The planner's refusal is rank 0's, broadcast to every rank (plan/apply.py): `fitgpt
+    train --gpus 2` prints it once, not once per rank, exits 2 and shows no traceback."""
+    cmd = [sys.executable, "-m", "fitgpt", "train", "--gpus", "2", *RUN, "--steps", "2",
+           "--cpu-mem", "10MiB", "--out", str(tmp_path)]  # fmt: skip
+    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=200)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert len(lines) == 1 and "host RAM" in lines[0], p.stderr[-3000:]
+
+
 def test_the_ranks_get_their_flags_untouched_by_torchrun():
     """torchrun's parser took fitgpt's --master for an abbreviation of its --master-addr."""
     from fitgpt.dist.launch import command

@@ -315,8 +315,9 @@ def run(args: argparse.Namespace) -> int:
             raise
         if not e.agreed:
             lone_failure(ctx, e)
-        print(f"fitgpt train: error: {e}", file=sys.stderr, flush=True)
-        with contextlib.suppress(Exception):  # every rank printed its line before any exits
+        if ctx.is_main or not e.identical:  # the same line on every rank: printed once
+            print(f"fitgpt train: error: {e}", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):  # every line is out before any rank exits
             ctx.barrier()
         sys.exit(2)
     except Exception as e:

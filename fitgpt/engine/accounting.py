@@ -54,7 +54,8 @@ def refuse_unless_room(need: int, avail: int, device: torch.device, group, world
             f"{avail / 2**30:.1f} GiB can be used (short by {(need - avail) / 2**30:.1f} GiB): "
             "offload fewer --offload-blocks, train fewer layers, or free host memory"
         )
-        e.agreed = world > 1 and group is not None  # every rank raises it here
+        # every rank raises it here, with the same all-reduced figures
+        e.agreed = e.identical = world > 1 and group is not None
         raise e
 
 

@@ -103,6 +103,8 @@ def plan_engine(run, ctx: DistContext, fixed: Fixed, force: bool, log=print):
         dist.broadcast_object_list(decision, src=0, group=ctx.group)
     ecfg, err = decision[0]
     if err is not None:
+        if isinstance(err, UserError):
+            err.agreed = err.identical = ctx.distributed  # every rank raises rank 0's here
         raise err
     ecfg["cpu_mem"] = run.engine.cpu_mem  # the machine's RAM as stated: the engine checks it too
     return dataclasses.replace(run, engine=EngineConfig(**ecfg))
