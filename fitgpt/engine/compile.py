@@ -45,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from fitgpt.engine.norm import aten_norms, use_aten_norms
+from fitgpt.model.family import Family
 
 # compilation_time_metrics keys (seconds) that together are the compile: dynamo's frame compile
 # (tracing, AOTAutograd and the forward's Inductor codegen) and the lazily compiled backward
@@ -83,6 +84,8 @@ COMPILE_S = 10.0
 # took 28.5 s cold for Llama-3.1-8B's block and head on an H100 (the first step, 37.5 s against
 # 9.0 s eager: results/llama_speed_h100_2026-11-27), so such runs compile from ~7 minutes.
 COMPILE_CHECKPOINTED_S = 30.0
+# a caller that names no family gets the base Family's ratio (GPT-2's)
+CHECKPOINTED = Family.compiled_checkpointed
 
 # What --compile resolves to, the only values an engine accepts: nothing compiled, the regions
 # (every block's forward and the head + loss), or the whole training forward as one graph.
@@ -90,7 +93,9 @@ SCOPES = ("off", "blocks", "model")
 UNPLANNED = {"auto": "off", "on": "blocks"}  # scope_of: an engine config that was never planned
 
 
-def compile_pays(run_s: float, checkpointing: str = "off", checkpointed: float = 1.08) -> bool:
+def compile_pays(
+    run_s: float, checkpointing: str = "off", checkpointed: float = CHECKPOINTED
+) -> bool:
     """Whether compiling a GPU run of about `run_s` seconds of steps is expected to pay: when
     GAIN·run_s >= COMPILE_S without activation checkpointing. With it, the checkpoint wraps the
     compiled forward and runs it again in the backward, and whether that is faster depends on
@@ -105,7 +110,7 @@ def compile_pays(run_s: float, checkpointing: str = "off", checkpointed: float =
 
 
 def auto_compile(
-    device_type: str, run_s: float, checkpointing: str = "off", checkpointed: float = 1.08
+    device_type: str, run_s: float, checkpointing: str = "off", checkpointed: float = CHECKPOINTED
 ) -> bool:
     """--compile auto's on-or-off: never on CPUs (a CPU run is a test or a demo: the compile
     would take longer than it), on GPUs where compile_pays and triton (Inductor's GPU code
@@ -150,7 +155,7 @@ def compile_scope(
     resident: bool,
     checkpointing: str,
     run_s: float,
-    checkpointed: float = 1.08,
+    checkpointed: float = CHECKPOINTED,
 ) -> str:
     """--compile's one decision, one of SCOPES: what the planner prices for each candidate plan
     (plan/candidate.py) and the engine then builds. `asked`: the flag (auto, on, off, or a scope

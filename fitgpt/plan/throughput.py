@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from fitgpt.engine.compile import compiled
+from fitgpt.engine.compile import CHECKPOINTED, compiled
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.moments import bytes_per_param
 from fitgpt.engine.placement import ChunkPlan, Placement
@@ -79,7 +79,9 @@ COMPILED = ((768, 0.716), (1600, 0.966), (4096, 1.0))
 # blocks 1.08, Llama's 0.933, each measured on an H100), priced at every width.
 
 
-def compiled_factor(hidden: int, checkpointing: str = "off", checkpointed: float = 1.08) -> float:
+def compiled_factor(
+    hidden: int, checkpointing: str = "off", checkpointed: float = CHECKPOINTED
+) -> float:
     """A compiled step's compute time over the eager one's: by width without checkpointing,
     the family's `checkpointed` ratio with it."""
     if checkpointing != "off":
