@@ -146,20 +146,25 @@ def find_capacity(
 
     def run(layers: int) -> bool:
         rec = trial(layers)
-        rec["predicted_peak_gib"] = predicted(layers)
         rec["kind"] = "capacity"
-        records[layers] = rec
-        mem = rec.get("gpu_peak_gib", rec.get("host_rss_peak_gib", 0))
-        pred = rec["predicted_peak_gib"]
-        why = "" if rec["status"] == "ok" else ": " + rec["reason"][:100]
-        log(
-            f"  trial {len(records)}: {layers} layers ({units.params(rec['params'])}) "
-            f"{rec['status']}{why}; measured peak {mem:.1f} GiB, predicted "
-            f"{pred if pred is None else f'{pred:.1f} GiB'}"
-        )
-        return rec["status"] == "ok"
+        what = f"{layers} layers ({units.params(rec['params'])})"
+        return _recorded(records, layers, rec, predicted(layers), what, log)
 
     return Capacity(search(run, start, max_trials), records)
+
+
+def _recorded(records: dict, key: int, rec: dict, pred: float | None, what: str, log) -> bool:
+    """One search trial: its record kept under `key` with the predicted peak beside the
+    measured one, one log line; whether it trained."""
+    rec["predicted_peak_gib"] = pred
+    records[key] = rec
+    mem = rec.get("gpu_peak_gib", rec.get("host_rss_peak_gib", 0))
+    why = "" if rec["status"] == "ok" else ": " + rec["reason"][:100]
+    log(
+        f"  trial {len(records)}: {what} {rec['status']}{why}; measured peak {mem:.1f} GiB, "
+        f"predicted {pred if pred is None else f'{pred:.1f} GiB'}"
+    )
+    return rec["status"] == "ok"
 
 
 # ---- the longest sequence that trains at a fixed model (`fitgpt capacity --search seq-len`) -----
@@ -193,18 +198,9 @@ def find_longest_seq(
     def run(k: int) -> bool:
         seq = k * quantum
         rec = trial(seq)
-        rec["predicted_peak_gib"] = predicted(seq)
         rec["kind"] = "capacity-seq"
         rec["seq_len"] = seq
-        records[seq] = rec
-        mem = rec.get("gpu_peak_gib", rec.get("host_rss_peak_gib", 0))
-        pred = rec["predicted_peak_gib"]
-        why = "" if rec["status"] == "ok" else ": " + rec["reason"][:100]
-        log(
-            f"  trial {len(records)}: seq {seq} {rec['status']}{why}; measured peak {mem:.1f} "
-            f"GiB, predicted {pred if pred is None else f'{pred:.1f} GiB'}"
-        )
-        return rec["status"] == "ok"
+        return _recorded(records, seq, rec, predicted(seq), f"seq {seq}", log)
 
     res = search(run, max(1, start // quantum), max_trials, hi_limit=max(1, limit // quantum))
     fail = None if res.first_fail is None else res.first_fail * quantum
