@@ -7,12 +7,12 @@ GPU holds it with ZeRO-1 and full checkpointing): the same rows (at world C the 
 data rank), the same seed; bf16 compute, so equal to ~1e-2 (the all-to-alls change no value,
 the gradient sums' order changes the rounding). Printed side by side with the largest gap.
 
-Stage "long": the whole 32-block 8B shape at --lengths (default 131072 on 2 GPUs, 131072 and
-262144 on 4) tokens per sequence, micro-batch 1, ZeRO-3 with the optimizer in host RAM and
-the block inputs there too (--checkpointing cpu): the step time, TFLOP/s per GPU (fitgpt's
-count: 6 per parameter and attention's full S×S square, as the peers' figures; a causal
-kernel does half the square, so the hardware's rate is lower), peak GiB per GPU; the series
-stops at its first failure (out of memory or over the time limit).
+Stage "long": the whole --preset model (default the 32-block 8B) at --lengths (default 131072)
+tokens per sequence, micro-batch 1, with the planner's plan (--plan auto, as a user types
+it; --plan fixed: ZeRO-3 with the optimizer and the block inputs in host RAM): the step time,
+TFLOP/s per GPU (fitgpt's count: 6 per parameter and attention's full S×S square, as the
+peers' figures; a causal kernel does half the square, so the hardware's rate is lower), peak
+GiB per GPU; the series stops at its first failure (out of memory or over the time limit).
 
 Everything goes to OUT/<stage>_<name>/ (each run's log and metrics.jsonl) and OUT/summary.json.
 
@@ -23,6 +23,8 @@ Usage (device, from the repository root):
     python3 benchmarks/context_parallel_gpu.py --gpus 4 --stage long --lengths 131072,262144 \
         --out $OUT
     python3 benchmarks/context_parallel_gpu.py --gpus 4 --tp 2 --stage long --out $OUT  # T2×C2
+    python3 benchmarks/context_parallel_gpu.py --gpus 4 --stage long --preset qwen2.5-32b \
+        --lengths 131072 --out $OUT  # a 32.8 B model at 128 k
 One stage per call keeps each under the 10-minute command limit (parity ~3 min on 2×H100;
 long at 128 k ~4-6 min with the model's materialisation). --compile on times the compiled
 blocks (a one-off compile at the first step; the default off measures eager).
@@ -55,6 +57,9 @@ def train(out: Path, name: str, gpus: int, cp: int, args, extra: list[str], limi
         cmd += ["--tensor-parallel", str(args.tp)]
     if args.tiny:
         cmd += ["--device", "cpu", "--cpu-threads", "1"]
+    if "--plan" in extra:  # the caller's --plan replaces the default off
+        i = cmd.index("--plan")
+        del cmd[i : i + 2]
     run.mkdir(parents=True, exist_ok=True)
     print("==", " ".join(cmd[2:]), flush=True)
     t0 = time.time()
@@ -86,10 +91,10 @@ def train(out: Path, name: str, gpus: int, cp: int, args, extra: list[str], limi
     return res
 
 
-def model_flags(args, layers: int, seq: int) -> list[str]:
-    if args.tiny:
-        return ["--preset", "tiny-llama", "--layers", str(layers), "--seq-len", str(seq)]
-    return ["--preset", "llama3.1-8b", "--layers", str(layers), "--seq-len", str(seq)]
+def model_flags(args, layers: int | None, seq: int) -> list[str]:
+    preset = "tiny-llama" if args.tiny else args.preset
+    cut = ["--layers", str(layers)] if layers else []
+    return ["--preset", preset, *cut, "--seq-len", str(seq)]
 
 
 def parity(args, out: Path) -> dict:
@@ -116,17 +121,23 @@ def parity(args, out: Path) -> dict:
 
 def long(args, out: Path) -> dict:
     lengths = [128, 256] if args.tiny else [int(x) for x in args.lengths.split(",")]
-    layers = 2 if args.tiny else 32
+    layers = 2 if args.tiny else None  # the preset's own depth
     res = []
     for seq in lengths:
         flags = [
             *model_flags(args, layers, seq), "--micro-batch", "1", "--grad-accum", "1",
             "--steps", str(args.long_steps), "--lr", "1e-5", "--warmup", "1",
-            "--engine", "zero", "--zero-stage", "3", "--offload-optimizer", "cpu",
-            "--checkpointing", "cpu", "--compile", args.compile,
+            "--compile", args.compile,
         ]  # fmt: skip
+        if args.plan == "fixed":  # the plan this script fixed before the planner priced CP
+            flags += [
+                "--plan", "off", "--engine", "zero", "--zero-stage", "3",
+                "--offload-optimizer", "cpu", "--checkpointing", "cpu",
+            ]  # fmt: skip
+        else:  # as a user types it: the planner chooses the engine, the tiers, checkpointing
+            flags += ["--plan", "auto"]
         cp = args.gpus // args.tp
-        name = f"long_cp{cp}_tp{args.tp}_{seq}"
+        name = f"long_{model_flags(args, None, seq)[1]}_cp{cp}_tp{args.tp}_{seq}"
         r = train(out, name, args.gpus, cp, args, flags, args.limit)
         r["seq_len"] = seq
         res.append(r)
@@ -148,6 +159,16 @@ def main() -> None:
     p.add_argument("--parity-steps", type=int, default=6)
     p.add_argument("--tol", type=float, default=0.02, help="largest loss gap that passes (bf16)")
     p.add_argument("--lengths", default="131072", help="tokens per sequence for stage long")
+    p.add_argument(
+        "--preset", default="llama3.1-8b", help="model of stage long (parity: its blocks cut)"
+    )
+    p.add_argument(
+        "--plan",
+        choices=["auto", "fixed"],
+        default="auto",
+        help="stage long: the planner's plan (default), or ZeRO-3 with the optimizer and the "
+        "block inputs in host RAM",
+    )
     p.add_argument("--long-steps", type=int, default=3, help="steps per length (first untimed)")
     p.add_argument("--compile", default="off", choices=["off", "on", "blocks"])
     p.add_argument("--limit", type=float, default=540.0, help="seconds per run")
@@ -163,7 +184,8 @@ def main() -> None:
     if args.stage in ("parity", "both"):
         summary["parity"] = parity(args, out)
     if args.stage in ("long", "both"):
-        summary[f"long_gpus{args.gpus}_tp{args.tp}"] = long(args, out)
+        preset = model_flags(args, None, 0)[1]
+        summary[f"long_{preset}_gpus{args.gpus}_tp{args.tp}"] = long(args, out)
     tmp = summary_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(summary, indent=1))
     tmp.rename(summary_path)

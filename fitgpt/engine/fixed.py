@@ -99,6 +99,17 @@ class Fixed:
     def nvme_blocks(self) -> int | None:
         return self._get("nvme_blocks")
 
+    def within(self, layers: int) -> Fixed:
+        """These fields for the same model cut to `layers` blocks (the refusal's "what fits"
+        search): a fixed block count above it means every block, the nearest plan to the
+        one asked for; the engine would refuse the count itself."""
+        cut = {
+            k: min(v, layers)
+            for k in ("offload_blocks", "nvme_blocks")
+            if (v := self._get(k)) is not None and v > layers
+        }
+        return self.with_(**cut) if cut else self
+
     def format(self, name: str) -> str:
         """A storage format field (master, moments, device_moments) as fixed; "auto" if not."""
         return self._get(name, "auto")

@@ -228,7 +228,7 @@ def largest_layers(
 
 def fits_layers(work, grad_accum, hw, rates, fixed, layers: int) -> bool:
     w = dataclasses.replace(work, model=work.model.replace(n_layer=layers))
-    return any(c.fits for c in plan(w, grad_accum, hw, rates, fixed))
+    return any(c.fits for c in plan(w, grad_accum, hw, rates, Fixed.of(fixed).within(layers)))
 
 
 # Sequence lengths are searched in multiples of this (a flash kernel's tile divides it, and
