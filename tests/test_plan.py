@@ -177,6 +177,27 @@ def test_planner_picks_a_fitting_plan_and_refuses_with_the_shortfall():
                      r"tried anyway", why(forced, cands))  # fmt: skip
 
 
+def test_a_fixed_block_count_is_cut_to_the_layers_the_refusal_tries():
+    """The refusal's "what fits" tries fewer layers with the user's fixed fields: a fixed
+    --offload-blocks above a tried depth means every block there, not the engine's refusal of
+    the count (which named the tried depth as if it were the user's model)."""
+    r = DEFAULTS["H100"]
+    small_host = dataclasses.replace(H100, cpu_mem=int(40 * GiB))
+    m = get_preset("13b")
+    fixed = {"offload_optimizer": "cpu", "offload_blocks": m.n_layer, **FP32_STATE}
+    with pytest.raises(UserError) as e:
+        choose(Workload(m, 8, 1, "bf16"), 4, small_host, r, fixed)
+    msg = str(e.value)
+    assert "do not fit" in msg and "short by" in msg, msg
+    layers = int(re.search(r"what fits: (\d+) layers", msg).group(1))
+    assert 0 < layers < m.n_layer
+    # the depth named fits with every block offloaded, one more layer does not
+    for L, fits in ((layers, True), (layers + 1, False)):
+        w = Workload(m.replace(n_layer=L), 8, 1, "bf16")
+        cut = dict(fixed, offload_blocks=L)
+        assert any(c.fits for c in plan(w, 4, small_host, r, cut)) is fits
+
+
 def test_more_gpus_or_the_host_tier_fit_what_one_gpu_cannot():
     r = DEFAULTS["H200"]
     one = Hardware("cuda", 1, int(139 * GiB), "NVIDIA H200", int(250 * GiB), 32)
