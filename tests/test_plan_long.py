@@ -11,6 +11,7 @@ import pytest
 
 from fitgpt.engine.config import EngineConfig
 from fitgpt.model import ModelConfig, get_preset
+from fitgpt.model.family import family_of
 from fitgpt.plan.memory import Workload, activation_bytes, attention_path
 from fitgpt.plan.rates import DEFAULTS
 from fitgpt.plan.throughput import (
@@ -70,7 +71,8 @@ def test_recompute_prices_attention_by_heads_times_head_dim_not_hidden():
     share = efficiency(m.n_embd, R.model_efficiency)
     gemm, attn = R.gemm_tflops * 1e12 * share, R.attn_tflops * 1e12 * share / R.model_efficiency
     attn_fwd = 4.0 * m.n_layer * 64 * 128 * m.seq_len / 2
-    expected = RECOMPUTE * (2.0 * m.num_params() / gemm + attn_fwd / attn)
+    mm = 2.0 * m.num_params() / gemm * family_of(m).matmul_time  # Llama's elementwise share
+    expected = RECOMPUTE * (mm + attn_fwd / attn)
     assert full - off == pytest.approx(expected)
     assert m.n_head * m.head_dim != m.n_embd
 

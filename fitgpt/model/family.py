@@ -69,6 +69,11 @@ class Family(ABC):
     # results/offload_compile_h100_2026-11-24): little elementwise work to fuse, and the
     # checkpoint runs the compiled forward twice.
     compiled_checkpointed: ClassVar[float] = 1.08
+    # the family's time at the matmul term over what the planner's efficiency curve prices
+    # (plan/throughput.py compute_seconds): the curve was fitted on GPT-2 steps, whose
+    # elementwise work around the matmuls (LayerNorm, GELU, bias adds) it therefore includes;
+    # a family with more of it per matmul FLOP runs slower than the curve says. 1.0: GPT-2.
+    matmul_time: ClassVar[float] = 1.0
 
     def check(self, cfg: ModelConfig) -> None:
         """Raise UserError, in one line, for a field of `cfg` this family cannot honour."""

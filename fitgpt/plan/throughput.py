@@ -158,7 +158,10 @@ def compute_seconds(work: Workload, ecfg: EngineConfig, tokens: int, rates: Rate
         attn += RECOMPUTE * attn / 3  # the forward is a third of forward + backward
     gemm = rates.gemm_tflops * 1e12 * share
     attn_rate = rates.attn_tflops * 1e12 * share / rates.model_efficiency
-    return tokens * (mm / gemm + attn / attn_rate) / tp  # each rank computes 1/T of every layer
+    # the family's elementwise work grows with the matmuls (tokens × widths), not with
+    # attention's S², so its factor scales the matmul term only (Family.matmul_time)
+    mm_s = mm / gemm * family_of(m).matmul_time
+    return tokens * (mm_s + attn / attn_rate) / tp  # each rank computes 1/T of every layer
 
 
 # Measured extra time over the compute term, as a fraction of it: the stage-2 per-micro-batch
