@@ -89,8 +89,17 @@ def test_activation_terms_by_hand():
     sbh = 8 * 2 * 16
     lse = 4 * 2 * 8 * 2  # each block saves its softmax's log-sum-exp: fp32 [b, N, S]
     off, full = activation_bytes(w, "off"), activation_bytes(w, "full")
-    assert off["activations"] == 3 * (17 * sbh * 2 + lse) + 11 * sbh * 2
-    assert full["activations"] == 3 * sbh * 2 + 17 * sbh * 2 + lse + 11 * sbh * 2
+    assert off["activations"] == 3 * (17 * sbh * 2 + lse)
+    assert full["activations"] == 3 * sbh * 2 + 17 * sbh * 2 + lse
+    # a block's backward (the MLP whole): ~8·sbh of working gradients; the head's moment: the
+    # final norm's input and output, and the logits
+    assert off["working_gradients"] == full["working_gradients"] == 8 * sbh * 2
+    assert off["final_norm"] == 2 * sbh * 2
+    # the MLP whole keeps the sum GPT-2's GPU trials calibrated: block 0's input once more, and
+    # the head's moment added to a block's backward (estimate takes every term)
+    assert off["embedding_output"] == sbh * 2
+    est = estimate(w, EngineConfig(engine="zero", checkpointing="off"))
+    assert all(est.compute[k] == v for k, v in off.items())
     # one block's backward: the kernel's fp32 dq and k, v gradients over the 2 heads of 8
     assert off["block_backward"] == 2 * 8 * 16 * (4 + 2 * 2)
     assert off["logits"] == full["logits"] == 2 * 8 * 128 * 12

@@ -231,7 +231,14 @@ def activation_bytes(
     compiled: bool = False,
     cp: int = 1,
 ) -> dict[str, int]:
-    """Bytes alive at the start of the last micro-batch's backward (the activation peak).
+    """Bytes of the activation peak, as terms of two moments of the last micro-batch's backward
+    that never overlap (estimate() takes the larger where the MLP runs in pieces; where it runs
+    whole, the sum GPT-2's GPU trials calibrated, "embedding_output" included): the head's, from the loss's forward to
+    the final norm's backward ("final_norm", "logits"), and a block's backward
+    ("working_gradients", "block_backward"); "activations" (what the blocks hold between their
+    forward and backward) and "attention_bias" are alive at both. By the first block's backward
+    the head is done: the loss's gradients went into the norm's input gradient and the head
+    weight's gradient, and the final norm's saved input was freed.
 
     Under C-way context parallelism (parallel/context.py) a rank holds S/C tokens of each
     sequence outside attention, and inside it all S tokens of N/C heads: the same element
@@ -242,15 +249,20 @@ def activation_bytes(
     token left whole by tensor parallelism, r, and cut by it, c; GPT-2: r = 4h, the LayerNorms'
     inputs and outputs, c = 13h, q/k/v, the attention output and its re-laid copy, the MLP's fc
     and GELU outputs): (r + c)·S·b·w bytes (flash attention: no S² term). Checkpointing keeps
-    only each block's input (sbh·w) and recomputes one block at a time in backward. Backward's
-    working gradients take about 8·sbh·w more.
+    only each block's input (sbh·w) and recomputes one block at a time in backward. The
+    embedding's output is block 0's input, counted there. Beside a block's saved set, its
+    backward holds working gradients: with the MLP whole, about 8·sbh·w (GPT-2's fc and GELU
+    output gradients, 8h; calibrated on GPT-2 at 1-8 k tokens); with the MLP in pieces those
+    are inside one piece's transient, and what remains is attention's side: the stream's
+    gradient, the attention output's and q, k, v's, (h + 2·N·D + 2·K·D)·S·b·w. The head's
+    moment holds the final norm's input and output (2·sbh·w) and the logits.
 
     Under T-way tensor parallelism the c part is split by heads and MLP columns, the r part is
     not: (r + c/T)·S·b·w per block; the logits are split by vocabulary (1/T). With sequence
     parallelism (`sp`) the residual stream and the norms are split along the sequence too (the
     column-parallel matmuls keep their input's shard and gather it again in backward): all of it
-    1/T, (r + c)·S·b/T per block, the block inputs kept by checkpointing, the embedding output,
-    the final norm and backward's working gradients included. Logits past one piece
+    1/T, (r + c)·S·b/T per block, the block inputs kept by checkpointing, the final norm and
+    backward's working gradients included. Logits past one piece
     (model/loss.py loss_pieces: more than PIECE_LOGITS per rank) are priced as one piece.
     """
     if cp > 1:
@@ -274,9 +286,30 @@ def activation_bytes(
         blocks = m.n_layer * sbh * a + per_block
     else:  # cpu: inputs in pinned host RAM; on the GPU block i's and the prefetched i-1's
         blocks = 2 * sbh * a + per_block
-    out = {"activations": blocks + 8 * sbh * a + 3 * sbh * a}  # + embedding output, final norm
+    out = {"activations": blocks}
+    # A block's backward, beside its saved set. Measured on an H100 (torch 2.11, 2026-11-27,
+    # results/long_h100_2026-11-27), Llama-3.1-8B's shape at 131,072 and 247,808 tokens, eager,
+    # checkpointing cpu, MLP and loss in pieces: 61.1 and 53.0 GiB peak, 14.6 sbh·w above the
+    # state at both lengths, where 8·sbh·w here plus the head's terms summed in made ~26. On
+    # the CPU (benchmarks/long_activation_memory_cpu.py, the same structure at hidden 256) the
+    # peak of a block's backward is at attention's: its two block inputs, the saved set less
+    # the MLP's, the stream's and attention output's gradients and q, k, v's (1 + 1 + 1.5 sbh
+    # at Llama's 8 kv heads of 32), 14.4 sbh with the GPU kernel's workspace below added.
+    if mlp_piece:
+        N, K, D = m.n_head // tp, m.kv_heads // tp, m.head_dim
+        stream = sbh if sp else sb * m.n_embd
+        out["working_gradients"] = (stream + sb * (2 * N * D + 2 * K * D)) * a
+    else:
+        out["working_gradients"] = 8 * sbh * a
+        # where the MLP runs whole the terms stay summed as GPU trials calibrated them (GPT-2,
+        # 1-8 k tokens, results/memory_h100_2026-11-22, priced 0-6% under measured even so):
+        # the embedding output again, and the head's moment on top of a block's backward
+        # (estimate). Taking either off there would price those trials lower still, and no
+        # GPU run has checked that it stays an upper bound.
+        out["embedding_output"] = sbh * a
     # one block's backward at a time: attention's workspace, then the MLP's (not both at once)
     out["block_backward"] = max(attn["backward"], mlp_piece)
+    out["final_norm"] = 2 * sbh * a  # its saved input and its output, the head's input
     if attn["shared"]:
         out["attention_bias"] = attn["shared"]
     # logits in the working dtype, their fp32 copy for a stable softmax, the saved log-probs,
@@ -307,7 +340,7 @@ def estimate(
     """Peak bytes per rank on each device for one training step of `work` under `ecfg`
     (`placement`: the zero engine's, when the caller has it already)."""
     layout = rank_layout(work, ecfg, layout)
-    act = activation_bytes(
+    terms = activation_bytes(
         work,
         ecfg.checkpointing,
         tp_of(ecfg),
@@ -315,6 +348,15 @@ def estimate(
         compiled(ecfg),
         max(1, ecfg.context_parallel),
     )
+    act = terms
+    if "embedding_output" not in terms:  # the MLP in pieces: the moments priced apart
+        # the head's moment and a block's backward never overlap (activation_bytes): the larger
+        head = ("final_norm", "logits")
+        block = ("working_gradients", "block_backward")
+        act_head = {k: v for k, v in terms.items() if k not in block}
+        act = {k: v for k, v in terms.items() if k not in head}
+        if sum(act_head.values()) > sum(act.values()):
+            act = act_head
     est = Estimate()
     host_dev = "cpu" if work.device == "cpu" else "cuda"
     est.host["process"] = HOST_BASE[host_dev] + (HOST_DIST if work.world > 1 else 0)
