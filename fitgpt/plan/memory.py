@@ -302,10 +302,11 @@ def activation_bytes(
     else:
         out["working_gradients"] = 8 * sbh * a
         # where the MLP runs whole the terms stay summed as GPU trials calibrated them (GPT-2,
-        # 1-8 k tokens, results/memory_h100_2026-11-22, priced 0-6% under measured even so):
-        # the embedding output again, and the head's moment on top of a block's backward
-        # (estimate). Taking either off there would price those trials lower still, and no
-        # GPU run has checked that it stays an upper bound.
+        # 1-8 k tokens, results/memory_h100_2026-11-22): the embedding output again, and the
+        # head's moment on top of a block's backward (estimate). Those trials ran before the
+        # loss went in pieces and held whole logits, and this model, pricing one piece, is
+        # 4-13% under their peaks; taking terms off here would widen that, and no GPU run
+        # since has checked what today's engine peaks at there.
         out["embedding_output"] = sbh * a
     # one block's backward at a time: attention's workspace, then the MLP's (not both at once)
     out["block_backward"] = max(attn["backward"], mlp_piece)
