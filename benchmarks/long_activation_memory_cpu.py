@@ -16,8 +16,8 @@ allocates and frees inside itself: on a GPU the flash kernel's, priced apart by
 memory.attention_bytes). At the peak it prints what is alive, by the op that made it, in units
 of u = T·H·w bytes (one [T, H] tensor), and the model's terms for the same shape.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/long_activation_memory_cpu.py --T 16384 32768
-Measured (2 CPU cores, torch 2.13 CPU, 2026-11-28; hidden 256, 4 heads of 64, 1 kv head, F 896,
+    PYTHONPATH=. .venv/bin/python benchmarks/long_activation_memory_cpu.py --T 8192 16384
+Measured (2 CPU cores, torch 2.13 CPU, 2026-11-27; hidden 256, 4 heads of 64, 1 kv head, F 896,
 V 8192, 3 layers, bf16, checkpointing cpu, MLP pieces of 2048 tokens, loss pieces of 1024 rows;
 u = T·H·2): at attention's backward 11.29 u alive at both T = 8,192 and 16,384: the two block
 inputs (2), the norm's output (1), q and k rotated (1.25), the kv output (0.5), attention's

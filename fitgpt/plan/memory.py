@@ -232,8 +232,7 @@ def activation_bytes(
     cp: int = 1,
 ) -> dict[str, int]:
     """Bytes of the activation peak, as terms of two moments of the last micro-batch's backward
-    that never overlap (estimate() takes the larger where the MLP runs in pieces; where it runs
-    whole, the sum GPT-2's GPU trials calibrated, "embedding_output" included): the head's, from the loss's forward to
+    that never overlap (estimate() takes the larger): the head's, from the loss's forward to
     the final norm's backward ("final_norm", "logits"), and a block's backward
     ("working_gradients", "block_backward"); "activations" (what the blocks hold between their
     forward and backward) and "attention_bias" are alive at both. By the first block's backward
@@ -301,13 +300,6 @@ def activation_bytes(
         out["working_gradients"] = (stream + sb * (2 * N * D + 2 * K * D)) * a
     else:
         out["working_gradients"] = 8 * sbh * a
-        # where the MLP runs whole the terms stay summed as GPU trials calibrated them (GPT-2,
-        # 1-8 k tokens, results/memory_h100_2026-11-22): the embedding output again, and the
-        # head's moment on top of a block's backward (estimate). Those trials ran before the
-        # loss went in pieces and held whole logits, and this model, pricing one piece, is
-        # 4-13% under their peaks; taking terms off here would widen that, and no GPU run
-        # since has checked what today's engine peaks at there.
-        out["embedding_output"] = sbh * a
     # one block's backward at a time: attention's workspace, then the MLP's (not both at once)
     out["block_backward"] = max(attn["backward"], mlp_piece)
     out["final_norm"] = 2 * sbh * a  # its saved input and its output, the head's input
@@ -349,15 +341,15 @@ def estimate(
         compiled(ecfg),
         max(1, ecfg.context_parallel),
     )
-    act = terms
-    if "embedding_output" not in terms:  # the MLP in pieces: the moments priced apart
-        # the head's moment and a block's backward never overlap (activation_bytes): the larger
-        head = ("final_norm", "logits")
-        block = ("working_gradients", "block_backward")
-        act_head = {k: v for k, v in terms.items() if k not in block}
-        act = {k: v for k, v in terms.items() if k not in head}
-        if sum(act_head.values()) > sum(act.values()):
-            act = act_head
+    # the head's moment and a block's backward never overlap (activation_bytes): the larger.
+    # Priced apart at every length, so the estimate never falls where the MLP starts running in
+    # pieces (a bisection over sequence lengths or micro-batches needs it monotone)
+    head = ("final_norm", "logits")
+    block = ("working_gradients", "block_backward")
+    act_head = {k: v for k, v in terms.items() if k not in block}
+    act = {k: v for k, v in terms.items() if k not in head}
+    if sum(act_head.values()) > sum(act.values()):
+        act = act_head
     est = Estimate()
     host_dev = "cpu" if work.device == "cpu" else "cuda"
     est.host["process"] = HOST_BASE[host_dev] + (HOST_DIST if work.world > 1 else 0)

@@ -328,8 +328,15 @@ def refusal(
     alt = []
     if layers:
         size = units.params(m.replace(n_layer=layers).num_params())
+        cut = fixed.within(layers).as_dict()  # a fixed block count above the depth: every block
+        flags = "".join(
+            f" with --{k.replace('_', '-')} {cut[k]}"
+            for k in ("offload_blocks", "nvme_blocks")
+            if k in cut and cut[k] != fixed.as_dict()[k]
+        )
         alt.append(
-            f"{layers} layers of this width ({size} parameters) at micro-batch {work.micro_batch}"
+            f"{layers} layers of this width ({size} parameters) at micro-batch "
+            f"{work.micro_batch}{flags}"
         )
     mb = largest_micro_batch(work, grad_accum, hw, rates, fixed)
     if mb:

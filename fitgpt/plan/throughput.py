@@ -159,8 +159,9 @@ def compute_seconds(work: Workload, ecfg: EngineConfig, tokens: int, rates: Rate
     gemm = rates.gemm_tflops * 1e12 * share
     attn_rate = rates.attn_tflops * 1e12 * share / rates.model_efficiency
     # the family's elementwise work grows with the matmuls (tokens × widths), not with
-    # attention's S², so its factor scales the matmul term only (Family.matmul_time)
-    mm_s = mm / gemm * family_of(m).matmul_time
+    # attention's S², so its factor scales the matmul term only (Family.matmul_time); measured
+    # on GPUs: a CPU's share is calibrated by itself (CPU_PRECISION_SHARE)
+    mm_s = mm / gemm * (family_of(m).matmul_time if work.device == "cuda" else 1.0)
     return tokens * (mm_s + attn / attn_rate) / tp  # each rank computes 1/T of every layer
 
 
