@@ -26,9 +26,12 @@ def run_in_process(capsys, *argv: str) -> tuple[int, str]:
     return e.value.code, capsys.readouterr().err
 
 
-def run_process(*argv: str, cwd: Path | None = None, timeout: float = 120, **kw):
-    """`python -m fitgpt ARGV` in a new process (~3 s: the CLI imports torch at start)."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+def run_process(
+    *argv: str, cwd: Path | None = None, timeout: float = 120, env: dict | None = None, **kw
+):
+    """`python -m fitgpt ARGV` in a new process (~3 s: the CLI imports torch at start), with
+    `env`'s variables added to this one's."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "fitgpt", *map(str, argv)],
         capture_output=True,

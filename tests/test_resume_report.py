@@ -7,16 +7,15 @@ taken for flags the user never typed. The refusals themselves are rows in
 tests/test_cli_bad_inputs.py."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from cli_refusal import run_process
 from helpers import run_config
 
 from fitgpt.dist import DistContext
@@ -26,7 +25,7 @@ from fitgpt.train.loop import train
 from fitgpt.train.resume import portable, saved_config
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 SMALL = [
     *("--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--micro-batch", "2"),
     *("--eval-every", "0", "--log-every", "1", "--device", "cpu"),
@@ -34,14 +33,7 @@ SMALL = [
 
 
 def fitgpt(*argv, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "fitgpt", *map(str, argv)],
-        cwd=cwd,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_process(*argv, cwd=cwd, timeout=300, env=ENV)
 
 
 def resumed_line(stdout: str) -> str:
