@@ -79,6 +79,24 @@ def test_a_two_process_zero3_run_resumed_on_one_names_world_tokens_and_stage(tmp
     assert "--steps 2 → 3" in line
 
 
+@pytest.mark.slow
+def test_a_context_parallel_run_resumes_on_fewer_ranks_unless_its_degree_is_typed(tmp_path):
+    out = tmp_path / "run"
+    two = fitgpt(
+        "train", "--gpus", "2", "--context-parallel", "2", "--data", "synthetic",
+        "--vocab-size", "64", *SMALL, "--steps", "2", "--out", out,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    # C splits the sequence, not the state: on one process the untyped C falls to 1, said once
+    one = fitgpt("train", "--out", out, "--resume", "--steps", "3")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "--context-parallel 2 does not divide 1 rank(s); resuming with 1" in one.stdout
+    assert "--context-parallel 2 → 1" in resumed_line(one.stdout)
+    # typed again, the degree is the user's and is refused as given, in one line
+    typed = fitgpt("train", "--out", out, "--resume", "--steps", "4", "--context-parallel", "2")
+    refused(typed, "--context-parallel 2", "does not divide")
+
+
 def test_every_setting_the_new_run_differs_in_is_named_asked_or_not(tmp_path, capsys):
     train(run_config(tmp_path, steps=2, engine="zero", zero_stage=3, micro_batch=4), CPU)
     capsys.readouterr()

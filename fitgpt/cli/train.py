@@ -110,7 +110,13 @@ def resolve_command(args: argparse.Namespace):
 
 def _resolve_command(args: argparse.Namespace):
     from fitgpt.train import checkpoint as ckpt_io
-    from fitgpt.train.resume import PARTS, find_checkpoint, removed_settings, resumed_config
+    from fitgpt.train.resume import (
+        PARTS,
+        find_checkpoint,
+        fit_context_parallel,
+        removed_settings,
+        resumed_config,
+    )
 
     if args.init_from is not None:
         return init_config(args), None, []
@@ -127,6 +133,10 @@ def _resolve_command(args: argparse.Namespace):
         given["train"]["out"] = str(ckpt.parent)  # continue in the run folder of CKPT
     # checked here, before any work; what changed is said once the run is planned (the trainer)
     run, notes = resumed_config(meta, ckpt, given, args.preset)
+    world = args.gpus or int(os.environ.get("WORLD_SIZE", 1))  # the launcher's, or a rank's
+    typed = "context_parallel" in given["engine"]
+    run, fitted = fit_context_parallel(run, world, typed)
+    notes = [*notes, *fitted]
     return run, ckpt, [f"resume: {ckpt} with its own config", *notes, *removed_settings(meta, ckpt)]
 
 

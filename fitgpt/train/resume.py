@@ -339,6 +339,23 @@ def resumed_config(
     return RunConfig(**parts), notes
 
 
+def fit_context_parallel(run: RunConfig, world: int, typed: bool) -> tuple[RunConfig, list[str]]:
+    """The resumed run at `world` ranks: a saved --context-parallel C that the user did not type
+    again and that (with T) does not divide the new rank count becomes 1, with a note. C splits
+    the sequence, not the state (the C ranks are data-parallel for the weights), so nothing
+    saved depends on it; keeping it would refuse a resume on fewer GPUs that the user never
+    asked to split. A C typed again is the user's, and is checked as given."""
+    e = run.engine
+    C, T = e.context_parallel, max(1, e.tensor_parallel)
+    if typed or C <= 1 or world % (C * T) == 0:
+        return run, []
+    note = (
+        f"resume: the run's --context-parallel {C} does not divide {world} rank(s); "
+        "resuming with 1 (type --context-parallel to choose)"
+    )
+    return dataclasses.replace(run, engine=dataclasses.replace(e, context_parallel=1)), [note]
+
+
 # ---- what the resumed run changes -------------------------------------------------------------
 def _shown(value) -> str:
     if isinstance(value, bool):
