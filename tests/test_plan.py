@@ -514,3 +514,23 @@ def test_plan_breakdown_lists_the_chosen_plans_bytes_and_step_terms():
     assert abs(gib(lines[gpu]) - predicted) < 0.06
     step = next(x for x in lines if x.startswith("step "))
     assert "compute" in step and float(step.split()[1]) > 0
+
+
+def test_ranks_of_one_host_share_its_host_optimizer_rate(monkeypatch):
+    """Four ranks' host optimizers on one host ran at 0.68-0.78 of the rate one process
+    measures (4x H200): each rank is priced at host_share(W) of it, one rank at all of it."""
+    from fitgpt.plan import throughput
+
+    assert throughput.host_share(1) == 1.0
+    assert throughput.host_share(4) == pytest.approx(0.75)
+    assert throughput.host_share(2) > throughput.host_share(4) > throughput.host_share(8)
+    m = get_preset("20b")
+    w = Workload(m, 8, 4, "bf16")
+    e = EngineConfig(
+        engine="zero", zero_stage=3, offload_optimizer="cpu", offload_blocks=m.n_layer,
+        master="split", moments="bf16", device_moments="bf16",
+    )  # fmt: skip
+    shared = step_time(w, e, 4, DEFAULTS["H200"])["host_optimizer"]
+    monkeypatch.setattr(throughput, "HOST_SHARED", 0.0)
+    alone = step_time(w, e, 4, DEFAULTS["H200"])["host_optimizer"]
+    assert shared > alone > 0
