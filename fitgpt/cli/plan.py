@@ -64,9 +64,10 @@ def register(sub) -> None:
         skip=("split", "sample_order"),
     )
     # the batch flags are train's, with train's defaults: plan prices the run train makes
-    batch = ("micro_batch", "grad_accum")
+    # (--steps: what --compile auto weighs a compile against, engine/compile.py)
+    batch = ("micro_batch", "grad_accum", "steps")
     add_config_args(
-        p.add_argument_group("batch (as in `fitgpt train`)"),
+        p.add_argument_group("batch and length (as in `fitgpt train`)"),
         TrainConfig,
         skip=tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in batch),
     )
