@@ -183,6 +183,28 @@ def test_plan_prices_the_presets_own_vocabulary_without_data(capsys):
         assert f"{params} parameters (80×8192)" in capsys.readouterr().out
 
 
+def test_plan_prices_compile_auto_for_the_steps_given(monkeypatch, capsys):
+    """`fitgpt plan --steps N` weighs --compile auto against N steps, as train does: a 2-step
+    run does not compile what a 400-step one does (triton taken as present, as on a GPU box)."""
+    import importlib.util
+
+    from fitgpt.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: True if n == "triton" else real(n, *a)
+    )
+    flags = ["plan", "--preset", "llama3.1-8b", "--seq-len", "131072", "--micro-batch", "1",
+             "--device", "cuda", "--gpu-mem", "80GiB", "--cpu-mem", "125GiB"]  # fmt: skip
+    chosen = {}
+    for steps in ("2", "400"):
+        with pytest.raises(SystemExit):
+            main([*flags, "--steps", steps])
+        out = capsys.readouterr().out
+        chosen[steps] = re.search(r"--compile (\w+)", out).group(1)
+    assert chosen == {"2": "off", "400": "blocks"}, chosen
+
+
 # ---- `fitgpt capacity --search seq-len` -----------------------------------------------------
 @pytest.mark.slow
 def test_capacity_seq_search_on_cpu_finds_the_true_boundary(tmp_path):
