@@ -321,7 +321,7 @@ def refusal(
         )
     if lean.disk_short > 0:
         need.append(
-            f"{sum(lean.est.nvme.values()) / GiB:.1f} GiB on the nvme tier "
+            f"{sum(lean.est.nvme.values()) * max(1, hw.gpus) / GiB:.1f} GiB on the nvme tier "
             f"(has {hw.nvme_free / GiB:.1f}, short by {lean.disk_short / GiB:.1f})"
         )
     layers = largest_layers(work, grad_accum, hw, rates, fixed)
