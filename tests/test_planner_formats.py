@@ -401,3 +401,26 @@ def test_the_streamed_variant_is_priced_when_the_optimizer_alone_fits_too():
     assert best.ecfg.offload_params == "cpu"
     unstreamed = min(c.compared_time for c in offloaded if c.ecfg.offload_params == "none")
     assert best.compared_time < unstreamed
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_host_work_overlaps_the_next_forward_only_where_no_gather_waits_for_it(stage):
+    """Stages 1-2 on several ranks all-gather the host's new shards inside the step, so the
+    host's work cannot hide behind the next forward (engine/update.py); on one rank, or at
+    stage 3 (blocks gathered as they run), the device-homed blocks' forward comes first."""
+    m = ModelConfig(n_layer=8, n_embd=256, n_head=4, seq_len=64)
+    e = EngineConfig(engine="zero", zero_stage=stage, offload_optimizer="cpu", offload_blocks=2,
+                     speculative_update=False)  # fmt: skip
+    slow = dataclasses.replace(R, cpu_adam_params_per_s=1e5)  # host work longer than the window
+
+    def hidden(world: int) -> float:
+        """Seconds of the host's work the next forward hides (1 s of compute against none)."""
+        w = Workload(m, 2, world, "bf16")
+        p = placement_of(w, e)
+        alone = host_optimizer_exposed(w, 1, 0.0, slow, p)
+        assert alone > 1.0  # the host's whole work, longer than any window here
+        return alone - host_optimizer_exposed(w, 1, 1.0, slow, p)
+
+    window = 1.0 / 3 * 6 / 8  # a third of the micro-batch, over the 6 device-homed blocks
+    assert hidden(1) == pytest.approx(window)
+    assert hidden(2) == pytest.approx(0.0 if stage < 3 else window)
