@@ -10,25 +10,14 @@
 #          fitgpt, the planner's plan, at DeepSpeed's largest size (the throughput ratio)
 #   disk   fitgpt's largest with the optimizer state of some blocks on the disk tier, default
 #          formats (`fitgpt capacity --nvme-path`, one trial at the planner's prediction)
-# Host RAM used and available (GiB) every 5 s in STAGE_ram.txt: a rank the kernel kills leaves
-# no Python error.
+# Host RAM used and available (GiB) every 5 s in STAGE_ram.txt (benchmarks/x4_env.sh).
 # Usage (device): OUT=... bash benchmarks/x4_capacity.sh STAGE
 set -u
 STAGE=${1:?stage: peers or disk}
 OUT=${OUT:-/tmp/x4_capacity}
 DEADLINE=${DEADLINE:-560}
 mkdir -p "$OUT"
-source benchmarks/device_env.sh
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | sort | uniq -c
-free -g | head -2; df -h /tmp | tail -1
-T0=$(date +%s)
-left() { echo $((DEADLINE - ($(date +%s) - T0))); }
-while sleep 5; do echo "$(($(date +%s) - T0)) $(free -g | awk '/Mem/ {print $3, $7}')"; done \
-  > "$OUT/${STAGE}_ram.txt" 2>/dev/null &
-RAMLOG=$!
-trap 'kill $RAMLOG 2>/dev/null' EXIT
+source benchmarks/x4_env.sh
 SHAPE=(--hidden 6144 --heads 48 --gpus 4)
 J=$OUT/capacity.jsonl
 case $STAGE in

@@ -20,17 +20,7 @@ STAGE=${1:?stage: peers or scale}
 OUT=${OUT:-/tmp/x4_sweep}
 DEADLINE=${DEADLINE:-570}
 mkdir -p "$OUT"
-source benchmarks/device_env.sh
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nproc
-T0=$(date +%s)
-left() { echo $((DEADLINE - ($(date +%s) - T0))); }
-# host RAM used and available (GiB) every 5 s, so a rank the kernel kills (DeepSpeed at 20.56 B
-# on 2026-11-26: signal 9, no memory trace) can be told apart from other deaths
-while sleep 5; do echo "$(($(date +%s) - T0)) $(free -g | awk '/Mem/ {print $3, $7}')"; done \
-  > "$OUT/${1:-x}_ram.txt" 2>/dev/null &
-RAMLOG=$!
-trap 'kill $RAMLOG 2>/dev/null' EXIT
+source benchmarks/x4_env.sh
 SHAPE=(--hidden 6144 --heads 48 --warmup 1 --steps 2)
 case $STAGE in
   peers)
