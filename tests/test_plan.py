@@ -534,3 +534,16 @@ def test_ranks_of_one_host_share_its_host_optimizer_rate(monkeypatch):
     monkeypatch.setattr(throughput, "HOST_SHARED", 0.0)
     alone = step_time(w, e, 4, DEFAULTS["H200"])["host_optimizer"]
     assert shared > alone > 0
+
+
+def test_the_refusal_counts_the_disk_tier_for_every_rank():
+    """The disk line of a refusal says what the box's disk must hold, all ranks' files: needs
+    minus has is the shortfall (it once printed one rank's bytes beside the whole disk's)."""
+    hw = Hardware("cuda", 2, int(40 * GiB), "NVIDIA H100 80GB HBM3", int(60 * GiB), 16,
+                  "/nvme", int(10 * GiB))  # fmt: skip
+    with pytest.raises(UserError) as e:
+        choose(Workload(get_preset("13b"), 8, 2, "bf16"), 4, hw, DEFAULTS["H100"])
+    need, has, short = map(float, re.search(
+        r"needs ([\d.]+) GiB on the nvme tier \(has ([\d.]+), short by ([\d.]+)\)", str(e.value)
+    ).groups())  # fmt: skip
+    assert has == 10.0 and need - has == pytest.approx(short, abs=0.11)
