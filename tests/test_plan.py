@@ -547,3 +547,28 @@ def test_the_refusal_counts_the_disk_tier_for_every_rank():
         r"needs ([\d.]+) GiB on the nvme tier \(has ([\d.]+), short by ([\d.]+)\)", str(e.value)
     ).groups())  # fmt: skip
     assert has == 10.0 and need - has == pytest.approx(short, abs=0.11)
+
+
+def test_a_refusal_names_the_least_disk_that_would_fit_it():
+    """Past GPU plus host RAM the disk tier is the way further: a refusal on a box given no disk
+    names the disk that makes this model fit, and that much disk does while less does not."""
+    r = DEFAULTS["H100"]
+    box = Hardware("cuda", 2, int(40 * GiB), "NVIDIA H100 80GB HBM3", int(60 * GiB), 16)
+    work = Workload(get_preset("13b"), 8, 2, "bf16")
+    with pytest.raises(UserError) as e:
+        choose(work, 4, box, r)
+    named = re.search(r"this model with ~(\d+) GiB of optimizer state on a disk \(fitgpt train "
+                      r"--nvme-path DIR", str(e.value))  # fmt: skip
+    assert named, str(e.value)
+    gib = int(named.group(1))
+    with_disk = dataclasses.replace(box, nvme_path="(planned)", nvme_free=int((gib + 1) * GiB))
+    chosen, _ = choose(work, 4, with_disk, r)
+    assert chosen.ecfg.offload_optimizer == "nvme"
+    assert sum(chosen.est.nvme.values()) * 2 <= (gib + 1) * GiB
+    short = dataclasses.replace(with_disk, nvme_free=int(gib * 0.8 * GiB))
+    with pytest.raises(UserError, match="on the nvme tier"):
+        choose(work, 4, short, r)
+    # a user who keeps the state in host RAM is not told of a disk
+    with pytest.raises(UserError) as e:
+        choose(work, 4, box, r, {"offload_optimizer": "cpu"})
+    assert "on a disk" not in str(e.value)

@@ -355,11 +355,35 @@ def refusal(
             fits8 = False
         if fits8:
             alt.append("this model with --moments int8 (a loss cost: docs/offload.md)")
+    disk = disk_needed(work, grad_accum, hw, rates, fixed)
+    if disk:
+        alt.append(
+            f"this model with ~{disk / GiB:.0f} GiB of optimizer state on a disk (fitgpt train "
+            f"--nvme-path DIR, fitgpt plan --nvme DIR; every step reads and writes it)"
+        )
     what = " or ".join(alt) if alt else "nothing of this width"
     return (
         f"{units.params(m.num_params())} parameters at micro-batch {work.micro_batch} do not fit: the leanest "
         f"plan ({lean.name}) needs {' and '.join(need)}; what fits: {what}"
     )
+
+
+def disk_needed(
+    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: Fixed
+) -> int:
+    """The least disk (every rank's files) with which this model would fit where the user gave
+    no disk tier, for the refusal to name; 0 where a disk was given, the user keeps the state
+    elsewhere, or no disk would do. Past GPU plus RAM the disk is the one way further (the
+    ceiling of a box: docs/planner.md). With a disk of that size the planner takes the least
+    compact rung that fits in it, which is the plan priced here or one needing no more."""
+    if hw.nvme_path or hw.device != "cuda" or fixed.offload_optimizer not in (None, "nvme"):
+        return 0
+    boundless = dataclasses.replace(hw, nvme_path="(planned)", nvme_free=1 << 62)
+    try:
+        cands = plan(work, grad_accum, boundless, rates, fixed)
+    except UserError:
+        return 0
+    return min((sum(c.est.nvme.values()) * hw.gpus for c in cands if c.fits), default=0)
 
 
 def choose(
