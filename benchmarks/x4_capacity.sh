@@ -6,7 +6,8 @@
 # device call (nvidia-h200-x4 with needs_h200; carry .whl for DeepSpeed):
 #   peers  DDP's largest (`fitgpt capacity --system ddp`, from the memory model's prediction);
 #          DeepSpeed ZeRO-3 offload's largest (parameters and optimizer in pinned host RAM; no
-#          memory model, so from DS_START layers, 3 trials of 1 warm-up + 1 timed step); then
+#          memory model, so from DS_START layers, 3 trials of 1 warm-up + 1 timed step, each
+#          up to 280 s: building 16.93 B took DeepSpeed 137 s on 2026-11-27); then
 #          fitgpt, the planner's plan, at DeepSpeed's largest size (the throughput ratio)
 #   disk   fitgpt's largest with the optimizer state of some blocks on the disk tier, default
 #          formats (`fitgpt capacity --nvme-path`, one trial at the planner's prediction)
@@ -26,13 +27,15 @@ case $STAGE in
       --time-limit 45 --out "$J" 2>&1 | tail -4
     echo "[$(($(date +%s) - T0)) s]"
     timeout $(($(left) - 130)) python3 -m fitgpt capacity --system deepspeed-z3-offload \
-      "${SHAPE[@]}" --start "${DS_START:-36}" --max-trials 3 --warmup 1 --steps 1 \
-      --time-limit 150 --out "$J" 2>&1 | tee "$OUT/ds_capacity.txt" | tail -5
+      "${SHAPE[@]}" --start "${DS_START:-40}" --max-trials 3 --warmup 1 --steps 1 \
+      --time-limit 280 --out "$J" 2>&1 | tee "$OUT/ds_capacity.txt" | tail -5
     echo "[$(($(date +%s) - T0)) s]"
+    # DeepSpeed's largest that trained, from the trials' records (the search's own summary line
+    # is lost when the timeout above ends it, as on 2026-11-27)
     DSL=$(python3 -c 'import json,sys
-for line in open(sys.argv[1]):
-    if line.startswith("{") and "largest_layers" in line: print(json.loads(line)["largest_layers"])' \
-      "$OUT/ds_capacity.txt" 2>/dev/null | tail -1)
+ok = [r["layers"] for r in map(json.loads, open(sys.argv[1]))
+      if r["system"] == "deepspeed-z3-offload" and r["status"] == "ok"]
+print(max(ok) if ok else "")' "$J" 2>/dev/null)
     if [ -n "$DSL" ] && [ "$DSL" -gt 0 ]; then
       timeout $(($(left) - 5)) python3 -m fitgpt bench sweep --systems fitgpt --sizes "$DSL" \
         "${SHAPE[@]}" --warmup 1 --steps 2 --time-limit 110 --out "$OUT/at_ds_largest.jsonl" 2>&1 | tail -3
