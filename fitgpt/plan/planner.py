@@ -368,9 +368,7 @@ def refusal(
     )
 
 
-def disk_needed(
-    work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: Fixed
-) -> int:
+def disk_needed(work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: Fixed) -> int:
     """The least disk (every rank's files) with which this model would fit where the user gave
     no disk tier, for the refusal to name; 0 where a disk was given, the user keeps the state
     elsewhere, or no disk would do. Past GPU plus RAM the disk is the one way further (the
