@@ -536,6 +536,26 @@ def test_ranks_of_one_host_share_its_host_optimizer_rate(monkeypatch):
     assert shared > alone > 0
 
 
+def test_fp32_host_state_shares_the_host_worse_than_compact_state():
+    """torch's fused CPU AdamW (fp32 state) on 4 ranks of one host ran at 0.30 of one process's
+    rate, the native kernel's compact formats at ~0.75 (4x H200): priced so, per chunk."""
+    from fitgpt.plan import throughput
+
+    assert throughput.host_share(1, compact=False) == 1.0
+    assert throughput.host_share(4, compact=False) == pytest.approx(0.30, abs=0.005)
+    assert throughput.host_share(4, compact=False) < throughput.host_share(4)
+    m = get_preset("20b")
+    fp32 = EngineConfig(
+        engine="zero", zero_stage=3, offload_optimizer="cpu", offload_blocks=m.n_layer,
+        master="fp32", moments="fp32", device_moments="fp32",
+    )  # fmt: skip
+    # every block offloaded: no forward to hide behind, the host term is the work itself,
+    # which at 4 ranks (each a quarter of the elements) costs 1/(4·0.30) of one rank's
+    one = step_time(Workload(m, 8, 1, "bf16"), fp32, 4, DEFAULTS["H200"])["host_optimizer"]
+    four = step_time(Workload(m, 8, 4, "bf16"), fp32, 4, DEFAULTS["H200"])["host_optimizer"]
+    assert four / one == pytest.approx(1 / (4 * throughput.host_share(4, compact=False)), rel=0.03)
+
+
 def test_the_refusal_counts_the_disk_tier_for_every_rank():
     """The disk line of a refusal says what the box's disk must hold, all ranks' files: needs
     minus has is the shortfall (it once printed one rank's bytes beside the whole disk's)."""

@@ -371,12 +371,21 @@ def step_time(
 # (20.56 B and 97 B, results/x4_peers_h200_2026-11-26): 0.75 at W = 4, so 1/9. W = 2 and 8 are
 # the form's, not measured. One process with every core runs faster than the 16-thread rate
 # priced (2.1x on that box): not credited.
+# fp32 state goes through torch's fused CPU AdamW and shares far worse: 4 ranks of that box, 16
+# threads each, ZeRO-2, 3 of 32 blocks' fp32 state on the host (15.12 B,
+# results/x4_capacity_h200_2026-11-27) ran at 0.34 G elements/s a rank, 0.30 of the probed rate
+# (1.53 G/s at 16 threads, ~60 GB/s of DRAM traffic): the four together moved no more bytes
+# than one process alone, where the native kernel's compact formats moved ~200 GB/s. So
+# 1/(1 + 7/9·(W-1)), 0.30 at W = 4; W = 2 and 8 are the form's, not measured.
 HOST_SHARED = 1 / 9
+HOST_SHARED_FP32 = 7 / 9
 
 
-def host_share(ranks: int) -> float:
-    """The share of the probed host optimizer rate each of `ranks` ranks on one host gets."""
-    return 1.0 / (1.0 + HOST_SHARED * (max(1, ranks) - 1))
+def host_share(ranks: int, compact: bool = True) -> float:
+    """The share of the probed host optimizer rate each of `ranks` ranks on one host gets:
+    for state in compact formats (the native kernel) or in fp32 (torch's kernel)."""
+    shared = HOST_SHARED if compact else HOST_SHARED_FP32
+    return 1.0 / (1.0 + shared * (max(1, ranks) - 1))
 
 
 def host_optimizer_exposed(
@@ -393,8 +402,12 @@ def host_optimizer_exposed(
     k = placement.offloaded_blocks
     n_off = placement.offloaded_elems()  # this rank's optimizer elements on the host tiers
     # the whole pipeline (upcast, AdamW, cast back), at the bytes each chunk's formats move
-    host = sum(c.opt_elems * host_update_cost(c, w) for c in placement.hosted)
-    host /= rates.cpu_adam_params_per_s * host_share(work.world)  # every rank, one host
+    # every rank's at once, on one host
+    host = sum(
+        c.opt_elems * host_update_cost(c, w) / host_share(work.world, bool(c.compact))
+        for c in placement.hosted
+    )
+    host /= rates.cpu_adam_params_per_s
     # gradients down and new weights up; a split master whose working weights stay on the GPU
     # needs them down too (its high half: compact.py), w bytes more per element
     down = n_off + sum(
