@@ -32,6 +32,7 @@ class Candidate:
     disk_short: int = 0  # bytes of the nvme tier over the disk's free space
     placement: Placement | None = None  # the zero engine's (None for ddp)
     disk_written: int = 0  # bytes written per optimizer step to this machine's disk tier
+    disk: int = 0  # bytes of the nvme tier's files on this machine (every rank's)
     rung: int = 0  # the formats' rung on the ladder this run climbs (0: fp32 unless fixed)
 
     @property
@@ -92,7 +93,7 @@ def evaluate(
         # nvme_free is already net of the spare room the store leaves (engine/nvme.py)
         disk_short = disk - hw.nvme_free if hw.nvme_path else disk
     written = placement.disk_traffic()[1] * ranks_here if placement else 0
-    return Candidate(ecfg, est, t, gpu_short, host_short, disk_short, placement, written)
+    return Candidate(ecfg, est, t, gpu_short, host_short, disk_short, placement, written, disk=disk)
 
 
 def settle_compile(

@@ -321,7 +321,7 @@ def refusal(
         )
     if lean.disk_short > 0:
         need.append(
-            f"{sum(lean.est.nvme.values()) * max(1, hw.gpus) / GiB:.1f} GiB on the nvme tier "
+            f"{lean.disk / GiB:.1f} GiB on the nvme tier "
             f"(has {hw.nvme_free / GiB:.1f}, short by {lean.disk_short / GiB:.1f})"
         )
     layers = largest_layers(work, grad_accum, hw, rates, fixed)
@@ -381,7 +381,7 @@ def disk_needed(work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fix
         cands = plan(work, grad_accum, boundless, rates, fixed)
     except UserError:
         return 0
-    return min((sum(c.est.nvme.values()) * hw.gpus for c in cands if c.fits), default=0)
+    return min((c.disk for c in cands if c.fits), default=0)
 
 
 def choose(
