@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The memory model against measurement again (the 2026-11-22 trials of
-# benchmarks/history/memory_h100.sh held the whole logits; since then the loss runs a piece of
-# rows at a time and the head's moment is priced apart from a block's backward, and the model's
-# GPU peaks fell 5-15% under those old measured ones). The same 8 configurations: ddp and ZeRO
-# stages 0/1/3 × checkpointing off/full at hidden 4096 × 8 layers (2.03 B), micro-batch 8 × 4
-# accumulation × 1024, bf16, each trial its own process, its measured GPU peak
-# (max_memory_allocated) beside the prediction for the plan it ran. One nvidia-h100-x1 call.
+# benchmarks/history/memory_h100.sh, in git at commit 7c35cee, held the whole logits; since then
+# the loss runs a piece of rows at a time and the head's moment is priced apart from a block's
+# backward, and the model's GPU peaks fell 5-15% under those old measured ones). The same 8
+# configurations: ddp and ZeRO stages 0/1/3 × checkpointing off/full at hidden 4096 × 8 layers
+# (2.03 B), micro-batch 8 × 4 accumulation × 1024, bf16, each trial its own process, its measured
+# GPU peak (max_memory_allocated) beside the prediction for the plan it ran. One nvidia-h100-x1
+# call.
 # Usage (device): source benchmarks/device_env.sh; OUT=$OUT bash benchmarks/memory_check_h100.sh
 set -u
 OUT=${OUT:-/tmp/memory_check}

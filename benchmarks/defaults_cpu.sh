@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Old against new training defaults on CPU (issue 38's CPU half). Usage, from the repository root:
-#   OUT=benchmarks/results/defaults_cpu_2026-11-26 bash benchmarks/results/defaults_cpu_2026-11-26/run.sh [A|B|C]
+# Old against new training defaults on CPU (issue 38's CPU half; results/defaults_cpu_2026-11-26,
+# made when this script sat there as run.sh). Usage, from the repository root:
+#   python3 benchmarks/run.py defaults/cpu-A --out DIR    (or: OUT=DIR bash benchmarks/defaults_cpu.sh A|B|C)
 # A: 4 layers x 1024, 60 steps; B: 2 layers x 4096 (the 6.7b preset's width), 8 steps of a
 # 50-step warm-up, old init against init by width; C: the same shape, every new default.
 # "old" reproduces the defaults before this change with flags: --warmup 50 and GPT-2's
@@ -17,7 +18,7 @@ A)
   $FITGPT train "${SHAPE[@]}" "${COMMON[@]}" --out /tmp/defaults_runs/A_new > "$OUT/A_new.log" 2>&1
   ;;
 B)
-  # the shape and flags of ../lr_width_cpu_2026-11-24 (its by-width.log is the old init's 8 steps;
+  # the shape and flags of results/lr_width_cpu_2026-11-24 (its by-width.log is the old init's 8 steps;
   # B_old re-runs its first 2 steps to show that the same weights and batches come back)
   SHAPE=(--layers 2 --hidden 4096 --heads 32 --seq-len 128 --micro-batch 2 --grad-accum 1)
   $FITGPT train "${SHAPE[@]}" "${COMMON[@]}" --steps 2 --warmup 50 --init-std 0.02 --out /tmp/defaults_runs/B_old > "$OUT/B_old.log" 2>&1

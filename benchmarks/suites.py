@@ -1,0 +1,658 @@
+"""The declared benchmark runs: every suite, its rows, and what made each committed result.
+
+A row is one entry point (one stage of a staged script): the script under benchmarks/, its
+arguments, the machine kind it needs, what it records and the results folders under
+benchmarks/results/ it has written. `benchmarks/run.py` lists, runs and indexes these; nothing
+here runs anything. The row's command is built from its fields (never written twice), and is
+run from the repository root with OUT (the row's output folder) and PYTHONPATH=. set.
+
+PAST names what made the results whose scripts are no longer in the tree (git keeps them: `git
+show COMMIT:PATH`). Every results folder or file is claimed by a row or a PAST entry; the index
+(benchmarks/results/README.md) is generated from both and a test keeps it current.
+
+Standard library only: `--list` and the machine check run on a box without torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# The machine kinds of the device tool, and "cpu" (any machine, this one included).
+KIND = re.compile(r"^(cpu|nvidia-h(100|200)(-x([1248]))?)$")
+# The commit that last held benchmarks/history/ and the scripts kept inside results folders.
+HISTORY_COMMIT = "7c35cee"
+# Sourced by device rows: installs the carried wheels, prints GPUs, RAM and disk.
+DEVICE_ENV = "source benchmarks/device_env.sh; "
+
+
+@dataclass(frozen=True)
+class Row:
+    """One named run: `{env} {bash|python3} benchmarks/{script} {args}` on `machine`."""
+
+    name: str
+    script: str  # a file directly under benchmarks/
+    machine: str  # "cpu" or a device kind: nvidia-h100-x1, nvidia-h200, nvidia-h200-x4, ...
+    records: str  # what the run measures and writes, in one sentence
+    args: str = ""
+    env: str = ""  # shell assignments before the command (EXTRA=..., BEFORE=.base)
+    device_env: bool = False  # source benchmarks/device_env.sh first
+    carry: tuple[str, ...] = ()  # ignored paths the row needs beside the tree (.whl, .nanogpt)
+    results: tuple[str, ...] = ()  # names under benchmarks/results/ this row has written
+
+    def __post_init__(self) -> None:
+        if not KIND.match(self.machine):
+            raise ValueError(f"row {self.name}: machine {self.machine!r} is no device kind or cpu")
+        if not self.script.endswith((".py", ".sh")) or "/" in self.script:
+            raise ValueError(f"row {self.name}: script {self.script!r} is no benchmarks/*.py|sh")
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the row needs: 0 for cpu, else the kind's -xN (1 without it)."""
+        m = KIND.match(self.machine)
+        return 0 if m[1] == "cpu" else int(m[4] or 1)
+
+    @property
+    def command(self) -> str:
+        run = "bash" if self.script.endswith(".sh") else "python3"
+        parts = [self.env, run, f"benchmarks/{self.script}", self.args]
+        return (DEVICE_ENV if self.device_env else "") + " ".join(p for p in parts if p)
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    about: str
+    rows: tuple[Row, ...]
+
+
+@dataclass(frozen=True)
+class Past:
+    """Results made by something the tree no longer holds: what, and the commit that held it."""
+
+    made_by: str
+    commit: str
+    results: tuple[str, ...]
+
+
+H100 = "nvidia-h100-x1"
+WHL = (".whl",)  # DeepSpeed 0.19.8 and GPT-2's tokenizer, built by ../shared/device/make-wheels.sh
+
+
+SUITES: tuple[Suite, ...] = (
+    Suite(
+        "user",
+        "the fitgpt commands a user types, end to end, on real text",
+        (
+            Row(
+                "h100-a",
+                "user_path.py",
+                H100,
+                "~8 B trained by `fitgpt train` with a checkpoint on the standard library's "
+                "source, and the harness at the same configuration beside it",
+                args="h100 --stage a --out $OUT",
+                carry=WHL,
+                results=("user_path_h100_2026-11-23",),
+            ),
+            Row(
+                "h100-b",
+                "user_path.py",
+                H100,
+                "resume, generate and export of stage a's run (same warm machine, same OUT)",
+                args="h100 --stage b --out $OUT",
+                carry=WHL,
+                results=("user_path_h100_2026-11-23",),
+            ),
+            Row(
+                "x2",
+                "user_path.py",
+                "nvidia-h200-x2",
+                "`fitgpt train --gpus 2` at 20 B against the plan, and the largest size "
+                "`fitgpt plan` accepts",
+                args="x2 --out $OUT",
+                carry=WHL,
+                results=("user_path_x2_h200_2026-11-23",),
+            ),
+            Row(
+                "hf-interop",
+                "hf_interop.py",
+                H100,
+                "a GPT-2 XL-shaped Hugging Face model imported, fine-tuned 50 steps, exported and "
+                "scored by transformers; an 8 B import's time and peak RSS",
+                args="--out $OUT",
+                carry=WHL,
+                results=("hf_interop_h100_2026-11-23",),
+            ),
+            Row(
+                "demo",
+                "demo_load.py",
+                "cpu",
+                "`make demo` against `--cpu-threads 1`, idle and beside busy processes (~25 min); "
+                "without --versus-one the thread matrix and the demo under load",
+                args="--versus-one --out $OUT",
+                results=(
+                    "demo_cpu_2026-11-23",
+                    "demo_cpu_quiet_2026-11-23",
+                    "demo_versus_one_cpu_2026-11-26",
+                ),
+            ),
+            Row(
+                "data",
+                "data_bench.py",
+                "cpu",
+                "preprocessing throughput with 1 and 2 workers (outputs byte-identical) and the "
+                "loader's time per 8 x 1024-token batch",
+                args="--out $OUT",
+                results=("data_cpu_2026-11-22.json", "data_cpu_2026-11-22.md"),
+            ),
+        ),
+    ),
+    Suite(
+        "peers",
+        "fitgpt beside nanoGPT, DeepSpeed, FSDP2 and DDP under one protocol",
+        (
+            Row(
+                "nanogpt",
+                "nanogpt_compare.py",
+                H100,
+                "fitgpt against nanoGPT's train.py, same tokens, batch and hyper-parameters: "
+                "step time, and validation loss scored by one evaluator",
+                args="--out $OUT --sizes 124m,1.5b",
+                carry=(".whl", ".nanogpt"),
+                results=(
+                    "nanogpt_compare_h100_2026-11-23",
+                    "nanogpt_compare2_h100_2026-11-23",
+                    "nanogpt_compare3_h100_2026-11-24",
+                    "nanogpt_compare4_h100_2026-11-24",
+                    "ab_speed3_h100_2026-11-24",
+                    "defaults_gpu_2026-11-26",
+                ),
+            ),
+            Row(
+                "smoke",
+                "peers_smoke.sh",
+                H100,
+                "every peer (DeepSpeed ZeRO-3 and ZeRO-2 offload, FSDP2 offload, DDP) and fitgpt "
+                "build and train at small sizes",
+                carry=WHL,
+                results=("peers_smoke_h100_2026-11-22",),
+            ),
+            *(
+                Row(
+                    f"sweep-{stage}",
+                    "sweep2_h100.sh",
+                    H100,
+                    what,
+                    args=stage,
+                    carry=WHL if stage == "peers" else (),
+                    results=("sweep_h100_2026-11-23",),
+                )
+                for stage, what in (
+                    ("peers", "fitgpt 0.62-11.69 B beside DeepSpeed ZeRO-3 offload (peers.jsonl)"),
+                    ("cap", "`fitgpt capacity` with int8 moments and the default formats"),
+                    ("disk", "`fitgpt capacity` with optimizer state on the disk tier"),
+                    ("rest", "the compact state's GPU tests, host AdamW per format, capacity"),
+                )
+            ),
+            Row(
+                "x4-peers",
+                "x4_sweep.sh",
+                "nvidia-h200-x4",
+                "fitgpt, DeepSpeed ZeRO-3 offload, FSDP2 offload and DDP at 20.25 B on 4 GPUs "
+                "through `fitgpt bench sweep --gpus 4`, the planner's step time term by term",
+                args="peers",
+                carry=WHL,
+                results=("x4_peers_h200_2026-11-26",),
+            ),
+            Row(
+                "x4-scale",
+                "x4_sweep.sh",
+                "nvidia-h200-x4",
+                "fitgpt at 20.25 B on 1, 2 and 4 GPUs of one box (GPUS picks a subset)",
+                args="scale",
+                results=("x4_peers_h200_2026-11-26", "x4_h100_2026-11-27", "x4_h200_2026-11-27"),
+            ),
+            Row(
+                "x4-capacity-peers",
+                "x4_capacity.sh",
+                "nvidia-h200-x4",
+                "DDP's and DeepSpeed ZeRO-3 offload's largest on 4 GPUs, fitgpt at DeepSpeed's "
+                "largest (the second machine's commands are in the results README)",
+                args="peers",
+                env="DEADLINE=560 DS_START=36",
+                carry=WHL,
+                results=("x4_capacity_h200_2026-11-27",),
+            ),
+            Row(
+                "x4-capacity-disk",
+                "x4_capacity.sh",
+                "nvidia-h200-x4",
+                "fitgpt's largest on 4 GPUs with some optimizer state on the disk tier",
+                args="disk",
+            ),
+            Row(
+                "x8",
+                "x8_h200.sh",
+                "nvidia-h200-x8",
+                "the 8-GPU sweep and capacity at hidden 8192: fitgpt, its ablations, DDP, "
+                "DeepSpeed (checked on 2 GPUs at small sizes with GPUS=2 SIZES=1,2 CAPACITY=0)",
+                carry=WHL,
+                results=("x8_script_check_x2_h200_2026-11-22",),
+            ),
+            Row(
+                "step-model",
+                "throughput_model_check.py",
+                "cpu",
+                "the planner's predicted step time, term by term, against each fitgpt trial of a "
+                "committed sweep (SWEEP= another sweep.jsonl)",
+                args='"${SWEEP:-benchmarks/results/x4_peers_h200_2026-11-26/scale.jsonl}" '
+                "| tee $OUT/throughput_model.txt",
+                results=("sweep_h100_2026-11-22", "x4_peers_h200_2026-11-26"),
+            ),
+        ),
+    ),
+    Suite(
+        "llama",
+        "Hugging Face folders users bring (Llama, Qwen), imported, trained, exported, re-priced",
+        (
+            Row(
+                "8b",
+                "llama_gpu.sh",
+                H100,
+                "a Llama-3.1-8B-shaped folder made by transformers, fine-tuned by `fitgpt train "
+                "--init-from` on real text, exported and scored by transformers (EXTRA adds train "
+                'flags: EXTRA="--compile on" made the 2026-11-27 folder)',
+                device_env=True,
+                results=("llama_h100_2026-11-26", "llama_h100_2026-11-27"),
+            ),
+            Row(
+                "qwen14b",
+                "qwen_gpu.sh",
+                H100,
+                "the same for a Qwen2.5-14B-shaped folder",
+                device_env=True,
+                results=("qwen_h100_2026-11-26",),
+            ),
+            Row(
+                "speed",
+                "llama_speed_h100.sh",
+                H100,
+                "where a Llama-3.1-8B step's time goes: `fitgpt probe`, the step eager and "
+                "compiled with `--profile 1`, packed rows' attention",
+                device_env=True,
+                results=("llama_speed_h100_2026-11-27",),
+            ),
+            Row(
+                "70b-make",
+                "llama70_x4.sh",
+                "nvidia-h200-x4",
+                "a Llama-3.1-70B-shaped folder made by transformers and its data (~230 s); "
+                "`70b-train` follows on the same warm machine",
+                args="make",
+                results=("llama70_x4_h200_2026-11-26", "x4_h100_2026-11-27"),
+            ),
+            Row(
+                "70b-train",
+                "llama70_x4.sh",
+                "nvidia-h200-x4",
+                "that folder trained by `fitgpt train --gpus 4 --init-from` (MB, GA, STEPS, "
+                "PROFILE, EXTRA): import time, host RAM and disk every 5 s, TFLOP/s per step",
+                args="train",
+                results=("llama70_x4_h200_2026-11-26", "x4_h100_2026-11-27"),
+            ),
+            *(
+                Row(
+                    f"x4-{stage}",
+                    "x4_h200_calls.sh",
+                    "nvidia-h200-x4",
+                    what,
+                    args=stage,
+                    results=("x4_h200_2026-11-27",),
+                )
+                for stage, what in (
+                    (
+                        "one",
+                        "the 70 B folder made in the background while the GPUs run context "
+                        "parallelism (parity, 8 B and Qwen2.5-32B at 131,072 tokens)",
+                    ),
+                    (
+                        "l70",
+                        "the 70 B trained compiled at micro-batch 2 x 4 (within the idle "
+                        "release after `x4-one`: its folder lives under /tmp)",
+                    ),
+                    ("cp512", "the 8 B at 524,288 tokens per sequence on 4 GPUs"),
+                )
+            ),
+            Row(
+                "plan-check",
+                "llama_plan_check.py",
+                "cpu",
+                "the planner's step time, re-priced by today's model, against every recorded "
+                "Llama-family run; no GPU",
+                args="| tee $OUT/llama_plan_check.txt",
+                results=("llama_plan_check_2026-11-27.txt",),
+            ),
+        ),
+    ),
+    Suite(
+        "long",
+        "long sequences: attention kernels, the 8 B shape at 131 k tokens and more, context "
+        "parallelism, the activation memory model",
+        (
+            Row(
+                "kernels",
+                "long_h100.sh",
+                H100,
+                "`fitgpt probe`'s attention rate, packed rows' FlexAttention against the mask "
+                "path, the MLP in pieces and the window at 32-128 k tokens",
+                args="kernels",
+                device_env=True,
+                results=("long_h100_2026-11-27",),
+            ),
+            Row(
+                "train",
+                "long_h100.sh",
+                H100,
+                "Llama-3.1-8B's shape trained at 131,072 tokens per sequence with the planner's "
+                "plan (VOCAB=llama, SEQ, STEPS, LIMIT)",
+                args="train",
+                device_env=True,
+                results=("long_h100_2026-11-27",),
+            ),
+            Row(
+                "seq",
+                "long_seq_gpu.py",
+                H100,
+                "one block and the whole model at 32-128 k tokens, the MLP whole and in pieces, "
+                "Mistral's window through FlexAttention",
+                args="--window 4096 | tee $OUT/long_seq.txt",
+                results=("long_h100_2026-11-27",),
+            ),
+            Row(
+                "packed-attention",
+                "packed_attention_gpu.py",
+                H100,
+                "packed rows' FlexAttention against the mask path: outputs, gradients, speed at "
+                "4096 tokens, and a tiny Llama's step",
+                args="--model | tee $OUT/packed_attention.jsonl",
+                results=("llama_speed_h100_2026-11-27",),
+            ),
+            Row(
+                "loss-pieces",
+                "loss_pieces_gpu.py",
+                H100,
+                "the loss in pieces of rows against whole logits at Llama 3 8B's head: time and "
+                "peak memory",
+                args="| tee $OUT/loss_pieces.txt",
+            ),
+            Row(
+                "cp-parity",
+                "context_parallel_gpu.py",
+                "nvidia-h100-x2",
+                "the loss of `--context-parallel 2` against one GPU's, step by step, at 8 k "
+                "tokens (8 blocks of the 8 B shape)",
+                args="--gpus 2 --stage parity --out $OUT",
+                results=("x4_h200_2026-11-27",),
+            ),
+            Row(
+                "cp-long",
+                "context_parallel_gpu.py",
+                "nvidia-h200-x4",
+                "step time, TFLOP/s and peak GiB of --preset (Llama-3.1-8B; --preset "
+                "qwen2.5-32b) at 131,072 tokens per sequence on 4 GPUs, the planner's plan",
+                args="--gpus 4 --stage long --lengths 131072 --out $OUT",
+                results=("x4_h200_2026-11-27",),
+            ),
+            Row(
+                "compiled-memory",
+                "compiled_long_memory_cpu.py",
+                "cpu",
+                "peak host memory of one checkpointed block and of head + loss at 32 k tokens, "
+                "eager against compiled, the MLP whole and in pieces",
+                args="--json $OUT/compiled_long_memory.json",
+            ),
+            Row(
+                "activation-memory",
+                "long_activation_memory_cpu.py",
+                "cpu",
+                "which tensors a long-sequence Llama step holds at its peak, against the memory "
+                "model",
+                args="--T 8192 16384 --json $OUT/long_activation_memory.json",
+            ),
+        ),
+    ),
+    Suite(
+        "engine",
+        "the engines' GPU paths, the host optimizer, compiled-step variants, TP and matmul",
+        (
+            Row(
+                "gpu-check",
+                "gpu_check.py",
+                H100,
+                "every ZeRO stage and the host tier against the plain engine, a stage-3 "
+                "checkpoint resumed by the plain engine, KV-cache generation",
+                args="$OUT/gpu_check.json",
+                results=("gpu_check_h100_2026-11-22.txt",),
+            ),
+            Row(
+                "host-adamw",
+                "host_adamw_formats.py",
+                H100,
+                "the host AdamW's update of one 8 B block in each state format (fp32, split "
+                "master, bf16 and int8 moments; eager, compiled, native kernel)",
+                args="--out $OUT/host_adamw.json",
+                results=(
+                    "compact_h100_2026-11-23",
+                    "compact_native_h100_2026-11-23",
+                    "sweep_h100_2026-11-23",
+                ),
+            ),
+            Row(
+                "ab-speed",
+                "ab_speed_h100.py",
+                H100,
+                "the compiled step at GPT-2 124 M and the 2.7b preset, `base` and candidate "
+                "changes applied from outside fitgpt, each in its own process",
+                args="--out $OUT --sizes 2.7b --variants-2p7b base",
+                carry=WHL,
+                results=(
+                    "ab_speed_h100_2026-11-24",
+                    "ab_speed2_h100_2026-11-24",
+                    "ab_speed3_h100_2026-11-24",
+                ),
+            ),
+            Row(
+                "memory",
+                "memory_check_h100.sh",
+                H100,
+                "the memory model against 8 measured configurations (ddp, ZeRO 0/1/3 x "
+                "checkpointing off/full at 2.03 B)",
+                device_env=True,
+                results=("memory_h100_2026-11-27",),
+            ),
+            Row(
+                "matmul-x2",
+                "matmul_gpu.py",
+                "nvidia-h200-x2",
+                "`fitgpt matmul` at n = 50000 across 2 GPUs, verified",
+                args="--suite x2 --out $OUT",
+                results=("matmul",),
+            ),
+            Row(
+                "matmul-oocore",
+                "matmul_gpu.py",
+                H100,
+                "`fitgpt matmul` at n = 100000 out of core on one GPU, verified",
+                args="--suite oocore --out $OUT",
+                results=("matmul",),
+            ),
+            Row(
+                "tp-speed",
+                "tp_x2.py",
+                "nvidia-h200-x2",
+                "tensor parallelism (T=2) against ZeRO-3 and DDP on 2 GPUs: speed (`--tiny` "
+                "checks the script on the CPU)",
+                args="--out $OUT --parts speed --budget 330",
+                carry=WHL,
+                results=("tp_x2_h200_2026-11-24",),
+            ),
+            Row(
+                "tp-seq",
+                "tp_x2.py",
+                "nvidia-h200-x2",
+                "the longest sequence at micro-batch 1 under T=2 (not yet run)",
+                args="--out $OUT --parts seq",
+                carry=WHL,
+            ),
+            Row(
+                "compile-x2",
+                "compile_x2.sh",
+                "nvidia-h200-x2",
+                "the compiled chunk engine's own kernels at ZeRO stages 0-1 on 2 GPUs, losses "
+                "against eager (not yet run: the kind was not lent on 2026-11-24)",
+            ),
+        ),
+    ),
+    Suite(
+        "defaults",
+        "fresh models trained with no rate, warm-up or init flag: the loss from step 1 on",
+        (
+            *(
+                Row(
+                    f"gpu-{stage}",
+                    "defaults_gpu.sh",
+                    kind,
+                    what,
+                    args=stage,
+                    device_env=True,
+                    carry=WHL,
+                    results=("defaults_gpu_2026-11-26",),
+                )
+                for stage, kind, what in (
+                    ("one", H100, "GPT-2 1.5 B, 300 steps of 8 x 4 x 1024 tokens"),
+                    ("wide", "nvidia-h200", "7.56 B at width 6144, 300 steps"),
+                    ("calib", H100, "the warm-up's first-step floor measured at 1.5 B and 7.65 B"),
+                    (
+                        "four",
+                        "nvidia-h200-x4",
+                        "20.25 B on every GPU, then the largest of "
+                        "width 6144 the planner accepts (MAX_LAYERS, ONLY)",
+                    ),
+                )
+            ),
+            *(
+                Row(
+                    f"cpu-{stage}",
+                    "defaults_cpu.sh",
+                    "cpu",
+                    what,
+                    args=stage,
+                    results=("defaults_cpu_2026-11-26",),
+                )
+                for stage, what in (
+                    ("A", "old against new defaults at 4 layers x 1024, 60 steps"),
+                    ("B", "2 layers x 4096, 8 steps: old init against init by width"),
+                    ("C", "the same shape with every new default"),
+                )
+            ),
+        ),
+    ),
+    Suite(
+        "refactor",
+        "a refactor changes no result: the exact losses of the tree before it and this one",
+        (
+            Row(
+                "cpu",
+                "refactor_losses_cpu.py",
+                "cpu",
+                "the exact losses of every engine, stage, placement, TP, CP and compile setting "
+                "(1 and 2 gloo ranks); run it in each tree, AGAINST= the other tree's file",
+                args="--out $OUT/losses.json ${AGAINST:+--against $AGAINST}",
+                results=("refactor_h100_2026-11-26", "long_cpu_2026-11-26"),
+            ),
+            Row(
+                "gpu",
+                "refactor_gpu.sh",
+                H100,
+                "GPT-2 1.5 B and an 8 B offloaded plan trained by the old tree (`.base`: `git "
+                "archive` of it, unpacked) and this one: losses and step times (TREES, ONLY)",
+                env="BEFORE=.base",
+                device_env=True,
+                carry=(".whl", ".base"),
+                results=("refactor_h100_2026-11-26",),
+            ),
+        ),
+    ),
+)
+
+# Scripts the rows call or source; not entry points of their own.
+HELPERS = ("device_env.sh", "x4_env.sh", "stdlib_jsonl.py", "llama_gpu.py", "run.py", "suites.py")
+
+
+def _history(script: str, *results: str) -> Past:
+    return Past(f"`benchmarks/history/{script}`", HISTORY_COMMIT, results)
+
+
+PAST: tuple[Past, ...] = (
+    _history("mfu_2p7b.sh", "mfu_2p7b_h100_2026-11-22"),
+    _history("zero_x2.sh", "zero_x2_h200_2026-11-22"),
+    _history("memory_h100.sh", "memory_h100_2026-11-22"),
+    _history("sweep_h100.sh", "sweep_h100_2026-11-22"),
+    _history("offload_h100.sh", "offload_preview_h100_2026-11-22"),
+    _history("tiers_h100.sh", "tiers_h100_2026-11-22"),
+    _history("tiers_gpu_check.py", "tiers_gpu_check_h100_2026-11-22"),
+    _history("nvme_h100.sh", "nvme_h100_2026-11-22"),
+    _history("host_ckpt_gpu.py", "host_ckpt_h100_2026-11-22"),
+    _history("moments_loss.sh", "moments_loss_cpu_2026-11-22"),
+    _history("loss_curves.py", "moments_loss_cpu_2026-11-22", "dpu_loss_cpu_2026-11-22"),
+    _history("ckpt_save_cpu.py", "ckpt_save_cpu_2026-11-23"),
+    _history("refactor_check.py", "refactor_check_h100_2026-11-23"),
+    _history("compact_check.py", "compact_h100_2026-11-23"),
+    _history(
+        "compact_gpu.py",
+        "compact_h100_2026-11-23",
+        "compact_native_h100_2026-11-23",
+        "compact_x2_h200_2026-11-23",
+    ),
+    _history("compact_loss.py", "compact_h100_2026-11-23"),
+    _history("speculate_h100.sh", "speculate_h100_2026-11-23"),
+    _history("speculate_steady.py", "speculate_steady_h100_2026-11-23"),
+    _history("spec_growth_h100.sh", "spec_growth_h100_2026-11-23"),
+    _history("compile_h100.sh", "compile_2p7b_h100_2026-11-23"),
+    _history(
+        "profile_h100.sh",
+        "profile_h100_2026-11-23",
+        "ab_speed2_h100_2026-11-24",
+        "ab_speed3_h100_2026-11-24",
+    ),
+    _history("small_step_h100.sh", "small_step_h100_2026-11-23"),
+    _history("block_code_gpu.py", "ab_speed2_h100_2026-11-24"),
+    _history("mfu_floor_gpu.py", "ab_speed3_h100_2026-11-24"),
+    _history("compile_user_path_h100.sh", "ab_speed3_h100_2026-11-24"),
+    _history("offload_compile_h100.sh", "offload_compile_h100_2026-11-24"),
+    _history("block_speed_gpu.py", "offload_compile_h100_2026-11-24"),
+    _history("precision_loss_cpu.py", "precision_loss_cpu_2026-11-24"),
+    _history("lr_width_cpu.sh", "lr_width_cpu_2026-11-24"),
+    Past("`benchmarks/delayed_h100.sh`", "104145a", ("delayed_h100_2026-11-23",)),
+    Past("`benchmarks/dpu_loss.sh`", "104145a", ("dpu_loss_cpu_2026-11-22",)),
+    Past(
+        "`benchmarks/results/ab_small_h100_2026-11-23/ab_small_h100.sh` and `ab_engine.patch`",
+        HISTORY_COMMIT,
+        ("ab_small_h100_2026-11-23",),
+    ),
+    Past(
+        "`fitgpt train --gpus 2 --preset 20b`, by hand (the command in its README)",
+        "144337a",
+        ("user_path_x2_h200_2026-11-24",),
+    ),
+)
+
+
+def rows() -> list[tuple[Suite, Row]]:
+    return [(s, r) for s in SUITES for r in s.rows]
+
+
+def select(spec: str) -> list[tuple[Suite, Row]]:
+    """SUITE or SUITE/ROW to its rows, in order; [] if it names none."""
+    suite, _, row = spec.partition("/")
+    return [(s, r) for s, r in rows() if s.name == suite and (not row or r.name == row)]
