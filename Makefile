@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml requirements-dev.txt
 demo: $(STAMP)
 	$(VENV)/bin/fitgpt train --preset tiny --data stdlib --out runs/demo --overwrite
 	$(VENV)/bin/fitgpt generate --ckpt runs/demo --prompt "def " --max-new-tokens 200 --seed 0
+	@echo "fitgpt is installed in $(VENV), not on PATH: run '. $(VENV)/bin/activate' in your shell"
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -35,8 +35,8 @@ from torch import nn
 import fitgpt.model.pieces as pieces
 from fitgpt.engine.activation import checkpoint_blocks
 from fitgpt.model import PRESETS, ModelConfig, build_model
-from fitgpt.model.family import family_of
-from fitgpt.model.llama import rope_tables
+from fitgpt.model.families import family_of
+from fitgpt.model.families.llama.model import rope_tables
 
 GiB = 2**30
 

@@ -99,6 +99,39 @@ def check_writable_dir(path: str | Path, flag: str) -> Path:
     return p
 
 
+# How an output lies against a path the user keeps: the words of the refusal.
+_PLACED = {"is": "is", "inside": "lies inside", "holds": "holds"}
+
+
+def overlap(path: str | Path, other: str | Path) -> str | None:
+    """How `path` lies against `other`, both resolved as the kernel will (symlinks, `..`,
+    relative parts, trailing slashes; the parts that do not exist yet are taken as written):
+    "is" (the same path), "inside" (`path` lies under `other`), "holds" (`other` lies under
+    `path`), or None (apart). The one place fitgpt decides whether writing to, or deleting,
+    `path` can touch `other` (export's and train's --out against what the user keeps)."""
+    a, b = os.path.realpath(path), os.path.realpath(other)
+    if a == b:
+        return "is"
+    if a.startswith(b.rstrip(os.sep) + os.sep):
+        return "inside"
+    if b.startswith(a.rstrip(os.sep) + os.sep):
+        return "holds"
+    return None
+
+
+def check_apart(flag: str, path: str | Path, kept: list[tuple[str, str | Path]], why: str) -> None:
+    """Refuse, in one line, an output `path` that is, lies inside or holds one of `kept`
+    ((what it is, its path): the run an export reads, the model a run starts from), before any
+    work: writing there would change or delete it. `why` says what the command would do to it."""
+    for what, keep in kept:
+        placed = overlap(path, keep)
+        if placed is not None:
+            raise UserError(
+                f"{flag} {path} {_PLACED[placed]} {what} ({keep}): {why}; choose an {flag} "
+                "apart from it"
+            )
+
+
 def check_readable_file(
     path: str | Path, flag: str, what: str, *, allow_empty: bool = False
 ) -> Path:
@@ -147,13 +180,15 @@ def _size(n: float) -> str:
 
 def _output_of(path: str, outputs: list[tuple[str, str]]) -> tuple[str, str] | None:
     """The (flag, value) whose path `path` is, lies under, or lies on the way to (a temporary
-    file beside a prefix, a file standing where its folder should be)."""
+    file beside a prefix, the hidden folder an output is built in before its rename, e.g.
+    export's `.OUT.export.tmp`, a file standing where its folder should be)."""
     p = os.path.abspath(path)
     for flag, value in outputs:
         if not value:
             continue
         v = os.path.abspath(value)
-        if p == v or p.startswith(v) or v.startswith(p + os.sep):
+        hidden = os.path.join(os.path.dirname(v), "." + os.path.basename(v) + ".")
+        if p == v or p.startswith(v) or p.startswith(hidden) or v.startswith(p + os.sep):
             return flag, value
     return None
 
@@ -163,6 +198,10 @@ def describe_os_error(e: OSError, outputs: list[tuple[str, str]]) -> str | None:
     is a bug, and keeps its traceback). `outputs` are the command's output flags and values,
     named when the error carries no path itself (a write() on a full disk has none)."""
     path = str(e.filename) if e.filename is not None else None
+    if e.errno in (errno.ENOSPC, errno.EDQUOT) and e.filename2 is not None:
+        # a copy that fills the disk names both files (shutil.copyfile: the source first); the
+        # disk that is full is the one written, the second
+        path = str(e.filename2)
     where = path or (" ".join(outputs[0]).strip() if outputs else None)
     flag = _output_of(path, outputs) if path else None
     if flag is not None:  # the path belongs to an output the user named: name the flag too

@@ -530,9 +530,9 @@ CASES: list[Case] = [
     Case("import-hf-weights-without-config", "import hf {t}/hf/model.safetensors --out {t}/r", "{t}/hf/model.safetensors: its folder", setup=hf_broken("no-config")),
     Case("import-hf-text-file-given", "import hf {file} --out {t}/r", "{file} is not a weight file"),
     # helper H2 (issue 36: Llama, Qwen2, Qwen3, Mistral in and out)
-    Case("import-hf-llama-rope-yarn-no-original", "import hf {t}/hf --out {t}/r", "original_max_position_embeddings=None must be a positive integer", setup=broken_llama({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})),
+    Case("import-hf-llama-rope-yarn-no-factor", "import hf {t}/hf --out {t}/r", "rope_scaling of type 'yarn' lacks factor", setup=broken_llama({"rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 4}})),
     Case("import-hf-llama-rope-dynamic", "import hf {t}/hf --out {t}/r", "hf/config.json: rope_scaling type 'dynamic'", setup=broken_llama({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})),
-    Case("import-hf-llama-rope-parameters-linear", "import hf {t}/hf --out {t}/r", "rope_parameters type 'linear'", setup=broken_llama({"rope_parameters": {"rope_type": "linear", "factor": 2.0}})),
+    Case("import-hf-llama-rope-parameters-misspelt", "import hf {t}/hf --out {t}/r", "rope_parameters type 'lineer'", setup=broken_llama({"rope_parameters": {"rope_type": "lineer", "factor": 2.0}})),
     Case("import-hf-llama-gelu", "import hf {t}/hf --out {t}/r", "hidden_act='gelu'", setup=broken_llama({"hidden_act": "gelu"})),
     Case("import-hf-llama-attention-bias", "import hf {t}/hf --out {t}/r", "attention_bias=True", setup=broken_llama({"attention_bias": True})),
     Case("import-hf-llama-mlp-bias", "import hf {t}/hf --out {t}/r", "mlp_bias=True", setup=broken_llama({"mlp_bias": True})),

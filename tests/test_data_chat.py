@@ -140,11 +140,11 @@ def test_preprocess_writes_tokens_and_mask_pairs(folders, tmp_path):
     assert "loss on" in report.summary()
 
 
-def _packed_data(folder, tmp_path, convs, seq_len):
+def _packed_data(folder, tmp_path, convs, seq_len, long="drop"):
     _write_chat(tmp_path / "c.jsonl", convs)
     cfg = PreprocessConfig(
         input=str(tmp_path / "c.jsonl"), output_prefix=str(tmp_path / "o"), tokenizer=str(folder),
-        chat=True, workers=0, progress=False,
+        chat=True, workers=0, progress=False, long=long,
     )  # fmt: skip
     preprocess(cfg)
     data = IndexedDataset(cfg.prefix)
@@ -174,13 +174,13 @@ def test_packing_keeps_samples_whole_with_their_segment_ids(folders, tmp_path):
 def test_targets_are_minus_one_exactly_where_the_mask_is_zero(folders, tmp_path):
     """Over one epoch of rows: a target counts where its token is the assistant's and in the
     input's sample; every assistant token is a target exactly once, also for samples longer
-    than a row (cut in overlapping pieces)."""
+    than a row (cut in overlapping pieces, --long split)."""
     long = _text(random.Random(1), 200)
     convs = [
         *conversations(30, seed=13),
         [{"role": "user", "content": "long"}, {"role": "assistant", "content": long}],
     ]
-    data, src = _packed_data(folders["llama3"], tmp_path, convs, seq_len=64)
+    data, src = _packed_data(folders["llama3"], tmp_path, convs, seq_len=64, long="split")
     assert src.cut_samples >= 1
     loader = BatchLoader(src, micro_batch=src.samples_per_epoch)
     inputs, targets, segments = loader.next_with_segments()

@@ -104,7 +104,9 @@ def test_packed_rows_at_long_context_hold_every_piece_whole(tmp_path):
         w.add(np.arange(lengths.sum(), dtype=np.int64), lengths)
     with IndexedWriter(mask_prefix(path), np.uint8) as w:
         w.add(np.ones(lengths.sum(), dtype=np.uint8), lengths)
-    src = PackedSamples(IndexedDataset(path), "1", "train", S, seed=1, vocab_size=2**31 - 1)
+    src = PackedSamples(
+        IndexedDataset(path), "1", "train", S, seed=1, vocab_size=2**31 - 1, long="split"
+    )
     assert src.cut_samples == 1
     tokens, keep, seg = src.get_packed(np.arange(src.samples_per_epoch))
     assert tokens.shape == (src.samples_per_epoch, S + 1) and keep.dtype == np.uint8

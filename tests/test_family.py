@@ -1,110 +1,32 @@
-"""A second model family, defined here in the tests only, trains through every engine.
+"""A second model family, defined outside fitgpt in a folder of its own (tests/families/gated/,
+as a plugin would be), trains through every engine.
 
 The family differs from GPT-2 where the engine, the planner and tensor parallelism would notice
 if they assumed GPT-2: RMSNorm without biases, no position table, a gated MLP of three linears
 (two column-parallel, one row-parallel) 3·h wide, and an untied head. Nothing in fitgpt names it:
-it is built, split, placed, priced and initialised through model/family.py alone.
+it is built, split, placed, priced and initialised through model/family.py alone, and registered
+with register_family.
 """
 
+import importlib
 import json
-from typing import ClassVar
 
 import pytest
 import torch
-import torch.nn.functional as F
+from families.gated.model import GatedLM
+from families.gated.presets import TINY as CFG
 from helpers import TWO_RANK_ENGINES, close, engine_losses, two_rank_losses
-from torch import Tensor, nn
 
 from fitgpt.dist import DistContext
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.layout import chunk_layout
 from fitgpt.errors import UserError
-from fitgpt.model import DecoderLM, Family, ModelConfig, Split, build_model, register_family
-from fitgpt.model.gpt import CausalSelfAttention
+from fitgpt.interop.hf import check_exportable, mapping_for_hf, mapping_for_model
+from fitgpt.model import PRESETS, ModelConfig, Split, build_model, family_of
+from fitgpt.model.families import TABLE, module
 from fitgpt.parallel.shard import check_tensor_parallel
 from fitgpt.plan.memory import Workload, activation_bytes, zero_state
 
-
-class GatedMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        f = 3 * cfg.n_embd
-        self.gate = nn.Linear(cfg.n_embd, f, bias=False)
-        self.up = nn.Linear(cfg.n_embd, f, bias=False)
-        self.down = nn.Linear(f, cfg.n_embd, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
-class GatedBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.norm_1 = nn.RMSNorm(cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg)  # bias=False in CFG: no biases anywhere
-        self.norm_2 = nn.RMSNorm(cfg.n_embd)
-        self.mlp = GatedMLP(cfg)
-
-    def forward(self, x: Tensor, cache=None, layer: int = 0, aux=None) -> Tensor:
-        x = x + self.attn(self.norm_1(x), cache, layer, aux)
-        return x + self.mlp(self.norm_2(x))
-
-
-class GatedLM(DecoderLM):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg)
-        self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(GatedBlock(cfg) for _ in range(cfg.n_layer))
-        self.norm_f = nn.RMSNorm(cfg.n_embd)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
-
-    def embed_rest(self, x: Tensor, start: int) -> Tensor:
-        return x  # no positions: causal attention alone orders the tokens
-
-    def final_norm(self, x: Tensor) -> Tensor:
-        return self.norm_f(x)
-
-    def head_weight(self) -> Tensor:
-        return self.lm_head.weight
-
-    def init_std(self, name: str) -> float | None:
-        if ".norm" in name or name.startswith("norm_f"):
-            return None
-        return 0.01 if name.endswith(("down.weight", "attn.proj.weight")) else 0.03
-
-    def split_heads(self, rank: int, tp: int) -> None:
-        for block in self.blocks:
-            block.attn.n_head = self.cfg.n_head // tp
-
-
-class GatedFamily(Family):
-    name = "gated-test"
-    model = GatedLM
-    splits: ClassVar[dict[str, Split]] = {
-        "attn.qkv.weight": Split(0, 3),
-        "attn.proj.weight": Split(1),
-        "mlp.gate.weight": Split(0),
-        "mlp.up.weight": Split(0),
-        "mlp.down.weight": Split(1),
-        "wte.weight": Split(0),
-        "lm_head.weight": Split(0),
-    }
-
-    def tp_sizes(self, cfg):
-        return [(cfg.n_head, "the heads"), (3 * cfg.n_embd, "the gated MLP's 3·hidden"),
-                (cfg.padded_vocab_size, "the padded vocabulary")]  # fmt: skip
-
-    def num_params(self, cfg):
-        h, V = cfg.n_embd, cfg.padded_vocab_size
-        return cfg.n_layer * (4 * h * h + 9 * h * h + 2 * h) + 2 * V * h + h
-
-    def block_activations(self, cfg):
-        return 4 * cfg.n_embd, 14 * cfg.n_embd
-
-
-GatedLM.family = register_family(GatedFamily())
-CFG = ModelConfig(n_layer=2, n_embd=32, n_head=4, seq_len=32, vocab_size=96, bias=False,
-                  family="gated-test")  # fmt: skip
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 STEPS = 8
 CLIP = 0.3  # below the first steps' norms: clipping is active
@@ -155,3 +77,31 @@ def test_the_family_trains_through_every_engine_stage_offload_and_tensor_paralle
         assert close(res[key]["norm"], ref["norm"]), key
     assert "ColumnParallelLinear" in res["tp2_ddp"]["classes"]
     assert "RowParallelLinear" in res["tp2_zero2_sp"]["classes"]
+
+
+def test_the_registry_is_a_table_of_folders_loaded_by_name():
+    """Each line of TABLE is a folder whose family.py, presets.py and hf.py answer for that name
+    (its Family, its presets, its map for each model_type it lists), and nothing else does."""
+    gathered = []
+    for name, types in TABLE.items():
+        family = importlib.import_module(module(name, "family")).FAMILY
+        mapping = importlib.import_module(module(name, "hf")).MAPPING
+        presets = importlib.import_module(module(name, "presets")).PRESETS
+        assert family.name == name and presets, name
+        for key, cfg in presets.items():
+            assert cfg.family == name and PRESETS[key] is cfg and family_of(cfg) is family, key
+            assert mapping_for_model(cfg) is mapping and build_model_family(cfg) is family, key
+        assert [mapping_for_hf({"model_type": t}, "c") for t in types] == [mapping] * len(types)
+        gathered += presets
+    assert gathered == list(PRESETS)  # `fitgpt presets` lists them in the table's order
+    with pytest.raises(UserError, match=r"family 'nope' is unknown: use one of gated-test, gpt2,"):
+        ModelConfig(family="nope")
+    # a family registered from outside builds and trains (above) but has no Hugging Face map
+    with pytest.raises(UserError, match="family 'gated-test' has no Hugging Face mapping"):
+        check_exportable(CFG)
+
+
+def build_model_family(cfg: ModelConfig):
+    """The Family build_model sets on the network it builds for `cfg` (on the meta device)."""
+    with torch.device("meta"):
+        return build_model(cfg).family

@@ -89,8 +89,10 @@ def test_the_architecture_is_the_sources(tmp_path):
     assert model_from_source(source, {"dropout": 0.1}, data).dropout == 0.1  # may change
     with pytest.raises(UserError, match="n_layer=2"):
         model_from_source(source, {"n_layer": 3}, data)
-    with pytest.raises(UserError, match="its vocabulary has 1000 tokens, the data's tokenizer 256"):
-        model_from_source(source, {}, DataConfig(data="stdlib"))
+    # the data's ids must lie below the model's rows: 256 bytes below 1000, GPT-2's 50257 not
+    assert model_from_source(source, {}, DataConfig(data="stdlib")).vocab_size == 1000
+    with pytest.raises(UserError, match="has 1000 embedding rows, the data's tokenizer gpt2"):
+        model_from_source(source, {}, DataConfig(data="stdlib", tokenizer="gpt2"))
 
 
 def test_init_from_on_the_command_line(tmp_path):

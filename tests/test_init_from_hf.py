@@ -25,8 +25,9 @@ from fitgpt.dist import DistContext
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.errors import UserError
-from fitgpt.interop.hf import mapping_for_model, to_hf
+from fitgpt.interop.hf import mapping_for_model
 from fitgpt.interop.init_source import find_source
+from fitgpt.model.hf_map import to_hf
 from fitgpt.train.init_from import model_from_source
 from fitgpt.train.loop import train
 
@@ -65,7 +66,7 @@ def engine_of(source, ecfg: EngineConfig, ctx):
 
 
 def assert_hf_weights(model, ref) -> None:
-    """Every HF tensor, cut back out of the fitgpt model by export's own function (hf.py to_hf),
+    """Every HF tensor, cut back out of the fitgpt model by export's own function (hf_map.py to_hf),
     equals transformers' exactly (the bf16 values are fp32-exact)."""
     cfg = model.cfg
     params = dict(model.named_parameters())

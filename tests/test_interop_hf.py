@@ -238,10 +238,12 @@ def test_cli_import_generate_export(tmp_path):
 def test_existing_output_is_kept_unless_overwrite(tmp_path):
     hf_model(tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "run")
-    with pytest.raises(UserError, match="already exists; pass --overwrite"):
-        export_hf(tmp_path / "run", tmp_path / "hf")
+    with pytest.raises(UserError, match=r"is a model .* came from"):  # never the run's source
+        export_hf(tmp_path / "run", tmp_path / "hf", overwrite=True)
     hf_model(tmp_path / "hf2", seed=1)
     import_hf(tmp_path / "hf2", tmp_path / "run", overwrite=True)
+    with pytest.raises(UserError, match="already exists; pass --overwrite"):
+        export_hf(tmp_path / "run", tmp_path / "hf")
     export_hf(tmp_path / "run", tmp_path / "hf", overwrite=True)
     a, b = hf_state(tmp_path / "hf2"), hf_state(tmp_path / "hf")
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -391,10 +391,10 @@ LLAMA = {
 @pytest.mark.parametrize(
     "change, needle",
     [
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "original_max_position_embed"),
+        ({"rope_scaling": {"rope_type": "yarn", "beta_fast": 8.0}}, "lacks factor"),
         ({"rope_scaling": {**YARN_ROPE, "mscale": 0.7}}, "mscale=0.7"),
         ({"rope_parameters": {"rope_type": "longrope", "factor": 2.0}}, "'longrope'"),
-        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "'linear'"),
+        ({"rope_parameters": {"rope_type": "liner", "factor": 2.0}}, "'liner'"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic'"),
         ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),

@@ -1,6 +1,7 @@
-"""The Llama families (model/llama.py): config fields and refusals, exact parameter counts (the
-presets' against transformers' models built on the meta device), the activations the planner
-prices, KV-cache decoding, the sliding window, and training through every engine on gloo."""
+"""The Llama families (model/families/llama/, qwen2/, qwen3/, mistral/): config fields and
+refusals, exact parameter counts (the presets' against transformers' models built on the meta
+device), the activations the planner prices, KV-cache decoding, the sliding window, and training
+through every engine on gloo."""
 
 import json
 from dataclasses import fields
@@ -75,8 +76,8 @@ def test_each_family_refuses_what_it_cannot_honour_in_one_line(family, changes, 
 def test_rope_scaling_is_checked_and_rebuilt_from_its_dict():
     with pytest.raises(UserError, match="low_freq_factor < high_freq_factor"):
         RopeScaling(low_freq_factor=4.0, high_freq_factor=1.0)
-    with pytest.raises(UserError, match="'linear' is not supported: use one of llama3, yarn"):
-        RopeScaling(kind="linear")
+    with pytest.raises(UserError, match="'dynamic' is not supported: use one of linear, llama3"):
+        RopeScaling(kind="dynamic")
     d = llama(rope_scaling=RopeScaling(factor=32.0)).to_dict()
     assert d["rope_scaling"]["factor"] == 32.0
     assert ModelConfig.from_dict(d).rope_scaling == RopeScaling(factor=32.0)

@@ -25,7 +25,7 @@ from fitgpt.dist import DistContext
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.model import ModelConfig, build_model
-from fitgpt.model.family import family_of
+from fitgpt.model.families import family_of
 from fitgpt.model.pieces import mlp_piece_tokens
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
@@ -285,7 +285,7 @@ def test_yarn_tables_are_transformers_to_the_last_bit(extra):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     from fitgpt.interop.hf import model_config_from_hf
-    from fitgpt.model.llama import rope_tables
+    from fitgpt.model.families.llama.model import rope_tables
 
     hf = LlamaConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -331,7 +331,7 @@ def test_the_windows_flex_path_equals_the_mask_path():
     """What CUDA runs for Mistral's window (one segment's BlockMask, [1, T] broadcast over a
     batch of 2) through the attention module, against its own [T, T] mask, forward only
     (FlexAttention has no CPU backward; benchmarks/long_seq_gpu.py checks it on a GPU)."""
-    from fitgpt.model.llama import rope_tables
+    from fitgpt.model.families.llama.model import rope_tables
     from fitgpt.model.packing import Packing, segment_positions, window_block_mask
 
     cfg = llama(family="mistral", sliding_window=17, seq_len=256)

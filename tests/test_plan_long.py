@@ -11,7 +11,7 @@ import pytest
 
 from fitgpt.engine.config import EngineConfig
 from fitgpt.model import ModelConfig, get_preset
-from fitgpt.model.family import family_of
+from fitgpt.model.families import family_of
 from fitgpt.plan.memory import GiB, Workload, activation_bytes, attention_path, estimate
 from fitgpt.plan.rates import DEFAULTS
 from fitgpt.plan.throughput import (

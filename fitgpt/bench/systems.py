@@ -1,6 +1,6 @@
 """The systems a sweep compares: fitgpt (planner's choice), its ablations, and the peers.
 
-Every system trains fitgpt's own model definition (fitgpt/model/gpt.py), so parameter counts and
+Every system trains fitgpt's own model definition (model/families/gpt2/), so parameter counts and
 FLOPs are identical across systems and the throughput figures compare exactly.
 """
 

@@ -4,19 +4,28 @@ Run by the sweep as `python -m fitgpt.bench.trial SPEC.json RESULT.json`. Each r
 RESULT.json.rank{r}; the sweep merges them. Timing: warm-up steps, then the median of the timed
 optimizer steps, each ending in a device synchronisation. Memory: torch.cuda.max_memory_allocated
 (max over ranks) and the process's peak RSS (max over ranks, and their sum).
+
+Rank 0 prints `PROGRESS` lines as it builds and steps (`fitgpt capacity` shows them while a
+trial runs: a CPU trial of a large model takes minutes). The trial's run folder is a temporary
+folder beside RESULT.json, removed when it ends; the trial dies with the process that started
+it, even one killed by SIGKILL (dist/procs.py die_with_parent), so neither outlives its sweep.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +37,7 @@ from fitgpt.data.source import BatchLoader
 from fitgpt.data.synthetic import UniformSource
 from fitgpt.dist import init_distributed
 from fitgpt.dist.env import configure_process
+from fitgpt.dist.procs import die_with_parent
 from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
 from fitgpt.plan.memory import tokens_per_step
@@ -111,7 +121,45 @@ def compile_record(engine) -> dict:
     }
 
 
-def run_trial(spec: dict) -> dict:
+# The start of the lines a trial prints for its parent to show (cli/capacity.py forwards them),
+# and the longest silence between two of them while steps run (a step line is printed at the
+# first step, the last, and when this long has passed since the last line).
+PROGRESS = "trial progress: "
+PROGRESS_EVERY_S = 20.0
+
+
+class Progress:
+    """Rank 0's progress lines: building, then steps (not every one of a fast trial)."""
+
+    def __init__(self, show: bool, steps: int) -> None:
+        self.show, self.steps, self.last = show, steps, time.perf_counter()
+
+    def say(self, what: str) -> None:
+        if self.show:
+            print(PROGRESS + what, flush=True)
+            self.last = time.perf_counter()
+
+    def step(self, i: int, seconds: float, loss: float) -> None:
+        now = time.perf_counter()
+        if i == 0 or i + 1 == self.steps or now - self.last >= PROGRESS_EVERY_S:
+            self.say(f"step {i + 1} of {self.steps}: {seconds:.1f} s, loss {float(loss):.3f}")
+
+
+@contextlib.contextmanager
+def temp_root(folder: str | None) -> Iterator[None]:
+    """tempfile's default folder is `folder` inside the block (the trainer's run folder of a
+    trial is a mkdtemp, bench/systems.py), and what it was after it."""
+    before = tempfile.tempdir
+    tempfile.tempdir = folder or before
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
+
+
+def run_trial(spec: dict, scratch: str | None = None) -> dict:
+    """The trial's record; its run folder is made under `scratch` when given (main's temporary
+    folder, removed when the trial ends)."""
     bench = BenchConfig(**spec["bench"])
     system = get_system(spec["system"])
     bench = BenchConfig(**{**bench.to_dict(), **system.bench_changes})
@@ -152,12 +200,16 @@ def run_trial(spec: dict) -> dict:
         cp,
     )
     runner = None
+    progress = Progress(ctx.is_main, bench.warmup + bench.steps)
     try:
         cap = int(spec.get("cap_bytes", 0))
         apply_cap(cap, ctx.device)
         t0 = time.perf_counter()
-        runner = system.build(model, bench, ctx)
+        progress.say(f"building {spec['layers']} layers ({model.num_params():,} parameters)")
+        with temp_root(scratch):
+            runner = system.build(model, bench, ctx)
         rec["init_s"] = time.perf_counter() - t0
+        progress.say(f"built in {rec['init_s']:.1f} s")
         check_cap(cap, runner, ctx.device)
         if hasattr(runner, "record"):  # fitgpt's engines: the plan they run and its prediction
             rec.update(runner.record())
@@ -169,8 +221,10 @@ def run_trial(spec: dict) -> dict:
             losses.append(runner.step(micro))
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize(ctx.device)
+            dt = time.perf_counter() - t0  # the step's time, before the progress line's I/O
+            progress.step(i, dt, losses[-1])
             if i >= bench.warmup:
-                times.append(time.perf_counter() - t0)
+                times.append(dt)
                 if hasattr(engine, "breakdown"):
                     phases.append(engine.breakdown())
         tokens = tokens_per_step(
@@ -227,8 +281,15 @@ def run_trial(spec: dict) -> dict:
 
 def main() -> None:
     spec_path, out_path = Path(sys.argv[1]), Path(sys.argv[2])
+    die_with_parent(os.getppid())  # the sweep or `fitgpt capacity` (or torchrun) that started it
     spec = json.loads(spec_path.read_text())
-    rec = run_trial(spec)
+    # beside the result: removed below, and if the trial is killed first, by the parent that
+    # removes its own temporary folder (cli/capacity.py)
+    scratch = tempfile.mkdtemp(prefix="fitgpt-trial-", dir=out_path.parent)
+    try:
+        rec = run_trial(spec, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     rank = rec["rank"]
     tmp = out_path.with_name(f"{out_path.name}.rank{rank}.tmp")
     tmp.write_text(json.dumps(rec))

@@ -1,12 +1,23 @@
-"""`fitgpt capacity`: the largest model of a width that really trains on this machine."""
+"""`fitgpt capacity`: the largest model of a width that really trains on this machine.
+
+Each trial is a process of its own (bench/sweep.py run_one) in its own session, writing into a
+temporary folder. While one runs, its progress lines are shown (`TrialProgress`): a CPU trial
+of a large model takes minutes a step. SIGTERM is handled as Ctrl-C (dist/procs.py
+stop_on_sigterm), so either kills the running trial's process group and removes the temporary
+folder before the command exits; a trial also dies with this process if it is killed outright.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import tempfile
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from fitgpt import units
@@ -156,6 +167,13 @@ def check_args(args: argparse.Namespace) -> Path | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fitgpt.dist.procs import stop_on_sigterm
+
+    with stop_on_sigterm():  # `timeout`/`kill` must not orphan a running trial or leave its files
+        return search(args)
+
+
+def search(args: argparse.Namespace) -> int:
     from fitgpt.bench.sweep import SweepSpec, append_result, run_one
     from fitgpt.bench.systems import bench_run, check_trial, get_system
     from fitgpt.plan import rates
@@ -202,15 +220,17 @@ def run(args: argparse.Namespace) -> int:
         state = f", optimizer state: {describe_formats({k: getattr(e, k) for k in FIELDS})}"
     print(
         f"capacity of {system.name}: hidden {bench.hidden}, micro-batch {bench.micro_batch}, "
-        f"{args.gpus} GPU(s); predicted largest {start} layers "
+        f"{where(args, hw)}; predicted largest {start} layers "
         f"({units.params(bench.model(start).num_params())}){state}",
         flush=True,
     )
     spec = SweepSpec((system.name,), (), bench, args.gpus, args.device)
-    with tempfile.TemporaryDirectory(prefix="fitgpt-capacity-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="fitgpt-capacity-") as tmp, stopped_says(out):
+        shown = TrialProgress(Path(tmp))
 
         def trial(layers: int) -> dict:
-            rec = run_one(spec, system.name, layers, Path(tmp), cap)
+            with shown:
+                rec = run_one(spec, system.name, layers, Path(tmp), cap)
             if out:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 append_result(out, {**rec, "predicted_peak_gib": predicted(layers)})
@@ -227,7 +247,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(json.dumps(found.summary(system.name)))
     fail = found.result.first_fail
-    rate = f" ({units.tflops(best['tflops'])} per GPU)" if "tflops" in best else ""
+    per = "GPU" if hw.device == "cuda" else "process"
+    rate = f" ({units.tflops(best['tflops'])} per {per})" if "tflops" in best else ""
     print(
         f"largest that trained: {found.result.largest_ok} layers = {units.params(best['params'])} "
         f"parameters{rate}" + ("" if fail is None else f"; {fail} layers failed")
@@ -265,16 +286,18 @@ def run_seq_search(args, out, system, bench, hw, cap, fixed, r) -> int:
     print(
         f"longest sequence of {system.name}: {layers} layers of hidden {bench.hidden} "
         f"({units.params(bench.model(layers).num_params())} at seq {bench.seq_len}), micro-batch "
-        f"{bench.micro_batch}, {args.gpus} GPU(s); predicted longest seq {start}",
+        f"{bench.micro_batch}, {where(args, hw)}; predicted longest seq {start}",
         flush=True,
     )
-    with tempfile.TemporaryDirectory(prefix="fitgpt-capacity-seq-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="fitgpt-capacity-seq-") as tmp, stopped_says(out):
+        shown = TrialProgress(Path(tmp))
 
         def trial(seq: int) -> dict:
             work = Path(tmp) / f"seq{seq}"  # every trial its own folder: the files name layers
             work.mkdir()
             spec = SweepSpec((system.name,), (), at(seq), args.gpus, args.device)
-            rec = run_one(spec, system.name, layers, work, cap)
+            with shown:
+                rec = run_one(spec, system.name, layers, work, cap)
             if out:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 append_result(out, {**rec, "seq_len": seq, "predicted_peak_gib": predicted(seq)})
@@ -317,15 +340,97 @@ def run_seq_search(args, out, system, bench, hw, cap, fixed, r) -> int:
     return 0
 
 
+def where(args: argparse.Namespace, hw) -> str:
+    """Where the trials run, for the first line: "1 GPU(s)", or the CPU and why. A box without
+    a GPU measures its CPU and host RAM (as `fitgpt train` trains there): a capacity of this
+    machine, not of any GPU, and it says so."""
+    if hw.device == "cuda":
+        return f"{args.gpus} GPU(s)"
+    procs = "one process" if args.gpus == 1 else f"{args.gpus} processes"
+    why = "--device cpu" if args.device == "cpu" else "no GPU found"
+    return f"measured on the CPU ({why}), {procs}, in host RAM"
+
+
+class TrialProgress:
+    """`with shown:` around one trial: its progress lines (bench/trial.py PROGRESS, printed by
+    the trial into its log under `folder`) are shown as they come, indented, and a line after
+    each STILL_S of silence says the trial is still running. Read offsets are kept from trial
+    to trial, so each line is shown once. A thread polls once a second: the main thread is
+    waiting on the trial's process."""
+
+    STILL_S = 60.0
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.read = folder, {}
+
+    def __enter__(self) -> TrialProgress:
+        self.stop = threading.Event()
+        self.start = self.last = time.monotonic()
+        self.thread = threading.Thread(target=self._watch, name="trial-progress", daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self._show()  # the lines written as the trial ended
+
+    def _watch(self) -> None:
+        while not self.stop.wait(1.0):
+            self._show()
+            now = time.monotonic()
+            if now - self.last >= self.STILL_S:
+                self.last = now
+                print(f"    still running ({now - self.start:.0f} s into the trial)", flush=True)
+
+    def _show(self) -> None:
+        from fitgpt.bench.trial import PROGRESS
+
+        for log in sorted(self.folder.rglob("*.log")):
+            try:
+                with open(log, "rb") as f:
+                    f.seek(self.read.get(log, 0))
+                    data = f.read()
+            except OSError:  # removed as the search ended
+                continue
+            whole = data[: data.rfind(b"\n") + 1]  # a line still being written waits
+            self.read[log] = self.read.get(log, 0) + len(whole)
+            for line in whole.decode("utf-8", "replace").splitlines():
+                if line.startswith(PROGRESS):
+                    print("    " + line.removeprefix(PROGRESS), flush=True)
+                    self.last = time.monotonic()
+
+
+@contextlib.contextmanager
+def stopped_says(out: Path | None) -> Iterator[None]:
+    """Ctrl-C or SIGTERM during the search: a running trial is already killed (run_one) and the
+    temporary folder goes as the enclosing `with` exits; the line printed says so."""
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        kept = f"; the trials that ended are in {out}" if out else ""
+        raise type(e)(
+            f"{e or 'interrupted'}: any running trial was killed and the temporary files "
+            f"removed{kept}"
+        ) from None
+
+
 def capped_hardware(args: argparse.Namespace):
     """(this machine as the planner sees it, the --cap in bytes or 0): with a cap, GPUs get it
     as their memory (a real allocator cap in each trial); CPUs count state bytes only, so the
     process baseline the memory model adds is granted on top of it."""
+    import torch
+
     from fitgpt.plan import hardware
     from fitgpt.plan.hardware import parse_bytes
     from fitgpt.plan.memory import HOST_BASE
 
     cap = parse_bytes(args.cap, "--cap") if args.cap else 0
+    if args.device == "cuda" and not torch.cuda.is_available():  # trials are real: no planned GPU
+        raise UserError(
+            "--device cuda: no GPU is visible here, and a capacity is measured by real trials; "
+            "run it on the GPU machine, or pass --device cpu to measure this CPU"
+        )
     # the disk tier counts where the trials may use it (--nvme-path), as `fitgpt train` plans
     hw = hardware.detect(args.gpus, None, None, args.nvme_path or None, args.device)
     if cap and hw.device == "cuda":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from fitgpt.data.packed import LONG_CHOICES
 from fitgpt.data.preprocess import PreprocessConfig
 from fitgpt.data.tools import CleanConfig, FakeConfig
 
@@ -50,6 +51,8 @@ def register(sub) -> None:
     _flag(pre, PreprocessConfig, "workers", type=int, metavar="N")
     _flag(pre, PreprocessConfig, "append_eod", action="store_true")
     _flag(pre, PreprocessConfig, "chat", action="store_true")
+    _flag(pre, PreprocessConfig, "seq_len", type=int, metavar="N")
+    _flag(pre, PreprocessConfig, "long", choices=list(LONG_CHOICES))
     _flag(pre, PreprocessConfig, "on_error", choices=["skip", "fail"])
     _flag(pre, PreprocessConfig, "on_bad_utf8", choices=["replace", "skip", "fail"])
     pre.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -51,10 +51,14 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fitgpt.interop.hf_export import check_out_apart
+
     if not Path(args.ckpt).exists():
         raise UserError(
             f"--ckpt {args.ckpt} does not exist; pass a run folder or a step_* checkpoint"
         )
+    # before "already exists": --overwrite must not be the advice for the run it reads
+    check_out_apart(Path(args.out), Path(args.ckpt), args.tokenizer)
     if Path(args.out).exists() and not args.overwrite:
         raise UserError(f"--out {args.out} already exists; pass --overwrite to replace it")
     if args.format == "hf":

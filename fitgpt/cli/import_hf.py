@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
         f"{r.seconds:.1f} s, peak RSS {r.peak_rss_bytes / 2**30:.2f} GiB; "
         f"model flags: {model_flags(c)}"
     )
+    if r.note:
+        print(f"note: {r.note}")
     return 0
 
 

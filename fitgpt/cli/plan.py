@@ -118,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
         f"{t.micro_batch} × {t.grad_accum} accumulation × seq {model.seq_len}, {work.precision}"
     )
     print(f"machine: {hw.describe()}; rates: {plans.rates.source}")
+    cpu = cpu_only(args, hw)
+    if cpu:
+        print(cpu)
     if hw.device == "cuda":
         print(
             f"GPU budget: {gpu_budget(hw.gpu_mem) / GiB:.1f} of {hw.gpu_mem / GiB:.1f} GiB per GPU "
@@ -125,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         )
     print_table(plans.candidates, work, t.grad_accum, hw)
     if not plans.fits:
-        raise UserError(plans.refusal())
+        raise UserError(plans.refusal() + (f" ({cpu})" if cpu else ""))
     print(f"chosen: {plans.summary().removeprefix('plan: ')}")
     # the plan as flags: `fitgpt train` runs exactly it with them (it validates them the same)
     print(f"as train flags: {engine_flags(plans.best.ecfg)} --plan off")
@@ -135,6 +138,18 @@ def run(args: argparse.Namespace) -> int:
     if args.breakdown:
         print_breakdown(plans.best)
     return 0
+
+
+def cpu_only(args: argparse.Namespace, hw) -> str | None:
+    """The line that says a plan is this machine's CPU's because no GPU was found (--device
+    auto, no --gpu-mem), with the flags that plan for a GPU box from here; None otherwise. A
+    command copied from the README onto a laptop must not read as a GPU's answer."""
+    if hw.device != "cpu" or args.device == "cpu":
+        return None
+    return (
+        "planned for this machine's CPU and host RAM: no GPU found; to plan for a GPU box, "
+        "say its memory: --gpu-mem 80GB --cpu-mem 125GB, and --gpus N for several"
+    )
 
 
 def print_breakdown(c) -> None:

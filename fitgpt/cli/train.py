@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+from pathlib import Path
 
 from fitgpt.cli.args import (
     add_config_args,
@@ -16,7 +17,7 @@ from fitgpt.cli.args import (
     config_from_args,
     explicit,
 )
-from fitgpt.data.config import DataConfig
+from fitgpt.data.config import BUILTIN, DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
@@ -55,17 +56,28 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     add_removed_flags(p)
 
 
-def run_config_from_args(args: argparse.Namespace) -> RunConfig:
-    """The run a fresh `fitgpt train` asks for: the preset with the model flags applied, the
-    Python standard library as data unless --data says otherwise."""
-    data = config_from_args(
+def data_config_from_args(args: argparse.Namespace) -> DataConfig:
+    """The data flags, the Python standard library unless --data says otherwise."""
+    return config_from_args(
         args, DataConfig, DataConfig(data="stdlib") if args.data is None else None
     )
-    model = config_from_args(args, ModelConfig, get_preset(args.preset or DEFAULT_PRESET))
+
+
+def run_config_from_args(
+    args: argparse.Namespace, model: ModelConfig | None = None, finetune: bool = False
+) -> RunConfig:
+    """The run a fresh `fitgpt train` asks for: `model` (--init-from: the source's, the model
+    flags checked against it) or the preset with the model flags applied, the Python standard
+    library as data unless --data says otherwise. `--preset ""` names no preset and is refused
+    by get_preset, as any other name it does not know (an empty name is not the default)."""
+    data = data_config_from_args(args)
+    if model is None:
+        preset = DEFAULT_PRESET if args.preset is None else args.preset
+        model = config_from_args(args, ModelConfig, get_preset(preset))
     return RunConfig(
         model=model,
         data=data,
-        train=train_config_from_args(args, model),
+        train=train_config_from_args(args, model, finetune),
         engine=config_from_args(args, EngineConfig),
         precision=config_from_args(args, PrecisionConfig),
         optim=config_from_args(args, OptimConfig),
@@ -95,9 +107,11 @@ def train_config_from_args(
 
 
 def resolve_command(args: argparse.Namespace):
-    """(the run, the checkpoint to resume from or None, notes to print). With --resume the
-    checkpoint's own config is the base and the flags given are checked against it; shares of
-    blocks (--offload-fraction) become block counts once the model is known."""
+    """(the run, the checkpoint to resume from, notes to print). The checkpoint is None for a
+    new run, "" for a run restarted from its record (train/loop.py: --out's newest, none yet).
+    With --resume the checkpoint's (or the record's) config is the base and the flags given
+    are checked against it; shares of blocks (--offload-fraction) become block counts once the
+    model is known."""
     run, ckpt, notes = _resolve_command(args)
     if args.offload_fraction is not None or args.nvme_fraction is not None:
         blocks_from_fractions(args, run.model.n_layer)
@@ -117,6 +131,7 @@ def _resolve_command(args: argparse.Namespace):
         removed_settings,
         resumed_config,
     )
+    from fitgpt.train.rundir import read_record
 
     if args.init_from is not None:
         return init_config(args), None, []
@@ -125,8 +140,11 @@ def _resolve_command(args: argparse.Namespace):
     out = args.out or TrainConfig().out
     ckpt = find_checkpoint(args.resume, out)
     if ckpt is None:
-        note = f"--resume: {out} holds no checkpoint yet; starting a new run there"
-        return run_config_from_args(args), None, [note]
+        record = read_record(Path(out))  # a run killed before its first checkpoint
+        if record is None:  # no run at all: the one these flags ask for
+            note = f"--resume: {out} holds no checkpoint yet; starting a new run there"
+            return run_config_from_args(args), None, [note]
+        return restart_recorded(args, out, record)
     meta = ckpt_io.load_meta(ckpt)
     given = {part: explicit(args, cls) for part, cls in PARTS.items()}
     if args.resume and args.out is None:
@@ -140,8 +158,58 @@ def _resolve_command(args: argparse.Namespace):
     return run, ckpt, [f"resume: {ckpt} with its own config", *notes, *removed_settings(meta, ckpt)]
 
 
+def restart_recorded(args: argparse.Namespace, out: str, record: dict):
+    """`--resume` on a run folder with no checkpoint but a run record (train/rundir.py): the
+    run it records, as it was started (its model, data and settings, with its --init-from
+    source from step 0, or from the checkpoint it resumed); the flags given again are checked
+    against it as a resume checks them against a checkpoint (train/resume.py resumed_config).
+    A source that no longer holds the model the run was started from is refused in one line:
+    restarting it would train another model."""
+    from fitgpt.train import checkpoint as ckpt_io
+    from fitgpt.train.resume import PARTS, fit_context_parallel, resumed_config
+
+    where = Path(out) / ckpt_io.RECORD_NAME
+    given = {part: explicit(args, cls) for part, cls in PARTS.items()}
+    given["train"]["out"] = out
+    ckpt, base, what = "", record, "from scratch"  # "": --out's newest, none yet (train/loop.py)
+    if record.get("resume_from"):  # its steps must lie past the checkpoint's
+        ckpt = ckpt_io.resolve(Path(record["resume_from"]))
+        meta = ckpt_io.load_meta(ckpt)
+        base = {**record, "step": meta["step"], "trainer": meta.get("trainer", {})}
+        what = f"--resume {ckpt}"
+    run, notes = resumed_config(base, where, given, args.preset)
+    world = args.gpus or int(os.environ.get("WORLD_SIZE", 1))
+    run, fitted = fit_context_parallel(run, world, "context_parallel" in given["engine"])
+    if record.get("init_from") and not ckpt:
+        args.init_source = recorded_source(record["init_from"], run, where)
+        what = f"--init-from {record['init_from']}"
+    note = f"--resume: {where} records the run ({what}); restarting it as it was started"
+    return run, ckpt, [note, *notes, *fitted]
+
+
+def recorded_source(path: str, run: RunConfig, where: Path):
+    """The --init-from source a run record names, holding the model the run was started with."""
+    from fitgpt.interop.init_source import find_source
+    from fitgpt.train.init_from import free_fields, model_from_source
+
+    source = find_source(path)
+    kept = {k: getattr(run.model, k) for k in free_fields(source.model)}  # the run's own
+    try:
+        same = model_from_source(source, kept, run.data) == run.model
+    except UserError:
+        same = False
+    if not same:
+        raise UserError(
+            f"--resume: {where} records a run started from {path}, which holds another model "
+            "now; put the source back, or start a new run with --init-from and --overwrite"
+        )
+    return source
+
+
 def init_config(args: argparse.Namespace):
-    """The run `--init-from SRC` asks for: SRC's architecture, everything else from the flags."""
+    """The run `--init-from SRC` asks for: SRC's architecture, everything else from the flags.
+    The model flags are checked against the source's model (its family's fields), never
+    against the default preset, whose family may lack them."""
     from fitgpt.interop.init_source import find_source
     from fitgpt.train.init_from import model_from_source
 
@@ -150,15 +218,46 @@ def init_config(args: argparse.Namespace):
             "--init-from starts a new run from a model's weights, --resume continues a run: "
             "pass one of them"
         )
-    run = run_config_from_args(args)  # data, training and engine flags, validated
+    data = data_config_from_args(args)  # validated before the source is opened
     args.init_source = find_source(args.init_from)
     asked = explicit(args, ModelConfig)
-    if args.preset:  # a preset named explicitly counts as its fields given (not its vocabulary)
+    if args.preset is not None:  # a preset named counts as its fields given (not its vocabulary)
         given = get_preset(args.preset).to_dict()
         asked = {**{k: v for k, v in given.items() if k != "vocab_size"}, **asked}
-    model = model_from_source(args.init_source, asked, run.data)
-    train = train_config_from_args(args, model, finetune=True)  # fine-tuning's defaults
-    return dataclasses.replace(run, model=model, train=train)
+    model = model_from_source(args.init_source, asked, data)
+    return run_config_from_args(args, model, finetune=True)  # fine-tuning's defaults
+
+
+def check_out_apart(args: argparse.Namespace, run: RunConfig, ckpt) -> None:
+    """Refuse an --out that is, lies inside or holds the model the run starts from (the
+    --init-from source, and the models that one came from), before any work: the run would
+    write its files among the user's model files, and --overwrite delete them. With
+    --overwrite, the data and the tokenizer folder are kept apart too (it empties --out)."""
+    from fitgpt.data.indexed import paths as pair_paths
+    from fitgpt.paths import check_apart
+    from fitgpt.train import checkpoint as ckpt_io
+
+    what = "the model --init-from reads"
+    source = getattr(args, "init_source", None)
+    kept = []
+    if source is not None:
+        typed = getattr(args, "init_from", None)
+        kept = [(what, p) for p in dict.fromkeys([typed, str(source.path)]) if p]
+        if source.weights is None:  # a fitgpt checkpoint: the models it came from
+            kept += [
+                (f"a model {source.path} came from", p)
+                for p in ckpt_io.sources(ckpt_io.load_meta(source.path))
+            ]
+    if ckpt:
+        kept += [(f"a model {ckpt} came from", p) for p in ckpt_io.sources(ckpt_io.load_meta(ckpt))]
+    if args.overwrite:
+        if run.data.data not in BUILTIN:
+            kept += [("the data --data reads", p) for p in pair_paths(run.data.data)]
+        tok = run.data.tokenizer
+        if tok not in ("auto", "none", "bytes", "gpt2") and os.path.isdir(tok):
+            kept.append(("the tokenizer folder --tokenizer reads", tok))
+    why = "the run would write there, and --overwrite delete what is there"
+    check_apart("--out", run.train.out, kept, why)
 
 
 def register(sub) -> None:
@@ -283,7 +382,9 @@ def run(args: argparse.Namespace) -> int:
         from fitgpt.dist.launch import relaunch, strip_flag
 
         if not args.deepspeed_config:  # what the job cannot run: refused here, in one line,
-            check_settings(args, resolve_command(args)[0], args.gpus, typed)  # before torchrun
+            run_cfg, ckpt, _ = resolve_command(args)  # before torchrun
+            check_settings(args, run_cfg, args.gpus, typed)
+            check_out_apart(args, run_cfg, ckpt)
         argv = strip_flag(sys.argv[1:], "--gpus")
         return relaunch(args.gpus, argv)
     if args.deepspeed_config:
@@ -296,6 +397,7 @@ def run(args: argparse.Namespace) -> int:
     check_settings(args, run_cfg, int(os.environ.get("WORLD_SIZE", 1)), typed)
     from fitgpt.paths import check_writable_dir
 
+    check_out_apart(args, run_cfg, ckpt)
     check_writable_dir(run_cfg.train.out, "--out")
     from fitgpt.dist import init_distributed, shutdown
     from fitgpt.dist.env import configure_process

@@ -3,9 +3,11 @@ tokenized, with a loss mask that is 1 on the assistant's tokens and 0 elsewhere.
 
 One JSON line is one conversation: `{"messages": [{"role": ..., "content": ...}, ...]}`, or
 `{"prompt": ..., "response": ...}` (optionally with "system"), which is the conversation
-system? / user / assistant. The template is the folder's chat_template.jinja, else
-tokenizer_config.json's "chat_template" (a string, or a list of named templates whose "default"
-is used), as transformers picks it. It is rendered the way transformers' `apply_chat_template`
+system? / user / assistant. Each message's content is text: a string, or OpenAI's list of text
+parts joined (`_message`); anything else is refused, never rendered as its Python repr.
+The template is the folder's chat_template.jinja, else tokenizer_config.json's
+"chat_template" (a string, or a list of named templates whose "default" is used), as
+transformers picks it. It is rendered the way transformers' `apply_chat_template`
 renders it: jinja2's sandboxed environment with trim_blocks and lstrip_blocks, loop controls,
 `raise_exception`, `strftime_now`, a `tojson` filter that keeps non-ASCII text, the folder's
 special tokens (bos_token, eos_token, ...) as variables, tools and documents None, and
@@ -26,12 +28,15 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from pathlib import Path
 
 from fitgpt.data.indexed import LOSS_MASK_SUFFIX, paths
 from fitgpt.data.tokenizer import JSONTokenizer, Tokenizer
 from fitgpt.errors import UserError
 
 ASSISTANT = "assistant"
+CHAT_MADE_BY = "fitgpt data preprocess --chat"  # the record's made_by for chat data (sidecar.py)
+CHAT_SUFFIX = "_chat_document"  # what `preprocess --chat` names its pair: PREFIX_chat_document
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # names templates read it under
 
 
@@ -184,9 +189,30 @@ class ChatEncoder:
                 spans.append((start, end))
         return full, spans
 
+    def blank_replies(self, messages: list[dict]) -> int:
+        """How many assistant messages of a checked conversation say nothing: no text but
+        whitespace, no tool call, and no reasoning this template renders (one that never reads
+        it renders the reply as empty). Trained on, they teach the model to end its turn at
+        once."""
+        keys = ["content", *(k for k in _REASONING_KEYS if k in self.source)]
+        return sum(
+            m["role"] == ASSISTANT
+            and not m.get("tool_calls")
+            and not any(str(m.get(k) or "").strip() for k in keys)
+            for m in messages
+        )
+
     def encode(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         """(token ids, loss mask): 1 for each token that overlaps an assistant reply, as
         transformers marks every token holding a character of a generation block."""
+        if "tool_calls" not in self.source:
+            calls = [n for n, m in enumerate(messages, 1) if m.get("tool_calls")]
+            if calls:  # the template would render the message as if it called nothing
+                raise ChatLineError(
+                    f"message {calls[0]} calls tools, but the chat template never reads "
+                    '"tool_calls", so the call would be dropped from the text trained on; use '
+                    "the model's tool-calling template, or write the call into the content"
+                )
         text, spans = self.assistant_spans(messages)
         ids, offsets = self.tok.encode_offsets(text)
         mask = [0] * len(ids)
@@ -220,22 +246,17 @@ def _common_prefix(a: str, b: str) -> int:
 
 def conversation(obj: object) -> list[dict]:
     """The messages of one parsed JSON line, checked: a list of objects with a string role, at
-    least one of them the assistant's. prompt/response lines become user + assistant (after a
-    system message when the line has "system")."""
+    least one of them the assistant's, each content text (`_message`). prompt/response lines
+    become user + assistant (after a system message when the line has "system")."""
     if not isinstance(obj, dict):
         raise ChatLineError(
-            f'a JSON {type(obj).__name__}, not an object; write {{"messages": [...]}} or '
+            f'a JSON {json_type(obj)}, not an object; write {{"messages": [...]}} or '
             '{"prompt": ..., "response": ...}'
         )
     if "messages" in obj:
         messages = obj["messages"]
     elif "prompt" in obj and "response" in obj:
-        if not all(isinstance(obj[k], str) for k in ("prompt", "response")):
-            raise ChatLineError('"prompt" and "response" must be strings; fix the line')
-        messages = [{"role": "user", "content": obj["prompt"]}]
-        messages.append({"role": ASSISTANT, "content": obj["response"]})
-        if isinstance(obj.get("system"), str):
-            messages.insert(0, {"role": "system", "content": obj["system"]})
+        messages = _prompt_response(obj)
     else:
         keys = ", ".join(list(obj)[:5]) or "none"
         raise ChatLineError(
@@ -256,7 +277,91 @@ def conversation(obj: object) -> list[dict]:
             f'no message has role "assistant" (roles: {roles}), so nothing is trained on; '
             "add the reply, or fix the role's spelling"
         )
-    return [_with_reasoning_aliases(m) for m in messages]
+    return [_with_reasoning_aliases(_message(n, m)) for n, m in enumerate(messages, 1)]
+
+
+def _prompt_response(obj: dict) -> list[dict]:
+    """system? / user / assistant from a prompt/response line. A "system" of null is no system
+    message (a column some rows leave empty); any other non-string is refused, not dropped."""
+    for key in ("prompt", "response", "system"):
+        value = obj.get(key)
+        if not isinstance(value, str) and (key != "system" or value is not None):
+            leave = ', or leave "system" out' if key == "system" else ""
+            raise ChatLineError(
+                f'"{key}" is a JSON {json_type(value)}, not a string; write it as text{leave}'
+            )
+    messages = [{"role": "user", "content": obj["prompt"]}]
+    messages.append({"role": ASSISTANT, "content": obj["response"]})
+    if obj.get("system") is not None:
+        messages.insert(0, {"role": "system", "content": obj["system"]})
+    return messages
+
+
+def _message(n: int, m: dict) -> dict:
+    """Message `n` with its content as text, the way the templates read it.
+
+    The content must be a string, or OpenAI's list of parts, whose text parts are joined with
+    nothing between them: what the templates that take that form render (Qwen2-VL's, Llama 4's
+    and Mistral's loop over the parts and write each text part), while the others cannot take a
+    list (Qwen 2.5's concatenates the content and fails; Llama 3's trims it, which renders the
+    list's Python repr). Only an assistant message that calls tools may have no content (OpenAI
+    writes null there). Other keys whose value is null are dropped, as transformers'
+    apply_chat_template drops them (OpenAI exports write `"tool_calls": null`)."""
+    where = f'message {n} ("{m["role"]}")'
+    for key in _REASONING_KEYS:
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise ChatLineError(
+                f'{where} "{key}" is a JSON {json_type(m[key])}, not a string; write it as text'
+            )
+    content = m.get("content")
+    if content is None:
+        if m["role"] == ASSISTANT and m.get("tool_calls"):
+            return {k: v for k, v in m.items() if v is not None}
+        if "content" in m:
+            raise ChatLineError(f'{where} "content" is null; write the message\'s text there')
+        keys = ", ".join(k for k in m if k != "role") or "only role"
+        raise ChatLineError(
+            f'{where} has no "content" (other keys: {keys}); write its text under "content"'
+        )
+    if isinstance(content, list):
+        content = _joined_parts(where, content)
+    elif not isinstance(content, str):
+        raise ChatLineError(
+            f'{where} "content" is a JSON {json_type(content)}, not text; write it as a string '
+            '(or a list of {"type": "text", "text": ...} parts)'
+        )
+    return {**{k: v for k, v in m.items() if v is not None}, "content": content}
+
+
+def _joined_parts(where: str, parts: list) -> str:
+    """The text of OpenAI's content parts [{"type": "text", "text": ...}, ...], joined; any
+    other part (an image, audio, a file, a refusal) is refused: it has no text to train on."""
+    texts = []
+    for k, part in enumerate(parts, 1):
+        if not isinstance(part, dict):
+            what = f"is a JSON {json_type(part)}, not an object"
+        elif part.get("type") != "text":
+            what = f"is of type {json.dumps(part.get('type'), ensure_ascii=False)}"
+        elif not isinstance(part.get("text"), str):
+            what = f'has a "text" that is a JSON {json_type(part.get("text"))}'
+        else:
+            texts.append(part["text"])
+            continue
+        raise ChatLineError(
+            f'{where} "content" part {k} {what}; only {{"type": "text", "text": ...}} parts '
+            "train a text model: remove the others, or write the content as a string"
+        )
+    return "".join(texts)
+
+
+def json_type(value: object) -> str:
+    """The JSON name of a parsed value's type: what the user wrote, not Python's name for it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    names = {str: "string", int: "number", float: "number", list: "array", dict: "object"}
+    return names.get(type(value), type(value).__name__)
 
 
 def _with_reasoning_aliases(m: dict) -> dict:
@@ -275,3 +380,29 @@ def mask_prefix(prefix: str) -> str:
 
 def has_mask(prefix: str) -> bool:
     return all(p.is_file() for p in paths(mask_prefix(prefix)))
+
+
+def is_chat_data(prefix: str) -> bool:
+    """Whether the pair at `prefix` is chat data (its loss-mask pair beside it). Chat data whose
+    mask is missing is refused: without it every token would train, the prompts and template
+    markup as much as the replies. Copying only .bin/.idx (Megatron's habit) loses it; such a
+    pair is known by its record (written by `preprocess --chat`) or, with no record, its name."""
+    if has_mask(prefix):
+        return True
+    from fitgpt.data import sidecar
+
+    record = sidecar.read(prefix)
+    lost = f"its loss mask {mask_prefix(prefix)}.bin/.idx is missing"
+    if record is not None and record["made_by"].startswith(CHAT_MADE_BY):
+        raise UserError(
+            f"{prefix} is chat data (made by `{record['made_by']}`), but {lost}: every token "
+            "would train as plain text; copy the .loss_mask pair beside it, or re-run "
+            "`fitgpt data preprocess --chat`"
+        )
+    if record is None and Path(prefix).name.endswith(CHAT_SUFFIX):
+        raise UserError(
+            f"{prefix} is named as `fitgpt data preprocess --chat` names chat data, but {lost} "
+            "(and it has no .fitgpt.json record): every token would train as plain text; copy "
+            "the .loss_mask pair and the record beside it, or rename the pair if it is text"
+        )
+    return False

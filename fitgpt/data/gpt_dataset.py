@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fitgpt.data.chat import has_mask
+from fitgpt.data.chat import is_chat_data
 from fitgpt.data.indexed import IndexedDataset
 from fitgpt.data.megatron_order import MegatronSamples
 from fitgpt.data.splits import SPLITS, cache_dir, parse_split, save_atomic, split_ranges
@@ -73,9 +73,9 @@ def open_megatron_splits(
             f"--split {split} gives the valid split weight 0, but training validates; "
             "give it a weight, e.g. --split 969,30,1"
         )
-    data = IndexedDataset(prefix)
+    data, chat = _open(prefix)
     vocab = _vocab_size(data, vocab_size, vocab_source)
-    args = (data, split, seq_len, seed, vocab, sample_order)
+    args = (data, chat, split, seq_len, seed, vocab, sample_order)
     return _samples(*args, "train", num_samples[0]), _samples(*args, "valid", num_samples[1])
 
 
@@ -92,13 +92,20 @@ def open_megatron_split(
     num_samples: int | None = None,
 ) -> SampleSource:
     """One split ('train', 'valid' or 'test') of the .bin/.idx pair at `prefix`."""
-    data = IndexedDataset(prefix)
+    data, chat = _open(prefix)
     vocab = _vocab_size(data, vocab_size, vocab_source)
-    return _samples(data, split, seq_len, seed, vocab, sample_order, name, num_samples)
+    return _samples(data, chat, split, seq_len, seed, vocab, sample_order, name, num_samples)
+
+
+def _open(prefix: str) -> tuple[IndexedDataset, bool]:
+    """The pair at `prefix`, and whether it is chat data (decided here, before the pass over
+    the tokens that finds the largest id: chat data without its mask is refused first)."""
+    return IndexedDataset(prefix), is_chat_data(prefix)
 
 
 def _samples(
     data: IndexedDataset,
+    chat: bool,
     split: str,
     seq_len: int,
     seed: int,
@@ -107,7 +114,7 @@ def _samples(
     name: str,
     num_samples: int | None,
 ) -> SampleSource:
-    if has_mask(data.prefix):  # chat data (preprocess --chat): samples packed whole, packed.py
+    if chat:  # preprocess --chat: samples packed whole, packed.py
         if order != "fitgpt":
             raise UserError(
                 f"--sample-order {order}: {data.prefix} is chat data with a loss mask, whose "

@@ -11,11 +11,16 @@ and BatchLoader turns a target into -1 (ignored by the loss) where keep is 0 or 
 changes (the first token of a sample is never predicted from the one before it), and hands the
 segment ids on so attention can be kept inside each sample.
 
-A sample longer than a row (L > S + 1 tokens) is cut into pieces of S + 1 tokens overlapping by
-one (piece k holds tokens [k·S, k·S + S + 1)), so each of its tokens is still a target exactly
-once; each piece is its own segment, so a later piece is trained without the text before the
-cut: the price of a conversation longer than the context (`cut_samples` counts them; a longer
---seq-len avoids it). The last piece is packed like any short sample.
+A sample longer than a row (L > S + 1 tokens) is handled as `fitgpt data preprocess --chat
+--long` chose (recorded with the data; drop when it is not):
+- drop (the default, as TRL's SFTTrainer truncates to max_length keeping the start): its first
+  S + 1 tokens are its one piece, the rest is not trained on; a sample whose first row holds no
+  assistant token trains nothing and is left out. Every trained token sees its whole context.
+- split: it is cut into pieces of S + 1 tokens overlapping by one (piece k holds tokens
+  [k·S, k·S + S + 1)), so each of its tokens is still a target exactly once; each piece is its
+  own segment, so a later piece trains without the text before the cut (`cut_samples`).
+- refuse: the source is not built; the error names the longest and the --seq-len it needs.
+The last piece is packed like any short sample. `describe` says what happened, for the log.
 
 Packing is fixed once per (split, seq_len, seed): the pieces in a seeded random order, each put
 in the open row where it leaves the least room (best fit; a new row when none fits; at most
@@ -37,6 +42,8 @@ from fitgpt.data.indexed import IndexedDataset
 from fitgpt.data.splits import SPLITS, split_ranges
 from fitgpt.errors import UserError
 
+LONG_CHOICES = ("drop", "split", "refuse")  # preprocess --long: a sample longer than a row
+DEFAULT_LONG = "drop"
 OPEN_ROWS = 64  # rows a piece may join: more packs tighter, each placement costs log2 of it
 PACK_STREAM = 0x9ACC  # seeds the packing's random stream apart from the epochs' shuffles
 EPOCHS_KEPT = 2  # a batch can straddle one epoch boundary
@@ -66,8 +73,16 @@ class PackedSamples:
     """Rows of packed chat samples from one split: any index >= 0, no end."""
 
     def __init__(
-        self, data: IndexedDataset, split: str, name: str, seq_len: int, seed: int, vocab_size: int
+        self,
+        data: IndexedDataset,
+        split: str,
+        name: str,
+        seq_len: int,
+        seed: int,
+        vocab_size: int,
+        long: str | None = None,
     ) -> None:
+        """`long`: drop, split or refuse (module docstring); None: the data's record's."""
         if name not in SPLITS:
             raise UserError(f"split name {name!r} is not one of {', '.join(SPLITS)}")
         if seq_len < 1:
@@ -79,7 +94,16 @@ class PackedSamples:
         self.data, self.name, self.seq_len, self.seed = data, name, seq_len, seed
         self.vocab_size = vocab_size
         self.num_documents = self.hi - self.lo
+        self.long = recorded_long(data.prefix) if long is None else long
+        if self.long not in LONG_CHOICES:
+            raise UserError(f"--long {self.long!r} is not one of {', '.join(LONG_CHOICES)}")
         starts, lengths, self.cut_samples = self._pieces()
+        if not len(lengths) and self.left_out:
+            raise UserError(
+                f"every conversation of the {name} split of {data.prefix} is longer than a row "
+                f"of --seq-len {seq_len} + 1 tokens with no assistant token in its first row "
+                "(--long drop leaves those out); train with a longer --seq-len"
+            )
         if not len(lengths):
             raise UserError(
                 f"the {name} split of {data.prefix} holds no tokens; give it more weight in --split"
@@ -100,16 +124,69 @@ class PackedSamples:
 
     def _pieces(self) -> tuple[np.ndarray, np.ndarray, int]:
         """(first .bin token, length) of every piece of the split's samples (module docstring),
-        and how many samples were cut. Empty samples give no piece."""
+        and how many samples were cut. Empty samples give no piece. Sets the counts of samples
+        longer than a row; reads the mask of those samples only."""
         S = self.seq_len
         lengths = self.data.lengths[self.lo : self.hi].astype(np.int64)
         first = self.data.pointers[self.lo : self.hi] // self.data.dtype.itemsize
+        long = np.flatnonzero(lengths > S + 1)
+        self.long_samples, self.left_out = len(long), 0
+        if len(long) and self.long == "refuse":
+            most = int(lengths[long].max())
+            raise UserError(
+                f"{self.data.prefix}: {len(long):,} conversations of the {self.name} split are "
+                f"longer than a row of --seq-len {S} + 1 tokens (the longest has {most:,}), and "
+                f"the data was made with --long refuse; train with --seq-len {most - 1} or "
+                "more, or preprocess it again with --long drop or split"
+            )
+        # tokens after each long sample's first row, and the assistant's among them: not trained
+        # (drop) or trained without the text before the cut (split)
+        self.past_row = int((lengths[long] - (S + 1)).sum())
+        mask = self.mask.tokens
+        self.past_row_trained = sum(
+            int(mask[a + S + 1 : a + n].sum(dtype=np.int64))
+            for a, n in zip(first[long].tolist(), lengths[long].tolist())
+        )
+        if self.long == "drop":
+            lengths[long] = S + 1
+            # targets are a row's tokens 1..S: with no assistant token there it trains nothing
+            empty = [i for i in long.tolist() if not mask[first[i] + 1 : first[i] + S + 1].any()]
+            lengths[empty] = 0
+            self.left_out = len(empty)
         count = np.where(lengths > 0, np.maximum(1, -(-(lengths - 1) // S)), 0)
         doc = np.repeat(np.arange(len(lengths)), count)
         k = np.arange(len(doc)) - np.repeat(np.cumsum(count) - count, count)  # piece within doc
         start = first[doc] + k * S
         length = np.minimum(S + 1, lengths[doc] - k * S)
         return start, length, int((count > 1).sum())
+
+    def describe(self) -> str:
+        """One line for the run's log: the packing, and what became of the samples longer than
+        a row (`fitgpt train` prints the training split's)."""
+        row = self.seq_len + 1
+        head = (
+            f"data: {self.num_documents:,} conversations ({self.name} split of "
+            f"{self.data.prefix}) packed into {self.samples_per_epoch:,} rows of {row:,} tokens, "
+            f"{self.fill:.0%} full"
+        )
+        if not self.long_samples:
+            return f"{head}; none longer than a row"
+        if self.long == "split":
+            return (
+                f"{head}; {self.long_samples:,} longer than a row, trained in pieces (--long "
+                f"split): {self.past_row_trained:,} assistant tokens after a cut train without "
+                "the text before it"
+            )
+        gone = (
+            f"; {self.left_out:,} with no assistant token in their first row left out"
+            if self.left_out
+            else ""
+        )
+        return (
+            f"{head}; {self.long_samples:,} longer than a row, trained on their first {row:,} "
+            f"tokens (--long drop): {self.past_row:,} tokens after it not trained on, "
+            f"{self.past_row_trained:,} of them the assistant's{gone}"
+        )
 
     def _shuffle(self, e: int) -> np.ndarray:
         if e not in self._epochs:
@@ -152,6 +229,15 @@ class PackedSamples:
     def get(self, idx: np.ndarray) -> np.ndarray:
         """The tokens of samples `idx`, int64 [n, seq_len + 1] (SampleSource)."""
         return self.get_packed(idx)[0]
+
+
+def recorded_long(prefix: str) -> str:
+    """What `preprocess --chat --long` recorded for the data at `prefix`; the default for data
+    recorded without it (made before it existed, or by another tool)."""
+    from fitgpt.data import sidecar
+
+    chat = (sidecar.read(prefix) or {}).get("chat")
+    return chat.get("long", DEFAULT_LONG) if isinstance(chat, dict) else DEFAULT_LONG
 
 
 def open_mask(data: IndexedDataset) -> IndexedDataset:

@@ -20,7 +20,11 @@ With --chat, each line is a conversation (`{"messages": [...]}` or `{"prompt": .
 second pair, PREFIX.loss_mask.bin/.idx, holds a uint8 0/1 per token, 1 on the assistant's
 tokens, with the same sequences as the tokens' pair. Every bad conversation is fatal, whatever
 --on-error says, in one line naming FILE:LINE and the fix: a conversation silently dropped
-from an instruction set is a change to the fine-tune nobody asked for.
+from an instruction set is a change to the fine-tune nobody asked for. A conversation with an
+assistant reply of no text is a bad line by --on-error (skipped and counted, or fatal), and a
+file where most replies have none is refused. With --seq-len, conversations longer than a row
+of training are counted (or refused, --long refuse); what training does with them (--long, kept
+in the record) is packed.py's.
 
 Failures leave nothing behind: an input giving no tokens is an error (no empty pair), the
 output location is checked before any work, and a failed write (full disk) removes every
@@ -37,6 +41,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import sys
 import threading
@@ -53,13 +58,27 @@ from typing import BinaryIO, Literal
 import numpy as np
 
 from fitgpt.data import sidecar
-from fitgpt.data.chat import ChatEncoder, ChatLineError, conversation, mask_prefix
+from fitgpt.data.chat import (
+    ASSISTANT,
+    CHAT_MADE_BY,
+    CHAT_SUFFIX,
+    ChatEncoder,
+    ChatLineError,
+    conversation,
+    mask_prefix,
+)
 from fitgpt.data.indexed import LOSS_MASK_SUFFIX, IndexedWriter, paths, token_dtype
 from fitgpt.data.outputs import check_prefix
+from fitgpt.data.packed import DEFAULT_LONG, LONG_CHOICES
 from fitgpt.data.tokenizer import load_tokenizer
 from fitgpt.errors import UserError
 
 MAX_SHOWN = 10  # problems printed as they happen; the rest are only counted
+# A chat file where more than this share of the assistant replies has no text is refused, not
+# trained with those lines skipped: the replies were lost (written under another key, a failed
+# generation run), and what would remain is a fine-tune on a fraction of what the user thinks
+# the file holds. Below it, the lines with an empty reply are few enough to skip and count.
+MOST_BLANK = 0.5
 WORKERS_PER_CORE = 4  # more only adds memory (two chunks in flight per worker)
 # Other compressions, by their first bytes: named in the error instead of read as garbage.
 OTHER_MAGIC = {
@@ -99,9 +118,27 @@ class PreprocessConfig:
             "tokens only (PREFIX.loss_mask.bin/.idx); writes OUTPUT_PREFIX_chat_document"
         },
     )
+    seq_len: int | None = field(
+        default=None,
+        metadata={
+            "help": "--chat: the --seq-len you will train at; conversations longer than a row "
+            "(seq_len + 1 tokens) are counted, and refused with --long refuse"
+        },
+    )
+    long: Literal["drop", "split", "refuse"] = field(
+        default=DEFAULT_LONG,
+        metadata={
+            "help": "--chat: a conversation longer than a training row: drop (train its first "
+            "row, drop the rest, as TRL's SFTTrainer truncates), split (train every piece, the "
+            "later ones without the text before the cut), or refuse; recorded with the data"
+        },
+    )
     on_error: Literal["skip", "fail"] = field(
         default="skip",
-        metadata={"help": "malformed JSON, missing key or non-string value: skip, or stop"},
+        metadata={
+            "help": "malformed JSON, missing key, non-string value (--chat: an empty assistant "
+            "reply): skip the line, or stop"
+        },
     )
     on_bad_utf8: Literal["replace", "skip", "fail"] = field(
         default="replace",
@@ -129,6 +166,15 @@ class PreprocessConfig:
             raise UserError(f"chunk_bytes {self.chunk_bytes} must be positive")
         if not self.json_key:
             raise UserError("--json-key is empty; name the key that holds each document's text")
+        if self.long not in LONG_CHOICES:
+            raise UserError(f"--long {self.long} is not one of {', '.join(LONG_CHOICES)}")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise UserError(f"--seq-len {self.seq_len} must be at least 1 (the training one)")
+        if not self.chat and (self.seq_len is not None or self.long != DEFAULT_LONG):
+            raise UserError(
+                "--seq-len and --long are for conversations longer than a training row: pass "
+                "--chat, or drop them (text documents are cut into samples at any length)"
+            )
         if self.chat and self.append_eod:
             raise UserError(
                 "--append-eod is for text documents; with --chat the template ends each turn "
@@ -137,7 +183,7 @@ class PreprocessConfig:
 
     @property
     def prefix(self) -> str:
-        return f"{self.output_prefix}_{'chat' if self.chat else self.json_key}_document"
+        return self.output_prefix + (CHAT_SUFFIX if self.chat else f"_{self.json_key}_document")
 
 
 @dataclass
@@ -152,7 +198,8 @@ class PreprocessReport:
     skipped: Counter = field(default_factory=Counter)  # reason -> lines skipped
     empty: int = 0  # documents with no tokens, kept (of `documents`) as Megatron keeps them
     trained: int | None = None  # --chat: tokens the loss counts (the assistant's); else None
-    replaced_utf8: int = 0  # lines kept with U+FFFD in place of bad bytes
+    replaced_utf8: int = 0  # lines kept with U+FFFD in place of bad bytes or lone surrogates
+    chat: ChatCounts | None = None  # --chat: replies and long conversations
     shown: list[str] = field(default_factory=list)  # the first problems, as FILE:LINE: message
     printed: int = 0  # of `shown`, printed as warnings so far
 
@@ -174,13 +221,60 @@ class PreprocessReport:
             f"  empty      {self.empty:,} documents with no tokens (kept, as Megatron does)",
             "  skipped    "
             + (", ".join(f"{n:,} {why}" for why, n in sorted(self.skipped.items())) or "0 lines"),
-            f"  repaired   {self.replaced_utf8:,} lines with non-UTF-8 bytes (replaced by U+FFFD)",
+            f"  repaired   {self.replaced_utf8:,} lines with non-UTF-8 bytes or lone "
+            "surrogates (replaced by U+FFFD)",
         ]
         if self.trained is not None:
             share = self.trained / max(self.tokens, 1)
             rows[0] += f" and {self.prefix}{LOSS_MASK_SUFFIX}.bin/.idx (loss mask)"
             rows.insert(2, f"  loss on    {self.trained:,} assistant tokens ({share:.0%})")
+        if self.chat is not None:
+            rows[3:3] = self.chat.rows()
         return "\n".join(rows)
+
+
+@dataclass
+class ChatCounts:
+    """--chat: the assistant replies read and the conversations longer than a training row."""
+
+    seq_len: int | None = None  # --seq-len: a row is seq_len + 1 tokens; None: not counted
+    long_policy: str = DEFAULT_LONG
+    replies: int = 0  # assistant replies of the conversations read (skipped lines too)
+    blank: int = 0  # of them, with no text but whitespace (their lines skipped)
+    long: int = 0  # conversations longer than a row (kept)
+    past_row: int = 0  # their tokens after the first row
+    past_row_trained: int = 0  # of those, the assistant's
+    longest: int = 0  # tokens of the longest conversation kept
+    first_blank: int = 0  # the line of the first reply with no text; 0: none
+
+    def add(self, other: ChatCounts) -> None:
+        for name in ("replies", "blank", "long", "past_row", "past_row_trained"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.longest = max(self.longest, other.longest)
+        self.first_blank = self.first_blank or other.first_blank  # chunks come in input order
+
+    def rows(self) -> list[str]:
+        replies = f"  replies    {self.replies:,} assistant replies, {self.blank:,} with no text"
+        replies += " (their lines skipped)" if self.blank else ""
+        if self.seq_len is None:
+            return [
+                replies,
+                f"  long       not counted: the longest conversation has {self.longest:,} "
+                "tokens; pass --seq-len (the training one) to count those longer than a row",
+            ]
+        row = f"a row of {self.seq_len + 1:,} tokens (--seq-len {self.seq_len})"
+        if not self.long:
+            return [
+                replies,
+                f"  long       none longer than {row}; the longest has {self.longest:,}",
+            ]
+        what = {
+            "drop": f"trained on their first row only (--long drop), the {self.past_row:,} "
+            f"tokens after it dropped, {self.past_row_trained:,} of them the assistant's",
+            "split": f"trained in pieces (--long split), {self.past_row_trained:,} assistant "
+            "tokens after a cut without the text before it",
+        }[self.long_policy]
+        return [replies, f"  long       {self.long:,} conversations longer than {row}: {what}"]
 
 
 def preprocess(cfg: PreprocessConfig) -> PreprocessReport:
@@ -206,8 +300,12 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessReport:
         dtype.str,
         parent_pid=os.getpid(),
         chat=cfg.chat,
+        seq_len=cfg.seq_len,
+        long=cfg.long,
     )
     report = PreprocessReport(prefix=cfg.prefix, dtype=dtype.name, trained=0 if cfg.chat else None)
+    if cfg.chat:
+        report.chat = ChatCounts(seq_len=cfg.seq_len, long_policy=cfg.long)
     damage: list[tuple[int, str]] = []  # (first unread line, error) of a damaged gzip stream
     start = time.perf_counter()
     with (
@@ -221,19 +319,34 @@ def preprocess(cfg: PreprocessConfig) -> PreprocessReport:
     ):
         for chunk in out:
             _take(chunk, writer, masks, report, cfg)
-            _warn(report, bar)
+            if not cfg.chat:  # chat: once the whole file is known (_mostly_blank)
+                _warn(report, bar)
             report.seconds = time.perf_counter() - start
             docs, toks, mbps = report.documents, report.tokens, report.mb_per_s
             bar.update(task, completed=raw.tell(), docs=docs, tokens=toks, mbps=mbps)
         for line, err in damage:
             _damaged(cfg, report, line, err)
+        if report.chat is not None and report.chat.blank > MOST_BLANK * report.chat.replies:
+            raise _mostly_blank(cfg, report)  # inside `with`: the writers remove their temporaries
         _warn(report, bar)
         if report.tokens == 0:  # raised inside `with`: the writer removes its temporaries
             raise _no_documents(cfg, report)
     report.seconds = time.perf_counter() - start
-    made_by = "fitgpt data preprocess" + (" --chat" if cfg.chat else "")
-    sidecar.write(cfg.prefix, tok, made_by=made_by)
+    if cfg.chat:  # the policy on long conversations travels with the data to training
+        extra = {"chat": {"long": cfg.long, "seq_len": cfg.seq_len}}
+        sidecar.write(cfg.prefix, tok, made_by=CHAT_MADE_BY, extra=extra)
+    else:
+        sidecar.write(cfg.prefix, tok, made_by="fitgpt data preprocess")
     return report
+
+
+def _mostly_blank(cfg: PreprocessConfig, report: PreprocessReport) -> UserError:
+    c = report.chat
+    return UserError(
+        f"{cfg.input}: {c.blank:,} of {c.replies:,} assistant replies have no text (the first "
+        f"on line {c.first_blank}), more than {MOST_BLANK:.0%}: the replies look lost (empty "
+        "in the export, or a generation that failed); fix the file; nothing written"
+    )
 
 
 @contextlib.contextmanager
@@ -266,7 +379,7 @@ def _damaged(cfg: PreprocessConfig, report: PreprocessReport, line: int, err: st
             f"{where}; repair the file, or pass --on-error skip to keep the lines before"
         )
     why, msg = "damaged gzip stream (rest of file)", where + "; the rest is skipped"
-    _problem(cfg, report, line, why, msg, "skip")
+    _problem(cfg, report, line, why, msg, "refuse" if cfg.chat else "skip")
 
 
 def _no_documents(cfg: PreprocessConfig, report: PreprocessReport) -> UserError:
@@ -288,9 +401,11 @@ def _no_documents(cfg: PreprocessConfig, report: PreprocessReport) -> UserError:
 def _problem(
     cfg: PreprocessConfig, report: PreprocessReport, line: int, why: str, msg: str, policy: str
 ) -> None:
-    """Count (and keep the first MAX_SHOWN of) one skipped line, or stop under policy 'fail'."""
+    """Count (and keep the first MAX_SHOWN of) one skipped line, or stop: under policy 'fail'
+    naming the flag that would skip it, under 'refuse' (a bad conversation, whatever the flags
+    say) with the fix its message carries."""
     where = msg if msg.startswith(f"{cfg.input}:") else f"{cfg.input}:{line}: {msg}"
-    if cfg.chat:  # every chat problem is fatal; its message carries the fix
+    if policy == "refuse":
         raise UserError(where)
     if policy == "fail":
         fix = "--on-bad-utf8 replace" if why == "invalid UTF-8" else "--on-error skip"
@@ -317,8 +432,8 @@ def _take(
     cfg: PreprocessConfig,
 ) -> None:
     """Account for one encoded chunk (in input order) and append its documents."""
-    for line, why, message, fatal in chunk.problems:
-        _problem(cfg, report, line, why, message, "fail" if fatal else "skip")
+    for line, why, message, policy in chunk.problems:
+        _problem(cfg, report, line, why, message, policy)
     writer.add(chunk.tokens, chunk.lengths, chunk.doc_ends)
     if masks is not None:
         masks.add(chunk.mask, chunk.lengths, chunk.doc_ends)
@@ -329,6 +444,8 @@ def _take(
     report.bytes_in += chunk.nbytes
     report.empty += chunk.empty
     report.replaced_utf8 += chunk.replaced
+    if chunk.chat is not None:
+        report.chat.add(chunk.chat)
 
 
 @contextlib.contextmanager
@@ -453,6 +570,8 @@ class _State:
     dtype: str
     parent_pid: int = 0  # the main process: workers exit when it is gone
     chat: bool = False
+    seq_len: int | None = None  # --chat: a training row is seq_len + 1 tokens
+    long: str = DEFAULT_LONG
 
 
 @dataclass
@@ -460,12 +579,13 @@ class _Chunk:
     tokens: np.ndarray  # flat, output dtype
     lengths: np.ndarray  # int32 [sequences]: one per document that has tokens
     doc_ends: np.ndarray  # int64 [documents]: sequences of this chunk up to each document's end
-    problems: list[tuple[int, str, str, bool]]  # (line, reason, message, fatal)
+    problems: list[tuple[int, str, str, str]]  # (line, reason, message, skip|fail|refuse)
     lines: int
     nbytes: int
     empty: int
     replaced: int
     mask: np.ndarray | None = None  # --chat: uint8, flat like tokens: 1 on the assistant's tokens
+    chat: ChatCounts | None = None  # --chat
 
 
 _WORKER: dict = {}
@@ -522,7 +642,8 @@ def _encode(block: bytes, first_line: int) -> _Chunk:
         text, problem, fixed = _document(raw, state)
         replaced += fixed
         if problem is not None:
-            problems.append((n, *problem))
+            why, msg, fatal = problem
+            problems.append((n, why, msg, "fail" if fatal else "skip"))
         else:
             texts.append(text)
     ids = tok.encode_batch(texts) if hasattr(tok, "encode_batch") else map(tok.encode, texts)
@@ -542,10 +663,13 @@ def _encode(block: bytes, first_line: int) -> _Chunk:
 
 def _encode_chat(block: bytes, first_line: int) -> _Chunk:
     """--chat: each non-blank line one conversation, as tokens and their loss mask; the first
-    bad line ends the chunk as a fatal problem (the main process stops there)."""
+    bad line ends the chunk as a fatal problem (the main process stops there). A line with an
+    assistant reply of no text is a bad line by --on-error; one longer than a row of --seq-len
+    is counted, or fatal under --long refuse."""
     state: _State = _WORKER["state"]
     chat: ChatEncoder = _WORKER["chat"]
     ids, masks, problems, replaced = [], [], [], 0
+    counts = ChatCounts(seq_len=state.seq_len, long_policy=state.long)
     raw_lines = block.split(b"\n")
     if raw_lines and not raw_lines[-1]:
         raw_lines.pop()
@@ -553,14 +677,40 @@ def _encode_chat(block: bytes, first_line: int) -> _Chunk:
         if not raw.strip():
             continue
         obj, problem, fixed = _json_line(raw, state)
-        replaced += fixed
         try:
             if problem is not None:
                 raise ChatLineError(f"{problem[1]}; each line must be one JSON conversation")
-            doc, mask = chat.encode(conversation(_without_surrogates(obj)))
+            obj, lone = _without_surrogates(obj)
+            if lone and state.on_bad_utf8 != "replace":
+                raise ChatLineError(
+                    "a lone surrogate (\\ud800-\\udfff) escape in a string; fix the line or "
+                    "pass --on-bad-utf8 replace"
+                )
+            fixed = max(fixed, int(lone > 0))
+            messages = conversation(obj)
+            blank = chat.blank_replies(messages)
+            counts.replies += sum(m["role"] == ASSISTANT for m in messages)
+            counts.blank += blank
+            counts.first_blank = counts.first_blank or (n if blank else 0)
+            if not blank:
+                doc, mask = chat.encode(messages)
         except ChatLineError as e:
-            problems.append((n, "bad conversation", str(e), True))
+            problems.append((n, "bad conversation", str(e), "refuse"))
             break
+        replaced += fixed
+        if blank:
+            msg = f"{blank} assistant repl{'ies' if blank > 1 else 'y'} with no text"
+            problems.append((n, "empty assistant reply", msg, _skip_or_fail(state)))
+            continue
+        if state.seq_len is not None and len(doc) > state.seq_len + 1:
+            row = state.seq_len + 1
+            if state.long == "refuse":
+                problems.append((n, "long conversation", _too_long(len(doc), row), "refuse"))
+                break
+            counts.long += 1
+            counts.past_row += len(doc) - row
+            counts.past_row_trained += sum(mask[row:])
+        counts.longest = max(counts.longest, len(doc))
         ids.append(doc)
         masks.append(mask)
     lengths = np.fromiter(map(len, ids), np.int32, count=len(ids))
@@ -569,22 +719,47 @@ def _encode_chat(block: bytes, first_line: int) -> _Chunk:
     mask = np.fromiter(itertools.chain.from_iterable(masks), np.uint8, count=total)
     doc_ends = np.arange(1, len(ids) + 1, dtype=np.int64)
     return _Chunk(
-        tokens, lengths, doc_ends, problems, len(raw_lines), len(block), 0, replaced, mask
+        tokens, lengths, doc_ends, problems, len(raw_lines), len(block), 0, replaced, mask, counts
     )
 
 
-def _without_surrogates(obj: object) -> object:
-    """`obj` with lone surrogates (a \\ud800 escape) in its strings replaced by U+FFFD: the
-    tokenizer cannot encode them. Conversations are small: one walk over the parsed line."""
+def _skip_or_fail(state: _State) -> str:
+    return "fail" if state.on_error == "fail" else "skip"
+
+
+def _too_long(tokens: int, row: int) -> str:
+    return (
+        f"a conversation of {tokens:,} tokens, longer than a training row of {row:,} (--seq-len "
+        f"{row - 1}); pass a longer --seq-len, or --long drop (train its first row) or --long "
+        "split (train it in pieces), or shorten it"
+    )
+
+
+# One lone surrogate (a \ud800-\udfff escape not paired by JSON's parser) in a parsed string.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _repaired(text: str) -> tuple[str, int]:
+    """`text` with each lone surrogate replaced by one U+FFFD (one code point, one replacement:
+    as JavaScript's TextEncoder and Rust's from_utf16_lossy do), and how many there were. The
+    tokenizer cannot encode them; encoding them as UTF-8 first would give three U+FFFD each."""
+    if text.isascii():
+        return text, 0
+    return _LONE_SURROGATE.subn("\ufffd", text)
+
+
+def _without_surrogates(obj: object) -> tuple[object, int]:
+    """`obj` with lone surrogates in its strings replaced (`_repaired`), and how many there were.
+    Conversations are small: one walk over the parsed line."""
     if isinstance(obj, str):
-        if obj.isascii():
-            return obj
-        return obj.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+        return _repaired(obj)
     if isinstance(obj, list):
-        return [_without_surrogates(v) for v in obj]
+        pairs = [_without_surrogates(v) for v in obj]
+        return [v for v, _ in pairs], sum(n for _, n in pairs)
     if isinstance(obj, dict):
-        return {k: _without_surrogates(v) for k, v in obj.items()}
-    return obj
+        pairs = {k: _without_surrogates(v) for k, v in obj.items()}
+        return {k: v for k, (v, _) in pairs.items()}, sum(n for _, n in pairs.values())
+    return obj, 0
 
 
 def _json_line(raw: bytes, state: _State) -> tuple[object, tuple[str, str, bool] | None, int]:
@@ -627,12 +802,9 @@ def _document(raw: bytes, state: _State) -> tuple[str, tuple[str, str, bool] | N
     if not isinstance(text, str):
         msg = f"{state.json_key!r} is a JSON {type(text).__name__}, not a string"
         return "", ("not a string", msg, err), fixed
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate written as a \\ud800 escape
-            if state.on_bad_utf8 != "replace":
-                return "", ("invalid UTF-8", "a lone surrogate (\\ud800-\\udfff) escape", fatal), 0
-            raw = text.encode("utf-8", errors="surrogatepass")
-            text, fixed = raw.decode("utf-8", errors="replace"), 1
+    text, lone = _repaired(text)
+    if lone:  # a lone surrogate written as a \\ud800 escape
+        if state.on_bad_utf8 != "replace":
+            return "", ("invalid UTF-8", "a lone surrogate (\\ud800-\\udfff) escape", fatal), 0
+        fixed = 1
     return text, None, fixed

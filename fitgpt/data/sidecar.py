@@ -15,6 +15,8 @@ The record, one JSON object:
     eod_id            the tokenizer's <|endoftext|> id, or null
     fingerprint       "VOCAB:HASH" (see `fingerprint`), or null with no tokenizer
     made_by           the command that wrote the pair
+    chat              chat data only: {"long": drop|split|refuse, "seq_len": N or null}, what
+                      training does with a conversation longer than a row (packed.py)
     bin_bytes, idx_bytes   sizes of the pair it describes
 
 Resolution (`--tokenizer auto` on a prefix): `tokenizer_abs` if it loads and has the recorded
@@ -80,9 +82,15 @@ def fingerprint(tok: Tokenizer) -> str:
 
 
 def write(
-    prefix: str, tok: Tokenizer | None, *, vocab_size: int | None = None, made_by: str = ""
+    prefix: str,
+    tok: Tokenizer | None,
+    *,
+    vocab_size: int | None = None,
+    made_by: str = "",
+    extra: dict | None = None,
 ) -> dict:
-    """Record `tok` (None: no tokenizer, with `vocab_size`) for the pair just written at `prefix`.
+    """Record `tok` (None: no tokenizer, with `vocab_size`) for the pair just written at `prefix`;
+    `extra` adds fields (chat data's {"chat": {"long": ..., "seq_len": ...}}, packed.py).
 
     Called right after the pair is renamed into place: if the record cannot be written, the pair
     is removed too, so a failed command leaves no output.
@@ -100,7 +108,7 @@ def write(
             "eod_id": tok.eod_id,
             "fingerprint": fingerprint(tok),
         }
-    return _write(prefix, fields, made_by)
+    return _write(prefix, {**fields, **(extra or {})}, made_by)
 
 
 def carry(prefix: str, record: dict, made_by: str, vocab_size: int | None = None) -> dict:

@@ -141,6 +141,7 @@ class JSONTokenizer(_HFTokenizer):
         self.special_tokens = {  # bos_token, eos_token, ...: the names a chat template may use
             k: v for k in SPECIAL_TOKEN_NAMES if (v := _token_text(self.config.get(k)))
         }
+        self._check_config_tokens(path)
         self.bos_id = self._id(self.special_tokens.get("bos_token"))
         self.eos_id = self._id(self.special_tokens.get("eos_token"))
         ends = [self._id(t) for t in DOCUMENT_END_TEXTS]
@@ -148,6 +149,40 @@ class JSONTokenizer(_HFTokenizer):
         self.prefix_ids, self.suffix_ids = self._added_around()
         extra = _generation_eos(path.parent)
         self.stop_ids = tuple(sorted({self.eod_id, self.eos_id, *extra} - {None}))
+
+    def _check_config_tokens(self, path: Path) -> None:
+        """Make each token the configs name (bos_token, eos_token, every added_tokens_decoder
+        entry) one token, as transformers does: one that tokenizer.json holds in its vocabulary
+        but not as an added token becomes one (its id unchanged). One it does not hold at all
+        is refused: the template writes it as text, which would be spelt in pieces (an
+        instruct model's end of turn, <|eot_id|>, in ten), and transformers would give it a new
+        id past the vocabulary, a row the model never trained. One encode per named token."""
+        from tokenizers import AddedToken
+
+        named = [
+            (k, AddedToken(t, special=True, normalized=False))
+            for k in ("bos_token", "eos_token")
+            if (t := self.special_tokens.get(k))
+        ]
+        added = self.config.get("added_tokens_decoder")
+        flags = ("single_word", "lstrip", "rstrip", "normalized", "special")
+        for entry in added.values() if isinstance(added, dict) else ():
+            if isinstance(entry, dict) and (t := _token_text(entry)):
+                kw = {f: bool(entry[f]) for f in flags if f in entry}
+                named.append(("added_tokens_decoder", AddedToken(t, **kw)))
+        for key, token in named:
+            ids = self._tok.encode(token.content, add_special_tokens=False).ids
+            if len(ids) == 1:
+                continue
+            if self._tok.token_to_id(token.content) is not None:
+                add = self._tok.add_special_tokens if token.special else self._tok.add_tokens
+                add([token])
+                continue
+            raise UserError(
+                f"{_config_file(self.folder, key)} names {key} {token.content!r}, but {path} has "
+                f"no such token (it would be spelt in {len(ids)} pieces); use the tokenizer.json "
+                "saved with this tokenizer_config.json, or add the token to it"
+            )
 
     def _id(self, text: str | None) -> int | None:
         return None if text is None else self._tok.token_to_id(text)
@@ -232,6 +267,19 @@ def _folder_config(folder: Path) -> dict:
             raise UserError(f"{p}: a JSON {type(obj).__name__}, not an object; repair or remove it")
         merged.update(obj)
     return merged
+
+
+def _config_file(folder: Path, key: str) -> Path:
+    """The file of `folder` whose `key` `_folder_config` kept: tokenizer_config.json's wins."""
+    import json
+
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            if key in json.loads((folder / name).read_text(encoding="utf-8")):
+                return folder / name
+        except (OSError, ValueError, TypeError):
+            continue
+    return folder / "tokenizer_config.json"
 
 
 def _token_text(value: object) -> str | None:

@@ -307,9 +307,9 @@ def _same_prefix(a: str, b: str) -> bool:
 def _refuse_chat(prefix: str, what: str) -> None:
     """clean and merge copy tokens only: chat data would lose its loss mask and then train as
     plain text, on every token."""
-    from fitgpt.data.chat import has_mask
+    from fitgpt.data.chat import is_chat_data
 
-    if has_mask(prefix):
+    if is_chat_data(prefix):  # also refuses chat data that lost its mask
         raise UserError(
             f"{prefix} is chat data (with a .loss_mask pair), which `fitgpt data {what}` cannot "
             "carry; run `fitgpt data preprocess --chat` on the JSONL files joined instead"

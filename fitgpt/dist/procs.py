@@ -1,8 +1,16 @@
-"""Processes on this machine: whether one is still alive (stale run locks, orphaned scratch)."""
+"""Processes on this machine: whether one is still alive (stale run locks, orphaned scratch), a
+child that ends with its parent, and SIGTERM handled as Ctrl-C is."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
 
 
 def pid_alive(pid: int) -> bool:
@@ -14,3 +22,54 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True  # someone else's live process
     return True
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process when `parent` dies, even by SIGKILL (no cleanup of the parent's runs
+    there, so a child left running would hold its memory, a GPU, its files).
+
+    Linux: the kernel sends SIGKILL on the parent's exit (PR_SET_PDEATHSIG; it fires when the
+    thread that started this process ends, which is the parent's main thread for the callers
+    here). Everywhere, also a daemon thread that polls the parent pid once a second: the
+    fallback, and a check for a parent that died before prctl took effect.
+    """
+    if not parent:
+        return
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)  # the parent died before prctl took effect
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)  # reparented: the parent is gone
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, raised as Ctrl-C's KeyboardInterrupt is, so the same `finally` blocks run."""
+
+
+def _raise_stopped(signum, frame) -> None:
+    raise Stopped(f"stopped by {signal.Signals(signum).name}")
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """Inside the block, SIGTERM (`timeout`, `kill`, a job scheduler) raises Stopped in the main
+    thread, as Ctrl-C raises KeyboardInterrupt: Python's default for SIGTERM ends the process at
+    once, with no `finally` and no `with` exit, so the children it started and its temporary
+    folders would outlive it. The previous handler is back after the block. Main thread only
+    (where Python runs signal handlers); elsewhere the block changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)

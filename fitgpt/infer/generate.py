@@ -6,10 +6,19 @@ window slides, since learned positions shift), and never shortens the output. Ge
 at any of the tokenizer's stop ids (data/tokenizer.py `stop_ids`: the end-of-document token,
 the declared eos_token, generation_config.json's eos_token_id list, e.g. Llama 3's <|eot_id|>
 and <|end_of_text|>) unless `ignore_eos` is set.
+
+Chat (`chat_prompt`): the prompt as one user turn of the tokenizer's chat template with its
+generation prompt, rendered by the chat data's own renderer (data/chat.py ChatEncoder) and
+encoded as transformers' `apply_chat_template(add_generation_prompt=True, tokenize=True)`
+encodes it (the template writes BOS; no second one is added); the reply stops at the token the
+template ends a reply with, as well as at the stop ids.
 """
 
 from __future__ import annotations
 
+import math
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,23 +51,36 @@ class SampleConfig:
     )
 
     def __post_init__(self) -> None:
-        if (
-            self.max_new_tokens < 1
-            or self.temperature < 0
-            or self.top_k < 0
-            or not 0 < self.top_p <= 1
-        ):
-            raise UserError(
-                "need --max-new-tokens >= 1, --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1"
-            )
+        # a NaN passes every comparison but `==`, and an infinite temperature makes every
+        # token equally likely whatever the model says: both are refused, not sampled from
+        bad = [
+            (self.max_new_tokens < 1, "max-new-tokens", self.max_new_tokens, "at least 1"),
+            (
+                not (math.isfinite(self.temperature) and self.temperature >= 0),
+                "temperature",
+                self.temperature,
+                "a finite number >= 0 (0 = greedy)",
+            ),
+            (self.top_k < 0, "top-k", self.top_k, "0 (all tokens) or more"),
+            (not 0 < self.top_p <= 1, "top-p", self.top_p, "in (0, 1]"),
+        ]
+        for wrong, flag, value, want in bad:
+            if wrong:
+                raise UserError(f"--{flag} {value}: must be {want}")
+
+
+def checkpoint_meta(path: Path) -> tuple[Path, dict, ModelConfig]:
+    """(the checkpoint folder `path` names, its meta, its model's config): what the tokenizer
+    and chat checks need, read before any weight."""
+    ckpt = ckpt_io.resolve(path)
+    meta = ckpt_io.load_meta(ckpt)
+    return ckpt, meta, ModelConfig.from_dict(meta["config"]["model"])
 
 
 def load_model(path: Path, device: torch.device) -> tuple[DecoderLM, dict]:
     """The checkpoint's weights in a plain model on `device` (bf16 on GPUs, fp32 on CPUs), read
     with the trainer's checks: checksums, sizes, the layout against the model's own, CRCs."""
-    ckpt = ckpt_io.resolve(path)
-    meta = ckpt_io.load_meta(ckpt)
-    cfg = ModelConfig.from_dict(meta["config"]["model"])
+    ckpt, meta, cfg = checkpoint_meta(path)
     with torch.device("meta"):
         model = build_model(cfg)
     layout = chunk_layout(model)  # the model's own layout: a tampered one cannot load
@@ -131,7 +153,10 @@ def pick(logits_BV: Tensor, cfg: SampleConfig, gen: torch.Generator) -> Tensor:
     logits_BV = logits_BV.float()
     if cfg.temperature == 0:
         return logits_BV.argmax(-1, keepdim=True)
-    probs = filter_logits(logits_BV / cfg.temperature, cfg.top_k, cfg.top_p).softmax(-1)
+    # shifted so the largest is 0 before dividing: the same distribution, but a tiny temperature
+    # cannot overflow a logit to inf (inf - inf in the softmax would be NaN)
+    shifted_BV = logits_BV - logits_BV.amax(-1, keepdim=True)
+    probs = filter_logits(shifted_BV / cfg.temperature, cfg.top_k, cfg.top_p).softmax(-1)
     return torch.multinomial(probs, 1, generator=gen)
 
 
@@ -163,6 +188,27 @@ class _Window:
             self.logits = self._read_window()
 
 
+def _warn(message: str) -> None:
+    warnings.warn(message, ContextWarning, stacklevel=4)  # past torch.no_grad's wrapper
+
+
+class ContextWarning(UserWarning):
+    """The prompt and output outgrow the model's context: the model sees only their end."""
+
+
+def context_note(model: DecoderLM, prompt_len: int, cfg: SampleConfig) -> str | None:
+    """The line saying that the model will not see the whole prompt and output (its context is
+    the training run's --seq-len), or None when they fit."""
+    S = model.cfg.seq_len
+    if prompt_len + cfg.max_new_tokens <= S:
+        return None
+    cut = f"the first {prompt_len - S} prompt tokens are not seen; " if prompt_len > S else ""
+    return (
+        f"prompt ({prompt_len} tokens) and output exceed the model's context of {S} tokens; "
+        f"{cut}each new token sees the last {S}"
+    )
+
+
 @torch.no_grad()
 def generate(
     model: DecoderLM,
@@ -171,13 +217,19 @@ def generate(
     use_cache: bool = True,
     stop_ids: tuple[int, ...] = (),
     vocab_size: int | None = None,
+    note: Callable[[str], None] = _warn,
 ) -> Tensor:
     """Prompt plus up to max_new_tokens new tokens, [B, T + n].
 
     n is max_new_tokens unless every row has produced one of `stop_ids` (kept, as the row's
     last token; rows that ended first are padded with the id they stopped at), and
     `cfg.ignore_eos` is off. Ids at or above `vocab_size` (a tokenizer smaller than the model's
-    vocabulary) are never sampled."""
+    vocabulary) are never sampled. Past the model's context only the last seq_len tokens are
+    read: `note` gets `context_note`'s line first (default: a ContextWarning), so a long prompt
+    is never cut without a word."""
+    told = context_note(model, idx_BT.shape[1], cfg)
+    if told:
+        note(told)
     gen = torch.Generator(device=idx_BT.device).manual_seed(cfg.seed)
     stops = None
     if stop_ids and not cfg.ignore_eos:
@@ -214,3 +266,46 @@ def strip_stop(ids: list[int], stop_ids: tuple[int, ...], cfg: SampleConfig) -> 
         if t in stop_ids:
             return ids[:i]
     return ids
+
+
+# A reply no template rewrites (no whitespace to trim, no markup): where it ends in the rendered
+# text is where the template's end of turn starts.
+_REPLY_PROBE = "fitgptreplyprobe"
+
+
+def chat_prompt(tok: Tokenizer, prompt: str) -> tuple[list[int], tuple[int, ...]]:
+    """(`prompt` as one user turn of `tok`'s chat template with the generation prompt, as ids;
+    the ids the reply stops at).
+
+    The ids are transformers' `apply_chat_template([user], add_generation_prompt=True,
+    tokenize=True)`: the text the chat data is rendered with (data/chat.py ChatEncoder), encoded
+    without the post-processor's BOS, since the template writes its own. The stops are the
+    tokenizer's `stop_ids` and the template's end of turn (`_end_of_turn`), which a base
+    tokenizer's eos_token (<|end_of_text|>) is not. A tokenizer without a chat template, or a
+    template that refuses the turn, is refused in one line."""
+    from fitgpt.data.chat import ChatEncoder, ChatLineError
+
+    enc = ChatEncoder(tok)  # refuses a tokenizer without a template, naming the fix
+    try:
+        text = enc.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    except ChatLineError as e:
+        raise UserError(f"--chat with tokenizer {tok.name}: {e}") from None
+    return enc.tok.encode_plain(text), tuple(sorted({*tok.stop_ids, *_end_of_turn(enc)}))
+
+
+def _end_of_turn(enc) -> set[int]:
+    """{the token the template writes right after a reply} (<|eot_id|>, <|im_end|>, </s>), as
+    ChatEncoder.assistant_spans counts it the reply's: the text after a probe reply, less
+    trailing whitespace, when it is one token; else {} (a template that ends a reply with plain
+    text, or refuses a user/assistant pair, leaves the stop ids to the tokenizer)."""
+    from fitgpt.data.chat import ChatLineError
+
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _REPLY_PROBE}]
+    try:
+        text = enc.render(turn)
+    except ChatLineError:
+        return set()
+    at = text.rfind(_REPLY_PROBE)
+    after = text[at + len(_REPLY_PROBE) :].rstrip() if at >= 0 else ""
+    ids = enc.tok.encode_plain(after) if after else []
+    return set(ids) if len(ids) == 1 else set()

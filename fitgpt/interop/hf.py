@@ -1,133 +1,27 @@
-"""Hugging Face checkpoints and fitgpt's families: one registry of mappings, keyed by HF's
-`model_type` (import) and fitgpt's family name (export).
-
-Each entry is an `HFMapping` (hf_gpt2.py: GPT2LMHeadModel; hf_llama.py: LlamaForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM). An entry says, for its families:
-  config_from_hf / hf_config   config.json ⇄ ModelConfig, refusing in one line what fitgpt's
-                               network cannot compute
-  tensor_maps                  every HF tensor and its place in fitgpt's parameters
-  canonical, layer_of          how stored keys are spelled, and which block a tensor is in
-The reader (hf_read.py: `fitgpt import hf` and `--init-from`) and the export (hf_export.py)
-read and write tensors through these maps alone, so they name no family; no module outside
-interop/ and model/ does either.
-
-A TensorMap ties one HF tensor to one fitgpt parameter, or to a part of one: fitgpt fuses some
-projections that HF keeps apart (Llama's k and v into `attn.kv`, gate and up into `mlp.fc`),
-and `part=(i, n)` says the HF tensor is the i-th of n equal row blocks of the fitgpt one. A
-fused parameter is then read on import from its HF tensors, each into its rows (hf_read.py,
-which reads any range of rows of it), and cut back into them on export, with no intermediate
-copy of the whole.
+"""Which Hugging Face name map reads or writes a checkpoint: looked up in the family registry's
+table (model/families/__init__.py: HF `model_type` → family for import, the family itself for
+export) and loaded from that family's folder (its hf.py's MAPPING: model/hf_map.py says what a
+map holds). The reader (hf_read.py: `fitgpt import hf` and `--init-from`) and the export
+(hf_export.py) read and write tensors through the map alone, so they name no family; no module
+outside model/families/ does either.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import ClassVar
-
-from torch import Tensor
+import importlib
 
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
+from fitgpt.model.families import HF_FAMILY, TABLE, module
+from fitgpt.model.hf_map import HFMapping
 
 
-@dataclass(frozen=True)
-class TensorMap:
-    """One HF tensor and where it lives in fitgpt; `fitgpt` None means "zeros" (a GPT-2 bias
-    of a bias-free model)."""
-
-    hf: str  # name in the HF model's state dict, as `canonical` spells it
-    fitgpt: str | None  # name of the fitgpt parameter, None when fitgpt has no such parameter
-    transpose: bool = False  # GPT-2's Conv1D stores [in, out] against nn.Linear's [out, in]
-    vocab_rows: bool = False  # dim 0 is the vocabulary: padded in fitgpt, exact in HF
-    part: tuple[int, int] | None = None  # (i, n): rows block i of n of the fitgpt parameter
-
-
-def _rows(m: TensorMap, t: Tensor) -> Tensor:
-    """The view of fitgpt tensor `t` that HF tensor `m` is: its part's rows, or all of it."""
-    if m.part is None:
-        return t
-    i, n = m.part
-    return t.chunk(n, dim=0)[i]
-
-
-def hf_shape(m: TensorMap, fit_shape: tuple[int, ...], cfg: ModelConfig) -> tuple[int, ...]:
-    """The HF shape of map `m` of a fitgpt parameter of shape `fit_shape`."""
-    shape = tuple(fit_shape)
-    if m.part is not None:
-        shape = (shape[0] // m.part[1], *shape[1:])
-    if m.transpose:
-        shape = tuple(reversed(shape))
-    return (cfg.vocab_size, *shape[1:]) if m.vocab_rows else shape
-
-
-def to_hf(m: TensorMap, t: Tensor, cfg: ModelConfig) -> Tensor:
-    """A fitgpt parameter's share for HF tensor `m`, in HF's layout (its rows, Conv1D
-    transposed, the vocabulary cut to the real size)."""
-    t = _rows(m, t)
-    if m.vocab_rows:
-        t = t[: cfg.vocab_size]
-    return (t.t() if m.transpose else t).contiguous()
-
-
-class HFMapping(ABC):
-    """How the HF architectures of some fitgpt families store them (subclass, then register)."""
-
-    model_types: ClassVar[tuple[str, ...]]  # HF config.json `model_type` values
-    families: ClassVar[tuple[str, ...]]  # fitgpt ModelConfig.family values
-    layers_key: ClassVar[str]  # config.json's key for the number of blocks
-    import_format: ClassVar[str]  # meta.json's imported_from.format
-
-    @abstractmethod
-    def architecture(self, cfg: ModelConfig) -> str:
-        """The transformers class, e.g. 'LlamaForCausalLM'."""
-
-    @abstractmethod
-    def config_from_hf(self, hf: dict, source: str) -> ModelConfig:
-        """fitgpt's ModelConfig for config.json `hf`, or one UserError line naming the key."""
-
-    @abstractmethod
-    def hf_config(self, cfg: ModelConfig, ids: dict) -> dict:
-        """config.json of the HF model equal to `cfg`; `ids` holds bos/eos_token_id if known."""
-
-    @abstractmethod
-    def check_exportable(self, cfg: ModelConfig) -> None:
-        """Refuse, in one line, what the HF architecture has no place for."""
-
-    @abstractmethod
-    def tensor_maps(self, cfg: ModelConfig) -> list[TensorMap]:
-        """Every tensor of the HF model, grouped as fitgpt's chunks are (embedding, each block,
-        head), so an export reads each chunk once."""
-
-    @abstractmethod
-    def canonical(self, key: str) -> str | None:
-        """A stored key as tensor_maps names it; None for what is no weight (buffers)."""
-
-    @abstractmethod
-    def layer_of(self, name: str) -> int | None:
-        """The block a canonical tensor name belongs to, None outside the blocks."""
-
-    def default_tied(self) -> bool:
-        """tie_word_embeddings when config.json does not say (the HF class's default)."""
-        return True
-
-
-MAPPINGS: list[HFMapping] = []
-
-
-def register_mapping(m: HFMapping) -> HFMapping:
-    MAPPINGS.append(m)
-    return m
-
-
-def _loaded() -> list[HFMapping]:
-    from fitgpt.interop import hf_gpt2, hf_llama  # noqa: F401  (each registers its mapping)
-
-    return MAPPINGS
+def _mapping(family: str) -> HFMapping:
+    return importlib.import_module(module(family, "hf")).MAPPING
 
 
 def _known_types() -> str:
-    return ", ".join(t for m in _loaded() for t in m.model_types)
+    return ", ".join(HF_FAMILY)
 
 
 def mapping_for_hf(hf: dict, source: str) -> HFMapping:
@@ -141,9 +35,8 @@ def mapping_for_hf(hf: dict, source: str) -> HFMapping:
             f"{source} has no model_type; fitgpt reads model_type {_known_types()}: add the "
             "key, or pass the checkpoint's own config.json"
         )
-    for m in _loaded():
-        if mt in m.model_types:
-            return m
+    if mt in HF_FAMILY:
+        return _mapping(HF_FAMILY[mt])
     raise UserError(
         f"{source}: model_type={mt!r}; fitgpt imports only GPT-2, Llama, Qwen2, Qwen3 and "
         f"Mistral checkpoints (model_type {_known_types()})"
@@ -152,10 +45,9 @@ def mapping_for_hf(hf: dict, source: str) -> HFMapping:
 
 def mapping_for_model(cfg: ModelConfig) -> HFMapping:
     """The mapping that exports `cfg`'s family, or one line saying there is none."""
-    for m in _loaded():
-        if cfg.family in m.families:
-            return m
-    fams = ", ".join(f for m in _loaded() for f in m.families)
+    if TABLE.get(cfg.family):
+        return _mapping(cfg.family)
+    fams = ", ".join(f for f, types in TABLE.items() if types)
     raise UserError(
         f"model family {cfg.family!r} has no Hugging Face mapping: fitgpt reads and writes HF "
         f"checkpoints of the families {fams}"
@@ -169,27 +61,3 @@ def model_config_from_hf(hf: dict, source: str) -> ModelConfig:
 
 def check_exportable(cfg: ModelConfig) -> None:
     mapping_for_model(cfg).check_exportable(cfg)
-
-
-# ---- config.json helpers shared by the mappings ------------------------------------------
-def int_field(hf: dict, key: str, source: str, default: int | None = None) -> int:
-    v = hf.get(key, default)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise UserError(f"{source}: {key}={v!r} must be a positive integer; fix the file")
-    return v
-
-
-def float_field(hf: dict, key: str, source: str, default: float) -> float:
-    v = hf.get(key, default)
-    if not isinstance(v, int | float) or isinstance(v, bool) or not v > 0:
-        raise UserError(f"{source}: {key}={v!r} must be a positive number; fix the file")
-    return float(v)
-
-
-def tied(hf: dict, source: str, default: bool) -> bool:
-    """tie_word_embeddings, `default` when absent; a string such as "false" is refused, not
-    read as true (bool("false") is True), which would import an untied model as a tied one."""
-    v = hf.get("tie_word_embeddings", default)
-    if not isinstance(v, bool):
-        raise UserError(f"{source}: tie_word_embeddings={v!r} must be true or false; fix the file")
-    return v

@@ -4,8 +4,8 @@ The folder holds config.json (the family's HF class, hf.py's registry), the weig
 and layout (the vocabulary cut back to the tokenizer's size, fused parameters cut into HF's
 tensors) as model.safetensors, or as shards model-0000i-of-0000n.safetensors with
 model.safetensors.index.json once they exceed the shard size (5 GB by default, as
-transformers' save_pretrained), generation_config.json (the run's own, carried from an
-import, else the end-of-document token as eos) and the tokenizer files (hf_tokenizer.py), so
+transformers' save_pretrained), generation_config.json (the ids generation starts and stops at:
+_special_ids) and the tokenizer files (hf_tokenizer.py), so
 that `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer.from_pretrained(DIR)` work
 offline. It is written into a temporary folder that is renamed into place when complete.
 
@@ -28,10 +28,11 @@ from fitgpt.data.tokenizer import load_tokenizer
 from fitgpt.engine.layout import ChunkSpec
 from fitgpt.engine.state_io import StateReader
 from fitgpt.errors import UserError
-from fitgpt.interop.hf import HFMapping, TensorMap, hf_shape, mapping_for_model, to_hf
-from fitgpt.interop.hf_tokenizer import write_hf_tokenizer
+from fitgpt.interop.hf import mapping_for_model
+from fitgpt.interop.hf_tokenizer import end_of_turn_id, write_hf_tokenizer
 from fitgpt.interop.safetensors_stream import SafetensorsWriter
 from fitgpt.model import ModelConfig
+from fitgpt.model.hf_map import HFMapping, TensorMap, hf_shape, to_hf
 from fitgpt.train import checkpoint as ckpt_io
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -39,6 +40,7 @@ HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' own "5GB" (decimal, as its save_pretrained counts)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+SPECIAL_IDS = ("bos_token_id", "eos_token_id")
 
 
 @dataclass(frozen=True)
@@ -71,11 +73,12 @@ def export_hf(
     cfg = ModelConfig.from_dict(meta["config"]["model"])
     mapping = mapping_for_model(cfg)
     mapping.check_exportable(cfg)
+    check_out_apart(out, ckpt_path, tokenizer)
     check_output(out, overwrite)
     if max_shard_bytes < 1:
         raise UserError(f"max shard size {max_shard_bytes} bytes must be positive")
     spec = tokenizer or meta.get("tokenizer")
-    ids = _special_ids(spec, cfg)
+    ids, carried = _special_ids(spec, cfg, meta)
     tmp = out.parent / f".{out.name}.export.tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed export are never valid
     tmp.mkdir(parents=True)
@@ -85,8 +88,8 @@ def export_hf(
         config = mapping.hf_config(cfg, ids) | names  # torch_dtype: transformers 4's key
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         written = write_hf_tokenizer(spec, tmp, cfg.seq_len)
-        if ids and not (tmp / "generation_config.json").is_file():  # none carried: write one
-            (tmp / "generation_config.json").write_text(json.dumps(ids, indent=2))
+        if ids:  # the carried file's other settings (temperature, top_p) stay as they were
+            (tmp / "generation_config.json").write_text(json.dumps(carried | ids, indent=2))
         old = out.parent / f".{out.name}.export.old"
         if out.exists():  # --overwrite: the old output goes only once the new one is complete
             os.replace(out, old)
@@ -98,29 +101,102 @@ def export_hf(
     return ExportResult(out, cfg, n, written, mapping.architecture(cfg), files, zeros)
 
 
-def _special_ids(spec: str | None, cfg: ModelConfig) -> dict:
-    """bos_token_id and eos_token_id for config.json: those of the generation_config.json
-    carried beside the tokenizer (an import's), else the tokenizer's end-of-document token as
-    both (GPT-2's habit); refuse a tokenizer with more tokens than the model has."""
-    if spec is None:
-        return {}
+def check_out_apart(out: Path, ckpt_path: Path, tokenizer: str | None = None) -> None:
+    """Refuse, before any work, an --out that is, lies inside or holds what the export reads:
+    the run (or the checkpoint) --ckpt names, the models it came from (its --init-from source
+    and the folder `import hf` read, through every fine-tune between) and the tokenizer files it
+    copies (`tokenizer`, else the checkpoint's). Writing there would put the export among them,
+    and --overwrite would delete them: the run's checkpoints and metrics, or the user's own
+    model folder."""
+    from fitgpt.paths import check_apart
+
+    ckpt = ckpt_io.resolve(ckpt_path)
+    meta = ckpt_io.load_meta(ckpt)
+    kept: list[tuple[str, str | Path]] = [("the run --ckpt reads", ckpt_path)]
+    if ckpt in ckpt_io.step_dirs(ckpt.parent):  # a checkpoint of a run: the whole run
+        kept.append(("the run --ckpt reads", ckpt.parent))
+    kept.append(("the checkpoint --ckpt reads", ckpt))
+    kept += [(f"a model {ckpt} came from", p) for p in ckpt_io.sources(meta)]
+    spec = tokenizer or meta.get("tokenizer")
+    if spec is not None and spec not in ("gpt2", "bytes"):
+        kept += [("the tokenizer the export copies", p) for p in spec.split(",")]
+    why = "the export would write there, and --overwrite replace it whole"
+    check_apart("--out", out, kept, why)
+
+
+def _special_ids(spec: str | None, cfg: ModelConfig, meta: dict) -> tuple[dict, dict]:
+    """(bos_token_id and eos_token_id for config.json and generation_config.json, the
+    generation_config.json carried beside the tokenizer or {}); a tokenizer with more tokens
+    than the model has is refused.
+
+    The export stops generating where transformers' own files for the model say, and where a
+    chat fine-tune learnt to end its turn. eos_token_id: the carried generation_config.json's
+    (an import's: the model authors' list), else the source's (the Hugging Face folder the run
+    came from: its generation_config.json, else its config.json), then the tokenizer's declared
+    eos_token (AutoTokenizer's eos_token_id), its chat template's end of turn, and where fitgpt's
+    generate stops (the end of document): one id as an int, several as a list, as Llama 3.1
+    writes them. bos_token_id: the carried's, the source's, the tokenizer's bos_token, else the
+    end of document (GPT-2's habit). Without this, a folder that tokenizer.save_pretrained wrote
+    (no generation_config.json) exported its end of document as the only eos, and generate ran
+    past the template's <|im_end|>."""
+    if spec is None:  # no tokenizer to write: the source's ids, where it names them
+        return {k: v for k, v in _source_ids(meta).items() if k in SPECIAL_IDS}, {}
     tok = load_tokenizer(spec)
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(
             f"tokenizer {spec} has {tok.vocab_size} tokens, the model's vocabulary "
             f"{cfg.vocab_size}; pass --tokenizer with the one the model was trained with"
         )
+    carried = {}
     gen = Path(spec) / "generation_config.json"
     if gen.is_file():
         try:
             carried = json.loads(gen.read_text())
         except (OSError, ValueError) as e:
             raise UserError(f"{gen} is not valid JSON ({e}); fix or remove it") from None
-        if isinstance(carried, dict):
-            return {k: carried[k] for k in ("bos_token_id", "eos_token_id") if k in carried}
-    if tok.eod_id is None:
-        return {}
-    return {"bos_token_id": tok.eod_id, "eos_token_id": tok.eod_id}
+        carried = carried if isinstance(carried, dict) else {}
+    known = carried if "eos_token_id" in carried else _source_ids(meta)
+    eos = _ids(known.get("eos_token_id"))
+    eos += [getattr(tok, "eos_id", None), end_of_turn_id(tok), *tok.stop_ids]
+    eos = [i for i in dict.fromkeys(eos) if i is not None]
+    bos = [carried.get("bos_token_id"), known.get("bos_token_id"), getattr(tok, "bos_id", None)]
+    bos = next((i for i in [*bos, tok.eod_id] if isinstance(i, int)), None)
+    ids = {"bos_token_id": bos, "eos_token_id": eos[0] if len(eos) == 1 else eos or None}
+    return {k: v for k, v in ids.items() if v is not None}, carried
+
+
+def _ids(value) -> list[int]:
+    """A config's token id or list of ids, as a list (anything else: none)."""
+    value = value if isinstance(value, list) else [value]
+    return [i for i in value if isinstance(i, int) and not isinstance(i, bool)]
+
+
+def _source_ids(meta: dict) -> dict:
+    """bos_token_id and eos_token_id of the nearest Hugging Face model the checkpoint came from
+    (train/checkpoint.py lineage): its folder's generation_config.json over its config.json,
+    else, where the folder is gone, what `import hf` recorded of its config.json; {} when none
+    names an eos."""
+    folders, recorded = [], []
+    for path, source_meta in ckpt_io.lineage(meta):
+        if source_meta is None:
+            folders.append(_folder_ids(path if path.is_dir() else path.parent))
+        else:
+            imported = (source_meta.get("imported_from") or {}).get("config") or {}
+            recorded.append({k: imported[k] for k in SPECIAL_IDS if k in imported})
+    return next((ids for ids in [*folders, *recorded] if _ids(ids.get("eos_token_id"))), {})
+
+
+def _folder_ids(folder: Path) -> dict:
+    """The special ids of an HF model folder: generation_config.json's over config.json's."""
+    found = {}
+    for name in ("config.json", "generation_config.json"):
+        try:
+            cfg = json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(cfg, dict):
+            found |= {k: cfg[k] for k in SPECIAL_IDS if k in cfg}
+    return found
 
 
 def _hf_shapes(

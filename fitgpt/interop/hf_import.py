@@ -33,7 +33,7 @@ from fitgpt.engine.layout import ChunkSpec
 from fitgpt.engine.state_io import Piece, write_pieces
 from fitgpt.errors import UserError
 from fitgpt.interop.hf_read import HFCheckpoint, HFReader, open_hf
-from fitgpt.interop.hf_tokenizer import copy_hf_tokenizer
+from fitgpt.interop.hf_tokenizer import copy_hf_tokenizer, holds_vocabulary
 from fitgpt.model import ModelConfig
 from fitgpt.model.config import GPT2_VOCAB
 from fitgpt.train.checkpoint import write_meta
@@ -73,6 +73,8 @@ class ImportResult:
     tokenizer: str | None
     seconds: float
     peak_rss_bytes: int
+    # where the model read differs from what config.json says, in words (transformers warns)
+    note: str | None = None
 
 
 def import_hf(
@@ -85,6 +87,11 @@ def import_hf(
     t0 = time.perf_counter()
     ckpt = open_hf(src)  # headers only: cheap, and refuses a damaged source before any work
     cfg, hf_cfg, config_path = ckpt.cfg, ckpt.hf_cfg, ckpt.config_path
+    from fitgpt.paths import check_apart  # --overwrite would replace the model it reads
+
+    check_apart(
+        "--out", out, [("the model it imports", config_path.parent)], "the run would replace it"
+    )
     check_output(out, overwrite, 4 * cfg.num_params() + 2**20)
     layout = ckpt.layout
 
@@ -102,13 +109,29 @@ def import_hf(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    return ImportResult(out / CHECKPOINT_DIR, cfg, spec, time.perf_counter() - t0, peak)
+    note = None
+    if cfg.tie_embeddings != ckpt.mapping.config_from_hf(hf_cfg, str(config_path)).tie_embeddings:
+        note = (
+            f"{config_path} says tie_word_embeddings=true, but the weights hold an lm_head.weight "
+            "other than the embedding: kept untied, as transformers keeps it"
+        )
+    return ImportResult(out / CHECKPOINT_DIR, cfg, spec, time.perf_counter() - t0, peak, note)
+
+
+def hf_tokenizer_spec(folder: Path, cfg: ModelConfig) -> str | None:
+    """The tokenizer an HF checkpoint folder carries, as a spec: the folder when it holds a
+    vocabulary (hf_tokenizer.py holds_vocabulary), else GPT-2's for a GPT-2 of 50257 tokens
+    (openai-community/gpt2's weights), else None (unknown). What `fitgpt import hf` records,
+    and what `--init-from FOLDER` checks the data's tokenizer against."""
+    if holds_vocabulary(folder):
+        return str(folder.resolve())
+    return "gpt2" if cfg.family == "gpt2" and cfg.vocab_size == GPT2_VOCAB else None
 
 
 def _import_tokenizer(
     src: Path, dest: Path, out: Path, cfg: ModelConfig, hf_cfg: dict
 ) -> str | None:
-    """The run's tokenizer spec: its copied files, else GPT-2's for a GPT-2 of 50257 tokens.
+    """The run's tokenizer spec: its copied files, else hf_tokenizer_spec's.
 
     generation_config.json travels with the tokenizer files (export writes it back); where the
     checkpoint has none, one is written from config.json's bos/eos ids, so they are not lost."""
@@ -118,8 +141,7 @@ def _import_tokenizer(
         if not gen.is_file() and ids:
             gen.write_text(json.dumps(ids, indent=2))
         return str((out / TOKENIZER_DIR).resolve())
-    gpt2 = cfg.family == "gpt2" and cfg.vocab_size == GPT2_VOCAB
-    return "gpt2" if gpt2 else None
+    return hf_tokenizer_spec(src, cfg)
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:

@@ -7,7 +7,7 @@ The way in, for any range [lo, hi) of a chunk's flat buffer in the loading rank'
 
   chunk range ─> the parameters (slots) it crosses ─> each one's rows (and, under tensor
   parallelism, the rank's rows or columns of the full parameter: its Split) ─> the HF tensors
-  those rows come from (hf.py TensorMap: fused parts, vocabulary rows, Conv1D transposes)
+  those rows come from (model/hf_map.py TensorMap: fused parts, vocabulary rows, Conv1D transposes)
 
 A run of rows of an HF tensor (row-major) is one contiguous byte range of its safetensors file,
 read with plain file reads into a buffer of its own (safetensors_stream.py rows): a ZeRO-3 or
@@ -41,9 +41,10 @@ from torch import Tensor
 from fitgpt.engine.layout import ChunkSpec, ParamSlot, chunk_layout
 from fitgpt.engine.state_io import WeightSource
 from fitgpt.errors import UserError
-from fitgpt.interop.hf import HFMapping, TensorMap, hf_shape, mapping_for_hf
+from fitgpt.interop.hf import mapping_for_hf
 from fitgpt.interop.safetensors_stream import SafetensorsError, SafetensorsReader
 from fitgpt.model import ModelConfig, Split, build_model
+from fitgpt.model.hf_map import HFMapping, TensorMap, hf_shape
 
 # In the order they are looked for: one file, or an index over shards, safetensors first.
 WEIGHT_FILES = (
@@ -59,17 +60,20 @@ SLICE = 1 << 22  # elements per read: 8 MiB of bf16 read, 16 MiB of fp32 made fr
 
 class HFWeights:
     """The tensors of an HF checkpoint by canonical name (the mapping's spelling), each read
-    only when asked for, whole or by rows."""
+    only when asked for, whole or by rows, and refused (file and tensor named) if what is read
+    holds NaN or inf: at import, or while `--init-from` loads, before the first step."""
 
     def __init__(self, files: list[Path], mapping: HFMapping) -> None:
         self.mapping = mapping
         self._where: dict[str, tuple[SafetensorsReader | dict[str, Tensor], str]] = {}
+        self._file: dict[str, Path] = {}  # the file each tensor is in, for the errors
         for f in files:
             h = _open_weights(f)
             for k in h:
                 name = mapping.canonical(k)
                 if name is not None:
                     self._where[name] = (h, k)
+                    self._file[name] = f
 
     def names(self) -> set[str]:
         return set(self._where)
@@ -87,12 +91,46 @@ class HFWeights:
 
     def get(self, name: str) -> Tensor:
         h, k = self._where[name]
-        return h[k] if isinstance(h, dict) else h.get(k)
+        return _finite(h[k] if isinstance(h, dict) else h.get(k), self._file[name], k, 0)
 
     def rows(self, name: str, r0: int, r1: int) -> Tensor:
-        """Rows [r0, r1) along dim 0, in the file's dtype."""
+        """Rows [r0, r1) along dim 0, in the file's dtype; refused in one line naming the file
+        and the tensor if any value is NaN or infinite."""
+        return _finite(self._rows(name, r0, r1), self._file[name], self._where[name][1], r0)
+
+    def _rows(self, name: str, r0: int, r1: int) -> Tensor:
         h, k = self._where[name]
         return h[k][r0:r1] if isinstance(h, dict) else h.rows(k, r0, r1)
+
+    def equal(self, a: str, b: str) -> bool:
+        """Whether tensors `a` and `b` hold the same values (torch.equal, as transformers
+        compares two tied weights it finds both stored; here on fp32 copies), read SLICE
+        elements at a time and stopped at the first rows that differ: distinct tensors differ
+        in their first slice, equal ones cost one read of both. For matrices (an embedding and
+        a head)."""
+        shape = self.shape(a)
+        if shape != self.shape(b):
+            return False
+        step = max(1, SLICE // max(1, math.prod(shape[1:])))
+        for r0 in range(0, shape[0], step):
+            r1 = min(r0 + step, shape[0])
+            if not torch.equal(self._rows(a, r0, r1).float(), self._rows(b, r0, r1).float()):
+                return False
+        return True
+
+
+def _finite(t: Tensor, file: Path, key: str, r0: int) -> Tensor:
+    """`t` (rows r0.. of tensor `key` of `file`), or one UserError line if a value is NaN or
+    infinite: such weights would make every training step's loss NaN, and every step be
+    skipped. One pass over what was just read (a bool per element, ~4 MiB per slice)."""
+    bad = ~torch.isfinite(t)
+    if bad.any():
+        row = r0 + int(bad.reshape(t.shape[0], -1).any(1).nonzero()[0]) if t.dim() else 0
+        raise UserError(
+            f"{file}: tensor {key} holds NaN or infinite values (first in row {row}); the "
+            "weights are damaged: download or convert the checkpoint again"
+        )
+    return t
 
 
 def _open_weights(f: Path) -> SafetensorsReader | dict[str, Tensor]:
@@ -204,7 +242,7 @@ def check_tensors(
             raise UserError(
                 f"{source}: tensor {m.hf} has shape {list(got)}, config.json implies {list(want)}"
             )
-    # a tied model's stored lm_head is ignored, as transformers ignores it (the embedding wins)
+    # a tied model's stored lm_head equals its embedding (stored_head): nothing is lost
     extra = sorted(weights.names() - {m.hf for m in maps} - {"lm_head.weight"})
     if extra:
         raise UserError(
@@ -212,6 +250,21 @@ def check_tensors(
             f" has no place in a {arch} as config.json describes it; is config.json this "
             "checkpoint's own?"
         )
+
+
+def stored_head(cfg: ModelConfig, weights: HFWeights) -> ModelConfig:
+    """`cfg`, untied where config.json says tie_word_embeddings=true but the weights hold an
+    lm_head.weight other than the embedding: transformers 5 then keeps both and does not tie
+    them (modeling_utils tie_weights: "both are present in the checkpoints with different
+    values"), so the model computes with the stored head, and so must fitgpt's. A stored head
+    equal to the embedding (a .bin saves both) stays tied. Costs reading the first slice of
+    each, or both whole when they are equal."""
+    if not cfg.tie_embeddings or "lm_head.weight" not in weights.names():
+        return cfg
+    embed = next(m.hf for m in weights.mapping.tensor_maps(cfg) if m.fitgpt == "wte.weight")
+    if embed not in weights.names() or weights.equal(embed, "lm_head.weight"):
+        return cfg  # a missing embedding is named by check_tensors
+    return cfg.replace(tie_embeddings=False)
 
 
 @dataclass
@@ -233,18 +286,22 @@ def open_hf(src: Path, cfg: ModelConfig | None = None) -> HFCheckpoint:
     """The checkpoint at `src`, refused in one line before any weight is read when a shard is
     missing, a file is damaged or of a dtype other than float, the layer count or any tensor's
     shape disagrees with config.json, or a tensor has no place. Headers only: a few hundred
-    bytes per tensor. `cfg`: the model to read it as (a fine-tune's; by default config.json's);
-    it must differ from config.json's in fields no weight depends on only."""
+    bytes per tensor (and the embedding's and a stored head's first rows where config.json
+    ties them: stored_head). `cfg`: the model to read it as (a fine-tune's; by default
+    config.json's, as transformers reads it); it must differ from that in fields no weight
+    depends on only."""
     config_path, files = locate(src)
     hf_cfg = read_config(config_path)
     mapping = mapping_for_hf(hf_cfg, str(config_path))
-    cfg = cfg or mapping.config_from_hf(hf_cfg, str(config_path))
     weights = HFWeights(files, mapping)  # every header checked whole
+    given, cfg = cfg, cfg or mapping.config_from_hf(hf_cfg, str(config_path))
     if weights.blocks() != cfg.n_layer:  # before the model is built: n_layer may be absurd
         raise UserError(
             f"{config_path}: {mapping.layers_key}={cfg.n_layer}, but the weights hold "
             f"{weights.blocks()} blocks; the config and the weights are of different models"
         )
+    if given is None:  # a given config (HFSource's) was read from this folder already
+        cfg = stored_head(cfg, weights)
     with torch.device("meta"):
         model = build_model(cfg)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}

@@ -37,6 +37,13 @@ CARRIED_FILES = ("generation_config.json", "chat_template.jinja", "chat_template
 
 
 # ---- import ------------------------------------------------------------------------------------
+def holds_vocabulary(src: Path) -> bool:
+    """Whether folder `src` holds a tokenizer's vocabulary: tokenizer.json, or vocab.json with
+    merges.txt (a lone tokenizer_config.json is none)."""
+    pair = (src / "vocab.json").is_file() and (src / "merges.txt").is_file()
+    return (src / "tokenizer.json").is_file() or pair
+
+
 def copy_hf_tokenizer(src: Path, dest: Path) -> bool:
     """Copy the tokenizer files in `src` into `dest` (created); True when they hold a vocabulary
     (vocab.json + merges.txt, or a tokenizer.json that a tokenizer.json loader reads).
@@ -45,7 +52,7 @@ def copy_hf_tokenizer(src: Path, dest: Path) -> bool:
     naming `src`, instead of when the imported run is first trained or sampled."""
     present = [n for n in HF_TOKENIZER_FILES if (src / n).is_file()]
     has_json = "tokenizer.json" in present
-    if not has_json and not {"vocab.json", "merges.txt"} <= set(present):
+    if not holds_vocabulary(src):
         return False  # no vocabulary (a lone tokenizer_config.json, say): nothing to copy
     from fitgpt.data.tokenizer import load_tokenizer
 
@@ -85,6 +92,30 @@ def _vocab_merges_from_tokenizer_json(path: Path, dest: Path) -> None:
 
 
 # ---- export ------------------------------------------------------------------------------------
+def end_of_turn_id(tok) -> int | None:
+    """The token `tok`'s chat template ends an assistant turn with (<|im_end|>, <|eot_id|>,
+    </s>, <end_of_turn>): what the template writes after a reply's text, where data/chat.py
+    finds the reply's end, when that is one token. None without a template, or where a turn
+    ends in plain text or in nothing. A chat fine-tune learnt to stop there (its loss covers
+    that token), so its export must stop there too, whatever eos_token the folder declares."""
+    from fitgpt.data.chat import ChatEncoder, ChatLineError
+
+    reply = "Yes"
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}]
+    try:
+        text, spans = ChatEncoder(tok).assistant_spans(messages)
+    except (UserError, ChatLineError):  # no template, or one that refuses this conversation
+        return None
+    if not spans:
+        return None
+    start, end = spans[-1]
+    cut = text.rfind(reply, start, end)
+    if cut < 0:  # a template that rewrites the reply's text: its end cannot be told apart
+        return None
+    ids = tok.encode_plain(text[cut + len(reply) : end].strip())
+    return ids[0] if len(ids) == 1 else None
+
+
 def write_hf_tokenizer(spec: str | None, dest: Path, seq_len: int) -> str | None:
     """Write the HF files of fitgpt tokenizer `spec` into `dest`; what was written, in words."""
     if spec is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fitgpt.errors import UserError
+from fitgpt.interop.hf_import import hf_tokenizer_spec
 from fitgpt.interop.hf_read import HFSource, open_hf
 from fitgpt.train.init_from import InitSource, fitgpt_source
 
@@ -29,5 +30,6 @@ def find_source(src: str) -> InitSource:
     source = fitgpt_source(path)
     if source is not None:
         return source
-    model = open_hf(path).cfg  # the preflight: headers only, refused in one line
-    return InitSource(path, model, HFSource(path, model))
+    ckpt = open_hf(path)  # the preflight: headers only, refused in one line
+    tokenizer = hf_tokenizer_spec(ckpt.config_path.parent, ckpt.cfg)
+    return InitSource(path, ckpt.cfg, HFSource(path, ckpt.cfg), tokenizer)

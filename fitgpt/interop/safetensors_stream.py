@@ -43,8 +43,9 @@ class SafetensorsReader:
     """The tensors of one safetensors file, each read from disk only when asked for.
 
     The header is checked whole on opening (every entry's dtype, shape and byte range against
-    the file's size), so a truncated or damaged file is refused before any tensor is read or
-    anything is written; a few hundred bytes per tensor, no data read."""
+    the file's size, and the ranges tiling the data as safetensors requires), so a truncated or
+    damaged file is refused before any tensor is read or anything is written; a few hundred
+    bytes per tensor, no data read."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -73,6 +74,7 @@ class SafetensorsReader:
         self.base, self.entries = 8 + n, header
         for name, e in header.items():
             _check_entry(name, e, size - self.base)
+        _check_coverage(header, size - self.base)
 
     def __iter__(self):
         return iter(self.entries)  # the tensor names, as for a dict of tensors
@@ -132,6 +134,31 @@ def _check_entry(name: str, e: object, data_bytes: int) -> None:
         raise SafetensorsError(
             f"tensor {name} ends at data byte {offsets[1]:,} but the file holds {data_bytes:,} "
             "bytes of data: truncated (copy or download it again)"
+        )
+
+
+def _check_coverage(header: dict, data_bytes: int) -> None:
+    """The byte ranges, in order, tile the data section exactly, as safetensors' own reader
+    requires (its Metadata::validate, then "file not fully covered"): two tensors over the same
+    bytes would read one's values as the other's (v_proj as k_proj), and a gap or bytes after
+    the last tensor mean a header that is not this file's. Each entry is checked already."""
+    end, prev = 0, None
+    for name, e in sorted(header.items(), key=lambda kv: tuple(kv[1]["data_offsets"])):
+        begin, stop = e["data_offsets"]
+        if begin != end:
+            what = (
+                f"overlaps tensor {prev}'s bytes" if begin < end
+                else f"leaves {begin - end:,} bytes unclaimed before it"
+            )  # fmt: skip
+            raise SafetensorsError(
+                f"tensor {name} starts at data byte {begin:,} and {what} (data_offsets "
+                f"{e['data_offsets']}): damaged header; copy or download the file again"
+            )
+        end, prev = stop, name
+    if end != data_bytes:
+        raise SafetensorsError(
+            f"its tensors end at data byte {end:,} but the file holds {data_bytes:,} bytes of "
+            "data: not the header of this file; copy or download it again"
         )
 
 

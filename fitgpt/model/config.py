@@ -1,9 +1,11 @@
-"""Model configuration and the named presets.
+"""Model configuration.
 
 One ModelConfig describes a model of any family (model/family.py): the fields every decoder has
 (layers, width, heads, context, vocabulary), and those only some families honour (key/value
 heads, rotary positions, q/k norms, biases on q/k/v, a sliding window). Each family refuses the
-fields it cannot honour, in one line, when the config is made (Family.check).
+fields it cannot honour, in one line, when the config is made (Family.check), found through
+the registry (model/families/__init__.py), which loads the family by name. The named presets
+live in each family's folder (model/presets.py gathers them).
 
 Vocabulary padding lives here and only here: `padded_vocab(v)` is what training, generation and
 export all call, so a checkpoint's embedding shape never disagrees with the model that loads it.
@@ -16,6 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 from fitgpt.errors import UserError
+from fitgpt.model.families import family_of
 
 VOCAB_MULTIPLE = 128  # tensor-core friendly; GPT-2's 50257 becomes 50304
 GPT2_VOCAB = 50257
@@ -46,14 +49,17 @@ def small_init_std(n_embd: int) -> float:
     return min(INIT_STD_MAX, math.sqrt(2 / (5 * n_embd)))
 
 
-ROPE_KINDS = ("llama3", "yarn")  # the rotary scalings model/llama.py computes
+ROPE_KINDS = ("linear", "llama3", "yarn")  # the rotary scalings families/llama/model.py computes
 
 
 @dataclass(frozen=True)
 class RopeScaling:
     """Rotary frequencies stretched for contexts past the length a model was trained at
-    (Hugging Face's rope_scaling / rope_parameters), as model/llama.py rope_inv_freq computes:
+    (Hugging Face's rope_scaling / rope_parameters), as families/llama/model.py rope_inv_freq
+    computes:
 
+    linear  every frequency divided by `factor` (position interpolation; transformers'
+            "linear"): positions read as if `factor` times closer.
     llama3  Llama 3's: wavelengths longer than original_max_positions / low_freq_factor are
             divided by `factor`, shorter than original_max_positions / high_freq_factor kept,
             those between interpolated.
@@ -63,9 +69,10 @@ class RopeScaling:
             multiplied by attention_factor (0.1·ln(factor) + 1 when not given).
     The yarn fields left None were absent from the config it came from: transformers'
     defaults apply (beta_fast 32, beta_slow 1, truncate true) and export leaves them out, so
-    a config goes out as it came in. The llama3 fields mean nothing to yarn."""
+    a config goes out as it came in. The llama3 fields mean nothing to yarn, and none but
+    `factor` to linear."""
 
-    kind: Literal["llama3", "yarn"] = "llama3"
+    kind: Literal["linear", "llama3", "yarn"] = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -84,6 +91,10 @@ class RopeScaling:
             raise UserError(
                 f"rope scaling original_max_positions={self.original_max_positions} must be >= 1"
             )
+        if self.kind == "linear":
+            if not self.factor > 0:
+                raise UserError(f"linear rope scaling factor={self.factor} must be positive")
+            return
         if self.kind == "yarn":
             for name in ("beta_fast", "beta_slow", "attention_factor"):
                 v = getattr(self, name)
@@ -133,7 +144,7 @@ class ModelConfig:
     tie_embeddings: bool = field(
         default=True, metadata={"help": "share the input embedding with the output head"}
     )
-    # the network this config builds (model/family.py): set by presets and Hugging Face import
+    # the network this config builds (model/families/): set by presets and Hugging Face import
     family: str = field(default="gpt2", metadata={"help": "model family", "cli": False})
     init_std: float | None = field(
         default=None,
@@ -217,8 +228,6 @@ class ModelConfig:
             raise UserError(
                 f"norm_eps={self.norm_eps} and rope_theta={self.rope_theta} must be positive"
             )
-        from fitgpt.model.family import family_of  # the families import this module
-
         family_of(self).check(self)
 
     def weight_std(self) -> float:
@@ -244,8 +253,6 @@ class ModelConfig:
     @property
     def ffn_width(self) -> int:
         """F: the MLP width, ffn_hidden or the family's default."""
-        from fitgpt.model.family import family_of
-
         return self.ffn_hidden if self.ffn_hidden is not None else family_of(self).ffn_default(self)
 
     @property
@@ -254,16 +261,12 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Exact parameter count, equal to the built model's (the family's closed form)."""
-        from fitgpt.model.family import family_of
-
         return family_of(self).num_params(self)
 
     def flops_per_token(self) -> float:
         """Model FLOPs per trained token (model/family.py Family.flops_per_token): for GPT-2
         6·N + 12·L·h·S, recompute not counted. The attention term counts QK^T and AV for the
         full S×S square, as the ANCHORS protocol does, so figures compare with the peers'."""
-        from fitgpt.model.family import family_of
-
         return family_of(self).flops_per_token(self)
 
     def to_dict(self) -> dict:
@@ -283,90 +286,3 @@ class ModelConfig:
 
     def replace(self, **changes) -> ModelConfig:
         return replace(self, **changes)
-
-
-def _p(n_layer: int, n_embd: int, n_head: int, seq_len: int = 1024, **kw) -> ModelConfig:
-    return ModelConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, seq_len=seq_len, **kw)
-
-
-LLAMA3_ROPE = 500000.0  # Llama 3's rope_theta; Qwen2.5, Qwen3 and Mistral v0.3 use 1e6
-
-
-def _hf(family: str, n_layer: int, n_embd: int, n_head: int, kv: int, ffn: int, vocab: int,
-        max_positions: int, tied: bool = False, **kw) -> ModelConfig:  # fmt: skip
-    """A Hugging Face model's shape (its config.json's values), trained at 4096 tokens: rotary
-    positions, no biases but the family's, RMSNorm."""
-    return ModelConfig(
-        family=family, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_kv_head=kv,
-        ffn_hidden=ffn, vocab_size=vocab, max_positions=max_positions, tie_embeddings=tied,
-        seq_len=4096, position="rope", bias=False, qkv_bias=family == "qwen2",
-        qk_norm=family == "qwen3", **kw,
-    )  # fmt: skip
-
-
-def _llama3(n_layer: int, n_embd: int, n_head: int, ffn: int, factor: float, **kw):
-    scaling = RopeScaling(factor=factor)
-    return _hf("llama", n_layer, n_embd, n_head, 8, ffn, 128256, 131072,
-               rope_theta=LLAMA3_ROPE, rope_scaling=scaling, **kw)  # fmt: skip
-
-
-def _qwen2(n_layer: int, n_embd: int, n_head: int, kv: int, ffn: int, eps: float, **kw):
-    vocab = 151936 if kw.get("tied") else 152064
-    return _hf("qwen2", n_layer, n_embd, n_head, kv, ffn, vocab, 32768, rope_theta=1e6,
-               norm_eps=eps, **kw)  # fmt: skip
-
-
-def _qwen3(n_layer: int, n_embd: int, n_head: int, ffn: int) -> ModelConfig:
-    return _hf("qwen3", n_layer, n_embd, n_head, 8, ffn, 151936, 40960, head_size=128,
-               rope_theta=1e6, norm_eps=1e-6)  # fmt: skip
-
-
-# Named presets. `tiny` is the CPU demo (byte vocabulary set by the data at train time), and
-# `tiny-llama` the same demo in the Llama family. The Llama, Qwen and Mistral presets are the
-# Hugging Face models' shapes, parameter counts equal to theirs (tests/test_llama.py builds each
-# in transformers on the meta device); they train at 4096 tokens, max_positions keeps the
-# model's own context for export.
-PRESETS: dict[str, ModelConfig] = {
-    "tiny": _p(4, 128, 4, seq_len=128, vocab_size=256),
-    "gpt2-125m": _p(12, 768, 12),
-    "gpt2-350m": _p(24, 1024, 16),
-    "gpt2-760m": _p(36, 1280, 20),
-    "gpt2-1.5b": _p(48, 1600, 25),
-    "2.7b": _p(32, 2560, 32),
-    "6.7b": _p(32, 4096, 32),
-    "13b": _p(40, 5120, 40),
-    "20b": _p(44, 6144, 48),
-    "40b": _p(48, 8192, 64),
-    "tiny-llama": _p(
-        4,
-        128,
-        4,
-        seq_len=128,
-        vocab_size=256,
-        n_kv_head=2,
-        family="llama",
-        position="rope",
-        bias=False,
-        tie_embeddings=False,
-    ),
-    "llama3.2-1b": _llama3(16, 2048, 32, 8192, 32.0, tied=True),
-    "llama3.2-3b": _llama3(28, 3072, 24, 8192, 32.0, tied=True),
-    "llama3.1-8b": _llama3(32, 4096, 32, 14336, 8.0),
-    "llama3.1-70b": _llama3(80, 8192, 64, 28672, 8.0),
-    "qwen2.5-0.5b": _qwen2(24, 896, 14, 2, 4864, 1e-6, tied=True),
-    "qwen2.5-1.5b": _qwen2(28, 1536, 12, 2, 8960, 1e-6, tied=True),
-    "qwen2.5-3b": _qwen2(36, 2048, 16, 2, 11008, 1e-6, tied=True),
-    "qwen2.5-7b": _qwen2(28, 3584, 28, 4, 18944, 1e-6),
-    "qwen2.5-14b": _qwen2(48, 5120, 40, 8, 13824, 1e-5),
-    "qwen2.5-32b": _qwen2(64, 5120, 40, 8, 27648, 1e-5),
-    "qwen2.5-72b": _qwen2(80, 8192, 64, 8, 29568, 1e-5),
-    "qwen3-8b": _qwen3(36, 4096, 32, 12288),
-    "qwen3-32b": _qwen3(64, 5120, 64, 25600),
-    "mistral-7b": _hf("mistral", 32, 4096, 32, 8, 14336, 32768, 32768, rope_theta=1e6),
-}
-
-
-def get_preset(name: str) -> ModelConfig:
-    if name not in PRESETS:
-        raise UserError(f"preset {name!r} does not exist; choose one of {', '.join(PRESETS)}")
-    return PRESETS[name]

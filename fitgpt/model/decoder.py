@@ -33,15 +33,17 @@ from __future__ import annotations
 
 import zlib
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fitgpt.model.config import ModelConfig
 from fitgpt.model.loss import loss_pieces, pieces_cross_entropy
 from fitgpt.model.packing import Packing
+
+if TYPE_CHECKING:
+    from fitgpt.model.config import ModelConfig
 
 
 class KVCache:
@@ -65,8 +67,9 @@ class KVCache:
 class DecoderLM(nn.Module, ABC):
     """Base of every family's network: `wte` (the token embedding), `blocks`, the head."""
 
-    # the family's Family (model/family.py), set where it is registered; a network serving
-    # several families (model/llama.py) sets its config's on the instance
+    # the family's Family (model/family.py): set on the class by its folder's family.py, and on
+    # each network build_model makes (model/families/__init__.py), since one network may serve
+    # several families (families/llama/model.py serves four)
     family: ClassVar
     wte: nn.Embedding
     blocks: nn.ModuleList

@@ -1,4 +1,4 @@
-"""A model family as the rest of fitgpt sees it: one interface, one registry.
+"""A model family as the rest of fitgpt sees it: one interface.
 
 Every family is a decoder laid out as embedding → N identical blocks → head (model/decoder.py,
 the base class of its network). What differs between families, and what the engine, the
@@ -23,9 +23,10 @@ else:
   check, ffn_default
                     the one-line refusal of config fields the family cannot honour (called when
                     a ModelConfig is made), and its MLP width when the config sets none
-The Hugging Face name mapping of a family lives with the other interop code (interop/hf.py).
-Adding a family touches model/ and interop/ only: a new module defines its network and its
-Family and calls register_family; nothing in engine/, plan/ or parallel/ names a family.
+Each family fitgpt ships is a folder, model/families/<name>/: its network (model.py), this
+class filled in (family.py, as FAMILY), its presets and its Hugging Face name map
+(model/hf_map.py's HFMapping). The registry (model/families/__init__.py) names the folders and
+loads them by name; nothing in engine/, plan/ or parallel/ names a family.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from fitgpt.errors import UserError
 from fitgpt.model.pieces import mlp_piece_tokens
 
 if TYPE_CHECKING:
@@ -53,7 +53,8 @@ class Split:
 
 
 class Family(ABC):
-    """One model family (subclass it; register one instance with register_family)."""
+    """One model family (subclass it in the family's folder as family.py's FAMILY, or register
+    an instance made elsewhere with model/families' register_family)."""
 
     name: ClassVar[str] = ""
     model: ClassVar[type]  # the network: a DecoderLM subclass taking a ModelConfig
@@ -139,32 +140,3 @@ class Family(ABC):
         if not t:
             return 0
         return peak * batch * t if sp else peak * batch * t // tp
-
-
-FAMILIES: dict[str, Family] = {}
-
-
-def register_family(family: Family) -> Family:
-    """Make `family` buildable by name (ModelConfig.family); returns it."""
-    FAMILIES[family.name] = family
-    return family
-
-
-def family_of(cfg: ModelConfig) -> Family:
-    """The family of the model `cfg` describes (a one-line refusal for an unknown one)."""
-    # registers GPT-2 (the default family), and llama, qwen2, qwen3, mistral
-    import fitgpt.model.gpt
-    import fitgpt.model.llama  # noqa: F401
-
-    try:
-        return FAMILIES[cfg.family]
-    except KeyError:
-        raise UserError(
-            f"model family {cfg.family!r} is unknown: use one of {', '.join(sorted(FAMILIES))}"
-        ) from None
-
-
-def build_model(cfg: ModelConfig):
-    """The family's network for `cfg` (on the current default device: the engines build it on
-    the meta device and place every parameter themselves)."""
-    return family_of(cfg).model(cfg)

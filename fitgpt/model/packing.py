@@ -43,13 +43,14 @@ Shape legend: B batch, T tokens, N query heads, K key/value heads, D head dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fitgpt.model.config import ModelConfig
+if TYPE_CHECKING:
+    from fitgpt.model.config import ModelConfig
 
 
 def segment_positions(segments_BT: Tensor) -> Tensor:
@@ -145,8 +146,9 @@ class Packing:
         CUDA (no dropout) the rule of one segment by FlexAttention, a [1, T] segment row
         broadcast over the batch (no T×T tensor; the kernel skips the blocks outside the
         window, so attention costs T·window, not T²/2). None elsewhere: the attention's own
-        boolean [T, T] mask (model/llama.py GroupedQueryAttention.mask), the CPU reference,
-        T² bytes (16 GiB at 128 k tokens) and a masked kernel over the whole square."""
+        boolean [T, T] mask (families/llama/model.py GroupedQueryAttention.mask), the CPU
+        reference, T² bytes (16 GiB at 128 k tokens) and a masked kernel over the whole
+        square."""
         w = cfg.sliding_window
         if w is None or w >= T or not _flex_serves(torch.device(device), cfg, dropout):
             return None

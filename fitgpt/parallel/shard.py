@@ -2,7 +2,7 @@
 initialisation, checkpoint save and load), and what T must divide.
 
 Which parameters are cut, and how, is the model family's to say (model/family.py: Family.splits,
-a Split per parameter; for GPT-2 Megatron-LM's split, model/gpt.py GPT2Family). The chunk
+a Split per parameter; for GPT-2 Megatron-LM's split, model/families/gpt2/family.py). The chunk
 layout records each parameter's Split once (engine/layout.py ParamSlot.split); everything here
 takes it from there. A Split(dim, parts) cuts along `dim`, each of `parts` stacked pieces on its
 own: a fused q/k/v weight [3H, H] of T ranks keeps [q_r; k_r; v_r] ([3H/T, H]) on rank r, so its

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from fitgpt.engine.compile import SCOPES, compile_scope
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.placement import Placement
-from fitgpt.model.family import family_of
+from fitgpt.model.families import family_of
 from fitgpt.plan import formats
 from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import Estimate, Workload, estimate, gpu_budget, layout_of, placement_of

@@ -30,7 +30,7 @@ from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.moments import bytes_per_param
 from fitgpt.engine.placement import ChunkPlan, Placement
 from fitgpt.engine.validate import CPU_FP16_SLOWDOWN
-from fitgpt.model.family import family_of
+from fitgpt.model.families import family_of
 from fitgpt.plan.memory import Workload, attention_path, layout_of, placement_of, tp_of
 from fitgpt.plan.rates import Rates
 

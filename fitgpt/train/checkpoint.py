@@ -33,6 +33,10 @@ from fitgpt.train.consensus import all_ok
 FORMAT = "fitgpt-checkpoint"
 VERSION = 2  # 2: checksums of meta.json and of every file; 1 (sizes and tensor CRCs) still reads
 FAULT_ENV = "FITGPT_SAVE_FAULT"  # RANK:STEP:enospc|eio|error|die, for the failure tests
+# What a run folder holds before its first checkpoint: the run as it was started (its config and
+# --init-from source; train/rundir.py writes it, --resume reads it). The first checkpoint takes
+# over that role, and the record goes.
+RECORD_NAME = "run.json"
 
 
 class SaveFailed(UserError):
@@ -148,6 +152,36 @@ def resolve(path: Path) -> Path:
     if not found:
         raise UserError(f"{path} holds no checkpoint (no step_*/meta.json); check the path")
     return found[-1]
+
+
+def lineage(meta: dict, hops: int = 8) -> list[tuple[Path, dict | None]]:
+    """Where a checkpoint's weights came from, nearest first, each with its meta.json when it
+    is a fitgpt checkpoint (None for a Hugging Face folder or file): its --init-from source and
+    the folder `fitgpt import hf` read, then theirs, through every fitgpt checkpoint on the way
+    (`hops` at most: a chain of fine-tunes). A link that is gone or damaged ends the walk."""
+    found: list[tuple[Path, dict | None]] = []
+    while hops > 0:
+        hops -= 1
+        links = [meta.get("init_from"), (meta.get("imported_from") or {}).get("path")]
+        seen = {p for p, _ in found}
+        new = [Path(p) for p in links if isinstance(p, str) and p and Path(p) not in seen]
+        nxt = None
+        for p in new:
+            try:
+                source = verify(p) if (p / "meta.json").is_file() else None
+            except CorruptCheckpoint:
+                source = None
+            found.append((p, source))
+            nxt = nxt or source
+        if nxt is None:
+            break
+        meta = nxt
+    return found
+
+
+def sources(meta: dict) -> list[Path]:
+    """The paths of `lineage`: the models a checkpoint came from, nearest first."""
+    return [p for p, _ in lineage(meta)]
 
 
 def previous_good(ckpt: Path) -> Path | None:
@@ -281,6 +315,8 @@ def _publish(run_dir: Path, tmp: Path, final: Path, meta: dict, keep: int) -> No
             os.replace(old, final)
         raise
     shutil.rmtree(old, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):  # the checkpoint now says what the run is
+        (run_dir / RECORD_NAME).unlink()
     prune(run_dir, keep)
 
 

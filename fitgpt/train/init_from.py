@@ -13,6 +13,7 @@ handed.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from fitgpt.engine.state_io import WeightSource
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
 from fitgpt.train import checkpoint as ckpt_io
-from fitgpt.train.setup import model_for_data
+from fitgpt.train.setup import vocab_for
 
 FREE = ("dropout",)  # model fields a fine-tune may set differently from its source
 
@@ -38,6 +39,9 @@ class InitSource:
     # a source in another format (a Hugging Face folder), read in place by every rank; None for
     # a fitgpt checkpoint, which is loaded through its meta.json and state files
     weights: WeightSource | None = None
+    # the tokenizer the source was trained with (a spec, as meta.json records it), None when
+    # unknown: the data must be made with it
+    tokenizer: str | None = None
 
 
 def fitgpt_source(path: Path) -> InitSource | None:
@@ -46,7 +50,8 @@ def fitgpt_source(path: Path) -> InitSource | None:
     if (path / "meta.json").is_file() or ckpt_io.step_dirs(path):
         ckpt = ckpt_io.resolve(path)
         meta = ckpt_io.load_meta(ckpt)
-        return InitSource(ckpt, ModelConfig.from_dict(meta["config"]["model"]))
+        model = ModelConfig.from_dict(meta["config"]["model"])
+        return InitSource(ckpt, model, tokenizer=meta.get("tokenizer"))
     return None
 
 
@@ -69,8 +74,12 @@ def check_same_architecture(meta: dict, model_cfg: ModelConfig, ckpt: Path) -> N
 
 def model_from_source(source: InitSource, asked: dict, data) -> ModelConfig:
     """The run's model: the source's architecture, with the fields a fine-tune may change from
-    `asked` (the model flags given); any other difference, the data's vocabulary included, is
-    refused in one line."""
+    `asked` (the model flags given); any other difference is refused in one line. So is data
+    the source cannot train on: ids at or past its embedding rows (train/setup.py vocab_for:
+    the rows are the source's, more than its tokenizer's ids in released Qwen models), or made
+    with a tokenizer other than the source's (check_source_tokenizer)."""
+    from fitgpt.data.config import data_tokenizer
+
     model = source.model
     for name, value in asked.items():
         if name in free_fields(source.model):
@@ -80,13 +89,38 @@ def model_from_source(source: InitSource, asked: dict, data) -> ModelConfig:
                 f"--init-from {source.path}: its model has {name}={getattr(model, name)!r}, this "
                 f"command asks {value!r}; drop the flag (the architecture is the source's)"
             )
-    if model_for_data(model, data).vocab_size != model.vocab_size:
-        tok = model_for_data(model, data).vocab_size
-        raise UserError(
-            f"--init-from {source.path}: its vocabulary has {model.vocab_size} tokens, the data's "
-            f"tokenizer {tok}; train on data made with the source's tokenizer (--tokenizer)"
-        )
+    tok = data_tokenizer(data)
+    vocab_for(model, tok, keep_rows=True, whose=f"--init-from {source.path}")
+    check_source_tokenizer(source, tok, data)
     return model
+
+
+def check_source_tokenizer(source: InitSource, tok, data) -> None:
+    """Refuse, in one line, data made with a tokenizer other than the source's: its ids would
+    be trained as other tokens (a tokenizer of the same size passes every size check). The
+    test is `fitgpt generate`'s for --tokenizer (infer/generate.py _same_vocabulary: size, end
+    of document, every token's text), skipped where the source records no tokenizer or the
+    data has no text (`fitgpt data fake` ids), and where both name the same files."""
+    from fitgpt.data.sidecar import RecordedVocabulary
+    from fitgpt.infer.generate import _same_vocabulary
+
+    if source.tokenizer is None or tok is None or isinstance(tok, RecordedVocabulary):
+        return
+    if _same_spec(tok.name, source.tokenizer) or _same_vocabulary(tok, source.tokenizer):
+        return
+    raise UserError(
+        f"--init-from {source.path}: the data {data.data} is made with tokenizer {tok.name} "
+        f"({tok.vocab_size} tokens), another vocabulary than the model's ({source.tokenizer}); "
+        f"make the data with the model's tokenizer (fitgpt data preprocess --tokenizer "
+        f"{source.tokenizer})"
+    )
+
+
+def _same_spec(a: str, b: str) -> bool:
+    """Two tokenizer specs naming the same files (or the same built-in name)."""
+    return [os.path.realpath(p) for p in a.split(",")] == [
+        os.path.realpath(p) for p in b.split(",")
+    ]
 
 
 def load_source(source: InitSource, engine, model_cfg: ModelConfig, ctx) -> None:

@@ -47,6 +47,8 @@ class RunLock:
     def __init__(self, path: Path, fd: int) -> None:
         self.path, self.fd = path, fd
         self.created = False  # whether the run that holds it created the run folder
+        # (the run record it replaced, or None): set when this run wrote RUN/run.json
+        self.record: tuple[bytes | None] | None = None
 
     @classmethod
     def acquire(cls, out: Path, note: Callable[[str], None]) -> RunLock:

@@ -33,10 +33,17 @@ from fitgpt.train.guard import DivergenceGuard, Interrupted, StopRequest
 from fitgpt.train.init_from import InitSource, check_same_architecture, load_source
 from fitgpt.train.metrics import MetricsLog, StepMetrics, say
 from fitgpt.train.profile import StepProfiler
-from fitgpt.train.resume import changed_settings, saved_run
+from fitgpt.train.resume import changed_settings, run_record, saved_run
 from fitgpt.train.rundir import close_run_dir, open_run_dir, write_run_files
 from fitgpt.train.schedule import lr_at, resolve_schedule
-from fitgpt.train.setup import OutOfMemory, is_oom, oom_message, phase_of, resolve_run
+from fitgpt.train.setup import (
+    OutOfMemory,
+    is_oom,
+    oom_message,
+    phase_of,
+    resolve_run,
+    vocab_for,
+)
 
 
 class Trainer:
@@ -81,7 +88,9 @@ class Trainer:
                 c.eval_batches * per_batch if c.eval_every else 0,
             ),
         )
-        if self.tokenizer is not None and self.tokenizer.vocab_size != run.model.vocab_size:
+        if hasattr(train_src, "describe"):  # packed chat data: its rows, its long conversations
+            say(ctx, train_src.describe())
+        if vocab_for(run.model, self.tokenizer, run.train.finetune) != run.model:
             # the planner priced run.model: building another model would void its prediction
             raise UserError(
                 f"the model's vocabulary ({run.model.vocab_size}) is not the tokenizer's "
@@ -339,13 +348,17 @@ def train(
     the trainer has started, so a run refused at start-up still leaves no folder behind."""
     run = resolve_run(run, ctx.device.type, ctx.world)  # a no-op for a run setup_run made
     out = Path(run.train.out)
-    lock = open_run_dir(out, resume is not None, overwrite, ctx)  # run folder: locked, checked
+    # the run as started, kept in --out until its first checkpoint: what --resume restarts
+    record = run_record(run, init_from and str(init_from.path), resume or None)
+    lock = open_run_dir(out, resume is not None, overwrite, ctx, record)  # locked, checked
     trainer, failed = None, True
     try:
         trainer = Trainer(run, ctx, check_room=resume is None)
         if resume is not None:
             trainer.resume(Path(resume) if resume else out)
-        elif init_from is not None:
+        # a new run, or one --resume restarts from its record (no checkpoint in --out yet)
+        fresh = resume is None or (not resume and not ckpt_io.step_dirs(out))
+        if init_from is not None and fresh:
             trainer.init_from(init_from)
         if ctx.is_main:
             write_run_files(out, run_files or {})
@@ -361,4 +374,4 @@ def train(
     finally:
         if trainer is not None:
             trainer.engine.close()
-        close_run_dir(out, lock, failed)
+        close_run_dir(out, lock, failed, started=trainer is not None)

@@ -177,6 +177,16 @@ def saved_run(run: RunConfig, tokenizer: Tokenizer | None, source: str | None) -
     }
 
 
+def run_record(run: RunConfig, source: str | None, resume_from: str | None) -> dict:
+    """What a run folder records of its run until the first checkpoint does (train/rundir.py):
+    what that checkpoint's meta.json would (saved_run; the tokenizer is the data's spec, not yet
+    loaded), at step 0, and the checkpoint the run resumes from, if any. `--resume` on a folder
+    with no checkpoint restarts this run (cli/train.py), checking the flags given again against
+    it as against a checkpoint (resumed_config)."""
+    resumed = absolute(resume_from) if resume_from else None
+    return {**saved_run(run, None, source), "step": 0, "resume_from": resumed}
+
+
 # ---- the resumed run's config -------------------------------------------------------------------
 def _flag(cls, name: str) -> str:
     """The command-line flag of a config field (--layers for n_layer)."""

@@ -20,7 +20,7 @@ import torch
 from fitgpt.dist import DistContext
 from fitgpt.engine.compile import ASSUMED_MFU, SCOPES, compile_scope
 from fitgpt.errors import UserError
-from fitgpt.model.family import family_of
+from fitgpt.model.families import family_of
 from fitgpt.plan.memory import tokens_per_step
 
 
@@ -32,24 +32,44 @@ class OutOfMemory(UserError):
         self.where = where  # "gpu" or "host"
 
 
-def model_for_data(model, data):
+def model_for_data(model, data, keep_rows: bool = False, whose: str = "the model"):
     """The model config with the vocabulary of the data's tokenizer (synthetic data keeps the
-    model's own)."""
+    model's own); see vocab_for."""
     from fitgpt.data.config import data_tokenizer
 
-    tok = data_tokenizer(data)
-    if tok is not None and tok.vocab_size != model.vocab_size:
+    return vocab_for(model, data_tokenizer(data), keep_rows, whose)
+
+
+def vocab_for(model, tok, keep_rows: bool = False, whose: str = "the model"):
+    """`model` sized for tokenizer `tok` (None: no tokenizer, the model's own vocabulary).
+
+    A model trained from scratch gets the tokenizer's vocabulary. A model whose embedding comes
+    from weights (`keep_rows`: a run's train.finetune, set by --init-from) keeps its rows: they
+    are the model's, and a released model often has more rows than its tokenizer has ids
+    (Qwen2.5: 152,064 for 151,665; Qwen3: 151,936 for 151,669), which HF computes logits for as
+    for any row, so the fine-tune and its export keep them. The rule there is that the data's
+    ids lie below the rows: a tokenizer of more ids is refused in one line."""
+    if tok is None:
+        return model
+    if not keep_rows and tok.vocab_size != model.vocab_size:
         return model.replace(vocab_size=tok.vocab_size)
+    if keep_rows and tok.vocab_size > model.vocab_size:
+        raise UserError(
+            f"{whose} has {model.vocab_size} embedding rows, the data's tokenizer {tok.name} "
+            f"{tok.vocab_size} ids: its ids must lie below the rows; train on data made with "
+            "the model's own tokenizer (fitgpt data preprocess --tokenizer)"
+        )
     return model
 
 
 def resolve_run(run, device_type: str, world: int = 1, settle_compile: bool = True):
-    """`run` with everything that changes the model settled: the vocabulary (model_for_data),
-    the precision for this device, and, unless `settle_compile` is False or it is settled
-    already, --compile (unplanned_compile). A planned run's --compile is the planner's."""
+    """`run` with everything that changes the model settled: the vocabulary (model_for_data;
+    a fine-tune keeps its model's rows), the precision for this device, and, unless
+    `settle_compile` is False or it is settled already, --compile (unplanned_compile). A
+    planned run's --compile is the planner's."""
     run = dataclasses.replace(
         run,
-        model=model_for_data(run.model, run.data),
+        model=model_for_data(run.model, run.data, keep_rows=run.train.finetune),
         precision=run.precision.resolved(device_type),
     )
     if run.engine.compile in SCOPES or not settle_compile:

@@ -24,7 +24,7 @@ from fitgpt.dist import DistContext
 from fitgpt.engine.base import Batch
 from fitgpt.engine.config import OptimConfig
 from fitgpt.model import DecoderLM
-from fitgpt.model.gpt import alibi_slopes
+from fitgpt.model.families.gpt2.model import alibi_slopes
 
 LR = 1e-4  # the constant learning rate every system in a sweep trains at (systems.trained)
 

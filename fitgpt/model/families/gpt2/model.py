@@ -1,8 +1,8 @@
-"""GPT-2, the first model family: the architecture and nothing else.
+"""GPT-2's network: the architecture and nothing else.
 
 Sharding, offload, activation checkpointing and mixed precision are applied to this model from
-outside (fitgpt/engine/); this file only says what the network computes, and what the rest of
-fitgpt needs to know of it (GPT2Family; model/family.py says what that is).
+outside (fitgpt/engine/); this file only says what the network computes. What the rest of fitgpt
+needs to know of it is family.py's GPT2Family (model/family.py says what that is).
 
 Shape legend: B batch, T tokens in this call, S max context, H hidden, N heads, D head dim,
 V padded vocabulary, P positions already in the KV cache.
@@ -11,24 +11,25 @@ V padded vocabulary, P positions already in the KV cache.
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fitgpt.errors import UserError
-from fitgpt.model.config import ModelConfig
 from fitgpt.model.decoder import DecoderLM, KVCache
-from fitgpt.model.family import Family, Split, register_family
 from fitgpt.model.packing import Packing
 from fitgpt.model.pieces import along_tokens
+
+if TYPE_CHECKING:
+    from fitgpt.model.config import ModelConfig
 
 # ALiBi adds a float bias to the scores, so its attention is SDPA with an [N, S, S] bias built
 # once per forward in fp32 (GPT.alibi_bias) and cast to the compute dtype in every block: 6·N·S²
 # bytes at the least under bf16 (at 128 k tokens and 12 heads, 1.1 TiB). Past this much no GPU
-# holds it beside a model: such a config is refused when it is made (GPT2Family.check). The
-# causal rule alone (learned positions, the Llama families) builds no S×S tensor.
+# holds it beside a model: such a config is refused when it is made (family.py
+# GPT2Family.check). The causal rule alone (learned positions, the Llama families) builds no
+# S×S tensor.
 ALIBI_BIAS_MAX_BYTES = 16 * 2**30
 
 
@@ -209,98 +210,3 @@ class GPT(DecoderLM):
         dist = (q - k).float()
         bias = -self.alibi_slopes_N.to(device)[:, None, None] * dist
         return bias.masked_fill(dist < 0, float("-inf"))
-
-
-class GPT2Family(Family):
-    """GPT-2 as model/family.py describes a family; Megatron-LM's tensor-parallel split of it
-    (Shoeybi et al. 2019): attn.qkv and mlp.fc column-parallel (q, k and v cut on their own, so
-    every rank keeps whole heads), attn.proj and mlp.proj row-parallel (their biases replicated,
-    added once after the all-reduce), the embedding and an untied head by vocabulary rows."""
-
-    name = "gpt2"
-    model = GPT
-    splits: ClassVar[dict[str, Split]] = {
-        "attn.qkv.weight": Split(0, 3),
-        "attn.qkv.bias": Split(0, 3),
-        "mlp.fc.weight": Split(0),
-        "mlp.fc.bias": Split(0),
-        "attn.proj.weight": Split(1),
-        "mlp.proj.weight": Split(1),
-        "wte.weight": Split(0),
-        "lm_head.weight": Split(0),
-    }
-
-    def check(self, cfg: ModelConfig) -> None:
-        """GPT-2 has one key/value head per head, hidden/heads per head, a 4·hidden MLP and
-        learned or ALiBi positions: the Llama families' fields are refused."""
-        wrong = [
-            (cfg.position == "rope", "position='rope'", "use learned or alibi"),
-            (cfg.kv_heads != cfg.n_head, f"--kv-heads {cfg.kv_heads}", f"use {cfg.n_head}"),
-            (
-                cfg.head_size not in (None, cfg.n_embd // cfg.n_head),
-                f"head_size={cfg.head_size}",
-                "leave it unset (hidden/heads)",
-            ),
-            (
-                cfg.ffn_hidden not in (None, 4 * cfg.n_embd),
-                f"--ffn-hidden {cfg.ffn_hidden}",
-                f"GPT-2's MLP is 4·hidden = {4 * cfg.n_embd}",
-            ),
-            (cfg.qkv_bias, "--qkv-bias", "--bias sets GPT-2's biases"),
-            (cfg.qk_norm, "--qk-norm", "drop it"),
-            (cfg.sliding_window is not None, "--sliding-window", "drop it"),
-            (cfg.rope_scaling is not None, "rope_scaling", "drop it"),
-        ]
-        for bad, what, fix in wrong:
-            if bad:
-                raise UserError(f"{what}: the gpt2 family does not have it ({fix})")
-        bias = 6 * cfg.n_head * cfg.seq_len**2  # bytes: fp32, and its bf16 copy per block
-        if cfg.position == "alibi" and bias > ALIBI_BIAS_MAX_BYTES:
-            most = math.isqrt(ALIBI_BIAS_MAX_BYTES // (6 * cfg.n_head))
-            raise UserError(
-                f"position='alibi' at seq_len={cfg.seq_len}: ALiBi's [{cfg.n_head}, S, S] bias "
-                f"takes {bias / 2**30:.0f} GiB, past {ALIBI_BIAS_MAX_BYTES // 2**30} GiB; use "
-                f"seq_len <= {most} or learned positions"
-            )
-
-    def tp_sizes(self, cfg: ModelConfig) -> list[tuple[int, str]]:
-        return [
-            (cfg.n_head, "the head count (--heads)"),
-            (4 * cfg.n_embd, "the MLP width 4·--hidden"),
-            (cfg.padded_vocab_size, "the padded vocabulary"),
-        ]
-
-    def num_params(self, cfg: ModelConfig) -> int:
-        """Exact, equal to GPT.num_params() (checked by the tests). Default options:
-        12·L·h² + 13·L·h + (V+S)·h + 2h, V the padded vocabulary.
-        - bias=False drops every linear bias and LayerNorm bias: 12·L·h² + 2·L·h + (V+S)·h + h.
-        - position='alibi' drops the position table: minus S·h.
-        - embed_norm=True adds one LayerNorm: plus 2h (plus h without bias).
-        - tie_embeddings=False adds the output head: plus V·h.
-        """
-        h, L, V, S = cfg.n_embd, cfg.n_layer, cfg.padded_vocab_size, cfg.seq_len
-        ln = 2 * h if cfg.bias else h
-        per_block = 12 * h * h + (9 * h if cfg.bias else 0) + 2 * ln
-        n = L * per_block + V * h + ln
-        if cfg.position == "learned":
-            n += S * h
-        if cfg.embed_norm:
-            n += ln
-        if not cfg.tie_embeddings:
-            n += V * h
-        return n
-
-    def block_activations(self, cfg: ModelConfig) -> tuple[int, int]:
-        """17·h per token: the LayerNorms' inputs and outputs (4h, left whole by TP); q, k, v
-        (3h), the attention output and its re-laid copy (2h), the MLP's fc and GELU outputs
-        (8h): 13h cut by heads and MLP columns."""
-        return 4 * cfg.n_embd, 13 * cfg.n_embd
-
-    def mlp_activations(self, cfg: ModelConfig) -> tuple[int, int]:
-        """Saved whole: fc's and GELU's outputs (8h, block_activations' MLP part). A piece's
-        backward at its peak (measured, tests/test_long.py): 11h, the recomputed fc output and
-        GELU's gradients beside it."""
-        return 8 * cfg.n_embd, 11 * cfg.n_embd
-
-
-GPT.family = register_family(GPT2Family())

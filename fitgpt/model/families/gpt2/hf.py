@@ -1,10 +1,10 @@
-"""The mapping between fitgpt's GPT and Hugging Face's GPT2LMHeadModel (one entry of hf.py's
-registry).
+"""GPT-2's Hugging Face name map: fitgpt's GPT (model.py) and Hugging Face's GPT2LMHeadModel
+(model/hf_map.py says what a map is; interop/ reads and writes checkpoints through it).
 
 The two compute the same function (pre-LayerNorm blocks, tanh GELU, learned positions, LayerNorm
 eps 1e-5, attention scaled by 1/sqrt(head dim)); they differ in how they store it:
 
-| fitgpt (model/gpt.py)            | HF GPT2LMHeadModel                      | layout                    |
+| fitgpt (model.py)                | HF GPT2LMHeadModel                      | layout                    |
 |----------------------------------|-----------------------------------------|---------------------------|
 | wte.weight [V_pad, H]            | transformer.wte.weight [V, H]           | rows cut / zero-padded    |
 | wpe.weight [S, H]                | transformer.wpe.weight [n_positions, H] | S = n_positions           |
@@ -36,8 +36,8 @@ What HF GPT-2 cannot represent, and what we do about it:
 from __future__ import annotations
 
 from fitgpt.errors import UserError
-from fitgpt.interop.hf import HFMapping, TensorMap, register_mapping, tied
-from fitgpt.model import ModelConfig
+from fitgpt.model.config import ModelConfig
+from fitgpt.model.hf_map import HFMapping, TensorMap, tied
 
 # Every HF activation that computes 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast")
@@ -91,8 +91,6 @@ def _refuse_unsupported(hf: dict, source: str) -> None:
 
 
 class GPT2Mapping(HFMapping):
-    model_types = ("gpt2",)
-    families = ("gpt2",)
     layers_key = "n_layer"
     import_format = "hf-gpt2"
 
@@ -186,4 +184,4 @@ class GPT2Mapping(HFMapping):
         }
 
 
-GPT2 = register_mapping(GPT2Mapping())
+MAPPING = GPT2Mapping()

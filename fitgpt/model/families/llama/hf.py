@@ -1,12 +1,13 @@
-"""The mapping between fitgpt's Llama network (model/llama.py) and Hugging Face's
-LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM (one entry of
-hf.py's registry; the fitgpt family's name is HF's model_type).
+"""Llama's Hugging Face name map: fitgpt's Llama network (model.py) and Hugging Face's
+LlamaForCausalLM (model/hf_map.py says what a map is; interop/ reads and writes checkpoints
+through it). The qwen2, qwen3 and mistral folders subclass LlamaMapping for Qwen2ForCausalLM,
+Qwen3ForCausalLM and MistralForCausalLM: the fitgpt family's name is HF's model_type.
 
 The four compute the same function with a few switches (RMSNorm, rotary positions, SwiGLU,
 grouped-query attention): Qwen2 adds biases to q, k and v; Qwen3 an RMSNorm over each head of q
 and k before the rotation; Mistral a sliding window. They store it alike:
 
-| fitgpt (model/llama.py)            | HF                                      | layout                 |
+| fitgpt (model.py)                  | HF                                      | layout                 |
 |------------------------------------|-----------------------------------------|------------------------|
 | wte.weight [V_pad, H]              | model.embed_tokens.weight [V, H]        | rows cut / zero-padded |
 | blocks.i.ln_1.weight               | model.layers.i.input_layernorm.weight   | same                   |
@@ -23,8 +24,10 @@ and k before the rotation; Mistral a sliding window. They store it alike:
 config.json ⇄ ModelConfig: hidden_size ⇄ n_embd, intermediate_size ⇄ ffn_hidden,
 num_hidden_layers ⇄ n_layer, num_attention_heads ⇄ n_head, num_key_value_heads ⇄ n_kv_head,
 head_dim ⇄ head_size, rms_norm_eps ⇄ norm_eps, rope_theta and rope_scaling (or transformers 5's
-rope_parameters) ⇄ rope_theta and rope_scaling, max_position_embeddings ⇄ max_positions,
-tie_word_embeddings ⇄ tie_embeddings, sliding_window ⇄ sliding_window.
+rope_parameters; with both, as transformers 5 reads them: _rope) ⇄ rope_theta and rope_scaling,
+max_position_embeddings ⇄ max_positions, tie_word_embeddings ⇄ tie_embeddings (untied where the
+weights hold a head other than the embedding: hf_read.py stored_head), sliding_window ⇄
+sliding_window.
 
 The training context (seq_len) is no property of the weights: rotary positions have no table.
 Import sets it to max_position_embeddings capped at IMPORT_SEQ_LEN (Llama 3.1 says 131072, a
@@ -32,37 +35,35 @@ context nobody fine-tunes at by default) and keeps max_position_embeddings in ma
 export writes back.
 
 Refused on import, in one line naming the key and the value: hidden_act other than silu; a
-rope_scaling (rope_type) other than the default, llama3 and yarn (yarn with DeepSeek's mscale
-keys too), or a partial_rotary_factor;
+rope_scaling (rope_type) other than the default, linear, llama3 and yarn (yarn with DeepSeek's
+mscale keys too), one lacking a key transformers requires, or a partial_rotary_factor;
 attention_bias or mlp_bias (Llama, Qwen3 and Mistral put them on every projection, fitgpt has
 none there); a head_dim that is odd (rotary pairs) or missing where heads do not divide
 hidden_size; key/value heads that do not divide the heads; a Qwen2/3 sliding window
 (use_sliding_window with any layer sliding): fitgpt's qwen families attend fully, only its
-mistral family slides a window (in every layer).
+mistral family slides a window (in every layer). What differs by family is a method each
+folder's mapping overrides: sliding_window (config.json → the window) and hf_extras (the keys
+only its HF class has).
 """
 
 from __future__ import annotations
 
-from fitgpt.errors import UserError
-from fitgpt.interop.hf import (
-    HFMapping,
-    TensorMap,
-    float_field,
-    int_field,
-    register_mapping,
-    tied,
-)
-from fitgpt.model import ModelConfig
-from fitgpt.model.config import RopeScaling
+from typing import ClassVar
 
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mistral": "MistralForCausalLM",
-}
+from fitgpt.errors import UserError
+from fitgpt.model.config import ModelConfig, RopeScaling
+from fitgpt.model.families.llama.family import LlamaFamily
+from fitgpt.model.hf_map import HFMapping, TensorMap, float_field, int_field, tied
+
 IMPORT_SEQ_LEN = 4096  # the training context an import records, at most (see the docstring)
-ROPE_TYPES = ("default", "llama3", "yarn")  # what fitgpt's rotary embedding computes
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # what fitgpt's rotary embedding computes
+# The keys each scaling type requires (transformers' _validate_*_rope_parameters: a KeyError
+# there); original_max_position_embeddings defaults to max_position_embeddings.
+ROPE_REQUIRED = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("factor",),
+}
 # YaRN's optional keys, read when present and written back only then (RopeScaling's fields)
 YARN_OPTIONAL = ("beta_fast", "beta_slow", "attention_factor")
 # The HF classes' defaults, for keys a hand-written config.json may leave out.
@@ -70,27 +71,35 @@ DEFAULT_EPS, DEFAULT_THETA = 1e-6, 10000.0
 
 
 def _rope(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
-    """rope_theta and the scaling, from transformers 5's rope_parameters or the older
-    rope_theta + rope_scaling keys."""
-    params = hf.get("rope_parameters")
-    if params is not None and not isinstance(params, dict):
-        raise UserError(f"{source}: rope_parameters={params!r} must be a JSON object; fix it")
-    if params and any(isinstance(v, dict) for v in params.values()):
+    """rope_theta and the scaling, read as transformers 5 reads config.json (PreTrainedConfig's
+    convert_rope_params_to_dict and standardize_rope_params, modeling_rope_utils.py):
+
+    - a non-empty rope_scaling replaces rope_parameters whole: the long-context scaling a model
+      card says to add to a transformers-5 folder is what runs;
+    - rope_theta is the chosen dict's, else config.json's top-level one, else 10000 (so a
+      rope_theta left in the replaced rope_parameters is dropped, as transformers drops it);
+    - the type is rope_type, else type (older files), else default; llama3 and yarn without
+      original_max_position_embeddings take max_position_embeddings.
+
+    Refused in one line naming the key: what transformers refuses (a key its type requires is
+    missing, a type it has no function for) and the types fitgpt's rotary positions do not
+    compute (dynamic, longrope, ...), never imported as plain RoPE."""
+    for name in ("rope_scaling", "rope_parameters"):
+        if hf.get(name) is not None and not isinstance(hf[name], dict):
+            raise UserError(f"{source}: {name}={hf[name]!r} must be a JSON object or null; fix it")
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    scaling = hf.get(key) or {}
+    if any(isinstance(v, dict) for v in scaling.values()):
         raise UserError(
-            f"{source}: rope_parameters differ by layer type ({', '.join(params)}); fitgpt "
-            "rotates every layer alike"
+            f"{source}: {key} differ by layer type ({', '.join(scaling)}); fitgpt rotates every "
+            "layer alike"
         )
-    key = "rope_parameters" if params else "rope_scaling"
-    scaling = params or hf.get("rope_scaling") or {}
-    if not isinstance(scaling, dict):
-        raise UserError(f"{source}: rope_scaling={scaling!r} must be a JSON object or null")
-    theta = float_field(scaling if "rope_theta" in scaling else hf, "rope_theta", source, 1e4)
+    theta = float_field(
+        scaling if "rope_theta" in scaling else hf, "rope_theta", source, DEFAULT_THETA
+    )
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ROPE_TYPES:
-        raise UserError(
-            f"{source}: {key} type {kind!r}; fitgpt's rotary positions support the default, "
-            "'llama3' and 'yarn' scalings only"
-        )
+        raise UserError(f"{source}: {key} type {kind!r}; {_unknown_rope(kind, key)}")
     partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise UserError(
@@ -98,18 +107,58 @@ def _rope(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
         )
     if kind == "default":
         return theta, None
+    missing = [k for k in ROPE_REQUIRED[kind] if k not in scaling]
+    if missing:
+        like = " as Llama 3.1's: factor 8, low_freq_factor 1, high_freq_factor 4" * (
+            kind == "llama3"
+        )
+        raise UserError(
+            f"{source}: {key} of type {kind!r} lacks {', '.join(missing)} (transformers refuses "
+            f"it too); add {'them' if len(missing) > 1 else 'it'}{like}"
+        )
+    if kind == "linear":
+        return theta, RopeScaling(
+            kind="linear", factor=_rope_number(scaling, "factor", key, source)
+        )
+    field = f"{key}.original_max_position_embeddings"
+    given = scaling.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    original = int_field({field: given}, field, source)
     if kind == "yarn":
-        return theta, _yarn(scaling, key, source)
+        return theta, _yarn(scaling, key, source, original)
     return theta, RopeScaling(
         kind="llama3",
-        factor=float_field(scaling, "factor", source, None),
-        low_freq_factor=float_field(scaling, "low_freq_factor", source, None),
-        high_freq_factor=float_field(scaling, "high_freq_factor", source, None),
-        original_max_positions=int_field(scaling, "original_max_position_embeddings", source),
+        factor=_rope_number(scaling, "factor", key, source),
+        low_freq_factor=_rope_number(scaling, "low_freq_factor", key, source),
+        high_freq_factor=_rope_number(scaling, "high_freq_factor", key, source),
+        original_max_positions=original,
     )
 
 
-def _yarn(scaling: dict, key: str, source: str) -> RopeScaling:
+def _unknown_rope(kind: object, key: str) -> str:
+    """What to do about a rope type fitgpt does not compute, in words."""
+    if kind == "dynamic":  # transformers' dynamic NTK equals plain RoPE up to the context
+        return (
+            "fitgpt does not compute dynamic NTK scaling, whose frequencies change with each "
+            f"sequence's length; it equals plain RoPE up to max_position_embeddings: remove {key} "
+            "to fine-tune within that"
+        )
+    if kind in ("longrope", "proportional"):
+        return (
+            f"fitgpt computes the {', '.join(ROPE_TYPES)} scalings only, so this checkpoint "
+            "cannot be fine-tuned as it is"
+        )
+    return (
+        f"no rotary scaling has that name (transformers has no function for it either): fix "
+        f"rope_type to one of {', '.join(ROPE_TYPES)}, or remove {key} for plain RoPE"
+    )
+
+
+def _rope_number(scaling: dict, name: str, key: str, source: str) -> float:
+    """A positive number of the rope dict, named as key.name in the error."""
+    return float_field({f"{key}.{name}": scaling.get(name)}, f"{key}.{name}", source, None)
+
+
+def _yarn(scaling: dict, key: str, source: str, original: int) -> RopeScaling:
     """YaRN's fields; the optional ones kept None when absent (export leaves them out)."""
     for extra in ("mscale", "mscale_all_dim"):  # DeepSeek's variant of the attention factor
         if scaling.get(extra) is not None:
@@ -127,8 +176,8 @@ def _yarn(scaling: dict, key: str, source: str) -> RopeScaling:
         raise UserError(f"{source}: {key} truncate={truncate!r} must be true or false")
     return RopeScaling(
         kind="yarn",
-        factor=float_field(scaling, "factor", source, None),
-        original_max_positions=int_field(scaling, "original_max_position_embeddings", source),
+        factor=_rope_number(scaling, "factor", key, source),
+        original_max_positions=original,
         truncate=truncate,
         **opt,
     )
@@ -137,6 +186,8 @@ def _yarn(scaling: dict, key: str, source: str) -> RopeScaling:
 def _rope_out(r: RopeScaling) -> dict:
     """The rope_scaling keys of `r` as transformers reads them."""
     out: dict = {"rope_type": r.kind, "factor": r.factor}
+    if r.kind == "linear":
+        return out
     if r.kind == "llama3":
         out |= {"low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor}
     out["original_max_position_embeddings"] = r.original_max_positions
@@ -147,35 +198,6 @@ def _rope_out(r: RopeScaling) -> dict:
         if r.truncate is not None:
             out["truncate"] = r.truncate
     return out
-
-
-def _sliding_window(hf: dict, mt: str, n_layer: int, source: str) -> int | None:
-    """Mistral's window (every layer slides it when set), or None. Qwen2/3 slide one only with
-    use_sliding_window, in the layers layer_types marks (derived, when absent, as transformers
-    does: those from max_window_layers on); fitgpt's qwen families have none, so a window in
-    any layer is refused (released Qwen2.5/Qwen3 checkpoints set use_sliding_window false)."""
-    if mt == "llama":
-        return None
-    window = hf.get("sliding_window")
-    if mt in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
-        window = None
-    if window is None:
-        return None
-    window = int_field(hf, "sliding_window", source)
-    if mt == "mistral":
-        return window
-    types = hf.get("layer_types")
-    if types is None:
-        first = hf.get("max_window_layers", 28)
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layer)]
-    sliding = sum(t == "sliding_attention" for t in types) if isinstance(types, list) else -1
-    if sliding == 0:
-        return None
-    raise UserError(
-        f"{source}: use_sliding_window=true slides a window of {window} in {sliding} of "
-        f"{n_layer} layers (max_window_layers={hf.get('max_window_layers')!r}); fitgpt's {mt} "
-        "has full attention in every layer (its mistral family slides one window in all)"
-    )
 
 
 def _refuse_unsupported(hf: dict, mt: str, source: str) -> None:
@@ -225,13 +247,23 @@ def _heads(hf: dict, source: str) -> tuple[int, int, int | None]:
 
 
 class LlamaMapping(HFMapping):
-    model_types = tuple(ARCHITECTURES)
-    families = tuple(ARCHITECTURES)
+    # the fitgpt family this maps (its name is HF's model_type) and its transformers class
+    family: ClassVar[type[LlamaFamily]] = LlamaFamily
+    hf_class: ClassVar[str] = "LlamaForCausalLM"
     layers_key = "num_hidden_layers"
     import_format = "hf-llama"
 
     def architecture(self, cfg: ModelConfig) -> str:
-        return ARCHITECTURES[cfg.family]
+        return self.hf_class
+
+    def sliding_window(self, hf: dict, n_layer: int, source: str) -> int | None:
+        """The window config.json `hf` slides, or None: Llama has none (its HF class ignores
+        sliding_window)."""
+        return None
+
+    def hf_extras(self, cfg: ModelConfig) -> dict:
+        """config.json's keys that only this family's HF class has (written last)."""
+        return {"attention_bias": False, "mlp_bias": False}
 
     def default_tied(self) -> bool:
         return False  # LlamaConfig, Qwen2/3Config and MistralConfig default to an untied head
@@ -276,12 +308,12 @@ class LlamaMapping(HFMapping):
         return maps
 
     def check_exportable(self, cfg: ModelConfig) -> None:
-        """Nothing to refuse: each family's check (model/llama.py) already refuses, when the
+        """Nothing to refuse: each family's check (family.py) already refuses, when the
         config is made, every switch its HF class lacks (q/k/v biases outside qwen2, q/k norms
         outside qwen3, a window outside mistral)."""
 
     def config_from_hf(self, hf: dict, source: str) -> ModelConfig:
-        mt = hf["model_type"]
+        mt = self.family.name
         _refuse_unsupported(hf, mt, source)
         n_layer = int_field(hf, "num_hidden_layers", source)
         heads, kv, head_size = _heads(hf, source)
@@ -303,9 +335,9 @@ class LlamaMapping(HFMapping):
             norm_eps=float_field(hf, "rms_norm_eps", source, DEFAULT_EPS),
             rope_theta=theta,
             rope_scaling=scaling,
-            qkv_bias=mt == "qwen2",
-            qk_norm=mt == "qwen3",
-            sliding_window=_sliding_window(hf, mt, n_layer, source),
+            qkv_bias=self.family.has_qkv_bias,
+            qk_norm=self.family.has_qk_norm,
+            sliding_window=self.sliding_window(hf, n_layer, source),
             tie_embeddings=tied(hf, source, self.default_tied()),
         )
         # stored only where it is not the family's default, as n_kv_head and head_size are,
@@ -323,7 +355,7 @@ class LlamaMapping(HFMapping):
             scaling = _rope_out(cfg.rope_scaling)
             rope = scaling | {"rope_theta": cfg.rope_theta}
         out = {
-            "architectures": [ARCHITECTURES[cfg.family]],
+            "architectures": [self.architecture(cfg)],
             "model_type": cfg.family,
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.n_embd,
@@ -346,18 +378,7 @@ class LlamaMapping(HFMapping):
             "eos_token_id": ids.get("eos_token_id"),
             "pad_token_id": None,
         }
-        if cfg.family in ("llama", "qwen3"):
-            out["attention_bias"] = False
-        if cfg.family == "llama":
-            out["mlp_bias"] = False
-        if cfg.family == "mistral":
-            out["sliding_window"] = cfg.sliding_window
-        if cfg.family in ("qwen2", "qwen3"):  # full attention everywhere (model/llama.py)
-            out["use_sliding_window"] = False
-            out["sliding_window"] = None
-            out["max_window_layers"] = cfg.n_layer
-            out["layer_types"] = ["full_attention"] * cfg.n_layer
-        return out
+        return out | self.hf_extras(cfg)
 
 
-LLAMA = register_mapping(LlamaMapping())
+MAPPING = LlamaMapping()

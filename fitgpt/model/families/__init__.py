@@ -1,0 +1,70 @@
+"""The model families fitgpt ships, as data: each is a folder beside this file
+(`<name>/`: its network, its Family, its presets, its Hugging Face name map), and TABLE below
+says which folders there are and which Hugging Face `model_type` each reads. Nothing here
+imports a family: `family_of` loads a folder's family.py by name the first time a config of it
+is made, model/presets.py its presets.py and interop/hf.py its hf.py, and no family imports
+this module back, so the registry and its members make no circle. Adding a family is a folder
+and one line of TABLE. A family defined outside the package (a plugin, a test) registers its
+Family with `register_family` instead, and has no presets or name map of fitgpt's.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from fitgpt.errors import UserError
+
+if TYPE_CHECKING:
+    from fitgpt.model.config import ModelConfig
+    from fitgpt.model.decoder import DecoderLM
+    from fitgpt.model.family import Family
+
+# family name (ModelConfig.family, and its folder's name) -> the config.json model_type values
+# its hf.py reads. The order is `fitgpt presets`'.
+TABLE: dict[str, tuple[str, ...]] = {
+    "gpt2": ("gpt2",),
+    "llama": ("llama",),
+    "qwen2": ("qwen2",),
+    "qwen3": ("qwen3",),
+    "mistral": ("mistral",),
+}
+# HF model_type -> family name: TABLE read the other way
+HF_FAMILY: dict[str, str] = {t: name for name, types in TABLE.items() for t in types}
+
+# every Family made so far: TABLE's as they load, and those register_family added
+_LOADED: dict[str, Family] = {}
+
+
+def module(name: str, part: str) -> str:
+    """The dotted name of `part` ("family", "presets", "hf") of TABLE's family `name`."""
+    return f"{__name__}.{name}.{part}"
+
+
+def register_family(family: Family) -> Family:
+    """Make `family`, defined outside this package, buildable by name (ModelConfig.family);
+    returns it."""
+    _LOADED[family.name] = family
+    return family
+
+
+def family_of(cfg: ModelConfig) -> Family:
+    """The family of the model `cfg` describes (a one-line refusal for an unknown one)."""
+    name = cfg.family
+    if name not in _LOADED and name in TABLE:
+        _LOADED[name] = importlib.import_module(module(name, "family")).FAMILY
+    try:
+        return _LOADED[name]
+    except KeyError:
+        known = ", ".join(sorted({*TABLE, *_LOADED}))
+        raise UserError(f"model family {name!r} is unknown: use one of {known}") from None
+
+
+def build_model(cfg: ModelConfig) -> DecoderLM:
+    """The family's network for `cfg` (on the current default device: the engines build it on
+    the meta device and place every parameter themselves), its Family on it as `family` (one
+    network may serve several families: Llama's serves four)."""
+    family = family_of(cfg)
+    net = family.model(cfg)
+    net.family = family
+    return net
