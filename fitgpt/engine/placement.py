@@ -53,12 +53,14 @@ class ChunkPlan:
     # the master's format: "alias" (fp32 compute on its device: the working weights are the
     # master), "fp32", or "split" (the bf16 working weight plus an int16 remainder)
     master: str = "fp32"
-    # how the ZeRO stage shards this chunk, decided here and read by the engine's parts (no part
-    # sees the stage): the optimizer state and its update cut into 1/W shards (stage >= 1), the
-    # gradients reduce-scattered every micro-batch into a shard (stage >= 2); the weights'
-    # sharding is `weights` ("sharded" at stage 3)
+    # how the ZeRO stage shards this chunk, decided here and read by the engine's parts and the
+    # planner's prices (no part sees the stage): the optimizer state and its update cut into 1/W
+    # shards (stage >= 1), the gradients reduce-scattered every micro-batch into a shard (stage
+    # >= 2), a block's weights kept as 1/W shards and all-gathered before each use (stage 3:
+    # `weights` "sharded", or "host" where the shard is streamed in from host RAM first)
     shard_opt: bool = False
     shard_grads: bool = False
+    gather_weights: bool = False
 
     @property
     def compact(self) -> bool:
@@ -109,6 +111,9 @@ class Placement:
     # host RAM (bytes) the user stated the machine gives (EngineConfig.cpu_mem; 0: measured),
     # which the host-RAM check (engine/accounting.py) holds host_bytes() against
     cpu_mem: int = 0
+    # False for --engine ddp: plain PyTorch holds the model's own fp32 parameters (its state is
+    # plan/memory.py torch_state, not these chunks' bytes), reduces fp32 gradients and autocasts
+    chunked: bool = True
 
     @classmethod
     def of(
@@ -130,7 +135,7 @@ class Placement:
             homes[c.index] = "nvme" if j >= k - d else "cpu"
         stage = ecfg.zero_stage if ecfg.engine == "zero" else 0
         chunks = tuple(_chunk(c, homes[c.index], ecfg, world, stage, w) for c in layout)
-        return cls(chunks, world, stage, w, k, d, device, ecfg.cpu_mem)
+        return cls(chunks, world, stage, w, k, d, device, ecfg.cpu_mem, ecfg.engine == "zero")
 
     # ---- views ----------------------------------------------------------------------------
     @property
@@ -156,6 +161,17 @@ class Placement:
         """Every rank holds the whole optimizer state (stage 0): rank 0 alone writes it to a
         checkpoint, the others' copies being the same; otherwise every rank writes its shard."""
         return not any(c.shard_opt for c in self.chunks)
+
+    @property
+    def scatters_grads(self) -> bool:
+        """Gradients are reduce-scattered into shards every micro-batch (stage >= 2), not
+        accumulated whole and reduced once per step."""
+        return any(c.shard_grads for c in self.chunks)
+
+    @property
+    def gathers_weights(self) -> bool:
+        """Blocks' weights are kept as 1/W shards, all-gathered before each use (stage 3)."""
+        return any(c.gather_weights for c in self.chunks)
 
     @property
     def fetches_weights(self) -> bool:
@@ -325,5 +341,5 @@ def _chunk(
         master = "split" if ecfg.master == "split" else "fp32"
     return ChunkPlan(
         c, N, s, s if stage >= 1 else N, home, moments, weights, master,
-        shard_opt=stage >= 1, shard_grads=stage >= 2,
+        shard_opt=stage >= 1, shard_grads=stage >= 2, gather_weights=stage >= 3 and block,
     )  # fmt: skip

@@ -1,9 +1,10 @@
 """One priced plan, a `Candidate`: its EngineConfig, predicted bytes and step time, and what it
 is short of on this machine; and how candidates compare (the planner's sort, plan/planner.py).
 
-`evaluate` prices one EngineConfig: its Placement (the zero engine's chunks and tiers), the
-memory model's bytes (plan/memory.py) and the step-time model's seconds (plan/throughput.py),
-against the GPU budget, the host RAM of every rank on this machine and the disk's free space.
+`evaluate` prices one EngineConfig through its Placement (each chunk's tier and sharding: the
+prices read those flags, never the ZeRO stage or the engine's name): the memory model's bytes
+(plan/memory.py) and the step-time model's seconds (plan/throughput.py), against the GPU budget,
+the host RAM of every rank on this machine and the disk's free space.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class Candidate:
     gpu_short: int  # bytes over the GPU budget (<= 0: fits)
     host_short: int
     disk_short: int = 0  # bytes of the nvme tier over the disk's free space
-    placement: Placement | None = None  # the zero engine's (None for ddp)
+    # what each chunk's state does under this plan (ddp's: chunked False; evaluate sets it)
+    placement: Placement | None = None
     disk_written: int = 0  # bytes written per optimizer step to this machine's disk tier
     disk: int = 0  # bytes of the nvme tier's files on this machine (every rank's)
     rung: int = 0  # the formats' rung on the ladder this run climbs (0: fp32 unless fixed)
@@ -80,7 +82,7 @@ def evaluate(
     work: Workload, grad_accum: int, hw: Hardware, rates: Rates, ecfg: EngineConfig, layout=None
 ) -> Candidate:
     layout = layout or layout_of(work.model)
-    placement = placement_of(work, ecfg, layout) if ecfg.engine == "zero" else None
+    placement = placement_of(work, ecfg, layout)
     ecfg = settle_compile(work, grad_accum, rates, ecfg, placement)
     est = estimate(work, ecfg, layout, placement)
     t = step_time(work, ecfg, grad_accum, rates, placement)
@@ -92,7 +94,7 @@ def evaluate(
     if disk:
         # nvme_free is already net of the spare room the store leaves (engine/nvme.py)
         disk_short = disk - hw.nvme_free if hw.nvme_path else disk
-    written = placement.disk_traffic()[1] * ranks_here if placement else 0
+    written = placement.disk_traffic()[1] * ranks_here
     return Candidate(ecfg, est, t, gpu_short, host_short, disk_short, placement, written, disk=disk)
 
 
@@ -109,7 +111,7 @@ def settle_compile(
     if ecfg.compile == "auto" and work.device == "cuda":
         eager = dataclasses.replace(ecfg, compile="off")
         run_s = work.steps * step_time(work, eager, grad_accum, rates, placement)["total"]
-    resident = placement is None or placement.resident
+    resident = placement.resident
     scope = compile_scope(
         ecfg.compile, ecfg.engine, work.device, work.model.n_embd, work.world, resident,
         ecfg.checkpointing, run_s, family_of(work.model).compiled_checkpointed,
@@ -137,11 +139,11 @@ def in_ram(c: Candidate) -> bool:
 
 def offloads(c: Candidate) -> bool:
     """Whether some blocks' optimizer state is updated on the host."""
-    return c.placement is not None and c.placement.offloaded_blocks > 0
+    return c.placement.offloaded_blocks > 0
 
 
 def uses_disk(c: Candidate) -> bool:
-    return c.placement is not None and c.placement.nvme_blocks > 0
+    return c.placement.nvme_blocks > 0
 
 
 def shortfall(c: Candidate) -> int:

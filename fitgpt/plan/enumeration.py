@@ -15,7 +15,7 @@ from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
 from fitgpt.parallel.shard import tensor_parallel_refusal, tp_divisors
 from fitgpt.plan.candidate import Candidate, evaluate
-from fitgpt.plan.memory import Workload
+from fitgpt.plan.memory import Workload, placement_of
 
 
 def tp_degrees(work: Workload, fixed: Fixed) -> list[int]:
@@ -89,12 +89,15 @@ def plans_of(work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: Fixed)
     return out
 
 
-def can_stream(work: Workload, e: EngineConfig, fixed: Fixed) -> bool:
+def can_stream(work: Workload, e: EngineConfig, fixed: Fixed, layout=None) -> bool:
     """Whether the planner may stream the offloaded blocks' weights: not where the user ruled it
-    out, and on several ranks only at ZeRO stage 3 (each rank streams its shard; the engine
-    refuses stages 1-2)."""
-    dp = work.dp_ranks(e.tensor_parallel)
-    return fixed.offload_params != "none" and (dp == 1 or e.zero_stage >= 3)
+    out, and on several ranks only where `e`'s placement gathers the blocks' weights from 1/W
+    shards anyway (each rank streams its shard; engine/placement.py stream_refusal refuses
+    streaming weights that every rank holds whole)."""
+    if fixed.offload_params == "none":
+        return False
+    p = placement_of(work, e, layout)
+    return p.world == 1 or p.gathers_weights
 
 
 def offloaded_variant(
@@ -118,7 +121,7 @@ def offloaded_variant(
     forced = fixed.offload_optimizer == "cpu"
     if "offload_blocks" in fixed or (base.fits and not forced):
         return None  # the fraction was given (base already is that plan), or nothing to offload
-    if stream and not can_stream(work, e, fixed):
+    if stream and not can_stream(work, e, fixed, layout):
         return None
     if fixed.offload_optimizer == "nvme" or (fixed.offload_optimizer != "cpu" and hw.nvme_path):
         v = spill_variant(work, grad_accum, hw, rates, e, layout, fixed, stream)
@@ -140,7 +143,7 @@ def offloaded_variant(
         (1 if forced else 0),
         L,
     )  # the fewest offloaded blocks that fit the GPU lies in (lo, hi]
-    if with_k(hi).gpu_short > 0 and not stream and can_stream(work, e, fixed):
+    if with_k(hi).gpu_short > 0 and not stream and can_stream(work, e, fixed, layout):
         stream = True  # the optimizer state alone is not enough: stream the weights too
     if with_k(hi).gpu_short > 0:
         return with_k(hi)  # even all blocks on the host do not fit the GPU: report the leanest
@@ -173,7 +176,7 @@ def spill_variant(
         )
         return evaluate(work, grad_accum, hw, rates, cfg, layout)
 
-    if with_kd(L, L).gpu_short > 0 and not stream and can_stream(work, e, fixed):
+    if with_kd(L, L).gpu_short > 0 and not stream and can_stream(work, e, fixed, layout):
         stream = True
     if with_kd(L, L).gpu_short > 0:
         return None  # not even every block on the disk fits the GPU

@@ -89,18 +89,16 @@ def with_formats(e: EngineConfig, fmt: Formats) -> EngineConfig | None:
         return None
 
 
-def in_effect(placement: Placement | None) -> Formats:
+def in_effect(placement: Placement) -> Formats:
     """The formats a plan really stores its state in: "-" for a tier that holds no chunk (the
-    plain engine, placement None, keeps everything in fp32 on the device)."""
-    if placement is None:
-        return ("fp32", "-", "fp32")
+    plain engine's placement: fp32 on the device, nothing offloaded)."""
     master = "split" if any(c.master == "split" for c in placement.chunks) else "fp32"
     off = {c.moments for c in placement.chunks if c.offloaded}
     dev = {c.moments for c in placement.chunks if not c.offloaded}
     return (master, "/".join(sorted(off)) or "-", "/".join(sorted(dev)) or "-")
 
 
-def settled(e: EngineConfig, placement: Placement | None) -> EngineConfig:
+def settled(e: EngineConfig, placement: Placement) -> EngineConfig:
     """`e` with every format for a tier the plan leaves empty set back to fp32 (nothing is
     stored in it: the name and the flags then say only what is used). Also a format the user
     fixed: `--moments int8` under --plan auto asks for int8 where the plan offloads;

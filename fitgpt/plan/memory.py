@@ -331,8 +331,9 @@ def estimate(
     placement: Placement | None = None,
 ) -> Estimate:
     """Peak bytes per rank on each device for one training step of `work` under `ecfg`
-    (`placement`: the zero engine's, when the caller has it already)."""
+    (`placement`: the one `ecfg` makes, when the caller has it already)."""
     layout = rank_layout(work, ecfg, layout)
+    placement = placement or placement_of(work, ecfg, layout)
     terms = activation_bytes(
         work,
         ecfg.checkpointing,
@@ -359,7 +360,7 @@ def estimate(
         # to a power of two (engine/activation.py)
         sbh = work.model.seq_len * work.micro_batch * work.model.n_embd
         est.host["checkpointed_inputs"] = work.model.n_layer * (1 << (sbh * w - 1).bit_length())
-    if ecfg.engine == "ddp":
+    if not placement.chunked:  # plain PyTorch (ddp): its own fp32 state, no chunks
         state = torch_state(work, layout)
         n = sum(c.numel for c in layout)
         phase_a = dict(state, **act)
@@ -372,7 +373,6 @@ def estimate(
             phase_a["ddp_bucket_rebuild"] = 4 * n
         phases = {"activations": phase_a}
     else:
-        placement = placement or placement_of(work, ecfg, layout)
         both = placement.state_bytes()
         state = both["device"]
         est.host.update({f"offloaded_{k}": v for k, v in both["host"].items()})
@@ -380,10 +380,10 @@ def estimate(
         big = max((c.N for c in placement.chunks), default=0)
         big_block = max((c.N for c in placement.chunks if c.block), default=0)
         phase_a = dict(state, **act)
-        if ecfg.zero_stage >= 3 or placement.streams:
+        if placement.fetches_weights:
             # the block in use and the prefetched one (gathered, or streamed in from the host)
             phase_a["gathered_weights"] = 2 * big_block * w
-        if ecfg.zero_stage >= 2:
+        if placement.scatters_grads:
             # autograd's per-parameter gradients of one block, plus the flat copies and shards of
             # the reductions in flight
             phase_a["grad_transients"] = big * w + (MAX_INFLIGHT + 1) * (big + big // W) * w

@@ -165,10 +165,22 @@ def compute_seconds(work: Workload, ecfg: EngineConfig, tokens: int, rates: Rate
     return tokens * (mm_s + attn / attn_rate) / tp  # each rank computes 1/T of every layer
 
 
-# Measured extra time over the compute term, as a fraction of it: the stage-2 per-micro-batch
-# gradient flattening and accumulation, stage-3 gathers and their allocations, and autocast's
-# per-op casts and fp32 bookkeeping in the plain PyTorch engine (ddp ran 10-13% behind zero).
-OVERHEAD = {"ddp": 0.11, 0: 0.0, 1: 0.0, 2: 0.03, 3: 0.06}
+# Measured extra time over the compute term, as a fraction of it: autocast's per-op casts and
+# fp32 bookkeeping in the plain PyTorch engine (ddp ran 10-13% behind zero), the per-micro-batch
+# gradient flattening and accumulation where gradients are reduce-scattered (stage 2), and, where
+# weights are gathered per use (stage 3), those gathers and their allocations (the scatters'
+# share included). Chunks that do neither (stages 0-1) add nothing.
+OVERHEAD = {"autocast": 0.11, "scatter": 0.03, "gather": 0.06}
+
+
+def overhead_share(placement: Placement) -> float:
+    """The engine's measured extra time, as a share of the compute term (OVERHEAD)."""
+    if not placement.chunked:
+        return OVERHEAD["autocast"]
+    if placement.gathers_weights:
+        return OVERHEAD["gather"]
+    return OVERHEAD["scatter"] if placement.scatters_grads else 0.0
+
 
 # Bytes one element's update moves through memory, by storage format. The host optimizer is
 # DRAM-bound: Rates.cpu_adam_params_per_s is measured on its fp32 pipeline, which streams about
@@ -289,9 +301,11 @@ def step_time(
     rates: Rates,
     placement: Placement | None = None,
 ) -> dict[str, float]:
-    """Seconds per optimizer step, term by term; `placement` (the engine's, from the planner)
-    says what the host tier and weight streaming move."""
+    """Seconds per optimizer step, term by term; `placement` (the engine's, from the planner;
+    else the one `ecfg` makes) says what each chunk's state does: which collectives reduce and
+    gather it, what the host tier and weight streaming move."""
     m, tp = work.model, tp_of(ecfg)
+    placement = placement or placement_of(work, ecfg)
     W = work.dp_ranks(tp)
     # per rank: a data-parallel rank's share, which each of its group's T ranks sees
     cp = max(1, ecfg.context_parallel)
@@ -320,46 +334,48 @@ def step_time(
     if W > 1:
         bw = rates.bus_gbps * 1e9
         frac = (W - 1) / W
-        if ecfg.engine == "ddp" or ecfg.zero_stage == 0:
-            g = 4 if ecfg.engine == "ddp" else work.w
+        if placement.replicated:
+            # every rank holds the whole optimizer state: the gradients are all-reduced once per
+            # step, in the working dtype (chunks) or in fp32 (the plain engine's parameters)
+            g = work.w if placement.chunked else 4
             out["comm"] = max(0.0, 2 * frac * n * g / bw - 0.9 * backward_last)
         else:
             rs = frac * n * work.w / bw
             ag = frac * n * work.w / bw  # updated weights, after the optimizer
-            hidden = 0.9 * (backward_last if ecfg.zero_stage == 1 else compute * 0.6)
-            per_step_rs = rs if ecfg.zero_stage == 1 else rs * grad_accum
-            gathers = 2 * ag * grad_accum if ecfg.zero_stage >= 3 else 0.0
-            out["comm"] = (
-                max(0.0, per_step_rs + gathers - hidden)
-                + (ag if ecfg.zero_stage < 3 else 0.0) * 0.5
-            )
-    opt_elems = n / W if (ecfg.engine == "zero" and ecfg.zero_stage >= 1) else n
+            # reduce-scattered every micro-batch, behind its backward, or once after the last
+            scatters = placement.scatters_grads
+            hidden = 0.9 * (compute * 0.6 if scatters else backward_last)
+            per_step_rs = rs * grad_accum if scatters else rs
+            # weights gathered before each forward and backward use, or, held whole, their
+            # updated shards all-gathered once after the optimizer
+            gathered = placement.gathers_weights
+            gathers = 2 * ag * grad_accum if gathered else 0.0
+            out["comm"] = max(0.0, per_step_rs + gathers - hidden) + (0.0 if gathered else ag) * 0.5
+    opt_elems = n if placement.replicated else n / W
     # a compiled chunk engine in a 16-bit precision steps its plain state in one pass
-    one_pass = ecfg.engine == "zero" and compiled(ecfg) and work.precision != "fp32"
+    one_pass = placement.chunked and compiled(ecfg) and work.precision != "fp32"
     plain = ONE_PASS_BYTES if one_pass else FP32_DEVICE_BYTES
     out["optimizer"] = opt_elems * plain / (rates.hbm_gbps * 1e9)
-    if ecfg.engine == "zero":
-        placement = placement or placement_of(work, ecfg)
-        extra = sum(
-            c.opt_elems * (device_update_bytes(c, work.w, work.device == "cuda") - plain)
-            for c in placement.chunks
-            if c.compact and not c.offloaded
-        )
-        if extra:  # negative on a CPU device: fewer bytes than the fp32 update
-            out["compact_update"] = extra / (rates.hbm_gbps * 1e9)
-    if ecfg.engine == "ddp" and work.precision != "fp32":
+    # (the plain engine's chunks are never compact: it refuses compact formats)
+    extra = sum(
+        c.opt_elems * (device_update_bytes(c, work.w, work.device == "cuda") - plain)
+        for c in placement.chunks
+        if c.compact and not c.offloaded
+    )
+    if extra:  # negative on a CPU device: fewer bytes than the fp32 update
+        out["compact_update"] = extra / (rates.hbm_gbps * 1e9)
+    if not placement.chunked and work.precision != "fp32":
         # autocast re-casts the fp32 weights every micro-batch (and again when recomputing)
         casts = grad_accum * (2 if ecfg.checkpointing != "off" else 1)
         out["autocast_casts"] = casts * n * 6 / (rates.hbm_gbps * 1e9)
-    if ecfg.engine == "zero" and ecfg.offloads:
+    if ecfg.offloads:  # (the plain engine offloads nothing: EngineConfig refuses it)
         out["host_optimizer"] = host_optimizer_exposed(work, grad_accum, compute, rates, placement)
         if placement.streams:
             # streamed blocks' weights come in from host RAM before each forward and each
             # backward of every micro-batch, on a side stream behind the block before
             moved = 2 * grad_accum * placement.streamed_elems() * work.w
             out["weight_stream"] = max(0.0, moved / (rates.h2d_gbps * 1e9) - 0.9 * compute)
-    key = "ddp" if ecfg.engine == "ddp" else ecfg.zero_stage
-    out["engine_overhead"] = compute * OVERHEAD[key]
+    out["engine_overhead"] = compute * overhead_share(placement)
     out["total"] = sum(out.values())
     return out
 
