@@ -200,6 +200,37 @@ class ModelConfig:
     max_positions: int | None = field(
         default=None, metadata={"help": "positions the model was made for", "cli": False}
     )
+    # ---- mixture of experts (the qwen3_moe and mixtral families; None/off: a dense MLP) -----
+    num_experts: int | None = field(
+        default=None, metadata={"help": "experts in each sparse MLP layer", "cli": False}
+    )
+    experts_per_token: int | None = field(
+        default=None, metadata={"help": "experts each token is routed to (top-k)", "cli": False}
+    )
+    moe_ffn_hidden: int | None = field(
+        default=None, metadata={"help": "MLP width of one expert", "cli": False}
+    )
+    norm_topk_prob: bool = field(
+        default=False,
+        metadata={"help": "renormalise the top-k routing weights to sum to 1", "cli": False},
+    )
+    # Qwen3-MoE's: these layers keep a dense MLP (ffn_hidden wide); of the rest, layer i is
+    # sparse when (i + 1) is a multiple of decoder_sparse_step (ModelConfig.moe_layers)
+    mlp_only_layers: tuple[int, ...] = field(
+        default=(), metadata={"help": "layers with a dense MLP", "cli": False}
+    )
+    decoder_sparse_step: int = field(
+        default=1, metadata={"help": "every n-th layer is sparse", "cli": False}
+    )
+    router_aux_loss_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "weight of the load-balancing loss added to the training loss (a mixture "
+            "of experts; Hugging Face's router_aux_loss_coef, 0: not added)",
+            "default_text": "config.json's router_aux_loss_coef where its output_router_logits "
+            "is true, else 0",
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size"):
@@ -228,7 +259,65 @@ class ModelConfig:
             raise UserError(
                 f"norm_eps={self.norm_eps} and rope_theta={self.rope_theta} must be positive"
             )
+        self._check_experts()
         family_of(self).check(self)
+
+    def _check_experts(self) -> None:
+        """The mixture-of-experts fields: all at their defaults for a dense model (num_experts
+        None), consistent with each other for a sparse one. Which families have experts is
+        theirs to say (Family.has_experts)."""
+        # JSON (meta.json, config.json) brings the layers back as a list: one type for equality
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if not self.router_aux_loss_coef >= 0:
+            raise UserError(
+                f"--router-aux-loss-coef {self.router_aux_loss_coef} must be >= 0 (0: off)"
+            )
+        has = family_of(self).has_experts
+        if self.num_experts is None:
+            moe = {"experts_per_token": None, "moe_ffn_hidden": None, "norm_topk_prob": False,
+                   "mlp_only_layers": (), "decoder_sparse_step": 1, "router_aux_loss_coef": 0.0}  # fmt: skip
+            for name, off in moe.items():
+                if getattr(self, name) != off:
+                    raise UserError(
+                        f"{name}={getattr(self, name)!r} is for a mixture of experts; the "
+                        f"{self.family} model has none (num_experts is not set): drop it"
+                    )
+            if has:
+                raise UserError(
+                    f"the {self.family} family is a mixture of experts: set num_experts, "
+                    "experts_per_token and moe_ffn_hidden"
+                )
+            return
+        if not has:
+            raise UserError(
+                f"num_experts={self.num_experts}: the {self.family} family has a dense MLP; "
+                "use qwen3_moe or mixtral for a mixture of experts"
+            )
+        for name in ("num_experts", "experts_per_token", "moe_ffn_hidden", "decoder_sparse_step"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise UserError(f"{name}={v!r} must be a positive integer")
+        if self.experts_per_token > self.num_experts:
+            raise UserError(
+                f"experts_per_token={self.experts_per_token} exceeds num_experts="
+                f"{self.num_experts}: route each token to at most every expert"
+            )
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layer]
+        if bad:
+            raise UserError(
+                f"mlp_only_layers holds {bad[0]}, not a layer of {self.n_layer} (0 to "
+                f"{self.n_layer - 1})"
+            )
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts, as transformers' Qwen3-MoE decides:
+        those not in mlp_only_layers whose (index + 1) is a multiple of decoder_sparse_step.
+        () for a dense model."""
+        if self.num_experts is None:
+            return ()
+        step, dense = self.decoder_sparse_step, set(self.mlp_only_layers)
+        return tuple(i for i in range(self.n_layer) if i not in dense and (i + 1) % step == 0)
 
     def weight_std(self) -> float:
         """The standard deviation of every initial weight matrix and embedding (INIT_STD_MAX,

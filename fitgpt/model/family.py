@@ -75,6 +75,8 @@ class Family(ABC):
     # elementwise work around the matmuls (LayerNorm, GELU, bias adds) it therefore includes;
     # a family with more of it per matmul FLOP runs slower than the curve says. 1.0: GPT-2.
     matmul_time: ClassVar[float] = 1.0
+    # a mixture of experts (ModelConfig.num_experts and its fields): families without refuse them
+    has_experts: ClassVar[bool] = False
 
     def check(self, cfg: ModelConfig) -> None:
         """Raise UserError, in one line, for a field of `cfg` this family cannot honour."""

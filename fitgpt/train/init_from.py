@@ -23,7 +23,8 @@ from fitgpt.model import ModelConfig
 from fitgpt.train import checkpoint as ckpt_io
 from fitgpt.train.setup import vocab_for
 
-FREE = ("dropout",)  # model fields a fine-tune may set differently from its source
+# model fields a fine-tune may set differently from its source (no weight depends on them)
+FREE = ("dropout", "router_aux_loss_coef")
 
 
 def free_fields(cfg: ModelConfig) -> tuple[str, ...]:

@@ -167,6 +167,7 @@ class StepMetrics:
         if report is not None:
             rec["compile_s"] = report["compile_s"]  # so far: ms_per_step is a median beside it
         rec.update(self.breakdown(len(window)))
+        rec.update(router_record(self.engine))
         rec["elapsed_s"] = time.perf_counter() - t0
         rec["eta_s"] = (self.steps - step) * ms / 1000
         self.log.write(rec)
@@ -207,6 +208,16 @@ class StepMetrics:
             say(self.ctx, report_line(report))
 
 
+def router_record(engine: Engine) -> dict:
+    """A mixture of experts' router figures since the last record (model/families/qwen3_moe
+    MoeLlama.router_report: the mean aux loss, each sparse layer's share of the assignments
+    per expert, the busiest expert over the even share), this rank's batches; {} for a dense
+    model. Read from the engine's model, whose forwards keep them (the engines return only
+    the loss)."""
+    report = getattr(getattr(engine, "model", None), "router_report", None)
+    return report() if report is not None else {}
+
+
 def strict(value):
     """`value` with every NaN/inf float replaced by None (JSON null)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -241,6 +252,8 @@ def format_line(r: dict) -> str:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     if "peak_gib" in r:
         parts.append(f"peak {r['peak_gib']:.1f} GiB")
+    if "router_aux_loss" in r:  # a mixture of experts: a collapsing router shows here
+        parts.append(f"aux {r['router_aux_loss']:.4f}, busiest expert {r['expert_load_max']:.2f}×")
     if "eta_s" in r:
         parts.append(f"{duration(r['elapsed_s'])} elapsed, {duration(r['eta_s'])} left")
     return " | ".join(parts)

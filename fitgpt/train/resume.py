@@ -408,6 +408,8 @@ def changed_settings(
             if (part, name) in NOT_SETTINGS or name not in saved[part]:
                 continue
             old = saved[part][name]
+            if isinstance(old, list):  # JSON's form of a tuple field (mlp_only_layers)
+                old = tuple(old)
             if (part, name) in PATH_FIELDS:
                 old = absolute(old, PATH_FIELDS[part, name])  # an old relative one, unplaced
             same = SAME_AS.get((part, name), {})

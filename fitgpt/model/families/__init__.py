@@ -28,6 +28,8 @@ TABLE: dict[str, tuple[str, ...]] = {
     "qwen2": ("qwen2",),
     "qwen3": ("qwen3",),
     "mistral": ("mistral",),
+    "qwen3_moe": ("qwen3_moe",),
+    "mixtral": ("mixtral",),
 }
 # HF model_type -> family name: TABLE read the other way
 HF_FAMILY: dict[str, str] = {t: name for name, types in TABLE.items() for t in types}

@@ -261,6 +261,11 @@ class LlamaMapping(HFMapping):
         sliding_window)."""
         return None
 
+    def extra_fields(self, hf: dict, source: str) -> dict:
+        """ModelConfig fields only this family has, from config.json `hf` (a mixture of
+        experts': qwen3_moe/hf.py)."""
+        return {}
+
     def hf_extras(self, cfg: ModelConfig) -> dict:
         """config.json's keys that only this family's HF class has (written last)."""
         return {"attention_bias": False, "mlp_bias": False}
@@ -339,6 +344,7 @@ class LlamaMapping(HFMapping):
             qk_norm=self.family.has_qk_norm,
             sliding_window=self.sliding_window(hf, n_layer, source),
             tie_embeddings=tied(hf, source, self.default_tied()),
+            **self.extra_fields(hf, source),
         )
         # stored only where it is not the family's default, as n_kv_head and head_size are,
         # so an import equals the preset of its shape

@@ -215,12 +215,13 @@ class SwiGLU(nn.Module):
 class LlamaBlock(nn.Module):
     """Pre-RMSNorm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module | None = None) -> None:
+        """`mlp`: the block's MLP when it is not the SwiGLU (a mixture of experts: qwen3_moe)."""
         super().__init__()
         self.ln_1 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.attn = GroupedQueryAttention(cfg)
         self.ln_2 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = mlp if mlp is not None else SwiGLU(cfg)
 
     def forward(self, x: Tensor, cache: KVCache | None = None, layer: int = 0, aux=None) -> Tensor:
         x = x + self.attn(self.ln_1(x), cache, layer, aux)
@@ -235,9 +236,13 @@ class Llama(DecoderLM):
         super().__init__(cfg)
         V, H = cfg.padded_vocab_size, cfg.n_embd
         self.wte = nn.Embedding(V, H)
-        self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(self.make_block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.RMSNorm(H, eps=cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(H, V, bias=False)
+
+    def make_block(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        """Block `layer` (a mixture-of-experts network picks each block's MLP here)."""
+        return LlamaBlock(cfg)
 
     def init_std(self, name: str) -> float | None:
         """N(0, weight_std) for the weights and the embedding, residual_std for the residual

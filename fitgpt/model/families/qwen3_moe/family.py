@@ -1,0 +1,87 @@
+"""Qwen3-MoE as model/family.py describes a family: the Qwen3 family's attention (q/k norms)
+with a mixture of experts in the layers ModelConfig.moe_layers names. MoeCounts holds what any
+mixture-of-experts Llama counts (the mixtral folder uses it too): parameters by the total,
+FLOPs by the active ones (the k experts a token goes to), activations of a sparse layer."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fitgpt.model.families.llama.family import LlamaFamily
+from fitgpt.model.families.qwen3.family import Qwen3Family
+from fitgpt.model.families.qwen3_moe.model import MoeLlama
+
+if TYPE_CHECKING:
+    from fitgpt.model.config import ModelConfig
+
+# what tp_sizes puts first: no T > 1 divides it, so tensor parallelism is refused in one line
+NO_EXPERT_TP = (1, "the experts (tensor parallelism does not split them yet: use 1)")
+
+
+class MoeCounts(LlamaFamily):
+    """A LlamaFamily whose sparse layers' MLP is E experts of width F' and a router (E·H):
+    3·F'·H per expert instead of the dense 3·F·H."""
+
+    has_experts = True
+
+    def tp_sizes(self, cfg: ModelConfig) -> list[tuple[int, str]]:
+        return [NO_EXPERT_TP, *super().tp_sizes(cfg)]
+
+    def sparse_mlp(self, cfg: ModelConfig, experts: int) -> int:
+        """Parameters of one sparse MLP with `experts` experts: the router and theirs."""
+        return cfg.num_experts * cfg.n_embd + experts * 3 * cfg.moe_ffn_hidden * cfg.n_embd
+
+    def num_params(self, cfg: ModelConfig) -> int:
+        """Exact, the total (every expert), equal to the built model's and to transformers'
+        (tests/test_moe.py): Llama's count with each sparse layer's dense MLP (3·F·H) replaced
+        by the router (E·H) and E experts (3·F'·H each)."""
+        dense = 3 * cfg.ffn_width * cfg.n_embd
+        sparse = len(cfg.moe_layers)
+        return super().num_params(cfg) + sparse * (self.sparse_mlp(cfg, cfg.num_experts) - dense)
+
+    def active_params(self, cfg: ModelConfig) -> int:
+        """The parameters one token computes with: the k experts it is routed to of each sparse
+        layer (and the whole router), everything else."""
+        moe = cfg.num_experts - cfg.experts_per_token
+        return (
+            self.num_params(cfg) - len(cfg.moe_layers) * moe * 3 * cfg.moe_ffn_hidden * cfg.n_embd
+        )
+
+    def flops_per_token(self, cfg: ModelConfig) -> float:
+        """6 per ACTIVE parameter that multiplies (the k experts of each sparse layer, not all
+        E: the compute a token costs; the state is priced by num_params), plus attention's
+        QK^T and AV over the full S×S square (12·L·N·D·S), as Llama's."""
+        n = self.active_params(cfg)
+        if not cfg.tie_embeddings:
+            n -= cfg.padded_vocab_size * cfg.n_embd
+        attn = 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.seq_len
+        return 6.0 * n + attn
+
+    def block_activations(self, cfg: ModelConfig) -> tuple[int, int]:
+        """A sparse block's (the larger of the two kinds, priced for every block): Llama's
+        attention part, then per token the router's probabilities (E, fp32 counted as one
+        element), its k gathered copies of the input (k·H), each copy's gate and up, silu and
+        product (4·k·F') and the expert outputs before their weighting (k·H). Counted from the
+        sorted-token formulation (model.py), not yet measured on a GPU (issue 50)."""
+        whole, cut = super().block_activations(cfg)
+        k, H, Fe = cfg.experts_per_token, cfg.n_embd, cfg.moe_ffn_hidden
+        cut += -4 * cfg.ffn_width + cfg.num_experts + 2 * k * H + 4 * k * Fe
+        return whole, cut
+
+    def mlp_activations(self, cfg: ModelConfig) -> tuple[int, int]:
+        """The sparse MLP never runs a piece of tokens at a time (model/pieces.py)."""
+        return 0, 0
+
+
+class Qwen3MoeFamily(MoeCounts, Qwen3Family):
+    """Qwen3-MoE: q/k norms (Qwen3's), a sliding window in every layer where config.json's
+    use_sliding_window sets one (as transformers' Qwen3MoeModel), dense layers where
+    mlp_only_layers / decoder_sparse_step say."""
+
+    name = "qwen3_moe"
+    model = MoeLlama
+    has_window = True
+
+
+FAMILY = Qwen3MoeFamily()
+MoeLlama.family = FAMILY

@@ -1,0 +1,226 @@
+"""A mixture-of-experts Llama: the Llama network (../llama/model.py: its attention and blocks,
+reused as they are) with a sparse MLP in the layers ModelConfig.moe_layers names, the others
+keeping the dense SwiGLU. Qwen3-MoE is this network with q/k norms; Mixtral (../mixtral/)
+with a sliding window and fp32 routing weights.
+
+The sparse MLP computes what transformers' Qwen3MoeSparseMoeBlock and MixtralSparseMoeBlock
+compute in training (transformers 5.23):
+  router   logits = x·Wr^T [N, E]; p = softmax(logits) in fp32; the top k of p (torch.topk's
+           order), divided by their sum when norm_topk_prob; Qwen3-MoE casts them back to the
+           logits' dtype, Mixtral keeps them fp32 (fp32_scores).
+  experts  expert e is a SwiGLU: down_e(silu(gate_e x) · up_e x); each token's output is the sum
+           over its k experts of weight · expert(x), no token dropped (dropless: every expert
+           takes all the tokens routed to it).
+  aux loss Switch Transformer's load balance over the sparse layers, as transformers'
+           load_balancing_loss_func: E · Σ_e (assignments to e / rows) · (mean p_e), both summed
+           over the layers before the product; added to the loss times router_aux_loss_coef
+           (MoeLlama.forward).
+
+The experts are computed over tokens sorted by expert (Experts.forward): one argsort, one
+gather of the inputs, one matmul per expert over its contiguous slice (or one grouped GEMM on a
+GPU that has it), one index_add back. No loop over tokens.
+
+Parameters (E experts, F the expert width, H hidden): `mlp.router.weight` [E, H];
+`mlp.experts.fc` [E·2F, H], expert e's gate rows then its up rows (a view [E, 2F, H], the layout
+of transformers' fused experts.gate_up_proj); `mlp.experts.proj` [E·H, F] (a view [E, H, F], its
+experts.down_proj). Two-dimensional, so a Hugging Face expert's tensor is one block of rows of
+them (hf.py).
+
+Shape legend: B batch, T tokens, N = B·T tokens, H hidden, E experts, K experts per token,
+M = N·K (token, expert) assignments, F one expert's MLP width.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fitgpt.model.families.llama.model import Llama, LlamaBlock
+
+if TYPE_CHECKING:
+    from fitgpt.model.config import ModelConfig
+
+
+def grouped_gemm_ok(x: Tensor, w: Tensor) -> bool:
+    """torch._grouped_mm (one kernel for every expert's matmul, offsets on the device: no host
+    sync) serves bf16 operands on a CUDA GPU of compute capability 9.0 or more (H100), with
+    rows 16-byte aligned. Anything else takes the per-expert matmuls: fp32 and fp16 (the
+    kernel refuses them), autocast (weights fp32 beside bf16 inputs; F.linear casts, the
+    grouped kernel does not), the CPU, older GPUs. Not yet timed on a GPU (issue 50)."""
+    return (
+        hasattr(torch, "_grouped_mm")
+        and x.is_cuda
+        and x.dtype == w.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and x.shape[-1] % 8 == 0
+        and w.shape[-2] % 8 == 0
+    )
+
+
+def expert_matmul(x_MI: Tensor, w_EOI: Tensor, count_E: Tensor, ends: list[int] | None) -> Tensor:
+    """[M, O]: row m of x_MI times expert e's w_EOI[e]^T, rows grouped by expert (count_E[e]
+    rows of expert e, in order). `ends`: the groups' cumulative ends on the host, for the
+    per-expert form (None on the grouped-GEMM path)."""
+    if ends is None:
+        offs = count_E.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x_MI, w_EOI.transpose(-2, -1), offs=offs)
+    starts = [0, *ends[:-1]]
+    return torch.cat(
+        [F.linear(x_MI[a:b], w_EOI[e]) for e, (a, b) in enumerate(zip(starts, ends, strict=True))]
+    )
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts in two parameters (module docstring), run over sorted tokens."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        E, H, F_ = cfg.num_experts, cfg.n_embd, cfg.moe_ffn_hidden
+        self.n, self.width = E, F_
+        std = cfg.weight_std()
+        self.fc = nn.Parameter(torch.empty(E * 2 * F_, H).normal_(0.0, std))
+        self.proj = nn.Parameter(torch.empty(E * H, F_).normal_(0.0, cfg.residual_std()))
+
+    def forward(self, x_NH: Tensor, idx_NK: Tensor, w_NK: Tensor) -> Tensor:
+        """[N, H]: Σ_k w_NK[n, k] · expert_{idx_NK[n, k]}(x_NH[n])."""
+        H = x_NH.shape[1]
+        E, F_ = self.n, self.width
+        fc_EOH = self.fc.view(E, 2 * F_, H)
+        proj_EHF = self.proj.view(E, H, F_)
+        flat_M = idx_NK.reshape(-1)  # assignment m = n·K + k
+        order_M = flat_M.argsort(stable=True)  # grouped by expert, token order kept within each
+        token_M = order_M // idx_NK.shape[1]
+        count_E = torch.zeros(E, dtype=torch.int64, device=x_NH.device)
+        count_E.scatter_add_(0, flat_M, torch.ones_like(flat_M))  # no host sync (bincount has one)
+        # the per-expert form needs the groups' bounds on the host: a host sync (free on a CPU)
+        ends = None if grouped_gemm_ok(x_NH, fc_EOH) else count_E.cumsum(0).tolist()
+        x_MH = x_NH[token_M]  # M·H: each token once per expert it goes to (k copies)
+        gate, up = expert_matmul(x_MH, fc_EOH, count_E, ends).chunk(2, dim=-1)
+        y_MH = expert_matmul(F.silu(gate) * up, proj_EHF, count_E, ends)
+        y_MH = y_MH * w_NK.reshape(-1)[order_M, None]
+        # summed back per token in expert order, as transformers' per-expert index_add_ does
+        return torch.zeros_like(x_NH).index_add_(0, token_M, y_MH.to(x_NH.dtype))
+
+
+class SparseMoe(nn.Module):
+    """The router and the experts: the MLP of a sparse layer."""
+
+    def __init__(self, cfg: ModelConfig, fp32_scores: bool) -> None:
+        super().__init__()
+        self.router = nn.Linear(cfg.n_embd, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg)
+        self.k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk_prob
+        self.fp32_scores = fp32_scores
+        # training only: this forward's (Σ_n p [E] fp32 with its graph, assignments per expert
+        # [E] fp32, N), taken by MoeLlama.forward for the aux loss and the load it logs
+        self.route: tuple[Tensor, Tensor, int] | None = None
+
+    def forward(self, x_BTH: Tensor) -> Tensor:
+        B, T, H = x_BTH.shape
+        x_NH = x_BTH.reshape(-1, H)
+        logits_NE = self.router(x_NH)
+        p_NE = F.softmax(logits_NE, dim=-1, dtype=torch.float32)
+        w_NK, idx_NK = torch.topk(p_NE, self.k, dim=-1)
+        if self.norm_topk:
+            w_NK = w_NK / w_NK.sum(dim=-1, keepdim=True)
+        if not self.fp32_scores:
+            w_NK = w_NK.to(logits_NE.dtype)
+        if self.training:
+            self.route = self.route_stats(logits_NE, p_NE, idx_NK)
+        return self.experts(x_NH, idx_NK, w_NK).view(B, T, H)
+
+    def route_stats(self, logits_NE: Tensor, p_NE: Tensor, idx_NK: Tensor):
+        """What the aux loss takes of this layer, as load_balancing_loss_func computes it: the
+        softmax in the logits' dtype (the routing's fp32 one when they are fp32, else its own
+        and its own top k), summed over the tokens in fp32, and the assignments per expert
+        (counted on the device: no host sync)."""
+        if logits_NE.dtype != torch.float32:
+            p_NE = F.softmax(logits_NE, dim=-1)
+            idx_NK = torch.topk(p_NE, self.k, dim=-1).indices
+        flat = idx_NK.reshape(-1)
+        count_E = torch.zeros(p_NE.shape[-1], dtype=torch.float32, device=flat.device)
+        count_E.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+        return p_NE.float().sum(dim=0), count_E, p_NE.shape[0]
+
+
+def load_balancing_loss(routes: list[tuple[Tensor, Tensor, int]], num_experts: int) -> Tensor:
+    """transformers' load_balancing_loss_func (no attention mask) over the layers' route_stats:
+    the assignments and the probabilities each summed over the layers, divided by the rows of
+    all of them, multiplied expert by expert and summed, times E."""
+    rows = sum(n for _, _, n in routes)
+    prob_sum = torch.stack([p for p, _, _ in routes]).sum(0) if len(routes) > 1 else routes[0][0]
+    count = torch.stack([c for _, c, _ in routes]).sum(0) if len(routes) > 1 else routes[0][1]
+    return torch.sum((count / rows) * (prob_sum / rows).unsqueeze(0)) * num_experts
+
+
+class MoeLlama(Llama):
+    """Llama with a SparseMoe as the MLP of the layers cfg.moe_layers names. Training adds the
+    load-balancing loss to the mean cross-entropy when cfg.router_aux_loss_coef > 0, and keeps
+    the aux loss and every sparse layer's load for the metrics (router_report); evaluation and
+    generation compute the language-model loss alone (a perplexity)."""
+
+    fp32_scores: ClassVar[bool] = False  # Mixtral's router keeps its weights in fp32
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        self._log: list[Tensor] | None = None  # [aux sum, forwards] and [layers, E] loads
+
+    def make_block(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        sparse = layer in cfg.moe_layers
+        return LlamaBlock(cfg, SparseMoe(cfg, self.fp32_scores) if sparse else None)
+
+    def init_std(self, name: str) -> float | None:
+        """Llama's, the experts' down projections residual like every MLP's."""
+        if name.endswith("experts.proj"):
+            return self.cfg.residual_std()
+        return super().init_std(name)
+
+    def sparse_mlps(self) -> list[SparseMoe]:
+        return [b.mlp for b in self.blocks if isinstance(b.mlp, SparseMoe)]
+
+    def forward(
+        self,
+        idx_BT: Tensor,
+        targets_BT: Tensor | None = None,
+        cache=None,
+        segments_BT: Tensor | None = None,
+    ) -> Tensor:
+        out = super().forward(idx_BT, targets_BT, cache, segments_BT)
+        routes = [m.route for m in self.sparse_mlps()]
+        for m in self.sparse_mlps():
+            m.route = None  # the graph they hold goes with the loss's
+        if not self.training or any(r is None for r in routes) or not routes:
+            return out
+        aux = load_balancing_loss(routes, self.cfg.num_experts)
+        self._keep(aux.detach(), torch.stack([c for _, c, _ in routes]))
+        if targets_BT is None or cache is not None or not self.cfg.router_aux_loss_coef:
+            return out
+        # transformers: loss += router_aux_loss_coef * aux_loss, after the mean cross-entropy
+        return out + self.cfg.router_aux_loss_coef * aux
+
+    def _keep(self, aux: Tensor, load_LE: Tensor) -> None:
+        """Add one training forward's aux loss and loads to the running sums (on the device:
+        no host sync until router_report reads them)."""
+        if self._log is None:
+            self._log = [torch.zeros(2, device=aux.device), torch.zeros_like(load_LE)]
+        self._log[0] += torch.stack([aux.float(), torch.ones_like(aux, dtype=torch.float32)])
+        self._log[1] += load_LE
+
+    def router_report(self) -> dict:
+        """The training forwards' mean aux loss since the last report, each sparse layer's
+        share of the assignments per expert (1/E each when balanced), and the busiest expert's
+        share over the even one, the most of any layer (1.0 balanced, E/K collapsed); reset.
+        {} when no training forward ran. Reading it is a host sync."""
+        if self._log is None:
+            return {}
+        (aux_sum, n), load_LE = self._log[0].tolist(), self._log[1]
+        self._log = None
+        share_LE = load_LE / load_LE.sum(dim=1, keepdim=True)
+        return {
+            "router_aux_loss": aux_sum / n,
+            "expert_load_max": (share_LE.max() * share_LE.shape[1]).item(),
+            "expert_load": [[round(v, 5) for v in row] for row in share_LE.tolist()],
+        }
