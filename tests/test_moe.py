@@ -404,3 +404,22 @@ def test_experts_outside_a_moe_family_and_tensor_parallelism_are_refused():
         get_preset("mixtral-8x7b").replace(norm_topk_prob=False)
     why = tensor_parallel_refusal(2, get_preset("qwen3-moe-30b-a3b"))
     assert why and "the experts" in why
+
+
+@pytest.mark.parametrize("preset", ["qwen3-moe-30b-a3b", "mixtral-8x7b"])
+def test_recompute_is_priced_by_the_active_parameters(preset):
+    """Checkpointing recomputes a forward of the k experts a token goes to, not of all of them:
+    compute is priced by 6 FLOPs per active multiplying parameter and the recompute by 2 per
+    active parameter (the input embedding counted, as for dense models), so a checkpointed
+    step's compute is about 1 + RECOMPUTE/3 of an uncheckpointed one's, as for a dense model.
+    Priced by the total it was over 2.5 times the uncheckpointed compute."""
+    from fitgpt.engine.config import EngineConfig
+    from fitgpt.plan import rates
+    from fitgpt.plan.memory import Workload
+    from fitgpt.plan.throughput import RECOMPUTE, compute_seconds
+
+    work = Workload(get_preset(preset), micro_batch=1, world=1)
+    r = rates.load("NVIDIA H100 80GB HBM3")
+    off = compute_seconds(work, EngineConfig(checkpointing="off"), 4096, r)
+    full = compute_seconds(work, EngineConfig(checkpointing="full"), 4096, r)
+    assert 1 + RECOMPUTE / 3 <= full / off < 1 + 1.1 * RECOMPUTE / 3, full / off

@@ -102,6 +102,12 @@ class Family(ABC):
     @abstractmethod
     def num_params(self, cfg: ModelConfig) -> int: ...
 
+    def active_params(self, cfg: ModelConfig) -> int:
+        """The parameters one token's forward multiplies by: all of them in a dense family; a
+        mixture of experts counts only the k experts a token is routed to. What compute (and
+        recompute) is priced by, where num_params prices the state."""
+        return self.num_params(cfg)
+
     def flops_per_token(self, cfg: ModelConfig) -> float:
         """Model FLOPs per trained token, recompute not counted: 6 per parameter, plus
         attention's QK^T and AV over the full S×S square (12·L·h·S; the convention the peers'

@@ -154,7 +154,7 @@ def compute_seconds(work: Workload, ecfg: EngineConfig, tokens: int, rates: Rate
         share *= FP32_FRACTION
     mm, attn = matmul_flops(m), attention_flops(m, work.device)
     if ecfg.checkpointing != "off":
-        mm += RECOMPUTE * 2.0 * m.num_params()
+        mm += RECOMPUTE * 2.0 * family_of(m).active_params(m)  # a MoE recomputes k experts
         attn += RECOMPUTE * attn / 3  # the forward is a third of forward + backward
     gemm = rates.gemm_tflops * 1e12 * share
     attn_rate = rates.attn_tflops * 1e12 * share / rates.model_efficiency
