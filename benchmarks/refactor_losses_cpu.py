@@ -1,5 +1,5 @@
 """Issue 35's "no behaviour change" on CPU: the exact losses of every engine, ZeRO stage,
-placement, tensor-parallel and compile setting, written to one JSON file, so a tree after a
+placement, tensor-parallel, context-parallel and compile setting and every model family, written to one JSON file, so a tree after a
 refactor is compared with the tree before it bit for bit.
 
 Each case is a `fitgpt train` command (`python3 -m fitgpt train`, `--gpus 2` for the two-rank
@@ -55,6 +55,17 @@ CASES: dict[str, tuple[int, str]] = {
     ),
     "x2_tp2_ddp": (2, "--engine ddp --tensor-parallel 2"),
     "x2_tp2_zero0_sp": (2, f"{Z0} --tensor-parallel 2 --sequence-parallel"),
+    # the other families (issue 49: a family is a folder) and context parallelism
+    "llama_zero0": (1, f"--preset tiny-llama {Z0}"),
+    "llama_offload_ckpt_cpu": (1, f"--preset tiny-llama {Z0} {OFF} --checkpointing cpu"),
+    "qwen3_qknorm": (1, f"--preset qwen3-8b --kv-heads 2 --ffn-hidden 128 {Z0}"),
+    "qwen2_qkv_bias": (1, f"--preset qwen2.5-0.5b --kv-heads 2 --ffn-hidden 128 {Z0}"),
+    "mistral_window": (
+        1,
+        f"--preset mistral-7b --kv-heads 2 --ffn-hidden 128 --sliding-window 16 {Z0}",
+    ),
+    "x2_llama_zero3": (2, "--preset tiny-llama --engine zero --zero-stage 3"),
+    "x2_llama_cp2": (2, f"--preset tiny-llama {Z0} --context-parallel 2"),
 }
 
 
