@@ -424,8 +424,8 @@ def test_compiled_checkpointed_llama_blocks_are_priced_faster():
 
 
 def test_a_compiled_runs_device_update_is_priced_as_one_pass():
-    # engine/update.py's one pass moves 28 bytes per element where the fused kernel's path moves
-    # 36 in the model; fp32 (the master is the weight) keeps 36, and so does an unresolved
+    # engine/chunked/update.py's one pass moves 28 bytes per element where the fused kernel's path
+    # moves 36 in the model; fp32 (the master is the weight) keeps 36, and so does an unresolved
     # "auto" (the planner prices only what it resolved: plan/candidate.py settle_compile)
     r = DEFAULTS["H100"]
     bf16 = Workload(get_preset("2.7b"), 8, world=1, precision="bf16", device="cuda")

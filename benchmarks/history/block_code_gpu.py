@@ -3,8 +3,8 @@ backward, at a preset's shapes (default the 2.7b preset at micro-batch 8): the g
 and a list of the kernels the compiled graphs call outside Triton (cuBLAS, cuDNN, ATen ops such
 as the `aten::sum` calls the 2.7b profile shows inside the compiled backward).
 
-The block is compiled the way `fitgpt train --compile on` compiles it (engine/compile.py: the
-class's forward through one function taking the block as an argument), in bf16.
+The block is compiled the way `fitgpt train --compile on` compiles it (engine/transforms/compile.py:
+the class's forward through one function taking the block as an argument), in bf16.
 
     python3 benchmarks/history/block_code_gpu.py --out $OUT [--preset 2.7b] [--micro-batch 8]
 Writes $OUT/block_code.txt (Inductor's output code for the forward and backward graphs) and
@@ -31,7 +31,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from fitgpt.engine.compile import _block_train
+    from fitgpt.engine.transforms.compile import _block_train
     from fitgpt.model.config import get_preset
     from fitgpt.model.gpt import Block
 

@@ -3,10 +3,10 @@ backward slower compiled than eager at the widths that offload, and does activat
 checkpointing (which the offloaded plans use) change the answer?
 
 For each preset, one Block in bf16 on the GPU, input [micro-batch, seq, hidden], four modes:
-eager or compiled (engine/compile.py's function, as `fitgpt train --compile on` compiles a
-block), each without and with activation checkpointing (torch.utils.checkpoint, non-reentrant,
-as engine/activation.py wraps a block). Median of 10 timed forward + backward passes after 3
-warm-up passes; one process, so the rows share a GPU state.
+eager or compiled (engine/transforms/compile.py's function, as `fitgpt train --compile on` compiles
+a block), each without and with activation checkpointing (torch.utils.checkpoint, non-reentrant,
+as engine/transforms/activation.py wraps a block). Median of 10 timed forward + backward passes
+after 3 warm-up passes; one process, so the rows share a GPU state.
 
     python3 benchmarks/history/block_speed_gpu.py --out $OUT [--presets 2.7b,6.7b,13b]
         [--micro-batch 8]
@@ -36,7 +36,7 @@ def main() -> None:
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    from fitgpt.engine.compile import _block_train
+    from fitgpt.engine.transforms.compile import _block_train
     from fitgpt.model.config import get_preset
     from fitgpt.model.gpt import Block
 

@@ -1,4 +1,5 @@
-"""Compact optimizer state on the GPU: the CUDA paths of engine/compact.py, checked on real runs.
+"""Compact optimizer state on the GPU: the CUDA paths of engine/formats/compact.py, checked on real
+runs.
 
 A small bf16 model (4 layers, hidden 512) through the zero engine on CUDA, the same batches for
 every case, each tier (device-homed state, host RAM, host RAM with streamed weights, the disk):

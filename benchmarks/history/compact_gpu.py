@@ -14,7 +14,7 @@ records go to OUT/user_path.jsonl through benchmarks/user_path.py's `step`):
      without the disk, trained by `fitgpt train` for 3 steps; then the same with the disk
      offered (--nvme-path), 2 steps; and without the disk with int8 moments asked for (they are
      not among the planner's default formats), 2 steps (b1, b2, b3: one of the three).
-  n  the host AdamW through the native kernel (engine/hostkernel.py, the GPU machines'
+  n  the host AdamW through the native kernel (engine/formats/hostkernel.py, the GPU machines'
      default) against fp32 state on one 8 B block; then 8 B by `fitgpt train` in fp32 state, in
      compact state (native kernel) and in compact state through the torch path
      (FITGPT_HOST_KERNELS=eager), 6 steps each.

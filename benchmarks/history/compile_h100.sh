@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 19 on one GPU (nvidia-h100-x1): `fitgpt train --compile off` against `--compile on`
-# (compiled blocks and head+loss, engine/compile.py), same tokens (random, the model's
+# (compiled blocks and head+loss, engine/transforms/compile.py), same tokens (random, the model's
 # vocabulary), bf16, seq 1024, 4 accumulation steps, --engine zero at the planner's choice
 # otherwise: GPT-2 124 M at micro-batch 12, GPT-2 1.5 B and the 2.7b preset at micro-batch 8.
 # Each run in its own process (a cold dynamo cache; Inductor's disk cache is whatever the

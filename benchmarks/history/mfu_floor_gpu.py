@@ -3,7 +3,8 @@ parts measured alone, back to back, with nothing else on the GPU:
 
   gemm       every matrix product of one step (32 blocks x 4 micro-batches of 8 x 1024 tokens,
              the tied head), as the engine calls them: F.linear's addmm forward, the input
-             gradient's mm and the weight gradient's addmm_ into a bf16 buffer (engine/wgrad.py)
+             gradient's mm and the weight gradient's addmm_ into a bf16 buffer
+             (engine/transforms/wgrad.py)
   gemm_lt    the same with torch's cuBLASLt preferred for every product
   attention  causal scaled_dot_product_attention forward + backward on q/k/v views of one
              [8, 1024, 3 x 2560] tensor (the model's layout; 32 heads of 80), 128 times
@@ -42,7 +43,7 @@ def rest_bytes() -> dict:
     (read dy, x and the residual gradient, write one: 4·M·H each), and q/k/v's three gradients
     gathered into one for the fused product (read and write 3·M·H: cuDNN returns three). The
     head's cross-entropy reads its [M, V] logits forward and backward and writes their gradient.
-    The optimizer moves 28 bytes per parameter (engine/update.py's one pass)."""
+    The optimizer moves 28 bytes per parameter (engine/chunked/update.py's one pass)."""
     per_block = (4 + 4 + 8) + (12 + 4 + 4 + 6)  # in units of M·H bf16 elements
     blocks = per_block * M * H * 2 * L * MICRO
     head = 3 * M * V * 2 * MICRO

@@ -96,7 +96,7 @@ def classify(exc: BaseException) -> tuple[str, str]:
 
 def compile_record(engine) -> dict:
     """`compiled` (whether regions ran compiled) and, if so, `compile_s` and dynamo's counts
-    (engine/compile.py). The compile happens in the first step, a warm-up step unless
+    (engine/transforms/compile.py). The compile happens in the first step, a warm-up step unless
     --warmup 0: step_s is then the steady-state speed and compile_s the one-off cost."""
     report = engine.compile_report() if hasattr(engine, "compile_report") else None
     if not report or not report["regions"]:

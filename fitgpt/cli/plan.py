@@ -64,7 +64,7 @@ def register(sub) -> None:
         skip=("split", "sample_order"),
     )
     # the batch flags are train's, with train's defaults: plan prices the run train makes
-    # (--steps: what --compile auto weighs a compile against, engine/compile.py)
+    # (--steps: what --compile auto weighs a compile against, engine/transforms/compile.py)
     batch = ("micro_batch", "grad_accum", "steps")
     add_config_args(
         p.add_argument_group("batch and length (as in `fitgpt train`)"),

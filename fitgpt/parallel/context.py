@@ -234,7 +234,8 @@ def context_parallel(model: DecoderLM, cp: ContextGroup) -> DecoderLM:
     """Make `model` context-parallel over cp's group (C = cp.size > 1), in place; returns it.
     The parameters keep their names and shapes (every rank holds all of them), so the chunk
     layout, checkpoints and initialisation are the unsplit model's. Hooks, not new modules:
-    the engines' own hooks and linears (streamed weights, engine/wgrad.py) stay as they are."""
+    the engines' own hooks and linears (streamed weights, engine/transforms/wgrad.py) stay as they
+    are."""
     rule, found = model.family.split_rule, 0
     for path, module in model.named_modules():
         if ".attn." not in f".{path}" or not isinstance(module, nn.Linear):

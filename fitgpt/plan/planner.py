@@ -79,7 +79,7 @@ def plan(
     if work.device == "cuda" and not any(c.fits for c in cands) and "checkpointing" not in fixed:
         # the block inputs in pinned host RAM (--checkpointing cpu) only where nothing fits
         # without: the step model does not price its copies' share of the PCIe link with the
-        # offloaded optimizer's and the streamed weights' traffic (engine/activation.py)
+        # offloaded optimizer's and the streamed weights' traffic (engine/transforms/activation.py)
         cands = plan_among(work, grad_accum, hw, rates, fixed, host_activations=True)
     return cands
 
@@ -121,7 +121,8 @@ def plan_among(
             first = min((c for c in cands if in_ram(c)), key=speed)
             if not offloads(first) or hw.device != "cuda":
                 # compact state is faster only in the host tier's update, through the native
-                # kernel that GPU machines use (engine/hostkernel.py; CPU runs take torch's path)
+                # kernel that GPU machines use (engine/formats/hostkernel.py; CPU runs take torch's
+                # path)
                 break
             # the rungs above are priced for speed alone, without the disk (a plan that streams
             # its state through it is never chosen over one in RAM)

@@ -25,10 +25,10 @@ from __future__ import annotations
 import itertools
 import math
 
-from fitgpt.engine.compile import CHECKPOINTED, compiled
+from fitgpt.engine.chunked.placement import ChunkPlan, Placement
 from fitgpt.engine.config import EngineConfig
-from fitgpt.engine.moments import bytes_per_param
-from fitgpt.engine.placement import ChunkPlan, Placement
+from fitgpt.engine.formats.moments import bytes_per_param
+from fitgpt.engine.transforms.compile import CHECKPOINTED, compiled
 from fitgpt.engine.validate import CPU_FP16_SLOWDOWN
 from fitgpt.model.family import family_of
 from fitgpt.plan.memory import Workload, attention_path, layout_of, placement_of, tp_of

@@ -26,8 +26,8 @@ import torch
 
 from fitgpt.dist import DistContext
 from fitgpt.engine.base import Engine, StepStats
-from fitgpt.engine.compile import report_line
 from fitgpt.engine.timing import PHASES
+from fitgpt.engine.transforms.compile import report_line
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
 from fitgpt.units import tflops

@@ -18,7 +18,7 @@ import traceback
 import torch
 
 from fitgpt.dist import DistContext
-from fitgpt.engine.compile import ASSUMED_MFU, SCOPES, compile_scope
+from fitgpt.engine.transforms.compile import ASSUMED_MFU, SCOPES, compile_scope
 from fitgpt.errors import UserError
 from fitgpt.model.family import family_of
 from fitgpt.plan.memory import tokens_per_step
