@@ -122,7 +122,7 @@ def test_the_engines_build_what_the_config_says():
     regions, whatever the machine (the planner, or setup for a run given whole, resolves them
     first on the user's path); --compile model needs the chunk engine."""
     from fitgpt.engine.transforms.compile import scope_of
-    from fitgpt.engine.validate import refusal
+    from fitgpt.plan.validate import refusal
 
     assert [scope_of(EngineConfig(compile=c)) for c in ("auto", "on", "off", "blocks", "model")] == [
         "off", "blocks", "off", "blocks", "model"

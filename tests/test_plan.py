@@ -459,7 +459,7 @@ def test_compiled_logits_are_priced_without_their_fp32_copies():
 def test_cpu_pricing_never_predicts_a_16_bit_precision_faster_than_fp32():
     """CPUs have no tensor cores: fp32 is not the slow path there (the GPU's FP32_FRACTION once
     priced it 12x slower than bf16), and fp16 has no fast matmul at all (measured ~20x slower
-    than fp32: engine/validate.py). The GPU keeps its tensor-core order."""
+    than fp32: plan/validate.py). The GPU keeps its tensor-core order."""
     m = ModelConfig(n_layer=2, n_embd=64, n_head=2, seq_len=32, vocab_size=256)
     r = DEFAULTS["cpu"]
 

@@ -28,8 +28,8 @@ from fitgpt.data.source import BatchLoader
 from fitgpt.data.synthetic import UniformSource
 from fitgpt.dist import init_distributed
 from fitgpt.dist.env import configure_process
-from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
+from fitgpt.plan.fixed import Fixed
 from fitgpt.plan.memory import tokens_per_step
 from fitgpt.train.metrics import peak_flops
 from fitgpt.train.setup import OutOfMemory

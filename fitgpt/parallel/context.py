@@ -153,7 +153,7 @@ def context_parallel_refusal(
     sequence_parallel: bool = False,
 ) -> str | None:
     """The one line refusing a C the model or the job cannot be split by, or None
-    (engine/validate.py asks it for train, plan, capacity and the planner's candidates; C >= 1
+    (plan/validate.py asks it for train, plan, capacity and the planner's candidates; C >= 1
     is EngineConfig's own check). `tp`: T (0, auto: judged once the planner has chosen)."""
     if cp <= 1 or tp == 0:
         return None

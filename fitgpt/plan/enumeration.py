@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from fitgpt.engine import validate
 from fitgpt.engine.config import EngineConfig
-from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
 from fitgpt.parallel.shard import tensor_parallel_refusal, tp_divisors
+from fitgpt.plan import validate
 from fitgpt.plan.candidate import Candidate, evaluate
+from fitgpt.plan.fixed import Fixed
 from fitgpt.plan.memory import Workload
 
 

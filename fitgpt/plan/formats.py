@@ -21,8 +21,8 @@ from typing import Any
 
 from fitgpt.engine.chunked.placement import Placement
 from fitgpt.engine.config import EngineConfig
-from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
+from fitgpt.plan.fixed import Fixed
 
 FIELDS = ("master", "moments", "device_moments")
 Formats = tuple[str, str, str]  # (master, moments of offloaded blocks, moments on the device)
@@ -105,7 +105,7 @@ def settled(e: EngineConfig, placement: Placement | None) -> EngineConfig:
     stored in it: the name and the flags then say only what is used). Also a format the user
     fixed: `--moments int8` under --plan auto asks for int8 where the plan offloads;
     a plan that offloads nothing keeps no moments in it, and its flags, run with --plan off,
-    would be refused as a flag that changes nothing (engine/validate.py)."""
+    would be refused as a flag that changes nothing (plan/validate.py)."""
     used = in_effect(placement)
     changes = {}
     for name, value in zip(FIELDS, used):

@@ -97,7 +97,7 @@ def setup_run(run, ctx: DistContext, fixed, force: bool = False, log=print):
     run = resolve_run(run, ctx.device.type, ctx.world, settle_compile=False)
     # the one validation of a run's settings (engine/validate.py), on the model as built (its
     # vocabulary is the tokenizer's now): what the CLI checked, and the benchmark harness's runs
-    from fitgpt.engine.validate import check_settings
+    from fitgpt.plan.validate import check_settings
 
     check_settings(run.model, run.engine, run.precision, ctx.world, ctx.device.type, fixed)
     if fixed is None:  # --plan off: the engine config as given, --compile settled on it
@@ -138,9 +138,9 @@ def phase_of(e: BaseException, default: str) -> str:
 
 def oom_message(run, ctx: DistContext, where: str, phase: str) -> str:
     """One line: what ran out, at which phase, the plan's prediction, and a plan that would fit."""
-    from fitgpt.engine.fixed import Fixed
     from fitgpt.plan import hardware, rates
     from fitgpt.plan.apply import plan_run, workload_of
+    from fitgpt.plan.fixed import Fixed
     from fitgpt.plan.memory import GiB, estimate
 
     est = estimate(workload_of(run, ctx.world, ctx.device.type), run.engine)

@@ -260,7 +260,7 @@ class Placement:
         return f"ZeRO stage {self.stage} on {self.world} rank(s), {where}"
 
 
-# ---- what a placement cannot be (engine/validate.py asks before torchrun, the engine at build)
+# ---- what a placement cannot be (plan/validate.py asks before torchrun, the engine at build)
 def stream_refusal(dp: int, stage: int) -> str | None:
     """Streamed weights on several data-parallel ranks need ZeRO-3: each rank streams its own
     shard, and only stage 3 gathers the whole weights per use."""

@@ -27,9 +27,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from fitgpt.engine.config import EngineConfig, PrecisionConfig
-from fitgpt.engine.fixed import ENGINE_FIELDS, Fixed
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
+from fitgpt.plan.fixed import ENGINE_FIELDS, Fixed
 
 SCALER_FIELDS = ("initial_scale", "growth_interval", "hysteresis", "min_scale")
 
