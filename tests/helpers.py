@@ -126,7 +126,7 @@ def full_tp_grads(tp_model, mesh, split, sp: bool) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fitgpt.engine.tp_state import sync_replicated
+    from fitgpt.engine.transforms.tp_state import sync_replicated
     from fitgpt.parallel.shard import unshard
 
     if sp:

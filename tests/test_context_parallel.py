@@ -20,12 +20,12 @@ from fitgpt.data.source import Batch, BatchLoader
 from fitgpt.dist import DistContext, init_distributed
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
-from fitgpt.engine.validate import check_settings
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, build_model
 from fitgpt.parallel import context_parallel, parallelize
 from fitgpt.parallel.context import check_context_parallel, heads_to_seq, seq_to_heads
 from fitgpt.parallel.shard import unshard
+from fitgpt.plan.validate import check_settings
 from fitgpt.train.loop import train
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
@@ -286,7 +286,7 @@ def test_context_parallel_the_scheme_cannot_run_is_refused_in_one_line():
         check_context_parallel(2, llama, 4, tp=2)  # 2 key/value heads: 1 per TP rank
     with pytest.raises(UserError, match="whole number"):
         EngineConfig(context_parallel=0)
-    # the one validation train, plan and the planner share (engine/validate.py)
+    # the one validation train, plan and the planner share (plan/validate.py)
     with pytest.raises(UserError, match="--context-parallel 4 does not divide"):
         check_settings(
             llama, EngineConfig(context_parallel=4), PrecisionConfig(precision="fp32"), 4, "cpu"

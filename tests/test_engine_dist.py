@@ -62,8 +62,9 @@ def two_rank_worker(rank: int, world: int, tmp: str) -> None:
         ls, mem = losses(EngineConfig(engine=engine, zero_stage=stage, checkpointing=ck), ctx)
         results[f"{engine}{stage}{ck}"] = {"losses": ls, "mem": mem}
     results["bf16_stage3"] = losses(EngineConfig(engine="zero", zero_stage=3), ctx, "bf16")[0]
-    # compiled: the block linears write their weight gradients themselves (engine/wgrad.py) and
-    # report them to the reducer, which reduce-scatters each chunk once its last one lands
+    # compiled: the block linears write their weight gradients themselves
+    # (engine/transforms/wgrad.py) and report them to the reducer, which reduce-scatters each chunk
+    # once its last one lands
     ecfg, seen = EngineConfig(engine="zero", zero_stage=1, compile="blocks"), []
     results["zero1_compiled"] = losses(ecfg, ctx, seen=seen)[0]
     results["zero1_fused_linears"] = seen.count("FusedLinear")

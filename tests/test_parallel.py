@@ -19,7 +19,7 @@ from helpers import TINY, engine_losses, run_config
 from fitgpt.dist import DistContext, init_distributed
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
-from fitgpt.engine.tp_state import sync_replicated
+from fitgpt.engine.transforms.tp_state import sync_replicated
 from fitgpt.errors import UserError
 from fitgpt.infer.generate import SampleConfig, generate, load_model
 from fitgpt.model import GPT, ModelConfig

@@ -406,7 +406,7 @@ def test_the_streamed_variant_is_priced_when_the_optimizer_alone_fits_too():
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_host_work_overlaps_the_next_forward_only_where_no_gather_waits_for_it(stage):
     """Stages 1-2 on several ranks all-gather the host's new shards inside the step, so the
-    host's work cannot hide behind the next forward (engine/update.py); on one rank, or at
+    host's work cannot hide behind the next forward (engine/chunked/update.py); on one rank, or at
     stage 3 (blocks gathered as they run), the device-homed blocks' forward comes first."""
     m = ModelConfig(n_layer=8, n_embd=256, n_head=4, seq_len=64)
     e = EngineConfig(engine="zero", zero_stage=stage, offload_optimizer="cpu", offload_blocks=2,

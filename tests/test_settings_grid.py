@@ -1,4 +1,4 @@
-"""`fitgpt plan` and `fitgpt train` judge a run's settings alike (engine/validate.py).
+"""`fitgpt plan` and `fitgpt train` judge a run's settings alike (plan/validate.py).
 
 One grid of TP / SP / precision / master / moments / offload settings on 1-4 ranks, GPUs and
 CPUs, each case driven through both commands in this process: `fitgpt plan` through
@@ -18,8 +18,8 @@ import pytest
 
 from fitgpt.cli import build_parser, main
 from fitgpt.cli.train import check_settings, resolve_command
-from fitgpt.engine.validate import typed_flags
 from fitgpt.errors import UserError
+from fitgpt.plan.validate import typed_flags
 
 # 6 heads and 4·96 and a 192-row vocabulary divide by 2, 3 and 4 (T=3 fits 3 ranks); the
 # 20-token sequence divides by 2 and 4, not 3 (--sequence-parallel at T=3 is refused)

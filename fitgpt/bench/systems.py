@@ -15,9 +15,9 @@ from fitgpt.bench.peers import LR
 from fitgpt.dist import DistContext
 from fitgpt.engine.base import Batch
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
-from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
+from fitgpt.plan.fixed import Fixed
 
 
 class Runner(Protocol):
@@ -124,10 +124,10 @@ def bench_run(model: ModelConfig, bench: BenchConfig, precision: str, device: st
 
 
 def check_trial(system: System, bench: BenchConfig, layers: int, gpus: int, device: str) -> None:
-    """Refuse, in one line, a trial `fitgpt train` would refuse (engine/validate.py: a T that does
+    """Refuse, in one line, a trial `fitgpt train` would refuse (plan/validate.py: a T that does
     not divide the GPUs or heads, fp16 on a CPU, ...), before the first trial starts. `bench`:
     with the system's own changes. A peer's settings are its library's to judge."""
-    from fitgpt.engine.validate import check_settings
+    from fitgpt.plan.validate import check_settings
 
     if system.fixed is not None:
         run = bench_run(bench.model(layers), bench, system.precision, device)

@@ -64,7 +64,7 @@ def register(sub) -> None:
         skip=("split", "sample_order"),
     )
     # the batch flags are train's, with train's defaults: plan prices the run train makes
-    # (--steps: what --compile auto weighs a compile against, engine/compile.py)
+    # (--steps: what --compile auto weighs a compile against, engine/transforms/compile.py)
     batch = ("micro_batch", "grad_accum", "steps")
     add_config_args(
         p.add_argument_group("batch and length (as in `fitgpt train`)"),
@@ -97,11 +97,11 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fitgpt.engine.fixed import Fixed
-    from fitgpt.engine.validate import check_settings, typed_flags
     from fitgpt.plan import hardware, rates
     from fitgpt.plan.apply import plan_run
+    from fitgpt.plan.fixed import Fixed
     from fitgpt.plan.memory import GPU_SAFETY_MARGIN, GiB, gpu_budget
+    from fitgpt.plan.validate import check_settings, typed_flags
     from fitgpt.train.setup import engine_flags
 
     hw = hardware.detect(args.gpus, args.gpu_mem, args.cpu_mem, args.nvme, args.device)

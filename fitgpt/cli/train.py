@@ -19,9 +19,9 @@ from fitgpt.cli.args import (
 )
 from fitgpt.data.config import BUILTIN, DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
-from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
+from fitgpt.plan.fixed import Fixed
 from fitgpt.train.config import RunConfig, TrainConfig
 
 DEFAULT_PRESET = "tiny"
@@ -351,9 +351,9 @@ def apply_deepspeed_flags(args: argparse.Namespace) -> None:
 def check_settings(args: argparse.Namespace, run_cfg: RunConfig, world: int, typed: dict) -> None:
     """Refuse, in one line, what train cannot run on `world` ranks or a typed flag that would
     change nothing (`typed`: the engine and precision flags on the command line), before
-    torchrun starts and before anything is allocated: engine/validate.py, the validation plan,
+    torchrun starts and before anything is allocated: plan/validate.py, the validation plan,
     capacity and bench share. With --plan auto the engine fields not set are the planner's."""
-    from fitgpt.engine import validate
+    from fitgpt.plan import validate
 
     m, e, p, device = run_cfg.model, run_cfg.engine, run_cfg.precision, run_cfg.train.device
     validate.check_settings(m, e, p, world, device, planner_fixed(args), typed)
@@ -371,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
         from fitgpt.plan.hardware import parse_bytes
 
         cpu_mem = parse_bytes(args.cpu_mem, "--cpu-mem")
-    from fitgpt.engine.validate import typed_flags
+    from fitgpt.plan.validate import typed_flags
 
     # the flags typed, before a DeepSpeed config adds its keys as if typed (its keys are
     # judged by its own notes, not as flags that would change nothing)

@@ -17,9 +17,9 @@ def build_engine(
     seed: int = 0,
 ) -> Engine:
     if ecfg.engine == "ddp":
-        from fitgpt.engine.torch_engine import TorchEngine
+        from fitgpt.engine.ddp import TorchEngine
 
         return TorchEngine(model_cfg, ecfg, pcfg, ocfg, ctx, seed)
-    from fitgpt.engine.chunked import ChunkEngine
+    from fitgpt.engine.chunked.engine import ChunkEngine
 
     return ChunkEngine(model_cfg, ecfg, pcfg, ocfg, ctx, seed)

@@ -153,7 +153,7 @@ def context_parallel_refusal(
     sequence_parallel: bool = False,
 ) -> str | None:
     """The one line refusing a C the model or the job cannot be split by, or None
-    (engine/validate.py asks it for train, plan, capacity and the planner's candidates; C >= 1
+    (plan/validate.py asks it for train, plan, capacity and the planner's candidates; C >= 1
     is EngineConfig's own check). `tp`: T (0, auto: judged once the planner has chosen)."""
     if cp <= 1 or tp == 0:
         return None
@@ -234,7 +234,8 @@ def context_parallel(model: DecoderLM, cp: ContextGroup) -> DecoderLM:
     """Make `model` context-parallel over cp's group (C = cp.size > 1), in place; returns it.
     The parameters keep their names and shapes (every rank holds all of them), so the chunk
     layout, checkpoints and initialisation are the unsplit model's. Hooks, not new modules:
-    the engines' own hooks and linears (streamed weights, engine/wgrad.py) stay as they are."""
+    the engines' own hooks and linears (streamed weights, engine/transforms/wgrad.py) stay as they
+    are."""
     rule, found = model.family.split_rule, 0
     for path, module in model.named_modules():
         if ".attn." not in f".{path}" or not isinstance(module, nn.Linear):

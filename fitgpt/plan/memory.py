@@ -21,10 +21,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from fitgpt.dist.mesh import Mesh
-from fitgpt.engine.compile import compiled
+from fitgpt.engine.chunked.placement import MAX_INFLIGHT, Placement
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
-from fitgpt.engine.placement import MAX_INFLIGHT, Placement
+from fitgpt.engine.transforms.compile import compiled
 from fitgpt.model import ModelConfig, build_model, family_of
 from fitgpt.model.loss import loss_pieces, piece_bytes
 

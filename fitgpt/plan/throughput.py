@@ -25,14 +25,14 @@ from __future__ import annotations
 import itertools
 import math
 
-from fitgpt.engine.compile import CHECKPOINTED, compiled
+from fitgpt.engine.chunked.placement import ChunkPlan, Placement
 from fitgpt.engine.config import EngineConfig
-from fitgpt.engine.moments import bytes_per_param
-from fitgpt.engine.placement import ChunkPlan, Placement
-from fitgpt.engine.validate import CPU_FP16_SLOWDOWN
+from fitgpt.engine.formats.moments import bytes_per_param
+from fitgpt.engine.transforms.compile import CHECKPOINTED, compiled
 from fitgpt.model.families import family_of
 from fitgpt.plan.memory import Workload, attention_path, layout_of, placement_of, tp_of
 from fitgpt.plan.rates import Rates
+from fitgpt.plan.validate import CPU_FP16_SLOWDOWN
 
 FP32_FRACTION = (
     0.085  # fp32 (no tensor cores) runs at ~8.5% of the bf16 rate (H100 sweep, 2.0-3.6 B)

@@ -70,7 +70,7 @@ NAMES = {*BUILTIN, *sidecar.BUILTIN_SPECS, "auto", "none", ""}
 # --cpu-mem states what the machine gives, and every command sets it anew (cli/train.py).
 NOT_SETTINGS = {("train", "profile"), ("engine", "cpu_mem")}
 # Values that mean another one where no planner replaced them: a storage format left "auto" is
-# fp32 to the engine (engine/placement.py), so a run saved with --plan off and resumed planned
+# fp32 to the engine (engine/chunked/placement.py), so a run saved with --plan off and resumed planned
 # has not changed it.
 SAME_AS = {("engine", k): {"auto": "fp32"} for k in ("master", "moments", "device_moments")}
 SAMPLED = 1 << 20  # bytes hashed at each end of a data file (data_fingerprint)

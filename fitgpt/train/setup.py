@@ -18,7 +18,7 @@ import traceback
 import torch
 
 from fitgpt.dist import DistContext
-from fitgpt.engine.compile import ASSUMED_MFU, SCOPES, compile_scope
+from fitgpt.engine.transforms.compile import ASSUMED_MFU, SCOPES, compile_scope
 from fitgpt.errors import UserError
 from fitgpt.model.families import family_of
 from fitgpt.plan.memory import tokens_per_step
@@ -80,7 +80,7 @@ def resolve_run(run, device_type: str, world: int = 1, settle_compile: bool = Tr
 
 def unplanned_compile(run, device_type: str, world: int) -> str:
     """--compile of a run that is not planned (--plan off, or a RunConfig trained directly):
-    the planner's rule (engine/compile.py compile_scope) applied to the engine config as given,
+    the planner's rule (engine/transforms/compile.py compile_scope) applied to the engine config as given,
     the run's length estimated from its FLOPs (estimated_run_s) instead of a priced step."""
     from fitgpt.plan.apply import workload_of
     from fitgpt.plan.memory import layout_of, placement_of
@@ -100,7 +100,7 @@ def estimated_run_s(run, device_type: str) -> float:
     """Seconds of training steps `run` takes on one GPU, estimated from its model FLOPs at
     ASSUMED_MFU of the GPU's bf16 peak (the fastest known GPU's if unknown); 0 on CPUs. Only
     an unplanned --compile auto reads it: compiling is worth it when the run is long
-    (engine/compile.py)."""
+    (engine/transforms/compile.py)."""
     if device_type != "cuda":
         return 0.0
     from fitgpt.train.metrics import PEAK_BF16, peak_flops
@@ -113,11 +113,11 @@ def estimated_run_s(run, device_type: str) -> float:
 
 def setup_run(run, ctx: DistContext, fixed, force: bool = False, log=print):
     """The run as it will be built: resolved, then planned (`fixed`: the engine fields the user
-    set, an engine.fixed.Fixed; None: no planning, the engine config is used as given)."""
+    set, a plan.fixed.Fixed; None: no planning, the engine config is used as given)."""
     run = resolve_run(run, ctx.device.type, ctx.world, settle_compile=False)
-    # the one validation of a run's settings (engine/validate.py), on the model as built (its
+    # the one validation of a run's settings (plan/validate.py), on the model as built (its
     # vocabulary is the tokenizer's now): what the CLI checked, and the benchmark harness's runs
-    from fitgpt.engine.validate import check_settings
+    from fitgpt.plan.validate import check_settings
 
     check_settings(run.model, run.engine, run.precision, ctx.world, ctx.device.type, fixed)
     if fixed is None:  # --plan off: the engine config as given, --compile settled on it
@@ -158,9 +158,9 @@ def phase_of(e: BaseException, default: str) -> str:
 
 def oom_message(run, ctx: DistContext, where: str, phase: str) -> str:
     """One line: what ran out, at which phase, the plan's prediction, and a plan that would fit."""
-    from fitgpt.engine.fixed import Fixed
     from fitgpt.plan import hardware, rates
     from fitgpt.plan.apply import plan_run, workload_of
+    from fitgpt.plan.fixed import Fixed
     from fitgpt.plan.memory import GiB, estimate
 
     est = estimate(workload_of(run, ctx.world, ctx.device.type), run.engine)

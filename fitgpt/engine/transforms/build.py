@@ -26,7 +26,7 @@ from torch import Tensor
 from fitgpt.dist.mesh import ContextGroup, Mesh
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
 from fitgpt.engine.state_io import Piece, Reader, StateReader, WeightSource, open_reader
-from fitgpt.engine.tp_state import TPReader, sharded_init, tp_pieces, unsplitter
+from fitgpt.engine.transforms.tp_state import TPReader, sharded_init, tp_pieces, unsplitter
 from fitgpt.model import DecoderLM, ModelConfig, build_model
 from fitgpt.parallel import (
     check_context_parallel,
@@ -41,7 +41,8 @@ Init = Callable[[str, Tensor], None]
 class StateView:
     """The unsplit model as this rank's state meets it: checkpoints hold whole chunks in the
     unsplit layout, initialisation draws whole parameters, generation wants whole weights. At
-    T = 1 every method passes through; SplitView is tensor parallelism's (engine/tp_state.py)."""
+    T = 1 every method passes through; SplitView is tensor parallelism's
+    (engine/transforms/tp_state.py)."""
 
     def init(self, init: Init) -> Init:
         """init(name, t) for this rank's tensor t, from the unsplit model's init by name."""

@@ -27,9 +27,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from fitgpt.engine.config import EngineConfig, PrecisionConfig
-from fitgpt.engine.fixed import ENGINE_FIELDS, Fixed
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
+from fitgpt.plan.fixed import ENGINE_FIELDS, Fixed
 
 SCALER_FIELDS = ("initial_scale", "growth_interval", "hysteresis", "min_scale")
 
@@ -64,7 +64,7 @@ def refusal(
     (bf16, fp16 or fp32), `device` is "cuda" or "cpu", `world` the job's ranks. `planning`: the
     planner resolves what is left open (--tensor-parallel auto); `chosen`: the engine fields
     it will choose, whose values in `engine` are placeholders and are not judged."""
-    from fitgpt.engine.placement import (
+    from fitgpt.engine.chunked.placement import (
         disk_blocks,
         offloaded_blocks,
         split_master_refusal,
@@ -114,8 +114,8 @@ def refusal(
     if settled("offload_params", "zero_stage") and streams and stream_refusal(dp, e.zero_stage):
         return stream_refusal(dp, e.zero_stage)
     if settled("offload_blocks", "nvme_blocks"):
-        # the placement's own rule (engine/placement.py), before anything is built; a tier the
-        # planner chooses is the one these counts imply (plan/enumeration.py: enumerate_plans)
+        # the placement's own rule (engine/chunked/placement.py), before anything is built; a tier
+        # the planner chooses is the one these counts imply (plan/enumeration.py: enumerate_plans)
         tier = e.offload_optimizer if settled("offload_optimizer") else implied_tier(e)
         counts = SimpleNamespace(
             offload_optimizer=tier, offload_blocks=e.offload_blocks, nvme_blocks=e.nvme_blocks
