@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_refusal import assert_refused, run_in_process
-from helpers import TINY, run_config
+from helpers import TINY, run_config, train
 
 from fitgpt.dist import DistContext, init_distributed
 from fitgpt.engine.chunked.placement import Placement
@@ -26,7 +26,6 @@ from fitgpt.engine.formats.compact import (
 from fitgpt.engine.formats.moments import BLOCK
 from fitgpt.engine.state_io import KINDS, StateReader
 from fitgpt.errors import UserError
-from fitgpt.train.loop import train
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 I32 = torch.int32

@@ -15,15 +15,14 @@ import shutil
 
 import pytest
 import torch
-from helpers import TINY, run_config
+from helpers import TINY, assembled, run_config, train
 
 from fitgpt.dist import DistContext
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.engine.transforms.compile import auto_compile, compile_pays, compile_scope, report_line
 from fitgpt.errors import UserError
-from fitgpt.train.loop import train
-from fitgpt.train.setup import estimated_run_s, resolve_run, setup_run
+from fitgpt.train.setup import estimated_run_s, unplanned_compile
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 CXX = shutil.which("g++") or shutil.which("c++")
@@ -186,10 +185,9 @@ def test_auto_compiles_only_long_gpu_runs():
     assert not compile_pays(330.0, "off", 0.933)
     assert compile_scope("auto", "zero", "cuda", 4096, 1, False, "full", 1e9, 1.08) == "off"
     run = run_config("unused", compile="auto")
-    resolved = resolve_run(run, "cpu")
-    assert resolved.engine.compile == "off" and estimated_run_s(run, "cpu") == 0.0
+    assert unplanned_compile(run, "cpu", 1) == "off" and estimated_run_s(run, "cpu") == 0.0
     on = run_config("unused", compile="on")
-    assert resolve_run(on, "cpu").engine.compile == "blocks"  # asked for: compiled, even on a CPU
+    assert unplanned_compile(on, "cpu", 1) == "blocks"  # asked for: compiled, even on a CPU
 
 
 def test_auto_is_settled_for_each_plan_on_its_own_checkpointing(tmp_path, monkeypatch):
@@ -207,22 +205,22 @@ def test_auto_is_settled_for_each_plan_on_its_own_checkpointing(tmp_path, monkey
 
     monkeypatch.setattr(compile_mod, "auto_compile", decide)
     run = run_config(tmp_path, engine="zero", compile="auto")
-    planned = setup_run(run, CPU, Fixed(), log=lambda *_: None)
+    planned = assembled(run, CPU, fixed=Fixed()).config
     assert {"off", "full"} <= set(seen)  # each plan weighed on its own
     assert planned.engine.compile == ("blocks" if planned.engine.checkpointing == "off" else "off")
-    forced = setup_run(run, CPU, Fixed.of({"checkpointing": "full"}), log=lambda *_: None)
+    forced = assembled(run, CPU, fixed=Fixed.of({"checkpointing": "full"})).config
     assert forced.engine.compile == "off"
 
 
 def test_the_planner_resolves_the_compile_flag(tmp_path):
-    """setup_run (train and the bench harness): the planner resolves --compile on into the
-    scope it priced; off stays off."""
+    """A planned run's assembly (train and the bench harness: train/assemble.py): the planner
+    resolves --compile on into the scope it priced; off stays off."""
     from fitgpt.plan.apply import Fixed
 
     run = run_config(tmp_path, engine="zero", compile="on")
-    planned = setup_run(run, CPU, Fixed(), log=lambda *_: None)
+    planned = assembled(run, CPU, fixed=Fixed()).config
     assert planned.engine.compile == "blocks"  # on a CPU: never the whole model
-    fixed = setup_run(run, CPU, Fixed.of({"compile": "off"}), log=lambda *_: None)
+    fixed = assembled(run, CPU, fixed=Fixed.of({"compile": "off"})).config
     assert fixed.engine.compile == "off"
 
 

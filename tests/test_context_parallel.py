@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import run_config
+from helpers import run_config, train
 from test_packing import LLAMA, S, packed_batch
 
 from fitgpt.data.source import Batch, BatchLoader
@@ -26,7 +26,6 @@ from fitgpt.parallel import context_parallel, parallelize
 from fitgpt.parallel.context import check_context_parallel, heads_to_seq, seq_to_heads
 from fitgpt.parallel.shard import unshard
 from fitgpt.plan.validate import check_settings
-from fitgpt.train.loop import train
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 MODELS = {
@@ -193,6 +192,7 @@ def test_context_parallel_composes_with_tensor_parallel(tmp_path, gloo):
 def engine_run(cfg: ModelConfig, ecfg: EngineConfig, ctx, packed: bool) -> dict:
     """STEPS steps of 2 micro-batches of 2 rows, each rank its slice of every row; the losses,
     gradient norms and a checksum of each weight after the last step."""
+    ctx = ctx.laid_out(ecfg.tensor_parallel, ecfg.context_parallel)
     e = build_engine(cfg, ecfg, PrecisionConfig(precision="fp32"), OptimConfig(grad_clip=0.5), ctx)
     C, c = e.ctx.cp_size, e.ctx.cp.rank if e.ctx.cp is not None else 0
     out: dict = {"loss": [], "norm": []}

@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import TINY, engine_losses, run_config
+from helpers import TINY, engine_losses, run_config, train
 
 from fitgpt.dist import DistContext, init_distributed
-from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
-from fitgpt.engine.factory import build_engine
+from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.transforms.tp_state import sync_replicated
 from fitgpt.errors import UserError
 from fitgpt.infer.generate import SampleConfig, generate, load_model
@@ -31,7 +30,6 @@ from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import GiB, Workload, estimate, layout_of, torch_state, zero_state
 from fitgpt.plan.planner import plan
 from fitgpt.plan.throughput import step_time, tp_comm_time
-from fitgpt.train.loop import train
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 split_rule = GPT.family.split_rule  # how TP cuts each GPT-2 parameter
@@ -197,10 +195,8 @@ def test_bad_tensor_parallel_degrees_are_refused_in_one_line():
     odd = ModelConfig(**{**TINY.__dict__, "seq_len": 33})
     with pytest.raises(UserError, match="sequence length"):
         check_tensor_parallel(2, odd, 2, sequence_parallel=True)
-    with pytest.raises(UserError, match="does not divide"):  # before any engine is built
-        build_engine(
-            TINY, EngineConfig(tensor_parallel=2), PrecisionConfig("fp32"), OptimConfig(), CPU
-        )
+    with pytest.raises(UserError, match="does not divide"):  # no mesh, so no engine, is built
+        CPU.laid_out(2, 1)
 
 
 def test_the_planner_prices_tensor_parallel_plans():

@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_gloo
-from helpers import TINY, run_config
+from helpers import TINY, run_config, train
 
 from fitgpt.dist import DistContext, init_distributed
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.engine.formats.speculate import undo_adamw_
-from fitgpt.train.loop import train
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 MODEL = TINY.replace(n_layer=4)

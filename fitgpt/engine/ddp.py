@@ -61,11 +61,10 @@ class TorchEngine(Engine):
         ctx: DistContext,
         seed: int = 0,
     ) -> None:
-        ctx = ctx.with_tensor_parallel(ecfg.tensor_parallel)  # the TP × DP layout (dist/mesh.py)
-        ctx = ctx.with_context_parallel(ecfg.context_parallel)  # DDP over all ranks, CP or not
+        # ctx: laid out for ecfg (engine/factory.py); DDP runs over every rank, CP or not
         self.model_cfg, self.ecfg, self.pcfg, self.ocfg, self.ctx = model_cfg, ecfg, pcfg, ocfg, ctx
         self.device, self.mesh = ctx.device, ctx.mesh
-        built = build(model_cfg, self.mesh, ctx.world, ecfg.sequence_parallel, self.device, ctx.cp)
+        built = build(model_cfg, self.mesh, ecfg.sequence_parallel, self.device, ctx.cp)
         model, self.layout, self.local_layout = built.model, built.layout, built.local_layout
         self.view = built.view
         model.to_empty(device=self.device)

@@ -4,10 +4,10 @@ Each config checks its own fields in `__post_init__` (engine/config.py: `--engin
 ZeRO stage, streamed weights without an offload tier, ...). What needs two configs, the job's
 rank count or the device is decided here, once, and called by everything that plans or runs:
 
-  `fitgpt train` (cli/train.py, before torchrun starts and before any rank allocates),
+  a run's assembly (train/assemble.py settle, on the model as built: `fitgpt train` once, before
+  torchrun starts and before any rank allocates; the benchmark harness's trials),
   `fitgpt plan`, `fitgpt capacity` and `fitgpt bench sweep` (before the first candidate or
-  trial), train/setup.py setup_run (on the model as built: every rank, and the benchmark
-  harness's trials), and the planner itself, which drops every candidate `refusal` refuses,
+  trial), and the planner itself, which drops every candidate `refusal` refuses,
   so it can never choose a plan that train would refuse (tests/test_settings_grid.py).
 
 Two kinds of line:
@@ -180,15 +180,6 @@ def no_effect(
                 "scaler): add --precision fp16, or drop it"
             )
     return None
-
-
-def typed_flags(args: Any) -> dict[str, Any]:
-    """The engine and precision flags typed on a command line (an argparse namespace whose
-    flags' dests are the fields' names, None when not given), and the block shares
-    --offload-fraction / --nvme-fraction as typed (the counts they become are not typed)."""
-    names = [*ENGINE_FIELDS, *PrecisionConfig.__dataclass_fields__, "offload_fraction"]
-    names.append("nvme_fraction")
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
 def flag_text(name: str, value: Any) -> str:

@@ -34,22 +34,13 @@ from fitgpt.data import sidecar
 from fitgpt.data.config import BUILTIN, DataConfig
 from fitgpt.data.indexed import paths as pair_paths
 from fitgpt.data.tokenizer import Tokenizer, load_tokenizer
-from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
 from fitgpt.plan.memory import tokens_per_step
 from fitgpt.train import checkpoint as ckpt_io
-from fitgpt.train.config import RunConfig, TrainConfig
+from fitgpt.train.config import PARTS, RunConfig
 from fitgpt.train.init_from import FREE
 
-PARTS = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "train": TrainConfig,
-    "engine": EngineConfig,
-    "precision": PrecisionConfig,
-    "optim": OptimConfig,
-}
 # Fields whose change would make the saved state or the data order mean something else.
 FIXED = {"train": ("seed",)}
 # Fields since removed, (part, name) -> what a run saved with the field on does now.

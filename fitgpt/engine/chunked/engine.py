@@ -93,17 +93,16 @@ class ChunkEngine(Engine):
         self.cuda = self.device.type == "cuda"
         self.precision, self.dtype = pcfg.precision, DTYPES[pcfg.precision]
         self.scaler = LossScaler(pcfg)
-        # the data-parallel group: every rank, or with --tensor-parallel T the ranks sharing this
-        # rank's TP index (dist/mesh.py); ZeRO shards and gradient reductions run over it
-        # (--context-parallel C: every rank; its CP group only trades attention's heads)
-        ctx = ctx.with_tensor_parallel(ecfg.tensor_parallel)
-        ctx = self.ctx = ctx.with_context_parallel(ecfg.context_parallel)
+        # the data-parallel group (ctx, laid out for ecfg: engine/factory.py): every rank, or
+        # with --tensor-parallel T the ranks sharing this rank's TP index (dist/mesh.py); ZeRO
+        # shards and gradient reductions run over it (--context-parallel C: every rank; its CP
+        # group only trades attention's heads)
         self.world = ctx.dp_world if ctx.distributed else 1
         self.peers = Peers(ctx.dp_group if self.world > 1 else None, self.world, ctx.dp_rank)
 
         self.mesh = ctx.mesh
         # on meta, no memory: every parameter is replaced by a chunk view below
-        built = build(model_cfg, self.mesh, ctx.world, ecfg.sequence_parallel, self.device, ctx.cp)
+        built = build(model_cfg, self.mesh, ecfg.sequence_parallel, self.device, ctx.cp)
         model, self.layout, self.local_layout = built.model, built.layout, built.local_layout
         self.view = built.view
         model.materialize_buffers(self.device)
