@@ -64,7 +64,6 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from fitgpt.dist.mesh import ContextGroup
-from fitgpt.errors import UserError
 from fitgpt.model import DecoderLM, ModelConfig
 
 
@@ -170,19 +169,6 @@ def context_parallel_refusal(
                 "then 1/C of the heads)"
             )
     return None
-
-
-def check_context_parallel(
-    cp: int,
-    cfg: ModelConfig,
-    world: int | None = None,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-) -> None:
-    """Refuse in one line, before anything is built (context_parallel_refusal)."""
-    why = context_parallel_refusal(cp, cfg, world, tp, sequence_parallel)
-    if why:
-        raise UserError(why)
 
 
 # ---- the model -----------------------------------------------------------------------------
