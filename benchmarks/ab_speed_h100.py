@@ -13,11 +13,12 @@ Each variant is `fitgpt train` with one change applied from outside, in this scr
               the norms and matrix products still read bf16), as autocast over fp32 weights
               keeps it in nanoGPT
   (fusedopt    AdamW as one compiled pass: measured here (results/ab_speed2_h100_2026-11-24),
-              then built into the engine as a compiled run's update, engine/update.py)
+              then built into the engine as a compiled run's update, engine/chunked/update.py)
   nopass      the engine's device update through torch's fused AdamW kernel as before the
-              one pass was built in (engine/update.py one_pass off), to measure what it moved
+              one pass was built in (engine/chunked/update.py one_pass off), to measure what it
+              moved
   (accfuse    each block linear's weight gradient accumulated by its GEMM: measured here,
-              then built into the engine, engine/wgrad.py)
+              then built into the engine, engine/transforms/wgrad.py)
   noacc       that turned off (autograd's fresh gradient and AccumulateGrad's add, as before)
   pdl         Inductor's programmatic dependent launch (a kernel's prologue overlaps the
               previous kernel's tail on Hopper)
@@ -36,10 +37,11 @@ Each variant is `fitgpt train` with one change applied from outside, in this scr
   (atenln     every LayerNorm as an op the compiler cannot see into, run by ATen's CUDA
               kernels (Inductor's at h=2560 loop over each row: 54 ms of the 2.7b step):
               measured here, results/ab_speed3_h100_2026-11-24/1_floor, then built into the
-              engine, engine/norm.py; its code here went with it)
+              engine, engine/transforms/norm.py; its code here went with it)
   noln        that turned off (Inductor's LayerNorms at every width, as before)
   sumdb       the block linears' bias gradients as ATen's sum over rows and an add, as before
-              the engine took them as one matrix-vector product (engine/wgrad.py _bias_grad)
+              the engine took them as one matrix-vector product (engine/transforms/wgrad.py
+              _bias_grad)
   lt          torch's cuBLASLt preferred for every matrix product (preferred_blas_library)
   eagerblk    the blocks eager, the head (final LayerNorm, logits, loss) still compiled
   a+b         variants applied together
@@ -114,7 +116,7 @@ def apply_one(variant: str, argv: list[str]) -> list[str]:
         gpt.GPT.head = lambda self, x: head(self, x.to(self.ln_f.weight.dtype))
         gpt.Block.forward = block_forward
     elif variant == "nopass":
-        from fitgpt.engine import update
+        from fitgpt.engine.chunked import update
 
         orig_init = update.TieredUpdate.__init__
 
@@ -147,17 +149,17 @@ def apply_one(variant: str, argv: list[str]) -> list[str]:
     elif variant == "ckpt":
         argv = [*argv, "--checkpointing", "full"]
     elif variant == "noln":
-        import fitgpt.engine.compile as comp
+        import fitgpt.engine.transforms.compile as comp
 
         comp.aten_norms = lambda *a: False
     elif variant == "sumdb":
-        import fitgpt.engine.wgrad as wgrad
+        import fitgpt.engine.transforms.wgrad as wgrad
 
         wgrad._bias_grad = lambda grad, dy2: grad.add_(dy2.sum(0))
     elif variant == "lt":
         torch.backends.cuda.preferred_blas_library("cublaslt")
     elif variant == "eagerblk":
-        import fitgpt.engine.compile as comp
+        import fitgpt.engine.transforms.compile as comp
 
         orig_init = comp.CompiledRegions.__init__
 
@@ -189,12 +191,12 @@ def apply_one(variant: str, argv: list[str]) -> list[str]:
         # the class, not a handler: the backward compiles on autograd's thread
         choices.InductorChoices.should_use_persistent_reduction = staticmethod(persistent)
     elif variant == "noacc":
-        import fitgpt.engine.chunked as chunked
-        from fitgpt.engine.wgrad import FusedWeightGrads
+        import fitgpt.engine.chunked.engine as chunked
+        from fitgpt.engine.transforms.wgrad import FusedWeightGrads
 
         chunked.fuse_weight_grads = lambda *a, **kw: FusedWeightGrads([])
     elif variant in ("whole", "whole_ro"):
-        import fitgpt.engine.chunked as chunked
+        import fitgpt.engine.chunked.engine as chunked
 
         orig_connect = chunked.ChunkEngine._connect_parts
 

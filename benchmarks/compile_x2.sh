@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Issue 19 on nvidia-h200-x2: the compiled chunk engine's own kernels (engine/wgrad.py's weight
-# and bias gradients written by their products, engine/norm.py's LayerNorms through ATen) on two
-# real GPUs, where the reducer's hooks and NCCL run after each gradient. GPT-2 1.5 B (h=1600, so
-# both apply), bf16, micro-batch 8 x 4, random tokens, 12 steps, `fitgpt train --gpus 2`: ZeRO
-# stage 1 eager and compiled, and stage 0 compiled; the losses of each step side by side.
+# Issue 19 on nvidia-h200-x2: the compiled chunk engine's own kernels (engine/transforms/wgrad.py's
+# weight and bias gradients written by their products, engine/transforms/norm.py's LayerNorms
+# through ATen) on two real GPUs, where the reducer's hooks and NCCL run after each gradient. GPT-2
+# 1.5 B (h=1600, so both apply), bf16, micro-batch 8 x 4, random tokens, 12 steps, `fitgpt train
+# --gpus 2`: ZeRO stage 1 eager and compiled, and stage 0 compiled; the losses of each step side by
+# side.
 # Usage (device): OUT=... bash benchmarks/compile_x2.sh
 set -u
 OUT=${OUT:-/tmp/compile_x2}

@@ -7,9 +7,9 @@ to a training step's peak at a long sequence, with the MLP whole and in pieces
 (model/pieces.py), and the same for the head + loss (whole logits and by rows, model/loss.py).
 
 Every variant runs in a fresh subprocess (no allocator or compile state shared). The block is
-fitgpt's own: a 1-layer Llama built by build_model, compiled by engine/compile.py's
+fitgpt's own: a 1-layer Llama built by build_model, compiled by engine/transforms/compile.py's
 compile_regions (the function fitgpt compiles, _block_train / _head_loss) and then wrapped by
-engine/activation.py's checkpoint_blocks (non-reentrant checkpoint around the compiled
+engine/transforms/activation.py's checkpoint_blocks (non-reentrant checkpoint around the compiled
 forward), exactly the order the engines apply them. A warm-up step (forward + backward, which
 compiles both graphs) runs first; then the resident-set high-water mark (VmHWM) is reset
 (/proc/self/clear_refs "5") and the measured step's forward and backward peaks are read from it,
@@ -71,8 +71,8 @@ def child(a) -> dict:
     torch.set_num_threads(2)
     import fitgpt.model.loss as loss_mod
     import fitgpt.model.pieces as pieces_mod
-    from fitgpt.engine.activation import checkpoint_blocks
-    from fitgpt.engine.compile import compile_regions
+    from fitgpt.engine.transforms.activation import checkpoint_blocks
+    from fitgpt.engine.transforms.compile import compile_regions
     from fitgpt.model import ModelConfig, build_model
 
     cfg = ModelConfig(

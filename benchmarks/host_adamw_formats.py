@@ -1,11 +1,11 @@
 """The host optimizer's per-chunk update in each storage format, timed on one large chunk.
 
-What the host optimizer's worker thread does for one offloaded chunk (engine/offload.py), on
+What the host optimizer's worker thread does for one offloaded chunk (engine/chunked/offload.py), on
 real tensors of one 8 B-model block (hidden 4096: 201.4 M elements; --elems to change):
   fp32 state:    the bf16 gradient upcast and scaled into an fp32 buffer, torch's fused AdamW
                  (torch.optim.AdamW(fused=True)) over the fp32 master and moments, the master
                  cast back into the bf16 staging buffer;
-  compact state: CompactState.step (engine/compact.py): the same, piece by piece through the
+  compact state: CompactState.step (engine/formats/compact.py): the same, piece by piece through the
                  worker's fp32 scratch, with the master split (bf16 weight + int16 remainder)
                  and/or the moments in bf16 or block-wise int8.
 Each format runs --warmup untimed and --reps timed updates; the table gives the median seconds
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from fitgpt.engine.compact import (
+from fitgpt.engine.formats.compact import (
     NATIVE_MASTERS,
     CompactState,
     Scratch,
@@ -85,8 +85,8 @@ def compact_update(n: int, master: str, moments: str, reps: int, warmup: int):
 
 
 def variants(pieces: str, modes: list[str]):
-    """fp32 once; each compact format eagerly and compiled (engine/codec.py) at each piece,
-    and through the native kernel (engine/hostkernel.py: whole chunk, no pieces) where it
+    """fp32 once; each compact format eagerly and compiled (engine/formats/codec.py) at each piece,
+    and through the native kernel (engine/formats/hostkernel.py: whole chunk, no pieces) where it
     serves (compact.NATIVE_MASTERS)."""
     yield ("fp32", "fp32"), "eager", int(pieces.split(",")[0])
     for fmt in FORMATS[1:]:

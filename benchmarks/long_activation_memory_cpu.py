@@ -4,8 +4,8 @@ Why: on an H100 (2026-11-27, torch 2.11) Llama-3.1-8B's shape at 131,072 and 247
 eager, checkpointing cpu, peaked ~14.6 S·h·2 bytes above its state where plan/memory.py priced
 ~26 (activations + block_backward + logits). This runs fitgpt's own pieces at a small width and
 long T, with the engine's structure: every block checkpointed with its input kept off the
-device (engine/activation.py's hooks, the host copy left out of the count: pinned RAM on a GPU
-run) and the previous block's input brought back ahead of need, the MLP in pieces
+device (engine/transforms/activation.py's hooks, the host copy left out of the count: pinned RAM on
+a GPU run) and the previous block's input brought back ahead of need, the MLP in pieces
 (model/pieces.py), the loss in pieces of rows (model/loss.py), bf16 weights whose gradients
 land in preallocated buffers (the chunk engine's), one forward + backward.
 
@@ -41,10 +41,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-import fitgpt.engine.activation as act_mod
+import fitgpt.engine.transforms.activation as act_mod
 import fitgpt.model.loss as loss_mod
 import fitgpt.model.pieces as pieces_mod
-from fitgpt.engine.activation import HostActivations, _Stash
+from fitgpt.engine.transforms.activation import HostActivations, _Stash
 from fitgpt.model import ModelConfig, build_model
 from fitgpt.plan.memory import Workload, activation_bytes
 
@@ -124,9 +124,9 @@ def fused_rms_norm(self, x):
 
 
 class OffDevice(HostActivations):
-    """engine/activation.py's hooks with the "host" copy made outside the count (on a GPU run it
-    lives in pinned host RAM) and the way back (the block's input, the prefetched previous one)
-    made inside it, as on the GPU."""
+    """engine/transforms/activation.py's hooks with the "host" copy made outside the count (on a GPU
+    run it lives in pinned host RAM) and the way back (the block's input, the prefetched previous
+    one) made inside it, as on the GPU."""
 
     def pack(self, t):
         if not t.requires_grad:

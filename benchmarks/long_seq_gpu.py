@@ -1,8 +1,8 @@
 """Long sequences on one GPU: Llama 3.1 8B's shape at 32 k, 64 k and 128 k tokens a sequence.
 
 For each length, micro-batch 1, bf16 weights and activations, activation checkpointing `full`
-or `cpu` (engine/activation.py) or `off`, with the MLP in pieces (model/pieces.py, the default
-past MLP_PIECE_ELEMS) and whole (the threshold raised): one forward+backward of one block,
+or `cpu` (engine/transforms/activation.py) or `off`, with the MLP in pieces (model/pieces.py, the
+default past MLP_PIECE_ELEMS) and whole (the threshold raised): one forward+backward of one block,
 and of the whole model (32 blocks, the loss over 128,256 tokens in pieces of rows) where it
 fits. Per case the peak GPU memory above the weights and gradients, the time per block
 (median of --iters after a warm-up) and what the model's family prices for the MLP piece
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 import fitgpt.model.pieces as pieces
-from fitgpt.engine.activation import checkpoint_blocks
+from fitgpt.engine.transforms.activation import checkpoint_blocks
 from fitgpt.model import PRESETS, ModelConfig, build_model
 from fitgpt.model.families import family_of
 from fitgpt.model.families.llama.model import rope_tables

@@ -54,6 +54,21 @@ def run_config(out, **overrides) -> RunConfig:
     return RunConfig(**parts)
 
 
+def assembled(config: RunConfig, ctx, **settings):
+    """`config` assembled on `ctx` the one way (train/assemble.py): as given (--plan off) unless
+    `settings` say otherwise (fixed, force, resume, init_from, overwrite, ...)."""
+    from fitgpt.train.assemble import Settings, assemble
+
+    return assemble(Settings(config, **settings), ctx, log=lambda *_: None)
+
+
+def train(config: RunConfig, ctx, **settings) -> dict:
+    """fitgpt.train.loop.train on `config` assembled on `ctx` (`assembled`)."""
+    from fitgpt.train.loop import train as train_run
+
+    return train_run(assembled(config, ctx, **settings))
+
+
 def engine_losses(model_cfg, ecfg: EngineConfig, ctx, steps: int, clip: float) -> dict:
     """`steps` steps of 2 micro-batches of a global batch of 8 rows through build_engine (fp32,
     gradients clipped at `clip`); data-parallel rank d takes rows [d·b, (d+1)·b) (every rank of a
@@ -63,6 +78,7 @@ def engine_losses(model_cfg, ecfg: EngineConfig, ctx, steps: int, clip: float) -
 
     from fitgpt.engine.factory import build_engine
 
+    ctx = ctx.laid_out(ecfg.tensor_parallel, ecfg.context_parallel)
     e = build_engine(
         model_cfg, ecfg, PrecisionConfig(precision="fp32"), OptimConfig(grad_clip=clip), ctx
     )
@@ -126,7 +142,7 @@ def full_tp_grads(tp_model, mesh, split, sp: bool) -> dict:
     import torch
     import torch.distributed as dist
 
-    from fitgpt.engine.tp_state import sync_replicated
+    from fitgpt.engine.transforms.tp_state import sync_replicated
     from fitgpt.parallel.shard import unshard
 
     if sp:

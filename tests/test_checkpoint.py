@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from helpers import TINY, run_config
+from helpers import TINY, assembled, run_config, train
 
 from fitgpt.dist import DistContext
 from fitgpt.engine.state_io import KINDS
@@ -17,7 +17,7 @@ from fitgpt.errors import UserError
 from fitgpt.infer.generate import load_model
 from fitgpt.train import checkpoint as ckpt_io
 from fitgpt.train import space
-from fitgpt.train.loop import Trainer, train
+from fitgpt.train.loop import Trainer
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 TINY_ARGS = [
@@ -54,7 +54,7 @@ def test_checkpoint_size_from_the_layout_matches_the_files(tmp_path, engine, mod
     cfg = run_config(tmp_path, steps=1, engine=engine, save_optimizer=mode)
     train(cfg, CPU)
     actual = folder_bytes(tmp_path / "step_00000001")
-    estimate = Trainer(cfg, CPU).checkpoints.size.of(mode == "full")
+    estimate = Trainer(assembled(cfg, CPU)).checkpoints.size.of(mode == "full")
     assert actual <= estimate <= actual + 2048, (actual, estimate)
     # every state file exactly, from the layout alone
     index = json.loads((tmp_path / "step_00000001" / "index-r000.json").read_text())
@@ -82,7 +82,7 @@ def test_sharded_files_and_saves_and_copies_are_counted_as_written():
 
 def test_a_run_whose_checkpoints_cannot_fit_is_refused_before_step_1(tmp_path, monkeypatch):
     cfg = run_config(tmp_path, steps=10, save_every=2, keep=3)
-    size = Trainer(cfg, CPU).checkpoints.size
+    size = Trainer(assembled(cfg, CPU)).checkpoints.size
     # room for 2 full checkpoints, the run needs 4 at once (3 kept + 1 being written)
     monkeypatch.setenv(space.FAKE_FREE_ENV, str(2 * size.full + 10))
     with pytest.raises(UserError) as e:
@@ -162,7 +162,7 @@ def test_weights_only_checkpoints_generate_export_and_resume_fresh(tmp_path, eng
         torch.testing.assert_close(p, q, msg=n)
     # resume: weights loaded, optimizer fresh, steps and data position continued
     capsys.readouterr()
-    trainer = Trainer(run_config(tmp_path, steps=6, engine=engine), CPU)
+    trainer = Trainer(assembled(run_config(tmp_path, steps=6, engine=engine), CPU))
     trainer.resume(ckpt)
     assert (
         "optimizer state starts fresh: the checkpoint holds weights only" in capsys.readouterr().out

@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_config
+from helpers import run_config, train
 
 from fitgpt.dist import DistContext
 from fitgpt.engine.factory import build_engine
 from fitgpt.engine.state_io import CorruptCheckpoint
 from fitgpt.infer.generate import load_model
 from fitgpt.train import checkpoint as ckpt_io
-from fitgpt.train.loop import train
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 GOOD, VICTIM = "step_00000001", "step_00000002"

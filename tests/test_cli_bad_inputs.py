@@ -487,7 +487,7 @@ CASES: list[Case] = [
     Case("train-resume-run-complete", "train --out {t}/run --resume", "its --steps 2", setup=copy_run()),
     Case("train-resume-preset-shape", "train --preset tiny --out {t}/run --resume --steps 3", "--preset tiny", setup=copy_run()),
     Case("train-resume-data-moved-but-other", "train --out {t}/run --resume --steps 3 --data {t}/other", "--data {t}/other", setup=chain(copy_run(), fake_pair("other", 256))),
-    # helper V (issue 33: one validation of a run's settings, engine/validate.py): what train
+    # helper V (issue 33: one validation of a run's settings, plan/validate.py): what train
     # refuses, plan, capacity and bench refuse in the same line; flags that would change nothing
     Case("plan-tp-not-dividing-gpus", "plan --preset gpt2-1.5b --device cuda --gpu-mem 80GB --gpus 8 --tensor-parallel 3", "--tensor-parallel 3"),
     Case("plan-tp-4-on-6-gpus", "plan --preset gpt2-1.5b --device cuda --gpu-mem 80GB --gpus 6 --tensor-parallel 4", "--tensor-parallel 4"),

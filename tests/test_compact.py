@@ -1,6 +1,6 @@
-"""Compact optimizer state (engine/compact.py): the split master's codec, the piecewise AdamW step
-against torch's, training on every tier and ZeRO stage against fp32 state, checkpoints across
-formats, the bytes the engine holds against the Placement's, and the refusals."""
+"""Compact optimizer state (engine/formats/compact.py): the split master's codec, the piecewise
+AdamW step against torch's, training on every tier and ZeRO stage against fp32 state, checkpoints
+across formats, the bytes the engine holds against the Placement's, and the refusals."""
 
 import json
 import shutil
@@ -10,17 +10,22 @@ from pathlib import Path
 import pytest
 import torch
 from cli_refusal import assert_refused, run_in_process
-from helpers import TINY, run_config
+from helpers import TINY, run_config, train
 
 from fitgpt.dist import DistContext, init_distributed
-from fitgpt.engine.compact import CompactState, Scratch, join_master, split_master, state_layout
+from fitgpt.engine.chunked.placement import Placement
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
-from fitgpt.engine.moments import BLOCK
-from fitgpt.engine.placement import Placement
+from fitgpt.engine.formats.compact import (
+    CompactState,
+    Scratch,
+    join_master,
+    split_master,
+    state_layout,
+)
+from fitgpt.engine.formats.moments import BLOCK
 from fitgpt.engine.state_io import KINDS, StateReader
 from fitgpt.errors import UserError
-from fitgpt.train.loop import train
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 I32 = torch.int32
@@ -271,8 +276,8 @@ def split_facts(got: Run, ref: Run, steps: int = STEPS) -> dict:
 
 def check_split(f: dict) -> None:
     """The split master trains as the fp32 one: the same losses and working weights bit for bit,
-    and the same fp32 master but at the documented ties (engine/compact.py: one element update
-    in 2^17 stores its master an ulp nearer zero, and the later steps carry that along, by an
+    and the same fp32 master but at the documented ties (engine/formats/compact.py: one element
+    update in 2^17 stores its master an ulp nearer zero, and the later steps carry that along, by an
     ulp or two, without changing its bf16 rounding); the engine holds what the Placement says,
     and fewer master bytes on every tier."""
     assert f["same_losses"] and f["same_weights"], f
@@ -519,11 +524,11 @@ def test_split_master_with_fp16_is_refused_at_engine_start_up():
 
 @GPU
 def test_gpu_machine_compiled_int8_codec_steps_like_the_eager_one(monkeypatch):
-    """The host's compiled int8 kernels (engine/codec.py, the default on GPU machines) against
-    the eager stores over 5 steps of two whole pieces and a partial one: the same state but for
-    what a last-bit difference in v's scales moves (the compiler's square root: codec.py), and
+    """The host's compiled int8 kernels (engine/formats/codec.py, the default on GPU machines)
+    against the eager stores over 5 steps of two whole pieces and a partial one: the same state but
+    for what a last-bit difference in v's scales moves (the compiler's square root: codec.py), and
     the compiled kernels really used."""
-    from fitgpt.engine import codec
+    from fitgpt.engine.formats import codec
 
     P, n = 1 << 20, (1 << 21) + 4096
     out = {}
@@ -548,7 +553,7 @@ def test_gpu_machine_compiled_int8_codec_steps_like_the_eager_one(monkeypatch):
     assert torch.allclose(v1c, v1e, rtol=0, atol=float(v1e.max()) / 100)
 
 
-# ---- the native host kernel (engine/hostkernel.py) ---------------------------------------------
+# ---- the native host kernel (engine/formats/hostkernel.py) ---------------------------------------
 NATIVE = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None, reason="no C++ compiler here"
 )
@@ -558,7 +563,7 @@ def native_steps(monkeypatch, mode: str, master: str, moments: str, n_steps: int
     """CompactState over N (several int8 blocks, a partial last one, the decay boundary inside
     a block) stepped under FITGPT_HOST_KERNELS=mode; returns weights, (master, m, v), and how
     many steps went through the native kernel."""
-    from fitgpt.engine import hostkernel
+    from fitgpt.engine.formats import hostkernel
 
     monkeypatch.setenv("FITGPT_HOST_KERNELS", mode)
     calls = []

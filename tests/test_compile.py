@@ -1,4 +1,5 @@
-"""--compile: compiled blocks and head + loss (fitgpt/engine/compile.py) against eager runs.
+"""--compile: compiled blocks and head + loss (fitgpt/engine/transforms/compile.py) against eager
+runs.
 
 Compiling on 2 CPU cores takes 10-20 s per region kind when Inductor's disk caches are cold, so
 there are two compiled cases: the chunk engine at stage 3 with activation checkpointing (weights
@@ -14,15 +15,14 @@ import shutil
 
 import pytest
 import torch
-from helpers import TINY, run_config
+from helpers import TINY, assembled, run_config, train
 
 from fitgpt.dist import DistContext
-from fitgpt.engine.compile import auto_compile, compile_pays, compile_scope, report_line
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
+from fitgpt.engine.transforms.compile import auto_compile, compile_pays, compile_scope, report_line
 from fitgpt.errors import UserError
-from fitgpt.train.loop import train
-from fitgpt.train.setup import estimated_run_s, resolve_run, setup_run
+from fitgpt.train.setup import estimated_run_s, unplanned_compile
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 CXX = shutil.which("g++") or shutil.which("c++")
@@ -99,7 +99,7 @@ def test_only_one_rank_holding_a_small_model_whole_compiles_it_whole():
     """compile_scope, the one decision: the whole model for one GPU rank of the chunk engine
     holding a model up to MODEL_SCOPE_MAX_HIDDEN whole, unchecked; the regions otherwise; a
     scope given outright is kept; auto compiles only a long GPU run."""
-    from fitgpt.engine.compile import MODEL_SCOPE_MAX_HIDDEN
+    from fitgpt.engine.transforms.compile import MODEL_SCOPE_MAX_HIDDEN
 
     def scope(asked="on", engine="zero", dev="cuda", h=768, world=1, resident=True, ck="off"):
         return compile_scope(asked, engine, dev, h, world, resident, ck, 1e9)
@@ -120,8 +120,8 @@ def test_the_engines_build_what_the_config_says():
     """An engine decides nothing: a config never planned reads auto as off and on as the
     regions, whatever the machine (the planner, or setup for a run given whole, resolves them
     first on the user's path); --compile model needs the chunk engine."""
-    from fitgpt.engine.compile import scope_of
-    from fitgpt.engine.validate import refusal
+    from fitgpt.engine.transforms.compile import scope_of
+    from fitgpt.plan.validate import refusal
 
     assert [scope_of(EngineConfig(compile=c)) for c in ("auto", "on", "off", "blocks", "model")] == [
         "off", "blocks", "off", "blocks", "model"
@@ -185,17 +185,16 @@ def test_auto_compiles_only_long_gpu_runs():
     assert not compile_pays(330.0, "off", 0.933)
     assert compile_scope("auto", "zero", "cuda", 4096, 1, False, "full", 1e9, 1.08) == "off"
     run = run_config("unused", compile="auto")
-    resolved = resolve_run(run, "cpu")
-    assert resolved.engine.compile == "off" and estimated_run_s(run, "cpu") == 0.0
+    assert unplanned_compile(run, "cpu", 1) == "off" and estimated_run_s(run, "cpu") == 0.0
     on = run_config("unused", compile="on")
-    assert resolve_run(on, "cpu").engine.compile == "blocks"  # asked for: compiled, even on a CPU
+    assert unplanned_compile(on, "cpu", 1) == "blocks"  # asked for: compiled, even on a CPU
 
 
 def test_auto_is_settled_for_each_plan_on_its_own_checkpointing(tmp_path, monkeypatch):
     """--compile auto is decided by the planner for every plan it prices, with that plan's
     checkpointing (it cannot be known before), and what the chosen plan says is the run's
     --compile."""
-    import fitgpt.engine.compile as compile_mod
+    import fitgpt.engine.transforms.compile as compile_mod
     from fitgpt.plan.apply import Fixed
 
     seen = []
@@ -206,31 +205,31 @@ def test_auto_is_settled_for_each_plan_on_its_own_checkpointing(tmp_path, monkey
 
     monkeypatch.setattr(compile_mod, "auto_compile", decide)
     run = run_config(tmp_path, engine="zero", compile="auto")
-    planned = setup_run(run, CPU, Fixed(), log=lambda *_: None)
+    planned = assembled(run, CPU, fixed=Fixed()).config
     assert {"off", "full"} <= set(seen)  # each plan weighed on its own
     assert planned.engine.compile == ("blocks" if planned.engine.checkpointing == "off" else "off")
-    forced = setup_run(run, CPU, Fixed.of({"checkpointing": "full"}), log=lambda *_: None)
+    forced = assembled(run, CPU, fixed=Fixed.of({"checkpointing": "full"})).config
     assert forced.engine.compile == "off"
 
 
 def test_the_planner_resolves_the_compile_flag(tmp_path):
-    """setup_run (train and the bench harness): the planner resolves --compile on into the
-    scope it priced; off stays off."""
+    """A planned run's assembly (train and the bench harness: train/assemble.py): the planner
+    resolves --compile on into the scope it priced; off stays off."""
     from fitgpt.plan.apply import Fixed
 
     run = run_config(tmp_path, engine="zero", compile="on")
-    planned = setup_run(run, CPU, Fixed(), log=lambda *_: None)
+    planned = assembled(run, CPU, fixed=Fixed()).config
     assert planned.engine.compile == "blocks"  # on a CPU: never the whole model
-    fixed = setup_run(run, CPU, Fixed.of({"compile": "off"}), log=lambda *_: None)
+    fixed = assembled(run, CPU, fixed=Fixed.of({"compile": "off"})).config
     assert fixed.engine.compile == "off"
 
 
 @needs_cxx
 def test_the_optimizers_compiled_pass_is_torchs_adamw():
-    """engine/update.py's one pass (a compiled run's device update) against torch's fused AdamW
-    kernel on the same bf16 gradient, fp32 master and moments, over 3 steps: the master and
+    """engine/chunked/update.py's one pass (a compiled run's device update) against torch's fused
+    AdamW kernel on the same bf16 gradient, fp32 master and moments, over 3 steps: the master and
     moments within fp32 rounding, the bf16 weights the master's cast; skip 1.0 changes nothing."""
-    from fitgpt.engine.update import _adamw_pass
+    from fitgpt.engine.chunked.update import _adamw_pass
 
     g = torch.Generator().manual_seed(0)
     n, hp = 1000, dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -269,7 +268,7 @@ def test_a_compiled_bf16_run_updates_through_the_pass_or_warns_once(capfd):
     bf16 = PrecisionConfig("bf16")
     eager = build_engine(TINY, dataclasses.replace(ecfg, compile="off"), bf16, OptimConfig(), CPU)
     want = [eager.train_step(batches(1, 2, s), 1e-3).loss for s in range(3)]
-    import fitgpt.engine.update as update
+    import fitgpt.engine.chunked.update as update
 
     compiled, calls = update._adamw_pass(), []
 
@@ -302,10 +301,10 @@ def test_a_compiled_bf16_run_updates_through_the_pass_or_warns_once(capfd):
 @pytest.mark.slow
 @needs_cxx
 def test_compiled_block_linears_write_their_weight_gradients():
-    """engine/wgrad.py: in a compiled run the block linears' weight gradients are accumulated by
-    their product, so autograd hands their AccumulateGrad nodes no gradient (nothing to add),
-    the reducer still hears of every parameter once per micro-batch (its hooks run), and the
-    losses are eager's (fp32: the product's accumulation rounds differently only)."""
+    """engine/transforms/wgrad.py: in a compiled run the block linears' weight gradients are
+    accumulated by their product, so autograd hands their AccumulateGrad nodes no gradient (nothing
+    to add), the reducer still hears of every parameter once per micro-batch (its hooks run), and
+    the losses are eager's (fp32: the product's accumulation rounds differently only)."""
     ecfg = EngineConfig(engine="zero", zero_stage=0)
     runs, given, heard = {}, {}, {}
     for mode in ("off", "on"):
@@ -327,12 +326,12 @@ def test_compiled_block_linears_write_their_weight_gradients():
 
 @needs_cxx
 def test_a_fused_linear_whose_input_needs_no_gradient_still_writes_its_own():
-    """engine/wgrad.py's backward writes .grad, a side effect its schema cannot name: where its
-    dx output goes unused (the input needs no gradient) the compiler must keep it anyway. The
-    weight and bias gradients are autograd's own, to fp32 rounding."""
+    """engine/transforms/wgrad.py's backward writes .grad, a side effect its schema cannot name:
+    where its dx output goes unused (the input needs no gradient) the compiler must keep it anyway.
+    The weight and bias gradients are autograd's own, to fp32 rounding."""
     from torch import nn
 
-    from fitgpt.engine.wgrad import fuse_weight_grads
+    from fitgpt.engine.transforms.wgrad import fuse_weight_grads
 
     torch.manual_seed(0)
     lin, ref = nn.Linear(16, 8), nn.Linear(16, 8)
@@ -350,10 +349,10 @@ def test_a_fused_linear_whose_input_needs_no_gradient_still_writes_its_own():
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_layernorms_through_aten_are_eager_layernorms(bias):
-    """engine/norm.py: the swapped LayerNorms run the kernels F.layer_norm runs, so a model's loss
-    and every gradient are bit for bit an unswapped copy's, with and without LayerNorm biases;
-    both custom ops pass torch's own registration checks (fake tensors, autograd)."""
-    from fitgpt.engine.norm import AtenLayerNorm, use_aten_norms
+    """engine/transforms/norm.py: the swapped LayerNorms run the kernels F.layer_norm runs, so a
+    model's loss and every gradient are bit for bit an unswapped copy's, with and without LayerNorm
+    biases; both custom ops pass torch's own registration checks (fake tensors, autograd)."""
+    from fitgpt.engine.transforms.norm import AtenLayerNorm, use_aten_norms
     from fitgpt.model import GPT
 
     cfg = dataclasses.replace(TINY, bias=bias)
@@ -396,12 +395,12 @@ def test_layernorms_through_aten_are_eager_layernorms(bias):
 
 @needs_cxx
 def test_a_compiled_block_keeps_layernorms_through_aten_in_its_graph():
-    """engine/norm.py inside a compiled region: no graph break, the op called at run time (the
-    profiler sees it forward and backward), values within fp32 rounding of eager's."""
+    """engine/transforms/norm.py inside a compiled region: no graph break, the op called at run time
+    (the profiler sees it forward and backward), values within fp32 rounding of eager's."""
     import torch._dynamo.utils as dynamo_utils
 
-    from fitgpt.engine.compile import _block_train
-    from fitgpt.engine.norm import use_aten_norms
+    from fitgpt.engine.transforms.compile import _block_train
+    from fitgpt.engine.transforms.norm import use_aten_norms
     from fitgpt.model import GPT
 
     torch.manual_seed(0)
@@ -425,7 +424,7 @@ def test_a_compiled_block_keeps_layernorms_through_aten_in_its_graph():
 
 
 def test_layernorms_go_through_aten_only_on_gpus_past_inductors_persistent_width():
-    from fitgpt.engine.norm import aten_norms
+    from fitgpt.engine.transforms.norm import aten_norms
 
     assert aten_norms("cuda", 2560) and aten_norms("cuda", 1600)
     assert not aten_norms("cuda", 1024) and not aten_norms("cuda", 768)

@@ -8,25 +8,25 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import run_config
+from helpers import run_config, train
 from test_packing import LLAMA, S, packed_batch
 
 from fitgpt.data.source import Batch, BatchLoader
 from fitgpt.dist import DistContext, init_distributed
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
-from fitgpt.engine.validate import check_settings
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, build_model
 from fitgpt.parallel import context_parallel, parallelize
-from fitgpt.parallel.context import check_context_parallel, heads_to_seq, seq_to_heads
+from fitgpt.parallel.context import context_parallel_refusal, heads_to_seq, seq_to_heads
 from fitgpt.parallel.shard import unshard
-from fitgpt.train.loop import train
+from fitgpt.plan.validate import check_settings
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 MODELS = {
@@ -193,6 +193,7 @@ def test_context_parallel_composes_with_tensor_parallel(tmp_path, gloo):
 def engine_run(cfg: ModelConfig, ecfg: EngineConfig, ctx, packed: bool) -> dict:
     """STEPS steps of 2 micro-batches of 2 rows, each rank its slice of every row; the losses,
     gradient norms and a checksum of each weight after the last step."""
+    ctx = ctx.laid_out(ecfg.tensor_parallel, ecfg.context_parallel)
     e = build_engine(cfg, ecfg, PrecisionConfig(precision="fp32"), OptimConfig(grad_clip=0.5), ctx)
     C, c = e.ctx.cp_size, e.ctx.cp.rank if e.ctx.cp is not None else 0
     out: dict = {"loss": [], "norm": []}
@@ -275,18 +276,16 @@ def test_the_loader_gives_each_cp_rank_its_slice_of_the_same_rows():
 
 def test_context_parallel_the_scheme_cannot_run_is_refused_in_one_line():
     llama = MODELS["llama"]  # 4 heads, 2 key/value heads, S = 32
-    with pytest.raises(UserError, match=r"does not divide the key/value heads .*, 2: use one of"):
-        check_context_parallel(4, llama, 4)
-    with pytest.raises(UserError, match="does not divide the rank count"):
-        check_context_parallel(2, llama, 3)
+    refused = context_parallel_refusal
+    assert re.search(r"does not divide the key/value heads .*, 2: use one of", refused(4, llama, 4))
+    assert "does not divide the rank count" in refused(2, llama, 3)
     odd = llama.replace(seq_len=33)
-    with pytest.raises(UserError, match=r"the sequence length \(--seq-len\), 33"):
-        check_context_parallel(2, odd, 2)
-    with pytest.raises(UserError, match=r"with --tensor-parallel 2 does not divide the key/val"):
-        check_context_parallel(2, llama, 4, tp=2)  # 2 key/value heads: 1 per TP rank
+    assert "the sequence length (--seq-len), 33" in refused(2, odd, 2)
+    # 2 key/value heads: 1 per TP rank
+    assert "with --tensor-parallel 2 does not divide the key/val" in refused(2, llama, 4, tp=2)
     with pytest.raises(UserError, match="whole number"):
         EngineConfig(context_parallel=0)
-    # the one validation train, plan and the planner share (engine/validate.py)
+    # the one validation train, plan and the planner share (plan/validate.py)
     with pytest.raises(UserError, match="--context-parallel 4 does not divide"):
         check_settings(
             llama, EngineConfig(context_parallel=4), PrecisionConfig(precision="fp32"), 4, "cpu"

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import run_config
+from helpers import run_config, train
 
 from fitgpt.data.config import DataConfig, open_data
 from fitgpt.data.indexed import IndexedWriter
@@ -16,7 +16,6 @@ from fitgpt.errors import UserError
 from fitgpt.infer.generate import tokenizer_for
 from fitgpt.model import ModelConfig
 from fitgpt.train import checkpoint as ckpt_io
-from fitgpt.train.loop import train
 
 
 def _corpus(path: Path, top: int) -> str:

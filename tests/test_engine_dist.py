@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, run_config
+from helpers import TINY, run_config, train
 
 from fitgpt.dist import DistContext, init_distributed
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.errors import UserError
-from fitgpt.train.loop import train
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 STEPS = 20
@@ -62,8 +61,9 @@ def two_rank_worker(rank: int, world: int, tmp: str) -> None:
         ls, mem = losses(EngineConfig(engine=engine, zero_stage=stage, checkpointing=ck), ctx)
         results[f"{engine}{stage}{ck}"] = {"losses": ls, "mem": mem}
     results["bf16_stage3"] = losses(EngineConfig(engine="zero", zero_stage=3), ctx, "bf16")[0]
-    # compiled: the block linears write their weight gradients themselves (engine/wgrad.py) and
-    # report them to the reducer, which reduce-scatters each chunk once its last one lands
+    # compiled: the block linears write their weight gradients themselves
+    # (engine/transforms/wgrad.py) and report them to the reducer, which reduce-scatters each chunk
+    # once its last one lands
     ecfg, seen = EngineConfig(engine="zero", zero_stage=1, compile="blocks"), []
     results["zero1_compiled"] = losses(ecfg, ctx, seen=seen)[0]
     results["zero1_fused_linears"] = seen.count("FusedLinear")

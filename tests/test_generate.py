@@ -7,14 +7,13 @@ import sys
 
 import pytest
 import torch
-from helpers import run_config
+from helpers import run_config, train
 
 from fitgpt.data.tokenizer import train_tokenizer
 from fitgpt.dist import DistContext
 from fitgpt.errors import UserError
 from fitgpt.infer.generate import SampleConfig, generate, tokenizer_for
 from fitgpt.model import GPT, ModelConfig
-from fitgpt.train.loop import train
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 

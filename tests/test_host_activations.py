@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import saved_tensors_hooks
 
-from fitgpt.engine.activation import HostActivations, checkpoint_blocks
+from fitgpt.engine.transforms.activation import HostActivations, checkpoint_blocks
 from fitgpt.model import GPT, ModelConfig
 
 CFG = ModelConfig(n_layer=3, n_embd=32, n_head=4, seq_len=16, vocab_size=96, dropout=0.1)

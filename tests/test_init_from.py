@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import run_config
+from helpers import run_config, train
 
 from fitgpt.data.config import DataConfig, open_data
 from fitgpt.data.source import BatchLoader
@@ -17,7 +17,6 @@ from fitgpt.dist import DistContext
 from fitgpt.errors import UserError
 from fitgpt.interop.init_source import find_source
 from fitgpt.train.init_from import model_from_source
-from fitgpt.train.loop import train
 
 transformers = pytest.importorskip("transformers")
 

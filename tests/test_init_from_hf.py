@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_config
+from helpers import run_config, train
 
 from fitgpt.data.config import open_data
 from fitgpt.data.source import BatchLoader
@@ -29,7 +29,6 @@ from fitgpt.interop.hf import mapping_for_model
 from fitgpt.interop.init_source import find_source
 from fitgpt.model.hf_map import to_hf
 from fitgpt.train.init_from import model_from_source
-from fitgpt.train.loop import train
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,6 +59,7 @@ def hf_folder(kind: str, dtype: torch.dtype, folder):
 
 
 def engine_of(source, ecfg: EngineConfig, ctx):
+    ctx = ctx.laid_out(ecfg.tensor_parallel, ecfg.context_parallel)
     e = build_engine(source.model, ecfg, PrecisionConfig(precision="fp32"), OptimConfig(), ctx)
     e.load_state(source.weights, {}, optimizer=False)
     return e

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import run_config
+from helpers import run_config, train
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, GPT2Tokenizer
@@ -24,7 +24,6 @@ from fitgpt.interop.hf_export import export_hf
 from fitgpt.interop.hf_import import import_hf
 from fitgpt.interop.hf_tokenizer import write_hf_tokenizer
 from fitgpt.model import ModelConfig
-from fitgpt.train.loop import train
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 TEXTS = ["Hello world", " two  spaces\n\nand\ttabs ", "naïve café 日本語 🙂", "a<|endoftext|>b"]

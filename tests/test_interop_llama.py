@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from helpers import run_config
+from helpers import run_config, train
 from safetensors import safe_open
 from transformers import (
     AutoModelForCausalLM,
@@ -36,7 +36,6 @@ from fitgpt.interop.hf_export import export_hf
 from fitgpt.interop.hf_import import import_hf
 from fitgpt.interop.init_source import find_source
 from fitgpt.train.init_from import model_from_source
-from fitgpt.train.loop import train
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

@@ -180,7 +180,7 @@ def test_a_compiled_block_keeps_the_pieces_in_one_graph(monkeypatch):
     Inductor's code generation, which takes minutes on 2 cores)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from fitgpt.engine.compile import _block_train
+    from fitgpt.engine.transforms.compile import _block_train
 
     torch._dynamo.reset()
     cfg = llama()

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fitgpt.engine.moments import BLOCK, bytes_per_param, make_store
+from fitgpt.engine.formats.moments import BLOCK, bytes_per_param, make_store
 from fitgpt.errors import UserError
 
 SIZES = [1, 2047, 2049, 100_003]
@@ -78,7 +78,7 @@ def test_int8_encode_through_callers_room_matches_its_own(signed):
     """The compact update hands int8 its spent gradient piece as the quantisation temporary
     (no allocation per pass on a GPU): the stored bytes are the same, the room is really used,
     and room too small is refused. Over more than one host pass (WORK) and a partial block."""
-    from fitgpt.engine.moments import WORK
+    from fitgpt.engine.formats.moments import WORK
 
     n = WORK + 3 * BLOCK + 5
     x = moments(n)[0 if signed else 1]

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from fitgpt.engine.nvme import GiB, NvmeStore, check_disk_room
+from fitgpt.engine.host.nvme import GiB, NvmeStore, check_disk_room
 from fitgpt.errors import UserError
 
 BLOCK = 1 << 20  # small blocks, so odd sizes span several blocks and end in a partial page
@@ -102,7 +102,7 @@ def test_scratch_folder_lifetime_and_nothing_else_touched(tmp_path):
 def test_scratch_folder_removed_when_a_process_exits(tmp_path, tail):
     code = (
         "import torch\n"
-        "from fitgpt.engine.nvme import NvmeStore\n"
+        "from fitgpt.engine.host.nvme import NvmeStore\n"
         f"s = NvmeStore({str(tmp_path)!r}, 1 << 20)\n"
         "s.alloc('a', 4)\n"
         "s.write('a', torch.ones(1)).result()\n"
@@ -161,7 +161,7 @@ def test_a_killed_runs_scratch_is_removed_by_the_next_store(tmp_path):
     import subprocess
 
     code = (
-        "import os, sys; from fitgpt.engine.nvme import NvmeStore; "
+        "import os, sys; from fitgpt.engine.host.nvme import NvmeStore; "
         f"s = NvmeStore({str(tmp_path)!r}, 1 << 20); s.alloc('k', 4096); "
         "print(s.path, flush=True); os.kill(os.getpid(), 9)"
     )
@@ -179,7 +179,7 @@ def test_a_killed_runs_scratch_counts_as_room(tmp_path):
     """The planner and the store's check count an orphaned scratch folder as free (the store
     removes it before allocating): a run killed mid-way does not make the next one refuse.
     Measured on the H100: a killed 29 B run's 37 GiB of state made the next run refuse."""
-    from fitgpt.engine.nvme import disk_room, remove_orphans
+    from fitgpt.engine.host.nvme import disk_room, remove_orphans
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip

@@ -5,13 +5,12 @@ import shutil
 
 import pytest
 import torch
-from helpers import TINY, run_config
+from helpers import TINY, run_config, train
 
 from fitgpt.dist import DistContext
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.errors import UserError
-from fitgpt.train.loop import train
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 MODEL = TINY.replace(n_layer=4)
@@ -188,9 +187,9 @@ def test_a_checkpoint_saved_with_the_delayed_update_fields_resumes_exactly(
 
 
 def test_a_placement_larger_than_the_free_host_ram_is_refused_before_allocating():
-    from fitgpt.engine.accounting import check_host_room
+    from fitgpt.engine.chunked.accounting import check_host_room
+    from fitgpt.engine.chunked.placement import Placement
     from fitgpt.engine.layout import chunk_layout
-    from fitgpt.engine.placement import Placement
     from fitgpt.model import GPT
     from fitgpt.plan.hardware import host_available
 
@@ -221,7 +220,7 @@ def test_a_placement_larger_than_the_free_host_ram_is_refused_before_allocating(
 def _room_verdicts(rank: int, world: int) -> None:
     import torch.distributed as dist
 
-    from fitgpt.engine.accounting import refuse_unless_room
+    from fitgpt.engine.chunked.accounting import refuse_unless_room
 
     gib, group = 1 << 30, dist.group.WORLD
     # rank 1 read MemAvailable after its peer's first allocations: every rank refuses, agreed
@@ -411,7 +410,7 @@ def test_a_host_worker_that_dies_fails_the_step_instead_of_hanging(monkeypatch):
     death is injected here: a CPU run's worker has no GPU to select.)"""
     import threading
 
-    from fitgpt.engine import offload
+    from fitgpt.engine.chunked import offload
 
     def dies(self):
         raise ValueError("Expected a torch.device with a specified index")

@@ -178,6 +178,7 @@ DIST = {
 def packed_losses(cfg: ModelConfig, ecfg: EngineConfig, ctx) -> list[float]:
     """STEPS steps of 2 micro-batches of a global batch of 4 packed rows; data-parallel rank d
     takes rows [d·b, (d+1)·b): the ranks' counts differ, so the weights cross ranks."""
+    ctx = ctx.laid_out(ecfg.tensor_parallel, ecfg.context_parallel)
     e = build_engine(cfg, ecfg, PrecisionConfig(precision="fp32"), OptimConfig(), ctx)
     dp, d = (e.ctx.dp_world, e.ctx.dp_rank) if ctx.distributed else (1, 0)
     n = 4 // dp

@@ -424,8 +424,8 @@ def test_compiled_checkpointed_llama_blocks_are_priced_faster():
 
 
 def test_a_compiled_runs_device_update_is_priced_as_one_pass():
-    # engine/update.py's one pass moves 28 bytes per element where the fused kernel's path moves
-    # 36 in the model; fp32 (the master is the weight) keeps 36, and so does an unresolved
+    # engine/chunked/update.py's one pass moves 28 bytes per element where the fused kernel's path
+    # moves 36 in the model; fp32 (the master is the weight) keeps 36, and so does an unresolved
     # "auto" (the planner prices only what it resolved: plan/candidate.py settle_compile)
     r = DEFAULTS["H100"]
     bf16 = Workload(get_preset("2.7b"), 8, world=1, precision="bf16", device="cuda")
@@ -459,7 +459,7 @@ def test_compiled_logits_are_priced_without_their_fp32_copies():
 def test_cpu_pricing_never_predicts_a_16_bit_precision_faster_than_fp32():
     """CPUs have no tensor cores: fp32 is not the slow path there (the GPU's FP32_FRACTION once
     priced it 12x slower than bf16), and fp16 has no fast matmul at all (measured ~20x slower
-    than fp32: engine/validate.py). The GPU keeps its tensor-core order."""
+    than fp32: plan/validate.py). The GPU keeps its tensor-core order."""
     m = ModelConfig(n_layer=2, n_embd=64, n_head=2, seq_len=32, vocab_size=256)
     r = DEFAULTS["cpu"]
 

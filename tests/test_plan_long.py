@@ -153,8 +153,8 @@ def test_gpt2_short_sequences_keep_their_whole_mlp_working_gradients():
 
 # ---- the refusal names the longest sequence that fits; the preset's own vocabulary ----------
 def test_the_refusal_names_the_longest_sequence_that_fits():
-    from fitgpt.engine.fixed import Fixed
     from fitgpt.errors import UserError
+    from fitgpt.plan.fixed import Fixed
     from fitgpt.plan.hardware import Hardware
     from fitgpt.plan.memory import GiB
     from fitgpt.plan.planner import choose, fits_seq

@@ -1,6 +1,6 @@
 """The planner prices the Placement, not the ZeRO stage number (issue 49).
 
-`Placement.of` (engine/placement.py) decodes the engine config once into per-chunk flags: the
+`Placement.of` (engine/chunked/placement.py) decodes the engine config once into per-chunk flags: the
 optimizer state sharded (ZeRO-1), the gradients reduce-scattered every micro-batch (ZeRO-2),
 a block's weights kept as shards and gathered before each use (ZeRO-3), and whether the chunk
 engine runs at all (ddp: plain PyTorch). The step-time and memory models (plan/throughput.py,
@@ -15,10 +15,10 @@ import itertools
 import pytest
 from helpers import TINY
 
+from fitgpt.engine.chunked.placement import stream_refusal
 from fitgpt.engine.config import EngineConfig
-from fitgpt.engine.fixed import Fixed
-from fitgpt.engine.placement import stream_refusal
 from fitgpt.plan.enumeration import can_stream
+from fitgpt.plan.fixed import Fixed
 from fitgpt.plan.memory import Workload, estimate, placement_of
 from fitgpt.plan.rates import DEFAULTS
 from fitgpt.plan.throughput import step_time
@@ -87,7 +87,7 @@ def test_prices_follow_the_placement_not_the_stage_number(world, precision):
 
 def test_streamed_stage_3_blocks_are_still_gathered():
     """Streaming a stage-3 block's shard in from host RAM does not spare its all-gathers
-    (engine/fetch.py): the communication priced is the unstreamed plan's."""
+    (engine/chunked/fetch.py): the communication priced is the unstreamed plan's."""
     work = Workload(TINY, 2, 4, "bf16")
     held = EngineConfig(zero_stage=3, offload_optimizer="cpu")
     streamed = dataclasses.replace(held, offload_params="cpu")

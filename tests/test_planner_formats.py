@@ -34,7 +34,7 @@ from fitgpt.plan.throughput import (
     host_update_cost,
     step_time,
 )
-from fitgpt.train.setup import setup_run
+from fitgpt.train.assemble import Settings, assemble
 
 R = DEFAULTS["H100"]
 H100 = Hardware("cuda", 1, int(79.2 * GiB), "NVIDIA H100 80GB HBM3", int(118 * GiB), 16)
@@ -353,8 +353,8 @@ def test_the_plan_table_shows_formats_and_disk_writes(capsys):
 
 # ---- the chosen formats reach the engine ----------------------------------------------------
 def test_train_builds_the_engine_in_the_formats_the_planner_chose(tmp_path):
-    """`fitgpt train`'s path (setup_run: rank 0 plans, the EngineConfig is handed over) on a CPU
-    whose stated RAM (--cpu-mem) holds the tiny model's state only in compact formats."""
+    """`fitgpt train`'s path (train/assemble.py: rank 0 plans, the EngineConfig is handed over)
+    on a CPU whose stated RAM (--cpu-mem) holds the tiny model's state only in compact formats."""
     run = run_config(tmp_path, engine="zero", precision="bf16")
     ctx = DistContext(0, 1, 0, torch.device("cpu"))
     cpu = Hardware("cpu", 1, 0, "cpu", 64 * GiB, 1)
@@ -366,7 +366,7 @@ def test_train_builds_the_engine_in_the_formats_the_planner_chose(tmp_path):
     stated = (fp32 + least) // 2  # --cpu-mem, as the run's config carries it
     run = dataclasses.replace(run, engine=dataclasses.replace(run.engine, cpu_mem=stated))
     said = []
-    planned = setup_run(run, ctx, Fixed(), log=said.append)
+    planned = assemble(Settings(run, Fixed()), ctx, log=said.append).config
     e = planned.engine
     assert e.device_moments != "fp32" and e.master == "split" and "split master" in said[0]
     assert e.cpu_mem == stated  # the plan's EngineConfig carries it on to the engine
@@ -406,7 +406,7 @@ def test_the_streamed_variant_is_priced_when_the_optimizer_alone_fits_too():
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_host_work_overlaps_the_next_forward_only_where_no_gather_waits_for_it(stage):
     """Stages 1-2 on several ranks all-gather the host's new shards inside the step, so the
-    host's work cannot hide behind the next forward (engine/update.py); on one rank, or at
+    host's work cannot hide behind the next forward (engine/chunked/update.py); on one rank, or at
     stage 3 (blocks gathered as they run), the device-homed blocks' forward comes first."""
     m = ModelConfig(n_layer=8, n_embd=256, n_head=4, seq_len=64)
     e = EngineConfig(engine="zero", zero_stage=stage, offload_optimizer="cpu", offload_blocks=2,

@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 import torch
 from cli_refusal import run_process
-from helpers import run_config
+from helpers import run_config, train
 
 from fitgpt.dist import DistContext
 from fitgpt.errors import UserError
 from fitgpt.train import checkpoint as ckpt_io
-from fitgpt.train.loop import train
 from fitgpt.train.resume import portable, saved_config
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))

@@ -129,12 +129,11 @@ def test_resume_refuses_a_recorded_source_that_holds_another_model_now(
 ):
     """A run that failed in its first step (after recording itself) whose --init-from folder
     was replaced since: `--resume` is refused in one line, not trained on the other model."""
-    from helpers import run_config
+    from helpers import run_config, train
 
     from fitgpt.dist import DistContext
     from fitgpt.interop.init_source import find_source
     from fitgpt.train.init_from import model_from_source
-    from fitgpt.train.loop import train
 
     source = find_source(str(hf))
     run = run_config(tmp_path / "run", steps=3, micro_batch=2)
@@ -157,7 +156,7 @@ def test_resume_of_a_run_that_failed_before_its_first_checkpoint_takes_its_prese
     """No --init-from: a tiny-llama run on synthetic data that failed in its first step (after
     recording itself) is resumed as that run, not as the default preset on the default data."""
     from fitgpt.cli import build_parser
-    from fitgpt.cli.train import resolve_command
+    from fitgpt.cli.train import asked
 
     argv = ["train", "--preset", "tiny-llama", "--data", "synthetic", "--vocab-size", "64",
             "--seq-len", "16", "--steps", "3", "--out", str(tmp_path / "run"), *TINY]  # fmt: skip
@@ -166,9 +165,10 @@ def test_resume_of_a_run_that_failed_before_its_first_checkpoint_takes_its_prese
         build_parser().parse_args(argv).func(build_parser().parse_args(argv))
     monkeypatch.delenv("FITGPT_FAULT")
     args = build_parser().parse_args(["train", "--resume", "--out", str(tmp_path / "run")])
-    run, ckpt, notes = resolve_command(args)
+    settings = asked(args)
+    run, notes = settings.config, settings.notes
     assert (run.model.family, run.model.vocab_size, run.model.seq_len) == ("llama", 64, 16)
-    assert (run.data.data, run.train.steps, ckpt) == ("synthetic", 3, "")
+    assert (run.data.data, run.train.steps, settings.resume) == ("synthetic", 3, "")
     assert "records the run (from scratch)" in notes[0]
 
 
@@ -393,18 +393,18 @@ def test_init_from_model_flags_are_checked_against_the_source(qwen, flags, field
     """A Qwen2 source has q/k/v biases and a 64-wide MLP: the flags are the source's family's,
     never the default preset's (GPT-2, which has neither)."""
     from fitgpt.cli import build_parser
-    from fitgpt.cli.train import resolve_command
+    from fitgpt.cli.train import asked
     from fitgpt.errors import UserError
 
     args = build_parser().parse_args(
         ["train", "--init-from", str(qwen), "--data", "synthetic", *flags]
     )
     if field is None:
-        model = resolve_command(args)[0].model
+        model = asked(args).config.model
         assert (model.family, model.qkv_bias, model.ffn_hidden) == ("qwen2", True, 64)
         return
     with pytest.raises(UserError) as e:
-        resolve_command(args)
+        asked(args)
     assert f"--init-from {qwen}" in str(e.value) and field in str(e.value)
     assert "gpt2" not in str(e.value)
 

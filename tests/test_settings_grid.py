@@ -1,10 +1,10 @@
-"""`fitgpt plan` and `fitgpt train` judge a run's settings alike (engine/validate.py).
+"""`fitgpt plan` and `fitgpt train` judge a run's settings alike (plan/validate.py).
 
 One grid of TP / SP / precision / master / moments / offload settings on 1-4 ranks, GPUs and
 CPUs, each case driven through both commands in this process: `fitgpt plan` through
 `fitgpt.cli.main` on a planned GPU machine (`--device cuda --gpu-mem`, so it runs anywhere),
-`fitgpt train` through the functions its `run` calls before launching anything (the flags
-parsed by the real parser, `resolve_command`, `check_settings`). Whenever train refuses, plan
+`fitgpt train` through the function its `run` calls before launching anything (the flags
+parsed by the real parser, then `settled`: the run asked for, settled and validated). Whenever train refuses, plan
 refuses with the same line; whenever plan chooses a plan, train accepts both the flags as typed
 and the chosen plan as flags with --plan off (the line plan prints to run it).
 """
@@ -17,8 +17,7 @@ import shlex
 import pytest
 
 from fitgpt.cli import build_parser, main
-from fitgpt.cli.train import check_settings, resolve_command
-from fitgpt.engine.validate import typed_flags
+from fitgpt.cli.train import settled
 from fitgpt.errors import UserError
 
 # 6 heads and 4·96 and a 192-row vocabulary divide by 2, 3 and 4 (T=3 fits 3 ranks); the
@@ -114,9 +113,8 @@ def train_refuses(world: str, device: str, flags: str) -> str | None:
     """The line `fitgpt train --gpus WORLD` refuses these flags with, or None: the checks its
     `run` makes before torchrun starts (nothing is launched or allocated)."""
     args = build_parser().parse_args(shlex.split(f"train {MODEL} --device {device} {flags}"))
-    typed = typed_flags(args)
     try:
-        check_settings(args, resolve_command(args)[0], int(world), typed)
+        settled(args, int(world))
     except UserError as e:
         return str(e)
     return None
@@ -149,10 +147,9 @@ def test_plan_prices_the_batch_and_vocabulary_train_runs(capfd):
     """The same flags, the same run: train's default batch (24 × 1) and its default data's
     vocabulary (the Python standard library through the bytes tokenizer), not plan's own."""
     from fitgpt import units
-    from fitgpt.train.setup import resolve_run
 
     args = build_parser().parse_args(["train", "--preset", "tiny", "--device", "cpu"])
-    run = resolve_run(resolve_command(args)[0], "cpu", settle_compile=False)
+    run = settled(args, 1).config
     capfd.readouterr()
     with pytest.raises(SystemExit) as done:
         main(["plan", "--preset", "tiny", "--device", "cpu"])

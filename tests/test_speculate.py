@@ -1,6 +1,6 @@
-"""The speculative update (engine/update.py, engine/speculate.py): host-homed chunks step during
-the backward on the guess "no clip, no overflow"; right guesses are bit-identical to the exact
-path, wrong ones are undone and redone within a few ulps, and counted."""
+"""The speculative update (engine/chunked/update.py, engine/formats/speculate.py): host-homed chunks
+step during the backward on the guess "no clip, no overflow"; right guesses are bit-identical to the
+exact path, wrong ones are undone and redone within a few ulps, and counted."""
 
 import json
 import shutil
@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_gloo
-from helpers import TINY, run_config
+from helpers import TINY, run_config, train
 
 from fitgpt.dist import DistContext, init_distributed
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
-from fitgpt.engine.speculate import undo_adamw_
-from fitgpt.train.loop import train
+from fitgpt.engine.formats.speculate import undo_adamw_
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 MODEL = TINY.replace(n_layer=4)

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from helpers import TINY, run_config
+from helpers import TINY, assembled, run_config, train
 
 from fitgpt.dist import DistContext
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
@@ -13,8 +13,7 @@ from fitgpt.engine.factory import build_engine
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import CorruptCheckpoint
 from fitgpt.errors import UserError
-from fitgpt.train.loop import Trainer, train
-from fitgpt.train.setup import resolve_run
+from fitgpt.train.loop import Trainer
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 
@@ -208,10 +207,8 @@ def test_train_records_carry_the_step_breakdown(tmp_path):
     # per step since the record before, so the records add up to the worker's run total when the
     # last one was written (no more than its final total: the last step's host work may finish
     # after it; per-step figures that kept the run totals in would add up to about twice that)
-    cfg = resolve_run(
-        run_config(tmp_path, steps=6, log_every=2, engine="zero", offload_optimizer="cpu"), "cpu"
-    )
-    trainer = Trainer(cfg, CPU)
+    cfg = run_config(tmp_path, steps=6, log_every=2, engine="zero", offload_optimizer="cpu")
+    trainer = Trainer(assembled(cfg, CPU))
     trainer.fit()
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if r["kind"] == "train"]

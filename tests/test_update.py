@@ -1,5 +1,5 @@
-"""The sync-free update (engine/update.py step_on_device): plans whose optimizer state is all on
-the device take the clip coefficient and the overflow test on the device and queue the update
+"""The sync-free update (engine/chunked/update.py step_on_device): plans whose optimizer state is
+all on the device take the clip coefficient and the overflow test on the device and queue the update
 behind the backward. It must step as the host-synced update does: the same clipping, the same
 skipped steps under fp16 overflow, the same step counts."""
 
@@ -10,9 +10,9 @@ import torch
 from helpers import TINY
 
 from fitgpt.dist import DistContext
+from fitgpt.engine.chunked.update import TieredUpdate
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
-from fitgpt.engine.update import TieredUpdate
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 MODEL = TINY.replace(n_layer=3)

@@ -13,11 +13,10 @@ from helpers import run_config
 
 from fitgpt.dist import DistContext
 from fitgpt.dist.env import configure_process
-from fitgpt.errors import UserError
 from fitgpt.plan.apply import Fixed
 from fitgpt.plan.memory import Workload, zero_state
+from fitgpt.train.assemble import Settings, assemble
 from fitgpt.train.loop import Trainer
-from fitgpt.train.setup import setup_run
 
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 QUIET = {"log": lambda *_: None}
@@ -38,13 +37,15 @@ def fitgpt(*argv, env=None, preexec_fn=None, timeout=240):
 
 def test_planning_sees_the_vocabulary_the_engine_builds(tmp_path):
     # the test model's own vocabulary is 96; GPT-2's tokenizer makes it 50257 (50304 rows)
+    # (the trainer takes a run assembled by train/assemble.py, which sizes the vocabulary before
+    # the planner prices it)
     run = run_config(tmp_path, data="stdlib", tokenizer="gpt2", engine="zero", micro_batch=2)
-    with pytest.raises(UserError, match="not the tokenizer's"):
-        Trainer(run, CPU)  # a run the planner did not see is never built
-    planned = setup_run(run, CPU, Fixed.of({"engine": "zero"}), **QUIET)
+    assembled = assemble(Settings(run, Fixed.of({"engine": "zero"})), CPU, **QUIET)
+    planned = assembled.config
     assert planned.model.vocab_size == 50257
-    trainer = Trainer(planned, CPU)
+    trainer = Trainer(assembled)
     try:
+        assert trainer.tokenizer.vocab_size == 50257
         assert trainer.engine.model_cfg == planned.model
         predicted = zero_state(Workload(planned.model, 2, 1, "fp32", "cpu"), planned.engine)
         held = {k: v for k, v in predicted["device"].items() if v}

@@ -15,9 +15,9 @@ from fitgpt.bench.peers import LR
 from fitgpt.dist import DistContext
 from fitgpt.engine.base import Batch
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
-from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
+from fitgpt.plan.fixed import Fixed
 
 
 class Runner(Protocol):
@@ -48,8 +48,8 @@ def bench_fixed(fixed: dict, bench: BenchConfig) -> Fixed:
 
 
 class TrainerRunner:
-    """fitgpt's engines as `fitgpt train` runs them: the run is resolved and planned by the same
-    call (fitgpt.train.setup.setup_run) and each step is the trainer's own (Trainer.step_once),
+    """fitgpt's engines as `fitgpt train` runs them: the run is assembled by the same call
+    (fitgpt.train.assemble.assemble: resolved, validated, planned, laid out) and each step is the trainer's own (Trainer.step_once),
     so a setting that makes a trial fast makes `fitgpt train` fast too."""
 
     def __init__(self, trainer) -> None:
@@ -124,15 +124,15 @@ def bench_run(model: ModelConfig, bench: BenchConfig, precision: str, device: st
 
 
 def check_trial(system: System, bench: BenchConfig, layers: int, gpus: int, device: str) -> None:
-    """Refuse, in one line, a trial `fitgpt train` would refuse (engine/validate.py: a T that does
+    """Refuse, in one line, a trial `fitgpt train` would refuse (plan/validate.py: a T that does
     not divide the GPUs or heads, fp16 on a CPU, ...), before the first trial starts. `bench`:
     with the system's own changes. A peer's settings are its library's to judge."""
-    from fitgpt.engine.validate import check_settings
+    from fitgpt.plan.validate import device_type
+    from fitgpt.train.assemble import Settings, settle
 
     if system.fixed is not None:
         run = bench_run(bench.model(layers), bench, system.precision, device)
-        fixed = system.plan_fixed(bench)
-        check_settings(run.model, run.engine, run.precision, gpus, run.train.device, fixed)
+        settle(Settings(run, system.plan_fixed(bench)), gpus, device_type(run.train.device))
 
 
 def trained(fixed: dict, precision: str = "auto"):
@@ -144,14 +144,14 @@ def trained(fixed: dict, precision: str = "auto"):
     def build(model: ModelConfig, bench: BenchConfig, ctx: DistContext) -> Runner:
         import tempfile
 
+        from fitgpt.train.assemble import Settings, assemble
         from fitgpt.train.loop import Trainer
-        from fitgpt.train.setup import setup_run
 
         out = tempfile.mkdtemp(prefix="fitgpt-trial-")
         run = bench_run(model, bench, precision, ctx.device.type, out)
-        f = bench_fixed(fixed, bench)
+        settings = Settings(run, bench_fixed(fixed, bench), force=True)
         log = print if ctx.is_main else (lambda *_: None)
-        return TrainerRunner(Trainer(setup_run(run, ctx, f, force=True, log=log), ctx))
+        return TrainerRunner(Trainer(assemble(settings, ctx, log)))
 
     return build
 

@@ -38,8 +38,8 @@ from fitgpt.data.synthetic import UniformSource
 from fitgpt.dist import init_distributed
 from fitgpt.dist.env import configure_process
 from fitgpt.dist.procs import die_with_parent
-from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
+from fitgpt.plan.fixed import Fixed
 from fitgpt.plan.memory import tokens_per_step
 from fitgpt.train.metrics import peak_flops
 from fitgpt.train.setup import OutOfMemory
@@ -106,7 +106,7 @@ def classify(exc: BaseException) -> tuple[str, str]:
 
 def compile_record(engine) -> dict:
     """`compiled` (whether regions ran compiled) and, if so, `compile_s` and dynamo's counts
-    (engine/compile.py). The compile happens in the first step, a warm-up step unless
+    (engine/transforms/compile.py). The compile happens in the first step, a warm-up step unless
     --warmup 0: step_s is then the steady-state speed and compile_s the one-off cost."""
     report = engine.compile_report() if hasattr(engine, "compile_report") else None
     if not report or not report["regions"]:

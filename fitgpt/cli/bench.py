@@ -89,7 +89,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 def check_systems(spec) -> None:
     """Every system × size of the sweep that `fitgpt train` would refuse, refused in one line
-    before the first trial (engine/validate.py, bench/systems.py check_trial)."""
+    before the first trial (plan/validate.py, bench/systems.py check_trial)."""
     import dataclasses
 
     from fitgpt.bench.systems import check_trial, get_system

@@ -10,8 +10,8 @@ from fitgpt.cli.args import (
     add_config_args,
     add_fraction_flags,
     add_removed_flags,
-    blocks_from_fractions,
     explicit,
+    typed_flags,
 )
 from fitgpt.data.config import DataConfig
 from fitgpt.engine.config import EngineConfig, PrecisionConfig
@@ -64,7 +64,7 @@ def register(sub) -> None:
         skip=("split", "sample_order"),
     )
     # the batch flags are train's, with train's defaults: plan prices the run train makes
-    # (--steps: what --compile auto weighs a compile against, engine/compile.py)
+    # (--steps: what --compile auto weighs a compile against, engine/transforms/compile.py)
     batch = ("micro_batch", "grad_accum", "steps")
     add_config_args(
         p.add_argument_group("batch and length (as in `fitgpt train`)"),
@@ -97,17 +97,16 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fitgpt.engine.fixed import Fixed
-    from fitgpt.engine.validate import check_settings, typed_flags
     from fitgpt.plan import hardware, rates
     from fitgpt.plan.apply import plan_run
     from fitgpt.plan.memory import GPU_SAFETY_MARGIN, GiB, gpu_budget
+    from fitgpt.plan.validate import check_settings
     from fitgpt.train.setup import engine_flags
 
     hw = hardware.detect(args.gpus, args.gpu_mem, args.cpu_mem, args.nvme, args.device)
     typed = typed_flags(args)  # as train judges them: before the shares become block counts
-    run = planned_run(args, hw.device)
-    model, fixed = run.model, Fixed.of(explicit(args, EngineConfig))
+    run, fixed = planned_run(args, hw.device)
+    model = run.model
     # what train refuses, plan refuses, in the same line, before pricing anything
     check_settings(model, run.engine, run.precision, hw.gpus, hw.device, fixed, typed)
     plans = plan_run(run, hw, rates.load(hw.gpu_name), fixed)
@@ -180,8 +179,9 @@ def model_name(args: argparse.Namespace) -> str:
 
 
 def planned_run(args: argparse.Namespace, device: str):
-    """The run `fitgpt train` makes of these flags (cli/train.py run_config_from_args: the same
-    preset, data, batch and engine defaults), resolved as train resolves it for `device` (the
+    """(the run `fitgpt train` makes of these flags, the engine fields given): the run as
+    cli/train.py makes it (run_config_from_args: the same preset, data, batch and engine
+    defaults; the shares of blocks as counts), resolved as train resolves it for `device` (the
     data's vocabulary, the precision): the planner prices the model train builds. Nothing is
     opened but the tokenizer.
 
@@ -189,21 +189,18 @@ def planned_run(args: argparse.Namespace, device: str):
     library through the bytes tokenizer) would give the model a 256-row vocabulary, and a
     preset's plan would price a model nobody trains (llama3.1-70b as 68.46 B parameters, not
     its 70.55 B). There the model keeps its own vocabulary: the preset's, or --vocab-size."""
-    from fitgpt.cli.train import run_config_from_args
+    from fitgpt.cli.train import flags_given, run_config_from_args, with_block_counts
+    from fitgpt.plan.fixed import Fixed
     from fitgpt.train.setup import resolve_run
 
-    run = run_config_from_args(args)
-    if args.offload_fraction is not None or args.nvme_fraction is not None:
-        blocks_from_fractions(args, run.model.n_layer)  # as train's resolve_command
-        engine = dataclasses.replace(
-            run.engine, offload_blocks=args.offload_blocks, nvme_blocks=args.nvme_blocks
-        )
-        run = dataclasses.replace(run, engine=engine)
-    resolved = resolve_run(run, device, settle_compile=False)  # the planner settles --compile
-    if not {"data", "tokenizer"} & set(explicit(args, DataConfig)):
+    given = flags_given(args)
+    run = run_config_from_args(args, given)
+    given, run = with_block_counts(args, given, run)
+    resolved = resolve_run(run, device)  # the planner settles --compile
+    if not {"data", "tokenizer"} & set(given["data"]):
         own = resolved.model.replace(vocab_size=run.model.vocab_size)
         resolved = dataclasses.replace(resolved, model=own)
-    return resolved
+    return resolved, Fixed.of(given["engine"])
 
 
 def print_table(cands, work, grad_accum: int, hw) -> None:

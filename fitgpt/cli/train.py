@@ -1,28 +1,35 @@
-"""`fitgpt train`: build a RunConfig from a preset plus flags, and run the training loop."""
+"""`fitgpt train`: the command line read once into the run's settings (a preset plus flags, an
+--init-from source or a resumed run), settled once for the job's ranks (before torchrun with
+--gpus), then on every rank the run assembled from them (train/assemble.py) and trained."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fitgpt.cli.args import (
     add_config_args,
     add_fraction_flags,
     add_removed_flags,
     blocks_from_fractions,
-    config_from_args,
     explicit,
+    typed_flags,
 )
 from fitgpt.data.config import BUILTIN, DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
-from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
-from fitgpt.train.config import RunConfig, TrainConfig
+from fitgpt.plan.fixed import Fixed
+from fitgpt.train.config import PARTS, RunConfig, TrainConfig
+
+if TYPE_CHECKING:
+    from fitgpt.train.assemble import Settings
 
 DEFAULT_PRESET = "tiny"
 
@@ -56,48 +63,63 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     add_removed_flags(p)
 
 
-def data_config_from_args(args: argparse.Namespace) -> DataConfig:
+def flags_given(args: argparse.Namespace) -> dict[str, dict]:
+    """The fields of each part of the run's config given on the command line: the command line
+    read once (cli/args.py explicit)."""
+    return {part: explicit(args, cls) for part, cls in PARTS.items()}
+
+
+def with_block_counts(args: argparse.Namespace, given: dict[str, dict], run: RunConfig):
+    """(`given`, `run`) with the shares of blocks given (--offload-fraction, --nvme-fraction)
+    as the block counts they ask for, once the model's layers are known (cli/args.py
+    blocks_from_fractions): the planner keeps them as if typed."""
+    counts = blocks_from_fractions(args, run.model.n_layer, given["engine"])
+    if counts is None:
+        return given, run
+    typed = {k: v for k, v in counts.items() if v is not None}
+    given = {**given, "engine": {**given["engine"], **typed}}
+    return given, dataclasses.replace(run, engine=dataclasses.replace(run.engine, **counts))
+
+
+def data_config(given: dict[str, dict]) -> DataConfig:
     """The data flags, the Python standard library unless --data says otherwise."""
-    return config_from_args(
-        args, DataConfig, DataConfig(data="stdlib") if args.data is None else None
-    )
+    return DataConfig(**{"data": "stdlib", **given["data"]})
 
 
 def run_config_from_args(
-    args: argparse.Namespace, model: ModelConfig | None = None, finetune: bool = False
+    args: argparse.Namespace,
+    given: dict[str, dict],
+    model: ModelConfig | None = None,
+    finetune: bool = False,
 ) -> RunConfig:
-    """The run a fresh `fitgpt train` asks for: `model` (--init-from: the source's, the model
-    flags checked against it) or the preset with the model flags applied, the Python standard
-    library as data unless --data says otherwise. `--preset ""` names no preset and is refused
-    by get_preset, as any other name it does not know (an empty name is not the default)."""
-    data = data_config_from_args(args)
+    """The run a fresh `fitgpt train` asks for (`given`: the flags, per config part): `model`
+    (--init-from: the source's, the model flags checked against it) or the preset with the model
+    flags applied, the Python standard library as data unless --data says otherwise.
+    `--preset ""` names no preset and is refused by get_preset, as any other name it does not
+    know (an empty name is not the default)."""
+    data = data_config(given)
     if model is None:
         preset = DEFAULT_PRESET if args.preset is None else args.preset
-        model = config_from_args(args, ModelConfig, get_preset(preset))
+        model = dataclasses.replace(get_preset(preset), **given["model"])
     return RunConfig(
         model=model,
         data=data,
-        train=train_config_from_args(args, model, finetune),
-        engine=config_from_args(args, EngineConfig),
-        precision=config_from_args(args, PrecisionConfig),
-        optim=config_from_args(args, OptimConfig),
+        train=train_config(given["train"], model, finetune),
+        engine=EngineConfig(**given["engine"]),
+        precision=PrecisionConfig(**given["precision"]),
+        optim=OptimConfig(**given["optim"]),
     )
 
 
-def train_config_from_args(
-    args: argparse.Namespace, model: ModelConfig, finetune: bool = False
-) -> TrainConfig:
+def train_config(given: dict, model: ModelConfig, finetune: bool = False) -> TrainConfig:
     """The training flags as given: the rates and warm-up the command does not name stay unset,
     for the Trainer to work out with the run's tokens per step (train/schedule.py
     resolve_schedule, the one place these defaults are decided). A --min-lr above the default
     peak is refused here, before anything is built."""
     from fitgpt.train.schedule import peak_lr
 
-    given = explicit(args, TrainConfig)
     lr = peak_lr(model, finetune)
-    # with --init-from, init_config checks it again against the source's width, not the preset's
-    source_pending = getattr(args, "init_from", None) is not None and not finetune
-    if "lr" not in given and given.get("min_lr", 0) > lr and not source_pending:
+    if "lr" not in given and given.get("min_lr", 0) > lr:
         what = "fine-tuning" if finetune else f"a model {model.n_embd} wide"
         raise UserError(
             f"--min-lr {given['min_lr']:g} is above the peak learning rate, {lr:g} by default "
@@ -106,26 +128,50 @@ def train_config_from_args(
     return TrainConfig(**given, finetune=finetune)
 
 
-def resolve_command(args: argparse.Namespace):
-    """(the run, the checkpoint to resume from, notes to print). The checkpoint is None for a
-    new run, "" for a run restarted from its record (train/loop.py: --out's newest, none yet).
-    With --resume the checkpoint's (or the record's) config is the base and the flags given
-    are checked against it; shares of blocks (--offload-fraction) become block counts once the
-    model is known."""
-    run, ckpt, notes = _resolve_command(args)
-    if args.offload_fraction is not None or args.nvme_fraction is not None:
-        blocks_from_fractions(args, run.model.n_layer)
-        engine = dataclasses.replace(
-            run.engine, offload_blocks=args.offload_blocks, nvme_blocks=args.nvme_blocks
-        )
-        run = dataclasses.replace(run, engine=engine)
-    return run, ckpt, notes
+def asked(args: argparse.Namespace, world: int = 1) -> Settings:
+    """The run this command line asks for on `world` ranks (train/assemble.py Settings). The
+    command line is read once, into the fields given per config part, a DeepSpeed config's keys
+    among them as if typed; then the run's configs (`configs`: a preset with the flags, the
+    --init-from source's model, or the resumed run's config), the machine's RAM as stated, the
+    engine fields the planner keeps, and where the run starts. What the command names is read
+    (a checkpoint's meta.json, a run record, a source's config); nothing is settled, validated
+    or allocated."""
+    from fitgpt.train.assemble import Settings
+
+    cpu_mem = 0  # --cpu-mem in bytes (parse_bytes refuses a size under one byte); 0: measured
+    if args.cpu_mem is not None:
+        from fitgpt.plan.hardware import parse_bytes
+
+        cpu_mem = parse_bytes(args.cpu_mem, "--cpu-mem")
+    # the flags typed, before a DeepSpeed config adds its keys as if typed (its keys are
+    # judged by its own notes, not as flags that would change nothing)
+    typed = typed_flags(args)
+    given = flags_given(args)
+    files = {}
+    if args.deepspeed_config:
+        given, files = deepspeed_given(args.deepspeed_config, given)
+    run, ckpt, source, notes = configs(args, given, world)
+    given, run = with_block_counts(args, given, run)
+    # what this machine gives, for the planner and every rank's engine; never a resumed run's
+    # saved figure
+    run = dataclasses.replace(run, engine=dataclasses.replace(run.engine, cpu_mem=cpu_mem))
+    # --plan auto: the engine fields given are kept, the planner chooses the rest; off: as given
+    fixed = Fixed.of(given["engine"]) if args.plan == "auto" else None
+    start = {"resume": None if ckpt is None else str(ckpt), "init_from": source}
+    notes = tuple(notes)
+    return Settings(
+        run, fixed, args.force, typed, **start, overwrite=args.overwrite, files=files, notes=notes
+    )
 
 
-def _resolve_command(args: argparse.Namespace):
+def configs(args: argparse.Namespace, given: dict[str, dict], world: int):
+    """(the run's configs, the checkpoint to resume from, the --init-from source, notes to
+    print). The checkpoint is None for a new run, "" for a run restarted from its record
+    (train/loop.py: --out's newest, none yet). With --resume the checkpoint's (or the record's)
+    config is the base and the flags given are checked against it, its --context-parallel
+    fitted to `world` ranks."""
     from fitgpt.train import checkpoint as ckpt_io
     from fitgpt.train.resume import (
-        PARTS,
         find_checkpoint,
         fit_context_parallel,
         removed_settings,
@@ -134,31 +180,31 @@ def _resolve_command(args: argparse.Namespace):
     from fitgpt.train.rundir import read_record
 
     if args.init_from is not None:
-        return init_config(args), None, []
+        run, source = init_config(args, given)
+        return run, None, source, []
     if args.resume is None:
-        return run_config_from_args(args), None, []
-    out = args.out or TrainConfig().out
+        return run_config_from_args(args, given), None, None, []
+    out = given["train"].get("out") or TrainConfig().out
     ckpt = find_checkpoint(args.resume, out)
     if ckpt is None:
         record = read_record(Path(out))  # a run killed before its first checkpoint
         if record is None:  # no run at all: the one these flags ask for
             note = f"--resume: {out} holds no checkpoint yet; starting a new run there"
-            return run_config_from_args(args), None, [note]
-        return restart_recorded(args, out, record)
+            return run_config_from_args(args, given), None, None, [note]
+        return restart_recorded(args, given, out, record, world)
     meta = ckpt_io.load_meta(ckpt)
-    given = {part: explicit(args, cls) for part, cls in PARTS.items()}
-    if args.resume and args.out is None:
-        given["train"]["out"] = str(ckpt.parent)  # continue in the run folder of CKPT
+    if args.resume and "out" not in given["train"]:  # continue in the run folder of CKPT
+        given = {**given, "train": {**given["train"], "out": str(ckpt.parent)}}
     # checked here, before any work; what changed is said once the run is planned (the trainer)
     run, notes = resumed_config(meta, ckpt, given, args.preset)
-    world = args.gpus or int(os.environ.get("WORLD_SIZE", 1))  # the launcher's, or a rank's
-    typed = "context_parallel" in given["engine"]
-    run, fitted = fit_context_parallel(run, world, typed)
-    notes = [*notes, *fitted]
-    return run, ckpt, [f"resume: {ckpt} with its own config", *notes, *removed_settings(meta, ckpt)]
+    run, fitted = fit_context_parallel(run, world, "context_parallel" in given["engine"])
+    notes = [f"resume: {ckpt} with its own config", *notes, *fitted, *removed_settings(meta, ckpt)]
+    return run, ckpt, None, notes
 
 
-def restart_recorded(args: argparse.Namespace, out: str, record: dict):
+def restart_recorded(
+    args: argparse.Namespace, given: dict[str, dict], out: str, record: dict, world: int
+):
     """`--resume` on a run folder with no checkpoint but a run record (train/rundir.py): the
     run it records, as it was started (its model, data and settings, with its --init-from
     source from step 0, or from the checkpoint it resumed); the flags given again are checked
@@ -166,11 +212,10 @@ def restart_recorded(args: argparse.Namespace, out: str, record: dict):
     A source that no longer holds the model the run was started from is refused in one line:
     restarting it would train another model."""
     from fitgpt.train import checkpoint as ckpt_io
-    from fitgpt.train.resume import PARTS, fit_context_parallel, resumed_config
+    from fitgpt.train.resume import fit_context_parallel, resumed_config
 
     where = Path(out) / ckpt_io.RECORD_NAME
-    given = {part: explicit(args, cls) for part, cls in PARTS.items()}
-    given["train"]["out"] = out
+    given = {**given, "train": {**given["train"], "out": out}}
     ckpt, base, what = "", record, "from scratch"  # "": --out's newest, none yet (train/loop.py)
     if record.get("resume_from"):  # its steps must lie past the checkpoint's
         ckpt = ckpt_io.resolve(Path(record["resume_from"]))
@@ -178,13 +223,13 @@ def restart_recorded(args: argparse.Namespace, out: str, record: dict):
         base = {**record, "step": meta["step"], "trainer": meta.get("trainer", {})}
         what = f"--resume {ckpt}"
     run, notes = resumed_config(base, where, given, args.preset)
-    world = args.gpus or int(os.environ.get("WORLD_SIZE", 1))
     run, fitted = fit_context_parallel(run, world, "context_parallel" in given["engine"])
+    source = None
     if record.get("init_from") and not ckpt:
-        args.init_source = recorded_source(record["init_from"], run, where)
+        source = recorded_source(record["init_from"], run, where)
         what = f"--init-from {record['init_from']}"
     note = f"--resume: {where} records the run ({what}); restarting it as it was started"
-    return run, ckpt, [note, *notes, *fitted]
+    return run, ckpt, source, [note, *notes, *fitted]
 
 
 def recorded_source(path: str, run: RunConfig, where: Path):
@@ -206,9 +251,9 @@ def recorded_source(path: str, run: RunConfig, where: Path):
     return source
 
 
-def init_config(args: argparse.Namespace):
-    """The run `--init-from SRC` asks for: SRC's architecture, everything else from the flags.
-    The model flags are checked against the source's model (its family's fields), never
+def init_config(args: argparse.Namespace, given: dict[str, dict]):
+    """(the run `--init-from SRC` asks for, SRC): SRC's architecture, everything else from the
+    flags. The model flags are checked against the source's model (its family's fields), never
     against the default preset, whose family may lack them."""
     from fitgpt.interop.init_source import find_source
     from fitgpt.train.init_from import model_from_source
@@ -218,17 +263,18 @@ def init_config(args: argparse.Namespace):
             "--init-from starts a new run from a model's weights, --resume continues a run: "
             "pass one of them"
         )
-    data = data_config_from_args(args)  # validated before the source is opened
-    args.init_source = find_source(args.init_from)
-    asked = explicit(args, ModelConfig)
+    data = data_config(given)  # validated before the source is opened
+    source = find_source(args.init_from)
+    asked = given["model"]
     if args.preset is not None:  # a preset named counts as its fields given (not its vocabulary)
-        given = get_preset(args.preset).to_dict()
-        asked = {**{k: v for k, v in given.items() if k != "vocab_size"}, **asked}
-    model = model_from_source(args.init_source, asked, data)
-    return run_config_from_args(args, model, finetune=True)  # fine-tuning's defaults
+        named = get_preset(args.preset).to_dict()
+        asked = {**{k: v for k, v in named.items() if k != "vocab_size"}, **asked}
+    model = model_from_source(source, asked, data)
+    run = run_config_from_args(args, given, model, finetune=True)  # fine-tuning's defaults
+    return run, source
 
 
-def check_out_apart(args: argparse.Namespace, run: RunConfig, ckpt) -> None:
+def check_out_apart(args: argparse.Namespace, settings: Settings) -> None:
     """Refuse an --out that is, lies inside or holds the model the run starts from (the
     --init-from source, and the models that one came from), before any work: the run would
     write its files among the user's model files, and --overwrite delete them. With
@@ -237,8 +283,8 @@ def check_out_apart(args: argparse.Namespace, run: RunConfig, ckpt) -> None:
     from fitgpt.paths import check_apart
     from fitgpt.train import checkpoint as ckpt_io
 
+    run, ckpt, source = settings.config, settings.resume, settings.init_from
     what = "the model --init-from reads"
-    source = getattr(args, "init_source", None)
     kept = []
     if source is not None:
         typed = getattr(args, "init_from", None)
@@ -249,8 +295,9 @@ def check_out_apart(args: argparse.Namespace, run: RunConfig, ckpt) -> None:
                 for p in ckpt_io.sources(ckpt_io.load_meta(source.path))
             ]
     if ckpt:
-        kept += [(f"a model {ckpt} came from", p) for p in ckpt_io.sources(ckpt_io.load_meta(ckpt))]
-    if args.overwrite:
+        meta = ckpt_io.load_meta(Path(ckpt))
+        kept += [(f"a model {ckpt} came from", p) for p in ckpt_io.sources(meta)]
+    if settings.overwrite:
         if run.data.data not in BUILTIN:
             kept += [("the data --data reads", p) for p in pair_paths(run.data.data)]
         tok = run.data.tokenizer
@@ -320,108 +367,90 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def apply_deepspeed_flags(args: argparse.Namespace) -> None:
-    """Set the flags a DeepSpeed config maps to, as if typed, unless typed already; print what
-    it set and a line per other key, and keep the same lines for the run folder
-    (deepspeed_notes.txt, written by the trainer once the run has started)."""
+def deepspeed_given(path: str, given: dict[str, dict]) -> tuple[dict[str, dict], dict[str, str]]:
+    """`given` with the fields a DeepSpeed config maps to, as if typed, where not typed already;
+    prints what it set and a line per other key, and returns the same lines as a file for the
+    run folder (deepspeed_notes.txt, written by the trainer once the run has started)."""
     from fitgpt.interop.deepspeed import NOTES_FILE, apply_deepspeed_config
 
-    parts = {"train": TrainConfig, "engine": EngineConfig, "precision": PrecisionConfig}
-    parts["optim"] = OptimConfig
-    typed = {part: explicit(args, cls) for part, cls in parts.items()}
-    changes, notes = apply_deepspeed_config(args.deepspeed_config, typed)
-    for values in changes.values():
-        for name, value in values.items():
-            setattr(args, name, value)  # the flags' dest is the field name
+    parts = ("train", "engine", "precision", "optim")
+    changes, notes = apply_deepspeed_config(path, {part: given[part] for part in parts})
+    given = {part: {**fields, **changes.get(part, {})} for part, fields in given.items()}
     said = " ".join(
         f"--{n.replace('_', '-')} {v}" for vals in changes.values() for n, v in vals.items()
     )
-    lines = [
-        f"--deepspeed-config {args.deepspeed_config}: {x}" for x in [said or "sets no flag", *notes]
-    ]
-    args.run_files = {
-        **(getattr(args, "run_files", None) or {}),
-        NOTES_FILE: "\n".join(lines) + "\n",
-    }
+    lines = [f"--deepspeed-config {path}: {x}" for x in [said or "sets no flag", *notes]]
     if os.environ.get("RANK", "0") == "0":
         for line in lines:
             print(line, flush=True)
+    return given, {NOTES_FILE: "\n".join(lines) + "\n"}
 
 
-def check_settings(args: argparse.Namespace, run_cfg: RunConfig, world: int, typed: dict) -> None:
-    """Refuse, in one line, what train cannot run on `world` ranks or a typed flag that would
-    change nothing (`typed`: the engine and precision flags on the command line), before
-    torchrun starts and before anything is allocated: engine/validate.py, the validation plan,
-    capacity and bench share. With --plan auto the engine fields not set are the planner's."""
-    from fitgpt.engine import validate
+def settled(args: argparse.Namespace, world: int) -> Settings:
+    """The settings this command line asks for (`asked`), settled for `world` ranks
+    (train/assemble.py settle: the one validation of the settings), and --out checked: apart
+    from what the run reads, and writable. What the job cannot run is refused here, in one
+    line, before torchrun starts (--gpus) and before anything is allocated."""
+    from fitgpt.paths import check_writable_dir
+    from fitgpt.plan.validate import device_type
+    from fitgpt.train.assemble import settle
 
-    m, e, p, device = run_cfg.model, run_cfg.engine, run_cfg.precision, run_cfg.train.device
-    validate.check_settings(m, e, p, world, device, planner_fixed(args), typed)
+    settings = asked(args, world)
+    settings = settle(settings, world, device_type(settings.config.train.device))
+    check_out_apart(args, settings)
+    check_writable_dir(settings.config.train.out, "--out")
+    return settings
 
 
-def planner_fixed(args: argparse.Namespace) -> Fixed | None:
-    """The engine fields typed with --plan auto (the planner chooses the rest); None with
-    --plan off (the engine config is used as given)."""
-    return Fixed.of(explicit(args, EngineConfig)) if args.plan == "auto" else None
+# the settings a --gpus launcher settled, as JSON in its ranks' environment
+HANDED = "FITGPT_SETTLED"
+
+
+def handed_over() -> Settings | None:
+    """The settings this rank's --gpus launcher settled (its --init-from source found again,
+    in this process), or None: a process that no fitgpt launcher started settles its own."""
+    from fitgpt.dist.context import under_torchrun
+
+    text = os.environ.get(HANDED)
+    if text is None or not under_torchrun():
+        return None
+    from fitgpt.interop.init_source import find_source
+    from fitgpt.train.assemble import Settings
+
+    d = json.loads(text)
+    source = None if d["init_from"] is None else find_source(d["init_from"])
+    return Settings.from_dict(d, source)
 
 
 def run(args: argparse.Namespace) -> int:
-    cpu_mem = 0  # --cpu-mem in bytes (parse_bytes refuses a size under one byte); 0: measured
-    if args.cpu_mem is not None:
-        from fitgpt.plan.hardware import parse_bytes
-
-        cpu_mem = parse_bytes(args.cpu_mem, "--cpu-mem")
-    from fitgpt.engine.validate import typed_flags
-
-    # the flags typed, before a DeepSpeed config adds its keys as if typed (its keys are
-    # judged by its own notes, not as flags that would change nothing)
-    typed = typed_flags(args)
-    if args.gpus is not None:
-        if args.gpus < 1:
+    """`fitgpt train`: the settings settled once, for the job's ranks: here, or with --gpus N
+    before torchrun starts, which hands them to its N ranks (HANDED); then, on every rank, the
+    run assembled from them (train/assemble.py) and trained (train/loop.py)."""
+    settings = handed_over()
+    if settings is None:
+        if args.gpus is not None and args.gpus < 1:
             raise UserError(f"--gpus {args.gpus} must be at least 1")
+        settings = settled(args, args.gpus or int(os.environ.get("WORLD_SIZE", 1)))
+    if args.gpus is not None:
         from fitgpt.dist.launch import relaunch, strip_flag
 
-        if not args.deepspeed_config:  # what the job cannot run: refused here, in one line,
-            run_cfg, ckpt, _ = resolve_command(args)  # before torchrun
-            check_settings(args, run_cfg, args.gpus, typed)
-            check_out_apart(args, run_cfg, ckpt)
         argv = strip_flag(sys.argv[1:], "--gpus")
-        return relaunch(args.gpus, argv)
-    if args.deepspeed_config:
-        apply_deepspeed_flags(args)
-    run_cfg, ckpt, notes = resolve_command(args)  # validates every config before allocating
-    # what this machine gives, for the planner and every rank's engine (each rank parses the
-    # flag itself); never a resumed run's saved figure
-    engine = dataclasses.replace(run_cfg.engine, cpu_mem=cpu_mem)
-    run_cfg = dataclasses.replace(run_cfg, engine=engine)
-    check_settings(args, run_cfg, int(os.environ.get("WORLD_SIZE", 1)), typed)
-    from fitgpt.paths import check_writable_dir
-
-    check_out_apart(args, run_cfg, ckpt)
-    check_writable_dir(run_cfg.train.out, "--out")
+        return relaunch(args.gpus, argv, env={HANDED: json.dumps(settings.to_dict())})
     from fitgpt.dist import init_distributed, shutdown
     from fitgpt.dist.env import configure_process
+    from fitgpt.train.assemble import assemble
     from fitgpt.train.loop import train
-    from fitgpt.train.setup import setup_run
 
-    # before CUDA, NCCL and the first CPU kernel
-    configure_process(run_cfg.train.cpu_threads, run_cfg.train.device)
-    ctx = init_distributed(run_cfg.train.device, run_cfg.train.dist_timeout)
+    t = settings.config.train
+    configure_process(t.cpu_threads, t.device)  # before CUDA, NCCL and the first CPU kernel
+    ctx = init_distributed(t.device, t.dist_timeout)
     try:
 
         def log(msg: str) -> None:
             if ctx.is_main:
                 print(msg, flush=True)
 
-        for note in notes:
-            log(note)
-        run_cfg = setup_run(run_cfg, ctx, planner_fixed(args), args.force, log)
-        resume = None if ckpt is None else str(ckpt)
-        init = getattr(args, "init_source", None)
-        files = getattr(args, "run_files", None)  # set by apply_deepspeed_flags
-        train(
-            run_cfg, ctx, resume=resume, overwrite=args.overwrite, init_from=init, run_files=files
-        )
+        train(assemble(settings, ctx, log))
     except UserError as e:
         if not ctx.distributed:
             raise

@@ -94,6 +94,12 @@ class DistContext:
             raise ValueError(f"this context is laid out for T={self.tp}, not {tp}")
         return dataclasses.replace(self, mesh=build_mesh(self.rank, self.world, tp))
 
+    def laid_out(self, tp: int, cp: int) -> DistContext:
+        """This context with a run's mesh: T-rank tensor-parallel groups, then C-rank
+        context-parallel groups (collective: every rank calls it). A run's is laid out once,
+        by train/assemble.py; the trainer and the engines take it as given."""
+        return self.with_tensor_parallel(tp).with_context_parallel(cp)
+
     @property
     def distributed(self) -> bool:
         return self.group is not None and self.world > 1

@@ -50,6 +50,10 @@ def command(nproc: int, module: str, argv: list[str], torchrun: bool | None = No
     ]
 
 
-def relaunch(nproc: int, argv: list[str], module: str = "fitgpt") -> int:
-    """Run `python -m fitgpt <argv>` under torchrun with nproc processes; return its exit code."""
-    return subprocess.call(command(nproc, module, argv, torchrun=True), env=child_env(nproc))
+def relaunch(
+    nproc: int, argv: list[str], module: str = "fitgpt", env: dict[str, str] | None = None
+) -> int:
+    """Run `python -m fitgpt <argv>` under torchrun with nproc processes, `env` added to their
+    environment (train's settled settings: cli/train.py launch); return its exit code."""
+    cmd = command(nproc, module, argv, torchrun=True)
+    return subprocess.call(cmd, env={**child_env(nproc), **(env or {})})

@@ -29,7 +29,7 @@ from fitgpt.engine.state_io import WeightSource
 from fitgpt.model import DecoderLM, ModelConfig
 
 if TYPE_CHECKING:
-    from fitgpt.engine.compile import CompiledRegions
+    from fitgpt.engine.transforms.compile import CompiledRegions
 
 # An engine reads every micro-batch as Batch(*b): a plain (inputs, targets) pair is a Batch
 # without segments.
@@ -149,7 +149,7 @@ class Engine(ABC):
 
     def compile_report(self) -> dict | None:
         """--compile on: regions, graph breaks, recompiles and compile seconds so far
-        (engine/compile.py); None when nothing is compiled."""
+        (engine/transforms/compile.py); None when nothing is compiled."""
         return None if self.compiled is None else self.compiled.report()
 
     def close(self) -> None:

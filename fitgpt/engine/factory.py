@@ -16,10 +16,19 @@ def build_engine(
     ctx: DistContext,
     seed: int = 0,
 ) -> Engine:
+    """The engine `ecfg` names, on `ctx` as it is laid out for `ecfg`'s T and C (DistContext
+    .laid_out: a run's ranks are laid out once, by train/assemble.py); an engine lays out
+    nothing itself."""
+    if (ctx.tp, ctx.cp_size) != (ecfg.tensor_parallel, ecfg.context_parallel):
+        raise ValueError(
+            f"the ranks are laid out for --tensor-parallel {ctx.tp} --context-parallel "
+            f"{ctx.cp_size}, the engine config asks {ecfg.tensor_parallel} and "
+            f"{ecfg.context_parallel}: pass ctx.laid_out(T, C)"
+        )
     if ecfg.engine == "ddp":
-        from fitgpt.engine.torch_engine import TorchEngine
+        from fitgpt.engine.ddp import TorchEngine
 
         return TorchEngine(model_cfg, ecfg, pcfg, ocfg, ctx, seed)
-    from fitgpt.engine.chunked import ChunkEngine
+    from fitgpt.engine.chunked.engine import ChunkEngine
 
     return ChunkEngine(model_cfg, ecfg, pcfg, ocfg, ctx, seed)

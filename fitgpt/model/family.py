@@ -65,8 +65,8 @@ class Family(ABC):
     head_shared: ClassVar[tuple[str, ...]] = ()
     # one block's forward + backward under activation checkpointing, compiled (Inductor) over
     # eager, as measured on an H100 for the family's blocks: what the planner prices for
-    # --compile with checkpointing and what --compile auto weighs (engine/compile.py). GPT-2's
-    # blocks run slower compiled there (1.06-1.13 at h=2560-5120,
+    # --compile with checkpointing and what --compile auto weighs (engine/transforms/compile.py).
+    # GPT-2's blocks run slower compiled there (1.06-1.13 at h=2560-5120,
     # results/offload_compile_h100_2026-11-24): little elementwise work to fuse, and the
     # checkpoint runs the compiled forward twice.
     compiled_checkpointed: ClassVar[float] = 1.08

@@ -64,7 +64,6 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from fitgpt.dist.mesh import ContextGroup
-from fitgpt.errors import UserError
 from fitgpt.model import DecoderLM, ModelConfig
 
 
@@ -153,7 +152,7 @@ def context_parallel_refusal(
     sequence_parallel: bool = False,
 ) -> str | None:
     """The one line refusing a C the model or the job cannot be split by, or None
-    (engine/validate.py asks it for train, plan, capacity and the planner's candidates; C >= 1
+    (plan/validate.py asks it for train, plan, capacity and the planner's candidates; C >= 1
     is EngineConfig's own check). `tp`: T (0, auto: judged once the planner has chosen)."""
     if cp <= 1 or tp == 0:
         return None
@@ -170,19 +169,6 @@ def context_parallel_refusal(
                 "then 1/C of the heads)"
             )
     return None
-
-
-def check_context_parallel(
-    cp: int,
-    cfg: ModelConfig,
-    world: int | None = None,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-) -> None:
-    """Refuse in one line, before anything is built (context_parallel_refusal)."""
-    why = context_parallel_refusal(cp, cfg, world, tp, sequence_parallel)
-    if why:
-        raise UserError(why)
 
 
 # ---- the model -----------------------------------------------------------------------------
@@ -234,7 +220,8 @@ def context_parallel(model: DecoderLM, cp: ContextGroup) -> DecoderLM:
     """Make `model` context-parallel over cp's group (C = cp.size > 1), in place; returns it.
     The parameters keep their names and shapes (every rank holds all of them), so the chunk
     layout, checkpoints and initialisation are the unsplit model's. Hooks, not new modules:
-    the engines' own hooks and linears (streamed weights, engine/wgrad.py) stay as they are."""
+    the engines' own hooks and linears (streamed weights, engine/transforms/wgrad.py) stay as they
+    are."""
     rule, found = model.family.split_rule, 0
     for path, module in model.named_modules():
         if ".attn." not in f".{path}" or not isinstance(module, nn.Linear):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, Split, family_of
 
 
@@ -84,17 +83,3 @@ def tensor_parallel_refusal(
                 f"{', '.join(map(str, ok))} (it must divide {what_divides(checks)})"
             )
     return None
-
-
-def check_tensor_parallel(
-    tp: int, cfg: ModelConfig, world: int | None = None, sequence_parallel: bool = False
-) -> None:
-    """Refuse a T the model or the job cannot be split by, in one line, before anything is built.
-    `world`: the job's rank count where known."""
-    if tp == 0:
-        raise UserError(
-            "--tensor-parallel auto is the planner's to resolve: train with --plan auto, or give T"
-        )
-    why = tensor_parallel_refusal(tp, cfg, world, sequence_parallel)
-    if why:
-        raise UserError(why)

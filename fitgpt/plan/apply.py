@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from fitgpt.dist import DistContext
 from fitgpt.engine.config import EngineConfig
-from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
 from fitgpt.plan import hardware, rates
 from fitgpt.plan.candidate import Candidate
+from fitgpt.plan.fixed import Fixed
 from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import GiB, Workload
 from fitgpt.plan.planner import plan, refusal, why

@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fitgpt.engine.compile import SCOPES, compile_scope
+from fitgpt.engine.chunked.placement import Placement
 from fitgpt.engine.config import EngineConfig
-from fitgpt.engine.placement import Placement
+from fitgpt.engine.transforms.compile import SCOPES, compile_scope
 from fitgpt.model.families import family_of
 from fitgpt.plan import formats
 from fitgpt.plan.hardware import Hardware
@@ -92,7 +92,7 @@ def evaluate(
     disk = sum(est.nvme.values()) * ranks_here
     disk_short = 0
     if disk:
-        # nvme_free is already net of the spare room the store leaves (engine/nvme.py)
+        # nvme_free is already net of the spare room the store leaves (engine/host/nvme.py)
         disk_short = disk - hw.nvme_free if hw.nvme_path else disk
     written = placement.disk_traffic()[1] * ranks_here
     return Candidate(ecfg, est, t, gpu_short, host_short, disk_short, placement, written, disk=disk)
@@ -101,8 +101,8 @@ def evaluate(
 def settle_compile(
     work: Workload, grad_accum: int, rates: Rates, ecfg: EngineConfig, placement
 ) -> EngineConfig:
-    """`ecfg` with --compile resolved for this plan (engine/compile.py compile_scope, the one
-    decision): auto weighs the compile against this plan's own eager step time times the run's
+    """`ecfg` with --compile resolved for this plan (engine/transforms/compile.py compile_scope, the
+    one decision): auto weighs the compile against this plan's own eager step time times the run's
     steps; the scope follows this plan's placement. What comes back is what is priced, then
     built."""
     if ecfg.compile in SCOPES:

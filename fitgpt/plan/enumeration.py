@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from fitgpt.engine import validate
 from fitgpt.engine.config import EngineConfig
-from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
 from fitgpt.parallel.shard import tensor_parallel_refusal, tp_divisors
+from fitgpt.plan import validate
 from fitgpt.plan.candidate import Candidate, evaluate
+from fitgpt.plan.fixed import Fixed
 from fitgpt.plan.memory import Workload, placement_of
 
 
@@ -26,7 +26,7 @@ def tp_degrees(work: Workload, fixed: Fixed) -> list[int]:
     t = fixed.tensor_parallel
     if t != 0:
         why = tensor_parallel_refusal(t, work.model, work.world, fixed.sequence_parallel)
-        if why:  # callers validate first (engine/validate.py); a T that cannot split is no plan
+        if why:  # callers validate first (plan/validate.py); a T that cannot split is no plan
             raise UserError(why)
         return [t]
     return tp_divisors(work.model, work.world, fixed.sequence_parallel)
@@ -45,7 +45,7 @@ def enumerate_plans(world: int, fixed: Fixed, host_activations: bool = False) ->
         EngineConfig(engine="zero", zero_stage=s, checkpointing=ck) for s in stages for ck in kinds
     ]
     if "offload_optimizer" not in fixed:
-        # block counts imply their tier (engine/validate.py: implied_tier), and streamed
+        # block counts imply their tier (plan/validate.py: implied_tier), and streamed
         # weights imply the host tier: a count the planner then ignored would change nothing
         tier = validate.implied_tier(fixed)
         if tier == "none" and fixed.offload_params not in (None, "none"):
@@ -66,7 +66,7 @@ def enumerate_plans(world: int, fixed: Fixed, host_activations: bool = False) ->
 
 
 def runnable(work: Workload, e: EngineConfig) -> bool:
-    """Whether train would run plan `e` for this work (engine/validate.py: the one validation
+    """Whether train would run plan `e` for this work (plan/validate.py: the one validation
     of a run's settings): a plan it would refuse is never a candidate."""
     why = validate.refusal(work.model, e, work.precision, work.world, work.device, planning=True)
     return why is None
@@ -92,7 +92,7 @@ def plans_of(work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: Fixed)
 def can_stream(work: Workload, e: EngineConfig, fixed: Fixed, layout=None) -> bool:
     """Whether the planner may stream the offloaded blocks' weights: not where the user ruled it
     out, and on several ranks only where `e`'s placement gathers the blocks' weights from 1/W
-    shards anyway (each rank streams its shard; engine/placement.py stream_refusal refuses
+    shards anyway (each rank streams its shard; engine/chunked/placement.py stream_refusal refuses
     streaming weights that every rank holds whole)."""
     if fixed.offload_params == "none":
         return False

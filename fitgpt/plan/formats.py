@@ -1,11 +1,11 @@
 """The optimizer state's storage formats the planner chooses, least compact first.
 
-Three engine fields say how the optimizer state is stored (engine/compact.py, docs/offload.md):
-`master` (fp32, or split: the bf16 working weight plus an int16 remainder), `moments` (the Adam
-moments of the offloaded blocks, in host RAM or on disk) and `device_moments` (those of the
-chunks whose state stays on the GPU), each fp32, bf16 or block-wise int8. A field the user set
-is used as set; the planner chooses the fields left "auto": fp32 when some plan fits with it,
-else the first rung of LADDER with which one does; and, where that rung's fastest plan offloads
+Three engine fields say how the optimizer state is stored (engine/formats/compact.py,
+docs/offload.md): `master` (fp32, or split: the bf16 working weight plus an int16 remainder),
+`moments` (the Adam moments of the offloaded blocks, in host RAM or on disk) and `device_moments`
+(those of the chunks whose state stays on the GPU), each fp32, bf16 or block-wise int8. A field the
+user set is used as set; the planner chooses the fields left "auto": fp32 when some plan fits with
+it, else the first rung of LADDER with which one does; and, where that rung's fastest plan offloads
 optimizer state, a higher rung whose plan is at least 10% faster (plan/planner.py: plan; the
 host AdamW is faster on compact state than on fp32). Either way only formats in AUTO_FORMATS:
 a split master leaves the bf16 weights the forward sees unchanged, and bf16 moments kept the
@@ -19,10 +19,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from fitgpt.engine.chunked.placement import Placement
 from fitgpt.engine.config import EngineConfig
-from fitgpt.engine.fixed import Fixed
-from fitgpt.engine.placement import Placement
 from fitgpt.errors import UserError
+from fitgpt.plan.fixed import Fixed
 
 FIELDS = ("master", "moments", "device_moments")
 Formats = tuple[str, str, str]  # (master, moments of offloaded blocks, moments on the device)
@@ -36,10 +36,10 @@ Formats = tuple[str, str, str]  # (master, moments of offloaded blocks, moments 
 AUTO_FORMATS = ("split", "bf16")
 
 # Least compact first; each rung saves more bytes per parameter than the one before it. The split
-# master is lossless (within engine/split_master.py's one-ulp ties), so it comes first; the offloaded blocks'
-# moments before the device's, because they are most of the parameters of a model that needs
-# the room and because host RAM and the disk, not the GPU, run out first once the GPU is filled
-# by offloading blocks.
+# master is lossless (within engine/formats/split_master.py's one-ulp ties), so it comes first; the
+# offloaded blocks' moments before the device's, because they are most of the parameters of a model
+# that needs the room and because host RAM and the disk, not the GPU, run out first once the GPU is
+# filled by offloading blocks.
 LADDER: tuple[Formats, ...] = (
     ("fp32", "fp32", "fp32"),
     ("split", "fp32", "fp32"),
@@ -103,7 +103,7 @@ def settled(e: EngineConfig, placement: Placement) -> EngineConfig:
     stored in it: the name and the flags then say only what is used). Also a format the user
     fixed: `--moments int8` under --plan auto asks for int8 where the plan offloads;
     a plan that offloads nothing keeps no moments in it, and its flags, run with --plan off,
-    would be refused as a flag that changes nothing (engine/validate.py)."""
+    would be refused as a flag that changes nothing (plan/validate.py)."""
     used = in_effect(placement)
     changes = {}
     for name, value in zip(FIELDS, used):

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 # The host's memory and byte sizes are the engine's knowledge too (it refuses a placement whose
-# host state does not fit before allocating): they live in engine/hostmem.py, re-exported here.
-from fitgpt.engine.hostmem import (
+# host state does not fit before allocating): they live in engine/host/hostmem.py, re-exported here.
+from fitgpt.engine.host.hostmem import (
     HOST_RESERVE_FRACTION,
     HOST_RESERVE_MIN,
     UNITS,
@@ -100,7 +100,7 @@ def detect(
                 raise UserError(
                     f"--nvme {nvme}: not a folder; pass an existing folder or a size like 64GB"
                 )
-            from fitgpt.engine.nvme import disk_room
+            from fitgpt.engine.host.nvme import disk_room
 
             nvme_path, nvme_free = nvme, max(0, disk_room(nvme))  # what the tier may use
     return Hardware(

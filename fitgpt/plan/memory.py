@@ -21,10 +21,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from fitgpt.dist.mesh import Mesh
-from fitgpt.engine.compile import compiled
+from fitgpt.engine.chunked.placement import MAX_INFLIGHT, Placement
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
-from fitgpt.engine.placement import MAX_INFLIGHT, Placement
+from fitgpt.engine.transforms.compile import compiled
 from fitgpt.model import ModelConfig, build_model, family_of
 from fitgpt.model.loss import loss_pieces, piece_bytes
 
@@ -154,7 +154,7 @@ def placement_of(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | N
 def zero_state(
     work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None = None
 ) -> dict[str, dict[str, int]]:
-    """Exactly what ChunkEngine.memory_report() returns (engine/placement.py computes it)."""
+    """Exactly what ChunkEngine.memory_report() returns (engine/chunked/placement.py computes it)."""
     return placement_of(work, ecfg, layout).state_bytes()
 
 
@@ -307,7 +307,7 @@ def activation_bytes(
         out["attention_bias"] = attn["shared"]
     # logits in the working dtype, their fp32 copy for a stable softmax, the saved log-probs,
     # and in backward the fp32 gradient (the bf16 one replaces the logits): 2w + 8 per entry.
-    # --compile on fuses the head's loss (engine/compile.py): the softmax runs over the logits
+    # --compile on fuses the head's loss (engine/transforms/compile.py): the softmax runs over the logits
     # in one pass, no fp32 copy and no saved log-probs; measured on the H100 (GPT-2 124 M and
     # 1.5 B, nanogpt_compare2_h100_2026-11-23) the peak fell by 9.6-9.7 bytes per logit, so 8
     # fewer are priced: 2w, the working-dtype logits and in backward their gradient in place
@@ -357,7 +357,7 @@ def estimate(
     W, w = work.world // tp_of(ecfg), work.w
     if ecfg.checkpointing == "cpu" and work.device != "cpu":
         # every block's input of one micro-batch, pinned; the pinned cache rounds each buffer up
-        # to a power of two (engine/activation.py)
+        # to a power of two (engine/transforms/activation.py)
         sbh = work.model.seq_len * work.micro_batch * work.model.n_embd
         est.host["checkpointed_inputs"] = work.model.n_layer * (1 << (sbh * w - 1).bit_length())
     if not placement.chunked:  # plain PyTorch (ddp): its own fp32 state, no chunks

@@ -25,11 +25,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from fitgpt import units
-from fitgpt.engine import validate
 from fitgpt.engine.config import EngineConfig
-from fitgpt.engine.fixed import Fixed
 from fitgpt.errors import UserError
-from fitgpt.plan import formats
+from fitgpt.plan import formats, validate
 from fitgpt.plan.candidate import (
     Candidate,
     in_ram,
@@ -40,6 +38,7 @@ from fitgpt.plan.candidate import (
     uses_disk,
 )
 from fitgpt.plan.enumeration import enumerate_plans, plans_of, runnable, tp_degrees
+from fitgpt.plan.fixed import Fixed
 from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import GPU_SAFETY_MARGIN, GiB, Workload, gpu_budget, layout_of
 from fitgpt.plan.rates import Rates
@@ -79,7 +78,7 @@ def plan(
     if work.device == "cuda" and not any(c.fits for c in cands) and "checkpointing" not in fixed:
         # the block inputs in pinned host RAM (--checkpointing cpu) only where nothing fits
         # without: the step model does not price its copies' share of the PCIe link with the
-        # offloaded optimizer's and the streamed weights' traffic (engine/activation.py)
+        # offloaded optimizer's and the streamed weights' traffic (engine/transforms/activation.py)
         cands = plan_among(work, grad_accum, hw, rates, fixed, host_activations=True)
     return cands
 
@@ -111,7 +110,7 @@ def plan_among(
             for c in plans_of(work, grad_accum, hw, rates, e, layout, fixed):
                 c.ecfg, c.rung = formats.settled(c.ecfg, c.placement), rung
                 if not runnable(work, c.ecfg):
-                    continue  # train would refuse it (engine/validate.py)
+                    continue  # train would refuse it (plan/validate.py)
                 if first is not None and not in_ram(c):
                     continue  # priced for speed alone: a plan that needs more room adds nothing
                 if c.ecfg not in seen:  # a format for an empty tier repeats a lower rung's plan
@@ -121,7 +120,8 @@ def plan_among(
             first = min((c for c in cands if in_ram(c)), key=speed)
             if not offloads(first) or hw.device != "cuda":
                 # compact state is faster only in the host tier's update, through the native
-                # kernel that GPU machines use (engine/hostkernel.py; CPU runs take torch's path)
+                # kernel that GPU machines use (engine/formats/hostkernel.py; CPU runs take torch's
+                # path)
                 break
             # the rungs above are priced for speed alone, without the disk (a plan that streams
             # its state through it is never chosen over one in RAM)

@@ -10,7 +10,7 @@ compute   the matmuls (6 FLOPs per multiplying parameter per token, + 0.6 of a f
 comm      ZeRO/DDP collectives at the probe's bus bandwidth; what overlaps with backward (or with
           forward, for stage-3 prefetches) is hidden, the rest exposed.
 optimizer fused AdamW streams ~36 bytes per parameter of its range through device memory;
-          compact formats (engine/compact.py) step in pieces through fp32 scratch and stream more.
+          compact formats (engine/formats/compact.py) step in pieces through fp32 scratch and stream more.
 tp_comm   --tensor-parallel T: per block 2 all-reduces of b·S·h working elements in forward and
           2 in backward (2 more when checkpointing recomputes the forward), plus the embedding's
           and the head's, on the critical path (nothing overlaps them), at the bus bandwidth
@@ -25,14 +25,14 @@ from __future__ import annotations
 import itertools
 import math
 
-from fitgpt.engine.compile import CHECKPOINTED, compiled
+from fitgpt.engine.chunked.placement import ChunkPlan, Placement
 from fitgpt.engine.config import EngineConfig
-from fitgpt.engine.moments import bytes_per_param
-from fitgpt.engine.placement import ChunkPlan, Placement
-from fitgpt.engine.validate import CPU_FP16_SLOWDOWN
+from fitgpt.engine.formats.moments import bytes_per_param
+from fitgpt.engine.transforms.compile import CHECKPOINTED, compiled
 from fitgpt.model.families import family_of
 from fitgpt.plan.memory import Workload, attention_path, layout_of, placement_of, tp_of
 from fitgpt.plan.rates import Rates
+from fitgpt.plan.validate import CPU_FP16_SLOWDOWN
 
 FP32_FRACTION = (
     0.085  # fp32 (no tensor cores) runs at ~8.5% of the bf16 rate (H100 sweep, 2.0-3.6 B)
@@ -42,7 +42,7 @@ FP32_FRACTION = (
 # on the 2-core AMD EPYC (avx512_bf16), 2026-11-26: fp32 225-604 ms/step, bf16 245-371, fp16
 # 5,120-6,088 (no fast fp16 matmul: ~20x slower). Before this a CPU's fp32 took FP32_FRACTION
 # of its rate: fp32 was predicted 4.90 s/step, 12x slower than bf16, and fp16 as fast as bf16.
-# (train refuses fp16 on a CPU: engine/validate.py; the share keeps any caller's pricing honest)
+# (train refuses fp16 on a CPU: plan/validate.py; the share keeps any caller's pricing honest)
 CPU_PRECISION_SHARE = {"fp32": 1.0, "bf16": 1.0, "fp16": 1 / CPU_FP16_SLOWDOWN}
 
 
@@ -64,7 +64,7 @@ def efficiency(hidden: int, ceiling: float) -> float:
     return max(0.2, share)
 
 
-# --compile on (engine/compile.py): a compiled step's compute time over the eager one's, by hidden
+# --compile on (engine/transforms/compile.py): a compiled step's compute time over the eager one's, by hidden
 # size, measured on the H100 in one run each: 0.716 at h=768 (GPT-2 124 M on one GPU, compiled
 # whole as CUDA graphs: 104.2 against 146.0 ms, nanogpt_compare3_h100_2026-11-24; its regions
 # gave 0.75, 110-111 against 147-148 ms), 0.966 at h=1600 (1.5 B's regions: 724-732 against
@@ -196,7 +196,7 @@ def overhead_share(placement: Placement) -> float:
 FP32_HOST_BYTES = 40.0
 # Measured: benchmarks/results/compact_native_h100_2026-11-23/host_adamw_native.json (H100
 # machine's host, 16 threads, one 201 M-element block): seconds per element over fp32 state's.
-# bf16 and int8 moments run through the native kernel (engine/hostkernel.py), split + fp32
+# bf16 and int8 moments run through the native kernel (engine/formats/hostkernel.py), split + fp32
 # through torch's kernel. fp32 + int8 was measured once vectorized in a later call
 # (sweep_h100_2026-11-23/host_adamw.json): 0.88x split + int8's time in that call, so 0.88 x 0.50
 # here (that call's fp32 baseline ran slower, 0.111 s against 0.082 s: its raw ratios read low).
@@ -208,7 +208,7 @@ HOST_VS_FP32: dict[tuple[str, str], float] = {
     ("split", "int8"): 0.50,
 }
 FP32_DEVICE_BYTES = 36.0  # the GPU's fused AdamW over fp32 state (the optimizer term)
-# a compiled run's device update in one pass (engine/update.py _adamw_math): the working-dtype
+# a compiled run's device update in one pass (engine/chunked/update.py _adamw_math): the working-dtype
 # gradient read, the fp32 master and moments read and written, the weights written: 28 bytes
 # at bf16 (measured at the 2.7b preset: 47.4 -> 27.7 ms, results/ab_speed2_h100_2026-11-24)
 ONE_PASS_BYTES = 28.0
@@ -217,7 +217,7 @@ ONE_PASS_BYTES = 28.0
 # AdamW over the fp32 pieces (28), the master joined and split again (split: ~70 over compact.py's
 # integer passes; fp32: the new weights written, 4 + w), and per moment its decode and encode
 # passes (bf16 12, int8 ~52 with the absmax, rounding and square root). PLACEHOLDER: counted from
-# engine/compact.py and engine/moments.py, not measured; a GPU check should time it.
+# engine/formats/compact.py and engine/formats/moments.py, not measured; a GPU check should time it.
 DEVICE_SPLIT_BYTES = 70.0
 DEVICE_MOMENT_PASSES = {"fp32": 0.0, "bf16": 12.0, "int8": 52.0}  # per moment, decode + encode
 
@@ -438,10 +438,10 @@ def host_optimizer_exposed(
     window = forward_first_micro * (m.n_layer - k) / max(1, m.n_layer)
     if work.world > 1 and any(c.gathers_updated for c in placement.hosted):
         # stages 1-2 on several ranks: the step waits for the host's new shards to all-gather
-        # them (engine/update.py), so nothing of it overlaps the next forward. Measured on 4×
+        # them (engine/chunked/update.py), so nothing of it overlaps the next forward. Measured on 4×
         # H200 (2026-11-27, 15.12 B, ZeRO-2, 3 of 32 blocks on the host): the update 1.30 s,
         # priced 0 with the window, the plan 16% fast (x4_capacity_h200_2026-11-27)
         window = 0.0
-    # the speculative update (engine/speculate.py) is not credited: measured runs clip nearly
+    # the speculative update (engine/formats/speculate.py) is not credited: measured runs clip nearly
     # every early step (docs/offload.md), and a clipped step gets no overlap from it
     return max(0.0, work_s - window)

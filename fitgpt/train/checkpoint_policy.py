@@ -65,7 +65,7 @@ class CheckpointPolicy:
             },
         }
         # who writes what is the placement's to say (Placement.replicated: rank 0 alone, or
-        # each rank its shard); under TP rank 0 writes every chunk whole (engine/tp_state.py)
+        # each rank its shard); under TP rank 0 writes every chunk whole (engine/transforms/tp_state.py)
         sharded = False
         if e.engine == "zero" and e.tensor_parallel == 1:
             work = workload_of(self.run, self.ctx.world, self.ctx.device.type)

@@ -156,3 +156,28 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunConfig:
+        """The RunConfig `to_dict` made, every field there (a checkpoint's config, perhaps of
+        an older fitgpt, is read by train/resume.py)."""
+        return cls(
+            model=ModelConfig.from_dict(d["model"]),
+            data=DataConfig(**d["data"]),
+            train=TrainConfig(**d["train"]),
+            engine=EngineConfig(**d["engine"]),
+            precision=PrecisionConfig(**d["precision"]),
+            optim=OptimConfig(**d["optim"]),
+        )
+
+
+# a RunConfig's parts by name, each with its config class (a checkpoint's meta.json, a command
+# line's flags and a resume's checks go part by part)
+PARTS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "engine": EngineConfig,
+    "precision": PrecisionConfig,
+    "optim": OptimConfig,
+}

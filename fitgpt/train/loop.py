@@ -18,17 +18,14 @@ import torch
 from fitgpt import units
 from fitgpt.data.config import open_data
 from fitgpt.data.source import BatchLoader
-from fitgpt.dist import DistContext
 from fitgpt.dist.env import thread_tuner
 from fitgpt.engine.base import Engine, StepStats
 from fitgpt.engine.comm import CollectiveError
 from fitgpt.engine.factory import build_engine
-from fitgpt.errors import UserError
-from fitgpt.parallel.shard import check_tensor_parallel
 from fitgpt.plan.memory import tokens_per_step
 from fitgpt.train import checkpoint as ckpt_io
+from fitgpt.train.assemble import Run
 from fitgpt.train.checkpoint_policy import CheckpointPolicy
-from fitgpt.train.config import RunConfig
 from fitgpt.train.guard import DivergenceGuard, Interrupted, StopRequest
 from fitgpt.train.init_from import InitSource, check_same_architecture, load_source
 from fitgpt.train.metrics import MetricsLog, StepMetrics, say
@@ -36,46 +33,35 @@ from fitgpt.train.profile import StepProfiler
 from fitgpt.train.resume import changed_settings, run_record, saved_run
 from fitgpt.train.rundir import close_run_dir, open_run_dir, write_run_files
 from fitgpt.train.schedule import lr_at, resolve_schedule
-from fitgpt.train.setup import (
-    OutOfMemory,
-    is_oom,
-    oom_message,
-    phase_of,
-    resolve_run,
-    vocab_for,
-)
+from fitgpt.train.setup import OutOfMemory, is_oom, oom_message, phase_of
 
 
 class Trainer:
     """One run: its data, its engine and its schedule, stepped by fit()."""
 
-    def __init__(self, run: RunConfig, ctx: DistContext, check_room: bool = False) -> None:
-        """`check_room`: refuse a run whose checkpoints cannot fit its disk before the engine
-        allocates anything (a resumed run is checked after its resume, in fit())."""
-        tp = run.engine.tensor_parallel
-        # before any data or model is touched
-        check_tensor_parallel(tp, run.model, ctx.world, run.engine.sequence_parallel)
-        # --tensor-parallel T: the ranks of one TP group take the same micro-batches, so data is
-        # sharded by the data-parallel rank (ctx.dp_rank, ctx.dp_world; the job's at T=1)
-        ctx = ctx.with_tensor_parallel(tp)
-        # --context-parallel C: the C ranks of a CP group read the same rows too (ctx.data_rank,
-        # ctx.data_world), each keeping its slice of their tokens
-        ctx = ctx.with_context_parallel(run.engine.context_parallel)
+    def __init__(self, run: Run, check_room: bool = False) -> None:
+        """`run`: assembled (train/assemble.py), taken as given. `check_room`: refuse a run
+        whose checkpoints cannot fit its disk before the engine allocates anything (a resumed
+        run is checked after its resume, in fit())."""
+        config, ctx = run.config, run.ctx
         # the rates and warm-up the command left unset, decided once (train/schedule.py): the
         # warm-up counts tokens, and the tokens per step count the data-parallel ranks
         tokens = tokens_per_step(
-            run.train.micro_batch, run.train.grad_accum, run.model.seq_len, ctx.data_world
+            config.train.micro_batch, config.train.grad_accum, config.model.seq_len, ctx.data_world
         )
         train_cfg, self.defaults_line, warning = resolve_schedule(
-            run.train, run.model, tokens, run.optim.beta2
+            config.train, config.model, tokens, config.optim.beta2
         )
-        run = dataclasses.replace(run, train=train_cfg)
+        run = dataclasses.replace(config, train=train_cfg)
         if warning:
             say(ctx, warning)
         self.run, self.ctx, self.cfg = run, ctx, run.train
         self.out = Path(self.cfg.out)
         c = self.cfg
-        # the samples this run draws (Megatron's sample order is fixed for a run's length)
+        # the samples this run draws (Megatron's sample order is fixed for a run's length). The
+        # ranks of one TP group (--tensor-parallel T) take the same micro-batches, and the C
+        # ranks of a CP group (--context-parallel C) the same rows, each keeping its slice of
+        # their tokens: the rows are sharded over ctx.data_world (the job's at T = C = 1)
         per_batch = c.micro_batch * ctx.data_world
         train_src, self.val_src, self.tokenizer = open_data(
             run.data,
@@ -90,15 +76,7 @@ class Trainer:
         )
         if hasattr(train_src, "describe"):  # packed chat data: its rows, its long conversations
             say(ctx, train_src.describe())
-        if vocab_for(run.model, self.tokenizer, run.train.finetune) != run.model:
-            # the planner priced run.model: building another model would void its prediction
-            raise UserError(
-                f"the model's vocabulary ({run.model.vocab_size}) is not the tokenizer's "
-                f"({self.tokenizer.vocab_size}): make the run with fitgpt.train.setup.setup_run"
-            )
-        if run.precision.precision == "auto":  # resolve_run decides it, for the planner too
-            raise UserError("the run's precision is unresolved: make the run with setup_run")
-        self.model_cfg, self.run = run.model, run
+        self.model_cfg = run.model
         self.loader = self._loader(train_src)
         self.step = 0
         self.skipped = 0  # fp16 steps skipped on overflow, over the whole run
@@ -336,32 +314,27 @@ def _is_backend_error(e: RuntimeError) -> bool:
     return any(k in text for k in keys)
 
 
-def train(
-    run: RunConfig,
-    ctx: DistContext,
-    resume: str | None = None,
-    overwrite: bool = False,
-    init_from: InitSource | None = None,
-    run_files: dict[str, str] | None = None,
-) -> dict:
-    """Train `run`; `run_files` (name -> text) are kept in the run folder (rank 0), written once
-    the trainer has started, so a run refused at start-up still leaves no folder behind."""
-    run = resolve_run(run, ctx.device.type, ctx.world)  # a no-op for a run setup_run made
-    out = Path(run.train.out)
+def train(run: Run) -> dict:
+    """Train an assembled run (train/assemble.py); its files (name -> text) are kept in the run
+    folder (rank 0), written once the trainer has started, so a run refused at start-up still
+    leaves no folder behind."""
+    config, ctx, resume = run.config, run.ctx, run.resume
+    out = Path(config.train.out)
     # the run as started, kept in --out until its first checkpoint: what --resume restarts
-    record = run_record(run, init_from and str(init_from.path), resume or None)
-    lock = open_run_dir(out, resume is not None, overwrite, ctx, record)  # locked, checked
+    source = run.init_from and str(run.init_from.path)
+    record = run_record(config, source, resume or None)
+    lock = open_run_dir(out, resume is not None, run.overwrite, ctx, record)  # locked, checked
     trainer, failed = None, True
     try:
-        trainer = Trainer(run, ctx, check_room=resume is None)
+        trainer = Trainer(run, check_room=resume is None)
         if resume is not None:
             trainer.resume(Path(resume) if resume else out)
         # a new run, or one --resume restarts from its record (no checkpoint in --out yet)
         fresh = resume is None or (not resume and not ckpt_io.step_dirs(out))
-        if init_from is not None and fresh:
-            trainer.init_from(init_from)
+        if run.init_from is not None and fresh:
+            trainer.init_from(run.init_from)
         if ctx.is_main:
-            write_run_files(out, run_files or {})
+            write_run_files(out, dict(run.files))
         out_ = trainer.fit()
         failed = False
         return out_
@@ -370,7 +343,7 @@ def train(
         if where is None:
             raise
         step = f"step {trainer.step + 1}" if trainer is not None else "start-up"
-        raise OutOfMemory(oom_message(run, ctx, where, phase_of(e, step)), where) from None
+        raise OutOfMemory(oom_message(config, ctx, where, phase_of(e, step)), where) from None
     finally:
         if trainer is not None:
             trainer.engine.close()

@@ -26,8 +26,8 @@ import torch
 
 from fitgpt.dist import DistContext
 from fitgpt.engine.base import Engine, StepStats
-from fitgpt.engine.compile import report_line
 from fitgpt.engine.timing import PHASES
+from fitgpt.engine.transforms.compile import report_line
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
 from fitgpt.units import tflops
@@ -201,7 +201,7 @@ class StepMetrics:
 
     def compiled(self, step: int) -> None:
         """--compile on: one log line and one metrics record of the compiled regions, their
-        graph breaks, recompiles and compile seconds (engine/compile.py)."""
+        graph breaks, recompiles and compile seconds (engine/transforms/compile.py)."""
         report = self.engine.compile_report()
         if report is not None:
             self.log.write({"kind": "compile", "step": step, **report})

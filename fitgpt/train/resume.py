@@ -34,22 +34,13 @@ from fitgpt.data import sidecar
 from fitgpt.data.config import BUILTIN, DataConfig
 from fitgpt.data.indexed import paths as pair_paths
 from fitgpt.data.tokenizer import Tokenizer, load_tokenizer
-from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
 from fitgpt.plan.memory import tokens_per_step
 from fitgpt.train import checkpoint as ckpt_io
-from fitgpt.train.config import RunConfig, TrainConfig
+from fitgpt.train.config import PARTS, RunConfig
 from fitgpt.train.init_from import FREE
 
-PARTS = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "train": TrainConfig,
-    "engine": EngineConfig,
-    "precision": PrecisionConfig,
-    "optim": OptimConfig,
-}
 # Fields whose change would make the saved state or the data order mean something else.
 FIXED = {"train": ("seed",)}
 # Fields since removed, (part, name) -> what a run saved with the field on does now.
@@ -70,7 +61,7 @@ NAMES = {*BUILTIN, *sidecar.BUILTIN_SPECS, "auto", "none", ""}
 # --cpu-mem states what the machine gives, and every command sets it anew (cli/train.py).
 NOT_SETTINGS = {("train", "profile"), ("engine", "cpu_mem")}
 # Values that mean another one where no planner replaced them: a storage format left "auto" is
-# fp32 to the engine (engine/placement.py), so a run saved with --plan off and resumed planned
+# fp32 to the engine (engine/chunked/placement.py), so a run saved with --plan off and resumed planned
 # has not changed it.
 SAME_AS = {("engine", k): {"auto": "fp32"} for k in ("master", "moments", "device_moments")}
 SAMPLED = 1 << 20  # bytes hashed at each end of a data file (data_fingerprint)

@@ -1,9 +1,9 @@
-"""Making a run ready: the one path from a RunConfig to the run that is planned and built.
+"""The parts of a run that are worked out from its data, its device or its length: the model's
+vocabulary (the data's tokenizer's), the precision, and --compile where nothing plans it; and a
+run that runs out of memory, said in one line. train/assemble.py settles a run with them, once,
+before the planner prices it:
 
-`fitgpt train` (however it is launched) and the benchmark harness both go through `setup_run`:
-
-    configure_process ─> resolve_run (vocabulary, precision) ─> plan_engine (placement,
-    --compile) ─> Trainer
+    resolve_run (vocabulary, precision) ─> check_settings ─> plan_engine, or unplanned_compile
 
 so the planner prices exactly the model the engine builds. Before this, the trainer swapped the
 tokenizer's vocabulary in after planning: a 38-layer model with GPT-2's 50,304-row embedding was
@@ -18,7 +18,7 @@ import traceback
 import torch
 
 from fitgpt.dist import DistContext
-from fitgpt.engine.compile import ASSUMED_MFU, SCOPES, compile_scope
+from fitgpt.engine.transforms.compile import ASSUMED_MFU, SCOPES, compile_scope
 from fitgpt.errors import UserError
 from fitgpt.model.families import family_of
 from fitgpt.plan.memory import tokens_per_step
@@ -62,30 +62,27 @@ def vocab_for(model, tok, keep_rows: bool = False, whose: str = "the model"):
     return model
 
 
-def resolve_run(run, device_type: str, world: int = 1, settle_compile: bool = True):
-    """`run` with everything that changes the model settled: the vocabulary (model_for_data;
-    a fine-tune keeps its model's rows), the precision for this device, and, unless
-    `settle_compile` is False or it is settled already, --compile (unplanned_compile). A
-    planned run's --compile is the planner's."""
-    run = dataclasses.replace(
+def resolve_run(run, device_type: str):
+    """`run` with what changes the model settled: the vocabulary (model_for_data; a fine-tune
+    keeps its model's rows) and the precision for this device. --compile is the placement's
+    (train/assemble.py placed)."""
+    return dataclasses.replace(
         run,
         model=model_for_data(run.model, run.data, keep_rows=run.train.finetune),
         precision=run.precision.resolved(device_type),
     )
-    if run.engine.compile in SCOPES or not settle_compile:
-        return run
-    scope = unplanned_compile(run, device_type, world)
-    return dataclasses.replace(run, engine=dataclasses.replace(run.engine, compile=scope))
 
 
 def unplanned_compile(run, device_type: str, world: int) -> str:
     """--compile of a run that is not planned (--plan off, or a RunConfig trained directly):
-    the planner's rule (engine/compile.py compile_scope) applied to the engine config as given,
+    the planner's rule (engine/transforms/compile.py compile_scope) applied to the engine config as given,
     the run's length estimated from its FLOPs (estimated_run_s) instead of a priced step."""
     from fitgpt.plan.apply import workload_of
     from fitgpt.plan.memory import layout_of, placement_of
 
     e = run.engine
+    if e.compile in SCOPES:  # a scope given is the scope
+        return e.compile
     resident = True
     if e.engine == "zero":
         work = workload_of(run, world, device_type)
@@ -100,7 +97,7 @@ def estimated_run_s(run, device_type: str) -> float:
     """Seconds of training steps `run` takes on one GPU, estimated from its model FLOPs at
     ASSUMED_MFU of the GPU's bf16 peak (the fastest known GPU's if unknown); 0 on CPUs. Only
     an unplanned --compile auto reads it: compiling is worth it when the run is long
-    (engine/compile.py)."""
+    (engine/transforms/compile.py)."""
     if device_type != "cuda":
         return 0.0
     from fitgpt.train.metrics import PEAK_BF16, peak_flops
@@ -109,23 +106,6 @@ def estimated_run_s(run, device_type: str) -> float:
     tokens = tokens_per_step(t.micro_batch, t.grad_accum, run.model.seq_len)  # one rank's share
     peak = peak_flops(torch.device("cuda")) or max(PEAK_BF16.values())
     return t.steps * run.model.flops_per_token() * tokens / (ASSUMED_MFU * peak)
-
-
-def setup_run(run, ctx: DistContext, fixed, force: bool = False, log=print):
-    """The run as it will be built: resolved, then planned (`fixed`: the engine fields the user
-    set, an engine.fixed.Fixed; None: no planning, the engine config is used as given)."""
-    run = resolve_run(run, ctx.device.type, ctx.world, settle_compile=False)
-    # the one validation of a run's settings (engine/validate.py), on the model as built (its
-    # vocabulary is the tokenizer's now): what the CLI checked, and the benchmark harness's runs
-    from fitgpt.engine.validate import check_settings
-
-    check_settings(run.model, run.engine, run.precision, ctx.world, ctx.device.type, fixed)
-    if fixed is None:  # --plan off: the engine config as given, --compile settled on it
-        return resolve_run(run, ctx.device.type, ctx.world)
-    from fitgpt.plan.apply import plan_engine
-
-    # the planner settles --compile with the rest of the plan, and priced what it chose
-    return plan_engine(run, ctx, fixed, force, log)
 
 
 # ---- out of memory ---------------------------------------------------------------------------
@@ -158,9 +138,9 @@ def phase_of(e: BaseException, default: str) -> str:
 
 def oom_message(run, ctx: DistContext, where: str, phase: str) -> str:
     """One line: what ran out, at which phase, the plan's prediction, and a plan that would fit."""
-    from fitgpt.engine.fixed import Fixed
     from fitgpt.plan import hardware, rates
     from fitgpt.plan.apply import plan_run, workload_of
+    from fitgpt.plan.fixed import Fixed
     from fitgpt.plan.memory import GiB, estimate
 
     est = estimate(workload_of(run, ctx.world, ctx.device.type), run.engine)

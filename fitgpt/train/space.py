@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from fitgpt.engine.chunked.placement import padded
 from fitgpt.engine.layout import ChunkSpec
-from fitgpt.engine.placement import padded
 from fitgpt.errors import UserError
 
 FAKE_FREE_ENV = "FITGPT_FAKE_FREE_BYTES"

@@ -51,9 +51,9 @@ from fitgpt.bench.peers import (
     to_device,
 )
 from fitgpt.dist import DistContext
-from fitgpt.engine.activation import checkpoint_blocks
 from fitgpt.engine.base import Batch
 from fitgpt.engine.config import OptimConfig, PrecisionConfig
+from fitgpt.engine.transforms.activation import checkpoint_blocks
 from fitgpt.errors import UserError
 from fitgpt.model import DecoderLM, ModelConfig, build_model
 

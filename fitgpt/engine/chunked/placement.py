@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from fitgpt.engine.compact import piece_elems, state_layout
 from fitgpt.engine.config import EngineConfig
+from fitgpt.engine.formats.compact import piece_elems, state_layout
+from fitgpt.engine.formats.moments import store_nbytes
 from fitgpt.engine.layout import ChunkSpec
-from fitgpt.engine.moments import store_nbytes
 from fitgpt.errors import UserError
 
 ALIGN = 128  # shard boundaries on 256-byte multiples (bf16): aligned NCCL and vector loads
@@ -48,7 +48,7 @@ class ChunkPlan:
     shard: int  # N / world
     opt_elems: int  # this rank's optimizer range
     home: str  # master weights and moments: "device", "cpu" (host RAM) or "nvme" (files)
-    moments: str  # the moments' format: fp32, bf16 or int8 (engine/moments.py)
+    moments: str  # the moments' format: fp32, bf16 or int8 (engine/formats/moments.py)
     weights: str  # working weights: "device", "sharded" (stage 3, gathered per use), "host"
     # the master's format: "alias" (fp32 compute on its device: the working weights are the
     # master), "fp32", or "split" (the bf16 working weight plus an int16 remainder)
@@ -64,7 +64,7 @@ class ChunkPlan:
 
     @property
     def compact(self) -> bool:
-        """State kept by engine/compact.py (stepped in pieces through fp32 scratch)."""
+        """State kept by engine/formats/compact.py (stepped in pieces through fp32 scratch)."""
         return self.master == "split" or self.moments != "fp32"
 
     def state_layout(self) -> dict[str, int]:
@@ -109,7 +109,7 @@ class Placement:
     nvme_blocks: int
     device: str = "cuda"  # the compute device's type (the compact update's piece size)
     # host RAM (bytes) the user stated the machine gives (EngineConfig.cpu_mem; 0: measured),
-    # which the host-RAM check (engine/accounting.py) holds host_bytes() against
+    # which the host-RAM check (engine/chunked/accounting.py) holds host_bytes() against
     cpu_mem: int = 0
     # False for --engine ddp: plain PyTorch holds the model's own fp32 parameters (its state is
     # plan/memory.py torch_state, not these chunks' bytes), reduces fp32 gradients and autocasts
@@ -153,7 +153,8 @@ class Placement:
     @property
     def resident(self) -> bool:
         """No chunk is updated on the host or streamed in: nothing waits on the host between
-        blocks (what lets --compile take the whole model as one graph, engine/compile.py)."""
+        blocks (what lets --compile take the whole model as one graph,
+        engine/transforms/compile.py)."""
         return not any(c.offloaded or c.streamed for c in self.chunks)
 
     @property
@@ -240,7 +241,7 @@ class Placement:
 
     def scratch_elems(self, tier: str) -> int:
         """Elements per piece of the compact update's scratch on `tier` ("device": the main
-        thread's, "host": the host optimizer worker's; engine/compact.py), 0 where no chunk
+        thread's, "host": the host optimizer worker's; engine/formats/compact.py), 0 where no chunk
         there is compact: a piece, or the largest such chunk if it is smaller."""
         homes = ("device",) if tier == "device" else ("cpu", "nvme")
         elems = [c.opt_elems for c in self.chunks if c.compact and c.home in homes]
@@ -275,7 +276,7 @@ class Placement:
         return f"ZeRO stage {self.stage} on {self.world} rank(s), {where}"
 
 
-# ---- what a placement cannot be (engine/validate.py asks before torchrun, the engine at build)
+# ---- what a placement cannot be (plan/validate.py asks before torchrun, the engine at build)
 def stream_refusal(dp: int, stage: int) -> str | None:
     """Streamed weights on several data-parallel ranks need ZeRO-3: each rank streams its own
     shard, and only stage 3 gathers the whole weights per use."""

@@ -18,12 +18,13 @@ Buffers, by ZeRO stage (a stage shards everything the stages below it shard):
                                    Live on `opt_device` (GPU or host: the offload tier). With
                                    fp32 compute on the same device, master aliases the weights.
                                    Compact formats (plan.compact): none of these; `compact`
-                                   (engine/compact.py) holds the state in its formats instead.
+                                   (engine/formats/compact.py) holds the state in its formats
+                                   instead.
 
 A chunk also owns its optimizer (torch's fused AdamW over views of master and the moments, one
 param group per weight-decay range; a compact chunk's CompactState steps the same kernel) and its
 in-flight state between the engine's parts: the handle of a weight fetch in flight
-(engine/fetch.py).
+(engine/chunked/fetch.py).
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from fitgpt.engine.compact import CompactState, Scratch
+from fitgpt.engine.chunked.placement import ChunkPlan
 from fitgpt.engine.config import OptimConfig
-from fitgpt.engine.pinned import PinnedArena
-from fitgpt.engine.placement import ChunkPlan
+from fitgpt.engine.formats.compact import CompactState, Scratch
+from fitgpt.engine.host.pinned import PinnedArena
 
 
 class Chunk:
@@ -49,11 +50,11 @@ class Chunk:
         device: torch.device,
         pinned: PinnedArena | None = None,
     ) -> None:
-        """The buffers `plan` (engine/placement.py) says this chunk has, on this rank."""
+        """The buffers `plan` (engine/chunked/placement.py) says this chunk has, on this rank."""
         spec = self.spec = plan.spec
         self.n, self.N, self.s = spec.numel, plan.N, plan.shard
         self.lo, self.hi = rank * self.s, (rank + 1) * self.s  # this rank's shard
-        # the ZeRO stage as this chunk's placement says it (engine/placement.py ChunkPlan)
+        # the ZeRO stage as this chunk's placement says it (engine/chunked/placement.py ChunkPlan)
         shard_opt = self.shard_opt = plan.shard_opt
         self.shard_grads, self.shard_weights = plan.shard_grads, plan.weights == "sharded"
         self.gathers_updated = plan.gathers_updated
@@ -115,7 +116,8 @@ class Chunk:
 
     def _alloc_opt_state(self, shard_opt: bool, plan: ChunkPlan) -> None:
         """fp32 master and the two moments over the optimizer range, on opt_device; a chunk in
-        compact formats (plan.compact) gets them in build_optimizer() (engine/compact.py)."""
+        compact formats (plan.compact) gets them in build_optimizer()
+        (engine/formats/compact.py)."""
         m, opt_device = self.opt_hi - self.opt_lo, self.opt_device
         self.plan = plan
         self.master_aliases_weight = plan.master == "alias"

@@ -2,18 +2,19 @@
 pieces through fp32 scratch.
 
 Mixed-precision AdamW keeps 16 bytes per parameter; 12 of them are the fp32 master and the two
-fp32 moments. A chunk whose plan gives it a compact format (engine/placement.py: ChunkPlan.master,
-ChunkPlan.moments) keeps its state here instead:
+fp32 moments. A chunk whose plan gives it a compact format (engine/chunked/placement.py:
+ChunkPlan.master, ChunkPlan.moments) keeps its state here instead:
 
   master "split"   the fp32 master is the chunk's bf16 working weight (its high 16 bits, the
                    weight the forward uses anyway) plus an int16 remainder: 2 bytes, not 4.
   master "fp32"    a plain fp32 master (with compact moments only).
   master "alias"   fp32 compute on the state's device: the fp32 working weights are the master
                    (with compact moments only; no master buffer at all).
-  moments          fp32, bf16 or block-wise int8 stores (engine/moments.py): 8, 4 or ~2 bytes.
+  moments          fp32, bf16 or block-wise int8 stores (engine/formats/moments.py): 8, 4 or
+                   ~2 bytes.
 
 The split is exact except at rounding ties, where the master comes back one fp32 ulp low: about
-one element update in 2^17 (engine/split_master.py says why, and why the ties go that way).
+one element update in 2^17 (engine/formats/split_master.py says why, and why the ties go that way).
 
 The update: per piece of at most PIECE elements (a multiple of the int8 block), the master is
 joined from (working weight, remainder) and the moments decoded into fp32 scratch, torch's fused
@@ -26,7 +27,7 @@ four fp32 pieces per device, shared by every compact chunk there (one chunk is s
 per device: the main thread for the GPU, the host optimizer's worker for host RAM): on the host
 4 Mi elements (64 MiB, mostly inside the CPU's caches), on a GPU 16 Mi
 (256 MiB: kernel launches stay few). On the host, bf16 and int8 moments (either master) take a
-native kernel instead (engine/hostkernel.py: the whole step in one pass per element, no
+native kernel instead (engine/formats/hostkernel.py: the whole step in one pass per element, no
 scratch), on GPU machines by default.
 
 Costs per element and step, over fp32 state: the split master reads and writes 4 bytes instead
@@ -44,19 +45,19 @@ from itertools import pairwise
 import torch
 from torch import Tensor
 
-from fitgpt.engine import codec, hostkernel
-from fitgpt.engine.moments import BLOCK, MomentStore, make_store, store_layout
-from fitgpt.engine.speculate import undo_adamw_
-from fitgpt.engine.split_master import join_master, split_master
+from fitgpt.engine.formats import codec, hostkernel
+from fitgpt.engine.formats.moments import BLOCK, MomentStore, make_store, store_layout
+from fitgpt.engine.formats.speculate import undo_adamw_
+from fitgpt.engine.formats.split_master import join_master, split_master
 
 # elements per piece, multiples of BLOCK. Host: 4 Mi (64 MiB of scratch), the fastest on the
 # H100 machine's 16 cores for most formats (1 Mi pieces pay each op's thread fan-out 4x as
 # often); GPU: 16 Mi (256 MiB), so kernel launches stay few.
 PIECE = {"cpu": 1 << 22, "cuda": 1 << 24}
 MASTERS = ("alias", "fp32", "split")  # alias: fp32 compute, the weights are the master
-# the masters the native host kernel serves, per moment format (engine/hostkernel.py). fp32 +
-# int8 was left out while the compiler left its loop scalar (1.76x the fp32 state's time on the
-# H100 machine's host, compact_native_h100_2026-11-23); vectorized (host_adamw.cpp: step_range)
+# the masters the native host kernel serves, per moment format (engine/formats/hostkernel.py).
+# fp32 + int8 was left out while the compiler left its loop scalar (1.76x the fp32 state's time on
+# the H100 machine's host, compact_native_h100_2026-11-23); vectorized (host_adamw.cpp: step_range)
 # it takes 0.54x on the 2-core CPU box, as split + int8 does
 NATIVE_MASTERS = {"bf16": ("split", "fp32"), "int8": ("split", "fp32")}
 
@@ -178,7 +179,7 @@ class CompactState:
         weights into `weights` ([numel], working dtype). A split master reads its high half from
         `weights` first: they must hold the weights of the last step (or of the load).
         undo_mul: first undo the last step, which used `grad` times undo_mul (a speculative step,
-        engine/speculate.py); then grad_mul=None takes no new step (an overflow)."""
+        engine/formats/speculate.py); then grad_mul=None takes no new step (an overflow)."""
         if undo_mul is None:
             self.step_count += 1
             if grad_mul is not None and self._native_step(weights, grad, grad_mul, lr):
@@ -222,7 +223,7 @@ class CompactState:
             self.step_count -= 1
 
     def _native_step(self, weights: Tensor, grad: Tensor, grad_mul: float, lr: float) -> bool:
-        """The whole step in one native pass per element (engine/hostkernel.py), where it
+        """The whole step in one native pass per element (engine/formats/hostkernel.py), where it
         serves: host state, bf16 weights and gradients, bf16 or int8 moments (NATIVE_MASTERS), the
         usual two param groups. False: not taken."""
         decay = self._decay_split()
@@ -243,7 +244,7 @@ class CompactState:
 
     def _native_formats(self) -> bool:
         """Whether this state's formats, grouping and device take the native kernel (wanted
-        here: engine/hostkernel.py), the weights' and gradients' dtypes aside."""
+        here: engine/formats/hostkernel.py), the weights' and gradients' dtypes aside."""
         return (
             self.master in NATIVE_MASTERS.get(self.moments, ())
             and self._decay_split() is not None

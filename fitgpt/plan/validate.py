@@ -4,10 +4,10 @@ Each config checks its own fields in `__post_init__` (engine/config.py: `--engin
 ZeRO stage, streamed weights without an offload tier, ...). What needs two configs, the job's
 rank count or the device is decided here, once, and called by everything that plans or runs:
 
-  `fitgpt train` (cli/train.py, before torchrun starts and before any rank allocates),
+  a run's assembly (train/assemble.py settle, on the model as built: `fitgpt train` once, before
+  torchrun starts and before any rank allocates; the benchmark harness's trials),
   `fitgpt plan`, `fitgpt capacity` and `fitgpt bench sweep` (before the first candidate or
-  trial), train/setup.py setup_run (on the model as built: every rank, and the benchmark
-  harness's trials), and the planner itself, which drops every candidate `refusal` refuses,
+  trial), and the planner itself, which drops every candidate `refusal` refuses,
   so it can never choose a plan that train would refuse (tests/test_settings_grid.py).
 
 Two kinds of line:
@@ -27,9 +27,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from fitgpt.engine.config import EngineConfig, PrecisionConfig
-from fitgpt.engine.fixed import ENGINE_FIELDS, Fixed
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
+from fitgpt.plan.fixed import ENGINE_FIELDS, Fixed
 
 SCALER_FIELDS = ("initial_scale", "growth_interval", "hysteresis", "min_scale")
 
@@ -64,7 +64,7 @@ def refusal(
     (bf16, fp16 or fp32), `device` is "cuda" or "cpu", `world` the job's ranks. `planning`: the
     planner resolves what is left open (--tensor-parallel auto); `chosen`: the engine fields
     it will choose, whose values in `engine` are placeholders and are not judged."""
-    from fitgpt.engine.placement import (
+    from fitgpt.engine.chunked.placement import (
         disk_blocks,
         offloaded_blocks,
         split_master_refusal,
@@ -114,8 +114,8 @@ def refusal(
     if settled("offload_params", "zero_stage") and streams and stream_refusal(dp, e.zero_stage):
         return stream_refusal(dp, e.zero_stage)
     if settled("offload_blocks", "nvme_blocks"):
-        # the placement's own rule (engine/placement.py), before anything is built; a tier the
-        # planner chooses is the one these counts imply (plan/enumeration.py: enumerate_plans)
+        # the placement's own rule (engine/chunked/placement.py), before anything is built; a tier
+        # the planner chooses is the one these counts imply (plan/enumeration.py: enumerate_plans)
         tier = e.offload_optimizer if settled("offload_optimizer") else implied_tier(e)
         counts = SimpleNamespace(
             offload_optimizer=tier, offload_blocks=e.offload_blocks, nvme_blocks=e.nvme_blocks
@@ -180,15 +180,6 @@ def no_effect(
                 "scaler): add --precision fp16, or drop it"
             )
     return None
-
-
-def typed_flags(args: Any) -> dict[str, Any]:
-    """The engine and precision flags typed on a command line (an argparse namespace whose
-    flags' dests are the fields' names, None when not given), and the block shares
-    --offload-fraction / --nvme-fraction as typed (the counts they become are not typed)."""
-    names = [*ENGINE_FIELDS, *PrecisionConfig.__dataclass_fields__, "offload_fraction"]
-    names.append("nvme_fraction")
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 
 def flag_text(name: str, value: Any) -> str:

@@ -19,7 +19,8 @@ This bounds the transient buffers of stages 2-3 at (MAX_INFLIGHT + 1) · (N + s)
 elements of the largest chunk (the memory model in plan/memory.py prices the same figure).
 
 When a chunk's last reduction of the step completes, its reduced gradient is final: `on_final`
-(the speculative update, engine/update.py) hears of it then, during the rest of the backward.
+(the speculative update, engine/chunked/update.py) hears of it then, during the rest of the
+backward.
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from fitgpt.engine.chunk import Chunk
+from fitgpt.engine.chunked.chunk import Chunk
+from fitgpt.engine.chunked.placement import MAX_INFLIGHT
 from fitgpt.engine.comm import Peers
-from fitgpt.engine.placement import MAX_INFLIGHT
 
 if TYPE_CHECKING:
-    from fitgpt.engine.tp_state import TPGradNorm
+    from fitgpt.engine.transforms.tp_state import TPGradNorm
 
 
 class GradReducer:
@@ -50,8 +51,8 @@ class GradReducer:
         self.pending = deque()
         self.last_micro = True  # set by the step: stages 0-1 reduce at the last micro-batch only
         self.on_final: Callable[[Chunk], None] | None = None  # hears of each final gradient
-        # tensor parallelism (engine/tp_state.py): the norm's squares weighted and summed over
-        # the TP group, with each chunk's replicated ranges
+        # tensor parallelism (engine/transforms/tp_state.py): the norm's squares weighted and summed
+        # over the TP group, with each chunk's replicated ranges
         self.tp_norm: TPGradNorm | None = None
         self.tp_ranges: list[list[tuple[int, int]]] = []
         # sequence parallelism: the replicated gradients summed over the TP group first

@@ -1,24 +1,26 @@
 """fitgpt's chunked engine (`--engine zero`): ZeRO stages 0-3 over flat per-chunk buffers.
 
-Every piece of state lives in a Chunk (engine/chunk.py): one chunk per transformer block plus the
-embedding and head chunks. The model's parameters are views into the chunks' flat working-dtype
-buffers, so the model code never changes. Mixed precision keeps bf16/fp16 weights and gradients
-for compute and fp32 master weights and Adam moments over each rank's optimizer range.
+Every piece of state lives in a Chunk (engine/chunked/chunk.py): one chunk per transformer block
+plus the embedding and head chunks. The model's parameters are views into the chunks' flat
+working-dtype buffers, so the model code never changes. Mixed precision keeps bf16/fp16 weights
+and gradients for compute and fp32 master weights and Adam moments over each rank's optimizer
+range.
 
-This file is the facade: it builds the model (engine/build.py) and the chunks from the placement
-(engine/chunk_build.py) and runs the step; each concern is its own part, reached only from here:
-  engine/reduce.py       gradient reduction, overlapped with the backward (all-reduce at stage 0,
-                         reduce-scatter from stage 1; every micro-batch from stage 2)
-  engine/fetch.py        weight fetch: stage-3 all-gathers and host→device streaming of
-                         --offload-params blocks, prefetched one block ahead, freed after use
-  engine/update.py       the tiered update: device AdamW, the host optimizer (engine/offload.py,
-                         host RAM or the disk tier), gathers of new weights
-  engine/chunk_state.py  checkpoints in and out, and a plain model for sampling
-  engine/accounting.py   bytes per tier: the host-RAM check before anything is allocated, and
-                         memory_report after
+This file is the facade: it builds the model (engine/transforms/build.py) and the chunks from the
+placement (engine/chunked/chunk_build.py) and runs the step; each concern is its own part of
+engine/chunked/, reached only from here:
+  reduce.py       gradient reduction, overlapped with the backward (all-reduce at stage 0,
+                  reduce-scatter from stage 1; every micro-batch from stage 2)
+  fetch.py        weight fetch: stage-3 all-gathers and host→device streaming of
+                  --offload-params blocks, prefetched one block ahead, freed after use
+  update.py       the tiered update: device AdamW, the host optimizer (offload.py, host RAM or
+                  the disk tier), gathers of new weights
+  chunk_state.py  checkpoints in and out, and a plain model for sampling
+  accounting.py   bytes per tier: the host-RAM check before anything is allocated, and
+                  memory_report after
 Tensor parallelism (fitgpt/parallel, --tensor-parallel T) splits the model before the chunks are
 laid out: each rank's chunks hold its 1/T of the split weights, ZeRO runs over the data-parallel
-group, and checkpoints are gathered to the unsplit layout (engine/tp_state.py).
+group, and checkpoints are gathered to the unsplit layout (engine/transforms/tp_state.py).
 The step, per micro-batch: forward (fetch hooks), backward scaled by scale/(n·W) (reduction
 hooks); then every reduction completed, the loss and global gradient norm summed over ranks (one
 host sync per step), the clip coefficient, the update, the gradients zeroed.
@@ -38,8 +40,6 @@ import torch
 from torch import Tensor
 
 from fitgpt.dist import DistContext
-from fitgpt.engine.accounting import check_host_room, memory_report
-from fitgpt.engine.activation import checkpoint_blocks
 from fitgpt.engine.base import (
     Batch,
     Engine,
@@ -49,27 +49,29 @@ from fitgpt.engine.base import (
     token_mean,
     weighted,
 )
-from fitgpt.engine.build import build
-from fitgpt.engine.chunk_build import build_chunks, shared_state, warm_up_codecs
-from fitgpt.engine.chunk_state import ChunkStateIO
+from fitgpt.engine.chunked.accounting import check_host_room, memory_report
+from fitgpt.engine.chunked.chunk_build import build_chunks, shared_state, warm_up_codecs
+from fitgpt.engine.chunked.chunk_state import ChunkStateIO
+from fitgpt.engine.chunked.fetch import WeightFetch
+from fitgpt.engine.chunked.offload import HostOptimizer
+from fitgpt.engine.chunked.placement import Placement
+from fitgpt.engine.chunked.reduce import GradReducer
+from fitgpt.engine.chunked.update import TieredUpdate
 from fitgpt.engine.comm import Peers
-from fitgpt.engine.compile import compile_regions, scope_of
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
-from fitgpt.engine.fetch import WeightFetch
-from fitgpt.engine.offload import HostOptimizer
-from fitgpt.engine.pinned import PinnedArena
-from fitgpt.engine.placement import Placement
-from fitgpt.engine.reduce import GradReducer
+from fitgpt.engine.host.pinned import PinnedArena
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import KINDS, write_pieces
 from fitgpt.engine.timing import StepClock
-from fitgpt.engine.tp_state import (
+from fitgpt.engine.transforms.activation import checkpoint_blocks
+from fitgpt.engine.transforms.build import build
+from fitgpt.engine.transforms.compile import compile_regions, scope_of
+from fitgpt.engine.transforms.tp_state import (
     SequenceParallelGrads,
     TPGradNorm,
     replicated_ranges,
 )
-from fitgpt.engine.update import TieredUpdate
-from fitgpt.engine.wgrad import fuse_weight_grads
+from fitgpt.engine.transforms.wgrad import fuse_weight_grads
 from fitgpt.errors import UserError
 from fitgpt.model import DecoderLM, ModelConfig
 
@@ -91,17 +93,16 @@ class ChunkEngine(Engine):
         self.cuda = self.device.type == "cuda"
         self.precision, self.dtype = pcfg.precision, DTYPES[pcfg.precision]
         self.scaler = LossScaler(pcfg)
-        # the data-parallel group: every rank, or with --tensor-parallel T the ranks sharing this
-        # rank's TP index (dist/mesh.py); ZeRO shards and gradient reductions run over it
-        # (--context-parallel C: every rank; its CP group only trades attention's heads)
-        ctx = ctx.with_tensor_parallel(ecfg.tensor_parallel)
-        ctx = self.ctx = ctx.with_context_parallel(ecfg.context_parallel)
+        # the data-parallel group (ctx, laid out for ecfg: engine/factory.py): every rank, or
+        # with --tensor-parallel T the ranks sharing this rank's TP index (dist/mesh.py); ZeRO
+        # shards and gradient reductions run over it (--context-parallel C: every rank; its CP
+        # group only trades attention's heads)
         self.world = ctx.dp_world if ctx.distributed else 1
         self.peers = Peers(ctx.dp_group if self.world > 1 else None, self.world, ctx.dp_rank)
 
         self.mesh = ctx.mesh
         # on meta, no memory: every parameter is replaced by a chunk view below
-        built = build(model_cfg, self.mesh, ctx.world, ecfg.sequence_parallel, self.device, ctx.cp)
+        built = build(model_cfg, self.mesh, ecfg.sequence_parallel, self.device, ctx.cp)
         model, self.layout, self.local_layout = built.model, built.layout, built.local_layout
         self.view = built.view
         model.materialize_buffers(self.device)
@@ -119,7 +120,7 @@ class ChunkEngine(Engine):
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         self.blocks = [c for c in self.chunks if c.spec.name.startswith("block.")]
         self.compiled = None
-        scope = scope_of(ecfg)  # the planner's (engine/compile.py compile_scope)
+        scope = scope_of(ecfg)  # the planner's (engine/transforms/compile.py compile_scope)
         if scope != "off":
             self.compiled = compile_regions(model, ctx.is_main, whole=scope == "model")
         if ecfg.checkpointing != "off":  # after compiling: the checkpoint wraps compiled blocks
@@ -144,7 +145,7 @@ class ChunkEngine(Engine):
 
     # ---- construction -------------------------------------------------------------------------
     def _placement(self) -> Placement:
-        """Where every chunk's state lives (engine/placement.py: the same object the planner
+        """Where every chunk's state lives (engine/chunked/placement.py: the same object the planner
         priced); refuses what cannot run here, before anything is allocated. After construction
         the parts see chunks and their flags, never the engine config's offload fields."""
         placement = Placement.of(
@@ -186,8 +187,9 @@ class ChunkEngine(Engine):
         self.hooks += self.reducer.register(self.chunks)
         if self.compiled is not None and self.compiled.scope == "regions":
             # the block linears' weight gradients accumulated by their product, which saves an
-            # add pass over each gradient per micro-batch (engine/wgrad.py); only where .grad is
-            # a persistent view (stages 0-1) of weights whose storage stays put (not streamed)
+            # add pass over each gradient per micro-batch (engine/transforms/wgrad.py); only where
+            # .grad is a persistent view (stages 0-1) of weights whose storage stays put (not
+            # streamed)
             owner = {id(p): c for c in self.chunks for p in c.params}
             keeps = lambda p: owner[id(p)].grad is not None and not owner[id(p)].transient_weight  # noqa: E731
             self.hooks.append(fuse_weight_grads(modules, keeps))
@@ -298,7 +300,7 @@ class ChunkEngine(Engine):
             self.state_io.save(folder, optimizer)
             return
         # tensor parallelism: whole chunks gathered over DP then TP, written by rank 0 alone in
-        # the unsplit layout (engine/tp_state.py), so any run can load them
+        # the unsplit layout (engine/transforms/tp_state.py), so any run can load them
         kinds = KINDS if optimizer else KINDS[:1]
         local = ((c.spec, t) for c, t in self.state_io.whole_chunks(kinds))
         pieces = self.view.pieces(local)

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from fitgpt.engine.chunk import Chunk
+from fitgpt.engine.chunked.chunk import Chunk
+from fitgpt.engine.chunked.disk_tier import DiskTier
 from fitgpt.engine.comm import Peers
-from fitgpt.engine.compact import Scratch
-from fitgpt.engine.disk_tier import DiskTier
+from fitgpt.engine.formats.compact import Scratch
 from fitgpt.engine.state_io import KINDS, Piece, StateReader, write_pieces
 from fitgpt.model import DecoderLM, ModelConfig, build_model
 
@@ -38,10 +38,10 @@ class ChunkStateIO:
         scratch: dict[str, Scratch],
         device: torch.device | None = None,
     ) -> None:
-        # replicated: every rank holds the whole state (stage 0; engine/placement.py)
+        # replicated: every rank holds the whole state (stage 0; engine/chunked/placement.py)
         self.chunks, self.disk, self.peers, self.replicated = chunks, disk, peers, replicated
         self.device = device or torch.device("cpu")  # where whole_chunks' collectives run
-        self.scratch = scratch  # the compact formats' pieces, per tier (engine/compact.py)
+        self.scratch = scratch  # the compact formats' pieces, per tier (engine/formats/compact.py)
 
     def _scratch(self, c: Chunk) -> Scratch:
         return self.scratch["host" if c.offloaded else "device"]

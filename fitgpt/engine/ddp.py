@@ -19,7 +19,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fitgpt.dist import DistContext
 from fitgpt.engine import comm
-from fitgpt.engine.activation import checkpoint_blocks
 from fitgpt.engine.base import (
     Batch,
     Engine,
@@ -29,12 +28,13 @@ from fitgpt.engine.base import (
     token_mean,
     weighted,
 )
-from fitgpt.engine.build import build
-from fitgpt.engine.compile import compile_regions, scope_of
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import write_pieces
-from fitgpt.engine.tp_state import (
+from fitgpt.engine.transforms.activation import checkpoint_blocks
+from fitgpt.engine.transforms.build import build
+from fitgpt.engine.transforms.compile import compile_regions, scope_of
+from fitgpt.engine.transforms.tp_state import (
     TPGradNorm,
     sync_replicated,
 )
@@ -61,17 +61,16 @@ class TorchEngine(Engine):
         ctx: DistContext,
         seed: int = 0,
     ) -> None:
-        ctx = ctx.with_tensor_parallel(ecfg.tensor_parallel)  # the TP × DP layout (dist/mesh.py)
-        ctx = ctx.with_context_parallel(ecfg.context_parallel)  # DDP over all ranks, CP or not
+        # ctx: laid out for ecfg (engine/factory.py); DDP runs over every rank, CP or not
         self.model_cfg, self.ecfg, self.pcfg, self.ocfg, self.ctx = model_cfg, ecfg, pcfg, ocfg, ctx
         self.device, self.mesh = ctx.device, ctx.mesh
-        built = build(model_cfg, self.mesh, ctx.world, ecfg.sequence_parallel, self.device, ctx.cp)
+        built = build(model_cfg, self.mesh, ecfg.sequence_parallel, self.device, ctx.cp)
         model, self.layout, self.local_layout = built.model, built.layout, built.local_layout
         self.view = built.view
         model.to_empty(device=self.device)
         model.materialize_buffers(self.device)  # to_empty left the non-persistent ones undefined
         self._init(model, seed)
-        scope = scope_of(ecfg)  # the planner's (engine/compile.py compile_scope)
+        scope = scope_of(ecfg)  # the planner's (engine/transforms/compile.py compile_scope)
         self.compiled = compile_regions(model, ctx.is_main) if scope != "off" else None
         if ecfg.checkpointing != "off":  # after compiling: the checkpoint wraps compiled blocks
             checkpoint_blocks(model, to_host=ecfg.checkpointing == "cpu")

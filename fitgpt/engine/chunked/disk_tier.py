@@ -1,22 +1,23 @@
 """The disk tier (`--offload-optimizer nvme`): the optimizer state of disk-homed chunks kept in
-files, one per chunk and tensor, through engine/nvme.py's store. A disk-homed chunk's host
-buffers exist only between a read and the write after it: the host optimizer (engine/offload.py)
-reads the state in for its update and writes it out after the step; checkpoints read and write
-it through the same files (engine/chunk_state.py).
+files, one per chunk and tensor, through engine/host/nvme.py's store. A disk-homed chunk's host
+buffers exist only between a read and the write after it: the host optimizer
+(engine/chunked/offload.py) reads the state in for its update and writes it out after the step;
+checkpoints read and write it through the same files (engine/chunked/chunk_state.py).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 
-from fitgpt.engine.chunk import Chunk
-from fitgpt.engine.nvme import NvmeStore
+from fitgpt.engine.chunked.chunk import Chunk
+from fitgpt.engine.host.nvme import NvmeStore
 
 
 class DiskTier:
     """The optimizer state of disk-homed chunks, one file per chunk and tensor (in its formats:
     compact ones move fewer bytes), in a scratch folder under `path` that is removed at exit
-    (engine/nvme.py). The free space is checked for the whole tier before anything is written."""
+    (engine/host/nvme.py). The free space is checked for the whole tier before anything is
+    written."""
 
     def __init__(self, path: str, layouts: dict[int, dict[str, int]]) -> None:
         """layouts: chunk index -> {tensor name: bytes} of its optimizer state on this rank."""

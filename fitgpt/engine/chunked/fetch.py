@@ -11,8 +11,8 @@ Two kinds of chunk keep their full weights `weight` [N] only while their block r
 Module hooks order it, per block i (forward order): before block i's forward, wait for its
 fetch and start block i+1's (prefetch: it overlaps block i's compute); after the forward, free
 block i (the last block is kept: the backward needs it at once). Before block i's backward, wait
-for its fetch and start block i-1's. The gradient hook (engine/reduce.py) frees the weights once
-the chunk's backward is complete. Peak: two blocks' full weights resident at once.
+for its fetch and start block i-1's. The gradient hook (engine/chunked/reduce.py) frees the weights
+once the chunk's backward is complete. Peak: two blocks' full weights resident at once.
 
 A chunk whose fetch is in flight holds its handle in `c.fetch_work`; waiting on it makes the
 compute stream wait (an NCCL handle or a recorded CUDA event): no host sync. On CPU runs the
@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fitgpt.engine.chunk import Chunk
+from fitgpt.engine.chunked.chunk import Chunk
+from fitgpt.engine.chunked.offload import HostOptimizer
 from fitgpt.engine.comm import Peers
-from fitgpt.engine.offload import HostOptimizer
 
 
 class WeightFetch:

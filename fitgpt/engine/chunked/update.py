@@ -2,20 +2,21 @@
 
 Per step, after the gradients are reduced and the global norm is known (grad_mul folds the clip
 coefficient and 1/loss-scale into the gradient):
-  1. host-homed chunks first, in forward order (HostOptimizer, engine/offload.py): each chunk's
-     reduced gradient is copied device→host on a side stream, the worker thread steps the fp32
-     state in host RAM (or read in from the disk tier) and copies the new weights back. Their
+  1. host-homed chunks first, in forward order (HostOptimizer, engine/chunked/offload.py): each
+     chunk's reduced gradient is copied device→host on a side stream, the worker thread steps the
+     fp32 state in host RAM (or read in from the disk tier) and copies the new weights back. Their
      copies and host AdamW start at once and run while the GPU does step 2;
   2. device-homed chunks: the reduced gradient upcast to a transient fp32 copy (4 bytes per
      element of one chunk), torch's fused AdamW over the fp32 master and moments, the master cast
      back into the working-dtype weights (or this rank's shard of them); a compiled run
      (`--compile on`) does the same in one compiled pass per param group instead (one_pass: no
      fp32 copy, 28 bytes moved per element against 40); a chunk in compact formats is stepped
-     piece by piece through the device's fp32 scratch (no whole-chunk copy; engine/compact.py);
+     piece by piece through the device's fp32 scratch (no whole-chunk copy;
+     engine/formats/compact.py);
   3. stages 1-2 on several ranks (weights replicated, state sharded): every chunk's updated shard
      is all-gathered into the full weights, (W-1)/W·N elements received per rank; the host-homed
      chunks' gathers wait for the host first. Stage 3 gathers only the embedding and head (the
-     blocks are gathered before use, engine/fetch.py).
+     blocks are gathered before use, engine/chunked/fetch.py).
 The next forward waits for a host-homed block's new weights just before the block runs (a
 forward pre-hook: `register_host_waits`), so the host's work overlaps the forward of the blocks
 before it.
@@ -29,11 +30,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from fitgpt.engine.chunk import Chunk
+from fitgpt.engine.chunked.chunk import Chunk
+from fitgpt.engine.chunked.offload import HostOptimizer
 from fitgpt.engine.comm import Peers
-from fitgpt.engine.compact import Scratch
-from fitgpt.engine.compile import compile_errors, error_line
-from fitgpt.engine.offload import HostOptimizer
+from fitgpt.engine.formats.compact import Scratch
+from fitgpt.engine.transforms.compile import compile_errors, error_line
 from fitgpt.errors import UserError
 
 
@@ -48,7 +49,7 @@ class TieredUpdate:
         one_pass: bool = False,
         warn: Callable[[str], None] = print,
     ) -> None:
-        """scratch: the compact formats' pieces on the compute device (engine/compact.py);
+        """scratch: the compact formats' pieces on the compute device (engine/formats/compact.py);
         speculative: start host-homed chunks' updates during the backward (module doc);
         one_pass: step plain fp32 device state through the compiled pass (_adamw_pass); if
         that fails to compile, `warn` gets one line and the fused kernel takes over."""
@@ -64,7 +65,7 @@ class TieredUpdate:
         self.guess = 1.0  # this step's grad_mul if it is neither clipped nor skipped
         # guess only after a step that was neither clipped nor skipped, and never at the first:
         # a heavy clip, where an undone step is least exact, rarely follows a clean step
-        # (engine/speculate.py). Saved with checkpoints, so a resumed run guesses as before.
+        # (engine/formats/speculate.py). Saved with checkpoints, so a resumed run guesses as before.
         self.cautious = True
         self.last_clean = False
         self.speculated: set[int] = set()  # chunks whose update started on the guess, this step
@@ -92,7 +93,7 @@ class TieredUpdate:
         self.spec_mul = self.guess if go else None
 
     def on_final(self, c: Chunk) -> None:
-        """Chunk c's reduced gradient is final (engine/reduce.py, during the backward)."""
+        """Chunk c's reduced gradient is final (engine/chunked/reduce.py, during the backward)."""
         if self.spec_mul is None or not c.offloaded:
             return
         self.host_opt.submit(c, self.lr, self.spec_mul, c.home_weights, guarded=True)
@@ -161,7 +162,8 @@ class TieredUpdate:
     def _settle(self, lr: float, grad_mul: float | None) -> list[Chunk]:
         """The guess checked: when it was right the speculative updates stand, bit-identical to
         the exact path; when not (clipped, or an overflow), each is undone and redone with the
-        true grad_mul once it has landed (engine/speculate.py). Returns the chunks undone."""
+        true grad_mul once it has landed (engine/formats/speculate.py). Returns the chunks
+        undone."""
         if not self.speculated:
             return []
         self.speculated_steps += 1

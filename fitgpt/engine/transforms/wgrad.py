@@ -14,8 +14,8 @@ compiler, so a block stays one compiled graph (a Python autograd.Function would 
 backward, `fitgpt::linear_backward`, returns dx and writes dW and db into the parameters'
 `.grad`; it returns no gradient for them, so autograd adds nothing. Autograd still runs each
 parameter's AccumulateGrad node, after the op, with no gradient: it leaves `.grad` as it is and
-calls the post-accumulate-grad hooks, so the engine's gradient reducer (engine/reduce.py) hears
-of both parameters as before and starts the chunk's reduction once its last gradient is
+calls the post-accumulate-grad hooks, so the engine's gradient reducer (engine/chunked/reduce.py)
+hears of both parameters as before and starts the chunk's reduction once its last gradient is
 written. The backward finds the parameters from the weight's data pointer (the compiled graph
 hands the op its inputs, not the Parameter objects).
 

@@ -19,7 +19,7 @@ Only the forward *function* is replaced, never the module's __call__: the engine
 block (host-optimizer waits, stage-3 gathers and frees, streamed weights) and on its parameters
 (gradient reduction) keep running eagerly around the compiled code, as they do without it.
 On GPUs and past h=1024 the model's LayerNorms run ATen's kernels behind an op the compiler
-keeps whole (engine/norm.py): Inductor's own loop over rows that wide.
+keeps whole (engine/transforms/norm.py): Inductor's own loop over rows that wide.
 Compile before activation checkpointing (the engines do): the checkpoint then wraps the
 compiled forward, and its recompute in the backward runs the compiled forward again.
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from fitgpt.engine.norm import aten_norms, use_aten_norms
+from fitgpt.engine.transforms.norm import aten_norms, use_aten_norms
 from fitgpt.model.family import Family
 
 # compilation_time_metrics keys (seconds) that together are the compile: dynamo's frame compile
@@ -277,7 +277,8 @@ class CompiledRegions:
             self.kinds = (self.whole,)
             self._wrap_model(model)
             return
-        # wide rows: the LayerNorms through ATen's kernels, not Inductor's loops (engine/norm.py)
+        # wide rows: the LayerNorms through ATen's kernels, not Inductor's loops
+        # (engine/transforms/norm.py)
         self.aten_norms = use_aten_norms(model) if aten_norms(device_type, model.cfg.n_embd) else 0
         self.blocks = _Kind("block", torch.compile(_block_train), _block_train)
         self.head = _Kind("head+loss", torch.compile(_head_loss), _head_loss)
@@ -317,7 +318,7 @@ class CompiledRegions:
         compiled, `eager` regions sent back by a failure, dynamo's `graph_breaks`,
         `recompiles` (compiles of a kind after its first: one per kind for evaluation's no-grad
         form; more means a guard fails), `compile_s` (seconds spent compiling) and `aten_norms`
-        (LayerNorms run by ATen's kernels, engine/norm.py)."""
+        (LayerNorms run by ATen's kernels, engine/transforms/norm.py)."""
         breaks, seconds = (a - b for a, b in zip(_counters(), self._start))
         kinds = self.kinds
         return {

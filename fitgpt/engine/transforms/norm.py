@@ -1,5 +1,6 @@
 """LayerNorm through ATen's kernels inside compiled regions, for rows wider than Inductor keeps
-in registers: applied to a built model from outside, a class swap as engine/wgrad.py does.
+in registers: applied to a built model from outside, a class swap as engine/transforms/wgrad.py
+does.
 
 Why: Inductor compiles each LayerNorm, fused with the residual add before it, into its own
 reduction kernels. Up to INDUCTOR_PERSISTENT_MAX elements a row stays in registers (a
@@ -18,7 +19,7 @@ under grad is the custom op `fitgpt::layer_norm` (torch.native_layer_norm) with
 `fitgpt::layer_norm_backward` (aten.native_layer_norm_backward) as its backward. These are the
 kernels an eager F.layer_norm runs, so the values are those of an eager run. The class changes,
 not the forward attribute: one forward for every block keeps one compiled graph for all blocks
-(engine/wgrad.py's reason).
+(engine/transforms/wgrad.py's reason).
 
 Where: regional compilation on GPUs for models wider than INDUCTOR_PERSISTENT_MAX (aten_norms).
 Without grad (evaluation, decoding) the forward is plain F.layer_norm.
@@ -41,7 +42,7 @@ INDUCTOR_PERSISTENT_MAX = 1024
 def aten_norms(device_type: str, n_embd: int) -> bool:
     """Whether a compiled run's LayerNorms go through ATen: on GPUs, past Inductor's persistent
     width. At h=768 Inductor's fused add + LayerNorm is one pass and the whole model is one
-    graph (engine/compile.py model_scope); only widths that loop were measured faster."""
+    graph (engine/transforms/compile.py model_scope); only widths that loop were measured faster."""
     return device_type == "cuda" and n_embd > INDUCTOR_PERSISTENT_MAX
 
 

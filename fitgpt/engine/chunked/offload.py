@@ -11,11 +11,11 @@ The next forward waits for a chunk just before its block runs (the engine's pre-
 host's work overlaps with the GPU updates of device-homed chunks and with the forward of the
 blocks before it. Torch's CPU kernels release the GIL; the main thread keeps launching GPU work.
 
-Compact formats (engine/compact.py): step 2 runs piece by piece through the worker's fp32
+Compact formats (engine/formats/compact.py): step 2 runs piece by piece through the worker's fp32
 scratch; a split master whose working weights are on the GPU brings them down beside the
 gradient (a second pinned buffer per slot, `wstaging`), since they are its master's high half.
 
-Disk-homed chunks (the nvme tier, engine/disk_tier.py: one file per tensor, in its formats):
+Disk-homed chunks (the nvme tier, engine/chunked/disk_tier.py: one file per tensor, in its formats):
 `submit` gives the chunk's state its host buffers back and starts reading its files at once, so
 the reads of the chunks queued behind the one the worker is updating overlap that update; the
 worker waits for its reads, steps, casts back, writes the state out and frees the buffers. At most `slots` chunks are in flight, so the
@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from fitgpt.engine.chunk import Chunk
-from fitgpt.engine.compact import Scratch, piece_elems, upcast_scaled
-from fitgpt.engine.disk_tier import DiskTier
-from fitgpt.engine.placement import HOST_SLOTS
-from fitgpt.engine.speculate import undo_optimizer_
+from fitgpt.engine.chunked.chunk import Chunk
+from fitgpt.engine.chunked.disk_tier import DiskTier
+from fitgpt.engine.chunked.placement import HOST_SLOTS
+from fitgpt.engine.formats.compact import Scratch, piece_elems, upcast_scaled
+from fitgpt.engine.formats.speculate import undo_optimizer_
 
 
 class HostOptimizer:
@@ -64,7 +64,7 @@ class HostOptimizer:
         """Staging for chunks of up to max_elems elements; an fp32 gradient for those in fp32
         formats (up to plain_elems, default max_elems); and for split masters whose working
         weights are on the GPU a second pinned buffer per slot that brings them down (up to
-        weight_elems). `scratch`: the compact formats' pieces (engine/compact.py)."""
+        weight_elems). `scratch`: the compact formats' pieces (engine/formats/compact.py)."""
         self.disk, self.scratch = disk, scratch
         self.cuda = device.type == "cuda"
         if self.cuda and device.index is None:  # the worker selects it: torch needs the index
@@ -124,7 +124,7 @@ class HostOptimizer:
         staging slot is free. Its gradient must be final now: on CUDA an event marks the point
         of the compute stream after which it is. `target` receives its new weights: the device
         weights, or a host buffer (streamed weights). undo_mul: undo the chunk's last step first
-        (it used the same gradient times undo_mul; engine/speculate.py); grad_mul None then
+        (it used the same gradient times undo_mul; engine/formats/speculate.py); grad_mul None then
         takes no new step. guarded: skip the step if the gradient is not finite (a speculative
         update before the overflow check: NaN state cannot be undone). Call flush() before the
         gradients are zeroed."""
@@ -312,7 +312,8 @@ class HostOptimizer:
         c, buf = job.c, job.buf
         g = self.g32[: buf.numel()]
         opt = c.optimizer
-        if job.undo_mul is not None:  # a speculative step that guessed wrong (engine/update.py)
+        # a speculative step that guessed wrong (engine/chunked/update.py)
+        if job.undo_mul is not None:
             upcast_scaled(buf, job.undo_mul, g)
             undo_optimizer_(opt, g, c.group_ranges, job.lr, piece_elems(g.device))
         if job.grad_mul is not None:
@@ -328,9 +329,9 @@ class HostOptimizer:
         buf.copy_(c.master) if job.target.is_cuda else job.target.copy_(c.master)
 
     def _step_compact(self, job: _Job) -> None:
-        """Compact formats (engine/compact.py): stepped piece by piece in the worker's scratch.
-        The new weights go where the fp32 path puts them; a split master reads its high half
-        from there first (a host target holds it already; device weights came down in wbuf)."""
+        """Compact formats (engine/formats/compact.py): stepped piece by piece in the worker's
+        scratch. The new weights go where the fp32 path puts them; a split master reads its high
+        half from there first (a host target holds it already; device weights came down in wbuf)."""
         out = job.target if not job.target.is_cuda else job.buf
         if job.wbuf is not None:
             out = job.wbuf  # the high half in, the new weights out; copied up from here

@@ -1,5 +1,5 @@
 """The speculative update's way back: one AdamW step undone, so a step taken before the global
-gradient norm was known can be redone with the right clip coefficient (engine/update.py).
+gradient norm was known can be redone with the right clip coefficient (engine/chunked/update.py).
 
 Why an inverse and not a backup. A host-homed chunk's update starts during the backward, before
 the global norm is known, assuming no clipping and no overflow. When that guess was wrong the
@@ -18,11 +18,11 @@ of its old and new values (5.5 seen), and a moment within 2 ulps of the largest 
 recurrence. That is absolute accuracy: where the step's gradient term dominated the old second
 moment v, v comes back with a relative error of about 1e-7 · (that dominance), and a redone
 step scaled by a clip coefficient c carries it as ~1.2e-7/c² relative in v (c = 0.01: 1e-3;
-c = 0.001: 6%). So the update guesses only where a heavy clip is unlikely (engine/update.py):
-never at the first step (whose moments come back exactly anyway: they were zero) nor after a
-step that was clipped or skipped. A step that was right (the common case) is bit-identical,
-since nothing is undone. Lossy moment formats (bf16, int8) undo the decoded values; the result
-is encoded again, within the format's own rounding.
+c = 0.001: 6%). So the update guesses only where a heavy clip is unlikely
+(engine/chunked/update.py): never at the first step (whose moments come back exactly anyway: they
+were zero) nor after a step that was clipped or skipped. A step that was right (the common case) is
+bit-identical, since nothing is undone. Lossy moment formats (bf16, int8) undo the decoded values;
+the result is encoded again, within the format's own rounding.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Host memory as the engine and the planner see it: what the machine can give now, and sizes.
 
 The engine refuses a placement whose host state does not fit before it allocates anything
-(engine/accounting.py), and the planner fits plans to the same figure (plan/hardware.py), so both
-read it from here; the engine imports nothing from plan/.
+(engine/chunked/accounting.py), and the planner fits plans to the same figure (plan/hardware.py), so
+both read it from here; the engine imports nothing from plan/.
 """
 
 from __future__ import annotations

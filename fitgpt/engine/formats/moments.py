@@ -11,13 +11,13 @@ parameter:
   int8   2.004                 1 byte per element plus one fp32 scale per block of BLOCK elements:
                                m as int8 with symmetric absmax, v as uint8 of sqrt(v) (see below)
 
-How the engine uses a store (engine/compact.py): piece by piece, it decodes m and v into fp32
-scratch, runs torch's fused AdamW kernel on the scratch, and encodes them back. The math of the
+How the engine uses a store (engine/formats/compact.py): piece by piece, it decodes m and v into
+fp32 scratch, runs torch's fused AdamW kernel on the scratch, and encodes them back. The math of the
 step is unchanged; only the rounding between steps differs.
 
 Cost: one decode and one encode pass over both moments per step, on top of AdamW's own traffic
 (bf16: read 2 + write 4, then read 4 + write 2 bytes per moment element; int8 also a square root
-and a rounding pass; on the host int8 goes through compiled kernels, engine/codec.py). The
+and a rounding pass; on the host int8 goes through compiled kernels, engine/formats/codec.py). The
 planner uses bf16 where fp32 state does not fit (its loss cost at 1.56 B was within the seed
 noise); int8 only when asked for (4-5x that noise): benchmarks/results/compact_h100_2026-11-23.
 
@@ -53,7 +53,7 @@ BLOCK = 2048
 # On a GPU the cache argument does not hold and each op is a kernel launch (~5 us): 1 Mi-element
 # passes made a 1.56 B model's int8 moments cost ~70 k launches per step, 0.5 s of the H100's
 # 0.87 s step (benchmarks/results/compact_h100_2026-11-23/loss). GPU passes take the whole range
-# asked for (the device's compact pieces, engine/compact.py: 16 Mi elements).
+# asked for (the device's compact pieces, engine/formats/compact.py: 16 Mi elements).
 WORK = 1 << 20
 
 
@@ -100,7 +100,7 @@ class MomentStore(ABC):
 
     decode / encode convert elements [lo, hi) to and from an fp32 tensor of hi - lo elements
     (lo a multiple of BLOCK, so int8 blocks are never split); the optimizer steps a chunk one
-    such piece at a time (engine/compact.py). Checkpoints hold the decoded fp32 values, so a
+    such piece at a time (engine/formats/compact.py). Checkpoints hold the decoded fp32 values, so a
     store needs no state_dict of its own.
     """
 

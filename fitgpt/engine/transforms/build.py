@@ -2,9 +2,10 @@
 
   1. the family's network on the meta device: no memory (model/family.py build_model);
   2. its chunk layout, the unsplit model's: what checkpoints record (engine/layout.py);
-  3. tensor parallelism, checked in one line first: 1/T of the cut weights (fitgpt/parallel);
-     or context parallelism, checked the same way: attention's all-to-alls hooked on, every
-     weight whole (fitgpt/parallel/context.py);
+  3. tensor parallelism: 1/T of the cut weights (fitgpt/parallel); or context parallelism:
+     attention's all-to-alls hooked on, every weight whole (fitgpt/parallel/context.py). T and C
+     were validated with the run's other settings (plan/validate.py), and the ranks laid out
+     for them (train/assemble.py), before any engine is built;
   4. this rank's layout (the same as 2 at T = 1, and under context parallelism);
   5. the view of the unsplit model that initialisation, checkpoints and generation take
      (StateView: the model as it is at T = 1, TP's gathers and splits at T > 1), chosen here once.
@@ -26,14 +27,9 @@ from torch import Tensor
 from fitgpt.dist.mesh import ContextGroup, Mesh
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
 from fitgpt.engine.state_io import Piece, Reader, StateReader, WeightSource, open_reader
-from fitgpt.engine.tp_state import TPReader, sharded_init, tp_pieces, unsplitter
+from fitgpt.engine.transforms.tp_state import TPReader, sharded_init, tp_pieces, unsplitter
 from fitgpt.model import DecoderLM, ModelConfig, build_model
-from fitgpt.parallel import (
-    check_context_parallel,
-    check_tensor_parallel,
-    context_parallel,
-    parallelize,
-)
+from fitgpt.parallel import context_parallel, parallelize
 
 Init = Callable[[str, Tensor], None]
 
@@ -41,7 +37,8 @@ Init = Callable[[str, Tensor], None]
 class StateView:
     """The unsplit model as this rank's state meets it: checkpoints hold whole chunks in the
     unsplit layout, initialisation draws whole parameters, generation wants whole weights. At
-    T = 1 every method passes through; SplitView is tensor parallelism's (engine/tp_state.py)."""
+    T = 1 every method passes through; SplitView is tensor parallelism's
+    (engine/transforms/tp_state.py)."""
 
     def init(self, init: Init) -> Init:
         """init(name, t) for this rank's tensor t, from the unsplit model's init by name."""
@@ -87,7 +84,6 @@ class Built:
 def build(
     cfg: ModelConfig,
     mesh: Mesh | None,
-    world: int,
     sequence_parallel: bool,
     device,
     cp: ContextGroup | None = None,
@@ -96,13 +92,9 @@ def build(
     with torch.device("meta"):
         model = build_model(cfg)
     layout = chunk_layout(model)
-    if cp is not None:
-        tp = mesh.tp if mesh is not None else 1
-        check_context_parallel(cp.size, cfg, world, tp, sequence_parallel)
     if mesh is None:  # context parallelism keeps the weights whole: the unsplit layout and view
         model = context_parallel(model, cp) if cp is not None else model
         return Built(model, layout, layout, StateView())
-    check_tensor_parallel(mesh.tp, cfg, world, sequence_parallel)
     model = parallelize(model, mesh, sequence_parallel)
     if cp is not None:  # after TP: its head-cut linears get the all-to-alls
         model = context_parallel(model, cp)

@@ -1,6 +1,7 @@
 """The split master: an fp32 master weight kept as its bf16 working weight (the high half, the
-weight the forward uses anyway) plus an int16 remainder, 2 bytes instead of 4. engine/compact.py
-keeps a chunk's split master and steps it piece by piece; these two functions are its codec.
+weight the forward uses anyway) plus an int16 remainder, 2 bytes instead of 4.
+engine/formats/compact.py keeps a chunk's split master and steps it piece by piece; these two
+functions are its codec.
 
 The split is exact. Write the fp32 master's bits as an integer x = H·2^16 + L (L the low 16
 bits). torch's cast to bf16 rounds to nearest even: hi = H when L < 0x8000, H + 1 when

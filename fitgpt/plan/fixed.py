@@ -2,7 +2,7 @@
 
 A `Fixed` comes from the flags typed under `--plan auto`, a DeepSpeed config's mapped keys or a
 benchmark system's ablation. It travels typed from the CLI through the one validation
-(engine/validate.py: a fixed field is settled, any other is the planner's to choose) into the
+(plan/validate.py: a fixed field is settled, any other is the planner's to choose) into the
 planner, which asks it questions by name (`fixed.offload_optimizer`, `fixed.format("moments")`)
 instead of reading a dict with defaults repeated at every call.
 """

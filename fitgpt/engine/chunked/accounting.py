@@ -2,7 +2,7 @@
 
 Two figures, for two moments:
   check_host_room  before anything is allocated: the host RAM this rank will hold for the
-      offloaded chunks, which the Placement (engine/placement.py) computes; a placement that
+      offloaded chunks, which the Placement (engine/chunked/placement.py) computes; a placement that
       does not fit in the RAM the machine can give now is refused at start-up.
   memory_report    after construction: the bytes the engine's buffers actually hold now,
       {tier: {kind: bytes}}, measured from the tensors; the tests hold them equal to
@@ -16,12 +16,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from fitgpt.engine.chunk import Chunk
-from fitgpt.engine.compact import Scratch
-from fitgpt.engine.disk_tier import DiskTier
-from fitgpt.engine.hostmem import host_usable
-from fitgpt.engine.offload import HostOptimizer
-from fitgpt.engine.placement import HOST_SLOTS, Placement
+from fitgpt.engine.chunked.chunk import Chunk
+from fitgpt.engine.chunked.disk_tier import DiskTier
+from fitgpt.engine.chunked.offload import HostOptimizer
+from fitgpt.engine.chunked.placement import HOST_SLOTS, Placement
+from fitgpt.engine.formats.compact import Scratch
+from fitgpt.engine.host.hostmem import host_usable
 from fitgpt.errors import UserError
 
 

@@ -18,7 +18,7 @@ Direct I/O: files are opened with O_DIRECT where the filesystem accepts it (prob
 start; tmpfs and some network filesystems refuse it, and the store falls back to the page cache
 with `direct = False`), so optimizer state streamed through the tier does not evict the host
 memory the rest of training needs. Every block goes through a page-aligned bounce buffer, one
-per worker (engine/aligned_io.py says why and what it costs): `workers × block_bytes` bytes
+per worker (engine/host/aligned_io.py says why and what it costs): `workers × block_bytes` bytes
 (64 MiB by default; the kernel commits the pages on first use).
 """
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from fitgpt.dist.procs import pid_alive
-from fitgpt.engine.aligned_io import (
+from fitgpt.engine.host.aligned_io import (
     PAGE,
     Bounce,
     bytes_of,

@@ -1,5 +1,5 @@
-"""The chunk engine's chunks made from its Placement (engine/placement.py), one at a time, and
-what they share: the compact formats' fp32 scratch per tier and the disk tier. ChunkEngine calls
+"""The chunk engine's chunks made from its Placement (engine/chunked/placement.py), one at a time,
+and what they share: the compact formats' fp32 scratch per tier and the disk tier. ChunkEngine calls
 these once, at construction, in this order: shared_state, build_chunks, warm_up_codecs."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from fitgpt.engine.chunk import Chunk
-from fitgpt.engine.compact import Scratch
+from fitgpt.engine.chunked.chunk import Chunk
+from fitgpt.engine.chunked.disk_tier import DiskTier
+from fitgpt.engine.chunked.placement import Placement
 from fitgpt.engine.config import OptimConfig
-from fitgpt.engine.disk_tier import DiskTier
-from fitgpt.engine.pinned import PinnedArena
-from fitgpt.engine.placement import Placement
+from fitgpt.engine.formats.compact import Scratch
+from fitgpt.engine.host.pinned import PinnedArena
 
 
 def shared_state(
@@ -22,7 +22,7 @@ def shared_state(
 ) -> tuple[dict[str, Scratch], DiskTier | None]:
     """What chunks share: the fp32 scratch the compact formats are stepped through, one per tier
     that has them ("device": the main thread's, "host": the host optimizer worker's;
-    engine/compact.py), and the disk tier, whose free space is checked here, before anything
+    engine/formats/compact.py), and the disk tier, whose free space is checked here, before anything
     else is allocated."""
     scratch = {}
     for tier in ("device", "host"):
@@ -67,8 +67,8 @@ def build_chunks(
 
 
 def warm_up_codecs(chunks: list[Chunk], scratch: dict[str, Scratch]) -> None:
-    """Compile the host tier's fused codecs (engine/codec.py) here, on the main thread, once per
-    format, rather than inside the host optimizer's first step."""
+    """Compile the host tier's fused codecs (engine/formats/codec.py) here, on the main thread, once
+    per format, rather than inside the host optimizer's first step."""
     seen = set()
     for c in chunks:
         if c.offloaded and c.compact is not None and (c.plan.master, c.plan.moments) not in seen:

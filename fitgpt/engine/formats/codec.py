@@ -1,4 +1,4 @@
-"""Fused decode and encode of one piece of int8 moments (engine/moments.py), compiled.
+"""Fused decode and encode of one piece of int8 moments (engine/formats/moments.py), compiled.
 
 Why: on the host, AdamW over fp32 state is DRAM-bound (~40 bytes per element per step). int8
 moments move fewer bytes, but their eager decode and encode take about a dozen elementwise ops
@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from fitgpt.engine.moments import BLOCK
+from fitgpt.engine.formats.moments import BLOCK
 
 _CACHE: dict[str, tuple[Callable, Callable] | None] = {}
 

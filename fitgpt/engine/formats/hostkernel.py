@@ -16,7 +16,7 @@ Built on first use with the C++ compiler torch.compile uses ($CXX, else c++), -O
 the source and flags (written to a temporary name, then renamed); loaded with ctypes, which
 releases the GIL during the call, so THREADS Python threads run it over disjoint ranges (no
 OpenMP runtime of its own beside torch's). No compiler, or a failed build: one line on stderr
-and the torch path (engine/compact.py), as before.
+and the torch path (engine/formats/compact.py), as before.
 
 Used for host-homed compact state with bf16 or int8 moments where FITGPT_HOST_KERNELS says
 (native; compiled and eager turn it off), by default on GPU machines (the host optimizer's
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from fitgpt.engine.moments import BLOCK, MomentStore
+from fitgpt.engine.formats.moments import BLOCK, MomentStore
 
 SOURCE = Path(__file__).with_name("host_adamw.cpp")
 # no -ffast-math: IEEE fp32 as torch computes it; no contraction into fused multiply-adds
@@ -75,7 +75,9 @@ def _load():
         raise RuntimeError("no C++ compiler found (set CXX)")
     src = SOURCE.read_text()
     if f"BLOCK = {BLOCK};" not in src:
-        raise RuntimeError(f"host_adamw.cpp's BLOCK differs from engine/moments.py's {BLOCK}")
+        raise RuntimeError(
+            f"host_adamw.cpp's BLOCK differs from engine/formats/moments.py's {BLOCK}"
+        )
     # -march=native: a cache shared between machines (a network home) keeps one per CPU
     tag = hashlib.sha256((src + cxx + FLAGS + _cpu_flags()).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("FITGPT_CACHE", Path.home() / ".cache" / "fitgpt"))

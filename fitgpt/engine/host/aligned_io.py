@@ -1,4 +1,5 @@
-"""Page-aligned file I/O for the NVMe tier (engine/nvme.py): bounce buffers and whole transfers.
+"""Page-aligned file I/O for the NVMe tier (engine/host/nvme.py): bounce buffers and whole
+transfers.
 
 O_DIRECT bypasses the page cache, so optimizer state streamed through the disk tier does not
 evict the host memory the rest of training needs, but it requires the buffer address, the file

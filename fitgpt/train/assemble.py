@@ -1,0 +1,134 @@
+"""The run, assembled once: settings in, one typed, resolved, validated `Run` out.
+
+torchtitan's Trainer.__init__ and picotron's train.py build a run in one ordered pass that every
+later part takes as given; this is fitgpt's, for `fitgpt train` (cli/train.py), the benchmark
+harness (bench/systems.py) and a script or test that trains a RunConfig:
+
+    Settings   the configs as asked (for the command line: a preset with the flags, an
+               --init-from source, or a resumed run), how they are placed (the planner, or as
+               given) and where the run starts
+    settle     the model sized for its data (the tokenizer's vocabulary) and the precision for
+               the device, then the one validation of the settings for the job's ranks
+               (plan/validate.py check_settings); with --gpus the launcher settles, before
+               torchrun, and hands its ranks the settled settings
+    assemble   on every rank: the placement (the planner's plan, or the engine config as given)
+               with its --compile scope, then the mesh (the TP × DP and CP groups, dist/mesh.py)
+    Run        the config the engines build, the context laid out for it, where the run starts
+
+The Trainer and the engines take a Run as given: nothing after it sizes the vocabulary, resolves
+the precision or --compile, validates a setting or lays the ranks out again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fitgpt.dist import DistContext
+from fitgpt.plan.apply import plan_engine
+from fitgpt.plan.fixed import Fixed
+from fitgpt.plan.validate import check_settings
+from fitgpt.train.config import RunConfig
+from fitgpt.train.init_from import InitSource
+from fitgpt.train.setup import resolve_run, unplanned_compile
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A run as asked for. `settled`: the (ranks, device type) that `settle` resolved and
+    validated it for; None until then."""
+
+    config: RunConfig  # as asked: the vocabulary, precision, placement and --compile still open
+    fixed: Fixed | None = None  # --plan auto: the engine fields set; None: --plan off, as given
+    force: bool = False  # train even where the planner predicts the run will not fit
+    # the engine and precision flags typed (plan/validate.py no_effect judges them)
+    typed: Mapping[str, Any] = field(default_factory=dict)
+    resume: str | None = None  # a checkpoint; "": --out's newest; None: a new run
+    init_from: InitSource | None = None  # the weights a new run starts from
+    overwrite: bool = False  # --out's checkpoints are deleted
+    files: Mapping[str, str] = field(default_factory=dict)  # name -> text, for the run folder
+    notes: tuple[str, ...] = ()  # said once the ranks have joined (rank 0)
+    settled: tuple[int, str] | None = None
+
+    def to_dict(self) -> dict:
+        """These settings as JSON values: how a launcher hands them to its ranks
+        (cli/train.py), the --init-from source by its path."""
+        return {
+            "config": self.config.to_dict(),
+            "fixed": None if self.fixed is None else self.fixed.as_dict(),
+            "force": self.force,
+            "typed": dict(self.typed),
+            "resume": self.resume,
+            "init_from": None if self.init_from is None else str(self.init_from.path),
+            "overwrite": self.overwrite,
+            "files": dict(self.files),
+            "notes": list(self.notes),
+            "settled": self.settled,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict, init_from: InitSource | None) -> Settings:
+        """The settings `to_dict` wrote, with the --init-from source it names found again."""
+        return cls(
+            config=RunConfig.from_dict(d["config"]),
+            fixed=None if d["fixed"] is None else Fixed.of(d["fixed"]),
+            force=d["force"],
+            typed=d["typed"],
+            resume=d["resume"],
+            init_from=init_from,
+            overwrite=d["overwrite"],
+            files=d["files"],
+            notes=tuple(d["notes"]),
+            settled=None if d["settled"] is None else tuple(d["settled"]),
+        )
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run as it is built: the Trainer and the engines take every part of it as given."""
+
+    config: RunConfig  # the vocabulary, precision, placement and --compile settled
+    ctx: DistContext  # laid out for config.engine: its TP × DP mesh and CP groups
+    resume: str | None = None
+    init_from: InitSource | None = None
+    overwrite: bool = False
+    files: Mapping[str, str] = field(default_factory=dict)
+
+
+def settle(settings: Settings, world: int, device: str) -> Settings:
+    """`settings` for a job of `world` ranks on `device` ("cuda" or "cpu"): the model sized for
+    its data and the precision resolved (train/setup.py resolve_run), then validated, once
+    (plan/validate.py check_settings: a refusal is one line, before anything is allocated)."""
+    config = resolve_run(settings.config, device)
+    m, e, p, fixed = config.model, config.engine, config.precision, settings.fixed
+    check_settings(m, e, p, world, device, fixed, settings.typed)
+    return dataclasses.replace(settings, config=config, settled=(world, device))
+
+
+def assemble(settings: Settings, ctx: DistContext, log=print) -> Run:
+    """The Run `settings` make on `ctx`'s ranks, in order: settled (unless they are, for these
+    ranks), their notes said (`log`: rank 0's), placed (`placed`), and the ranks laid out for
+    the placement (the planner may choose T)."""
+    device = ctx.device.type
+    if settings.settled != (ctx.world, device):
+        settings = settle(settings, ctx.world, device)
+    for note in settings.notes:
+        log(note)
+    config = placed(settings, ctx, log)
+    e = config.engine
+    ctx = ctx.laid_out(e.tensor_parallel, e.context_parallel)
+    return Run(config, ctx, settings.resume, settings.init_from, settings.overwrite, settings.files)
+
+
+def placed(settings: Settings, ctx: DistContext, log=print) -> RunConfig:
+    """The settled config with its placement: the planner's plan, which settles --compile with
+    it (plan/apply.py plan_engine: rank 0 decides for every rank), or under --plan off the
+    engine config as given, its --compile settled by the planner's rule
+    (train/setup.py unplanned_compile)."""
+    config = settings.config
+    if settings.fixed is not None:
+        return plan_engine(config, ctx, settings.fixed, settings.force, log)
+    scope = unplanned_compile(config, ctx.device.type, ctx.world)
+    return dataclasses.replace(config, engine=dataclasses.replace(config.engine, compile=scope))
