@@ -432,7 +432,7 @@ SUITES: tuple[Suite, ...] = (
                 "every ZeRO stage and the host tier against the plain engine, a stage-3 "
                 "checkpoint resumed by the plain engine, KV-cache generation",
                 args="$OUT/gpu_check.json",
-                results=("gpu_check_h100_2026-11-22.txt",),
+                results=("gpu_check_h100_2026-11-22.txt", "refactor_h100_2026-11-28"),
             ),
             Row(
                 "host-adamw",
@@ -579,7 +579,7 @@ SUITES: tuple[Suite, ...] = (
                 env="BEFORE=.base",
                 device_env=True,
                 carry=(".whl", ".base"),
-                results=("refactor_h100_2026-11-26",),
+                results=("refactor_h100_2026-11-26", "refactor_h100_2026-11-28"),
             ),
         ),
     ),
