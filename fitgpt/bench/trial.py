@@ -8,7 +8,7 @@ optimizer steps, each ending in a device synchronisation. Memory: torch.cuda.max
 Rank 0 prints `PROGRESS` lines as it builds and steps (`fitgpt capacity` shows them while a
 trial runs: a CPU trial of a large model takes minutes). The trial's run folder is a temporary
 folder beside RESULT.json, removed when it ends; the trial dies with the process that started
-it, even one killed by SIGKILL (dist/procs.py die_with_parent), so neither outlives its sweep.
+it, even one killed by SIGKILL (fitgpt/procs.py die_with_parent), so neither outlives its sweep.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from fitgpt.data.source import BatchLoader
 from fitgpt.data.synthetic import UniformSource
 from fitgpt.dist import init_distributed
 from fitgpt.dist.env import configure_process
-from fitgpt.dist.procs import die_with_parent
 from fitgpt.errors import UserError
 from fitgpt.plan.fixed import Fixed
 from fitgpt.plan.memory import tokens_per_step
+from fitgpt.procs import die_with_parent
 from fitgpt.train.metrics import peak_flops
 from fitgpt.train.setup import OutOfMemory
 

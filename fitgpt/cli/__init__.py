@@ -7,7 +7,7 @@ dependencies inside `func`, so `fitgpt --help` stays fast.
 Every way a command can fail on the user's input ends here in one line on stderr, no traceback:
 a bad flag (argparse, exit 2), a UserError (exit 2), an OSError about a path (permissions, a
 missing folder, a full disk: exit 2), a dead rank (CollectiveError, exit 1), Ctrl-C (exit 130),
-SIGTERM where a command takes it as Ctrl-C (dist/procs.py stop_on_sigterm; exit 143).
+SIGTERM where a command takes it as Ctrl-C (fitgpt/procs.py stop_on_sigterm; exit 143).
 A closed stdout (`fitgpt plan | head -3`) ends the command quietly. Anything else is a bug and
 keeps its traceback.
 """
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt as e:  # train's Interrupted says what was saved and how to resume
-        from fitgpt.dist.procs import Stopped
+        from fitgpt.procs import Stopped
 
         print(f"{name}: {e or 'interrupted'}", file=sys.stderr)
         sys.exit(143 if isinstance(e, Stopped) else 130)  # 128 + SIGTERM's 15, or SIGINT's 2

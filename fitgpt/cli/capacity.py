@@ -2,7 +2,7 @@
 
 Each trial is a process of its own (bench/sweep.py run_one) in its own session, writing into a
 temporary folder. While one runs, its progress lines are shown (`TrialProgress`): a CPU trial
-of a large model takes minutes a step. SIGTERM is handled as Ctrl-C (dist/procs.py
+of a large model takes minutes a step. SIGTERM is handled as Ctrl-C (fitgpt/procs.py
 stop_on_sigterm), so either kills the running trial's process group and removes the temporary
 folder before the command exits; a trial also dies with this process if it is killed outright.
 """
@@ -167,7 +167,7 @@ def check_args(args: argparse.Namespace) -> Path | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fitgpt.dist.procs import stop_on_sigterm
+    from fitgpt.procs import stop_on_sigterm
 
     with stop_on_sigterm():  # `timeout`/`kill` must not orphan a running trial or leave its files
         return search(args)

@@ -35,7 +35,6 @@ with SIGKILL (Linux: PR_SET_PDEATHSIG; elsewhere a watchdog thread).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gzip
 import itertools
 import json
@@ -43,8 +42,6 @@ import multiprocessing as mp
 import os
 import re
 import signal
-import sys
-import threading
 import time
 import zlib
 from collections import Counter, deque
@@ -72,6 +69,7 @@ from fitgpt.data.outputs import check_prefix
 from fitgpt.data.packed import DEFAULT_LONG, LONG_CHOICES
 from fitgpt.data.tokenizer import load_tokenizer
 from fitgpt.errors import UserError
+from fitgpt.procs import die_with_parent
 
 MAX_SHOWN = 10  # problems printed as they happen; the rest are only counted
 # A chat file where more than this share of the assistant replies has no text is refused, not
@@ -593,38 +591,13 @@ _WORKER: dict = {}
 
 def _init(state: _State) -> None:
     if mp.parent_process() is not None:
-        _die_with_parent(state.parent_pid)
+        die_with_parent(state.parent_pid)  # even a SIGKILLed main process leaves no worker
         # One thread per worker: the worker count is the number of cores used.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         # Ctrl-C is the main process's to handle: it stops the pool and removes the temporaries.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     tok = load_tokenizer(state.tokenizer)
     _WORKER.update(state=state, tok=tok, chat=ChatEncoder(tok) if state.chat else None)
-
-
-def _die_with_parent(parent: int) -> None:
-    """End this worker when the main process dies, even by SIGKILL (no cleanup runs there).
-
-    Linux: the kernel sends SIGKILL on the parent's exit (PR_SET_PDEATHSIG; the pool starts its
-    workers from the main thread, whose exit is the process's). Everywhere, also a daemon thread
-    that polls the parent pid once a second: the fallback, and a check for a parent that died
-    before prctl took effect.
-    """
-    if not parent:
-        return
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            pr_set_pdeathsig = 1
-            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)  # the parent died before prctl took effect
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)  # reparented: the main process is gone
-
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 def _encode(block: bytes, first_line: int) -> _Chunk:

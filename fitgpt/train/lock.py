@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fitgpt.dist.procs import pid_alive
 from fitgpt.errors import UserError
+from fitgpt.procs import pid_alive
 
 LOCK_NAME = "run.lock"
 

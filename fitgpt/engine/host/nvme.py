@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from fitgpt.dist.procs import pid_alive
 from fitgpt.engine.host.aligned_io import (
     PAGE,
     Bounce,
@@ -50,6 +49,7 @@ from fitgpt.engine.host.aligned_io import (
     write_block,
 )
 from fitgpt.errors import UserError
+from fitgpt.procs import pid_alive
 
 GiB = 1 << 30
 # Free space the store leaves on the disk: filling a disk to the last byte breaks the logger,

@@ -1,5 +1,6 @@
 """Processes on this machine: whether one is still alive (stale run locks, orphaned scratch), a
-child that ends with its parent, and SIGTERM handled as Ctrl-C is."""
+child that ends with its parent, and SIGTERM handled as Ctrl-C is. Standard library only, at the
+package's top like paths.py: the data workers use it without importing torch (fitgpt.dist does)."""
 
 from __future__ import annotations
 
