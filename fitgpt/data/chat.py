@@ -406,3 +406,26 @@ def is_chat_data(prefix: str) -> bool:
             "the .loss_mask pair and the record beside it, or rename the pair if it is text"
         )
     return False
+
+
+def end_of_turn_id(tok) -> int | None:
+    """The token `tok`'s chat template ends an assistant turn with (<|im_end|>, <|eot_id|>,
+    </s>, <end_of_turn>): what the template writes after a reply's text, where
+    assistant_spans finds the reply's end, when that is one token. None without a template, or where a turn
+    ends in plain text or in nothing. A chat fine-tune learnt to stop there (its loss covers
+    that token), so its export and
+    `generate --chat` stop there too, whatever eos_token the folder declares."""
+    reply = "Yes"
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}]
+    try:
+        text, spans = ChatEncoder(tok).assistant_spans(messages)
+    except (UserError, ChatLineError):  # no template, or one that refuses this conversation
+        return None
+    if not spans:
+        return None
+    start, end = spans[-1]
+    cut = text.rfind(reply, start, end)
+    if cut < 0:  # a template that rewrites the reply's text: its end cannot be told apart
+        return None
+    ids = tok.encode_plain(text[cut + len(reply) : end].strip())
+    return ids[0] if len(ids) == 1 else None

@@ -268,11 +268,6 @@ def strip_stop(ids: list[int], stop_ids: tuple[int, ...], cfg: SampleConfig) -> 
     return ids
 
 
-# A reply no template rewrites (no whitespace to trim, no markup): where it ends in the rendered
-# text is where the template's end of turn starts.
-_REPLY_PROBE = "fitgptreplyprobe"
-
-
 def chat_prompt(tok: Tokenizer, prompt: str) -> tuple[list[int], tuple[int, ...]]:
     """(`prompt` as one user turn of `tok`'s chat template with the generation prompt, as ids;
     the ids the reply stops at).
@@ -280,32 +275,16 @@ def chat_prompt(tok: Tokenizer, prompt: str) -> tuple[list[int], tuple[int, ...]
     The ids are transformers' `apply_chat_template([user], add_generation_prompt=True,
     tokenize=True)`: the text the chat data is rendered with (data/chat.py ChatEncoder), encoded
     without the post-processor's BOS, since the template writes its own. The stops are the
-    tokenizer's `stop_ids` and the template's end of turn (`_end_of_turn`), which a base
-    tokenizer's eos_token (<|end_of_text|>) is not. A tokenizer without a chat template, or a
+    tokenizer's `stop_ids` and the template's end of turn (data/chat.py end_of_turn_id, which the
+    export names too), which a base tokenizer's eos_token (<|end_of_text|>) is not. A tokenizer without a chat template, or a
     template that refuses the turn, is refused in one line."""
-    from fitgpt.data.chat import ChatEncoder, ChatLineError
+    from fitgpt.data.chat import ChatEncoder, ChatLineError, end_of_turn_id
 
     enc = ChatEncoder(tok)  # refuses a tokenizer without a template, naming the fix
     try:
         text = enc.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
     except ChatLineError as e:
         raise UserError(f"--chat with tokenizer {tok.name}: {e}") from None
-    return enc.tok.encode_plain(text), tuple(sorted({*tok.stop_ids, *_end_of_turn(enc)}))
-
-
-def _end_of_turn(enc) -> set[int]:
-    """{the token the template writes right after a reply} (<|eot_id|>, <|im_end|>, </s>), as
-    ChatEncoder.assistant_spans counts it the reply's: the text after a probe reply, less
-    trailing whitespace, when it is one token; else {} (a template that ends a reply with plain
-    text, or refuses a user/assistant pair, leaves the stop ids to the tokenizer)."""
-    from fitgpt.data.chat import ChatLineError
-
-    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _REPLY_PROBE}]
-    try:
-        text = enc.render(turn)
-    except ChatLineError:
-        return set()
-    at = text.rfind(_REPLY_PROBE)
-    after = text[at + len(_REPLY_PROBE) :].rstrip() if at >= 0 else ""
-    ids = enc.tok.encode_plain(after) if after else []
-    return set(ids) if len(ids) == 1 else set()
+    turn = end_of_turn_id(enc.tok)
+    stops = {*tok.stop_ids} if turn is None else {*tok.stop_ids, turn}
+    return enc.tok.encode_plain(text), tuple(sorted(stops))

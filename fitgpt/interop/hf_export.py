@@ -24,12 +24,13 @@ from pathlib import Path
 
 import torch
 
+from fitgpt.data.chat import end_of_turn_id
 from fitgpt.data.tokenizer import load_tokenizer
 from fitgpt.engine.layout import ChunkSpec
 from fitgpt.engine.state_io import StateReader
 from fitgpt.errors import UserError
 from fitgpt.interop.hf import mapping_for_model
-from fitgpt.interop.hf_tokenizer import end_of_turn_id, write_hf_tokenizer
+from fitgpt.interop.hf_tokenizer import write_hf_tokenizer
 from fitgpt.interop.safetensors_stream import SafetensorsWriter
 from fitgpt.model import ModelConfig
 from fitgpt.model.hf_map import HFMapping, TensorMap, hf_shape, to_hf

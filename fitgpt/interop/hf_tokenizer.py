@@ -92,30 +92,6 @@ def _vocab_merges_from_tokenizer_json(path: Path, dest: Path) -> None:
 
 
 # ---- export ------------------------------------------------------------------------------------
-def end_of_turn_id(tok) -> int | None:
-    """The token `tok`'s chat template ends an assistant turn with (<|im_end|>, <|eot_id|>,
-    </s>, <end_of_turn>): what the template writes after a reply's text, where data/chat.py
-    finds the reply's end, when that is one token. None without a template, or where a turn
-    ends in plain text or in nothing. A chat fine-tune learnt to stop there (its loss covers
-    that token), so its export must stop there too, whatever eos_token the folder declares."""
-    from fitgpt.data.chat import ChatEncoder, ChatLineError
-
-    reply = "Yes"
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}]
-    try:
-        text, spans = ChatEncoder(tok).assistant_spans(messages)
-    except (UserError, ChatLineError):  # no template, or one that refuses this conversation
-        return None
-    if not spans:
-        return None
-    start, end = spans[-1]
-    cut = text.rfind(reply, start, end)
-    if cut < 0:  # a template that rewrites the reply's text: its end cannot be told apart
-        return None
-    ids = tok.encode_plain(text[cut + len(reply) : end].strip())
-    return ids[0] if len(ids) == 1 else None
-
-
 def write_hf_tokenizer(spec: str | None, dest: Path, seq_len: int) -> str | None:
     """Write the HF files of fitgpt tokenizer `spec` into `dest`; what was written, in words."""
     if spec is None:
