@@ -31,7 +31,7 @@ class Row:
     """One named run: `{env} {bash|python3} benchmarks/{script} {args}` on `machine`."""
 
     name: str
-    script: str  # a file directly under benchmarks/
+    script: str  # a file under benchmarks/, at its top or in one of its rooms (peers/, ...)
     machine: str  # "cpu" or a device kind: nvidia-h100-x1, nvidia-h200, nvidia-h200-x4, ...
     records: str  # what the run measures and writes, in one sentence
     args: str = ""
@@ -43,8 +43,10 @@ class Row:
     def __post_init__(self) -> None:
         if not KIND.match(self.machine):
             raise ValueError(f"row {self.name}: machine {self.machine!r} is no device kind or cpu")
-        if not self.script.endswith((".py", ".sh")) or "/" in self.script:
-            raise ValueError(f"row {self.name}: script {self.script!r} is no benchmarks/*.py|sh")
+        if not self.script.endswith((".py", ".sh")) or self.script.count("/") > 1:
+            raise ValueError(
+                f"row {self.name}: script {self.script!r} is no benchmarks/[room/]*.py|sh"
+            )
 
     @property
     def gpus(self) -> int:
@@ -115,7 +117,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "hf-interop",
-                "hf_interop.py",
+                "peers/hf_interop.py",
                 H100,
                 "a GPT-2 XL-shaped Hugging Face model imported, fine-tuned 50 steps, exported and "
                 "scored by transformers; an 8 B import's time and peak RSS",
@@ -125,7 +127,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "demo",
-                "demo_load.py",
+                "checks/demo_load.py",
                 "cpu",
                 "`make demo` against `--cpu-threads 1`, idle and beside busy processes (~25 min); "
                 "without --versus-one the thread matrix and the demo under load",
@@ -138,7 +140,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "data",
-                "data_bench.py",
+                "parts/data_bench.py",
                 "cpu",
                 "preprocessing throughput with 1 and 2 workers (outputs byte-identical) and the "
                 "loader's time per 8 x 1024-token batch",
@@ -153,7 +155,7 @@ SUITES: tuple[Suite, ...] = (
         (
             Row(
                 "nanogpt",
-                "nanogpt_compare.py",
+                "peers/nanogpt_compare.py",
                 H100,
                 "fitgpt against nanoGPT's train.py, same tokens, batch and hyper-parameters: "
                 "step time, and validation loss scored by one evaluator",
@@ -170,7 +172,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "smoke",
-                "peers_smoke.sh",
+                "peers/peers_smoke.sh",
                 H100,
                 "every peer (DeepSpeed ZeRO-3 and ZeRO-2 offload, FSDP2 offload, DDP) and fitgpt "
                 "build and train at small sizes",
@@ -180,7 +182,7 @@ SUITES: tuple[Suite, ...] = (
             *(
                 Row(
                     f"sweep-{stage}",
-                    "sweep2_h100.sh",
+                    "peers/sweep2_h100.sh",
                     H100,
                     what,
                     args=stage,
@@ -196,7 +198,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "x4-peers",
-                "x4_sweep.sh",
+                "multi_gpu/x4_sweep.sh",
                 "nvidia-h200-x4",
                 "fitgpt, DeepSpeed ZeRO-3 offload, FSDP2 offload and DDP at 20.25 B on 4 GPUs "
                 "through `fitgpt bench sweep --gpus 4`, the planner's step time term by term",
@@ -206,7 +208,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "x4-scale",
-                "x4_sweep.sh",
+                "multi_gpu/x4_sweep.sh",
                 "nvidia-h200-x4",
                 "fitgpt at 20.25 B on 1, 2 and 4 GPUs of one box (GPUS picks a subset)",
                 args="scale",
@@ -214,7 +216,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "x4-capacity-peers",
-                "x4_capacity.sh",
+                "multi_gpu/x4_capacity.sh",
                 "nvidia-h200-x4",
                 "DDP's and DeepSpeed ZeRO-3 offload's largest on 4 GPUs, fitgpt at DeepSpeed's "
                 "largest (the second machine's commands are in the results README)",
@@ -225,14 +227,14 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "x4-capacity-disk",
-                "x4_capacity.sh",
+                "multi_gpu/x4_capacity.sh",
                 "nvidia-h200-x4",
                 "fitgpt's largest on 4 GPUs with some optimizer state on the disk tier",
                 args="disk",
             ),
             Row(
                 "x8",
-                "x8_h200.sh",
+                "multi_gpu/x8_h200.sh",
                 "nvidia-h200-x8",
                 "the 8-GPU sweep and capacity at hidden 8192: fitgpt, its ablations, DDP, "
                 "DeepSpeed (checked on 2 GPUs at small sizes with GPUS=2 SIZES=1,2 CAPACITY=0)",
@@ -241,7 +243,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "step-model",
-                "throughput_model_check.py",
+                "memory/throughput_model_check.py",
                 "cpu",
                 "the planner's predicted step time, term by term, against each fitgpt trial of a "
                 "committed sweep (SWEEP= another sweep.jsonl)",
@@ -257,7 +259,7 @@ SUITES: tuple[Suite, ...] = (
         (
             Row(
                 "8b",
-                "llama_gpu.sh",
+                "peers/llama_gpu.sh",
                 H100,
                 "a Llama-3.1-8B-shaped folder made by transformers, fine-tuned by `fitgpt train "
                 "--init-from` on real text, exported and scored by transformers (EXTRA adds train "
@@ -267,7 +269,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "qwen14b",
-                "qwen_gpu.sh",
+                "peers/qwen_gpu.sh",
                 H100,
                 "the same for a Qwen2.5-14B-shaped folder",
                 device_env=True,
@@ -275,7 +277,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "speed",
-                "llama_speed_h100.sh",
+                "peers/llama_speed_h100.sh",
                 H100,
                 "where a Llama-3.1-8B step's time goes: `fitgpt probe`, the step eager and "
                 "compiled with `--profile 1`, packed rows' attention",
@@ -284,7 +286,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "70b-make",
-                "llama70_x4.sh",
+                "multi_gpu/llama70_x4.sh",
                 "nvidia-h200-x4",
                 "a Llama-3.1-70B-shaped folder made by transformers and its data (~230 s); "
                 "`70b-train` follows on the same warm machine",
@@ -293,7 +295,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "70b-train",
-                "llama70_x4.sh",
+                "multi_gpu/llama70_x4.sh",
                 "nvidia-h200-x4",
                 "that folder trained by `fitgpt train --gpus 4 --init-from` (MB, GA, STEPS, "
                 "PROFILE, EXTRA): import time, host RAM and disk every 5 s, TFLOP/s per step",
@@ -303,7 +305,7 @@ SUITES: tuple[Suite, ...] = (
             *(
                 Row(
                     f"x4-{stage}",
-                    "x4_h200_calls.sh",
+                    "multi_gpu/x4_h200_calls.sh",
                     "nvidia-h200-x4",
                     what,
                     args=stage,
@@ -325,7 +327,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "plan-check",
-                "llama_plan_check.py",
+                "memory/llama_plan_check.py",
                 "cpu",
                 "the planner's step time, re-priced by today's model, against every recorded "
                 "Llama-family run; no GPU",
@@ -341,7 +343,7 @@ SUITES: tuple[Suite, ...] = (
         (
             Row(
                 "kernels",
-                "long_h100.sh",
+                "memory/long_h100.sh",
                 H100,
                 "`fitgpt probe`'s attention rate, packed rows' FlexAttention against the mask "
                 "path, the MLP in pieces and the window at 32-128 k tokens",
@@ -351,7 +353,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "train",
-                "long_h100.sh",
+                "memory/long_h100.sh",
                 H100,
                 "Llama-3.1-8B's shape trained at 131,072 tokens per sequence with the planner's "
                 "plan (VOCAB=llama, SEQ, STEPS, LIMIT)",
@@ -361,7 +363,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "seq",
-                "long_seq_gpu.py",
+                "memory/long_seq_gpu.py",
                 H100,
                 "one block and the whole model at 32-128 k tokens, the MLP whole and in pieces, "
                 "Mistral's window through FlexAttention",
@@ -370,7 +372,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "packed-attention",
-                "packed_attention_gpu.py",
+                "parts/packed_attention_gpu.py",
                 H100,
                 "packed rows' FlexAttention against the mask path: outputs, gradients, speed at "
                 "4096 tokens, and a tiny Llama's step",
@@ -379,7 +381,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "loss-pieces",
-                "loss_pieces_gpu.py",
+                "parts/loss_pieces_gpu.py",
                 H100,
                 "the loss in pieces of rows against whole logits at Llama 3 8B's head: time and "
                 "peak memory",
@@ -387,7 +389,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "cp-parity",
-                "context_parallel_gpu.py",
+                "multi_gpu/context_parallel_gpu.py",
                 "nvidia-h100-x2",
                 "the loss of `--context-parallel 2` against one GPU's, step by step, at 8 k "
                 "tokens (8 blocks of the 8 B shape)",
@@ -396,7 +398,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "cp-long",
-                "context_parallel_gpu.py",
+                "multi_gpu/context_parallel_gpu.py",
                 "nvidia-h200-x4",
                 "step time, TFLOP/s and peak GiB of --preset (Llama-3.1-8B; --preset "
                 "qwen2.5-32b) at 131,072 tokens per sequence on 4 GPUs, the planner's plan",
@@ -405,7 +407,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "compiled-memory",
-                "compiled_long_memory_cpu.py",
+                "memory/compiled_long_memory_cpu.py",
                 "cpu",
                 "peak host memory of one checkpointed block and of head + loss at 32 k tokens, "
                 "eager against compiled, the MLP whole and in pieces",
@@ -413,7 +415,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "activation-memory",
-                "long_activation_memory_cpu.py",
+                "memory/long_activation_memory_cpu.py",
                 "cpu",
                 "which tensors a long-sequence Llama step holds at its peak, against the memory "
                 "model",
@@ -427,7 +429,7 @@ SUITES: tuple[Suite, ...] = (
         (
             Row(
                 "gpu-check",
-                "gpu_check.py",
+                "checks/gpu_check.py",
                 H100,
                 "every ZeRO stage and the host tier against the plain engine, a stage-3 "
                 "checkpoint resumed by the plain engine, KV-cache generation",
@@ -436,7 +438,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "host-adamw",
-                "host_adamw_formats.py",
+                "parts/host_adamw_formats.py",
                 H100,
                 "the host AdamW's update of one 8 B block in each state format (fp32, split "
                 "master, bf16 and int8 moments; eager, compiled, native kernel)",
@@ -449,7 +451,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "ab-speed",
-                "ab_speed_h100.py",
+                "peers/ab_speed_h100.py",
                 H100,
                 "the compiled step at GPT-2 124 M and the 2.7b preset, `base` and candidate "
                 "changes applied from outside fitgpt, each in its own process",
@@ -463,7 +465,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "memory",
-                "memory_check_h100.sh",
+                "memory/memory_check_h100.sh",
                 H100,
                 "the memory model against 8 measured configurations (ddp, ZeRO 0/1/3 x "
                 "checkpointing off/full at 2.03 B)",
@@ -472,7 +474,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "matmul-x2",
-                "matmul_gpu.py",
+                "parts/matmul_gpu.py",
                 "nvidia-h200-x2",
                 "`fitgpt matmul` at n = 50000 across 2 GPUs, verified",
                 args="--suite x2 --out $OUT",
@@ -480,7 +482,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "matmul-oocore",
-                "matmul_gpu.py",
+                "parts/matmul_gpu.py",
                 H100,
                 "`fitgpt matmul` at n = 100000 out of core on one GPU, verified",
                 args="--suite oocore --out $OUT",
@@ -488,7 +490,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "tp-speed",
-                "tp_x2.py",
+                "multi_gpu/tp_x2.py",
                 "nvidia-h200-x2",
                 "tensor parallelism (T=2) against ZeRO-3 and DDP on 2 GPUs: speed (`--tiny` "
                 "checks the script on the CPU)",
@@ -498,7 +500,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "tp-seq",
-                "tp_x2.py",
+                "multi_gpu/tp_x2.py",
                 "nvidia-h200-x2",
                 "the longest sequence at micro-batch 1 under T=2 (not yet run)",
                 args="--out $OUT --parts seq",
@@ -506,7 +508,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "compile-x2",
-                "compile_x2.sh",
+                "multi_gpu/compile_x2.sh",
                 "nvidia-h200-x2",
                 "the compiled chunk engine's own kernels at ZeRO stages 0-1 on 2 GPUs, losses "
                 "against eager (not yet run: the kind was not lent on 2026-11-24)",
@@ -520,7 +522,7 @@ SUITES: tuple[Suite, ...] = (
             *(
                 Row(
                     f"gpu-{stage}",
-                    "defaults_gpu.sh",
+                    "peers/defaults_gpu.sh",
                     kind,
                     what,
                     args=stage,
@@ -543,7 +545,7 @@ SUITES: tuple[Suite, ...] = (
             *(
                 Row(
                     f"cpu-{stage}",
-                    "defaults_cpu.sh",
+                    "peers/defaults_cpu.sh",
                     "cpu",
                     what,
                     args=stage,
@@ -563,7 +565,7 @@ SUITES: tuple[Suite, ...] = (
         (
             Row(
                 "cpu",
-                "refactor_losses_cpu.py",
+                "checks/refactor_losses_cpu.py",
                 "cpu",
                 "the exact losses of every engine, stage, placement, TP, CP and compile setting "
                 "(1 and 2 gloo ranks); run it in each tree, AGAINST= the other tree's file",
@@ -572,7 +574,7 @@ SUITES: tuple[Suite, ...] = (
             ),
             Row(
                 "gpu",
-                "refactor_gpu.sh",
+                "checks/refactor_gpu.sh",
                 H100,
                 "GPT-2 1.5 B and an 8 B offloaded plan trained by the old tree (`.base`: `git "
                 "archive` of it, unpacked) and this one: losses and step times (TREES, ONLY)",
@@ -586,7 +588,14 @@ SUITES: tuple[Suite, ...] = (
 )
 
 # Scripts the rows call or source; not entry points of their own.
-HELPERS = ("device_env.sh", "x4_env.sh", "stdlib_jsonl.py", "llama_gpu.py", "run.py", "suites.py")
+HELPERS = (
+    "device_env.sh",
+    "multi_gpu/x4_env.sh",
+    "stdlib_jsonl.py",
+    "peers/llama_gpu.py",
+    "run.py",
+    "suites.py",
+)
 
 
 def _history(script: str, *results: str) -> Past:

@@ -9,7 +9,7 @@ class UserError(Exception):
     """A mistake in the user's input; the message says what to change."""
 
     # True when every rank of a torchrun job raises this error at the same agreement
-    # (train/consensus.all_ok). The CLI then prints it on every rank and waits for the others
+    # (engine/comm.py all_ok). The CLI then prints it on every rank and waits for the others
     # before exiting: torchrun ends the remaining ranks as soon as one has exited, so without the
     # wait the rank whose line names the cause could be killed before it prints.
     agreed: bool = False

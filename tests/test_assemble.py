@@ -12,7 +12,7 @@ import torch
 from helpers import TINY, run_config
 
 from fitgpt.cli import build_parser
-from fitgpt.cli.train import HANDED, asked, handed_over
+from fitgpt.cli.train import HANDED, asked_by, handed_over
 from fitgpt.dist import DistContext
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
@@ -59,7 +59,7 @@ def test_a_launchers_settings_reach_its_ranks_as_settled(tmp_path, monkeypatch):
     )
     args = parse("--engine", "zero", "--precision", "bf16", "--master", "split",
                  "--deepspeed-config", str(ds), "--out", str(tmp_path / "run"))  # fmt: skip
-    settings = settle(asked(args), 2, "cpu")
+    settings = settle(asked_by(args), 2, "cpu")
     assert settings.config.train.grad_accum == 2 and settings.typed["master"] == "split"
     monkeypatch.setenv(HANDED, json.dumps(settings.to_dict()))
     assert handed_over() is None  # not a rank of a torchrun job: it settles its own
@@ -76,7 +76,7 @@ def test_the_command_line_is_read_not_written(tmp_path):
     args = parse("--engine", "zero", "--offload-optimizer", "cpu", "--offload-fraction", "0.5",
                  "--deepspeed-config", str(ds))  # fmt: skip
     before = dict(vars(args))
-    settings = asked(args)
+    settings = asked_by(args)
     assert vars(args) == before
     assert settings.config.train.grad_accum == 3 and settings.config.engine.offload_blocks == 1
     fixed = settings.fixed.as_dict()

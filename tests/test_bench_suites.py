@@ -55,8 +55,12 @@ def test_table_parses_and_names_every_script():
     for past in suites.PAST:
         for res in past.results:
             assert (BENCH / "results" / res).exists(), f"{past.made_by}: results/{res}"
-    # every script at the top of benchmarks/ is an entry point (a row) or a declared helper
-    scripts = {p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh")}
+    # every script at the top of benchmarks/ or in one of its rooms (peers/, memory/, ...) is an
+    # entry point (a row) or a declared helper
+    rooms = [BENCH, *(d for d in BENCH.iterdir() if d.is_dir() and d.name != "results")]
+    scripts = {
+        str(p.relative_to(BENCH)) for d in rooms for p in d.iterdir() if p.suffix in (".py", ".sh")
+    }
     declared = {r.script for _, r in suites.rows()} | set(suites.HELPERS)
     assert scripts <= declared, f"not declared in benchmarks/suites.py: {scripts - declared}"
     assert declared <= scripts, f"declared but missing: {declared - scripts}"
@@ -102,7 +106,8 @@ def test_cpu_row_runs_and_records(tmp_path):
     rec = json.loads((folder / "plan-check.run.json").read_text())
     assert rec["row"] == "llama/plan-check" and rec["exit"] == 0 and rec["machine"] == "cpu"
     assert (
-        rec["command"] == "python3 benchmarks/llama_plan_check.py | tee $OUT/llama_plan_check.txt"
+        rec["command"]
+        == "python3 benchmarks/memory/llama_plan_check.py | tee $OUT/llama_plan_check.txt"
     )
 
 

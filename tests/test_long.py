@@ -330,7 +330,7 @@ def test_the_window_takes_flex_only_where_it_serves():
 def test_the_windows_flex_path_equals_the_mask_path():
     """What CUDA runs for Mistral's window (one segment's BlockMask, [1, T] broadcast over a
     batch of 2) through the attention module, against its own [T, T] mask, forward only
-    (FlexAttention has no CPU backward; benchmarks/long_seq_gpu.py checks it on a GPU)."""
+    (FlexAttention has no CPU backward; benchmarks/memory/long_seq_gpu.py checks it on a GPU)."""
     from fitgpt.model.families.llama.model import rope_tables
     from fitgpt.model.packing import Packing, segment_positions, window_block_mask
 

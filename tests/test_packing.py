@@ -266,7 +266,7 @@ def test_compiled_regions_with_checkpointing_train_packed_rows_as_eager():
 @pytest.mark.parametrize("window", [None, 17])
 def test_the_cuda_kernels_document_mask_equals_the_reference_mask(window):
     """The flex path's BlockMask and call (what CUDA runs) against the SDPA mask, forward only:
-    FlexAttention has no CPU backward (benchmarks/packed_attention_gpu.py checks gradients on a
+    FlexAttention has no CPU backward (benchmarks/parts/packed_attention_gpu.py checks gradients on a
     GPU). Grouped-query heads, samples of 1-130 tokens, Mistral's window inside them."""
     from fitgpt.model.packing import Packing, block_mask, keep_mask, segment_positions
 

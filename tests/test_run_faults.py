@@ -18,7 +18,7 @@ from test_checkpoint import ENV, TINY_ARGS, fitgpt
 import fitgpt as fitgpt_pkg
 from fitgpt.errors import UserError
 from fitgpt.train import checkpoint as ckpt_io
-from fitgpt.train.lock import LOCK_NAME, RunLock
+from fitgpt.train.rundir import LOCK_NAME, RunLock
 
 
 def start(out: Path, *extra: str) -> subprocess.Popen:

@@ -156,7 +156,7 @@ def test_resume_of_a_run_that_failed_before_its_first_checkpoint_takes_its_prese
     """No --init-from: a tiny-llama run on synthetic data that failed in its first step (after
     recording itself) is resumed as that run, not as the default preset on the default data."""
     from fitgpt.cli import build_parser
-    from fitgpt.cli.train import asked
+    from fitgpt.cli.train import asked_by
 
     argv = ["train", "--preset", "tiny-llama", "--data", "synthetic", "--vocab-size", "64",
             "--seq-len", "16", "--steps", "3", "--out", str(tmp_path / "run"), *TINY]  # fmt: skip
@@ -165,7 +165,7 @@ def test_resume_of_a_run_that_failed_before_its_first_checkpoint_takes_its_prese
         build_parser().parse_args(argv).func(build_parser().parse_args(argv))
     monkeypatch.delenv("FITGPT_FAULT")
     args = build_parser().parse_args(["train", "--resume", "--out", str(tmp_path / "run")])
-    settings = asked(args)
+    settings = asked_by(args)
     run, notes = settings.config, settings.notes
     assert (run.model.family, run.model.vocab_size, run.model.seq_len) == ("llama", 64, 16)
     assert (run.data.data, run.train.steps, settings.resume) == ("synthetic", 3, "")
@@ -393,18 +393,18 @@ def test_init_from_model_flags_are_checked_against_the_source(qwen, flags, field
     """A Qwen2 source has q/k/v biases and a 64-wide MLP: the flags are the source's family's,
     never the default preset's (GPT-2, which has neither)."""
     from fitgpt.cli import build_parser
-    from fitgpt.cli.train import asked
+    from fitgpt.cli.train import asked_by
     from fitgpt.errors import UserError
 
     args = build_parser().parse_args(
         ["train", "--init-from", str(qwen), "--data", "synthetic", *flags]
     )
     if field is None:
-        model = asked(args).config.model
+        model = asked_by(args).config.model
         assert (model.family, model.qkv_bias, model.ffn_hidden) == ("qwen2", True, 64)
         return
     with pytest.raises(UserError) as e:
-        asked(args)
+        asked_by(args)
     assert f"--init-from {qwen}" in str(e.value) and field in str(e.value)
     assert "gpt2" not in str(e.value)
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from fitgpt.cli import build_parser
-from fitgpt.cli.train import asked
+from fitgpt.cli.train import asked_by
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
 from fitgpt.train.guard import DivergenceGuard
@@ -28,7 +28,7 @@ def resolved(*flags: str, world: int = 1):
     """(the TrainConfig, the lines printed) of the run `fitgpt train FLAGS` resolves to on
     `world` data-parallel ranks, as the Trainer resolves it (nothing is built or run)."""
     args = build_parser().parse_args(["train", "--data", "synthetic", *flags])
-    run = asked(args).config  # a DeepSpeed config's keys among the flags, as train reads them
+    run = asked_by(args).config  # a DeepSpeed config's keys among the flags, as train reads them
     t = run.train
     tokens = t.micro_batch * t.grad_accum * world * run.model.seq_len
     train, line, warning = resolve_schedule(t, run.model, tokens, run.optim.beta2)

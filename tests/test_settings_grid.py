@@ -17,7 +17,7 @@ import shlex
 import pytest
 
 from fitgpt.cli import build_parser, main
-from fitgpt.cli.train import settled
+from fitgpt.cli.train import settled_by
 from fitgpt.errors import UserError
 
 # 6 heads and 4·96 and a 192-row vocabulary divide by 2, 3 and 4 (T=3 fits 3 ranks); the
@@ -114,7 +114,7 @@ def train_refuses(world: str, device: str, flags: str) -> str | None:
     `run` makes before torchrun starts (nothing is launched or allocated)."""
     args = build_parser().parse_args(shlex.split(f"train {MODEL} --device {device} {flags}"))
     try:
-        settled(args, int(world))
+        settled_by(args, int(world))
     except UserError as e:
         return str(e)
     return None
@@ -149,7 +149,7 @@ def test_plan_prices_the_batch_and_vocabulary_train_runs(capfd):
     from fitgpt import units
 
     args = build_parser().parse_args(["train", "--preset", "tiny", "--device", "cpu"])
-    run = settled(args, 1).config
+    run = settled_by(args, 1).config
     capfd.readouterr()
     with pytest.raises(SystemExit) as done:
         main(["plan", "--preset", "tiny", "--device", "cpu"])

@@ -127,7 +127,7 @@ def check_trial(system: System, bench: BenchConfig, layers: int, gpus: int, devi
     """Refuse, in one line, a trial `fitgpt train` would refuse (plan/validate.py: a T that does
     not divide the GPUs or heads, fp16 on a CPU, ...), before the first trial starts. `bench`:
     with the system's own changes. A peer's settings are its library's to judge."""
-    from fitgpt.plan.validate import device_type
+    from fitgpt.dist.context import device_type
     from fitgpt.train.assemble import Settings, settle
 
     if system.fixed is not None:

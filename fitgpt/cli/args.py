@@ -154,34 +154,6 @@ def add_fraction_flags(p) -> None:
     )
 
 
-def blocks_from_fractions(
-    args: argparse.Namespace, n_layer: int, engine: dict[str, Any]
-) -> dict[str, int | None] | None:
-    """--offload-blocks and --nvme-blocks as the shares given ask for them, `engine` holding the
-    engine fields given (a count typed stays as typed); None when no share is given. The one
-    place a fraction of blocks becomes a count: everything after the command line counts
-    blocks."""
-    from fitgpt.errors import UserError
-
-    counts = {k: engine.get(k) for k in ("offload_blocks", "nvme_blocks")}
-    if args.offload_fraction is None and args.nvme_fraction is None:
-        return None
-    for share, count in (("offload_fraction", "offload_blocks"), ("nvme_fraction", "nvme_blocks")):
-        f = getattr(args, share)
-        if f is None:
-            continue
-        flag = "--" + share.replace("_", "-")
-        if not 0.0 <= f <= 1.0:
-            raise UserError(f"{flag} {f} must lie in [0, 1]")
-        if counts[count] is not None:
-            raise UserError(f"{flag} and --{count.replace('_', '-')} say the same thing: give one")
-        of = counts["offload_blocks"]  # --nvme-fraction: a share of the offloaded blocks
-        if share == "offload_fraction" or of is None:
-            of = n_layer
-        counts[count] = round(f * of)
-    return counts
-
-
 def typed_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The engine and precision flags typed on a command line, and the block shares
     --offload-fraction / --nvme-fraction as typed (the counts they become are not typed): what

@@ -180,8 +180,8 @@ def model_name(args: argparse.Namespace) -> str:
 
 def planned_run(args: argparse.Namespace, device: str):
     """(the run `fitgpt train` makes of these flags, the engine fields given): the run as
-    cli/train.py makes it (run_config_from_args: the same preset, data, batch and engine
-    defaults; the shares of blocks as counts), resolved as train resolves it for `device` (the
+    train/request.py makes it (fresh_config: the same preset, data, batch and engine defaults;
+    with_block_counts: the shares of blocks as counts), resolved as train resolves it for `device` (the
     data's vocabulary, the precision): the planner prices the model train builds. Nothing is
     opened but the tokenizer.
 
@@ -189,13 +189,15 @@ def planned_run(args: argparse.Namespace, device: str):
     library through the bytes tokenizer) would give the model a 256-row vocabulary, and a
     preset's plan would price a model nobody trains (llama3.1-70b as 68.46 B parameters, not
     its 70.55 B). There the model keeps its own vocabulary: the preset's, or --vocab-size."""
-    from fitgpt.cli.train import flags_given, run_config_from_args, with_block_counts
+    from fitgpt.cli.train import request_of
     from fitgpt.plan.fixed import Fixed
+    from fitgpt.train.request import fresh_config, with_block_counts
     from fitgpt.train.setup import resolve_run
 
-    given = flags_given(args)
-    run = run_config_from_args(args, given)
-    given, run = with_block_counts(args, given, run)
+    req = request_of(args)
+    given = {part: dict(fields) for part, fields in req.given.items()}
+    run = fresh_config(req, given)
+    given, run = with_block_counts(req, given, run)
     resolved = resolve_run(run, device)  # the planner settles --compile
     if not {"data", "tokenizer"} & set(given["data"]):
         own = resolved.model.replace(vocab_size=run.model.vocab_size)

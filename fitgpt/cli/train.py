@@ -1,37 +1,33 @@
-"""`fitgpt train`: the command line read once into the run's settings (a preset plus flags, an
---init-from source or a resumed run), settled once for the job's ranks (before torchrun with
---gpus), then on every rank the run assembled from them (train/assemble.py) and trained."""
+"""`fitgpt train`: the command line read once into a Request (plain values: the fields given,
+what the command names), worked out into the run's settings and settled once for the job's
+ranks on the train floor (train/request.py; before torchrun with --gpus), then on every rank the
+run assembled from them (train/assemble.py) and trained (train/loop.py)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fitgpt.cli.args import (
     add_config_args,
     add_fraction_flags,
     add_removed_flags,
-    blocks_from_fractions,
     explicit,
     typed_flags,
 )
-from fitgpt.data.config import BUILTIN, DataConfig
+from fitgpt.data.config import DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
-from fitgpt.plan.fixed import Fixed
-from fitgpt.train.config import PARTS, RunConfig, TrainConfig
+from fitgpt.train.config import PARTS, TrainConfig
+from fitgpt.train.request import DEFAULT_PRESET, Request
 
 if TYPE_CHECKING:
     from fitgpt.train.assemble import Settings
-
-DEFAULT_PRESET = "tiny"
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
@@ -69,242 +65,55 @@ def flags_given(args: argparse.Namespace) -> dict[str, dict]:
     return {part: explicit(args, cls) for part, cls in PARTS.items()}
 
 
-def with_block_counts(args: argparse.Namespace, given: dict[str, dict], run: RunConfig):
-    """(`given`, `run`) with the shares of blocks given (--offload-fraction, --nvme-fraction)
-    as the block counts they ask for, once the model's layers are known (cli/args.py
-    blocks_from_fractions): the planner keeps them as if typed."""
-    counts = blocks_from_fractions(args, run.model.n_layer, given["engine"])
-    if counts is None:
-        return given, run
-    typed = {k: v for k, v in counts.items() if v is not None}
-    given = {**given, "engine": {**given["engine"], **typed}}
-    return given, dataclasses.replace(run, engine=dataclasses.replace(run.engine, **counts))
-
-
-def data_config(given: dict[str, dict]) -> DataConfig:
-    """The data flags, the Python standard library unless --data says otherwise."""
-    return DataConfig(**{"data": "stdlib", **given["data"]})
-
-
-def run_config_from_args(
-    args: argparse.Namespace,
-    given: dict[str, dict],
-    model: ModelConfig | None = None,
-    finetune: bool = False,
-) -> RunConfig:
-    """The run a fresh `fitgpt train` asks for (`given`: the flags, per config part): `model`
-    (--init-from: the source's, the model flags checked against it) or the preset with the model
-    flags applied, the Python standard library as data unless --data says otherwise.
-    `--preset ""` names no preset and is refused by get_preset, as any other name it does not
-    know (an empty name is not the default)."""
-    data = data_config(given)
-    if model is None:
-        preset = DEFAULT_PRESET if args.preset is None else args.preset
-        model = dataclasses.replace(get_preset(preset), **given["model"])
-    return RunConfig(
-        model=model,
-        data=data,
-        train=train_config(given["train"], model, finetune),
-        engine=EngineConfig(**given["engine"]),
-        precision=PrecisionConfig(**given["precision"]),
-        optim=OptimConfig(**given["optim"]),
-    )
-
-
-def train_config(given: dict, model: ModelConfig, finetune: bool = False) -> TrainConfig:
-    """The training flags as given: the rates and warm-up the command does not name stay unset,
-    for the Trainer to work out with the run's tokens per step (train/schedule.py
-    resolve_schedule, the one place these defaults are decided). A --min-lr above the default
-    peak is refused here, before anything is built."""
-    from fitgpt.train.schedule import peak_lr
-
-    lr = peak_lr(model, finetune)
-    if "lr" not in given and given.get("min_lr", 0) > lr:
-        what = "fine-tuning" if finetune else f"a model {model.n_embd} wide"
-        raise UserError(
-            f"--min-lr {given['min_lr']:g} is above the peak learning rate, {lr:g} by default "
-            f"for {what}; lower --min-lr or set --lr"
-        )
-    return TrainConfig(**given, finetune=finetune)
-
-
-def asked(args: argparse.Namespace, world: int = 1) -> Settings:
-    """The run this command line asks for on `world` ranks (train/assemble.py Settings). The
-    command line is read once, into the fields given per config part, a DeepSpeed config's keys
-    among them as if typed; then the run's configs (`configs`: a preset with the flags, the
-    --init-from source's model, or the resumed run's config), the machine's RAM as stated, the
-    engine fields the planner keeps, and where the run starts. What the command names is read
-    (a checkpoint's meta.json, a run record, a source's config); nothing is settled, validated
-    or allocated."""
-    from fitgpt.train.assemble import Settings
-
+def request_of(args: argparse.Namespace) -> Request:
+    """The command line, read once into plain values (train/request.py Request): the fields
+    given per config part, a DeepSpeed config's keys among them as if typed (its own keys are
+    judged by its notes, not as flags that would change nothing), and what else it names."""
     cpu_mem = 0  # --cpu-mem in bytes (parse_bytes refuses a size under one byte); 0: measured
-    if args.cpu_mem is not None:
+    if getattr(args, "cpu_mem", None) is not None:
         from fitgpt.plan.hardware import parse_bytes
 
         cpu_mem = parse_bytes(args.cpu_mem, "--cpu-mem")
-    # the flags typed, before a DeepSpeed config adds its keys as if typed (its keys are
-    # judged by its own notes, not as flags that would change nothing)
-    typed = typed_flags(args)
+    typed = typed_flags(args)  # before a DeepSpeed config adds its keys
     given = flags_given(args)
     files = {}
-    if args.deepspeed_config:
+    if getattr(args, "deepspeed_config", None):
         given, files = deepspeed_given(args.deepspeed_config, given)
-    run, ckpt, source, notes = configs(args, given, world)
-    given, run = with_block_counts(args, given, run)
-    # what this machine gives, for the planner and every rank's engine; never a resumed run's
-    # saved figure
-    run = dataclasses.replace(run, engine=dataclasses.replace(run.engine, cpu_mem=cpu_mem))
-    # --plan auto: the engine fields given are kept, the planner chooses the rest; off: as given
-    fixed = Fixed.of(given["engine"]) if args.plan == "auto" else None
-    start = {"resume": None if ckpt is None else str(ckpt), "init_from": source}
-    notes = tuple(notes)
-    return Settings(
-        run, fixed, args.force, typed, **start, overwrite=args.overwrite, files=files, notes=notes
+    return Request(
+        given=given,
+        typed=typed,
+        preset=args.preset,
+        init_from=getattr(args, "init_from", None),
+        resume=getattr(args, "resume", None),
+        offload_fraction=args.offload_fraction,
+        nvme_fraction=args.nvme_fraction,
+        cpu_mem=cpu_mem,
+        plan=getattr(args, "plan", "auto") == "auto",
+        force=getattr(args, "force", False),
+        overwrite=getattr(args, "overwrite", False),
+        files=files,
     )
 
 
-def configs(args: argparse.Namespace, given: dict[str, dict], world: int):
-    """(the run's configs, the checkpoint to resume from, the --init-from source, notes to
-    print). The checkpoint is None for a new run, "" for a run restarted from its record
-    (train/loop.py: --out's newest, none yet). With --resume the checkpoint's (or the record's)
-    config is the base and the flags given are checked against it, its --context-parallel
-    fitted to `world` ranks."""
-    from fitgpt.train import checkpoint as ckpt_io
-    from fitgpt.train.resume import (
-        find_checkpoint,
-        fit_context_parallel,
-        removed_settings,
-        resumed_config,
-    )
-    from fitgpt.train.rundir import read_record
-
-    if args.init_from is not None:
-        run, source = init_config(args, given)
-        return run, None, source, []
-    if args.resume is None:
-        return run_config_from_args(args, given), None, None, []
-    out = given["train"].get("out") or TrainConfig().out
-    ckpt = find_checkpoint(args.resume, out)
-    if ckpt is None:
-        record = read_record(Path(out))  # a run killed before its first checkpoint
-        if record is None:  # no run at all: the one these flags ask for
-            note = f"--resume: {out} holds no checkpoint yet; starting a new run there"
-            return run_config_from_args(args, given), None, None, [note]
-        return restart_recorded(args, given, out, record, world)
-    meta = ckpt_io.load_meta(ckpt)
-    if args.resume and "out" not in given["train"]:  # continue in the run folder of CKPT
-        given = {**given, "train": {**given["train"], "out": str(ckpt.parent)}}
-    # checked here, before any work; what changed is said once the run is planned (the trainer)
-    run, notes = resumed_config(meta, ckpt, given, args.preset)
-    run, fitted = fit_context_parallel(run, world, "context_parallel" in given["engine"])
-    notes = [f"resume: {ckpt} with its own config", *notes, *fitted, *removed_settings(meta, ckpt)]
-    return run, ckpt, None, notes
-
-
-def restart_recorded(
-    args: argparse.Namespace, given: dict[str, dict], out: str, record: dict, world: int
-):
-    """`--resume` on a run folder with no checkpoint but a run record (train/rundir.py): the
-    run it records, as it was started (its model, data and settings, with its --init-from
-    source from step 0, or from the checkpoint it resumed); the flags given again are checked
-    against it as a resume checks them against a checkpoint (train/resume.py resumed_config).
-    A source that no longer holds the model the run was started from is refused in one line:
-    restarting it would train another model."""
-    from fitgpt.train import checkpoint as ckpt_io
-    from fitgpt.train.resume import fit_context_parallel, resumed_config
-
-    where = Path(out) / ckpt_io.RECORD_NAME
-    given = {**given, "train": {**given["train"], "out": out}}
-    ckpt, base, what = "", record, "from scratch"  # "": --out's newest, none yet (train/loop.py)
-    if record.get("resume_from"):  # its steps must lie past the checkpoint's
-        ckpt = ckpt_io.resolve(Path(record["resume_from"]))
-        meta = ckpt_io.load_meta(ckpt)
-        base = {**record, "step": meta["step"], "trainer": meta.get("trainer", {})}
-        what = f"--resume {ckpt}"
-    run, notes = resumed_config(base, where, given, args.preset)
-    run, fitted = fit_context_parallel(run, world, "context_parallel" in given["engine"])
-    source = None
-    if record.get("init_from") and not ckpt:
-        source = recorded_source(record["init_from"], run, where)
-        what = f"--init-from {record['init_from']}"
-    note = f"--resume: {where} records the run ({what}); restarting it as it was started"
-    return run, ckpt, source, [note, *notes, *fitted]
-
-
-def recorded_source(path: str, run: RunConfig, where: Path):
-    """The --init-from source a run record names, holding the model the run was started with."""
+def asked_by(args: argparse.Namespace, world: int = 1) -> Settings:
+    """The run this command line asks for on `world` ranks, nothing settled, validated or
+    allocated (train/request.py asked)."""
     from fitgpt.interop.init_source import find_source
-    from fitgpt.train.init_from import free_fields, model_from_source
+    from fitgpt.train.request import asked
 
-    source = find_source(path)
-    kept = {k: getattr(run.model, k) for k in free_fields(source.model)}  # the run's own
-    try:
-        same = model_from_source(source, kept, run.data) == run.model
-    except UserError:
-        same = False
-    if not same:
-        raise UserError(
-            f"--resume: {where} records a run started from {path}, which holds another model "
-            "now; put the source back, or start a new run with --init-from and --overwrite"
-        )
-    return source
+    req = request_of(args)
+    return asked(req, world, find_source)
 
 
-def init_config(args: argparse.Namespace, given: dict[str, dict]):
-    """(the run `--init-from SRC` asks for, SRC): SRC's architecture, everything else from the
-    flags. The model flags are checked against the source's model (its family's fields), never
-    against the default preset, whose family may lack them."""
+def settled_by(args: argparse.Namespace, world: int) -> Settings:
+    """The settings this command line asks for, settled for `world` ranks and --out checked
+    (train/request.py settled): what the job cannot run is refused in one line, before torchrun
+    starts (--gpus) and before anything is allocated."""
     from fitgpt.interop.init_source import find_source
-    from fitgpt.train.init_from import model_from_source
+    from fitgpt.train.request import settled
 
-    if args.resume is not None:
-        raise UserError(
-            "--init-from starts a new run from a model's weights, --resume continues a run: "
-            "pass one of them"
-        )
-    data = data_config(given)  # validated before the source is opened
-    source = find_source(args.init_from)
-    asked = given["model"]
-    if args.preset is not None:  # a preset named counts as its fields given (not its vocabulary)
-        named = get_preset(args.preset).to_dict()
-        asked = {**{k: v for k, v in named.items() if k != "vocab_size"}, **asked}
-    model = model_from_source(source, asked, data)
-    run = run_config_from_args(args, given, model, finetune=True)  # fine-tuning's defaults
-    return run, source
-
-
-def check_out_apart(args: argparse.Namespace, settings: Settings) -> None:
-    """Refuse an --out that is, lies inside or holds the model the run starts from (the
-    --init-from source, and the models that one came from), before any work: the run would
-    write its files among the user's model files, and --overwrite delete them. With
-    --overwrite, the data and the tokenizer folder are kept apart too (it empties --out)."""
-    from fitgpt.data.indexed import paths as pair_paths
-    from fitgpt.paths import check_apart
-    from fitgpt.train import checkpoint as ckpt_io
-
-    run, ckpt, source = settings.config, settings.resume, settings.init_from
-    what = "the model --init-from reads"
-    kept = []
-    if source is not None:
-        typed = getattr(args, "init_from", None)
-        kept = [(what, p) for p in dict.fromkeys([typed, str(source.path)]) if p]
-        if source.weights is None:  # a fitgpt checkpoint: the models it came from
-            kept += [
-                (f"a model {source.path} came from", p)
-                for p in ckpt_io.sources(ckpt_io.load_meta(source.path))
-            ]
-    if ckpt:
-        meta = ckpt_io.load_meta(Path(ckpt))
-        kept += [(f"a model {ckpt} came from", p) for p in ckpt_io.sources(meta)]
-    if settings.overwrite:
-        if run.data.data not in BUILTIN:
-            kept += [("the data --data reads", p) for p in pair_paths(run.data.data)]
-        tok = run.data.tokenizer
-        if tok not in ("auto", "none", "bytes", "gpt2") and os.path.isdir(tok):
-            kept.append(("the tokenizer folder --tokenizer reads", tok))
-    why = "the run would write there, and --overwrite delete what is there"
-    check_apart("--out", run.train.out, kept, why)
+    req = request_of(args)
+    return settled(req, world, find_source)
 
 
 def register(sub) -> None:
@@ -329,9 +138,9 @@ def register(sub) -> None:
         default=None,
         metavar="SRC",
         help="start a new run from the weights of SRC: a fitgpt run or checkpoint, or a Hugging "
-        "Face folder (config.json + weights: GPT-2, Llama, Qwen2, Qwen3, Mistral; read in place, "
-        "no copy written); its architecture, this command's data and settings, a fresh "
-        "optimizer (docs/interop.md)",
+        "Face folder (config.json + weights of a family `fitgpt presets` lists: GPT-2, Llama, "
+        "Qwen2, Qwen3, Mistral, Qwen3-MoE, Mixtral; read in place, no copy written); its "
+        "architecture, this command's data and settings, a fresh optimizer (docs/interop.md)",
     )
     p.add_argument(
         "--overwrite", action="store_true", help="delete --out's checkpoints and start over"
@@ -386,22 +195,6 @@ def deepspeed_given(path: str, given: dict[str, dict]) -> tuple[dict[str, dict],
     return given, {NOTES_FILE: "\n".join(lines) + "\n"}
 
 
-def settled(args: argparse.Namespace, world: int) -> Settings:
-    """The settings this command line asks for (`asked`), settled for `world` ranks
-    (train/assemble.py settle: the one validation of the settings), and --out checked: apart
-    from what the run reads, and writable. What the job cannot run is refused here, in one
-    line, before torchrun starts (--gpus) and before anything is allocated."""
-    from fitgpt.paths import check_writable_dir
-    from fitgpt.plan.validate import device_type
-    from fitgpt.train.assemble import settle
-
-    settings = asked(args, world)
-    settings = settle(settings, world, device_type(settings.config.train.device))
-    check_out_apart(args, settings)
-    check_writable_dir(settings.config.train.out, "--out")
-    return settings
-
-
 # the settings a --gpus launcher settled, as JSON in its ranks' environment
 HANDED = "FITGPT_SETTLED"
 
@@ -430,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     if settings is None:
         if args.gpus is not None and args.gpus < 1:
             raise UserError(f"--gpus {args.gpus} must be at least 1")
-        settings = settled(args, args.gpus or int(os.environ.get("WORLD_SIZE", 1)))
+        settings = settled_by(args, args.gpus or int(os.environ.get("WORLD_SIZE", 1)))
     if args.gpus is not None:
         from fitgpt.dist.launch import relaunch, strip_flag
 

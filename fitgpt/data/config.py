@@ -111,6 +111,34 @@ def data_tokenizer(cfg: DataConfig) -> Tokenizer | None:
     return tok
 
 
+def model_for_data(model, data, keep_rows: bool = False, whose: str = "the model"):
+    """The model config with the vocabulary of the data's tokenizer (synthetic data keeps the
+    model's own); see vocab_for."""
+    return vocab_for(model, data_tokenizer(data), keep_rows, whose)
+
+
+def vocab_for(model, tok, keep_rows: bool = False, whose: str = "the model"):
+    """`model` sized for tokenizer `tok` (None: no tokenizer, the model's own vocabulary).
+
+    A model trained from scratch gets the tokenizer's vocabulary. A model whose embedding comes
+    from weights (`keep_rows`: a run's train.finetune, set by --init-from) keeps its rows: they
+    are the model's, and a released model often has more rows than its tokenizer has ids
+    (Qwen2.5: 152,064 for 151,665; Qwen3: 151,936 for 151,669), which HF computes logits for as
+    for any row, so the fine-tune and its export keep them. The rule there is that the data's
+    ids lie below the rows: a tokenizer of more ids is refused in one line."""
+    if tok is None:
+        return model
+    if not keep_rows and tok.vocab_size != model.vocab_size:
+        return model.replace(vocab_size=tok.vocab_size)
+    if keep_rows and tok.vocab_size > model.vocab_size:
+        raise UserError(
+            f"{whose} has {model.vocab_size} embedding rows, the data's tokenizer {tok.name} "
+            f"{tok.vocab_size} ids: its ids must lie below the rows; train on data made with "
+            "the model's own tokenizer (fitgpt data preprocess --tokenizer)"
+        )
+    return model
+
+
 def resolve_split(split: str, num_docs: int, validates: bool = True) -> str:
     """The train,valid,test weights `--split` means over `num_docs` documents.
 

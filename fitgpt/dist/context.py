@@ -109,9 +109,18 @@ class DistContext:
             dist.barrier(group=self.group)
 
 
+def device_type(device: str) -> str:
+    """ "cuda" or "cpu": where `--device` (auto, cuda, cuda:N, cpu) puts the compute, decided
+    here for pick_device and for everything that settles a run before CUDA starts (the planner,
+    train/request.py), without starting CUDA."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
 def pick_device(device: str = "auto", local_rank: int = 0) -> torch.device:
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = device_type(device)
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise UserError(f"--device {device}: no CUDA GPU is visible; use --device cpu")

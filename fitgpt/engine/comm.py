@@ -1,17 +1,27 @@
-"""Thin wrappers over torch.distributed collectives used by the chunked engine.
+"""Thin wrappers over torch.distributed collectives used by the chunked engine, and `all_ok`,
+the ranks' agreement on a yes/no that the run folder, the checkpoints and the divergence guard
+use.
 
 They accept a missing group (one process: the collective is a copy or nothing) and hide the
 renames between torch releases (`all_gather_into_tensor` is deprecated in 2.13 in favour of
 `all_gather_single`, which 2.11 lacks). With async_op the returned handle's wait() makes the
 current CUDA stream wait for NCCL's stream: no host sync, and NCCL keeps the buffers alive.
+
+A plain barrier cannot tell the other ranks that this one failed, so each would go on to the next
+collective and wait there until --dist-timeout. `all_ok` carries the outcome: every rank learns
+whether all succeeded, and a rank that died is reported with this rank and the operation named
+(CollectiveError).
 """
 
 from __future__ import annotations
 
 import warnings
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from fitgpt.dist import DistContext
 
 warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated")
 warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated")
@@ -87,3 +97,20 @@ class Peers:
     def wait_all(self, works: list[tuple[object, str]]) -> None:
         for work, label in works:
             wait(work, label, self.rank)
+
+
+def all_ok(ctx: DistContext, ok: bool, label: str) -> bool:
+    """True when every rank passed ok=True. Costs one 4-byte all-reduce and a host sync."""
+    if not ctx.distributed:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=ctx.device)
+    try:
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ctx.group, async_op=True)
+    except Exception as e:  # gloo can fail at the call already when a peer is gone
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CollectiveError(
+            f"rank {ctx.rank}: collective '{label}' did not complete ({first[:200]}); another "
+            "rank died or hangs, so this job ends here"
+        ) from e
+    wait(work, label, ctx.rank)
+    return bool(flag.item())  # host sync

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from fitgpt.data.tokenizer import Tokenizer, load_tokenizer
+from fitgpt.data.tokenizer import Tokenizer, load_tokenizer, same_vocabulary
 from fitgpt.engine.layout import chunk_layout
 from fitgpt.engine.state_io import StateReader
 from fitgpt.errors import UserError
@@ -115,25 +115,12 @@ def tokenizer_for(meta: dict, override: str | None, cfg: ModelConfig) -> Tokeniz
             f"--tokenizer {spec}: {tok.vocab_size} tokens, but the model knows {cfg.vocab_size}; "
             f"pass the tokenizer it was trained with{f' ({recorded})' if recorded else ''}"
         )
-    if override and recorded and override != recorded and not _same_vocabulary(tok, recorded):
+    if override and recorded and override != recorded and not same_vocabulary(tok, recorded):
         raise UserError(
             f"--tokenizer {override} is another vocabulary than the checkpoint's ({recorded}); "
             "drop --tokenizer, or pass one with the same tokens"
         )
     return tok
-
-
-def _same_vocabulary(tok: Tokenizer, recorded: str) -> bool:
-    """True when `tok` has the tokens of tokenizer `recorded`, or when `recorded` cannot be
-    loaded any more (its files moved: the override is how the user points at them)."""
-    try:
-        ref = load_tokenizer(recorded)
-    except UserError:
-        return True
-    if (tok.vocab_size, tok.eod_id) != (ref.vocab_size, ref.eod_id):
-        return False
-    # every token's text: ~0.4 s for GPT-2's 50257, paid only when an override names other files
-    return all(tok.decode([i]) == ref.decode([i]) for i in range(tok.vocab_size))
 
 
 def filter_logits(logits_BV: Tensor, top_k: int, top_p: float) -> Tensor:

@@ -1,6 +1,7 @@
 """What `fitgpt train --init-from SRC` names: a fitgpt run or checkpoint, or a Hugging Face
-checkpoint of a family hf.py maps (GPT-2, Llama, Qwen2, Qwen3, Mistral), as the InitSource the
-trainer loads (train/init_from.py).
+checkpoint of a family whose folder has a Hugging Face name map (model/families/TABLE: GPT-2,
+Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, Mixtral), as the InitSource the trainer loads
+(train/init_from.py).
 
 A Hugging Face source is checked whole here, before any work (hf_read.py open_hf: every shard
 there, every header sound, every tensor's dtype and shape as config.json implies), and carries

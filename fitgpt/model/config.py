@@ -4,7 +4,9 @@ One ModelConfig describes a model of any family (model/family.py): the fields ev
 (layers, width, heads, context, vocabulary), and those only some families honour (key/value
 heads, rotary positions, q/k norms, biases on q/k/v, a sliding window). Each family refuses the
 fields it cannot honour, in one line, when the config is made (Family.check), found through
-the registry (model/families/__init__.py), which loads the family by name. The named presets
+the registry (model/families/__init__.py), which loads the family by name. The registry sits
+above this module: it hands its lookup to this module when it loads (`use_registry`), so this
+module imports no family and nothing here is imported back. The named presets
 live in each family's folder (model/presets.py gathers them).
 
 Vocabulary padding lives here and only here: `padded_vocab(v)` is what training, generation and
@@ -18,7 +20,19 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 from fitgpt.errors import UserError
-from fitgpt.model.families import family_of
+
+# ModelConfig -> its Family: the registry's family_of, handed over by model/families/__init__.py
+# when it loads. fitgpt.model's package init loads the registry right after this module, so no
+# config is made before it is set; the cost is that the family behind a config is found by a
+# name looked up at run time, not one an import names.
+_family_of = None
+
+
+def use_registry(family_of) -> None:
+    """Find every config's family with `family_of` (the registry's; model/families)."""
+    global _family_of
+    _family_of = family_of
+
 
 VOCAB_MULTIPLE = 128  # tensor-core friendly; GPT-2's 50257 becomes 50304
 GPT2_VOCAB = 50257
@@ -260,7 +274,7 @@ class ModelConfig:
                 f"norm_eps={self.norm_eps} and rope_theta={self.rope_theta} must be positive"
             )
         self._check_experts()
-        family_of(self).check(self)
+        _family_of(self).check(self)
 
     def _check_experts(self) -> None:
         """The mixture-of-experts fields: all at their defaults for a dense model (num_experts
@@ -272,7 +286,7 @@ class ModelConfig:
             raise UserError(
                 f"--router-aux-loss-coef {self.router_aux_loss_coef} must be >= 0 (0: off)"
             )
-        has = family_of(self).has_experts
+        has = _family_of(self).has_experts
         if self.num_experts is None:
             moe = {"experts_per_token": None, "moe_ffn_hidden": None, "norm_topk_prob": False,
                    "mlp_only_layers": (), "decoder_sparse_step": 1, "router_aux_loss_coef": 0.0}  # fmt: skip
@@ -342,7 +356,9 @@ class ModelConfig:
     @property
     def ffn_width(self) -> int:
         """F: the MLP width, ffn_hidden or the family's default."""
-        return self.ffn_hidden if self.ffn_hidden is not None else family_of(self).ffn_default(self)
+        return (
+            self.ffn_hidden if self.ffn_hidden is not None else _family_of(self).ffn_default(self)
+        )
 
     @property
     def padded_vocab_size(self) -> int:
@@ -350,13 +366,13 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Exact parameter count, equal to the built model's (the family's closed form)."""
-        return family_of(self).num_params(self)
+        return _family_of(self).num_params(self)
 
     def flops_per_token(self) -> float:
         """Model FLOPs per trained token (model/family.py Family.flops_per_token): for GPT-2
         6·N + 12·L·h·S, recompute not counted. The attention term counts QK^T and AV for the
         full S×S square, as the ANCHORS protocol does, so figures compare with the peers'."""
-        return family_of(self).flops_per_token(self)
+        return _family_of(self).flops_per_token(self)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -14,7 +14,7 @@ What it costs instead: the [N, H] hidden gradient and the [V, H] weight gradient
 forward to the backward, where the plain path makes the same two in its backward, while every
 activation is still alive: the same peak. The weight gradient is a sum over the pieces: one
 read and write of [V, H] per piece after the first (addmm_'s beta = 1; estimated ~0.7 ms per
-piece at Llama 3 8B on an H100, not yet measured: benchmarks/loss_pieces_gpu.py), which is what bounds how small a piece should be (PIECE_LOGITS).
+piece at Llama 3 8B on an H100, not yet measured: benchmarks/parts/loss_pieces_gpu.py), which is what bounds how small a piece should be (PIECE_LOGITS).
 
 Precision: the softmax, the loss and the logit gradient are fp32 as in the plain path; the
 matmuls run in the compute dtype (the working dtype, or autocast's). The gradient of the mean
@@ -146,7 +146,7 @@ class _PiecesCrossEntropy(torch.autograd.Function):
 # piece loop unrolled, schedules the independent pieces' logits early. On the CPU the compiled
 # loss held about one extra piece at 8-32 pieces and nearly the whole [N, V] from 64 on (548
 # against 116 MiB eager at 128 pieces, its compile 239 s:
-# benchmarks/compiled_long_memory_cpu.py); on an H100 a compiled Llama-3.1-8B at 247,808
+# benchmarks/memory/compiled_long_memory_cpu.py); on an H100 a compiled Llama-3.1-8B at 247,808
 # tokens (237 pieces) ran out of memory in its first forward where the plan priced one piece
 # (results/long_h100_2026-11-27). Cost: the head's final norm compiles apart from the loss.
 @torch.compiler.disable

@@ -29,7 +29,7 @@ rule as one mask function, and its lengths are the row's T. Its cost: it runs fa
 compiled (torch.compile of flex_attention, once per shape; eager flex materialises the
 scores), and dropout needs the mask path. FlexAttention has no CPU backward, so CPU runs keep
 the mask path; its forward on the CPU equals the mask's (tests/test_packing.py).
-benchmarks/packed_attention_gpu.py checks flex against the mask path on a GPU and times both.
+benchmarks/parts/packed_attention_gpu.py checks flex against the mask path on a GPU and times both.
 
 Mistral's sliding window over rows of one sequence each is the same rule with one segment: on
 CUDA, past the window, Packing.window gives the blocks a flex Packing of a single segment

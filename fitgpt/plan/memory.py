@@ -290,7 +290,7 @@ def activation_bytes(
     # results/long_h100_2026-11-27), Llama-3.1-8B's shape at 131,072 and 247,808 tokens, eager,
     # checkpointing cpu, MLP and loss in pieces: 61.1 and 53.0 GiB peak, 14.6 sbh·w above the
     # state at both lengths, where 8·sbh·w here plus the head's terms summed in made ~26. On
-    # the CPU (benchmarks/long_activation_memory_cpu.py, the same structure at hidden 256) the
+    # the CPU (benchmarks/memory/long_activation_memory_cpu.py, the same structure at hidden 256) the
     # peak of a block's backward is at attention's: its two block inputs, the saved set less
     # the MLP's, the stream's and attention output's gradients and q, k, v's (1 + 1 + 1.5 sbh
     # at Llama's 8 kv heads of 32), 14.4 sbh with the GPU kernel's workspace below added.

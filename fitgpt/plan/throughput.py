@@ -223,7 +223,7 @@ DEVICE_MOMENT_PASSES = {"fp32": 0.0, "bf16": 12.0, "int8": 52.0}  # per moment, 
 
 
 # One all-reduce's fixed cost under tensor parallelism (NCCL's launch and synchronisation,
-# intra-node). PLACEHOLDER: not measured; benchmarks/tp_x2.py's results should set it, with
+# intra-node). PLACEHOLDER: not measured; benchmarks/multi_gpu/tp_x2.py's results should set it, with
 # TP_EFFICIENCY_WIDTH below.
 TP_LATENCY_S = 20e-6
 # Under TP each rank's GEMMs are 1/T as wide in one dimension; their achieved rate is priced as

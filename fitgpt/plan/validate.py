@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
+from fitgpt.dist.context import device_type
 from fitgpt.engine.config import EngineConfig, PrecisionConfig
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
@@ -39,16 +40,6 @@ SCALER_FIELDS = ("initial_scale", "growth_interval", "hysteresis", "min_scale")
 # matmul; bf16 ran at fp32's speed there, so it stays the user's choice (--precision auto
 # picks fp32 on CPUs).
 CPU_FP16_SLOWDOWN = 20
-
-
-def device_type(device: str) -> str:
-    """ "cuda" or "cpu": where `--device` (auto, cuda, cuda:N, cpu) puts the compute, without
-    starting CUDA (what dist/context.py pick_device will choose)."""
-    if device == "auto":
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return "cuda" if device.startswith("cuda") else "cpu"
 
 
 def refusal(
@@ -209,8 +200,8 @@ def check_settings(
         # the fields the planner keeps (a benchmark system's, or the flags: no change)
         engine = fixed.applied(engine)
     chosen = frozenset() if fixed is None else ENGINE_FIELDS - fixed.names
-    why = refusal(model, engine, prec, world, dev, fixed is not None, chosen)
-    if why is None and typed:
-        why = no_effect(engine, prec, typed, chosen)
+    # a flag that changes nothing is said only when nothing is refused (refusals come first)
+    idle = no_effect(engine, prec, typed, chosen) if typed else None
+    why = refusal(model, engine, prec, world, dev, fixed is not None, chosen) or idle
     if why:
         raise UserError(why)

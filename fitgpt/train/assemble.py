@@ -12,11 +12,13 @@ harness (bench/systems.py) and a script or test that trains a RunConfig:
                (plan/validate.py check_settings); with --gpus the launcher settles, before
                torchrun, and hands its ranks the settled settings
     assemble   on every rank: the placement (the planner's plan, or the engine config as given)
-               with its --compile scope, then the mesh (the TP × DP and CP groups, dist/mesh.py)
+               with its --compile scope, then the mesh (the TP × DP and CP groups, dist/mesh.py),
+               then the rates and warm-up the command left unset (train/schedule.py: the
+               warm-up counts tokens, which count the mesh's data-parallel ranks)
     Run        the config the engines build, the context laid out for it, where the run starts
 
 The Trainer and the engines take a Run as given: nothing after it sizes the vocabulary, resolves
-the precision or --compile, validates a setting or lays the ranks out again.
+the precision, --compile or the schedule, validates a setting or lays the ranks out again.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from typing import Any
 from fitgpt.dist import DistContext
 from fitgpt.plan.apply import plan_engine
 from fitgpt.plan.fixed import Fixed
+from fitgpt.plan.memory import tokens_per_step
 from fitgpt.plan.validate import check_settings
 from fitgpt.train.config import RunConfig
 from fitgpt.train.init_from import InitSource
+from fitgpt.train.schedule import resolve_schedule
 from fitgpt.train.setup import resolve_run, unplanned_compile
 
 
@@ -95,6 +99,8 @@ class Run:
     init_from: InitSource | None = None
     overwrite: bool = False
     files: Mapping[str, str] = field(default_factory=dict)
+    # which schedule defaults a new run took, said at its step 0 (a resumed run took its own)
+    schedule_line: str | None = None
 
 
 def settle(settings: Settings, world: int, device: str) -> Settings:
@@ -109,8 +115,10 @@ def settle(settings: Settings, world: int, device: str) -> Settings:
 
 def assemble(settings: Settings, ctx: DistContext, log=print) -> Run:
     """The Run `settings` make on `ctx`'s ranks, in order: settled (unless they are, for these
-    ranks), their notes said (`log`: rank 0's), placed (`placed`), and the ranks laid out for
-    the placement (the planner may choose T)."""
+    ranks), their notes said (`log`: rank 0's), placed (`placed`), the ranks laid out for the
+    placement (the planner may choose T), and the schedule's defaults worked out for the tokens
+    a step takes on those ranks (train/schedule.py resolve_schedule, the one place they are
+    decided)."""
     device = ctx.device.type
     if settings.settled != (ctx.world, device):
         settings = settle(settings, ctx.world, device)
@@ -119,7 +127,14 @@ def assemble(settings: Settings, ctx: DistContext, log=print) -> Run:
     config = placed(settings, ctx, log)
     e = config.engine
     ctx = ctx.laid_out(e.tensor_parallel, e.context_parallel)
-    return Run(config, ctx, settings.resume, settings.init_from, settings.overwrite, settings.files)
+    t = config.train
+    tokens = tokens_per_step(t.micro_batch, t.grad_accum, config.model.seq_len, ctx.data_world)
+    train, line, warning = resolve_schedule(t, config.model, tokens, config.optim.beta2)
+    if warning:
+        log(warning)
+    config = dataclasses.replace(config, train=train)
+    s = settings
+    return Run(config, ctx, s.resume, s.init_from, s.overwrite, s.files, schedule_line=line)
 
 
 def placed(settings: Settings, ctx: DistContext, log=print) -> RunConfig:

@@ -24,11 +24,10 @@ import torch
 
 from fitgpt.dist import DistContext
 from fitgpt.engine.base import Engine
-from fitgpt.engine.comm import CollectiveError
+from fitgpt.engine.comm import CollectiveError, all_ok
 from fitgpt.engine.layout import ChunkSpec
 from fitgpt.engine.state_io import CorruptCheckpoint
 from fitgpt.errors import UserError
-from fitgpt.train.consensus import all_ok
 
 FORMAT = "fitgpt-checkpoint"
 VERSION = 2  # 2: checksums of meta.json and of every file; 1 (sizes and tensor CRCs) still reads

@@ -34,8 +34,8 @@ import signal
 import threading
 
 from fitgpt.dist import DistContext
+from fitgpt.engine.comm import all_ok
 from fitgpt.errors import UserError
-from fitgpt.train.consensus import all_ok
 
 
 class Diverged(UserError):

@@ -17,11 +17,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from fitgpt.data.config import vocab_for
 from fitgpt.engine.state_io import WeightSource
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
 from fitgpt.train import checkpoint as ckpt_io
-from fitgpt.train.setup import vocab_for
 
 # model fields a fine-tune may set differently from its source (no weight depends on them)
 FREE = ("dropout", "router_aux_loss_coef")
@@ -76,7 +76,7 @@ def check_same_architecture(meta: dict, model_cfg: ModelConfig, ckpt: Path) -> N
 def model_from_source(source: InitSource, asked: dict, data) -> ModelConfig:
     """The run's model: the source's architecture, with the fields a fine-tune may change from
     `asked` (the model flags given); any other difference is refused in one line. So is data
-    the source cannot train on: ids at or past its embedding rows (train/setup.py vocab_for:
+    the source cannot train on: ids at or past its embedding rows (data/config.py vocab_for:
     the rows are the source's, more than its tokenizer's ids in released Qwen models), or made
     with a tokenizer other than the source's (check_source_tokenizer)."""
     from fitgpt.data.config import data_tokenizer
@@ -99,15 +99,15 @@ def model_from_source(source: InitSource, asked: dict, data) -> ModelConfig:
 def check_source_tokenizer(source: InitSource, tok, data) -> None:
     """Refuse, in one line, data made with a tokenizer other than the source's: its ids would
     be trained as other tokens (a tokenizer of the same size passes every size check). The
-    test is `fitgpt generate`'s for --tokenizer (infer/generate.py _same_vocabulary: size, end
+    test is `fitgpt generate`'s for --tokenizer (data/tokenizer.py same_vocabulary: size, end
     of document, every token's text), skipped where the source records no tokenizer or the
     data has no text (`fitgpt data fake` ids), and where both name the same files."""
     from fitgpt.data.sidecar import RecordedVocabulary
-    from fitgpt.infer.generate import _same_vocabulary
+    from fitgpt.data.tokenizer import same_vocabulary
 
     if source.tokenizer is None or tok is None or isinstance(tok, RecordedVocabulary):
         return
-    if _same_spec(tok.name, source.tokenizer) or _same_vocabulary(tok, source.tokenizer):
+    if _same_spec(tok.name, source.tokenizer) or same_vocabulary(tok, source.tokenizer):
         return
     raise UserError(
         f"--init-from {source.path}: the data {data.data} is made with tokenizer {tok.name} "

@@ -8,7 +8,6 @@ StepMetrics (train/metrics.py).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from pathlib import Path
@@ -32,29 +31,19 @@ from fitgpt.train.metrics import MetricsLog, StepMetrics, say
 from fitgpt.train.profile import StepProfiler
 from fitgpt.train.resume import changed_settings, run_record, saved_run
 from fitgpt.train.rundir import close_run_dir, open_run_dir, write_run_files
-from fitgpt.train.schedule import lr_at, resolve_schedule
+from fitgpt.train.schedule import lr_at
 from fitgpt.train.setup import OutOfMemory, is_oom, oom_message, phase_of
 
 
 class Trainer:
     """One run: its data, its engine and its schedule, stepped by fit()."""
 
-    def __init__(self, run: Run, check_room: bool = False) -> None:
-        """`run`: assembled (train/assemble.py), taken as given. `check_room`: refuse a run
+    def __init__(self, assembled: Run, check_room: bool = False) -> None:
+        """`assembled`: the run (train/assemble.py), taken as given. `check_room`: refuse a run
         whose checkpoints cannot fit its disk before the engine allocates anything (a resumed
         run is checked after its resume, in fit())."""
-        config, ctx = run.config, run.ctx
-        # the rates and warm-up the command left unset, decided once (train/schedule.py): the
-        # warm-up counts tokens, and the tokens per step count the data-parallel ranks
-        tokens = tokens_per_step(
-            config.train.micro_batch, config.train.grad_accum, config.model.seq_len, ctx.data_world
-        )
-        train_cfg, self.defaults_line, warning = resolve_schedule(
-            config.train, config.model, tokens, config.optim.beta2
-        )
-        run = dataclasses.replace(config, train=train_cfg)
-        if warning:
-            say(ctx, warning)
+        run, ctx = assembled.config, assembled.ctx
+        self.schedule_line = assembled.schedule_line  # said at step 0 (train/assemble.py)
         self.run, self.ctx, self.cfg = run, ctx, run.train
         self.out = Path(self.cfg.out)
         c = self.cfg
@@ -219,8 +208,8 @@ class Trainer:
     def fit(self) -> dict:
         cfg, ctx = self.cfg, self.ctx
         self.checkpoints.preflight(self.step)
-        if self.step == 0 and self.defaults_line:  # a resumed run took its saved config's
-            say(ctx, self.defaults_line)
+        if self.step == 0 and self.schedule_line:  # a resumed run took its saved config's
+            say(ctx, self.schedule_line)
         compiled = ""
         if self.engine.compiled is not None:
             whole = self.engine.compiled.report()["scope"] == "model"

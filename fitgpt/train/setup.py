@@ -17,6 +17,7 @@ import traceback
 
 import torch
 
+from fitgpt.data.config import model_for_data
 from fitgpt.dist import DistContext
 from fitgpt.engine.transforms.compile import ASSUMED_MFU, SCOPES, compile_scope
 from fitgpt.errors import UserError
@@ -32,45 +33,14 @@ class OutOfMemory(UserError):
         self.where = where  # "gpu" or "host"
 
 
-def model_for_data(model, data, keep_rows: bool = False, whose: str = "the model"):
-    """The model config with the vocabulary of the data's tokenizer (synthetic data keeps the
-    model's own); see vocab_for."""
-    from fitgpt.data.config import data_tokenizer
-
-    return vocab_for(model, data_tokenizer(data), keep_rows, whose)
-
-
-def vocab_for(model, tok, keep_rows: bool = False, whose: str = "the model"):
-    """`model` sized for tokenizer `tok` (None: no tokenizer, the model's own vocabulary).
-
-    A model trained from scratch gets the tokenizer's vocabulary. A model whose embedding comes
-    from weights (`keep_rows`: a run's train.finetune, set by --init-from) keeps its rows: they
-    are the model's, and a released model often has more rows than its tokenizer has ids
-    (Qwen2.5: 152,064 for 151,665; Qwen3: 151,936 for 151,669), which HF computes logits for as
-    for any row, so the fine-tune and its export keep them. The rule there is that the data's
-    ids lie below the rows: a tokenizer of more ids is refused in one line."""
-    if tok is None:
-        return model
-    if not keep_rows and tok.vocab_size != model.vocab_size:
-        return model.replace(vocab_size=tok.vocab_size)
-    if keep_rows and tok.vocab_size > model.vocab_size:
-        raise UserError(
-            f"{whose} has {model.vocab_size} embedding rows, the data's tokenizer {tok.name} "
-            f"{tok.vocab_size} ids: its ids must lie below the rows; train on data made with "
-            "the model's own tokenizer (fitgpt data preprocess --tokenizer)"
-        )
-    return model
-
-
 def resolve_run(run, device_type: str):
-    """`run` with what changes the model settled: the vocabulary (model_for_data; a fine-tune
+    """`run` with what changes the model settled: the vocabulary (data/config.py
+    model_for_data; a fine-tune
     keeps its model's rows) and the precision for this device. --compile is the placement's
     (train/assemble.py placed)."""
-    return dataclasses.replace(
-        run,
-        model=model_for_data(run.model, run.data, keep_rows=run.train.finetune),
-        precision=run.precision.resolved(device_type),
-    )
+    precision = run.precision.resolved(device_type)
+    model = model_for_data(run.model, run.data, keep_rows=run.train.finetune)  # data/config.py
+    return dataclasses.replace(run, model=model, precision=precision)
 
 
 def unplanned_compile(run, device_type: str, world: int) -> str:

@@ -33,7 +33,7 @@ scratch), on GPU machines by default.
 Costs per element and step, over fp32 state: the split master reads and writes 4 bytes instead
 of 8 but adds the integer join and split; bf16 moments one cast each way; int8 moments a
 block-wise absmax, a rounding and (v) a square root and a square. Measured on the host tier:
-benchmarks/host_adamw_formats.py.
+benchmarks/parts/host_adamw_formats.py.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ NATIVE_MASTERS = {"bf16": ("split", "fp32"), "int8": ("split", "fp32")}
 
 def piece_elems(device: torch.device) -> int:
     """Elements per piece on `device` (FITGPT_HOST_PIECE overrides the host's, for
-    benchmarks/host_adamw_formats.py; a multiple of the int8 block)."""
+    benchmarks/parts/host_adamw_formats.py; a multiple of the int8 block)."""
     if device.type == "cuda":
         return PIECE["cuda"]
     return int(os.environ.get("FITGPT_HOST_PIECE", PIECE["cpu"]))

@@ -1,6 +1,6 @@
 """The model both engines train, built in one order (TorchEngine and ChunkEngine call `build`):
 
-  1. the family's network on the meta device: no memory (model/family.py build_model);
+  1. the family's network on the meta device: no memory (model/families/__init__.py build_model);
   2. its chunk layout, the unsplit model's: what checkpoints record (engine/layout.py);
   3. tensor parallelism: 1/T of the cut weights (fitgpt/parallel); or context parallelism:
      attention's all-to-alls hooked on, every weight whole (fitgpt/parallel/context.py). T and C

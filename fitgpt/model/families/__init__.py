@@ -14,9 +14,9 @@ import importlib
 from typing import TYPE_CHECKING
 
 from fitgpt.errors import UserError
+from fitgpt.model.config import ModelConfig, use_registry
 
 if TYPE_CHECKING:
-    from fitgpt.model.config import ModelConfig
     from fitgpt.model.decoder import DecoderLM
     from fitgpt.model.family import Family
 
@@ -70,3 +70,7 @@ def build_model(cfg: ModelConfig) -> DecoderLM:
     net = family.model(cfg)
     net.family = family
     return net
+
+
+# every ModelConfig finds its family here (model/config.py: the registry sits above it)
+use_registry(family_of)
