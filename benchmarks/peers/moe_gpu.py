@@ -1,0 +1,249 @@
+"""Issue 50 on one GPU: the mixture-of-experts path measured, and the peer users take beside it.
+
+Stages (`python3 benchmarks/peers/moe_gpu.py STAGE OUT [flags]`):
+  grouped  fitgpt's expert matmuls at Qwen3-30B-A3B's layer shape (hidden 2048, 128 experts of
+           768, 8 per token), bf16 on the GPU: torch._grouped_mm (the path fitgpt takes on an
+           H100/H200) against one F.linear per expert (the path it takes elsewhere), same
+           sorted tokens: the largest difference of the output and of each gradient, and the
+           forward+backward time of each; then one whole SparseMoe layer's forward+backward.
+           One JSON line in OUT/grouped.json.
+  peer     Hugging Face transformers' Qwen3MoeForCausalLM of the same shape (random weights,
+           --layers of them) trained by DeepSpeed ZeRO-3 with the parameters and the optimizer
+           offloaded to pinned CPU memory, as LLaMA-Factory and axolotl set it up: built inside
+           deepspeed.zero.Init, the sparse MoE block declared a ZeRO-3 leaf module (DeepSpeed
+           #7461), transformers' gradient checkpointing, the config's AdamW (DeepSpeedCPUAdam),
+           bf16. Fed windows of the same preprocessed tokens fitgpt trains on (--data PREFIX),
+           the same micro-batch, accumulation and sequence length. Per step: seconds, tokens/s,
+           loss; the GPU's peak and the host's used memory. OUT/peer.json.
+benchmarks/peers/moe_gpu.sh runs the stages with `fitgpt train` between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# Qwen/Qwen3-30B-A3B's config.json, but for the layers (--layers) and the vocabulary (the data's
+# tokenizer's, padded to fitgpt's multiple of 128: both systems hold the same parameters)
+SHAPE = dict(
+    hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    max_position_embeddings=40960, output_router_logits=False,
+)  # fmt: skip
+
+
+def host_used_gib() -> float:
+    with open("/proc/meminfo") as f:
+        m = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)}
+    return (m["MemTotal"] - m["MemAvailable"]) / 2**20
+
+
+def timed(fn, reps: int = 5) -> float:
+    """Median seconds of fn() over `reps` runs after two warm-ups, the GPU synchronised."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def grouped(out: Path) -> None:
+    from fitgpt.model import get_preset
+    from fitgpt.model.families.qwen3_moe.model import SparseMoe, expert_matmul, grouped_gemm_ok
+
+    H, E, K, F = 2048, 128, 8, 768
+    N = 16384  # tokens of one micro-batch of 4 × 4096
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    idx_NK = torch.stack([torch.randperm(E, device=dev, generator=g)[:K] for _ in range(N)])
+    flat = idx_NK.reshape(-1)
+    order = flat.argsort(stable=True)
+    count = torch.bincount(flat, minlength=E)
+    ends = count.cumsum(0).tolist()
+    x = torch.randn(N, H, device=dev, dtype=torch.bfloat16, generator=g)[order // K]
+    w_fc = (torch.randn(E, 2 * F, H, device=dev, generator=g) * 0.02).bfloat16()
+    w_proj = (torch.randn(E, H, F, device=dev, generator=g) * 0.02).bfloat16()
+    assert grouped_gemm_ok(x, w_fc), "torch._grouped_mm does not serve this GPU or dtype"
+    dy = torch.randn(x.shape[0], H, device=dev, dtype=torch.bfloat16, generator=g)
+
+    def pass_(groups):
+        a, b, c = (t.detach().requires_grad_() for t in (x, w_fc, w_proj))
+        gate, up = expert_matmul(a, b, count, groups).chunk(2, dim=-1)
+        y = expert_matmul(torch.nn.functional.silu(gate) * up, c, count, groups)
+        y.backward(dy)
+        return y, a.grad, b.grad, c.grad
+
+    fast, loop = pass_(None), pass_(ends)
+    names = ("out", "d_x", "d_fc", "d_proj")
+    rel = {
+        n: float((f.float() - s.float()).abs().max() / s.float().abs().max())
+        for n, f, s in zip(names, fast, loop, strict=True)
+    }
+    t_fast, t_loop = timed(lambda: pass_(None)), timed(lambda: pass_(ends))
+    # the expert matmuls' FLOPs: 3 products of [M, H]·[H, F]-sized over M = N·K rows, forward
+    # (1) and backward (2)
+    flops = 3 * 2 * (N * K) * H * F * 3
+    cfg = get_preset("qwen3-moe-30b-a3b").replace(n_layer=1)  # the layer's shape, as trained
+    layer = SparseMoe(cfg, fp32_scores=False).to(dev, torch.bfloat16).train()
+    xl = torch.randn(4, 4096, H, device=dev, dtype=torch.bfloat16, generator=g)
+
+    def layer_pass():
+        a = xl.detach().requires_grad_()
+        layer(a).backward(dy.view(-1)[: a.numel()].view_as(a))
+
+    t_layer = timed(layer_pass)
+    rec = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "tokens": N,
+        "shape": {"hidden": H, "experts": E, "per_token": K, "expert_ffn": F},
+        "max_rel_diff_grouped_vs_per_expert": rel,
+        "grouped_s": t_fast,
+        "per_expert_s": t_loop,
+        "grouped_tflops": flops / t_fast / 1e12,
+        "per_expert_tflops": flops / t_loop / 1e12,
+        "sparse_moe_layer_fwd_bwd_s": t_layer,
+        "sparse_moe_layer_tflops": flops / t_layer / 1e12,
+    }
+    (out / "grouped.json").write_text(json.dumps(rec) + "\n")
+    print(json.dumps(rec))
+
+
+def windows(prefix: str, seq: int, count: int, start: int) -> torch.Tensor:
+    """`count` consecutive windows of seq + 1 tokens of the preprocessed data, from window
+    `start` (the tokens fitgpt's run reads, in file order)."""
+    from fitgpt.data.indexed import IndexedDataset
+
+    data = IndexedDataset(prefix)
+    flat = np.memmap(prefix + ".bin", dtype=data.dtype, mode="r")
+    a = (start * seq) % max(1, flat.size - count * seq - 1)
+    return torch.from_numpy(
+        np.stack([flat[a + i * seq : a + (i + 1) * seq + 1].astype(np.int64) for i in range(count)])
+    )
+
+
+def peer(out: Path, args: argparse.Namespace) -> None:
+    import deepspeed
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from fitgpt.model.config import padded_vocab
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    deepspeed.init_distributed()
+    torch.cuda.set_device(0)
+    M, G, S = args.micro_batch, args.grad_accum, args.seq_len
+    pinned = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_micro_batch_size_per_gpu": M,
+        "gradient_accumulation_steps": G,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95],
+                                                  "eps": 1e-8, "weight_decay": 0.1}},
+        "zero_optimization": {
+            "stage": 3, "offload_optimizer": pinned, "offload_param": pinned,
+            "overlap_comm": True, "contiguous_gradients": True,
+            "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+            "stage3_prefetch_bucket_size": 1e7, "stage3_param_persistence_threshold": 1e5,
+            "reduce_bucket_size": 1e7, "sub_group_size": 1e9,
+        },
+        "steps_per_print": 1 << 30,
+    }  # fmt: skip
+    vocab = padded_vocab(args.vocab)
+    hf_cfg = Qwen3MoeConfig(vocab_size=vocab, num_hidden_layers=args.layers, **SHAPE)
+    t0 = time.perf_counter()
+    with deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu", pin_memory=True):
+        model = Qwen3MoeForCausalLM(hf_cfg)
+    params = sum(p.ds_numel for p in model.parameters())
+    deepspeed.utils.set_z3_leaf_modules(model, [Qwen3MoeSparseMoeBlock])
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    built = time.perf_counter() - t0
+    print(f"built {params / 1e9:.2f} B parameters in {built:.0f} s", flush=True)
+    steps, host_peak = [], host_used_gib()
+    for step in range(args.steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        losses = []
+        for i in range(G):
+            ids = windows(args.data, S, M, (step * G + i) * M)[:, :S].cuda()
+            # transformers shifts the labels itself: the inputs are the labels
+            out_ = engine(input_ids=ids, labels=ids, use_cache=False)
+            engine.backward(out_.loss)
+            engine.step()
+            losses.append(float(out_.loss.detach()))
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        host_peak = max(host_peak, host_used_gib())
+        rec = {"step": step + 1, "s": dt, "tokens_per_s": M * G * S / dt,
+               "loss": sum(losses) / len(losses)}  # fmt: skip
+        steps.append(rec)
+        print(json.dumps(rec), flush=True)
+    timed_s = [r["s"] for r in steps[1:]] or [steps[0]["s"]]
+    res = {
+        "system": "transformers Qwen3MoeForCausalLM + DeepSpeed ZeRO-3, params and optimizer "
+        "offloaded to pinned CPU memory, gradient checkpointing",
+        "deepspeed": deepspeed.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "params": params,
+        "layers": args.layers,
+        "micro_batch": M,
+        "grad_accum": G,
+        "seq_len": S,
+        "built_s": built,
+        "median_step_s": statistics.median(timed_s),
+        "tokens_per_s": M * G * S / statistics.median(timed_s),
+        "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "host_used_peak_gib": host_peak,
+        "steps": steps,
+    }
+    (out / "peer.json").write_text(json.dumps(res) + "\n")
+    print(json.dumps({k: v for k, v in res.items() if k != "steps"}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("stage", choices=["grouped", "peer"])
+    p.add_argument("out", type=Path)
+    p.add_argument("--data", help="the preprocessed prefix fitgpt trains on")
+    p.add_argument("--vocab", type=int, default=50257, help="the data tokenizer's vocabulary")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=4)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.stage == "grouped":
+        grouped(args.out)
+    else:
+        if not args.data:
+            sys.exit("peer: --data PREFIX is required")
+        peer(args.out, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue 50 on one GPU (nvidia-h200 or nvidia-h100-x1), as a user would, in two calls:
+#   STAGE=a  (or STAGES="tests grouped train", "train peer", ...: the parts below by name)
+#            the GPU-side tests of the redrawn tree (issue 49) and the engines' GPU check; the
+#            expert matmuls (moe_gpu.py grouped); then a Qwen3-30B-A3B-shaped model of LAYERS
+#            layers trained by `fitgpt train --preset qwen3-moe-30b-a3b --layers LAYERS` with the
+#            planner's plan on real text (the Python standard library's source through
+#            `fitgpt data preprocess`, GPT-2 BPE), micro-batch 4 × 4 accumulation × 4,096 tokens
+#   STAGE=b  the peer on the same shape, data and batch: transformers + DeepSpeed ZeRO-3 offload
+#            (moe_gpu.py peer)
+# Usage (device): source benchmarks/device_env.sh; STAGE=a OUT=$OUT bash benchmarks/peers/moe_gpu.sh
+set -u
+OUT=${OUT:-/tmp/moe_gpu}
+LAYERS=${LAYERS:-8}
+STEPS=${STEPS:-8}
+D=/tmp/moe_data
+mkdir -p "$OUT" "$D"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+t() { date +%s; }
+BATCH=(--micro-batch 4 --grad-accum 4 --seq-len 4096)
+python3 benchmarks/stdlib_jsonl.py "$D/pystd.jsonl"
+s=$(t); python3 -m fitgpt data preprocess --input "$D/pystd.jsonl" --json-key text \
+  --output-prefix "$D/pystd" --workers 12 --append-eod > "$OUT/preprocess.log" 2>&1 \
+  || { tail -3 "$OUT/preprocess.log"; exit 1; }
+echo "preprocess: $(( $(t) - s )) s"
+STAGES=${STAGES:-}
+[ -z "$STAGES" ] && { [ "${STAGE:-a}" = a ] && STAGES="tests grouped train" || STAGES="peer"; }
+for part in $STAGES; do case $part in
+tests)
+  s=$(t); python3 -m pytest -o addopts="" -q -p no:cacheprovider tests/test_compact.py \
+    tests/test_host_activations.py tests/test_speculate.py tests/test_moe.py 2>&1 | tail -3 \
+    | tee "$OUT/gpu_tests.txt"; echo "gpu tests: $(( $(t) - s )) s"
+  s=$(t); python3 benchmarks/checks/gpu_check.py "$OUT/gpu_check.json" 2>&1 | tail -2; echo "gpu check: $(( $(t) - s )) s" ;;
+grouped)
+  python3 benchmarks/peers/moe_gpu.py grouped "$OUT" 2>&1 | tail -2 ;;
+train)
+  CMD=(python3 -m fitgpt train --preset qwen3-moe-30b-a3b --layers "$LAYERS" --data "$D/pystd_text_document"
+    "${BATCH[@]}" --steps "$STEPS" --log-every 1 --eval-every 0 --no-save --lr 1e-4 --warmup 2
+    --out /tmp/moe_run --overwrite)
+  L="$OUT/train_l$LAYERS"
+  echo "== ${CMD[*]}" | tee "$L.log"
+  s=$(t)
+  ( "${CMD[@]}" >> "$L.log" 2>&1; echo "== exit $?" >> "$L.log" ) &
+  P=$!
+  while kill -0 $P 2>/dev/null; do free -g | awk '/Mem/ {print $3}' >> "$L.host_used_gib.txt"; sleep 3; done
+  echo "train: $(( $(t) - s )) s"
+  grep -E "plan:|model |step .*tok/s|exit|rror" "$L.log" | head -14
+  sort -n "$L.host_used_gib.txt" | tail -1 | sed 's/^/host used peak GiB: /'
+  cp /tmp/moe_run/metrics.jsonl "$L.metrics.jsonl" 2>/dev/null ;;
+peer)
+  L="$OUT/peer_l$LAYERS"
+  s=$(t); python3 benchmarks/peers/moe_gpu.py peer "$OUT" --data "$D/pystd_text_document" \
+    --layers "$LAYERS" --steps "${PEER_STEPS:-4}" --micro-batch 4 --grad-accum 4 --seq-len 4096 \
+    > "$L.log" 2>&1; rc=$?; echo "peer: rc $rc $(( $(t) - s )) s"
+  [ -f "$OUT/peer.json" ] && mv "$OUT/peer.json" "$L.json"
+  grep -vE "^\s*$|Warning|warn|return func|losses.append|Consider using" "$L.log" | tail -8 ;;
+esac; done
