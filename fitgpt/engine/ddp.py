@@ -29,6 +29,7 @@ from fitgpt.engine.base import (
     weighted,
 )
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
+from fitgpt.engine.layout import decays
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import write_pieces
 from fitgpt.engine.transforms.activation import checkpoint_blocks
@@ -93,8 +94,9 @@ class TorchEngine(Engine):
         slots = [s for c in self.local_layout for s in c.slots]
         self.split = [params[s.name] for s in slots if s.split is not None]
         self.replicated = [params[s.name] for s in slots if s.split is None]
-        decay = [p for p in self.params if p.ndim >= 2]
-        no_decay = [p for p in self.params if p.ndim < 2]
+        named = [(s.name, params[s.name]) for c in self.local_layout for s in c.slots]
+        decay = [p for n, p in named if decays(n, p.ndim)]  # the layout's rule
+        no_decay = [p for n, p in named if not decays(n, p.ndim)]
         self.opt = torch.optim.AdamW(
             [
                 {"params": decay, "weight_decay": ocfg.weight_decay},

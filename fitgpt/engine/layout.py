@@ -52,8 +52,10 @@ class ChunkSpec:
 
 
 def decays(name: str, ndim: int) -> bool:
-    """Weight decay on matrices and embeddings only: biases and norm gains are left alone."""
-    return ndim >= 2
+    """Weight decay on matrices and embeddings only: biases and norm gains are left alone. By
+    the dimensions, and by the name for the biases of fused experts (gpt-oss's [E, 2F]
+    `experts.gate_up_bias`: one bias per expert, two-dimensional)."""
+    return ndim >= 2 and not name.endswith("bias")
 
 
 def _chunk(index: int, name: str, named: list[tuple[str, nn.Parameter]], rule) -> ChunkSpec:

@@ -39,7 +39,7 @@ def mapping_for_hf(hf: dict, source: str) -> HFMapping:
         return _mapping(HF_FAMILY[mt])
     raise UserError(
         f"{source}: model_type={mt!r}; fitgpt imports only GPT-2, Llama, Qwen2, Qwen3, "
-        f"Mistral, Qwen3-MoE and Mixtral checkpoints (model_type {_known_types()})"
+        f"Mistral, Qwen3-MoE, Mixtral and gpt-oss checkpoints (model_type {_known_types()})"
     )
 
 

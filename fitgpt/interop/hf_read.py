@@ -16,7 +16,10 @@ never read. Rows are read SLICE elements at a time, so the transient per read is
 itemsize + 4) bytes (~24 MiB), whatever the tensor's size. The exceptions hold one HF tensor:
 GPT-2's Conv1D weights (stored transposed, so a fitgpt row is an HF column; the last one read is
 kept for the next slice) and a pytorch_model.bin (memory-mapped by torch.load: its pages stay
-resident but reclaimable).
+resident but reclaimable). Experts stored as MXFP4 (gpt-oss's published folders: a TensorMap's
+mxfp4, which the mapping's stored_maps sets from config.json's quantization_config) are read
+as uint8 blocks and scales, rows being experts, and dequantized (interop/mxfp4.py): SLICE
+values at a time, or one expert's where it holds more (66 MB of fp32 for gpt-oss-120b's gate_up).
 
 Cost against a checkpoint: none written, none read back (a Llama-3.1-70B's fp32 copy is 282 GB);
 bf16 bytes are read where a checkpoint has fp32, and under TP each rank reads its rows of the
@@ -42,6 +45,7 @@ from fitgpt.engine.layout import ChunkSpec, ParamSlot, chunk_layout
 from fitgpt.engine.state_io import WeightSource
 from fitgpt.errors import UserError
 from fitgpt.interop.hf import mapping_for_hf
+from fitgpt.interop.mxfp4 import BLOCKS, SCALES, dequantize_param, packed_shapes
 from fitgpt.interop.safetensors_stream import SafetensorsError, SafetensorsReader
 from fitgpt.model import ModelConfig, Split, build_model
 from fitgpt.model.hf_map import HFMapping, TensorMap, hf_shape
@@ -84,6 +88,10 @@ class HFWeights:
         h, k = self._where[name]
         return tuple(h[k].shape) if isinstance(h, dict) else h.shape(k)
 
+    def dtype(self, name: str) -> torch.dtype:
+        h, k = self._where[name]
+        return h[k].dtype if isinstance(h, dict) else h.dtype(k)
+
     def blocks(self) -> int:
         """How many transformer blocks the weights hold (the highest block index + 1)."""
         ids = [self.mapping.layer_of(n) for n in self._where]
@@ -97,6 +105,22 @@ class HFWeights:
         """Rows [r0, r1) along dim 0, in the file's dtype; refused in one line naming the file
         and the tensor if any value is NaN or infinite."""
         return _finite(self._rows(name, r0, r1), self._file[name], self._where[name][1], r0)
+
+    def mxfp4_rows(self, name: str, r0: int, r1: int) -> Tensor:
+        """Rows [r0, r1) (experts) of the [E, I, O] tensor `name` stored as MXFP4, fp32;
+        refused in one line if a scale makes a value infinite or NaN (255 is MX's NaN)."""
+        values = dequantize_param(
+            self.rows(name + BLOCKS, r0, r1), self.rows(name + SCALES, r0, r1)
+        )
+        bad = ~torch.isfinite(values)
+        if bad.any():
+            first = r0 + int(bad.flatten(1).any(1).nonzero()[0])
+            raise UserError(
+                f"{self._file[name + SCALES]}: tensor {name}{SCALES} makes values infinite or "
+                f"NaN (first in row {first}: a scale of 255 is MXFP4's NaN); the weights are "
+                "damaged: download or convert the checkpoint again"
+            )
+        return values
 
     def _rows(self, name: str, r0: int, r1: int) -> Tensor:
         h, k = self._where[name]
@@ -232,24 +256,50 @@ def check_tensors(
     """Every tensor the model needs is there with the right shape, and none is left over (a
     bias or norm fitgpt's network lacks would be dropped silently), before anything is read."""
     arch = weights.mapping.architecture(cfg)
+    stored: set[str] = set()
     for m in maps:
-        want = hf_shape(m, shapes[m.fitgpt], cfg)
-        got = weights.shape(m.hf)
-        if got is None:
-            hint = " (config.json says tie_word_embeddings=false)" if "lm_head" in m.hf else ""
-            raise UserError(f"{source}: tensor {m.hf} is missing{hint}; not a {arch} checkpoint?")
-        if got != want:
-            raise UserError(
-                f"{source}: tensor {m.hf} has shape {list(got)}, config.json implies {list(want)}"
-            )
+        for name, want in _stored(m, shapes[m.fitgpt], cfg, source):
+            stored.add(name)
+            got = weights.shape(name)
+            if got is None:
+                hint = " (config.json says tie_word_embeddings=false)" if "lm_head" in name else ""
+                raise UserError(
+                    f"{source}: tensor {name} is missing{hint}; not a {arch} checkpoint?"
+                )
+            if got != want:
+                raise UserError(
+                    f"{source}: tensor {name} has shape {list(got)}, config.json implies {list(want)}"
+                )
+            if m.mxfp4 != (weights.dtype(name) == torch.uint8):
+                raise UserError(
+                    f"{source}: tensor {name} is {weights.dtype(name)}; "
+                    + ("MXFP4 blocks and scales are uint8" if m.mxfp4 else "fitgpt imports "
+                       "floating-point weights (uint8 only as MXFP4 blocks and scales)")
+                )  # fmt: skip
     # a tied model's stored lm_head equals its embedding (stored_head): nothing is lost
-    extra = sorted(weights.names() - {m.hf for m in maps} - {"lm_head.weight"})
+    extra = sorted(weights.names() - stored - {"lm_head.weight"})
     if extra:
         raise UserError(
             f"{source}: tensor {extra[0]}{f' and {len(extra) - 1} more' if len(extra) > 1 else ''}"
             f" has no place in a {arch} as config.json describes it; is config.json this "
             "checkpoint's own?"
         )
+
+
+def _stored(
+    m: TensorMap, fit_shape: tuple[int, ...], cfg: ModelConfig, source: Path
+) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of each stored tensor map `m` reads: its HF tensor, or an MXFP4 one's
+    blocks and scales."""
+    if not m.mxfp4:
+        return [(m.hf, hf_shape(m, fit_shape, cfg))]
+    packed = packed_shapes(fit_shape)
+    if packed is None:
+        raise UserError(
+            f"{source}: tensor {m.hf} is stored as MXFP4, but its input width {fit_shape[-2]} "
+            "is not a multiple of 32 (the values a scale covers): not an MXFP4 checkpoint?"
+        )
+    return [(m.hf + BLOCKS, packed[0]), (m.hf + SCALES, packed[1])]
 
 
 def stored_head(cfg: ModelConfig, weights: HFWeights) -> ModelConfig:
@@ -305,7 +355,7 @@ def open_hf(src: Path, cfg: ModelConfig | None = None) -> HFCheckpoint:
     with torch.device("meta"):
         model = build_model(cfg)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    maps = mapping.tensor_maps(cfg)
+    maps = mapping.stored_maps(cfg, hf_cfg, str(config_path))
     check_tensors(weights, shapes, cfg, src, maps)
     return HFCheckpoint(src, config_path, hf_cfg, mapping, cfg, weights, maps, chunk_layout(model))
 
@@ -388,6 +438,8 @@ class HFReader:
                 continue
             if m.transpose:  # Conv1D [in, out]: fitgpt's rows are its columns
                 src = self._whole_tensor(m.hf)[:, h0:h1].t()
+            elif m.mxfp4:  # rows are experts: each dequantized whole (interop/mxfp4.py)
+                src = self.w.mxfp4_rows(m.hf, h0, h1)
             else:
                 src = self.w.rows(m.hf, h0, h1)
             at = base + h0 - r0

@@ -27,6 +27,7 @@ from torch import Tensor
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 READ_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 READ_DTYPES["F64"] = torch.float64
+READ_DTYPES["U8"] = torch.uint8  # MXFP4's blocks and scales only (hf_read.py check_tensors)
 
 
 class SafetensorsError(ValueError):
@@ -113,7 +114,7 @@ def _check_entry(name: str, e: object, data_bytes: int) -> None:
     if dtype not in READ_DTYPES:
         raise SafetensorsError(
             f"tensor {name} has dtype {dtype}; fitgpt imports floating-point weights only "
-            f"({', '.join(READ_DTYPES)})"
+            "(F32, BF16, F16, F64; U8 as MXFP4's blocks and scales)"
         )
     ints = (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)) and (
         isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)

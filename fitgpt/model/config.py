@@ -64,6 +64,23 @@ def small_init_std(n_embd: int) -> float:
 
 
 ROPE_KINDS = ("linear", "llama3", "yarn")  # the rotary scalings families/llama/model.py computes
+# a layer's attention (ModelConfig.layer_types): over every key before it, or the last
+# sliding_window of them (transformers' names)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# fields only some families honour (their Family.own_fields), and the value that means "not
+# set": every other family refuses them set
+OWN_FIELDS = {"layer_types": (), "swiglu_alpha": None, "swiglu_limit": None}
+
+
+def layer_types_problem(types: tuple | list, n_layer: int) -> str | None:
+    """What is wrong with `types` as the layer_types of n_layer layers, in words; None: nothing
+    (() is the family's own pattern)."""
+    bad = [t for t in types if t not in LAYER_TYPES]
+    if bad:
+        return f"holds {bad[0]!r}: each entry is one of {', '.join(LAYER_TYPES)}"
+    if types and len(types) != n_layer:
+        return f"has {len(types)} entries for {n_layer} layers: give one per layer"
+    return None
 
 
 @dataclass(frozen=True)
@@ -246,6 +263,20 @@ class ModelConfig:
         },
     )
 
+    # ---- gpt-oss's (the gpt_oss family's own fields: OWN_FIELDS; unset elsewhere) ---------------
+    # each layer's attention, one of LAYER_TYPES per layer; (): the family's own pattern
+    # (gpt-oss: sliding in the even layers, full in the odd, as transformers' GptOssConfig)
+    layer_types: tuple[str, ...] = field(
+        default=(), metadata={"help": "each layer's attention kind", "cli": False}
+    )
+    # the experts' clamped SwiGLU: (clamp(up, ±limit) + 1) · g·sigmoid(alpha·g), g = min(gate, limit)
+    swiglu_alpha: float | None = field(
+        default=None, metadata={"help": "the clamped SwiGLU's sigmoid gain", "cli": False}
+    )
+    swiglu_limit: float | None = field(
+        default=None, metadata={"help": "the clamped SwiGLU's clamp", "cli": False}
+    )
+
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size"):
             if getattr(self, name) < 1:
@@ -274,7 +305,24 @@ class ModelConfig:
                 f"norm_eps={self.norm_eps} and rope_theta={self.rope_theta} must be positive"
             )
         self._check_experts()
+        self._check_own_fields()
         _family_of(self).check(self)
+
+    def _check_own_fields(self) -> None:
+        """OWN_FIELDS unset for a family whose Family.own_fields lacks them; layer_types one
+        known kind per layer."""
+        # JSON (meta.json) brings layer_types back as a list: one type for equality
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        own = _family_of(self).own_fields
+        for name, off in OWN_FIELDS.items():
+            if name not in own and getattr(self, name) != off:
+                raise UserError(
+                    f"{name}={getattr(self, name)!r}: the {self.family} family has no such "
+                    "setting (gpt_oss has); drop it"
+                )
+        why = layer_types_problem(self.layer_types, self.n_layer)
+        if why:
+            raise UserError(f"layer_types {why}")
 
     def _check_experts(self) -> None:
         """The mixture-of-experts fields: all at their defaults for a dense model (num_experts
@@ -305,7 +353,7 @@ class ModelConfig:
         if not has:
             raise UserError(
                 f"num_experts={self.num_experts}: the {self.family} family has a dense MLP; "
-                "use qwen3_moe or mixtral for a mixture of experts"
+                "use qwen3_moe, mixtral or gpt_oss for a mixture of experts"
             )
         for name in ("num_experts", "experts_per_token", "moe_ffn_hidden", "decoder_sparse_step"):
             v = getattr(self, name)

@@ -77,6 +77,12 @@ class Family(ABC):
     matmul_time: ClassVar[float] = 1.0
     # a mixture of experts (ModelConfig.num_experts and its fields): families without refuse them
     has_experts: ClassVar[bool] = False
+    # the fields of model/config.py's OWN_FIELDS this family honours: ModelConfig refuses the
+    # others set (gpt-oss's layer_types and clamped SwiGLU)
+    own_fields: ClassVar[tuple[str, ...]] = ()
+    # whether its attention takes model/packing.py's FlexAttention Packing on CUDA (windows,
+    # packed rows); False: the boolean-mask Packing everywhere (gpt-oss: its sinks)
+    flex_attention: ClassVar[bool] = True
 
     def check(self, cfg: ModelConfig) -> None:
         """Raise UserError, in one line, for a field of `cfg` this family cannot honour."""

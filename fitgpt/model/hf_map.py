@@ -43,6 +43,9 @@ class TensorMap:
     transpose: bool = False  # GPT-2's Conv1D stores [in, out] against nn.Linear's [out, in]
     vocab_rows: bool = False  # dim 0 is the vocabulary: padded in fitgpt, exact in HF
     part: tuple[int, int] | None = None  # (i, n): rows block i of n of the fitgpt parameter
+    # stored as MXFP4 (interop/mxfp4.py): `hf`_blocks and `hf`_scales, uint8, of this [E, I, O]
+    # tensor; only in what stored_maps reads, never exported
+    mxfp4: bool = False
 
 
 def _rows(m: TensorMap, t: Tensor) -> Tensor:
@@ -99,6 +102,12 @@ class HFMapping(ABC):
     def tensor_maps(self, cfg: ModelConfig) -> list[TensorMap]:
         """Every tensor of the HF model, grouped as fitgpt's chunks are (embedding, each block,
         head), so an export reads each chunk once."""
+
+    def stored_maps(self, cfg: ModelConfig, hf: dict, source: str) -> list[TensorMap]:
+        """The maps of the tensors a folder with config.json `hf` stores: tensor_maps, some
+        marked mxfp4 where its quantization_config says so (gpt-oss's experts); a
+        quantization this family's map does not read refused in one line."""
+        return self.tensor_maps(cfg)
 
     @abstractmethod
     def canonical(self, key: str) -> str | None:

@@ -105,8 +105,16 @@ def block_mask(segments_BT: Tensor, window: int | None) -> Any:
 
 
 def _flex_serves(device: torch.device, cfg: ModelConfig, dropout: float) -> bool:
-    """FlexAttention on CUDA, without dropout (it has none) or ALiBi's additive bias."""
-    return device.type == "cuda" and dropout == 0.0 and cfg.position != "alibi"
+    """FlexAttention on CUDA, without dropout (it has none) or ALiBi's additive bias, for a
+    family whose attention takes it (Family.flex_attention: gpt-oss's sinks do not)."""
+    from fitgpt.model.families import family_of  # the registry: no import at load time
+
+    return (
+        device.type == "cuda"
+        and dropout == 0.0
+        and cfg.position != "alibi"
+        and family_of(cfg).flex_attention
+    )
 
 
 def window_block_mask(T: int, window: int, device) -> Any:

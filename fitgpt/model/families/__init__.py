@@ -30,6 +30,7 @@ TABLE: dict[str, tuple[str, ...]] = {
     "mistral": ("mistral",),
     "qwen3_moe": ("qwen3_moe",),
     "mixtral": ("mixtral",),
+    "gpt_oss": ("gpt_oss",),
 }
 # HF model_type -> family name: TABLE read the other way
 HF_FAMILY: dict[str, str] = {t: name for name, types in TABLE.items() for t in types}

@@ -215,11 +215,14 @@ class SwiGLU(nn.Module):
 class LlamaBlock(nn.Module):
     """Pre-RMSNorm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, mlp: nn.Module | None = None) -> None:
-        """`mlp`: the block's MLP when it is not the SwiGLU (a mixture of experts: qwen3_moe)."""
+    def __init__(
+        self, cfg: ModelConfig, mlp: nn.Module | None = None, attn: nn.Module | None = None
+    ) -> None:
+        """`mlp`: the block's MLP when it is not the SwiGLU (a mixture of experts: qwen3_moe);
+        `attn`: its attention when it is not GroupedQueryAttention (gpt-oss's, with sinks)."""
         super().__init__()
         self.ln_1 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-        self.attn = GroupedQueryAttention(cfg)
+        self.attn = attn if attn is not None else GroupedQueryAttention(cfg)
         self.ln_2 = nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
         self.mlp = mlp if mlp is not None else SwiGLU(cfg)
 

@@ -73,6 +73,23 @@ def expert_matmul(x_MI: Tensor, w_EOI: Tensor, count_E: Tensor, ends: list[int] 
     )
 
 
+def sort_by_expert(
+    idx_NK: Tensor, n_experts: int, x_NH: Tensor, w_EOI: Tensor
+) -> tuple[Tensor, Tensor, Tensor, list[int] | None]:
+    """The assignments grouped by expert, token order kept within each: (order_M, the
+    assignment m = n·K + k at each sorted place; token_M, its token; count_E, the rows of each
+    expert; the groups' ends on the host for the per-expert matmuls, None where one grouped
+    GEMM serves x_NH and the experts' weights w_EOI)."""
+    flat_M = idx_NK.reshape(-1)
+    order_M = flat_M.argsort(stable=True)
+    token_M = order_M // idx_NK.shape[1]
+    count_E = torch.zeros(n_experts, dtype=torch.int64, device=x_NH.device)
+    count_E.scatter_add_(0, flat_M, torch.ones_like(flat_M))  # no host sync (bincount has one)
+    # the per-expert form needs the groups' bounds on the host: a host sync (free on a CPU)
+    ends = None if grouped_gemm_ok(x_NH, w_EOI) else count_E.cumsum(0).tolist()
+    return order_M, token_M, count_E, ends
+
+
 class Experts(nn.Module):
     """E SwiGLU experts in two parameters (module docstring), run over sorted tokens."""
 
@@ -90,13 +107,7 @@ class Experts(nn.Module):
         E, F_ = self.n, self.width
         fc_EOH = self.fc.view(E, 2 * F_, H)
         proj_EHF = self.proj.view(E, H, F_)
-        flat_M = idx_NK.reshape(-1)  # assignment m = n·K + k
-        order_M = flat_M.argsort(stable=True)  # grouped by expert, token order kept within each
-        token_M = order_M // idx_NK.shape[1]
-        count_E = torch.zeros(E, dtype=torch.int64, device=x_NH.device)
-        count_E.scatter_add_(0, flat_M, torch.ones_like(flat_M))  # no host sync (bincount has one)
-        # the per-expert form needs the groups' bounds on the host: a host sync (free on a CPU)
-        ends = None if grouped_gemm_ok(x_NH, fc_EOH) else count_E.cumsum(0).tolist()
+        order_M, token_M, count_E, ends = sort_by_expert(idx_NK, E, x_NH, fc_EOH)
         x_MH = x_NH[token_M]  # M·H: each token once per expert it goes to (k copies)
         gate, up = expert_matmul(x_MH, fc_EOH, count_E, ends).chunk(2, dim=-1)
         y_MH = expert_matmul(F.silu(gate) * up, proj_EHF, count_E, ends)
@@ -108,10 +119,17 @@ class Experts(nn.Module):
 class SparseMoe(nn.Module):
     """The router and the experts: the MLP of a sparse layer."""
 
-    def __init__(self, cfg: ModelConfig, fp32_scores: bool) -> None:
+    def __init__(
+        self, cfg: ModelConfig, fp32_scores: bool, router: nn.Module | None = None,
+        experts: nn.Module | None = None,
+    ) -> None:  # fmt: skip
+        """`router`, `experts`: a family's own (gpt-oss's have biases), else a bias-free linear
+        and the SwiGLU Experts."""
         super().__init__()
-        self.router = nn.Linear(cfg.n_embd, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg)
+        if router is None:
+            router = nn.Linear(cfg.n_embd, cfg.num_experts, bias=False)
+        self.router = router
+        self.experts = experts if experts is not None else Experts(cfg)
         self.k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk_prob
         self.fp32_scores = fp32_scores
         # training only: this forward's (Σ_n p [E] fp32 with its graph, assignments per expert

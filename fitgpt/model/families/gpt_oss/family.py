@@ -1,0 +1,100 @@
+"""gpt-oss as model/family.py describes a family: a mixture of experts in every layer
+(../qwen3_moe/family.py MoeCounts: parameters by the total, FLOPs by the active ones) with
+biases on the attention's four projections, the router and the experts, a sink per head, and
+its own fields (layer_types, swiglu_alpha, swiglu_limit)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from fitgpt.errors import UserError
+from fitgpt.model.families.gpt_oss.model import GptOss, layer_kinds
+from fitgpt.model.families.llama.family import LlamaFamily
+from fitgpt.model.families.qwen3_moe.family import MoeCounts
+from fitgpt.model.family import Split
+
+if TYPE_CHECKING:
+    from fitgpt.model.config import ModelConfig
+
+
+class GptOssFamily(MoeCounts):
+    """gpt-oss (transformers' GptOssForCausalLM). Tensor parallelism is refused (MoeCounts:
+    the experts are not split); the splits are Llama's, o's bias replicated."""
+
+    name = "gpt_oss"
+    model = GptOss
+    splits: ClassVar[dict[str, Split]] = dict(LlamaFamily.splits)
+    has_qkv_bias = True  # attention_bias: q, k, v and o (SinkAttention)
+    has_window = True
+    own_fields = ("layer_types", "swiglu_alpha", "swiglu_limit")
+    flex_attention = False  # the sinks take SDPA with a mask (model.py sink_attention)
+
+    def check(self, cfg: ModelConfig) -> None:
+        super().check(cfg)
+        if cfg.num_experts is None:
+            return  # ModelConfig refuses that, naming the fields to set
+        if not cfg.norm_topk_prob:
+            raise UserError(
+                "norm_topk_prob=False: gpt-oss's routing weights are a softmax over the top k "
+                "logits (they sum to 1); set it"
+            )
+        if cfg.mlp_only_layers or cfg.decoder_sparse_step != 1:
+            raise UserError(
+                f"mlp_only_layers={list(cfg.mlp_only_layers)}, decoder_sparse_step="
+                f"{cfg.decoder_sparse_step}: every gpt-oss layer is sparse"
+            )
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            v = getattr(cfg, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not v > 0:
+                raise UserError(
+                    f"{name}={v!r}: gpt-oss's clamped SwiGLU needs a positive number "
+                    "(the published models: swiglu_alpha 1.702, swiglu_limit 7.0)"
+                )
+        if cfg.sliding_window is None and "sliding_attention" in layer_kinds(cfg):
+            raise UserError(
+                "layer_types has sliding_attention layers but sliding_window is not set: "
+                "set it (the published models: 128)"
+            )
+
+    def sparse_mlp(self, cfg: ModelConfig, experts: int) -> int:
+        """One layer's router (E·H + E) and `experts` experts, each H·2F + 2F + F·H + H."""
+        return cfg.num_experts * (cfg.n_embd + 1) + experts * self.expert(cfg)
+
+    def expert(self, cfg: ModelConfig) -> int:
+        """One expert's parameters: gate_up and its bias, down and its bias."""
+        H, F_ = cfg.n_embd, cfg.moe_ffn_hidden
+        return 3 * H * F_ + 2 * F_ + H
+
+    def num_params(self, cfg: ModelConfig) -> int:
+        """Exact, equal to the built model's and to transformers' (tests/test_gpt_oss.py): per
+        block two norms (2H), q, k, v and o with their biases (2·N·D·H + 2·K·D·H + N·D + 2·K·D
+        + H), the sinks (N) and the sparse MLP; the embedding, the final norm, the head."""
+        H, N, K, D = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_dim
+        attn = 2 * N * D * H + 2 * K * D * H + N
+        if cfg.qkv_bias:
+            attn += N * D + 2 * K * D + H
+        per_block = 2 * H + attn + self.sparse_mlp(cfg, cfg.num_experts)
+        V = cfg.padded_vocab_size
+        return cfg.n_layer * per_block + V * H + H + (0 if cfg.tie_embeddings else V * H)
+
+    def active_params(self, cfg: ModelConfig) -> int:
+        """The total less the E - k experts of each layer a token does not go to. (The
+        published active counts, 3.6 B and 5.1 B, leave the input embedding out: this less
+        V·H.)"""
+        idle = cfg.num_experts - cfg.experts_per_token
+        return self.num_params(cfg) - cfg.n_layer * idle * self.expert(cfg)
+
+    def block_activations(self, cfg: ModelConfig) -> tuple[int, int]:
+        """MoeCounts' sparse block, plus what the sinks and the clamp add per token: the padded
+        copies of q, k and v SDPA keeps (N·(D+8) + 2·K·(D+8)) and, per assignment, the clamped
+        gate and up, the sigmoid and up + 1 (3·k·F more than silu(gate)·up keeps). Counted,
+        not measured (issue 50)."""
+        whole, cut = super().block_activations(cfg)
+        N, K, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        pad = D + 8
+        cut += N * pad + 2 * K * pad + 3 * cfg.experts_per_token * cfg.moe_ffn_hidden
+        return whole, cut
+
+
+FAMILY = GptOssFamily()
+GptOss.family = FAMILY
