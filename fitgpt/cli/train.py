@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fitgpt.adapters.config import AdapterConfig, adapter_config
 from fitgpt.cli.args import (
     add_config_args,
     add_fraction_flags,
@@ -60,6 +61,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     add_fraction_flags(p)
     add_config_args(p.add_argument_group("precision"), PrecisionConfig)
     add_config_args(p.add_argument_group("optimizer"), OptimConfig)
+    add_config_args(p.add_argument_group("LoRA adapters (docs/adapters.md)"), AdapterConfig)
     add_removed_flags(p)
 
 
@@ -108,6 +110,7 @@ def run_config_from_args(
         engine=EngineConfig(**given["engine"]),
         precision=PrecisionConfig(**given["precision"]),
         optim=OptimConfig(**given["optim"]),
+        adapter=adapter_config(given["adapter"]),  # --lora-from: its folder's adapter
     )
 
 
@@ -199,7 +202,7 @@ def configs(args: argparse.Namespace, given: dict[str, dict], world: int):
     run, notes = resumed_config(meta, ckpt, given, args.preset)
     run, fitted = fit_context_parallel(run, world, "context_parallel" in given["engine"])
     notes = [f"resume: {ckpt} with its own config", *notes, *fitted, *removed_settings(meta, ckpt)]
-    return run, ckpt, None, notes
+    return run, ckpt, adapter_base(run, meta, ckpt), notes
 
 
 def restart_recorded(
@@ -228,8 +231,21 @@ def restart_recorded(
     if record.get("init_from") and not ckpt:
         source = recorded_source(record["init_from"], run, where)
         what = f"--init-from {record['init_from']}"
+    elif ckpt:
+        source = adapter_base(run, ckpt_io.load_meta(ckpt), ckpt)
     note = f"--resume: {where} records the run ({what}); restarting it as it was started"
     return run, ckpt, source, [note, *notes, *fitted]
+
+
+def adapter_base(run: RunConfig, meta: dict, ckpt: Path):
+    """The frozen base of a resumed adapter run: the --init-from source its checkpoint names,
+    holding the model it was trained on (checkpoints hold the adapters alone); None for a run
+    that trains the whole model."""
+    if not run.adapter.active:
+        return None
+    if not meta.get("init_from"):
+        raise UserError(f"--resume: {ckpt} holds LoRA adapters but names no base; it is damaged")
+    return recorded_source(meta["init_from"], run, ckpt)
 
 
 def recorded_source(path: str, run: RunConfig, where: Path):

@@ -84,6 +84,10 @@ class HFWeights:
         h, k = self._where[name]
         return tuple(h[k].shape) if isinstance(h, dict) else h.shape(k)
 
+    def dtype(self, name: str) -> torch.dtype:
+        h, k = self._where[name]
+        return h[k].dtype if isinstance(h, dict) else h.dtype(k)
+
     def blocks(self) -> int:
         """How many transformer blocks the weights hold (the highest block index + 1)."""
         ids = [self.mapping.layer_of(n) for n in self._where]
