@@ -44,6 +44,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:Futu
 CPU = DistContext(0, 1, 0, torch.device("cpu"))
 V, SEQ, MB, LR = 300, 32, 4, 2e-3
 X = torch.randint(0, V, (2, SEQ), generator=torch.Generator().manual_seed(1))
+SMALL_LLAMA = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=V, max_position_embeddings=64, tie_word_embeddings=False,
+)  # fmt: skip
 # name -> the HF config: Llama with grouped-query attention (fused k/v and gate/up in fitgpt),
 # GPT-2 with its Conv1D weights (PEFT's fan_in_fan_out)
 CONFIGS = {
@@ -56,14 +60,21 @@ CONFIGS = {
         n_layer=2, n_embd=32, n_head=4, n_positions=SEQ, vocab_size=V, bos_token_id=None,
         eos_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     ),
+    # the other Llama-shaped families: q/k/v biases, q/k norms, a sliding window
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL_LLAMA),
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL_LLAMA, head_dim=16),
+    "mistral": lambda: transformers.MistralConfig(**SMALL_LLAMA, sliding_window=8),
 }  # fmt: skip
 # (family, --lora-targets, alpha or None, rsLoRA): every linear, one of a fused pair (its
-# other half unadapted), a name both GPT-2's attention and MLP end in
+# other half unadapted), a name both GPT-2's attention and MLP end in, and the other families
 ADAPTERS = [
     ("llama", "all-linear", None, False),
     ("llama", "k_proj,down_proj", 5.0, True),
     ("gpt2", "all-linear", None, False),
     ("gpt2", "c_proj", 3.0, False),
+    ("qwen2", "q_proj,v_proj", None, False),
+    ("qwen3", "all-linear", None, True),
+    ("mistral", "gate_proj,o_proj", 4.0, False),
 ]
 
 

@@ -56,7 +56,7 @@ def adapter_refusal(e: EngineConfig, typed: Mapping[str, Any]) -> str | None:
     """The one line refusing an engine setting an adapter run cannot have, or None. `e`: the
     engine config as asked (with --plan auto, its fixed fields applied); `typed`: the engine
     flags typed (the shares --offload-fraction and --nvme-fraction among them)."""
-    if typed.get("engine") == "zero" or (e.engine == "zero" and "engine" in typed):
+    if typed.get("engine") == "zero":
         return f"--engine zero: {WHY}; drop it"
     for name in ("offload_fraction", "nvme_fraction", "nvme_path"):
         if typed.get(name) not in (None, ""):
