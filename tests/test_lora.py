@@ -292,7 +292,7 @@ def test_a_resumed_run_is_the_uninterrupted_one_bit_for_bit(folders, tmp_path):
     keep = tmp_path / "uninterrupted"
     shutil.copytree(final, keep)
     shutil.rmtree(final)
-    cli(["train", "--out", out, "--resume"])
+    cli(["train", "--out", out, "--resume", "--lora-alpha", "8"])  # 2R: the run's own alpha
     assert losses(out) == want
     from fitgpt.engine.state_io import StateReader
 
@@ -340,6 +340,16 @@ def test_two_gloo_ranks_equal_one_process(folders, tmp_path, gloo):
     assert r0["adapters"] == r1["adapters"]  # DDP keeps the ranks' adapters equal
     for n, v in one["adapters"].items():
         assert torch.allclose(torch.tensor(r0["adapters"][n]), torch.tensor(v), atol=1e-6), n
+
+
+@pytest.mark.slow
+def test_fitgpt_train_gpus_2_equals_one_process(folders, trained, tmp_path):
+    """`fitgpt train --gpus 2` (torchrun, gloo; the settled settings handed to the ranks, each
+    reading the base) at micro-batch 2 per rank: the one-process run's 20 losses at 4."""
+    argv = train_argv(folders["llama"], tmp_path / "run", "--gpus", "2", "--micro-batch", "2")
+    r = run_process(*argv, timeout=280, env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert close(losses(tmp_path / "run"), losses(trained["llama"]))
 
 
 # ---- PEFT's folder out and in, the merge ---------------------------------------------------
@@ -525,4 +535,14 @@ def test_bad_peft_folders_and_exports_are_refused_in_one_line(folders, trained, 
                    "LoRA adapters", "--lora-from")  # fmt: skip
     assert_refused(*run_in_process(capsys, "train", "--out", run, "--resume", "--steps", "30",
                                    "--lora-rank", "8"), "--lora-rank 8")  # fmt: skip
+    assert_refused(*run_in_process(capsys, "train", "--out", whole, "--resume", "--steps", "3",
+                                   "--lora-rank", "4"), "the whole model")  # fmt: skip
     assert not (tmp_path / "o").exists()
+    # a resume whose base holds another model now
+    base = tmp_path / "base"
+    shutil.copytree(folders["llama"], base)
+    cli(train_argv(base, tmp_path / "z", steps=1))
+    shutil.rmtree(base)
+    shutil.copytree(folders["qwen2"], base)
+    assert_refused(*run_in_process(capsys, "train", "--out", tmp_path / "z", "--resume",
+                                   "--steps", "2"), str(base), "another model")  # fmt: skip

@@ -113,6 +113,13 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def same(name: str, a, b) -> bool:
+    """Two values of field `name` that ask for the same adapter (targets in any order)."""
+    if name == "lora_targets" and isinstance(a, str) and isinstance(b, str):
+        return set(a.split(",")) == set(b.split(","))
+    return a == b
+
+
 # the fields of an adapter folder (PEFT's adapter_config.json): its shape, not a training choice
 FROM_FOLDER = ("lora_rank", "lora_alpha", "lora_targets", "lora_rslora")
 
@@ -128,7 +135,7 @@ def adapter_config(given: dict) -> AdapterConfig:
 
     found = read_adapter_config(Path(path))
     for name in FROM_FOLDER:
-        if name in given and given[name] != found[name]:
+        if name in given and not same(name, given[name], found[name]):
             raise UserError(
                 f"{flag(name)} {given[name]}: the adapter --lora-from {path} has "
                 f"{found[name]}; drop the flag (the adapter's shape is the folder's)"
@@ -148,15 +155,12 @@ def resumed_adapter(saved: dict, asked: dict, ckpt: Path) -> AdapterConfig:
             "PEFT folder with --init-from and --lora-from)"
         )
     for name, value in asked.items():
-        if name != "lora_dropout" and getattr(old, name) != value:
-            was = (
-                f"trained with {flag(name)} {getattr(old, name)}"
-                if old.active
-                else "trained the whole model, without adapters"
-            )
+        had = old.alpha if name == "lora_alpha" and old.active else getattr(old, name)
+        if name != "lora_dropout" and not same(name, value, had):
+            what = f"with {flag(name)} {had}" if old.active else "the whole model, no adapters"
             raise UserError(
-                f"--resume: {ckpt} was {was}, this command asks {flag(name)} {value}; drop the "
-                "flag to continue that run, or start a new run with another --out"
+                f"--resume: {ckpt} was trained {what}, this command asks {flag(name)} {value}; "
+                "drop the flag to continue that run, or start a new run with another --out"
             )
     if "lora_dropout" in asked and not old.active:
         raise UserError(f"--resume: {ckpt} trained the whole model: drop --lora-dropout")
