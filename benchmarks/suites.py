@@ -150,6 +150,36 @@ SUITES: tuple[Suite, ...] = (
         ),
     ),
     Suite(
+        "moe",
+        "mixture-of-experts models on one GPU: the expert matmuls, fitgpt's planned run, and "
+        "transformers + DeepSpeed ZeRO-3 offload on the same shape and batch",
+        (
+            Row(
+                "gpu",
+                "peers/moe_gpu.sh",
+                "nvidia-h200",
+                "the GPU-side tests and check, grouped against per-expert matmuls at Qwen3-30B-A3B's "
+                "layer, and `fitgpt train --preset qwen3-moe-30b-a3b --layers LAYERS` (default 8) "
+                "on the standard library's source",
+                env="STAGE=a",
+                device_env=True,
+                carry=WHL,
+                results=("moe_h200_2026-11-28",),
+            ),
+            Row(
+                "peer",
+                "peers/moe_gpu.sh",
+                "nvidia-h200",
+                "transformers' Qwen3MoeForCausalLM + DeepSpeed ZeRO-3 offload at LAYERS layers, "
+                "then fitgpt on the same shape and batch",
+                env='LAYERS=6 STAGES="peer train" PEER_STEPS=3',
+                device_env=True,
+                carry=WHL,
+                results=("moe_h200_2026-11-28",),
+            ),
+        ),
+    ),
+    Suite(
         "peers",
         "fitgpt beside nanoGPT, DeepSpeed, FSDP2 and DDP under one protocol",
         (
@@ -593,6 +623,7 @@ HELPERS = (
     "multi_gpu/x4_env.sh",
     "stdlib_jsonl.py",
     "peers/llama_gpu.py",
+    "peers/moe_gpu.py",
     "run.py",
     "suites.py",
 )

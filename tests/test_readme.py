@@ -376,6 +376,22 @@ def data_megatron_order(tmp: Path) -> None:
         (tmp / f"c_text_document.{suffix}").rename(tmp / f"PREFIX.{suffix}")
 
 
+def adapters_check(tmp: Path, out: str) -> None:
+    """docs/adapters.md's promises: the PEFT folder loads over transformers' base and gives
+    the merged folder's logits; the merged folder is a whole model, its weights moved."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    src = transformers.AutoModelForCausalLM.from_pretrained(tmp / "Llama-3.1-8B-Instruct")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp / "my-llama-merged").eval()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged.state_dict()[name], src.state_dict()[name])
+    lora = peft.PeftModel.from_pretrained(src, tmp / "my-lora-adapter").eval()
+    x = torch.randint(0, src.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(lora(x).logits, merged(x).logits, rtol=0, atol=1e-5)
+    assert out.strip(), "generate printed no reply"
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     stand_ins: object  # (folder) -> None: writes the files the block names
@@ -389,6 +405,9 @@ RECIPES = {
     ),
     "docs/interop.md: fitgpt data preprocess --input my.jsonl --json-key text": Recipe(
         interop_gpt2, replaced=("python -c", "python -c"), check=interop_gpt2_check
+    ),
+    "docs/adapters.md: fitgpt data preprocess --chat --input chats.jsonl": Recipe(
+        readme_llama, check=adapters_check
     ),
     "docs/data.md: fitgpt data preprocess --input corpus.jsonl.gz": Recipe(data_corpus),
     "docs/data.md: fitgpt train --data out/corpus_text_document --tokenizer": Recipe(

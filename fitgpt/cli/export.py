@@ -18,16 +18,25 @@ def register(sub) -> None:
         "size). --format fitgpt (default): one .safetensors file of whole parameters named as "
         "in the model's own parameter names. --format hf: a folder that "
         "AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained load offline "
-        "(GPT-2, Llama, Qwen2, Qwen3, Mistral; see docs/interop.md).",
+        "(GPT-2, Llama, Qwen2, Qwen3, Mistral; see docs/interop.md). A LoRA run's checkpoint "
+        "(docs/adapters.md): --format peft, PEFT's adapter folder; --format hf --merge, its "
+        "base with the adapters merged in.",
     )
     p.add_argument("--ckpt", required=True, help="checkpoint folder, or a run folder (its newest)")
     p.add_argument("--out", required=True, help="output .safetensors path (fitgpt) or folder (hf)")
     p.add_argument(
         "--format",
-        choices=["fitgpt", "hf"],
+        choices=["fitgpt", "hf", "peft"],
         default="fitgpt",
-        help="fitgpt: one safetensors file, fitgpt names; hf: a Hugging Face folder "
-        "(default: fitgpt)",
+        help="fitgpt: one safetensors file, fitgpt names; hf: a Hugging Face folder; peft: a "
+        "LoRA run's adapters as PEFT's folder, which peft.PeftModel.from_pretrained loads over "
+        "the base (default: fitgpt)",
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="hf and fitgpt: a LoRA run's base (its --init-from source) with the adapters "
+        "merged in, by default in the base's dtype",
     )
     p.add_argument(
         "--max-shard-size",
@@ -37,7 +46,10 @@ def register(sub) -> None:
         "written as shards with model.safetensors.index.json (default: 5GB, as transformers)",
     )
     p.add_argument(
-        "--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="(default: fp32)"
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="(default: fp32; with --merge the base's)",
     )
     p.add_argument(
         "--tokenizer",
@@ -61,9 +73,25 @@ def run(args: argparse.Namespace) -> int:
     check_out_apart(Path(args.out), Path(args.ckpt), args.tokenizer)
     if Path(args.out).exists() and not args.overwrite:
         raise UserError(f"--out {args.out} already exists; pass --overwrite to replace it")
+    if args.merge and args.format == "peft":
+        raise UserError("--merge writes a whole model: use it with --format hf (or fitgpt)")
+    if args.format == "peft":
+        return run_peft(args)
     if args.format == "hf":
         return run_hf(args)
     return run_fitgpt(args)
+
+
+def run_peft(args: argparse.Namespace) -> int:
+    from fitgpt.interop.adapter_export import export_peft
+
+    r = export_peft(Path(args.ckpt), Path(args.out), args.dtype or "fp32", args.overwrite)
+    a = r.adapter
+    print(
+        f"wrote {r.out}: LoRA rank {a.lora_rank}, alpha {a.alpha:g}, on {r.modules} modules "
+        f"({r.values:,} values in {args.dtype or 'fp32'}), over the base {r.base}"
+    )
+    return 0
 
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -88,13 +116,14 @@ def run_hf(args: argparse.Namespace) -> int:
 
     limit = shard_bytes(args.max_shard_size)
     r = export_hf(
-        Path(args.ckpt), Path(args.out), args.dtype, args.overwrite, args.tokenizer, limit
-    )
+        Path(args.ckpt), Path(args.out), args.dtype, args.overwrite, args.tokenizer, limit,
+        args.merge,
+    )  # fmt: skip
     c = r.cfg
     tok = f"tokenizer {r.tokenizer}" if r.tokenizer else "no tokenizer (the run recorded none)"
     files = "one safetensors file" if r.files == 1 else f"{r.files} safetensors shards"
     print(
-        f"wrote {r.out}: {r.architecture}, {r.params:,} values in {args.dtype} in {files} "
+        f"wrote {r.out}: {r.architecture}, {r.params:,} values in {r.dtype} in {files} "
         f"({c.n_layer} layers, hidden {c.n_embd}, vocabulary {c.vocab_size} cut from "
         f"{c.padded_vocab_size}{f', {r.zeros} zero biases' if r.zeros else ''}), "
         f"{tok}"
@@ -107,11 +136,16 @@ def run_fitgpt(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
     from fitgpt.infer.generate import load_model
+    from fitgpt.interop.adapter_export import merged_base
     from fitgpt.paths import check_writable_file
 
     check_writable_file(args.out, "--out")  # before loading anything
-    model, meta = load_model(Path(args.ckpt), torch.device("cpu"))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    base = merged_base(Path(args.ckpt)) if args.merge else None
+    if args.merge and base is None:
+        raise UserError(f"--merge: {args.ckpt} trained the whole model, no adapters; drop --merge")
+    name = args.dtype or (base.dtype if base is not None else "fp32")
+    model, meta = load_model(Path(args.ckpt), torch.device("cpu"), base)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -128,7 +162,7 @@ def run_fitgpt(args: argparse.Namespace) -> int:
     os.replace(tmp, out)
     n = sum(t.numel() for t in tensors.values())
     print(
-        f"wrote {out}: {len(tensors)} tensors, {n:,} values in {args.dtype} (vocabulary padded to "
+        f"wrote {out}: {len(tensors)} tensors, {n:,} values in {name} (vocabulary padded to "
         f"{model.cfg.padded_vocab_size})"
     )
     return 0

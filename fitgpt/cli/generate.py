@@ -66,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
     tok = tokenizer_for(meta, args.tokenizer, model_cfg)
     if args.chat:
         chat_prompt(tok, "")  # no template, or one that refuses a turn: refused here
-    model, _ = load_model(path, device)
+    from fitgpt.interop.adapter_export import merged_base
+
+    model, _ = load_model(path, device, merged_base(path))  # an adapter run's: merged
     told = []
 
     def note(line: str) -> None:  # the context note once, not once per interactive prompt

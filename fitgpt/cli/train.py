@@ -12,6 +12,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from fitgpt.adapters.config import AdapterConfig
 from fitgpt.cli.args import (
     add_config_args,
     add_fraction_flags,
@@ -56,6 +57,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     add_fraction_flags(p)
     add_config_args(p.add_argument_group("precision"), PrecisionConfig)
     add_config_args(p.add_argument_group("optimizer"), OptimConfig)
+    add_config_args(p.add_argument_group("LoRA adapters (docs/adapters.md)"), AdapterConfig)
     add_removed_flags(p)
 
 

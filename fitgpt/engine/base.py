@@ -98,11 +98,26 @@ class StepStats:
     counted: int = -1
 
 
+class FrozenWeights(ABC):
+    """The weights of a run that do not train (an adapter run's base, fitgpt/adapters): loaded
+    from the run's --init-from source at its start and on every resume, never saved (its
+    checkpoints name the source instead). `layout`: the whole model's chunks, as the source's
+    checkpoint or Hugging Face folder holds them."""
+
+    layout: list[ChunkSpec]
+
+    @abstractmethod
+    def load_state(self, folder: Path | WeightSource, extra: dict, optimizer: bool = False) -> None:
+        """The weights of `folder` (a checkpoint folder, weights only, or a WeightSource)."""
+
+
 class Engine(ABC):
     model_cfg: ModelConfig
-    layout: list[ChunkSpec]
+    layout: list[ChunkSpec]  # the chunks of what trains (and what save_state writes)
     device: torch.device
     compiled: CompiledRegions | None = None  # --compile on: the model's compiled regions
+    # an adapter run's frozen base (load it through this); None where the whole model trains
+    frozen: FrozenWeights | None = None
 
     @abstractmethod
     def train_step(self, micro_batches: list[Batch], lr: float) -> StepStats:

@@ -5,6 +5,11 @@ activations); bf16/fp16 compute through autocast; torch's fused AdamW. With seve
 model is wrapped in DistributedDataParallel: gradients are all-reduced in buckets overlapped with
 backward, and accumulation micro-batches skip the all-reduce (no_sync). On one device there is no
 wrapper at all. Kept honest and tuned because every speed-up fitgpt claims is measured against it.
+
+With LoRA adapters (fitgpt/adapters, --lora-rank) the base is frozen: its fp32 weights stay on
+the device (4 bytes per parameter), with no gradient, no optimizer state and no part in DDP's
+buckets; the adapters are what trains, is clipped, stepped, saved and loaded (`layout`), and the
+base is loaded through `frozen` from the run's --init-from source.
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from fitgpt.adapters import AdapterConfig, lora_targets
+from fitgpt.adapters.lora import attach_lora, init_lora
 from fitgpt.dist import DistContext
 from fitgpt.engine import comm
 from fitgpt.engine.base import (
     Batch,
     Engine,
+    FrozenWeights,
     StepStats,
     batch_to,
     loss_weights,
@@ -29,7 +37,7 @@ from fitgpt.engine.base import (
     weighted,
 )
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
-from fitgpt.engine.layout import decays
+from fitgpt.engine.layout import ChunkSpec, chunk_layout, decays
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import write_pieces
 from fitgpt.engine.transforms.activation import checkpoint_blocks
@@ -61,6 +69,7 @@ class TorchEngine(Engine):
         ocfg: OptimConfig,
         ctx: DistContext,
         seed: int = 0,
+        adapter: AdapterConfig | None = None,
     ) -> None:
         # ctx: laid out for ecfg (engine/factory.py); DDP runs over every rank, CP or not
         self.model_cfg, self.ecfg, self.pcfg, self.ocfg, self.ctx = model_cfg, ecfg, pcfg, ocfg, ctx
@@ -71,12 +80,18 @@ class TorchEngine(Engine):
         model.to_empty(device=self.device)
         model.materialize_buffers(self.device)  # to_empty left the non-persistent ones undefined
         self._init(model, seed)
+        if adapter is not None and adapter.active:  # before compiling: the blocks change
+            self._adapt(model, adapter, seed)
         scope = scope_of(ecfg)  # the planner's (engine/transforms/compile.py compile_scope)
         self.compiled = compile_regions(model, ctx.is_main) if scope != "off" else None
         if ecfg.checkpointing != "off":  # after compiling: the checkpoint wraps compiled blocks
             checkpoint_blocks(model, to_host=ecfg.checkpointing == "cpu")
         self.model = model
         self.dp = ctx.dp_world if ctx.distributed else 1
+        if self.dp > 1 and self.frozen is not None:  # no broadcast of the base (each rank
+            # loads it from the source), no bucket for it
+            frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+            DDP._set_params_and_buffers_to_ignore_for_model(model, frozen)
         self.module = (
             DDP(
                 model,
@@ -109,6 +124,15 @@ class TorchEngine(Engine):
         )
         self.scaler = LossScaler(pcfg)
         self.autocast_dtype = AUTOCAST[pcfg.precision]
+
+    def _adapt(self, model: DecoderLM, adapter: AdapterConfig, seed: int) -> None:
+        """LoRA (fitgpt/adapters): every base parameter frozen, the adapters attached and
+        initialised as PEFT does from `seed`; from here `layout` is the adapters' chunks."""
+        targets = lora_targets(self.model_cfg, adapter)
+        attach_lora(model, targets, adapter)
+        init_lora(model, targets, seed)
+        self.frozen = FrozenBase(self, self.layout)
+        self.layout = self.local_layout = chunk_layout(model, trained=True)
 
     @torch.no_grad()
     def _init(self, model: DecoderLM, seed: int) -> None:
@@ -234,15 +258,19 @@ class TorchEngine(Engine):
             for _ in pieces:  # the other ranks of rank 0's TP group take part in the gathers
                 pass
 
-    @torch.no_grad()
     def load_state(self, folder: Path, extra: dict, optimizer: bool = True) -> None:
         """Weights and optimizer state; with optimizer=False (a weights-only checkpoint) the
         weights alone and no optimizer state, as in a fresh run (AdamW starts it at step 1)."""
+        self._load(self.local_layout, folder, extra, optimizer)
+
+    @torch.no_grad()
+    def _load(self, layout: list[ChunkSpec], folder, extra: dict, optimizer: bool) -> None:
+        """The parameters of `layout` (what trains, or the frozen base) from `folder`."""
         reader = self.view.reader(folder)  # under TP the whole chunks read, this rank's parts kept
         params = dict(self.model.named_parameters())
         step = int(extra.get("optimizer_step", 0)) if optimizer else 0
         kinds = ("master", "exp_avg", "exp_avg_sq") if optimizer else ("master",)
-        for c in self.local_layout:
+        for c in layout:
             flat = {k: reader.read(c.index, k, 0, c.numel) for k in kinds}
             for s in c.slots:
                 p = params[s.name]
@@ -268,8 +296,12 @@ class TorchEngine(Engine):
         where = f"replicated on {self.dp} rank(s)"
         if self.mesh is not None:
             where = f"1/{self.mesh.tp} of each layer (tensor-parallel), {where}"
-        out.update(engine="ddp", placement="every parameter, gradient and Adam moment in fp32 on "
-                   f"the device, {where}")  # fmt: skip
+        what = "every parameter, gradient and Adam moment"
+        if self.frozen is not None:
+            what = (
+                "the frozen base's weights, and the adapters with their gradients and Adam moments,"
+            )
+        out.update(engine="ddp", placement=f"{what} in fp32 on the device, {where}")
         if self.dp > 1:
             out["streams"] = ["DDP's bucketed all-reduce, overlapped with the backward"]
         return out
@@ -280,15 +312,18 @@ class TorchEngine(Engine):
 
         states = [st for st in self.opt.state.values()]
         dev = self.device.type
-        return {
-            dev: {
-                "master_weights": nbytes(self.params),  # fp32 params are the master copy
-                "grads": nbytes(p.grad for p in self.params),
-                "optimizer": nbytes(
-                    [st["exp_avg"] for st in states] + [st["exp_avg_sq"] for st in states]
-                ),
-            }
+        held = {
+            "master_weights": nbytes(self.params),  # fp32 params are the master copy
+            "grads": nbytes(p.grad for p in self.params),
+            "optimizer": nbytes(
+                [st["exp_avg"] for st in states] + [st["exp_avg_sq"] for st in states]
+            ),
         }
+        if self.frozen is not None:  # an adapter run's base: weights alone
+            held["frozen_weights"] = nbytes(
+                p for p in self.model.parameters() if not p.requires_grad
+            )
+        return {dev: held}
 
     def inference_model(self) -> DecoderLM:
         if self.mesh is None and self.ctx.cp is None:
@@ -301,3 +336,14 @@ class TorchEngine(Engine):
             for name, p in self.model.named_parameters():
                 dict(model.named_parameters())[name].copy_(unsplit(name, p.detach()))
         return model.eval()
+
+
+class FrozenBase(FrozenWeights):
+    """A TorchEngine's frozen base (an adapter run's): its parameters, read from a checkpoint
+    folder or a WeightSource in the whole model's `layout`."""
+
+    def __init__(self, engine: TorchEngine, layout: list[ChunkSpec]) -> None:
+        self.engine, self.layout = engine, layout
+
+    def load_state(self, folder, extra: dict, optimizer: bool = False) -> None:
+        self.engine._load(self.layout, folder, extra, optimizer=False)

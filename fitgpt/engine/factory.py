@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fitgpt.adapters import AdapterConfig
 from fitgpt.dist import DistContext
 from fitgpt.engine.base import Engine
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
@@ -15,10 +16,12 @@ def build_engine(
     ocfg: OptimConfig,
     ctx: DistContext,
     seed: int = 0,
+    adapter: AdapterConfig | None = None,
 ) -> Engine:
     """The engine `ecfg` names, on `ctx` as it is laid out for `ecfg`'s T and C (DistContext
     .laid_out: a run's ranks are laid out once, by train/assemble.py); an engine lays out
-    nothing itself."""
+    nothing itself. `adapter`: LoRA on a frozen base, which the ddp engine alone holds (a run's
+    settle decides it: plan/adapter.py)."""
     if (ctx.tp, ctx.cp_size) != (ecfg.tensor_parallel, ecfg.context_parallel):
         raise ValueError(
             f"the ranks are laid out for --tensor-parallel {ctx.tp} --context-parallel "
@@ -28,7 +31,9 @@ def build_engine(
     if ecfg.engine == "ddp":
         from fitgpt.engine.ddp import TorchEngine
 
-        return TorchEngine(model_cfg, ecfg, pcfg, ocfg, ctx, seed)
+        return TorchEngine(model_cfg, ecfg, pcfg, ocfg, ctx, seed, adapter)
+    if adapter is not None and adapter.active:
+        raise ValueError("LoRA adapters train on the ddp engine: settle the run (plan/adapter.py)")
     from fitgpt.engine.chunked.engine import ChunkEngine
 
     return ChunkEngine(model_cfg, ecfg, pcfg, ocfg, ctx, seed)

@@ -71,26 +71,32 @@ def _chunk(index: int, name: str, named: list[tuple[str, nn.Parameter]], rule) -
     return ChunkSpec(index, name, tuple(slots), off, decay_numel)
 
 
-def chunk_layout(model: nn.Module) -> list[ChunkSpec]:
+def chunk_layout(model: nn.Module, trained: bool = False) -> list[ChunkSpec]:
     """Chunks in execution order: embed, block.0 … block.L-1, head (works on the meta device).
     Each parameter's tensor-parallel Split comes from the model's family (none for a module
-    that has no family: every parameter replicated)."""
+    that has no family: every parameter replicated). `trained`: only the parameters that train
+    (requires_grad), chunks left empty dropped: an adapter run's adapters, its frozen base
+    aside (fitgpt/adapters)."""
     family = getattr(model, "family", None)
     rule = family.split_rule if family is not None else (lambda name: None)
     before, after, seen_blocks = [], [], False
     seen: set[int] = set()
     chunks: list[ChunkSpec] = []
+
+    def kept(named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in named if p.requires_grad] if trained else named
+
     for child_name, child in model.named_children():
         if child_name == "blocks":
             seen_blocks = True
             for i, block in enumerate(child):
                 named = [(f"blocks.{i}.{n}", p) for n, p in block.named_parameters()]
                 seen.update(id(p) for _, p in named)
-                chunks.append(_chunk(0, f"block.{i}", named, rule))
+                chunks.append(_chunk(0, f"block.{i}", kept(named), rule))
             continue
         named = [(f"{child_name}.{n}", p) for n, p in child.named_parameters() if id(p) not in seen]
         seen.update(id(p) for _, p in named)
-        (after if seen_blocks else before).append(named)
+        (after if seen_blocks else before).append(kept(named))
     specs = [
         _chunk(0, "embed", [p for g in before for p in g], rule),
         *chunks,

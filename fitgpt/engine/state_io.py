@@ -139,6 +139,28 @@ class WeightSource(ABC):
         parallelism (rank `tp_rank` of `tp`), None for the unsplit model's."""
 
 
+class NamedWeights(WeightSource):
+    """Whole parameters by name (an adapter folder's tensors, fitgpt/adapters/peft.py), read in
+    the layout `layout` they fill: `master` only, unsplit."""
+
+    def __init__(self, tensors: dict[str, Tensor], layout: list[ChunkSpec]) -> None:
+        self.tensors, self.layout = tensors, layout
+
+    def reader(self, local: list[ChunkSpec] | None, tp_rank: int, tp: int) -> Reader:
+        if tp != 1:
+            raise ValueError("named weights are read unsplit (no tensor parallelism)")
+        return self
+
+    def read(self, chunk: int, kind: str, lo: int, hi: int, out: Tensor | None = None) -> Tensor:
+        if kind != "master":
+            raise UserError(f"named weights hold weights only, no {kind}")
+        spec = self.layout[chunk]
+        flat = torch.cat([self.tensors[s.name].reshape(-1).float() for s in spec.slots])
+        if out is None:
+            return flat[lo:hi].clone()
+        return out.copy_(flat[lo:hi])
+
+
 def open_reader(src: Path | WeightSource) -> Reader:
     """The reader of a checkpoint folder or a WeightSource, in the unsplit model's layout."""
     return src.reader(None, 0, 1) if isinstance(src, WeightSource) else StateReader(src)

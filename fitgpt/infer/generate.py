@@ -77,10 +77,17 @@ def checkpoint_meta(path: Path) -> tuple[Path, dict, ModelConfig]:
     return ckpt, meta, ModelConfig.from_dict(meta["config"]["model"])
 
 
-def load_model(path: Path, device: torch.device) -> tuple[DecoderLM, dict]:
+def load_model(path: Path, device: torch.device, merged=None) -> tuple[DecoderLM, dict]:
     """The checkpoint's weights in a plain model on `device` (bf16 on GPUs, fp32 on CPUs), read
-    with the trainer's checks: checksums, sizes, the layout against the model's own, CRCs."""
+    with the trainer's checks: checksums, sizes, the layout against the model's own, CRCs. An
+    adapter run's checkpoint holds no model: `merged` reads its base with the adapters merged
+    in (interop/adapter_export.py, opened by the command, which may read the base's format)."""
     ckpt, meta, cfg = checkpoint_meta(path)
+    if merged is None and meta["config"].get("adapter", {}).get("lora_rank") is not None:
+        raise UserError(
+            f"{ckpt} holds LoRA adapters, not a model: export it with them merged in (fitgpt "
+            f"export --ckpt {path} --format hf --merge --out DIR)"
+        )
     with torch.device("meta"):
         model = build_model(cfg)
     layout = chunk_layout(model)  # the model's own layout: a tampered one cannot load
@@ -89,8 +96,9 @@ def load_model(path: Path, device: torch.device) -> tuple[DecoderLM, dict]:
     model.materialize_buffers(device)  # to_empty left them undefined (ALiBi's slopes)
     params = dict(model.named_parameters())
     with ckpt_io.pointing_back(ckpt), torch.no_grad():
-        ckpt_io.check_layout(meta, layout, ckpt)
-        reader = StateReader(ckpt)
+        reader = merged.reader if merged is not None else StateReader(ckpt)
+        if merged is None:  # a merged base's layout is checked where it is opened
+            ckpt_io.check_layout(meta, layout, ckpt)
         for c in layout:
             flat = reader.read(c.index, "master", 0, c.numel)
             for s in c.slots:

@@ -12,7 +12,7 @@ import importlib
 
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
-from fitgpt.model.families import HF_FAMILY, TABLE, module
+from fitgpt.model.families import HF_FAMILY, hf_mapping, module
 from fitgpt.model.hf_map import HFMapping
 
 
@@ -44,14 +44,9 @@ def mapping_for_hf(hf: dict, source: str) -> HFMapping:
 
 
 def mapping_for_model(cfg: ModelConfig) -> HFMapping:
-    """The mapping that exports `cfg`'s family, or one line saying there is none."""
-    if TABLE.get(cfg.family):
-        return _mapping(cfg.family)
-    fams = ", ".join(f for f, types in TABLE.items() if types)
-    raise UserError(
-        f"model family {cfg.family!r} has no Hugging Face mapping: fitgpt reads and writes HF "
-        f"checkpoints of the families {fams}"
-    )
+    """The mapping that exports `cfg`'s family, or one line saying there is none (the
+    registry's lookup, model/families hf_mapping)."""
+    return hf_mapping(cfg)
 
 
 # ---- one call per question, whatever the family ---------------------------------------------

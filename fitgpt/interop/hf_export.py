@@ -53,6 +53,7 @@ class ExportResult:
     architecture: str  # the transformers class, e.g. LlamaForCausalLM
     files: int  # safetensors files written (1, or the number of shards)
     zeros: int  # HF tensors written as zeros (the biases of a bias-free GPT-2)
+    dtype: str  # fp32, bf16 or fp16
 
 
 def check_output(out: Path, overwrite: bool) -> None:
@@ -63,15 +64,28 @@ def check_output(out: Path, overwrite: bool) -> None:
 def export_hf(
     ckpt_path: Path,
     out: Path,
-    dtype: str = "fp32",
+    dtype: str | None = None,
     overwrite: bool = False,
     tokenizer: str | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    merge: bool = False,
 ) -> ExportResult:
-    """Write checkpoint (or newest of run) `ckpt_path` as the HF folder `out`."""
+    """Write checkpoint (or newest of run) `ckpt_path` as the HF folder `out`, in `dtype`
+    (default fp32). `merge`: an adapter run's checkpoint, its base with the adapters merged in
+    (interop/adapter_export.py), by default in the base's dtype."""
+    from fitgpt.interop.adapter_export import adapter_of, merged
+
     ckpt = ckpt_io.resolve(ckpt_path)
     meta = ckpt_io.load_meta(ckpt)
     cfg = ModelConfig.from_dict(meta["config"]["model"])
+    adapter = adapter_of(meta)
+    if adapter is not None and not merge:
+        raise UserError(
+            f"--ckpt {ckpt} holds LoRA adapters, not a model: add --merge (the base with them "
+            "merged in), or use --format peft"
+        )
+    if merge and adapter is None:
+        raise UserError(f"--merge: {ckpt} trained the whole model, no adapters; drop --merge")
     mapping = mapping_for_model(cfg)
     mapping.check_exportable(cfg)
     check_out_apart(out, ckpt_path, tokenizer)
@@ -80,11 +94,15 @@ def export_hf(
         raise UserError(f"max shard size {max_shard_bytes} bytes must be positive")
     spec = tokenizer or meta.get("tokenizer")
     ids, carried = _special_ids(spec, cfg, meta)
+    base = merged(ckpt, meta, cfg) if merge else None
+    dtype = dtype or (base.dtype if base is not None else "fp32")
     tmp = out.parent / f".{out.name}.export.tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed export are never valid
     tmp.mkdir(parents=True)
     try:
-        n, files = write_weights(tmp, ckpt, meta, cfg, mapping, DTYPES[dtype], max_shard_bytes)
+        n, files = write_weights(
+            tmp, ckpt, meta, cfg, mapping, DTYPES[dtype], max_shard_bytes, base
+        )
         names = {"dtype": HF_DTYPE_NAMES[dtype], "torch_dtype": HF_DTYPE_NAMES[dtype]}
         config = mapping.hf_config(cfg, ids) | names  # torch_dtype: transformers 4's key
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -99,7 +117,7 @@ def export_hf(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     zeros = sum(m.fitgpt is None for m in mapping.tensor_maps(cfg))
-    return ExportResult(out, cfg, n, written, mapping.architecture(cfg), files, zeros)
+    return ExportResult(out, cfg, n, written, mapping.architecture(cfg), files, zeros, dtype)
 
 
 def check_out_apart(out: Path, ckpt_path: Path, tokenizer: str | None = None) -> None:
@@ -242,10 +260,15 @@ def write_weights(
     mapping: HFMapping,
     dtype: torch.dtype,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    merged=None,
 ) -> tuple[int, int]:
     """The safetensors file(s) in HF names and layout, streamed chunk by chunk; (values
-    written, files written)."""
+    written, files written). `merged`: an adapter checkpoint's base with the adapters merged
+    in (interop/adapter_export.py Merged), read instead of the checkpoint's own chunks."""
     layout = [ChunkSpec.from_dict(d) for d in meta["layout"]]
+    reader = StateReader(ckpt)
+    if merged is not None:
+        layout, reader = merged.layout, merged.reader
     where = {s.name: (c, s) for c in layout for s in c.slots}
     maps = mapping.tensor_maps(cfg)
     by_hf = {m.hf: m for m in maps}
@@ -258,7 +281,6 @@ def write_weights(
         if n == 1
         else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
     )
-    reader = StateReader(ckpt)
     held, flat = -1, torch.empty(0)
     for name, entries in zip(names, shards, strict=True):
         with SafetensorsWriter(folder / name, entries, dtype, {"format": "pt"}) as writer:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fitgpt.dist import DistContext
+from fitgpt.plan.adapter import adapter_placement
 from fitgpt.plan.apply import plan_engine
 from fitgpt.plan.fixed import Fixed
 from fitgpt.plan.memory import tokens_per_step
@@ -108,9 +109,15 @@ def settle(settings: Settings, world: int, device: str) -> Settings:
     its data and the precision resolved (train/setup.py resolve_run), then validated, once
     (plan/validate.py check_settings: a refusal is one line, before anything is allocated)."""
     config = resolve_run(settings.config, device)
-    m, e, p, fixed = config.model, config.engine, config.precision, settings.fixed
+    # LoRA: the ddp engine, unplanned, or one line refusing what needs another (plan/adapter.py)
+    has_base = settings.init_from is not None
+    config, fixed, notes = adapter_placement(config, settings.fixed, settings.typed, has_base)
+    m, e, p = config.model, config.engine, config.precision
     check_settings(m, e, p, world, device, fixed, settings.typed)
-    return dataclasses.replace(settings, config=config, settled=(world, device))
+    notes = (*settings.notes, *(n for n in notes if n not in settings.notes))
+    return dataclasses.replace(
+        settings, config=config, fixed=fixed, notes=notes, settled=(world, device)
+    )
 
 
 def assemble(settings: Settings, ctx: DistContext, log=print) -> Run:

@@ -29,6 +29,7 @@ from pathlib import Path
 from fitgpt.dist import DistContext
 from fitgpt.engine.base import Engine
 from fitgpt.engine.scaler import LossScaler
+from fitgpt.engine.transforms.build import adapter_layout
 from fitgpt.plan.apply import workload_of
 from fitgpt.plan.memory import layout_of, placement_of
 from fitgpt.train import checkpoint as ckpt_io
@@ -55,6 +56,8 @@ class CheckpointPolicy:
         layout (the engine's own, computed without allocating)."""
         e = self.run.engine
         layout = layout_of(self.run.model)
+        if self.run.adapter.active:  # an adapter run saves its adapters alone
+            layout = adapter_layout(self.run.model, self.run.adapter)
         meta = {
             **self.meta(),
             "layout": [c.to_dict() for c in layout],

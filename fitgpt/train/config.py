@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from fitgpt.adapters import AdapterConfig
 from fitgpt.data.config import DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
@@ -153,6 +154,8 @@ class RunConfig:
     engine: EngineConfig
     precision: PrecisionConfig
     optim: OptimConfig
+    # LoRA on a frozen base (fitgpt/adapters); off by default, and in checkpoints made before it
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
 
     def to_dict(self) -> dict:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -168,6 +171,7 @@ class RunConfig:
             engine=EngineConfig(**d["engine"]),
             precision=PrecisionConfig(**d["precision"]),
             optim=OptimConfig(**d["optim"]),
+            adapter=AdapterConfig(**d.get("adapter", {})),
         )
 
 
@@ -180,4 +184,5 @@ PARTS = {
     "engine": EngineConfig,
     "precision": PrecisionConfig,
     "optim": OptimConfig,
+    "adapter": AdapterConfig,
 }

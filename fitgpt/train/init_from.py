@@ -51,6 +51,12 @@ def fitgpt_source(path: Path) -> InitSource | None:
     if (path / "meta.json").is_file() or ckpt_io.step_dirs(path):
         ckpt = ckpt_io.resolve(path)
         meta = ckpt_io.load_meta(ckpt)
+        if meta["config"].get("adapter", {}).get("lora_rank") is not None:
+            raise UserError(
+                f"--init-from {path}: its checkpoints hold LoRA adapters, not a model; start "
+                f"from their base, --lora-from a PEFT export of them (fitgpt export --ckpt {path}"
+                " --format peft), or merge them first (--format hf --merge)"
+            )
         model = ModelConfig.from_dict(meta["config"]["model"])
         return InitSource(ckpt, model, tokenizer=meta.get("tokenizer"))
     return None
@@ -127,10 +133,12 @@ def _same_spec(a: str, b: str) -> bool:
 def load_source(source: InitSource, engine, model_cfg: ModelConfig, ctx) -> None:
     """The source's weights into `engine`, the optimizer fresh: a fitgpt checkpoint through its
     meta.json (architecture and layout checked), a WeightSource read in place (checked by its
-    own preflight: interop/init_source.py)."""
+    own preflight: interop/init_source.py). An adapter run's engine takes them as its frozen
+    base (Engine.frozen)."""
+    target = engine.frozen or engine
     if source.weights is not None:
-        engine.load_state(source.weights, {}, optimizer=False)
+        target.load_state(source.weights, {}, optimizer=False)
         return
     meta = ckpt_io.load_meta(source.path)
     check_same_architecture(meta, model_cfg, source.path)
-    ckpt_io.load_state(source.path, meta, engine, ctx, weights_only=True)
+    ckpt_io.load_state(source.path, meta, target, ctx, weights_only=True)

@@ -15,12 +15,14 @@ from pathlib import Path
 import torch
 
 from fitgpt import units
+from fitgpt.adapters.peft import read_peft_weights
 from fitgpt.data.config import open_data
 from fitgpt.data.source import BatchLoader
 from fitgpt.dist.env import thread_tuner
 from fitgpt.engine.base import Engine, StepStats
 from fitgpt.engine.comm import CollectiveError
 from fitgpt.engine.factory import build_engine
+from fitgpt.engine.state_io import NamedWeights
 from fitgpt.plan.memory import tokens_per_step
 from fitgpt.train import checkpoint as ckpt_io
 from fitgpt.train.assemble import Run
@@ -78,7 +80,7 @@ class Trainer:
         # (its replicated activations must stay identical)
         torch.manual_seed(self.cfg.seed + ctx.dp_rank)
         self.engine: Engine = build_engine(
-            run.model, run.engine, run.precision, run.optim, ctx, self.cfg.seed
+            run.model, run.engine, run.precision, run.optim, ctx, self.cfg.seed, run.adapter
         )
         self.log = MetricsLog(self.out, ctx.is_main)
         self.metrics = StepMetrics(
@@ -129,12 +131,26 @@ class Trainer:
         say(ctx, f"resumed from {ckpt} at step {self.step}{changed}{fresh}")
 
     def init_from(self, source: InitSource) -> None:
-        """Start from `source`'s weights: optimizer, step count and data position stay fresh."""
+        """Start from `source`'s weights: optimizer, step count and data position stay fresh.
+        An adapter run freezes them and trains its adapters, new or --lora-from's."""
         load_source(source, self.engine, self.model_cfg, self.ctx)
         self.source = str(source.path)
-        say(
-            self.ctx, f"initialised from {source.path}: its weights; optimizer, step and data fresh"
-        )
+        a = self.run.adapter
+        if a.lora_from:  # a PEFT folder's adapters, to go on training (fitgpt/adapters/peft.py)
+            tensors = read_peft_weights(Path(a.lora_from), self.model_cfg, a)
+            self.engine.load_state(NamedWeights(tensors, self.engine.layout), {}, optimizer=False)
+        what = "its weights"
+        if a.active:
+            trained = sum(c.numel for c in self.engine.layout)
+            start = f"from {a.lora_from}" if a.lora_from else "fresh"
+            what = f"its weights, frozen; LoRA rank {a.lora_rank} ({trained:,} trained) {start}"
+        say(self.ctx, f"initialised from {source.path}: {what}; optimizer, step and data fresh")
+
+    def base_from(self, source: InitSource) -> None:
+        """A resumed adapter run's frozen base, read again from the source its checkpoint
+        names (checkpoints hold the adapters alone)."""
+        load_source(source, self.engine, self.model_cfg, self.ctx)
+        say(self.ctx, f"the frozen base read from {source.path}")
 
     def _loader(self, source) -> BatchLoader:
         """This rank's rows (its data rank's), and under context parallelism its slice of them."""
@@ -322,6 +338,8 @@ def train(run: Run) -> dict:
         fresh = resume is None or (not resume and not ckpt_io.step_dirs(out))
         if run.init_from is not None and fresh:
             trainer.init_from(run.init_from)
+        elif run.init_from is not None:  # a resumed adapter run: its base, not in its checkpoints
+            trainer.base_from(run.init_from)
         if ctx.is_main:
             write_run_files(out, dict(run.files))
         out_ = trainer.fit()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fitgpt.adapters.config import adapter_config
 from fitgpt.data.config import BUILTIN, DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
@@ -135,7 +136,7 @@ def configs(req: Request, given: dict[str, dict], world: int, open_source: OpenS
     run, notes = resumed_config(meta, ckpt, given, req.preset)
     run, fitted = fit_context_parallel(run, world, "context_parallel" in given["engine"])
     notes = [f"resume: {ckpt} with its own config", *notes, *fitted, *removed_settings(meta, ckpt)]
-    return run, ckpt, None, notes
+    return run, ckpt, adapter_base(run, meta, ckpt, open_source), notes
 
 
 def restart_recorded(
@@ -169,8 +170,22 @@ def restart_recorded(
         path = record["init_from"]
         source = recorded_source(path, open_source(path), run, where)
         what = f"--init-from {record['init_from']}"
+    elif ckpt:
+        source = adapter_base(run, ckpt_io.load_meta(ckpt), ckpt, open_source)
     note = f"--resume: {where} records the run ({what}); restarting it as it was started"
     return run, ckpt, source, [note, *notes, *fitted]
+
+
+def adapter_base(run: RunConfig, meta: dict, ckpt: Path, open_source: OpenSource):
+    """The frozen base of a resumed adapter run: the --init-from source its checkpoint names,
+    holding the model it was trained on (checkpoints hold the adapters alone); None for a run
+    that trains the whole model."""
+    if not run.adapter.active:
+        return None
+    path = meta.get("init_from")
+    if not path:
+        raise UserError(f"--resume: {ckpt} holds LoRA adapters but names no base; it is damaged")
+    return recorded_source(path, open_source(path), run, ckpt)
 
 
 def recorded_source(path: str, source: InitSource, run: RunConfig, where: Path) -> InitSource:
@@ -225,6 +240,7 @@ def fresh_config(
         engine=EngineConfig(**given["engine"]),
         precision=PrecisionConfig(**given["precision"]),
         optim=OptimConfig(**given["optim"]),
+        adapter=adapter_config(given["adapter"]),  # --lora-from: its folder's adapter
     )
 
 

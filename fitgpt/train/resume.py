@@ -30,6 +30,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from fitgpt.adapters.config import resumed_adapter
 from fitgpt.data import sidecar
 from fitgpt.data.config import BUILTIN, DataConfig
 from fitgpt.data.indexed import paths as pair_paths
@@ -55,6 +56,7 @@ PATH_FIELDS = {
     ("data", "tokenizer"): "spec",
     ("engine", "nvme_path"): "dir",
     ("train", "out"): "dir",
+    ("adapter", "lora_from"): "dir",
 }
 NAMES = {*BUILTIN, *sidecar.BUILTIN_SPECS, "auto", "none", ""}
 # Not settings of the run: --profile looks at one leg's steps and is off on every resume;
@@ -334,6 +336,8 @@ def resumed_config(
                     f"resuming with {value} would change the data order. Drop the flag"
                 )
         parts[part] = dataclasses.replace(from_saved(part, saved[part]), **asked[part])
+    # the adapters' shape is the checkpoint's (fitgpt/adapters/config.py)
+    parts["adapter"] = resumed_adapter(saved["adapter"], asked["adapter"], ckpt)
     if "profile" not in asked["train"]:  # a look at one run's steps, not a setting of it
         parts["train"] = dataclasses.replace(parts["train"], profile=0)
     _check_steps(meta, ckpt, parts["train"].steps, "steps" in asked["train"])

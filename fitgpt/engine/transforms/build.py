@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from fitgpt.adapters import AdapterConfig, lora_targets
+from fitgpt.adapters.lora import attach_lora
 from fitgpt.dist.mesh import ContextGroup, Mesh
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
 from fitgpt.engine.state_io import Piece, Reader, StateReader, WeightSource, open_reader
@@ -100,3 +102,12 @@ def build(
         model = context_parallel(model, cp)
     local = chunk_layout(model)
     return Built(model, layout, local, SplitView(layout, local, mesh, device))
+
+
+def adapter_layout(cfg: ModelConfig, adapter: AdapterConfig) -> list[ChunkSpec]:
+    """The chunks an adapter run trains and saves (its adapters; TorchEngine's `layout`), made
+    as the engine makes them, on the meta device: no memory."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    attach_lora(model, lora_targets(cfg, adapter), adapter)
+    return chunk_layout(model, trained=True)

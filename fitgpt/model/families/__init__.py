@@ -19,6 +19,7 @@ from fitgpt.model.config import ModelConfig, use_registry
 if TYPE_CHECKING:
     from fitgpt.model.decoder import DecoderLM
     from fitgpt.model.family import Family
+    from fitgpt.model.hf_map import HFMapping
 
 # family name (ModelConfig.family, and its folder's name) -> the config.json model_type values
 # its hf.py reads. The order is `fitgpt presets`'.
@@ -71,6 +72,19 @@ def build_model(cfg: ModelConfig) -> DecoderLM:
     net = family.model(cfg)
     net.family = family
     return net
+
+
+def hf_mapping(cfg: ModelConfig) -> HFMapping:
+    """The Hugging Face name map of `cfg`'s family (its folder's hf.py MAPPING), or one line
+    saying there is none (a family registered from outside the package): what interop/ reads
+    and writes checkpoints through, and fitgpt/adapters names LoRA's targets by."""
+    if TABLE.get(cfg.family):
+        return importlib.import_module(module(cfg.family, "hf")).MAPPING
+    fams = ", ".join(f for f, types in TABLE.items() if types)
+    raise UserError(
+        f"model family {cfg.family!r} has no Hugging Face mapping: fitgpt reads and writes HF "
+        f"checkpoints of the families {fams}"
+    )
 
 
 # every ModelConfig finds its family here (model/config.py: the registry sits above it)
