@@ -319,10 +319,10 @@ def test_the_window_takes_flex_only_where_it_serves():
     from fitgpt.model.packing import Packing
 
     cfg = llama(family="mistral", sliding_window=8)
-    assert Packing.window(64, cfg, "cpu", 0.0) is None
-    assert Packing.window(64, llama(), "cuda", 0.0) is None  # no window: is_causal, no mask
-    assert Packing.window(8, cfg, "cuda", 0.0) is None  # within the window: is_causal
-    assert Packing.window(64, cfg, "cuda", 0.1) is None  # dropout: the mask path
+    assert Packing.window(64, cfg, "cpu", 0.0, True) is None
+    assert Packing.window(64, llama(), "cuda", 0.0, True) is None  # no window: is_causal, no mask
+    assert Packing.window(8, cfg, "cuda", 0.0, True) is None  # within the window: is_causal
+    assert Packing.window(64, cfg, "cuda", 0.1, True) is None  # dropout: the mask path
 
 
 @pytest.mark.slow

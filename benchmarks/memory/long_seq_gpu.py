@@ -126,7 +126,7 @@ def window_cases(cfg: ModelConfig, dev, seqs: list[int], iters: int, window: int
     ok = True
     for T in [8192, *seqs]:
         x = torch.randn(1, T, cfg.n_embd, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        packing = Packing.window(T, mcfg, dev, 0.0)
+        packing = Packing.window(T, mcfg, dev, 0.0, True)
         rope = rope_tables(mcfg, T, 0, dev, packing.positions_BT)
         aux = (rope, packing)
 

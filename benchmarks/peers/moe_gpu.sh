@@ -6,6 +6,7 @@
 #            layers trained by `fitgpt train --preset qwen3-moe-30b-a3b --layers LAYERS` with the
 #            planner's plan on real text (the Python standard library's source through
 #            `fitgpt data preprocess`, GPT-2 BPE), micro-batch 4 × 4 accumulation × 4,096 tokens
+#   oss      gpt-oss-20b's shape from its preset, the planner's plan (host offload on one GPU)
 #   STAGE=b  the peer on the same shape, data and batch: transformers + DeepSpeed ZeRO-3 offload
 #            (moe_gpu.py peer)
 # Usage (device): source benchmarks/device_env.sh; STAGE=a OUT=$OUT bash benchmarks/peers/moe_gpu.sh
@@ -47,6 +48,22 @@ train)
   grep -E "plan:|model |step .*tok/s|exit|rror" "$L.log" | head -14
   sort -n "$L.host_used_gib.txt" | tail -1 | sed 's/^/host used peak GiB: /'
   cp /tmp/moe_run/metrics.jsonl "$L.metrics.jsonl" 2>/dev/null ;;
+oss)
+  # gpt-oss-20b's whole shape (its 201,088-row vocabulary: the GPT-2 ids of the data lie below
+  # it, --tokenizer none), built from the preset into the planner's tiers, the planner's plan
+  CMD=(python3 -m fitgpt train --preset gpt-oss-20b --data "$D/pystd_text_document"
+    --tokenizer none --vocab-size 201088 "${BATCH[@]}" --steps "${OSS_STEPS:-6}" --log-every 1
+    --eval-every 0 --no-save --lr 1e-4 --warmup 2 --out /tmp/oss_run --overwrite)
+  L="$OUT/train_oss20b"
+  echo "== ${CMD[*]}" | tee "$L.log"
+  s=$(t)
+  ( "${CMD[@]}" >> "$L.log" 2>&1; echo "== exit $?" >> "$L.log" ) &
+  P=$!
+  while kill -0 $P 2>/dev/null; do free -g | awk '/Mem/ {print $3}' >> "$L.host_used_gib.txt"; sleep 3; done
+  echo "train: $(( $(t) - s )) s"
+  grep -E "plan:|model |step .*tok/s|exit|rror" "$L.log" | head -14
+  sort -n "$L.host_used_gib.txt" | tail -1 | sed 's/^/host used peak GiB: /'
+  cp /tmp/oss_run/metrics.jsonl "$L.metrics.jsonl" 2>/dev/null ;;
 peer)
   L="$OUT/peer_l$LAYERS"
   s=$(t); python3 benchmarks/peers/moe_gpu.py peer "$OUT" --data "$D/pystd_text_document" \

@@ -120,29 +120,6 @@ def same(name: str, a, b) -> bool:
     return a == b
 
 
-# the fields of an adapter folder (PEFT's adapter_config.json): its shape, not a training choice
-FROM_FOLDER = ("lora_rank", "lora_alpha", "lora_targets", "lora_rslora")
-
-
-def adapter_config(given: dict) -> AdapterConfig:
-    """The adapter the --lora-* flags `given` ask for: with --lora-from, the folder's (peft.py
-    reads its adapter_config.json, refusing in one line what fitgpt's LoRA does not compute),
-    each flag given again checked against it; its dropout, a training choice, may be set."""
-    path = given.get("lora_from")
-    if not path:
-        return AdapterConfig(**given)
-    from fitgpt.adapters.peft import read_adapter_config
-
-    found = read_adapter_config(Path(path))
-    for name in FROM_FOLDER:
-        if name in given and not same(name, given[name], found[name]):
-            raise UserError(
-                f"{flag(name)} {given[name]}: the adapter --lora-from {path} has "
-                f"{found[name]}; drop the flag (the adapter's shape is the folder's)"
-            )
-    return AdapterConfig(**{**found, **given})
-
-
 def resumed_adapter(saved: dict, asked: dict, ckpt: Path) -> AdapterConfig:
     """The adapter of a resumed run: the checkpoint's; a flag given again must agree, except
     --lora-dropout (a training choice). The checkpoint holds the adapters themselves, so

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from fitgpt.adapters.config import ALL_LINEAR, AdapterConfig
+from fitgpt.adapters.config import ALL_LINEAR, AdapterConfig, flag, same
 from fitgpt.adapters.lora import param_names
 from fitgpt.adapters.targets import Target, lora_targets
 from fitgpt.errors import UserError
@@ -193,3 +193,24 @@ def read_peft_weights(folder: Path, cfg: ModelConfig, adapter: AdapterConfig) ->
             f"({len(extra)} such); fix target_modules"
         )
     return out
+
+
+# the fields of an adapter folder (PEFT's adapter_config.json): its shape, not a training choice
+FROM_FOLDER = ("lora_rank", "lora_alpha", "lora_targets", "lora_rslora")
+
+
+def adapter_config(given: dict) -> AdapterConfig:
+    """The adapter the --lora-* flags `given` ask for: with --lora-from, the folder's (peft.py
+    reads its adapter_config.json, refusing in one line what fitgpt's LoRA does not compute),
+    each flag given again checked against it; its dropout, a training choice, may be set."""
+    path = given.get("lora_from")
+    if not path:
+        return AdapterConfig(**given)
+    found = read_adapter_config(Path(path))
+    for name in FROM_FOLDER:
+        if name in given and not same(name, given[name], found[name]):
+            raise UserError(
+                f"{flag(name)} {given[name]}: the adapter --lora-from {path} has "
+                f"{found[name]}; drop the flag (the adapter's shape is the folder's)"
+            )
+    return AdapterConfig(**{**found, **given})

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_peft(args: argparse.Namespace) -> int:
-    from fitgpt.interop.adapter_export import export_peft
+    from fitgpt.interop.hf_export import export_peft
 
     r = export_peft(Path(args.ckpt), Path(args.out), args.dtype or "fp32", args.overwrite)
     a = r.adapter

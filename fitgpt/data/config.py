@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from fitgpt.data import sidecar
-from fitgpt.data.tokenizer import Tokenizer, load_tokenizer
+from fitgpt.data.tokenizer import Tokenizer, load_tokenizer, same_vocabulary
 from fitgpt.errors import UserError
 
 if TYPE_CHECKING:  # source.py imports torch (~4 s on a busy 2-core box): not for `fitgpt --help`
@@ -137,6 +138,31 @@ def vocab_for(model, tok, keep_rows: bool = False, whose: str = "the model"):
             "the model's own tokenizer (fitgpt data preprocess --tokenizer)"
         )
     return model
+
+
+def check_data_tokenizer(tok, spec: str | None, data: DataConfig, whose: str) -> None:
+    """Refuse, in one line, data made with a tokenizer other than `spec`, the one `whose` model
+    was trained with (an --init-from source's): its ids would be trained as other tokens (a
+    tokenizer of the same size passes every size check). The test is `fitgpt generate`'s for
+    --tokenizer (tokenizer.py same_vocabulary: size, end of document, every token's text),
+    skipped where the model records no tokenizer or the data has no text (`fitgpt data fake`
+    ids), and where both name the same files."""
+    if spec is None or tok is None or isinstance(tok, sidecar.RecordedVocabulary):
+        return
+    if _same_spec(tok.name, spec) or same_vocabulary(tok, spec):
+        return
+    raise UserError(
+        f"{whose}: the data {data.data} is made with tokenizer {tok.name} ({tok.vocab_size} "
+        f"tokens), another vocabulary than the model's ({spec}); make the data with the "
+        f"model's tokenizer (fitgpt data preprocess --tokenizer {spec})"
+    )
+
+
+def _same_spec(a: str, b: str) -> bool:
+    """Two tokenizer specs naming the same files (or the same built-in name)."""
+    return [os.path.realpath(p) for p in a.split(",")] == [
+        os.path.realpath(p) for p in b.split(",")
+    ]
 
 
 def resolve_split(split: str, num_docs: int, validates: bool = True) -> str:

@@ -12,8 +12,6 @@ host RAM, as the plain export does.
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +20,6 @@ from torch import Tensor
 
 from fitgpt.adapters import AdapterConfig, lora_targets
 from fitgpt.adapters.merge import MergedReader
-from fitgpt.adapters.peft import write_peft
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
 from fitgpt.engine.state_io import Reader, StateReader, open_reader
 from fitgpt.errors import UserError
@@ -104,46 +101,3 @@ def _hf_dtype(path: Path) -> torch.dtype:
     ckpt = open_hf(path)
     first = next(m.hf for m in ckpt.maps if m.fitgpt is not None)
     return ckpt.weights.dtype(first)
-
-
-@dataclass(frozen=True)
-class PeftExport:
-    out: Path
-    adapter: AdapterConfig
-    modules: int  # the HF linears adapted
-    values: int  # the A and B values written
-    base: str
-
-
-def export_peft(ckpt_path: Path, out: Path, dtype: str = "fp32", overwrite: bool = False):
-    """Checkpoint (or newest of run) `ckpt_path`'s adapters as PEFT's folder `out`, written
-    into a temporary folder renamed into place when complete."""
-    from fitgpt.interop.hf_export import DTYPES as TORCH
-    from fitgpt.interop.hf_export import check_out_apart
-
-    ckpt = ckpt_io.resolve(ckpt_path)
-    meta = ckpt_io.load_meta(ckpt)
-    adapter = adapter_of(meta)
-    if adapter is None:
-        raise UserError(
-            f"--format peft: {ckpt} trained the whole model, not LoRA adapters; use --format hf"
-        )
-    check_out_apart(out, ckpt_path)
-    if out.exists() and not overwrite:
-        raise UserError(f"--out {out} already exists; pass --overwrite to replace it")
-    cfg = ModelConfig.from_dict(meta["config"]["model"])
-    targets = lora_targets(cfg, adapter)
-    tensors = adapter_tensors(ckpt, meta)
-    tmp = out.parent / f".{out.name}.export.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed export are never valid
-    tmp.mkdir(parents=True)
-    try:
-        n = write_peft(tmp, adapter, targets, tensors, TORCH[dtype], meta.get("init_from"))
-        old = out.parent / f".{out.name}.export.old"
-        if out.exists():  # --overwrite: the old output goes only once the new one is complete
-            os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return PeftExport(out, adapter, len(targets), n, meta.get("init_from"))

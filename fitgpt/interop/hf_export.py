@@ -24,11 +24,14 @@ from pathlib import Path
 
 import torch
 
+from fitgpt.adapters import AdapterConfig, lora_targets
+from fitgpt.adapters.peft import write_peft
 from fitgpt.data.chat import end_of_turn_id
 from fitgpt.data.tokenizer import load_tokenizer
 from fitgpt.engine.layout import ChunkSpec
 from fitgpt.engine.state_io import StateReader
 from fitgpt.errors import UserError
+from fitgpt.interop.adapter_export import adapter_of, adapter_tensors, merged
 from fitgpt.interop.hf import mapping_for_model
 from fitgpt.interop.hf_tokenizer import write_hf_tokenizer
 from fitgpt.interop.safetensors_stream import SafetensorsWriter
@@ -73,7 +76,6 @@ def export_hf(
     """Write checkpoint (or newest of run) `ckpt_path` as the HF folder `out`, in `dtype`
     (default fp32). `merge`: an adapter run's checkpoint, its base with the adapters merged in
     (interop/adapter_export.py), by default in the base's dtype."""
-    from fitgpt.interop.adapter_export import adapter_of, merged
 
     ckpt = ckpt_io.resolve(ckpt_path)
     meta = ckpt_io.load_meta(ckpt)
@@ -302,3 +304,43 @@ def write_weights(
         }
         (folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
     return sum(int(torch.Size(s).numel()) for s in shapes.values()), n
+
+
+@dataclass(frozen=True)
+class PeftExport:
+    out: Path
+    adapter: AdapterConfig
+    modules: int  # the HF linears adapted
+    values: int  # the A and B values written
+    base: str
+
+
+def export_peft(ckpt_path: Path, out: Path, dtype: str = "fp32", overwrite: bool = False):
+    """Checkpoint (or newest of run) `ckpt_path`'s adapters as PEFT's folder `out`, written
+    into a temporary folder renamed into place when complete."""
+    ckpt = ckpt_io.resolve(ckpt_path)
+    meta = ckpt_io.load_meta(ckpt)
+    adapter = adapter_of(meta)
+    if adapter is None:
+        raise UserError(
+            f"--format peft: {ckpt} trained the whole model, not LoRA adapters; use --format hf"
+        )
+    check_out_apart(out, ckpt_path)
+    if out.exists() and not overwrite:
+        raise UserError(f"--out {out} already exists; pass --overwrite to replace it")
+    cfg = ModelConfig.from_dict(meta["config"]["model"])
+    targets = lora_targets(cfg, adapter)
+    tensors = adapter_tensors(ckpt, meta)
+    tmp = out.parent / f".{out.name}.export.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed export are never valid
+    tmp.mkdir(parents=True)
+    try:
+        n = write_peft(tmp, adapter, targets, tensors, DTYPES[dtype], meta.get("init_from"))
+        old = out.parent / f".{out.name}.export.old"
+        if out.exists():  # --overwrite: the old output goes only once the new one is complete
+            os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return PeftExport(out, adapter, len(targets), n, meta.get("init_from"))

@@ -165,9 +165,10 @@ class DecoderLM(nn.Module, ABC):
         if segments_BT is not None:
             if cache is not None:
                 raise ValueError("packed segments are for training; decode without them")
-            packing = Packing.of(segments_BT, self.cfg, drop)
+            packing = Packing.of(segments_BT, self.cfg, drop, self.family.flex_attention)
         elif cache is None:  # a sliding window on CUDA: FlexAttention (model/packing.py)
-            packing = Packing.window(idx_BT.shape[1], self.cfg, idx_BT.device, drop)
+            flex = self.family.flex_attention
+            packing = Packing.window(idx_BT.shape[1], self.cfg, idx_BT.device, drop, flex)
         aux = self.block_aux(idx_BT.shape[1], past, idx_BT.device, packing)
         x = self.embed(idx_BT, past if packing is None else packing.positions_BT)
         for i, block in enumerate(self.blocks):

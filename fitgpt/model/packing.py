@@ -104,17 +104,11 @@ def block_mask(segments_BT: Tensor, window: int | None) -> Any:
     return create(document, B, None, T, T, device=seg.device, _compile=True)
 
 
-def _flex_serves(device: torch.device, cfg: ModelConfig, dropout: float) -> bool:
+def _flex_serves(device: torch.device, cfg: ModelConfig, dropout: float, takes_flex: bool) -> bool:
     """FlexAttention on CUDA, without dropout (it has none) or ALiBi's additive bias, for a
-    family whose attention takes it (Family.flex_attention: gpt-oss's sinks do not)."""
-    from fitgpt.model.families import family_of  # the registry: no import at load time
-
-    return (
-        device.type == "cuda"
-        and dropout == 0.0
-        and cfg.position != "alibi"
-        and family_of(cfg).flex_attention
-    )
+    family whose attention takes it (`takes_flex`: its Family.flex_attention, which the
+    network hands in; gpt-oss's sinks do not take it)."""
+    return device.type == "cuda" and dropout == 0.0 and cfg.position != "alibi" and takes_flex
 
 
 def window_block_mask(T: int, window: int, device) -> Any:
@@ -139,17 +133,19 @@ class Packing:
     flex: Any = None  # BlockMask
 
     @staticmethod
-    def of(segments_BT: Tensor, cfg: ModelConfig, dropout: float) -> Packing:
+    def of(segments_BT: Tensor, cfg: ModelConfig, dropout: float, takes_flex: bool) -> Packing:
         """The one place the kernel is chosen (module docstring): flex on CUDA without dropout
         or ALiBi's additive bias, the boolean mask otherwise; the window is the config's."""
         positions = segment_positions(segments_BT)
         window = cfg.sliding_window
-        if _flex_serves(segments_BT.device, cfg, dropout):
+        if _flex_serves(segments_BT.device, cfg, dropout, takes_flex):
             return Packing(segments_BT, positions, flex=block_mask(segments_BT, window))
         return Packing(segments_BT, positions, mask=keep_mask(segments_BT, window))
 
     @staticmethod
-    def window(T: int, cfg: ModelConfig, device, dropout: float) -> Packing | None:
+    def window(
+        T: int, cfg: ModelConfig, device, dropout: float, takes_flex: bool
+    ) -> Packing | None:
         """Mistral's sliding window over rows of one sequence each, longer than the window: on
         CUDA (no dropout) the rule of one segment by FlexAttention, a [1, T] segment row
         broadcast over the batch (no T×T tensor; the kernel skips the blocks outside the
@@ -158,7 +154,7 @@ class Packing:
         reference, T² bytes (16 GiB at 128 k tokens) and a masked kernel over the whole
         square."""
         w = cfg.sliding_window
-        if w is None or w >= T or not _flex_serves(torch.device(device), cfg, dropout):
+        if w is None or w >= T or not _flex_serves(torch.device(device), cfg, dropout, takes_flex):
             return None
         seg = torch.zeros(1, T, dtype=torch.int64, device=device)
         return Packing(seg, segment_positions(seg), flex=window_block_mask(T, w, device))

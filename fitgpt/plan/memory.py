@@ -220,6 +220,15 @@ def attention_bytes(work: Workload, tp: int = 1) -> dict[str, int]:
             out["mask"] = N * S * S * w if w != 4 else 0
         else:
             out["mask"] = S * S
+    if not family_of(m).flex_attention:
+        # a family whose attention runs SDPA on a dense mask with grouped kv heads (gpt-oss's
+        # sinks: a [S, 1+S] mask) takes the math kernel, which holds the weights, [b, N, S,
+        # 1+S] in the working dtype, for the backward, and their gradient and the scores'
+        # beside them in it. Not priced before: gpt-oss-20b at 4 × 4,096 tokens planned at
+        # 133.5 GiB of an H200 ran out of memory in its first backward (results/moe_h200_2026-11-28)
+        scores = b * N * S * (S + 1) * w
+        out["mask"] += scores
+        out["backward"] += 2 * scores
     return out
 
 

@@ -13,7 +13,6 @@ handed.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,8 +83,8 @@ def model_from_source(source: InitSource, asked: dict, data) -> ModelConfig:
     `asked` (the model flags given); any other difference is refused in one line. So is data
     the source cannot train on: ids at or past its embedding rows (data/config.py vocab_for:
     the rows are the source's, more than its tokenizer's ids in released Qwen models), or made
-    with a tokenizer other than the source's (check_source_tokenizer)."""
-    from fitgpt.data.config import data_tokenizer
+    with a tokenizer other than the source's (data/config.py check_data_tokenizer)."""
+    from fitgpt.data.config import check_data_tokenizer, data_tokenizer
 
     model = source.model
     for name, value in asked.items():
@@ -98,36 +97,8 @@ def model_from_source(source: InitSource, asked: dict, data) -> ModelConfig:
             )
     tok = data_tokenizer(data)
     vocab_for(model, tok, keep_rows=True, whose=f"--init-from {source.path}")
-    check_source_tokenizer(source, tok, data)
+    check_data_tokenizer(tok, source.tokenizer, data, f"--init-from {source.path}")
     return model
-
-
-def check_source_tokenizer(source: InitSource, tok, data) -> None:
-    """Refuse, in one line, data made with a tokenizer other than the source's: its ids would
-    be trained as other tokens (a tokenizer of the same size passes every size check). The
-    test is `fitgpt generate`'s for --tokenizer (data/tokenizer.py same_vocabulary: size, end
-    of document, every token's text), skipped where the source records no tokenizer or the
-    data has no text (`fitgpt data fake` ids), and where both name the same files."""
-    from fitgpt.data.sidecar import RecordedVocabulary
-    from fitgpt.data.tokenizer import same_vocabulary
-
-    if source.tokenizer is None or tok is None or isinstance(tok, RecordedVocabulary):
-        return
-    if _same_spec(tok.name, source.tokenizer) or same_vocabulary(tok, source.tokenizer):
-        return
-    raise UserError(
-        f"--init-from {source.path}: the data {data.data} is made with tokenizer {tok.name} "
-        f"({tok.vocab_size} tokens), another vocabulary than the model's ({source.tokenizer}); "
-        f"make the data with the model's tokenizer (fitgpt data preprocess --tokenizer "
-        f"{source.tokenizer})"
-    )
-
-
-def _same_spec(a: str, b: str) -> bool:
-    """Two tokenizer specs naming the same files (or the same built-in name)."""
-    return [os.path.realpath(p) for p in a.split(",")] == [
-        os.path.realpath(p) for p in b.split(",")
-    ]
 
 
 def load_source(source: InitSource, engine, model_cfg: ModelConfig, ctx) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fitgpt.adapters.config import adapter_config
+from fitgpt.adapters.peft import adapter_config
 from fitgpt.data.config import BUILTIN, DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
@@ -185,7 +185,16 @@ def adapter_base(run: RunConfig, meta: dict, ckpt: Path, open_source: OpenSource
     path = meta.get("init_from")
     if not path:
         raise UserError(f"--resume: {ckpt} holds LoRA adapters but names no base; it is damaged")
-    return recorded_source(path, open_source(path), run, ckpt)
+    source = open_source(path)
+    # the architecture alone: the run's data was checked against this source when it started,
+    # and the checkpoint's data against the run's by resumed_config
+    kept = {k: getattr(run.model, k) for k in free_fields(source.model)}  # the run's own
+    if dataclasses.replace(source.model, **kept) != run.model:
+        raise UserError(
+            f"--resume: {ckpt} trained LoRA adapters on {path}, which holds another model now; "
+            "put the base back, or start a new run with --init-from and --overwrite"
+        )
+    return source
 
 
 def recorded_source(path: str, source: InitSource, run: RunConfig, where: Path) -> InitSource:

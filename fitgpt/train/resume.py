@@ -326,7 +326,10 @@ def resumed_config(
     saved = saved_config(meta, ckpt)
     asked = {k: dict(explicit.get(k, {})) for k in PARTS}
     data, notes = _data(saved["data"], asked["data"], meta, ckpt)  # it also decides the vocab
-    parts = {"data": data, "model": _model(saved["model"], asked["model"], preset, ckpt)}
+    # the adapters' shape is the checkpoint's (fitgpt/adapters/config.py)
+    adapter = resumed_adapter(saved["adapter"], asked["adapter"], ckpt)
+    parts = {"data": data, "adapter": adapter}
+    parts["model"] = _model(saved["model"], asked["model"], preset, ckpt)
     for part in ("train", "engine", "precision", "optim"):
         for name in FIXED.get(part, ()):
             old, value = saved[part].get(name), asked[part].get(name)
@@ -336,8 +339,6 @@ def resumed_config(
                     f"resuming with {value} would change the data order. Drop the flag"
                 )
         parts[part] = dataclasses.replace(from_saved(part, saved[part]), **asked[part])
-    # the adapters' shape is the checkpoint's (fitgpt/adapters/config.py)
-    parts["adapter"] = resumed_adapter(saved["adapter"], asked["adapter"], ckpt)
     if "profile" not in asked["train"]:  # a look at one run's steps, not a setting of it
         parts["train"] = dataclasses.replace(parts["train"], profile=0)
     _check_steps(meta, ckpt, parts["train"].steps, "steps" in asked["train"])
