@@ -189,6 +189,36 @@ def test_planner_picks_a_fitting_plan_and_refuses_with_the_shortfall():
                      r"tried anyway", why(forced, cands))  # fmt: skip
 
 
+def test_a_refusal_prices_each_plan_once_and_its_line_is_unchanged_by_it(monkeypatch):
+    """The refusal plans the model again for each alternative it names: within one choose() each
+    (work, plan) is priced once (plan/candidate.py priced_once), and outside it nothing is kept
+    (a price reads the modules' settings, which a later call may have changed)."""
+    from fitgpt.plan import candidate
+
+    r, work = DEFAULTS["H100"], Workload(get_preset("13b"), 8, 1, "bf16")
+    priced: list = []
+    real = candidate._evaluate
+
+    def counted(work, grad_accum, hw, rates, ecfg, layout=None):
+        priced.append((work, grad_accum, hw, rates, ecfg))
+        return real(work, grad_accum, hw, rates, ecfg, layout)
+
+    monkeypatch.setattr(candidate, "_evaluate", counted)
+    with pytest.raises(UserError) as once:
+        choose(work, 4, H100, r, FP32_STATE)
+    assert len(priced) > 100 and len(set(priced)) == len(priced)
+    with pytest.raises(UserError) as again:  # a new call prices afresh, to the same line
+        choose(work, 4, H100, r, FP32_STATE)
+    assert len(priced) == 2 * len(set(priced)) and str(again.value) == str(once.value)
+    # a plan priced again is a copy: the planner's marks on one (rung, settled formats) stay
+    with candidate.priced_once():
+        a = candidate.evaluate(*priced[0])
+        a.rung = 5
+        b = candidate.evaluate(*priced[0])
+    assert b is not a and b.rung == 0 and (b.ecfg, b.est, b.time) == (a.ecfg, a.est, a.time)
+    assert len(priced) == 2 * len(set(priced)) + 1
+
+
 def test_a_fixed_block_count_is_cut_to_the_layers_the_refusal_tries():
     """The refusal's "what fits" tries fewer layers with the user's fixed fields: a fixed
     --offload-blocks above a tried depth means every block there, not the engine's refusal of

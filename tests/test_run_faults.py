@@ -55,6 +55,9 @@ def wait_for_training(p: subprocess.Popen) -> None:
 def test_the_lock_holds_a_second_run_and_an_overwrite_off(tmp_path):
     out = tmp_path / "run"
     a = start(out)
+    # stopped, it still holds the lock (its pid runs, its file is open) and leaves the CPU to
+    # the three commands below
+    a.send_signal(signal.SIGSTOP)
     try:
         for extra in ([], ["--overwrite"], ["--resume"]):
             r = fitgpt("train", *TINY_ARGS, "--steps", "2", "--out", str(out), *extra)
@@ -63,7 +66,7 @@ def test_the_lock_holds_a_second_run_and_an_overwrite_off(tmp_path):
             assert f"is in use by another fitgpt run (pid {a.pid} on " in r.stderr
         assert (out / LOCK_NAME).is_file() and a.poll() is None  # the first run is untouched
     finally:
-        a.kill()
+        a.kill()  # SIGKILL ends a stopped process too
         a.communicate()
 
 

@@ -149,7 +149,10 @@ class _PiecesCrossEntropy(torch.autograd.Function):
 # benchmarks/memory/compiled_long_memory_cpu.py); on an H100 a compiled Llama-3.1-8B at 247,808
 # tokens (237 pieces) ran out of memory in its first forward where the plan priced one piece
 # (results/long_h100_2026-11-27). Cost: the head's final norm compiles apart from the loss.
-@torch.compiler.disable
+# torch._disable_dynamo is torch.compiler.disable applied at the first call: the public one
+# imports torch._dynamo when this module loads, 1-1.5 s of every fitgpt command's start
+# (`fitgpt --help` took 4 s, 2 without it); a run that builds a model imports it anyway.
+@torch._disable_dynamo
 def pieces_cross_entropy(
     x_NH: Tensor,
     w_VH: Tensor,

@@ -33,6 +33,7 @@ from fitgpt.plan.candidate import (
     in_ram,
     leanest,
     offloads,
+    priced_once,
     shortfall,
     speed,
     uses_disk,
@@ -74,12 +75,15 @@ def plan(
     state), without the disk, and only their plans that fit are kept. `fixed`: the engine
     fields the user set (a dict is read as Fixed.of(dict))."""
     fixed = Fixed.of(fixed)
-    cands = plan_among(work, grad_accum, hw, rates, fixed, host_activations=False)
-    if work.device == "cuda" and not any(c.fits for c in cands) and "checkpointing" not in fixed:
-        # the block inputs in pinned host RAM (--checkpointing cpu) only where nothing fits
-        # without: the step model does not price its copies' share of the PCIe link with the
-        # offloaded optimizer's and the streamed weights' traffic (engine/transforms/activation.py)
-        cands = plan_among(work, grad_accum, hw, rates, fixed, host_activations=True)
+    with priced_once():
+        cands = plan_among(work, grad_accum, hw, rates, fixed, host_activations=False)
+        none_fits = not any(c.fits for c in cands)
+        if work.device == "cuda" and none_fits and "checkpointing" not in fixed:
+            # the block inputs in pinned host RAM (--checkpointing cpu) only where nothing fits
+            # without: the step model does not price its copies' share of the PCIe link with the
+            # offloaded optimizer's and the streamed weights' traffic
+            # (engine/transforms/activation.py)
+            cands = plan_among(work, grad_accum, hw, rates, fixed, host_activations=True)
     return cands
 
 
@@ -306,7 +310,18 @@ def refusal(
     cands: list[Candidate],
     fixed: Fixed | Mapping[str, Any] | None,
 ) -> str:
-    fixed = Fixed.of(fixed)
+    with priced_once():  # the alternatives below plan this model and its neighbours again
+        return _refusal(work, grad_accum, hw, rates, cands, Fixed.of(fixed))
+
+
+def _refusal(
+    work: Workload,
+    grad_accum: int,
+    hw: Hardware,
+    rates: Rates,
+    cands: list[Candidate],
+    fixed: Fixed,
+) -> str:
     lean = leanest(cands)
     m = work.model
     need = []
@@ -394,9 +409,10 @@ def choose(
 ) -> tuple[Candidate, list[Candidate]]:
     """The chosen plan and all candidates; a UserError naming the shortfall if none fits."""
     fixed = Fixed.of(fixed)
-    cands = plan(work, grad_accum, hw, rates, fixed)
-    if not cands[0].fits and not force:
-        raise UserError(
-            refusal(work, grad_accum, hw, rates, cands, fixed) + " (--force tries anyway)"
-        )
+    with priced_once():  # a refusal prices this plan's work again
+        cands = plan(work, grad_accum, hw, rates, fixed)
+        if not cands[0].fits and not force:
+            raise UserError(
+                refusal(work, grad_accum, hw, rates, cands, fixed) + " (--force tries anyway)"
+            )
     return cands[0], cands
