@@ -80,6 +80,18 @@ def refusal(
             f"--precision fp16 on a CPU: CPUs have no fast fp16 matmul (measured "
             f"~{CPU_FP16_SLOWDOWN}x slower than fp32); use --precision fp32 (or bf16)"
         )
+    if settled("offload_blocks", "nvme_blocks"):
+        # the block counts, the placement's own rule (engine/chunked/placement.py), before how
+        # the model cuts over the ranks; a tier the planner chooses is the one these counts imply
+        # (plan/enumeration.py: enumerate_plans)
+        tier = e.offload_optimizer if settled("offload_optimizer") else implied_tier(e)
+        counts = SimpleNamespace(
+            offload_optimizer=tier, offload_blocks=e.offload_blocks, nvme_blocks=e.nvme_blocks
+        )
+        try:
+            disk_blocks(counts, offloaded_blocks(counts, model.n_layer))
+        except UserError as err:
+            return str(err)
     if tp == 0 and not planning:
         return (
             "--tensor-parallel auto is the planner's to resolve: train with --plan auto, or give T"
@@ -104,17 +116,6 @@ def refusal(
     streams = e.offload_params == "cpu" and e.offload_blocks != 0
     if settled("offload_params", "zero_stage") and streams and stream_refusal(dp, e.zero_stage):
         return stream_refusal(dp, e.zero_stage)
-    if settled("offload_blocks", "nvme_blocks"):
-        # the placement's own rule (engine/chunked/placement.py), before anything is built; a tier
-        # the planner chooses is the one these counts imply (plan/enumeration.py: enumerate_plans)
-        tier = e.offload_optimizer if settled("offload_optimizer") else implied_tier(e)
-        counts = SimpleNamespace(
-            offload_optimizer=tier, offload_blocks=e.offload_blocks, nvme_blocks=e.nvme_blocks
-        )
-        try:
-            disk_blocks(counts, offloaded_blocks(counts, model.n_layer))
-        except UserError as err:
-            return str(err)
     return None
 
 
