@@ -26,6 +26,16 @@ def run_in_process(capsys, *argv: str) -> tuple[int, str]:
     return e.value.code, capsys.readouterr().err
 
 
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `fitgpt ARGV` in this process: for a command whose files
+    or output a test reads, where the process boundary is not the test (its start is ~3 s)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return e.value.code or 0, out, err
+
+
 def run_process(
     *argv: str, cwd: Path | None = None, timeout: float = 120, env: dict | None = None, **kw
 ):

@@ -64,13 +64,11 @@ def test_sweep_two_sizes_two_systems_with_gloo_and_report(tmp_path):
     # the same data and initial weights: the two systems' first losses agree
     first = {(x["system"], x["layers"]): x["losses"][0] for x in recs}
     assert abs(first[("fitgpt", 1)] - first[("ddp", 1)]) < 1e-4
-    rep = subprocess.run(
-        [sys.executable, "-m", "fitgpt", "bench", "report", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert rep.returncode == 0, rep.stderr
+    from fitgpt.cli import main  # the report's own path, in this process (its files are the test)
+
+    with pytest.raises(SystemExit) as rep:
+        main(["bench", "report", str(out)])
+    assert rep.value.code in (0, None)
     png, md = tmp_path / "r.png", tmp_path / "r.md"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     table = md.read_text()
@@ -104,7 +102,7 @@ def test_an_interrupted_sweep_keeps_what_it_finished(tmp_path):
         "--systems",
         "zero0",
         "--sizes",
-        "1,2,3,4",
+        "1,2,3",
     ]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
@@ -115,13 +113,13 @@ def test_an_interrupted_sweep_keeps_what_it_finished(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)  # as if the machine went away mid-sweep
     proc.wait()
     kept = records(out)
-    assert 1 <= len(kept) < 4 and all(x["status"] == "ok" for x in kept)
+    assert 1 <= len(kept) < 3 and all(x["status"] == "ok" for x in kept)
     with open(out, "a") as f:
         f.write('{"system": "zero0", "lay')  # a line cut by the crash
-    r = sweep(out, "--systems", "zero0", "--sizes", "1,2,3,4")
+    r = sweep(out, "--systems", "zero0", "--sizes", "1,2,3")
     assert r.returncode == 0, r.stderr[-2000:]
     done = [x for x in records_tolerant(out)]
-    assert sorted(x["layers"] for x in done) == [1, 2, 3, 4]
+    assert sorted(x["layers"] for x in done) == [1, 2, 3]
     # what had finished was not run again: its record is the same object, written once
     assert [x for x in done if x["layers"] == kept[0]["layers"]] == [kept[0]]
 

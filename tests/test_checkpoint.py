@@ -176,10 +176,14 @@ def test_weights_only_checkpoints_generate_export_and_resume_fresh(tmp_path, eng
     trainer.engine.close()
 
 
-def test_export_reads_a_weights_only_checkpoint(tmp_path):
+def test_export_reads_a_weights_only_checkpoint(tmp_path, capsys):
+    from cli_refusal import run_main  # the command's path in this process: its file is the test
+
     train(run_config(tmp_path / "run", steps=2, save_optimizer="none"), CPU)
-    r = fitgpt("export", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "m.safetensors"))
-    assert r.returncode == 0, r.stderr
+    code, _, err = run_main(
+        capsys, "export", "--ckpt", tmp_path / "run", "--out", tmp_path / "m.safetensors"
+    )
+    assert code == 0, err
     from safetensors.torch import load_file
 
     from fitgpt.model import GPT

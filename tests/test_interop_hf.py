@@ -209,27 +209,33 @@ def test_exported_tokenizer_encodes_as_fitgpt(tmp_path, kind):
     assert len(hf_tok) == tok.vocab_size and hf_tok.eos_token_id == tok.eod_id
 
 
-def test_cli_import_generate_export(tmp_path):
+def test_cli_import_generate_export(tmp_path, capsys):
+    from cli_refusal import run_main
+
     hf_model(tmp_path / "hf", vocab=300, positions=32)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # two cores: no thread oversubscription
 
-    def run(*argv):
-        cmd = [sys.executable, "-m", "fitgpt", *argv]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-
-    r = run("import", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"))
-    assert r.returncode == 0, r.stderr
-    assert "2 layers" in r.stdout and "vocabulary 300 padded to 384" in r.stdout
-    assert "peak RSS" in r.stdout and len(r.stdout.strip().splitlines()) == 1
+    # the three commands' own path in this process (their output and files are the test); the
+    # refusal at the end, a process's exit and stderr line, in a process of its own
+    code, out, err = run_main(capsys, "import", "hf", tmp_path / "hf", "--out", tmp_path / "run")
+    assert code == 0, err
+    assert "2 layers" in out and "vocabulary 300 padded to 384" in out
+    assert "peak RSS" in out and len(out.strip().splitlines()) == 1
     # generate and export read only `master`: they work on a weights-only checkpoint
-    r = run(
-        "generate", "--ckpt", str(tmp_path / "run"), "--tokenizer", "bytes", "--max-new-tokens", "5"
+    code, _, err = run_main(
+        capsys, "generate", "--ckpt", tmp_path / "run", "--tokenizer", "bytes",
+        "--max-new-tokens", "5",
+    )  # fmt: skip
+    assert code == 0, err
+    code, _, err = run_main(
+        capsys, "export", "--ckpt", tmp_path / "run", "--out", tmp_path / "w.safetensors"
     )
-    assert r.returncode == 0, r.stderr
-    r = run("export", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "w.safetensors"))
-    assert r.returncode == 0, r.stderr
+    assert code == 0, err
     assert load_file(tmp_path / "w.safetensors")["wte.weight"].shape == (384, 32)
-    r = run("import", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / "run"))
+    cmd = [sys.executable, "-m", "fitgpt", "import", "hf", str(tmp_path / "hf")]
+    r = subprocess.run(
+        [*cmd, "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=300, env=env
+    )
     assert r.returncode == 2 and "not empty" in r.stderr and "--overwrite" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_refusal import run_process
+from cli_refusal import run_main, run_process
 from helpers import run_config, train
 
 from fitgpt.dist import DistContext
@@ -145,21 +145,27 @@ def test_checkpoints_store_absolute_paths_and_old_ones_read_from_where_their_run
 
 
 @pytest.mark.slow
-def test_a_run_folder_resumes_from_another_directory_and_with_its_data_moved(tmp_path):
+def test_a_run_folder_resumes_from_another_directory_and_with_its_data_moved(
+    tmp_path, monkeypatch, capsys
+):
     start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
     start.mkdir(), elsewhere.mkdir()
-    made = fitgpt(
-        "data", "fake", "--output-prefix", "d/corpus", "--tokens", "20000", "--vocab", "256",
-        "--doc-len", "64", cwd=start,
+    # the data and the first run: made in this process, in `start` (their paths relative to it);
+    # every resume below is a process of its own, started elsewhere
+    monkeypatch.chdir(start)
+    code, _, err = run_main(
+        capsys, "data", "fake", "--output-prefix", "d/corpus", "--tokens", "20000", "--vocab",
+        "256", "--doc-len", "64",
     )  # fmt: skip
-    assert made.returncode == 0, made.stderr
-    first = fitgpt(
-        "train", "--data", "d/corpus", "--tokenizer", "none", "--vocab-size", "256", "--split",
-        "9,1,0", *SMALL, "--plan", "off", "--engine", "zero", "--steps", "4", "--save-every", "2",
-        "--out", "runs/a", cwd=start,
+    assert code == 0, err
+    code, out, err = run_main(
+        capsys, "train", "--data", "d/corpus", "--tokenizer", "none", "--vocab-size", "256",
+        "--split", "9,1,0", *SMALL, "--plan", "off", "--engine", "zero", "--steps", "4",
+        "--save-every", "2", "--out", "runs/a",
     )  # fmt: skip
-    assert first.returncode == 0, first.stderr[-2000:]
-    full, run = losses(first.stdout), Path("..") / "start" / "runs" / "a"
+    assert code == 0, err[-2000:]
+    monkeypatch.chdir(tmp_path)
+    full, run = losses(out), Path("..") / "start" / "runs" / "a"
 
     def resume(*extra):
         shutil.rmtree(start / "runs" / "a" / "step_00000004", ignore_errors=True)
@@ -203,12 +209,12 @@ def test_a_run_folder_resumes_from_another_directory_and_with_its_data_moved(tmp
     assert "changed" not in resumed_line(r.stdout)
 
 
-def test_a_preset_named_again_is_not_taken_for_flags_never_typed(tmp_path):
+def test_a_preset_named_again_is_not_taken_for_flags_never_typed(tmp_path, capsys):
     out = tmp_path / "run"
     base = ["--preset", "tiny", "--data", "synthetic", "--micro-batch", "1", "--eval-every", "0"]
     base += ["--device", "cpu", "--plan", "off", "--engine", "zero", "--out", out]
-    first = fitgpt("train", *base, "--dropout", "0.1", "--steps", "1")
-    assert first.returncode == 0, first.stderr[-2000:]
+    code, _, err = run_main(capsys, "train", *base, "--dropout", "0.1", "--steps", "1")
+    assert code == 0, err[-2000:]  # the first run, in this process; the resume is a new one
     # the preset's own dropout (0) is not a flag: the run keeps the 0.1 it was trained with
     again = fitgpt("train", *base, "--resume", "--steps", "2")
     assert again.returncode == 0, again.stderr[-2000:]

@@ -64,6 +64,17 @@ class KVCache:
         return self.k[layer][:, :, :t1], self.v[layer][:, :, :t1]
 
 
+def embedding(rows: int, width: int) -> nn.Embedding:
+    """nn.Embedding(rows, width), without its default N(0, 1) fill when built on the meta
+    device (the planner's layouts, every model before the engine materialises it): on meta that
+    fill goes through torch's Python reference kernels, whose first use imports torch._dynamo,
+    1-2 s of every fitgpt command that plans. A meta tensor holds no values, so nothing else
+    changes; on a real device the fill stays."""
+    if torch.empty(0).is_meta:  # under `with torch.device("meta")`
+        return nn.Embedding(rows, width, _weight=torch.empty(rows, width))
+    return nn.Embedding(rows, width)
+
+
 class DecoderLM(nn.Module, ABC):
     """Base of every family's network: `wte` (the token embedding), `blocks`, the head."""
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fitgpt.model.decoder import DecoderLM, KVCache
+from fitgpt.model.decoder import DecoderLM, KVCache, embedding
 from fitgpt.model.packing import Packing
 from fitgpt.model.pieces import along_tokens
 
@@ -140,8 +140,8 @@ class GPT(DecoderLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         V, H = cfg.padded_vocab_size, cfg.n_embd
-        self.wte = nn.Embedding(V, H)
-        self.wpe = nn.Embedding(cfg.seq_len, H) if cfg.position == "learned" else None
+        self.wte = embedding(V, H)
+        self.wpe = embedding(cfg.seq_len, H) if cfg.position == "learned" else None
         self.emb_ln = nn.LayerNorm(H, bias=cfg.bias) if cfg.embed_norm else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(H, bias=cfg.bias)

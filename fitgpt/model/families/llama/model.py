@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fitgpt.model.decoder import DecoderLM, KVCache
+from fitgpt.model.decoder import DecoderLM, KVCache, embedding
 from fitgpt.model.packing import Packing
 from fitgpt.model.pieces import along_tokens
 
@@ -238,7 +238,7 @@ class Llama(DecoderLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         V, H = cfg.padded_vocab_size, cfg.n_embd
-        self.wte = nn.Embedding(V, H)
+        self.wte = embedding(V, H)
         self.blocks = nn.ModuleList(self.make_block(cfg, i) for i in range(cfg.n_layer))
         self.ln_f = nn.RMSNorm(H, eps=cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(H, V, bias=False)
