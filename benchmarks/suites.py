@@ -600,7 +600,11 @@ SUITES: tuple[Suite, ...] = (
                 "the exact losses of every engine, stage, placement, TP, CP and compile setting "
                 "(1 and 2 gloo ranks); run it in each tree, AGAINST= the other tree's file",
                 args="--out $OUT/losses.json ${AGAINST:+--against $AGAINST}",
-                results=("refactor_h100_2026-11-26", "long_cpu_2026-11-26"),
+                results=(
+                    "refactor_h100_2026-11-26",
+                    "long_cpu_2026-11-26",
+                    "refactor_cpu_2026-11-28",
+                ),
             ),
             Row(
                 "gpu",
