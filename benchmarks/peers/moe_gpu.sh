@@ -19,6 +19,20 @@ mkdir -p "$OUT" "$D"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 t() { date +%s; }
 BATCH=(--micro-batch 4 --grad-accum 4 --seq-len 4096)
+# one `fitgpt train` run: its log, metrics and the host's used memory every 3 s, as OUT/NAME.*
+watched() {
+  local L="$OUT/$1" run=$2 s P
+  shift 2
+  echo "== $*" | tee "$L.log"
+  s=$(t)
+  ( "$@" >> "$L.log" 2>&1; echo "== exit $?" >> "$L.log" ) &
+  P=$!
+  while kill -0 $P 2>/dev/null; do free -g | awk '/Mem/ {print $3}' >> "$L.host_used_gib.txt"; sleep 3; done
+  echo "train: $(( $(t) - s )) s"
+  grep -E "plan:|model |step .*tok/s|exit|rror" "$L.log" | head -14
+  sort -n "$L.host_used_gib.txt" | tail -1 | sed 's/^/host used peak GiB: /'
+  cp "$run/metrics.jsonl" "$L.metrics.jsonl" 2>/dev/null
+}
 python3 benchmarks/stdlib_jsonl.py "$D/pystd.jsonl"
 s=$(t); python3 -m fitgpt data preprocess --input "$D/pystd.jsonl" --json-key text \
   --output-prefix "$D/pystd" --workers 12 --append-eod > "$OUT/preprocess.log" 2>&1 \
@@ -35,35 +49,16 @@ tests)
 grouped)
   python3 benchmarks/peers/moe_gpu.py grouped "$OUT" 2>&1 | tail -2 ;;
 train)
-  CMD=(python3 -m fitgpt train --preset qwen3-moe-30b-a3b --layers "$LAYERS" --data "$D/pystd_text_document"
-    "${BATCH[@]}" --steps "$STEPS" --log-every 1 --eval-every 0 --no-save --lr 1e-4 --warmup 2
-    --out /tmp/moe_run --overwrite)
-  L="$OUT/train_l$LAYERS"
-  echo "== ${CMD[*]}" | tee "$L.log"
-  s=$(t)
-  ( "${CMD[@]}" >> "$L.log" 2>&1; echo "== exit $?" >> "$L.log" ) &
-  P=$!
-  while kill -0 $P 2>/dev/null; do free -g | awk '/Mem/ {print $3}' >> "$L.host_used_gib.txt"; sleep 3; done
-  echo "train: $(( $(t) - s )) s"
-  grep -E "plan:|model |step .*tok/s|exit|rror" "$L.log" | head -14
-  sort -n "$L.host_used_gib.txt" | tail -1 | sed 's/^/host used peak GiB: /'
-  cp /tmp/moe_run/metrics.jsonl "$L.metrics.jsonl" 2>/dev/null ;;
+  watched "train_l$LAYERS" /tmp/moe_run python3 -m fitgpt train --preset qwen3-moe-30b-a3b \
+    --layers "$LAYERS" --data "$D/pystd_text_document" "${BATCH[@]}" --steps "$STEPS" --log-every 1 \
+    --eval-every 0 --no-save --lr 1e-4 --warmup 2 --out /tmp/moe_run --overwrite ;;
 oss)
   # gpt-oss-20b's whole shape (its 201,088-row vocabulary: the GPT-2 ids of the data lie below
   # it, --tokenizer none), built from the preset into the planner's tiers, the planner's plan
-  CMD=(python3 -m fitgpt train --preset gpt-oss-20b --data "$D/pystd_text_document"
-    --tokenizer none --vocab-size 201088 "${BATCH[@]}" --steps "${OSS_STEPS:-6}" --log-every 1
-    --eval-every 0 --no-save --lr 1e-4 --warmup 2 --out /tmp/oss_run --overwrite)
-  L="$OUT/train_oss20b"
-  echo "== ${CMD[*]}" | tee "$L.log"
-  s=$(t)
-  ( "${CMD[@]}" >> "$L.log" 2>&1; echo "== exit $?" >> "$L.log" ) &
-  P=$!
-  while kill -0 $P 2>/dev/null; do free -g | awk '/Mem/ {print $3}' >> "$L.host_used_gib.txt"; sleep 3; done
-  echo "train: $(( $(t) - s )) s"
-  grep -E "plan:|model |step .*tok/s|exit|rror" "$L.log" | head -14
-  sort -n "$L.host_used_gib.txt" | tail -1 | sed 's/^/host used peak GiB: /'
-  cp /tmp/oss_run/metrics.jsonl "$L.metrics.jsonl" 2>/dev/null ;;
+  watched train_oss20b /tmp/oss_run python3 -m fitgpt train --preset gpt-oss-20b \
+    --data "$D/pystd_text_document" --tokenizer none --vocab-size 201088 "${BATCH[@]}" \
+    --steps "${OSS_STEPS:-6}" --log-every 1 --eval-every 0 --no-save --lr 1e-4 --warmup 2 \
+    --out /tmp/oss_run --overwrite ;;
 peer)
   L="$OUT/peer_l$LAYERS"
   s=$(t); python3 benchmarks/peers/moe_gpu.py peer "$OUT" --data "$D/pystd_text_document" \

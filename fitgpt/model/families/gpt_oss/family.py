@@ -31,18 +31,8 @@ class GptOssFamily(MoeCounts):
 
     def check(self, cfg: ModelConfig) -> None:
         super().check(cfg)
-        if cfg.num_experts is None:
-            return  # ModelConfig refuses that, naming the fields to set
-        if not cfg.norm_topk_prob:
-            raise UserError(
-                "norm_topk_prob=False: gpt-oss's routing weights are a softmax over the top k "
-                "logits (they sum to 1); set it"
-            )
-        if cfg.mlp_only_layers or cfg.decoder_sparse_step != 1:
-            raise UserError(
-                f"mlp_only_layers={list(cfg.mlp_only_layers)}, decoder_sparse_step="
-                f"{cfg.decoder_sparse_step}: every gpt-oss layer is sparse"
-            )
+        topk = "gpt-oss's routing weights are a softmax over the top k logits (they sum to 1)"
+        self.check_every_layer_sparse(cfg, "gpt-oss", topk)
         for name in ("swiglu_alpha", "swiglu_limit"):
             v = getattr(cfg, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not v > 0:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from fitgpt.errors import UserError
 from fitgpt.model.families.llama.family import LlamaFamily
 from fitgpt.model.families.qwen3.family import Qwen3Family
 from fitgpt.model.families.qwen3_moe.model import MoeLlama
@@ -34,6 +35,20 @@ class MoeCounts(LlamaFamily):
 
     def tp_sizes(self, cfg: ModelConfig) -> list[tuple[int, str]]:
         return [NO_EXPERT_TP, *super().tp_sizes(cfg)]
+
+    def check_every_layer_sparse(self, cfg: ModelConfig, who: str, topk: str) -> None:
+        """Refuse, in one line, a config of a family whose routing weights always sum to 1
+        (`topk`: how the family makes them) and whose every layer is sparse (Mixtral, gpt-oss)
+        saying otherwise."""
+        if cfg.num_experts is None:
+            return  # ModelConfig refuses that, naming the fields to set
+        if not cfg.norm_topk_prob:
+            raise UserError(f"norm_topk_prob=False: {topk}; set it")
+        if cfg.mlp_only_layers or cfg.decoder_sparse_step != 1:
+            raise UserError(
+                f"mlp_only_layers={list(cfg.mlp_only_layers)}, decoder_sparse_step="
+                f"{cfg.decoder_sparse_step}: every {who} layer is sparse"
+            )
 
     def sparse_mlp(self, cfg: ModelConfig, experts: int) -> int:
         """Parameters of one sparse MLP with `experts` experts: the router and theirs."""
