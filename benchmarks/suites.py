@@ -594,6 +594,16 @@ SUITES: tuple[Suite, ...] = (
         "a refactor changes no result: the exact losses of the tree before it and this one",
         (
             Row(
+                "lora-gpu",
+                "checks/lora_gpu.sh",
+                "nvidia-h200",
+                "LoRA r=16 beside a full fine-tune of a Llama-shaped folder on one GPU; the adapter "
+                "exported, loaded by peft, its loss against the merged export's",
+                device_env=True,
+                carry=WHL,
+                results=("lora_h200_2026-11-28",),
+            ),
+            Row(
                 "cpu",
                 "checks/refactor_losses_cpu.py",
                 "cpu",
