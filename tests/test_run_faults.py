@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_refusal import run_main
 from conftest import free_port
 from test_checkpoint import ENV, TINY_ARGS, fitgpt
 
@@ -70,7 +71,7 @@ def test_the_lock_holds_a_second_run_and_an_overwrite_off(tmp_path):
         a.communicate()
 
 
-def test_ctrl_c_saves_the_current_step_and_says_how_to_resume(tmp_path):
+def test_ctrl_c_saves_the_current_step_and_says_how_to_resume(tmp_path, capsys):
     out = tmp_path / "run"
     a = start(out, "--save-every", "0")
     wait_for_training(a)
@@ -84,21 +85,26 @@ def test_ctrl_c_saves_the_current_step_and_says_how_to_resume(tmp_path):
     assert f"saved {ckpt}" in err
     step = ckpt_io.verify(ckpt)["step"]
     assert not (out / LOCK_NAME).exists()  # released on the way out
-    r = fitgpt("train", *TINY_ARGS, "--steps", str(step + 2), "--out", str(out), "--resume")
-    assert r.returncode == 0, r.stderr
-    assert f"resumed from {ckpt} at step {step}" in r.stdout
+    # the resume, in this process (the stopped process's files are the test)
+    code, said, err = run_main(
+        capsys, "train", *TINY_ARGS, "--steps", str(step + 2), "--out", out, "--resume"
+    )
+    assert code == 0, err
+    assert f"resumed from {ckpt} at step {step}" in said
 
 
-def test_a_killed_runs_lock_is_taken_over_with_a_note(tmp_path):
+def test_a_killed_runs_lock_is_taken_over_with_a_note(tmp_path, capsys):
     out = tmp_path / "run"
     a = start(out)
     a.kill()  # SIGKILL: no handler runs, the lock file stays behind
     a.communicate()
     assert (out / LOCK_NAME).is_file()
-    r = fitgpt("train", *TINY_ARGS, "--steps", "2", "--out", str(out), "--resume")
-    assert r.returncode == 0, r.stderr
-    assert f"taking over the lock of pid {a.pid} on " in r.stdout
-    assert "which is no longer running" in r.stdout
+    code, said, err = run_main(
+        capsys, "train", *TINY_ARGS, "--steps", "2", "--out", out, "--resume"
+    )
+    assert code == 0, err
+    assert f"taking over the lock of pid {a.pid} on " in said
+    assert "which is no longer running" in said
 
 
 def test_the_lock_in_process(tmp_path, capsys):

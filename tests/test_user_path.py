@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from cli_refusal import run_main
 from helpers import run_config
 
 from fitgpt.dist import DistContext
@@ -36,21 +37,20 @@ def fitgpt(*argv, env=None, preexec_fn=None, timeout=240):
     )
 
 
-def test_planning_sees_the_vocabulary_the_engine_builds(tmp_path):
+def test_planning_sees_the_vocabulary_the_engine_builds(tmp_path, capsys):
     # the test model's own vocabulary is 96; GPT-2's tokenizer makes it 50257 (50304 rows)
     # (the trainer takes a run assembled by train/assemble.py, which sizes the vocabulary before
     # the planner prices it). The data: a few documents tokenized by GPT-2's tokenizer (stdlib's
     # 8 MB took it 7 s to tokenize).
-    from fitgpt.cli import main
-
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 8})
                             + "\n" for i in range(40)))  # fmt: skip
     prefix = tmp_path / "g"
-    with pytest.raises(SystemExit) as made:
-        main(["data", "preprocess", "--tokenizer", "gpt2", "--workers", "1", "--quiet",
-              "--input", str(docs), "--output-prefix", str(prefix)])  # fmt: skip
-    assert made.value.code in (0, None)
+    code, _, err = run_main(
+        capsys, "data", "preprocess", "--tokenizer", "gpt2", "--workers", "1", "--quiet",
+        "--input", docs, "--output-prefix", prefix,
+    )  # fmt: skip
+    assert code == 0, err
     data = f"{prefix}_text_document"
     run = run_config(tmp_path / "run", data=data, tokenizer="gpt2", engine="zero", micro_batch=2)
     assembled = assemble(Settings(run, Fixed.of({"engine": "zero"})), CPU, **QUIET)
@@ -108,19 +108,19 @@ def losses(stdout: str) -> dict[int, str]:
 
 
 @pytest.mark.slow
-def test_a_run_on_megatron_data_resumes_by_its_folder_alone(tmp_path):
-    from fitgpt.cli import main
-
+def test_a_run_on_megatron_data_resumes_by_its_folder_alone(tmp_path, capsys):
+    # the data and the first run: made in this process; the resumes, processes of their own
     prefix, run = str(tmp_path / "d" / "corpus"), tmp_path / "run"
-    with pytest.raises(SystemExit) as made:  # the data: made in this process, read by the runs
-        main(["data", "fake", "--output-prefix", prefix, "--tokens", "60000", "--vocab", "256",
-              "--doc-len", "64"])  # fmt: skip
-    assert made.value.code in (0, None)
-    first = fitgpt(
-        "train", "--data", prefix, "--tokenizer", "bytes", *SMALL, "--steps", "8",
-        "--save-every", "4", "--log-every", "1", "--out", str(run),
+    code, _, err = run_main(
+        capsys, "data", "fake", "--output-prefix", prefix, "--tokens", "60000", "--vocab", "256",
+        "--doc-len", "64",
     )  # fmt: skip
-    assert first.returncode == 0, first.stderr[-2000:]
+    assert code == 0, err
+    code, first_out, err = run_main(
+        capsys, "train", "--data", prefix, "--tokenizer", "bytes", *SMALL, "--steps", "8",
+        "--save-every", "4", "--log-every", "1", "--out", run,
+    )  # fmt: skip
+    assert code == 0, err[-2000:]
     # as if the run had died after step 4's checkpoint
     import shutil
 
@@ -128,7 +128,7 @@ def test_a_run_on_megatron_data_resumes_by_its_folder_alone(tmp_path):
     again = fitgpt("train", "--out", str(run), "--resume")
     assert again.returncode == 0, again.stderr[-2000:]
     assert "with its own config" in again.stdout
-    before, after = losses(first.stdout), losses(again.stdout)
+    before, after = losses(first_out), losses(again.stdout)
     assert sorted(after) == [5, 6, 7, 8] and all(after[s] == before[s] for s in after)
     # what the data order or the saved state depend on must agree
     for flags, field in (
@@ -143,30 +143,30 @@ def test_a_run_on_megatron_data_resumes_by_its_folder_alone(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("data", ["stdlib", "synthetic", "uniform"])
-def test_every_built_in_data_kind_resumes_by_its_folder_alone(tmp_path, data):
+def test_every_built_in_data_kind_resumes_by_its_folder_alone(tmp_path, data, capsys):
     run = tmp_path / "run"
     extra = ["--vocab-size", "64"] if data != "stdlib" else []
-    first = fitgpt(
-        "train", "--data", data, *extra, *SMALL, "--steps", "4", "--save-every", "2",
-        "--log-every", "1", "--out", str(run),
+    code, first_out, err = run_main(  # in this process; the resume is a process of its own
+        capsys, "train", "--data", data, *extra, *SMALL, "--steps", "4", "--save-every", "2",
+        "--log-every", "1", "--out", run,
     )  # fmt: skip
-    assert first.returncode == 0, first.stderr[-2000:]
+    assert code == 0, err[-2000:]
     import shutil
 
     shutil.rmtree(run / "step_00000004")
     again = fitgpt("train", "--out", str(run), "--resume")
     assert again.returncode == 0, again.stderr[-2000:]
-    before, after = losses(first.stdout), losses(again.stdout)
+    before, after = losses(first_out), losses(again.stdout)
     assert sorted(after) == [3, 4] and all(after[s] == before[s] for s in after)
 
 
-def test_resume_with_no_checkpoint_yet_starts_the_run(tmp_path):
-    r = fitgpt(
-        "train", "--data", "synthetic", "--vocab-size", "64", *SMALL, "--steps", "2",
-        "--out", str(tmp_path / "new"), "--resume",
+def test_resume_with_no_checkpoint_yet_starts_the_run(tmp_path, capsys):
+    code, out, err = run_main(
+        capsys, "train", "--data", "synthetic", "--vocab-size", "64", *SMALL, "--steps", "2",
+        "--out", tmp_path / "new", "--resume",
     )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "holds no checkpoint yet; starting a new run" in r.stdout
+    assert code == 0, err[-2000:]
+    assert "holds no checkpoint yet; starting a new run" in out
     assert (tmp_path / "new" / "step_00000002" / "meta.json").is_file()
 
 
