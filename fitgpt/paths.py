@@ -16,6 +16,7 @@ one line naming the path and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -234,3 +235,24 @@ def describe_os_error(e: OSError, outputs: list[tuple[str, str]]) -> str | None:
     if isinstance(e, FileNotFoundError):
         return f"{where}: no such file or folder; check the path (create the folder first)"
     return f"{where}: {_why(e)}; check the path"
+
+
+@contextlib.contextmanager
+def folder_in_place(out: Path, what: str):
+    """A fresh folder beside `out` (`.NAME.WHAT.tmp`; a crashed run's leftovers, never valid,
+    are removed first) that becomes `out` once the body returns: an old `out` (--overwrite) is
+    moved aside first and deleted after, so a failure at any point leaves what was there, and
+    the temporary folder goes whatever happens. The one way an export or an import writes a
+    folder."""
+    tmp = out.parent / f".{out.name}.{what}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        old = out.parent / f".{out.name}.{what}.old"
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -17,8 +17,6 @@ whatever the size of the model.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +35,7 @@ from fitgpt.interop.hf_tokenizer import write_hf_tokenizer
 from fitgpt.interop.safetensors_stream import SafetensorsWriter
 from fitgpt.model import ModelConfig
 from fitgpt.model.hf_map import HFMapping, TensorMap, hf_shape, to_hf
+from fitgpt.paths import folder_in_place
 from fitgpt.train import checkpoint as ckpt_io
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -98,10 +97,7 @@ def export_hf(
     ids, carried = _special_ids(spec, cfg, meta)
     base = merged(ckpt, meta, cfg) if merge else None
     dtype = dtype or (base.dtype if base is not None else "fp32")
-    tmp = out.parent / f".{out.name}.export.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed export are never valid
-    tmp.mkdir(parents=True)
-    try:
+    with folder_in_place(out, "export") as tmp:
         n, files = write_weights(
             tmp, ckpt, meta, cfg, mapping, DTYPES[dtype], max_shard_bytes, base
         )
@@ -111,13 +107,6 @@ def export_hf(
         written = write_hf_tokenizer(spec, tmp, cfg.seq_len)
         if ids:  # the carried file's other settings (temperature, top_p) stay as they were
             (tmp / "generation_config.json").write_text(json.dumps(carried | ids, indent=2))
-        old = out.parent / f".{out.name}.export.old"
-        if out.exists():  # --overwrite: the old output goes only once the new one is complete
-            os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     zeros = sum(m.fitgpt is None for m in mapping.tensor_maps(cfg))
     return ExportResult(out, cfg, n, written, mapping.architecture(cfg), files, zeros, dtype)
 
@@ -326,21 +315,10 @@ def export_peft(ckpt_path: Path, out: Path, dtype: str = "fp32", overwrite: bool
             f"--format peft: {ckpt} trained the whole model, not LoRA adapters; use --format hf"
         )
     check_out_apart(out, ckpt_path)
-    if out.exists() and not overwrite:
-        raise UserError(f"--out {out} already exists; pass --overwrite to replace it")
+    check_output(out, overwrite)
     cfg = ModelConfig.from_dict(meta["config"]["model"])
     targets = lora_targets(cfg, adapter)
     tensors = adapter_tensors(ckpt, meta)
-    tmp = out.parent / f".{out.name}.export.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed export are never valid
-    tmp.mkdir(parents=True)
-    try:
+    with folder_in_place(out, "export") as tmp:
         n = write_peft(tmp, adapter, targets, tensors, DTYPES[dtype], meta.get("init_from"))
-        old = out.parent / f".{out.name}.export.old"
-        if out.exists():  # --overwrite: the old output goes only once the new one is complete
-            os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return PeftExport(out, adapter, len(targets), n, meta.get("init_from"))

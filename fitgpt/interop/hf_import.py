@@ -21,7 +21,6 @@ Measured: 0.74 GiB peak RSS for a 204 M-parameter model
 from __future__ import annotations
 
 import json
-import os
 import resource
 import shutil
 import time
@@ -36,6 +35,7 @@ from fitgpt.interop.hf_read import HFCheckpoint, HFReader, open_hf
 from fitgpt.interop.hf_tokenizer import copy_hf_tokenizer, holds_vocabulary
 from fitgpt.model import ModelConfig
 from fitgpt.model.config import GPT2_VOCAB
+from fitgpt.paths import folder_in_place
 from fitgpt.train.checkpoint import write_meta
 
 CHECKPOINT_DIR = "step_00000000"
@@ -95,19 +95,14 @@ def import_hf(
     check_output(out, overwrite, 4 * cfg.num_params() + 2**20)
     layout = ckpt.layout
 
-    tmp = out.parent / f".{out.name}.import.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed import are never valid
-    (tmp / CHECKPOINT_DIR).mkdir(parents=True)
-    try:
+    with folder_in_place(out, "import") as tmp:
+        (tmp / CHECKPOINT_DIR).mkdir()
         spec = _import_tokenizer(config_path.parent, tmp / TOKENIZER_DIR, out, cfg, hf_cfg)
         step = tmp / CHECKPOINT_DIR
         write_pieces(step, 0, chunk_pieces(ckpt, progress))
         meta = imported_meta(cfg, layout, spec, out, src, hf_cfg)
         meta["imported_from"]["format"] = ckpt.mapping.import_format
         write_meta(step, meta)
-        _swap_into_place(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     note = None
     if cfg.tie_embeddings != ckpt.mapping.config_from_hf(hf_cfg, str(config_path)).tie_embeddings:
@@ -142,15 +137,6 @@ def _import_tokenizer(
             gen.write_text(json.dumps(ids, indent=2))
         return str((out / TOKENIZER_DIR).resolve())
     return hf_tokenizer_spec(src, cfg)
-
-
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished run into place; an old one is moved aside first, deleted after."""
-    old = out.parent / f".{out.name}.import.old"
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def imported_meta(
