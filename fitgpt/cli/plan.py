@@ -17,6 +17,7 @@ from fitgpt.data.config import DataConfig
 from fitgpt.engine.config import EngineConfig, PrecisionConfig
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
+from fitgpt.plan.links import INTER_NODE_GBIT
 from fitgpt.train.config import TrainConfig
 
 
@@ -26,7 +27,20 @@ def add_hardware_args(p: argparse.ArgumentParser) -> None:
         "--gpus",
         type=int,
         default=None,
-        help="GPUs to plan for (each trains on its share of the batch)",
+        help="GPUs to plan for on each node (each trains on its share of the batch)",
+    )
+    g.add_argument(
+        "--nnodes",
+        type=int,
+        default=None,
+        help="machines alike, --gpus each: --cpu-mem and --nvme are each one's (default: 1)",
+    )
+    g.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        default=None,
+        help="the link between nodes, Gb/s per GPU (bits, as NICs are sold; default: "
+        f"{INTER_NODE_GBIT:g}, one 400 Gb/s NIC per GPU: docs/planner.md)",
     )
     g.add_argument("--gpu-mem", default=None, help="memory per GPU, e.g. 80GB or 79GiB")
     g.add_argument(
@@ -103,13 +117,13 @@ def run(args: argparse.Namespace) -> int:
     from fitgpt.plan.validate import check_settings
     from fitgpt.train.setup import engine_flags
 
-    hw = hardware.detect(args.gpus, args.gpu_mem, args.cpu_mem, args.nvme, args.device)
+    hw = hardware.detect(args.gpus, args.gpu_mem, args.cpu_mem, args.nvme, args.device, args.nnodes)
     typed = typed_flags(args)  # as train judges them: before the shares become block counts
     run, fixed = planned_run(args, hw.device)
     model = run.model
     # what train refuses, plan refuses, in the same line, before pricing anything
-    check_settings(model, run.engine, run.precision, hw.gpus, hw.device, fixed, typed)
-    plans = plan_run(run, hw, rates.load(hw.gpu_name), fixed)
+    check_settings(model, run.engine, run.precision, hw.world, hw.device, fixed, typed)
+    plans = plan_run(run, hw, with_network(rates.load(hw.gpu_name), args.inter_node_gbps), fixed)
     work, t = plans.work, run.train
     print(
         f"model {model_name(args)}: "
@@ -117,6 +131,9 @@ def run(args: argparse.Namespace) -> int:
         f"{t.micro_batch} × {t.grad_accum} accumulation × seq {model.seq_len}, {work.precision}"
     )
     print(f"machine: {hw.describe()}; rates: {plans.rates.source}")
+    if hw.nnodes > 1:
+        said = "--inter-node-gbps" if args.inter_node_gbps else "assumed: give --inter-node-gbps"
+        print(f"between nodes: {plans.rates.inter_node_gbit:g} Gb/s per GPU ({said})")
     cpu = cpu_only(args, hw)
     if cpu:
         print(cpu)
@@ -137,6 +154,15 @@ def run(args: argparse.Namespace) -> int:
     if args.breakdown:
         print_breakdown(plans.best)
     return 0
+
+
+def with_network(r, gbit: float | None):
+    """The rates with --inter-node-gbps, when given (Gb/s per GPU: plan/links.py)."""
+    if gbit is None:
+        return r
+    if not gbit > 0:
+        raise UserError(f"--inter-node-gbps {gbit:g} must be positive: the Gb/s of each GPU's NIC")
+    return dataclasses.replace(r, inter_node_gbit=gbit)
 
 
 def cpu_only(args: argparse.Namespace, hw) -> str | None:

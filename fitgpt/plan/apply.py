@@ -60,15 +60,18 @@ class Plans:
         )
 
 
-def workload_of(run, world: int, device: str) -> Workload:
-    """What the memory and step-time models price for `run` on `world` ranks of `device`."""
+def workload_of(run, world: int, device: str, nodes: int = 1) -> Workload:
+    """What the memory and step-time models price for `run` on `world` ranks of `device`, over
+    `nodes` machines."""
     prec = run.precision.resolved(device).precision
-    return Workload(run.model, run.train.micro_batch, world, prec, device, run.train.steps)
+    t = run.train
+    return Workload(run.model, t.micro_batch, world, prec, device, t.steps, nodes)
 
 
 def plan_run(run, hw: Hardware, r: Rates, fixed: Fixed) -> Plans:
     """Every plan for `run` on `hw`, the chosen one first (nothing allocated)."""
-    work = workload_of(run, hw.gpus, hw.device)  # ranks: GPUs, or a CPU run's processes
+    # ranks: every node's GPUs, or a CPU run's processes
+    work = workload_of(run, hw.world, hw.device, hw.nnodes)
     f = fixed.with_(nvme_path=run.engine.nvme_path)  # the disk the user offered
     if "compile" not in f:  # --compile as the run asks it; each plan resolves it
         f = f.with_(compile=run.engine.compile)  # (plan/candidate.py settle_compile)

@@ -124,7 +124,7 @@ def _evaluate(
     ecfg = settle_compile(work, grad_accum, rates, ecfg, placement)
     est = estimate(work, ecfg, layout, placement)
     t = step_time(work, ecfg, grad_accum, rates, placement)
-    ranks_here = hw.gpus if hw.device == "cuda" else work.world
+    ranks_here = hw.gpus if hw.device == "cuda" else work.ranks_per_node  # on one node
     gpu_short = est.compute_total - gpu_budget(hw.gpu_mem) if hw.device == "cuda" else 0
     host_short = est.host_total * ranks_here - hw.cpu_mem if hw.cpu_mem else 0
     disk = sum(est.nvme.values()) * ranks_here

@@ -39,14 +39,23 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Hardware:
+    """One machine (a node) and how many alike the job spans: every per-machine figure (GPUs,
+    host RAM, disk) is one node's, the collectives' links are priced in plan/links.py."""
+
     device: str  # "cuda" or "cpu": where compute runs
-    gpus: int  # data-parallel ranks (GPUs, or processes on a CPU box)
+    gpus: int  # ranks on each node (GPUs, or processes on a CPU box)
     gpu_mem: int  # bytes per GPU (0 on CPU)
     gpu_name: str
-    cpu_mem: int  # usable host bytes for the whole machine
+    cpu_mem: int  # usable host bytes of one node
     cpu_cores: int
     nvme_path: str = ""
-    nvme_free: int = 0
+    nvme_free: int = 0  # one node's
+    nnodes: int = 1  # machines alike, `gpus` ranks each
+
+    @property
+    def world(self) -> int:
+        """Ranks of the whole job."""
+        return self.gpus * self.nnodes
 
     def describe(self) -> str:
         gpu = (
@@ -54,6 +63,8 @@ class Hardware:
             if self.device == "cuda"
             else f"{self.gpus} CPU process(es)"
         )
+        if self.nnodes > 1:
+            gpu = f"{self.nnodes} nodes of {gpu}"
         nvme = (
             f", NVMe tier {self.nvme_free / 2**30:.0f} GiB free at {self.nvme_path}"
             if self.nvme_path
@@ -70,7 +81,9 @@ def detect(
     cpu_mem: str | int | None = None,
     nvme: str | None = None,
     device: str = "auto",
+    nnodes: int | None = None,
 ) -> Hardware:
+    """This machine as detected, each figure given overriding it; `nnodes` machines alike."""
     cuda = torch.cuda.is_available() and device != "cpu"
     if device == "cuda" and not torch.cuda.is_available() and gpu_mem is None:
         raise UserError("--device cuda: no GPU is visible; pass --gpu-mem to plan for one anyway")
@@ -87,6 +100,8 @@ def detect(
         if gpus < 1:
             raise UserError(f"--gpus {gpus} must be at least 1")
         count = gpus
+    if nnodes is not None and nnodes < 1:
+        raise UserError(f"--nnodes {nnodes} must be at least 1")
     if isinstance(cpu_mem, str):  # `fitgpt plan --cpu-mem` as typed
         host = parse_bytes(cpu_mem, "--cpu-mem")
     else:  # a run's EngineConfig.cpu_mem, in bytes (None or 0: measured)
@@ -112,4 +127,5 @@ def detect(
         os.cpu_count() or 1,
         nvme_path,
         nvme_free,
+        nnodes or 1,
     )

@@ -73,6 +73,12 @@ class Workload:
     # the run's optimizer steps: what --compile auto weighs a compile against (0: not known,
     # priced as a short run, which compiles nothing)
     steps: int = 0
+    # machines the world spans, world/nodes ranks on each (the collectives' links: plan/links.py)
+    nodes: int = 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        return max(1, self.world // max(1, self.nodes))
 
     @property
     def w(self) -> int:

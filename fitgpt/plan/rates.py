@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from fitgpt import units
+from fitgpt.plan.links import INTER_NODE_GBIT
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ class Rates:
     # convention's FLOPs: 4·N·D per query-key pair forward, 3x that with the backward, over the
     # pairs the causal kernel computes (half the square): plan/throughput.py attention_flops
     attn_tflops: float = 300.0
+    # between nodes, Gb/s per GPU (bits, as network links are sold): plan/links.py prices the
+    # collectives that leave a node at it; `fitgpt plan --inter-node-gbps` sets it (the probe
+    # measures one machine and leaves it at the assumption, links.INTER_NODE_GBIT)
+    inter_node_gbit: float = INTER_NODE_GBIT
     source: str = "defaults"
 
     def to_dict(self) -> dict:

@@ -30,6 +30,7 @@ from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.formats.moments import bytes_per_param
 from fitgpt.engine.transforms.compile import CHECKPOINTED, compiled
 from fitgpt.model.families import family_of
+from fitgpt.plan.links import Links
 from fitgpt.plan.memory import Workload, attention_path, layout_of, placement_of, tp_of
 from fitgpt.plan.rates import Rates
 from fitgpt.plan.validate import CPU_FP16_SLOWDOWN
@@ -327,21 +328,25 @@ def step_time(
     out = {"compute": compute}
     if ecfg.checkpointing == "cpu":
         out["activation_offload"] = exposed
+    # the links each group's collectives cross (plan/links.py): TP groups are T consecutive
+    # ranks, a DP group one rank of each TP group, G/T of them on each node
+    per_node = work.ranks_per_node
     if tp > 1:
-        out["tp_comm"] = tp_comm_time(work, ecfg, grad_accum, rates.bus_gbps)
-    if cp > 1:
-        out["cp_comm"] = cp_comm_time(work, ecfg, grad_accum, rates.bus_gbps)
+        tp_bw = Links.of(tp, per_node, rates).ring_bytes_per_s / 1e9
+        out["tp_comm"] = tp_comm_time(work, ecfg, grad_accum, tp_bw)
+    if cp > 1:  # C consecutive ranks of a DP group (dist/mesh.py cp_ranks)
+        cp_bw = Links.of(cp, max(1, per_node // tp), rates).ring_bytes_per_s / 1e9
+        out["cp_comm"] = cp_comm_time(work, ecfg, grad_accum, cp_bw)
     if W > 1:
-        bw = rates.bus_gbps * 1e9
-        frac = (W - 1) / W
+        dp = Links.of(W, max(1, per_node // tp), rates)
         if placement.replicated:
             # every rank holds the whole optimizer state: the gradients are all-reduced once per
             # step, in the working dtype (chunks) or in fp32 (the plain engine's parameters)
             g = work.w if placement.chunked else 4
-            out["comm"] = max(0.0, 2 * frac * n * g / bw - 0.9 * backward_last)
+            out["comm"] = max(0.0, dp.all_reduce(n * g) - 0.9 * backward_last)
         else:
-            rs = frac * n * work.w / bw
-            ag = frac * n * work.w / bw  # updated weights, after the optimizer
+            rs = dp.reduce_scatter(n * work.w)
+            ag = dp.all_gather(n * work.w)  # updated weights, after the optimizer
             # reduce-scattered every micro-batch, behind its backward, or once after the last
             scatters = placement.scatters_grads
             hidden = 0.9 * (compute * 0.6 if scatters else backward_last)
@@ -420,7 +425,7 @@ def host_optimizer_exposed(
     # the whole pipeline (upcast, AdamW, cast back), at the bytes each chunk's formats move
     # every rank's at once, on one host
     host = sum(
-        c.opt_elems * host_update_cost(c, w) / host_share(work.world, bool(c.compact))
+        c.opt_elems * host_update_cost(c, w) / host_share(work.ranks_per_node, bool(c.compact))
         for c in placement.hosted
     )
     host /= rates.cpu_adam_params_per_s
