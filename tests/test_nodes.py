@@ -1,10 +1,13 @@
 """Several machines (dist/nodes.py): `fitgpt train --gpus G --nnodes N --node-rank R
 --master-addr A --master-port P`, with N "nodes" as processes on this one CPU host (gloo)."""
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,9 +27,10 @@ RUN = ["--preset", "tiny", "--data", "synthetic", "--layers", "2", "--hidden", "
        "--zero-stage", "1", "--plan", "off"]  # fmt: skip
 
 
-def train(*argv) -> subprocess.Popen:
+def train(*argv, **popen) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "fitgpt", "train", *map(str, argv)]
-    return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
+    return subprocess.Popen(cmd, env=ENV, text=True, **pipes)
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[str, str]]:
@@ -47,14 +51,16 @@ def losses(out: Path) -> list[float]:
     return [r["loss"] for r in rows if r["kind"] == "train"]
 
 
+def node(r: int, nnodes: int, gpus: int, port: int, args: list, **popen) -> subprocess.Popen:
+    """Node r's launcher of `gpus` processes, of `nnodes`."""
+    flags = ["--gpus", gpus, "--nnodes", nnodes, "--node-rank", r,
+             "--master-addr", "127.0.0.1", "--master-port", port]  # fmt: skip
+    return train(*flags, *args, **popen)
+
+
 def nodes(nnodes: int, gpus: int, port: int, args: list, per_node=lambda r: []):
-    """`nnodes` launchers of `gpus` processes each, node r given `per_node(r)`'s flags too."""
-
-    def node(r: int) -> list:
-        return ["--gpus", gpus, "--nnodes", nnodes, "--node-rank", r,
-                "--master-addr", "127.0.0.1", "--master-port", port]  # fmt: skip
-
-    return [train(*node(r), *args, *per_node(r)) for r in range(nnodes)]
+    """Every node's launcher, node r given `per_node(r)`'s flags too."""
+    return [node(r, nnodes, gpus, port, [*args, *per_node(r)]) for r in range(nnodes)]
 
 
 def test_two_nodes_of_two_train_as_four_ranks_of_one_node(tmp_path):
@@ -114,3 +120,56 @@ def test_the_launcher_hands_torchrun_the_static_rendezvous():
     assert (a.nnodes, a.node_rank, a.master_addr, a.master_port) == ("3", 2, "10.0.0.7", 29400)
     assert (a.nproc_per_node, a.standalone, a.rdzv_backend) == ("4", False, "static")
     assert a.training_script_args == ["train", "--steps", "2"]
+
+
+def test_a_node_that_never_joins_is_named_within_the_timeout(tmp_path):
+    """Node 0 alone of 3: it ends within --dist-timeout, on one line naming nodes 1 and 2."""
+    t0 = time.monotonic()
+    procs = [node(0, 3, 1, free_port(), [*RUN, "--steps", "3", "--dist-timeout", "10"])]
+    [(_, err)] = finish(procs)
+    took = time.monotonic() - t0
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert procs[0].returncode not in (0, None) and "Traceback" not in err, err[-3000:]
+    assert len(lines) == 1 and "node(s) 1, 2 of 3 did not join" in lines[0], err[-3000:]
+    assert 10 <= took < 10 + 25  # the timeout, and the launcher's start (torch's import)
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and its descendants (Linux /proc): torchrun starts each rank in a session of its
+    own, so node 1's process group would not hold its ranks."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(k) for k in f.read().split()]
+    except OSError:
+        kids = []
+    return [pid] + [d for k in kids for d in tree(k)]
+
+
+def test_a_node_killed_mid_run_is_named_by_the_others_within_the_timeout(tmp_path):
+    """Node 1 (its launcher, torchrun and ranks) killed after step 1: node 0 ends within
+    --dist-timeout, its last line naming node 1, no traceback."""
+    port, args = free_port(), [*RUN, "--steps", "100000", "--dist-timeout", "20"]
+    args += ["--out", tmp_path]
+    n1 = node(1, 2, 1, port, args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    n0 = node(0, 2, 1, port, args)
+    try:
+        for line in n0.stdout:  # rank 0's step lines
+            if line.startswith("step      1 "):
+                break
+        else:
+            pytest.fail(f"node 0 ended before step 1: {n0.communicate()}")
+        t0 = time.monotonic()
+        for pid in tree(n1.pid):  # node 1 whole, as a machine that goes down
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _, err = n0.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:  # whatever is left of either node (a failed test's); an exited one's pid may be reused
+        for pid in [pid for p in (n0, n1) if p.poll() is None for pid in tree(p.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        n1.wait()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert n0.returncode != 0 and "Traceback" not in err, err[-3000:]
+    assert lines and lines[-1] == "fitgpt: node(s) 1 stopped answering; the job ends", err[-3000:]
+    assert took < 20 + 10, took

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -268,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
         for flag in LAUNCH_FLAGS:  # torchrun's, not the ranks'
             argv = strip_flag(argv, flag)
         env = {HANDED: json.dumps(settings.to_dict())}
+        nodes = dataclasses.replace(nodes, timeout_s=settings.config.train.dist_timeout)
         return relaunch(args.gpus, argv, env=env, nodes=nodes)
     from fitgpt.dist import init_distributed, shutdown
     from fitgpt.dist.env import configure_process

@@ -10,14 +10,17 @@ that they all settled the same one before anything is allocated (`check_same`).
 Same-host default: --master-addr defaults to 127.0.0.1 on every node, node ranks > 0
 included. That is what several "nodes" on one machine need (the tests, a try-out); on real
 machines every node must name node 0's address, and a node that names its own loopback never
-joins: node 0 then ends within --dist-timeout naming it (fitgpt/dist/torchrun.py).
+joins: node 0 then ends within --dist-timeout naming it (`RollCall`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import threading
+import time
 from dataclasses import dataclass
 
 from fitgpt.errors import UserError
@@ -33,6 +36,9 @@ class Nodes:
     # None: one node, and torchrun's --standalone picks a free port; several nodes must agree
     # on one, so there it is required
     master_port: int | None = None
+    # --dist-timeout: how long node 0 waits for the others to join (torchrun's own rendezvous
+    # waits 600 s by default, whatever --dist-timeout says)
+    timeout_s: float = 600.0
 
     @property
     def several(self) -> bool:
@@ -83,6 +89,7 @@ class Nodes:
             f"--node-rank={self.node_rank}",
             f"--master-addr={self.master_addr}",
             f"--master-port={self.master_port}",
+            f"--rdzv-conf=timeout={math.ceil(self.timeout_s)}",
             f"--nproc-per-node={nproc}",
         ]
 
@@ -122,3 +129,107 @@ def check_same(ctx, settings: dict) -> None:
         )
         e.agreed = e.identical = True  # every rank sees the same gathered hashes
         raise e
+
+
+# how often each node's launcher says it is alive, and how long node 0's waits, after the job
+# failed, to tell a silent node from a live one: 2.5 beats, so a busy host is not taken for dead
+BEAT_S = 1.0
+SILENT_S = 2.5
+
+
+class RollCall:
+    """The nodes of a job, counted in and watched from their torchrun launchers, through node
+    0's rendezvous store (the static rendezvous' own TCPStore, shared with it in this process).
+
+    torchrun alone cannot name a node: a node that never joins leaves node 0 waiting in its
+    rendezvous (600 s by default) with no word of which one is missing, and a node that dies
+    mid-run shows on the others as a collective that failed, with no rank or node named
+    (gloo: "connection closed by peer"). So each launcher signs in under its node rank before
+    torchrun starts (node 0 waits --dist-timeout for the others and names the missing), then
+    counts a heartbeat every BEAT_S; when the job fails, the nodes whose count stopped are
+    named. Costs one store write per node per second, and SILENT_S at the end of a failed job."""
+
+    def __init__(self, addr: str, port: int, nnodes: int, node_rank: int, timeout_s: float):
+        self.addr, self.port, self.nnodes, self.node = addr, port, nnodes, node_rank
+        self.timeout_s = timeout_s
+        self.store = None
+        self.beating = threading.Event()
+
+    @classmethod
+    def of(cls, args) -> RollCall | None:
+        """The roll call of torchrun's parsed arguments, or None for one node."""
+        if args.rdzv_backend != "static" or str(args.nnodes) in ("1", "1:1"):
+            return None
+        conf = dict(kv.split("=", 1) for kv in (args.rdzv_conf or "").split(",") if "=" in kv)
+        timeout = float(conf.get("timeout", 600))
+        return cls(args.master_addr, args.master_port, int(args.nnodes), args.node_rank, timeout)
+
+    def where(self) -> str:
+        return f"{self.addr}:{self.port}"
+
+    def sign_in(self) -> str | None:
+        """Join the roll call; on node 0, wait for every node. None, or the one line to end on."""
+        from torch.distributed import TCPStore
+
+        timeout = _timedelta(self.timeout_s)
+        try:  # multi_tenant: torchrun's static rendezvous reuses this server in this process
+            self.store = TCPStore(self.addr, self.port, None, self.node == 0, timeout,
+                                  wait_for_workers=False, multi_tenant=True)  # fmt: skip
+            self.store.set(f"fitgpt/node/{self.node}", "1")
+        except Exception as e:  # a timeout, a refused connection, a port in use
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            if self.node == 0:
+                return f"fitgpt: node 0 could not host the rendezvous at {self.where()} ({first})"
+            return (
+                f"fitgpt: node {self.node} could not reach node 0 at {self.where()} within "
+                f"--dist-timeout {self.timeout_s:g} s ({first}); start node 0 with the same "
+                "--master-addr and --master-port, and check that this machine can reach it"
+            )
+        if self.node == 0:
+            missing = self._wait_for_all()
+            if missing:
+                return (
+                    f"fitgpt: node(s) {', '.join(map(str, missing))} of {self.nnodes} did not "
+                    f"join at {self.where()} within --dist-timeout {self.timeout_s:g} s; start "
+                    "each with the same --nnodes, --master-addr and --master-port"
+                )
+        threading.Thread(target=self._beat, daemon=True, name="fitgpt-heartbeat").start()
+        return None
+
+    def _wait_for_all(self) -> list[int]:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            missing = [r for r in range(self.nnodes) if not self.store.check([f"fitgpt/node/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.2)
+
+    def _beat(self) -> None:
+        """Count this node's heartbeat until the store goes (node 0 ended) or the job does."""
+        from torch.distributed import TCPStore
+
+        try:  # a client of its own: a store connection is not shared between threads
+            store = TCPStore(self.addr, self.port, None, False, _timedelta(self.timeout_s))
+            self.beating.set()
+            while True:
+                store.add(f"fitgpt/beat/{self.node}", 1)
+                time.sleep(BEAT_S)
+        except Exception:
+            return  # node 0's store is gone: the job is over, or node 0 is; silent_nodes says
+
+    def silent_nodes(self) -> list[int]:
+        """The nodes whose heartbeat stopped (node 0 if its store cannot be reached)."""
+        try:
+            keys = [f"fitgpt/beat/{r}" for r in range(self.nnodes)]
+            before = [self.store.add(k, 0) for k in keys]
+            time.sleep(SILENT_S)
+            after = [self.store.add(k, 0) for k in keys]
+        except Exception:
+            return [0]
+        return [r for r in range(self.nnodes) if r != self.node and after[r] == before[r]]
+
+
+def _timedelta(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
