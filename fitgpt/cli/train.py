@@ -152,7 +152,7 @@ def register(sub) -> None:
         "--gpus", type=int, default=None, help="start torchrun with N processes on this machine"
     )
     nodes = p.add_argument_group(
-        "several machines (with --gpus; run the same command on each, docs/parallel.md)"
+        "several machines (with --gpus; run the same command on each, docs/training.md)"
     )
     nodes.add_argument(
         "--nnodes",

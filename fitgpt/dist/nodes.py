@@ -108,9 +108,9 @@ def digest(settings: dict) -> int:
 def check_same(ctx, settings: dict) -> None:
     """Every rank's settled settings are rank 0's, else a one-line refusal naming the nodes
     whose differ (collective: every rank calls it). Each machine settles its own from its own
-    command line and its own host (the planner measures RAM and disk there), so two machines
-    given different flags, files or hosts would otherwise train two different runs in one job,
-    or hang in a collective one of them never makes. Costs one small all_gather at start."""
+    command line and files, so two machines given different ones would otherwise train two
+    different runs in one job, or hang in a collective one of them never makes. Costs one small
+    all_gather at start."""
     if not ctx.distributed:
         return
     import torch
@@ -124,8 +124,7 @@ def check_same(ctx, settings: dict) -> None:
     if differ:
         e = UserError(
             f"node(s) {', '.join(map(str, differ))} settled a different run than node 0: give "
-            "every node the same command line, files and fitgpt version (with --plan auto, "
-            "hosts that differ in RAM or disk plan differently: set the engine flags or --plan off)"
+            "every node the same command line, the same files and the same fitgpt version"
         )
         e.agreed = e.identical = True  # every rank sees the same gathered hashes
         raise e
