@@ -173,3 +173,15 @@ def test_a_node_killed_mid_run_is_named_by_the_others_within_the_timeout(tmp_pat
     assert n0.returncode != 0 and "Traceback" not in err, err[-3000:]
     assert lines and lines[-1] == "fitgpt: node(s) 1 stopped answering; the job ends", err[-3000:]
     assert took < 20 + 10, took
+
+
+def test_a_node_that_cannot_reach_node_0_says_so_within_the_timeout(tmp_path):
+    """Node 1 of 2 with no node 0 at --master-addr: one line, from node 1, naming the address."""
+    port, t0 = free_port(), time.monotonic()
+    procs = [node(1, 2, 1, port, [*RUN, "--steps", "3", "--dist-timeout", "8", "--out", tmp_path])]
+    [(_, err)] = finish(procs)
+    took = time.monotonic() - t0
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert procs[0].returncode not in (0, None) and "Traceback" not in err, err[-3000:]
+    assert len(lines) == 1 and f"node 1 could not reach node 0 at 127.0.0.1:{port}" in lines[0]
+    assert 8 <= took < 8 + 25, took

@@ -15,10 +15,12 @@ joins: node 0 then ends within --dist-timeout naming it (`RollCall`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -171,6 +173,12 @@ class RollCall:
         from torch.distributed import TCPStore
 
         timeout = _timedelta(self.timeout_s)
+        if self.node != 0 and (why := self._unreachable()) is not None:
+            return (
+                f"fitgpt: node {self.node} could not reach node 0 at {self.where()} within "
+                f"--dist-timeout {self.timeout_s:g} s ({why}); start node 0 with the same "
+                "--master-addr and --master-port, and check that this machine can reach it"
+            )
         try:  # multi_tenant: torchrun's static rendezvous reuses this server in this process
             self.store = TCPStore(self.addr, self.port, None, self.node == 0, timeout,
                                   wait_for_workers=False, multi_tenant=True)  # fmt: skip
@@ -195,6 +203,20 @@ class RollCall:
         threading.Thread(target=self._beat, daemon=True, name="fitgpt-heartbeat").start()
         return None
 
+    def _unreachable(self) -> str | None:
+        """Why node 0's port did not accept a connection within the timeout, or None once it
+        does. Asked in Python first: a TCPStore client that times out logs a C++ stack trace
+        (c10d's socket.cpp) above the one line that says what to do."""
+        deadline, why = time.monotonic() + self.timeout_s, "no answer"
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection((self.addr, self.port), timeout=2):
+                    return None
+            except OSError as e:
+                why = e.strerror or type(e).__name__
+            time.sleep(0.5)
+        return why
+
     def _wait_for_all(self) -> list[int]:
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -216,16 +238,28 @@ class RollCall:
         except Exception:
             return  # node 0's store is gone: the job is over, or node 0 is; silent_nodes says
 
+    def sign_out(self) -> None:
+        """Mark this node as ended by its own launcher (its ranks finished or failed, and its
+        output says why): a node whose heartbeat stops without this mark went down."""
+        with contextlib.suppress(Exception):  # node 0's store may be gone already
+            self.store.set(f"fitgpt/ended/{self.node}", "1")
+
     def silent_nodes(self) -> list[int]:
-        """The nodes whose heartbeat stopped (node 0 if its store cannot be reached)."""
+        """The nodes whose heartbeat stopped without their launcher signing out (node 0 if its
+        store cannot be reached)."""
         try:
             keys = [f"fitgpt/beat/{r}" for r in range(self.nnodes)]
             before = [self.store.add(k, 0) for k in keys]
             time.sleep(SILENT_S)
             after = [self.store.add(k, 0) for k in keys]
+            ended = [self.store.check([f"fitgpt/ended/{r}"]) for r in range(self.nnodes)]
         except Exception:
             return [0]
-        return [r for r in range(self.nnodes) if r != self.node and after[r] == before[r]]
+        return [
+            r
+            for r in range(self.nnodes)
+            if r != self.node and after[r] == before[r] and not ended[r]
+        ]
 
 
 def _timedelta(seconds: float):

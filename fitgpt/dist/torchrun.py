@@ -47,16 +47,20 @@ def main(argv: list[str]) -> int:
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode
+        if roll is not None:
+            roll.sign_out()
+        if code == 2:
+            return 2  # a refusal: the rank printed its one line
         silent = roll.silent_nodes() if roll is not None else []
         if silent:  # the ranks' lines say a collective failed; this one says where
             nodes = ", ".join(map(str, silent))
             print(f"fitgpt: node(s) {nodes} stopped answering; the job ends", file=sys.stderr)
             return code if code > 0 else 1
-        if code == 2:
-            return 2  # a refusal: the rank printed its one line
         how = f"exit status {code}" if code > 0 else f"signal {-code}"
         print(f"fitgpt: rank {rank} stopped ({how}); its output above says why", file=sys.stderr)
         return code if code > 0 else 1
+    if roll is not None:
+        roll.sign_out()
     return 0
 
 
