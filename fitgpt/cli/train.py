@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -150,6 +151,34 @@ def register(sub) -> None:
     p.add_argument(
         "--gpus", type=int, default=None, help="start torchrun with N processes on this machine"
     )
+    nodes = p.add_argument_group(
+        "several machines (with --gpus; run the same command on each, docs/training.md)"
+    )
+    nodes.add_argument(
+        "--nnodes",
+        type=int,
+        default=None,
+        help="machines in the job, each running --gpus processes (default: 1)",
+    )
+    nodes.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="this machine's index, 0..nnodes-1; node 0 hosts the rendezvous (default: 0)",
+    )
+    nodes.add_argument(
+        "--master-addr",
+        default=None,
+        help="node 0's host name or IP address, the same on "
+        "every node (default: 127.0.0.1, for nodes on one machine)",
+    )
+    nodes.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help="a free TCP port of node 0, the same on "
+        "every node (required with --nnodes > 1; one node picks its own)",
+    )
     p.add_argument(
         "--plan",
         choices=["auto", "off"],
@@ -197,6 +226,9 @@ def deepspeed_given(path: str, given: dict[str, dict]) -> tuple[dict[str, dict],
     return given, {NOTES_FILE: "\n".join(lines) + "\n"}
 
 
+# the flags the --gpus launcher turns into torchrun's (dist/nodes.py), not handed to its ranks
+LAUNCH_FLAGS = ("--gpus", "--nnodes", "--node-rank", "--master-addr", "--master-port")
+
 # the settings a --gpus launcher settled, as JSON in its ranks' environment
 HANDED = "FITGPT_SETTLED"
 
@@ -223,16 +255,25 @@ def run(args: argparse.Namespace) -> int:
     run assembled from them (train/assemble.py) and trained (train/loop.py)."""
     settings = handed_over()
     if settings is None:
+        from fitgpt.dist.nodes import Nodes
+
         if args.gpus is not None and args.gpus < 1:
             raise UserError(f"--gpus {args.gpus} must be at least 1")
-        settings = settled_by(args, args.gpus or int(os.environ.get("WORLD_SIZE", 1)))
+        nodes = Nodes.of(args, args.gpus)  # before settling: a bad node flag costs nothing
+        world = args.gpus * nodes.nnodes if args.gpus else int(os.environ.get("WORLD_SIZE", 1))
+        settings = settled_by(args, world)
     if args.gpus is not None:
         from fitgpt.dist.launch import relaunch, strip_flag
 
-        argv = strip_flag(sys.argv[1:], "--gpus")
-        return relaunch(args.gpus, argv, env={HANDED: json.dumps(settings.to_dict())})
+        argv = sys.argv[1:]
+        for flag in LAUNCH_FLAGS:  # torchrun's, not the ranks'
+            argv = strip_flag(argv, flag)
+        env = {HANDED: json.dumps(settings.to_dict())}
+        nodes = dataclasses.replace(nodes, timeout_s=settings.config.train.dist_timeout)
+        return relaunch(args.gpus, argv, env=env, nodes=nodes)
     from fitgpt.dist import init_distributed, shutdown
     from fitgpt.dist.env import configure_process
+    from fitgpt.dist.nodes import check_same
     from fitgpt.train.assemble import assemble
     from fitgpt.train.loop import train
 
@@ -245,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
             if ctx.is_main:
                 print(msg, flush=True)
 
+        check_same(ctx, settings.to_dict())  # every node settled the same run
         train(assemble(settings, ctx, log))
     except UserError as e:
         if not ctx.distributed:

@@ -3,8 +3,9 @@
 The one launcher of fitgpt: `train`, `probe`, `matmul`, the benchmark harness and the capacity
 search all start their processes here, with the environment of `fitgpt.dist.env.child_env`.
 
-For several machines, run `torchrun --nnodes M --node-rank i --rdzv-endpoint HOST:PORT ...
--m fitgpt train ...` on each machine instead; fitgpt joins whatever job torchrun sets up, and
+For several machines, `fitgpt train --gpus G --nnodes N --node-rank R --master-addr A
+--master-port P` on each starts torchrun's static rendezvous (dist/nodes.py); a user's own
+`torchrun ... -m fitgpt train ...` works too: fitgpt joins whatever job torchrun sets up, and
 every process sets itself up the same way (`fitgpt.dist.env.configure_process`).
 """
 
@@ -14,6 +15,7 @@ import subprocess
 import sys
 
 from fitgpt.dist.env import SAFE_ENV, child_env
+from fitgpt.dist.nodes import Nodes
 
 __all__ = ["SAFE_ENV", "command", "relaunch", "strip_flag"]
 
@@ -33,17 +35,22 @@ def strip_flag(argv: list[str], flag: str) -> list[str]:
     return out
 
 
-def command(nproc: int, module: str, argv: list[str], torchrun: bool | None = None) -> list[str]:
+def command(
+    nproc: int,
+    module: str,
+    argv: list[str],
+    torchrun: bool | None = None,
+    nodes: Nodes | None = None,
+) -> list[str]:
     """`python -m module argv` under torchrun with `nproc` processes on this machine (by default
-    only when nproc > 1: one process needs no rendezvous)."""
+    only when nproc > 1: one process needs no rendezvous), this machine one of `nodes`."""
     if not (nproc > 1 if torchrun is None else torchrun):
         return [sys.executable, "-m", module, *argv]
     return [
         sys.executable,
         "-m",
         "fitgpt.dist.torchrun",  # torchrun, minus its traceback after a refusal
-        "--standalone",
-        f"--nproc-per-node={nproc}",
+        *(nodes or Nodes()).torchrun_args(nproc),
         "-m",
         module,
         *argv,
@@ -51,9 +58,14 @@ def command(nproc: int, module: str, argv: list[str], torchrun: bool | None = No
 
 
 def relaunch(
-    nproc: int, argv: list[str], module: str = "fitgpt", env: dict[str, str] | None = None
+    nproc: int,
+    argv: list[str],
+    module: str = "fitgpt",
+    env: dict[str, str] | None = None,
+    nodes: Nodes | None = None,
 ) -> int:
-    """Run `python -m fitgpt <argv>` under torchrun with nproc processes, `env` added to their
-    environment (train's settled settings: cli/train.py launch); return its exit code."""
-    cmd = command(nproc, module, argv, torchrun=True)
+    """Run `python -m fitgpt <argv>` under torchrun with nproc processes on this machine (one of
+    `nodes`), `env` added to their environment (train's settled settings: cli/train.py launch);
+    return its exit code."""
+    cmd = command(nproc, module, argv, torchrun=True, nodes=nodes)
     return subprocess.call(cmd, env={**child_env(nproc), **(env or {})})

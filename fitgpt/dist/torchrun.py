@@ -19,6 +19,8 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
+from fitgpt.dist.nodes import RollCall
+
 
 def launcher_args(argv: list[str]):
     """torchrun's arguments: its own options up to `-m MODULE`, and everything after them
@@ -35,16 +37,30 @@ def launcher_args(argv: list[str]):
 
 def main(argv: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    args = launcher_args(argv)
+    roll = RollCall.of(args)  # several nodes: each named if it does not join or goes silent
+    if roll is not None and (line := roll.sign_in()) is not None:
+        print(line, file=sys.stderr, flush=True)
+        return 1
     try:
-        run(launcher_args(argv))
+        run(args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         code = failure.exitcode
+        if roll is not None:
+            roll.sign_out()
         if code == 2:
             return 2  # a refusal: the rank printed its one line
+        silent = roll.silent_nodes() if roll is not None else []
+        if silent:  # the ranks' lines say a collective failed; this one says where
+            nodes = ", ".join(map(str, silent))
+            print(f"fitgpt: node(s) {nodes} stopped answering; the job ends", file=sys.stderr)
+            return code if code > 0 else 1
         how = f"exit status {code}" if code > 0 else f"signal {-code}"
         print(f"fitgpt: rank {rank} stopped ({how}); its output above says why", file=sys.stderr)
         return code if code > 0 else 1
+    if roll is not None:
+        roll.sign_out()
     return 0
 
 
