@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+from cli_refusal import run_main
 
 TINY = [
     "--hidden",
@@ -31,9 +32,22 @@ TINY = [
 ]
 
 
-def sweep(out, *args, timeout=300):
-    cmd = [sys.executable, "-m", "fitgpt", "bench", "sweep", "--out", str(out), *TINY, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+@pytest.fixture
+def sweep(capsys):
+    """`fitgpt bench sweep` run in this process (its trials are processes of their own, the
+    test; the sweep's own costs ~2 s of torch's import), as a CompletedProcess. The sweep turns
+    SIGTERM into KeyboardInterrupt for its trials' sake: pytest's handler is put back."""
+
+    def run(out, *args) -> subprocess.CompletedProcess:
+        argv = ["bench", "sweep", "--out", str(out), *TINY, *args]
+        term = signal.getsignal(signal.SIGTERM)
+        try:
+            code, stdout, stderr = run_main(capsys, *argv)
+        finally:
+            signal.signal(signal.SIGTERM, term)
+        return subprocess.CompletedProcess(argv, code, stdout, stderr)
+
+    return run
 
 
 def records(path):
@@ -43,7 +57,7 @@ def records(path):
 # One size here: each trial at world 2 is a torchrun job (~10 s); the sweep over several sizes is
 # the tests below (one process per trial), and a second size took the same path at world 2.
 @pytest.mark.slow
-def test_sweep_two_systems_with_gloo_and_report(tmp_path):
+def test_sweep_two_systems_with_gloo_and_report(tmp_path, sweep):
     out = tmp_path / "r.jsonl"
     r = sweep(out, "--systems", "fitgpt,ddp", "--sizes", "1", "--gpus", "2")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -73,7 +87,7 @@ def test_sweep_two_systems_with_gloo_and_report(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failing_size_is_recorded_with_its_reason_and_ends_the_line(tmp_path):
+def test_a_failing_size_is_recorded_with_its_reason_and_ends_the_line(tmp_path, sweep):
     out = tmp_path / "r.jsonl"
     # in fp32, 1 layer holds ~1.4 MB of state, 2 layers ~2.2 MB: a 1.8 MB budget stops the line at 2
     r = sweep(out, "--systems", "zero0", "--sizes", "1,2,3", "--cap", "1.8MB")
@@ -85,7 +99,7 @@ def test_a_failing_size_is_recorded_with_its_reason_and_ends_the_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_interrupted_sweep_keeps_what_it_finished(tmp_path):
+def test_an_interrupted_sweep_keeps_what_it_finished(tmp_path, sweep):
     out = tmp_path / "r.jsonl"
     cmd = [
         sys.executable,
@@ -132,7 +146,7 @@ def records_tolerant(path):
 
 
 @pytest.mark.slow
-def test_a_sweep_under_a_budget_stops_early_and_the_same_command_resumes(tmp_path):
+def test_a_sweep_under_a_budget_stops_early_and_the_same_command_resumes(tmp_path, sweep):
     out = tmp_path / "r.jsonl"
     # a 1-second budget: the first trial (predicted a minute) is not started
     r = sweep(out, "--systems", "zero0", "--sizes", "1", "--budget", "1")
@@ -164,7 +178,7 @@ def test_stopping_a_sweep_with_sigterm_kills_its_running_trial(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_ablation_that_changes_the_batch_is_not_rerun_on_resume(tmp_path):
+def test_an_ablation_that_changes_the_batch_is_not_rerun_on_resume(tmp_path, sweep):
     out = tmp_path / "r.jsonl"
     for _ in range(2):
         r = sweep(out, "--systems", "fitgpt-no-accum", "--sizes", "1")

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from cli_refusal import run_main
 from helpers import TINY, assembled, run_config, train
 
 from fitgpt.dist import DistContext
@@ -213,13 +214,13 @@ def test_re_run_steps_are_logged_once(tmp_path):
     assert last["eta_s"] == 0 and last["elapsed_s"] > 0
 
 
-def test_a_diverged_run_stops_in_one_line_and_keeps_the_last_good_checkpoint(tmp_path):
+def test_a_diverged_run_stops_in_one_line_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
     # lr 1000 reached over a long warm-up: some good steps, then the loss blows up
     args = [*TINY_ARGS, "--lr", "1000", "--min-lr", "0", "--warmup", "1000", "--steps", "80"]
     args += ["--save-every", "2", "--keep", "2", "--max-bad-steps", "4", "--log-every", "1"]
-    r = fitgpt("train", *args, "--out", str(tmp_path))
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "training diverged" in r.stderr
+    code, _, err = run_main(capsys, "train", *args, "--out", str(tmp_path))  # its files: the test
+    assert code == 2 and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and "training diverged" in err
     lines = strict_lines(tmp_path / "metrics.jsonl")  # NaN/inf written as null
     bad = {x["step"] for x in lines if x["loss"] is None or x["grad_norm"] is None}
     last = lines[-1]["step"]
@@ -229,7 +230,7 @@ def test_a_diverged_run_stops_in_one_line_and_keeps_the_last_good_checkpoint(tmp
     kept = [int(p.name[5:]) for p in ckpt_io.step_dirs(tmp_path)]
     assert start > 4 and kept and max(kept) <= start - 2, (bad, kept)
     last_good = tmp_path / f"step_{max(kept):08d}"
-    assert f"the last good checkpoint is {last_good}" in r.stderr
+    assert f"the last good checkpoint is {last_good}" in err
     ckpt_io.verify(last_good)
     if (start - 1) % 2 == 0:  # step start - 1 was saved: set aside, not deleted, not resumed
         assert (tmp_path / f"diverged.step_{start - 1:08d}").is_dir()

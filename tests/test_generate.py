@@ -1,12 +1,10 @@
 """Generation: the end-of-document stop, the sliding window, and the tokenizer checks."""
 
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
+from cli_refusal import run_main
 from helpers import run_config, train
 
 from fitgpt.data.tokenizer import train_tokenizer
@@ -120,25 +118,18 @@ def text_run(tmp_path_factory):
     return out
 
 
-def test_cli_long_prompt_note_and_refused_tokenizer(text_run):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "fitgpt", "generate", "--ckpt", str(text_run)]
+def test_cli_long_prompt_note_and_refused_tokenizer(text_run, capsys):
+    cmd = ["generate", "--ckpt", str(text_run)]
     long = "def f(x):\n    return x * 2\n" * 4  # 104 bytes, past the context of 32
-    r = subprocess.run(
-        [*cmd, "--prompt", long, "--max-new-tokens", "40", "--temperature", "0"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
+    code, out, err = run_main(
+        capsys, *cmd, "--prompt", long, "--max-new-tokens", "40", "--temperature", "0"
     )
-    assert r.returncode == 0, r.stderr
-    assert r.stderr.count("exceed the model's context of 32 tokens") == 1
-    assert r.stdout.startswith(long)  # the whole prompt is printed, then the continuation
-    r = subprocess.run(
-        [*cmd, "--tokenizer", "gpt2"], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert r.returncode == 2 and "50257 tokens, but the model knows 256" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert code == 0, err
+    assert err.count("exceed the model's context of 32 tokens") == 1
+    assert out.startswith(long)  # the whole prompt is printed, then the continuation
+    code, _, err = run_main(capsys, *cmd, "--tokenizer", "gpt2")
+    assert code == 2 and "50257 tokens, but the model knows 256" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 def test_an_alibi_checkpoint_loads_with_its_slopes(tmp_path):

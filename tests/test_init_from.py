@@ -2,13 +2,12 @@
 placement, and its first loss is the one transformers computes on the same batch."""
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from cli_refusal import run_main
 from helpers import run_config, train
 
 from fitgpt.data.config import DataConfig, open_data
@@ -94,21 +93,15 @@ def test_the_architecture_is_the_sources(tmp_path):
         model_from_source(source, {}, DataConfig(data="stdlib", tokenizer="gpt2"))
 
 
-def test_init_from_on_the_command_line(tmp_path):
+def test_init_from_on_the_command_line(tmp_path, capsys):
     hf_model(tmp_path / "hf")
     argv = ["train", "--init-from", str(tmp_path / "hf"), "--data", "synthetic", "--steps", "2"]
     argv += ["--micro-batch", "2", "--device", "cpu", "--eval-every", "0"]
-    r = subprocess.run(
-        [sys.executable, "-m", "fitgpt", *argv, "--out", str(tmp_path / "run")],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "initialised from" in r.stdout
-    both = subprocess.run(
-        [sys.executable, "-m", "fitgpt", *argv, "--resume", "--out", str(tmp_path / "x")],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert both.returncode == 2 and "pass one of them" in both.stderr
+    code, out, err = run_main(capsys, *argv, "--out", str(tmp_path / "run"))
+    assert code == 0, err[-2000:]
+    assert "initialised from" in out
+    code, _, err = run_main(capsys, *argv, "--resume", "--out", str(tmp_path / "x"))
+    assert code == 2 and "pass one of them" in err
 
 
 def test_the_context_length_is_free_where_no_weight_holds_it(tmp_path):

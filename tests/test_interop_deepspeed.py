@@ -1,10 +1,9 @@
 """DeepSpeed JSON configs as fitgpt flags: real-world config shapes, notes, precedence, errors."""
 
 import json
-import subprocess
-import sys
 
 import pytest
+from cli_refusal import run_in_process, run_main
 
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.scaler import LossScaler
@@ -383,7 +382,7 @@ def test_missing_file_is_one_line(tmp_path):
         apply_deepspeed_config(tmp_path / "nope.json", {}, world=1)
 
 
-def test_train_cli_takes_the_file_and_prints_each_note(tmp_path):
+def test_train_cli_takes_the_file_and_prints_each_note(tmp_path, capsys):
     ds = tmp_path / "ds.json"
     ds.write_text(
         json.dumps(
@@ -396,28 +395,12 @@ def test_train_cli_takes_the_file_and_prints_each_note(tmp_path):
     )
     tiny = "--layers 2 --hidden 32 --heads 4 --seq-len 16 --vocab-size 64 --data synthetic"
     argv = [*tiny.split(), "--steps", "2", "--eval-every", "0", "--no-save", "--device", "cpu"]
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fitgpt",
-            "train",
-            *argv,
-            "--plan",
-            "off",
-            "--lr",
-            "2e-3",
-            "--out",
-            str(tmp_path / "run"),
-            "--deepspeed-config",
-            str(ds),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr
-    lines = [x for x in r.stdout.splitlines() if x.startswith("--deepspeed-config")]
+    code, out, err = run_main(
+        capsys, "train", *argv, "--plan", "off", "--lr", "2e-3", "--out", str(tmp_path / "run"),
+        "--deepspeed-config", str(ds),
+    )  # fmt: skip
+    assert code == 0, err
+    lines = [x for x in out.splitlines() if x.startswith("--deepspeed-config")]
     assert "--micro-batch 2" in lines[0] and "--zero-stage 1" in lines[0]
     assert any("zero_optimization.overlap_comm: ignored" in x for x in lines)
     assert any("--lr: yours (0.002) wins over the file's (0.001)" in x for x in lines)
@@ -425,14 +408,9 @@ def test_train_cli_takes_the_file_and_prints_each_note(tmp_path):
     assert (tmp_path / "run" / "deepspeed_notes.txt").read_text().splitlines() == lines
 
     ds.write_text("{oops")
-    r = subprocess.run(
-        [sys.executable, "-m", "fitgpt", "train", *argv, "--deepspeed-config", str(ds)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
-    assert "not valid JSON" in r.stderr and "Traceback" not in r.stderr
+    code, err = run_in_process(capsys, "train", *argv, "--deepspeed-config", str(ds))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "not valid JSON" in err and "Traceback" not in err
 
 
 # Every key of DeepSpeed's documented config schema (deepspeed.ai/docs/config-json, its

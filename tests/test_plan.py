@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from cli_refusal import run_main
 from helpers import TINY
 
 from fitgpt.dist import DistContext, init_distributed
@@ -265,34 +266,13 @@ def test_parse_bytes():
         parse_bytes("lots", "--gpu-mem")
 
 
-def test_plan_cli_refuses_before_allocating():
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fitgpt",
-            "plan",
-            "--preset",
-            "13b",
-            "--gpu-mem",
-            "80GB",
-            "--cpu-mem",
-            "125GB",
-            "--device",
-            "cuda",
-            "--master",
-            "fp32",
-            "--moments",
-            "fp32",
-            "--device-moments",
-            "fp32",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 2 and "short by" in r.stderr and "Traceback" not in r.stderr
-    assert "zero-0, checkpointing full" in r.stdout  # the table of candidates came first
+def test_plan_cli_refuses_before_allocating(capsys):
+    code, out, err = run_main(
+        capsys, "plan", "--preset", "13b", "--gpu-mem", "80GB", "--cpu-mem", "125GB",
+        "--device", "cuda", "--master", "fp32", "--moments", "fp32", "--device-moments", "fp32",
+    )  # fmt: skip
+    assert code == 2 and "short by" in err and "Traceback" not in err
+    assert "zero-0, checkpointing full" in out  # the table of candidates came first
 
 
 # ---- the capacity search ---------------------------------------------------------------------
@@ -521,14 +501,15 @@ def test_logits_past_one_piece_are_priced_as_one_piece():
     assert activation_bytes(fp16, "off")["logits"] == piece + V * 4096 * 2
 
 
-def test_plan_breakdown_lists_the_chosen_plans_bytes_and_step_terms():
+def test_plan_breakdown_lists_the_chosen_plans_bytes_and_step_terms(capsys):
     """--breakdown: the chosen plan's GPU items (with the fragmentation margin) add up to the
     per-rank figure the plan names, and the host items to the host figure."""
-    cmd = [sys.executable, "-m", "fitgpt", "plan", "--preset", "gpt2-1.5b", "--gpus", "2",
-           "--gpu-mem", "12GiB", "--cpu-mem", "64GiB", "--device", "cuda", "--breakdown"]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.splitlines()
+    code, out, err = run_main(
+        capsys, "plan", "--preset", "gpt2-1.5b", "--gpus", "2", "--gpu-mem", "12GiB",
+        "--cpu-mem", "64GiB", "--device", "cuda", "--breakdown",
+    )  # fmt: skip
+    assert code == 0, err
+    lines = out.splitlines()
     gpu = next(i for i, x in enumerate(lines) if x.startswith("GPU per rank:"))
     host = next(i for i, x in enumerate(lines) if x.startswith("host per rank:"))
 

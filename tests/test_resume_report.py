@@ -7,6 +7,7 @@ taken for flags the user never typed. The refusals themselves are rows in
 tests/test_cli_bad_inputs.py."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -35,6 +36,18 @@ def fitgpt(*argv, cwd=None) -> subprocess.CompletedProcess:
     return run_process(*argv, cwd=cwd, timeout=300, env=ENV)
 
 
+def here(capsys, *argv, cwd=None) -> subprocess.CompletedProcess:
+    """`fitgpt ARGV` run in this process from `cwd`, as fitgpt() would in a new one: for a
+    resume, whose files and lines are the test, not its process (~2 s of torch's import each)."""
+    old = os.getcwd()
+    os.chdir(cwd or old)
+    try:
+        code, out, err = run_main(capsys, *argv)
+    finally:
+        os.chdir(old)
+    return subprocess.CompletedProcess(argv, code, out, err)
+
+
 def resumed_line(stdout: str) -> str:
     return next(ln for ln in stdout.splitlines() if ln.startswith("resumed from"))
 
@@ -60,14 +73,14 @@ def rewrite_meta(ckpt: Path, edit) -> None:
 
 
 @pytest.mark.slow
-def test_a_two_process_zero3_run_resumed_on_one_names_world_tokens_and_stage(tmp_path):
+def test_a_two_process_zero3_run_resumed_on_one_names_world_tokens_and_stage(tmp_path, capsys):
     out = tmp_path / "run"
     two = fitgpt(
         "train", "--gpus", "2", "--data", "synthetic", "--vocab-size", "64", *SMALL,
         "--plan", "off", "--engine", "zero", "--zero-stage", "3", "--steps", "2", "--out", out,
     )  # fmt: skip
     assert two.returncode == 0, two.stderr[-3000:]
-    one = fitgpt("train", "--out", out, "--resume", "--steps", "3")  # planned for one process
+    one = here(capsys, "train", "--out", out, "--resume", "--steps", "3")  # planned for one rank
     assert one.returncode == 0, one.stderr[-3000:]
     line = resumed_line(one.stdout)
     assert "world size 2 → 1" in line and "tokens per step 64 → 32" in line, line
@@ -79,7 +92,7 @@ def test_a_two_process_zero3_run_resumed_on_one_names_world_tokens_and_stage(tmp
 
 
 @pytest.mark.slow
-def test_a_context_parallel_run_resumes_on_fewer_ranks_unless_its_degree_is_typed(tmp_path):
+def test_a_context_parallel_run_resumes_on_fewer_ranks_unless_its_degree_is_typed(tmp_path, capsys):
     out = tmp_path / "run"
     two = fitgpt(
         "train", "--gpus", "2", "--context-parallel", "2", "--data", "synthetic",
@@ -87,12 +100,14 @@ def test_a_context_parallel_run_resumes_on_fewer_ranks_unless_its_degree_is_type
     )  # fmt: skip
     assert two.returncode == 0, two.stderr[-3000:]
     # C splits the sequence, not the state: on one process the untyped C falls to 1, said once
-    one = fitgpt("train", "--out", out, "--resume", "--steps", "3")
+    one = here(capsys, "train", "--out", out, "--resume", "--steps", "3")
     assert one.returncode == 0, one.stderr[-3000:]
     assert "--context-parallel 2 does not divide 1 rank(s); resuming with 1" in one.stdout
     assert "--context-parallel 2 → 1" in resumed_line(one.stdout)
     # typed again, the degree is the user's and is refused as given, in one line
-    typed = fitgpt("train", "--out", out, "--resume", "--steps", "4", "--context-parallel", "2")
+    typed = here(
+        capsys, "train", "--out", out, "--resume", "--steps", "4", "--context-parallel", "2"
+    )
     refused(typed, "--context-parallel 2", "does not divide")
 
 
@@ -150,8 +165,8 @@ def test_a_run_folder_resumes_from_another_directory_and_with_its_data_moved(
 ):
     start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
     start.mkdir(), elsewhere.mkdir()
-    # the data and the first run: made in this process, in `start` (their paths relative to it);
-    # every resume below is a process of its own, started elsewhere
+    # the data and the first run made in `start` (their paths relative to it), every resume
+    # below run from elsewhere (in this process: the working folder is the test, not a process)
     monkeypatch.chdir(start)
     code, _, err = run_main(
         capsys, "data", "fake", "--output-prefix", "d/corpus", "--tokens", "20000", "--vocab",
@@ -169,7 +184,7 @@ def test_a_run_folder_resumes_from_another_directory_and_with_its_data_moved(
 
     def resume(*extra):
         shutil.rmtree(start / "runs" / "a" / "step_00000004", ignore_errors=True)
-        r = fitgpt("train", "--out", run, "--resume", *extra, cwd=elsewhere)
+        r = here(capsys, "train", "--out", run, "--resume", *extra, cwd=elsewhere)
         if r.returncode == 0:
             again = losses(r.stdout)
             assert sorted(again) == [3, 4] and all(again[s] == full[s] for s in again)
@@ -214,9 +229,9 @@ def test_a_preset_named_again_is_not_taken_for_flags_never_typed(tmp_path, capsy
     base = ["--preset", "tiny", "--data", "synthetic", "--micro-batch", "1", "--eval-every", "0"]
     base += ["--device", "cpu", "--plan", "off", "--engine", "zero", "--out", out]
     code, _, err = run_main(capsys, "train", *base, "--dropout", "0.1", "--steps", "1")
-    assert code == 0, err[-2000:]  # the first run, in this process; the resume is a new one
+    assert code == 0, err[-2000:]  # the first run; the resume reads only its folder
     # the preset's own dropout (0) is not a flag: the run keeps the 0.1 it was trained with
-    again = fitgpt("train", *base, "--resume", "--steps", "2")
+    again = here(capsys, "train", *base, "--resume", "--steps", "2")
     assert again.returncode == 0, again.stderr[-2000:]
     meta = json.loads((out / "step_00000002" / "meta.json").read_text())
     assert meta["config"]["model"]["dropout"] == 0.1

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_refusal import run_main
+from cli_refusal import assert_refused, run_in_process, run_main
 from conftest import free_port
-from test_checkpoint import ENV, TINY_ARGS, fitgpt
+from test_checkpoint import ENV, TINY_ARGS
 
 import fitgpt as fitgpt_pkg
 from fitgpt.errors import UserError
@@ -53,18 +53,17 @@ def wait_for_training(p: subprocess.Popen) -> None:
     pytest.fail(f"the run ended before training: {p.communicate()}")
 
 
-def test_the_lock_holds_a_second_run_and_an_overwrite_off(tmp_path):
+def test_the_lock_holds_a_second_run_and_an_overwrite_off(tmp_path, capsys):
     out = tmp_path / "run"
     a = start(out)
     # stopped, it still holds the lock (its pid runs, its file is open) and leaves the CPU to
     # the three commands below
     a.send_signal(signal.SIGSTOP)
     try:
-        for extra in ([], ["--overwrite"], ["--resume"]):
-            r = fitgpt("train", *TINY_ARGS, "--steps", "2", "--out", str(out), *extra)
-            assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-            assert len(r.stderr.strip().splitlines()) == 1, r.stderr
-            assert f"is in use by another fitgpt run (pid {a.pid} on " in r.stderr
+        for extra in ([], ["--overwrite"], ["--resume"]):  # in this process: a's is the other
+            argv = ["train", *TINY_ARGS, "--steps", "2", "--out", str(out), *extra]
+            code, err = run_in_process(capsys, *argv)
+            assert_refused(code, err, f"is in use by another fitgpt run (pid {a.pid} on ")
         assert (out / LOCK_NAME).is_file() and a.poll() is None  # the first run is untouched
     finally:
         a.kill()  # SIGKILL ends a stopped process too

@@ -5,9 +5,9 @@ import itertools
 import json
 import math
 import subprocess
-import sys
 
 import pytest
+from cli_refusal import run_main
 
 from fitgpt.cli import build_parser
 from fitgpt.cli.train import asked_by
@@ -181,9 +181,16 @@ def test_a_warmup_longer_than_the_run_is_said_in_one_line():
     assert len(resolved("--steps", "30", "--warmup", "30")[1]) == 1  # reached at the last step
 
 
-def fitgpt(*argv: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "fitgpt", *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def fitgpt(capsys):
+    """`fitgpt ARGV` in this process (its lines and files are the tests here, not its process:
+    a new one costs ~2 s of torch's import), as a CompletedProcess."""
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        code, out, err = run_main(capsys, *argv)
+        return subprocess.CompletedProcess(argv, code, out, err)
+
+    return run
 
 
 TINY_RUN = (
@@ -193,7 +200,7 @@ TINY_RUN = (
 )  # fmt: skip
 
 
-def test_init_from_fine_tunes_at_a_lower_rate_with_a_short_warmup(tmp_path):
+def test_init_from_fine_tunes_at_a_lower_rate_with_a_short_warmup(tmp_path, fitgpt):
     src, out = tmp_path / "src", tmp_path / "ft"
     made = fitgpt("train", *TINY_RUN, "--data", "synthetic", "--steps", "2", "--out", str(src))
     assert made.returncode == 0, made.stderr
@@ -260,7 +267,7 @@ def test_the_advice_on_divergence_follows_its_cause(fp16, scale, nonfinite, advi
     assert g.tripped and g.advice(1e-3, 2e-3, 50) == advice
 
 
-def test_a_run_whose_loss_stays_above_its_start_says_so_in_its_log(tmp_path):
+def test_a_run_whose_loss_stays_above_its_start_says_so_in_its_log(tmp_path, fitgpt):
     r = fitgpt(
         "train", *TINY_RUN, "--data", "synthetic", "--steps", "7", "--no-save", "--lr", "3",
         "--warmup", "0", "--max-bad-steps", "0", "--out", str(tmp_path),
