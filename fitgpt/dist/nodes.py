@@ -101,6 +101,13 @@ def node_of_rank() -> int:
     return int(os.environ.get("GROUP_RANK", "0"))
 
 
+def node_shape(world: int) -> tuple[int, int]:
+    """(ranks on each node, nodes) of this job: torchrun's LOCAL_WORLD_SIZE (every node starts
+    as many); without torchrun, one node of `world`."""
+    per = int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
+    return per, max(1, world // per)
+
+
 def digest(settings: dict) -> int:
     """A 63-bit hash of settled settings (their JSON, keys sorted), to compare across ranks."""
     text = json.dumps(settings, sort_keys=True, default=str).encode()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from fitgpt.dist import DistContext
+from fitgpt.dist.nodes import node_shape
 from fitgpt.engine.config import EngineConfig
 from fitgpt.errors import UserError
 from fitgpt.plan import hardware, rates
@@ -89,11 +90,13 @@ def plan_engine(run, ctx: DistContext, fixed: Fixed, force: bool, log=print):
     decision = [None]
     if ctx.is_main:
         try:
+            per_node, nnodes = node_shape(ctx.world)  # RAM and disk are each node's
             hw = hardware.detect(
-                gpus=ctx.world,
+                gpus=per_node,
                 device=ctx.device.type,
                 cpu_mem=run.engine.cpu_mem,
                 nvme=run.engine.nvme_path or None,
+                nnodes=nnodes,
             )
             plans = plan_run(run, hw, rates.load(hw.gpu_name), fixed)
             if not plans.fits and not force:

@@ -108,6 +108,7 @@ def phase_of(e: BaseException, default: str) -> str:
 
 def oom_message(run, ctx: DistContext, where: str, phase: str) -> str:
     """One line: what ran out, at which phase, the plan's prediction, and a plan that would fit."""
+    from fitgpt.dist.nodes import node_shape
     from fitgpt.plan import hardware, rates
     from fitgpt.plan.apply import plan_run, workload_of
     from fitgpt.plan.fixed import Fixed
@@ -118,12 +119,15 @@ def oom_message(run, ctx: DistContext, where: str, phase: str) -> str:
         predicted = f"the plan predicted {est.compute_total / GiB:.1f} GiB per GPU"
     else:
         predicted = f"the plan predicted {est.host_total / GiB:.1f} GiB of host RAM per rank"
-    hw = hardware.detect(gpus=ctx.world, device=ctx.device.type, cpu_mem=run.engine.cpu_mem)
+    per_node, nnodes = node_shape(ctx.world)  # the RAM that ran out is one node's
+    hw = hardware.detect(
+        gpus=per_node, device=ctx.device.type, cpu_mem=run.engine.cpu_mem, nnodes=nnodes
+    )
     # what the planner picks when what ran out holds 15% less than the plan predicted it needs
     if where == "gpu" and est.compute:
         hw = dataclasses.replace(hw, gpu_mem=int(0.85 * min(hw.gpu_mem, est.compute_total)))
     else:
-        need = est.host_total * (hw.gpus if hw.device == "cuda" else ctx.world)
+        need = est.host_total * hw.gpus  # this node's ranks
         hw = dataclasses.replace(hw, cpu_mem=int(0.85 * min(hw.cpu_mem or need, need)))
     plans = plan_run(run, hw, rates.load(hw.gpu_name), Fixed())
     if plans.fits:
