@@ -109,3 +109,35 @@ def build_context_group(rank: int, world: int, cp: int, tp: int = 1) -> ContextG
             mine = ContextGroup(cp, ranks.index(rank), g)
     assert mine is not None
     return mine
+
+
+# ---- hierarchical sharding (HSDP) -----------------------------------------------------------
+def node_ranks(world: int, per_node: int) -> list[list[int]]:
+    """The ranks of each machine: G consecutive ranks (torchrun's order: node r holds ranks
+    r·G..r·G+G-1)."""
+    return [list(range(n * per_node, (n + 1) * per_node)) for n in range(world // per_node)]
+
+
+def replica_ranks(world: int, per_node: int) -> list[list[int]]:
+    """The replicas of one shard: the ranks of the same local index on every machine.
+
+    W = 4, G = 2:   nodes {0,1} {2,3}   replicas {0,2} {1,3}"""
+    return [list(range(i, world, per_node)) for i in range(per_node)]
+
+
+def build_node_groups(rank: int, world: int, per_node: int) -> dict[str, tuple]:
+    """This rank's machine group and replica group, {"node": (group, size, index), "replica":
+    ...} (collective: every rank calls it with the same arguments; a group of one is None)."""
+    if per_node < 1 or world % per_node:
+        raise UserError(
+            f"--shard-within node: the {world} rank(s) are not whole machines of {per_node} "
+            "(every machine must start the same --gpus)"
+        )
+    mine = {}
+    for kind, groups in (("node", node_ranks(world, per_node)),
+                         ("replica", replica_ranks(world, per_node))):  # fmt: skip
+        for ranks in groups:
+            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                mine[kind] = (g, len(ranks), ranks.index(rank))
+    return mine

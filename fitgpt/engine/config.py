@@ -230,6 +230,16 @@ class EngineConfig:
             "--tensor-parallel T, C·T divides the GPUs and the heads (docs/parallel.md)"
         },
     )
+    shard_within: Literal["world", "node"] = field(
+        default="world",
+        metadata={
+            "help": "with --engine zero on several machines: world shards the ZeRO state over "
+            "every GPU of the job; node shards it over the GPUs of each machine and keeps one "
+            "replica per machine (hierarchical sharding, HSDP: gradients reduce-scattered "
+            "inside the machine, then all-reduced across machines, so the slow link between "
+            "machines carries 1/G of them; G times the state per GPU). docs/training.md",
+        },
+    )
     compile: Literal["auto", "on", "off", "blocks", "model"] = field(
         default="auto",
         metadata={
@@ -255,6 +265,14 @@ class EngineConfig:
         cp = self.context_parallel
         if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
             raise UserError(f"--context-parallel {cp!r}: use a whole number >= 1")
+        if self.shard_within not in ("world", "node"):
+            raise UserError(f"--shard-within {self.shard_within!r}: use world or node")
+        if self.shard_within == "node" and (self.engine != "zero" or tp != 1 or cp != 1):
+            raise UserError(
+                "--shard-within node shards fitgpt's engine inside each machine, without "
+                "tensor or context parallelism: use --engine zero, --tensor-parallel 1 and "
+                "--context-parallel 1 with it, or --shard-within world"
+            )
         if self.zero_stage not in (0, 1, 2, 3):
             raise UserError(f"--zero-stage {self.zero_stage}: use 0, 1, 2 or 3")
         if self.engine == "ddp" and (self.zero_stage or self.offloads):

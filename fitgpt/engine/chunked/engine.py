@@ -99,6 +99,12 @@ class ChunkEngine(Engine):
         # group only trades attention's heads)
         self.world = ctx.dp_world if ctx.distributed else 1
         self.peers = Peers(ctx.dp_group if self.world > 1 else None, self.world, ctx.dp_rank)
+        # --shard-within node (HSDP): the ZeRO shards span one machine's ranks (`peers`), and
+        # each shard's replicas on the other machines sum their gradients (`replicas`); the
+        # loss and the data stay the whole job's (self.world)
+        self.replicas: Peers | None = None
+        if ecfg.shard_within == "node" and self.world > 1:
+            self.peers, self.replicas = node_peers(ctx)
 
         self.mesh = ctx.mesh
         # on meta, no memory: every parameter is replaced by a chunk view below
@@ -113,7 +119,7 @@ class ChunkEngine(Engine):
         init = self.view.init(partial(model.init_parameter_, seed=seed))
         self.chunks = build_chunks(
             self.placement, model, init, self.ocfg,
-            rank=self.ctx.dp_rank if self.world > 1 else 0, dtype=self.dtype,
+            rank=self.peers.rank if self.world > 1 else 0, dtype=self.dtype,
             device=self.device, pinned=self.pinned, scratch=self.scratch, disk=self.disk,
         )  # fmt: skip
         warm_up_codecs(self.chunks, self.scratch)
@@ -149,7 +155,7 @@ class ChunkEngine(Engine):
         priced); refuses what cannot run here, before anything is allocated. After construction
         the parts see chunks and their flags, never the engine config's offload fields."""
         placement = Placement.of(
-            self.local_layout, self.ecfg, self.world, self.dtype.itemsize, self.device.type
+            self.local_layout, self.ecfg, self.peers.world, self.dtype.itemsize, self.device.type
         )
         if why := placement.refusal(self.precision):
             raise UserError(why)
@@ -164,7 +170,7 @@ class ChunkEngine(Engine):
             speculative=self.ecfg.speculative_update, one_pass=self.compiled is not None,
             warn=self.compiled.warn if self.compiled is not None else print,
         )  # fmt: skip
-        self.reducer = GradReducer(self.peers, self.dtype, self.device)
+        self.reducer = GradReducer(self.peers, self.dtype, self.device, self.replicas)
         if self.mesh is not None:
             self.reducer.tp_norm = TPGradNorm(self.mesh)
             self.reducer.tp_ranges = [replicated_ranges(c) for c in self.local_layout]
@@ -261,6 +267,8 @@ class ChunkEngine(Engine):
         """t summed over the data-parallel ranks, in place (the device waits, not the host)."""
         if self.world > 1:
             self.peers.wait(self.peers.all_reduce(t), "all-reduce counted targets")
+            if self.replicas is not None:
+                self.replicas.wait(self.replicas.all_reduce(t), "all-reduce counted targets")
 
     def _stats_down(self, stats: Tensor) -> Callable[[], list[float]]:
         """Start copying the step's [loss, squared norm] to the host ahead of the update; the
@@ -297,7 +305,8 @@ class ChunkEngine(Engine):
     def save_state(self, folder: Path, optimizer: bool = True) -> None:
         self._sync_host()
         if self.mesh is None:
-            self.state_io.save(folder, optimizer)
+            if self.replicas is None or self.replicas.rank == 0:  # HSDP: machine 0's shards
+                self.state_io.save(folder, optimizer)
             return
         # tensor parallelism: whole chunks gathered over DP then TP, written by rank 0 alone in
         # the unsplit layout (engine/transforms/tp_state.py), so any run can load them
@@ -395,6 +404,18 @@ class ChunkEngine(Engine):
         if self.cuda:
             torch.cuda.synchronize(self.device)  # no copy may still read a buffer unregistered next
         self.pinned.close()
+
+
+def node_peers(ctx: DistContext) -> tuple[Peers, Peers | None]:
+    """(this machine's ranks, this rank's replicas on the other machines, None on one machine)
+    as Peers, for --shard-within node (collective: every rank builds every group,
+    dist/mesh.py)."""
+    from fitgpt.dist.mesh import build_node_groups
+    from fitgpt.dist.nodes import node_shape
+
+    per_node, nodes = node_shape(ctx.world)
+    mine = build_node_groups(ctx.rank, ctx.world, per_node)
+    return Peers(*mine["node"]), Peers(*mine["replica"]) if nodes > 1 else None
 
 
 def _norm_of(sq: float, scale: float) -> tuple[float, bool]:

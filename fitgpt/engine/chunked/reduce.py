@@ -40,11 +40,25 @@ if TYPE_CHECKING:
     from fitgpt.engine.transforms.tp_state import TPGradNorm
 
 
+# the `keep` of a pending cross-machine reduction (HSDP): it holds no transient
+ACROSS: tuple = ("across machines",)
+
+
 class GradReducer:
-    def __init__(self, peers: Peers, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        peers: Peers,
+        dtype: torch.dtype,
+        device: torch.device,
+        replicas: Peers | None = None,
+    ) -> None:
         """Each chunk says how its gradient is reduced (Chunk.shard_grads, shard_opt: its
-        placement's ZeRO stage)."""
-        self.peers, self.dtype, self.device = peers, dtype, device
+        placement's ZeRO stage). `replicas` (HSDP, --shard-within node): `peers` are one
+        machine's ranks, and a chunk's gradient reduced over them is then all-reduced over its
+        replicas on the other machines (the same shard of every machine: 2·(M-1)/M·s elements
+        over the link between machines, where a flat reduce-scatter over every rank sends
+        (W-1)/W·N through it)."""
+        self.peers, self.dtype, self.device, self.replicas = peers, dtype, device, replicas
         # (handle, label, on completion, tensors the collective reads or writes until then, the
         # chunk whose gradient is final once it completes, or None)
         self.pending: deque[tuple[object, str, Callable[[], None] | None, tuple, Chunk | None]]
@@ -111,10 +125,17 @@ class GradReducer:
             self._finish_one()
 
     def _finish_one(self) -> None:
-        work, label, finish, _keep, final = self.pending.popleft()
+        work, label, finish, keep, final = self.pending.popleft()
         self.peers.wait(work, label)  # on GPU: the compute stream waits, no host sync
         if finish is not None:
             finish()  # the transients in _keep are freed when this entry is dropped
+        if final is not None and self.replicas is not None and keep is not ACROSS:
+            # HSDP: the machine's sum of the chunk's gradient, summed over the machines next
+            # (in flight like the others; the chunk is final when it completes)
+            work = self.replicas.all_reduce(final.opt_grad)
+            label = f"all-reduce gradients of {final.spec.name} across machines"
+            self.pending.append((work, label, None, ACROSS, final))
+            return
         if final is not None and self.on_final is not None:
             self.on_final(final)
 
@@ -133,20 +154,24 @@ class GradReducer:
                 sq += torch.linalg.vector_norm(c.opt_grad, dtype=torch.float32).square()
             else:
                 sq += self.tp_norm.local_sq(c.opt_grad, self.tp_ranges[c.spec.index], c.opt_lo)
-        if self.peers.world > 1:
-            if any(c.shard_opt for c in chunks):
-                self.peers.wait(self.peers.all_reduce(sq), "all-reduce grad norm")
-            self.peers.wait(self.peers.all_reduce(loss_avg), "all-reduce loss")
-            loss_avg /= self.peers.world
+        # the squares of every shard: one machine's ranks hold them all (HSDP)
+        if self.peers.world > 1 and any(c.shard_opt for c in chunks):
+            self.peers.wait(self.peers.all_reduce(sq), "all-reduce grad norm")
+        self.mean(loss_avg)
         if self.tp_norm is not None:
             sq = self.tp_norm.total(sq)
         return loss_avg, sq
 
     def mean(self, t: Tensor) -> Tensor:
-        """t averaged over ranks, in place (a blocking all-reduce: evaluation only)."""
-        if self.peers.world > 1:
-            self.peers.all_reduce(t, async_op=False)
-            t /= self.peers.world
+        """t averaged over every data-parallel rank, in place (HSDP: over the machine's, then
+        over the replicas)."""
+        world = 1
+        for peers in (self.peers, self.replicas):
+            if peers is not None and peers.world > 1:
+                peers.wait(peers.all_reduce(t), "all-reduce loss")
+                world *= peers.world
+        if world > 1:
+            t /= world
         return t
 
     @staticmethod
