@@ -111,3 +111,37 @@ def test_plan_cli_prices_nodes_and_a_slower_network_slows_the_step(capsys):
 def test_bad_node_figures_are_refused_in_one_line(capsys, flags, names):
     code, err = run_in_process(capsys, "plan", "--device", "cuda", "--gpu-mem", "80GB", *flags)
     assert_refused(code, err, *names)
+
+
+def test_sharding_within_a_node_is_priced_as_the_docs_say_and_chosen_where_faster():
+    """HSDP's step: the node's reduce-scatter and all-gathers at the bus bandwidth and one
+    all-reduce of a 1/G shard across the nodes (links.hsdp_reduce); the state is 1/G per rank,
+    not 1/W. On a slow network the planner shards within the node when that fits; when only
+    the whole job's sharding fits, that is the plan."""
+    m = get_preset("gpt2-1.5b")
+    r = dataclasses.replace(H100, inter_node_gbit=25.0)
+    G, N, ga = 8, 2, 1
+    work = Workload(m, 4, G * N, "bf16", nodes=N)
+    e = EngineConfig(engine="zero", zero_stage=1, checkpointing="full", shard_within="node")
+    t = step_time(work, e, ga, r)
+    n = sum(c.numel for c in layout_of(m))
+    intra, inter = r.bus_gbps * 1e9, r.inter_node_gbit / 8 * 1e9
+    rs = (G - 1) / G * n * work.w / intra
+    across = 2 * (N - 1) / N * (n * work.w / G) / inter
+    hidden = 0.9 * t["compute"] / ga * 0.6
+    assert t["comm"] == pytest.approx(max(0.0, rs + across - hidden) + rs * 0.5)
+    flat = step_time(work, dataclasses.replace(e, shard_within="world"), ga, r)
+    assert t["comm"] < flat["comm"] and t["optimizer"] == pytest.approx(flat["optimizer"] * N)
+    hw = Hardware("cuda", G, 80 * GiB, "H100", 1024 * GiB, 16, nnodes=N)
+    chosen = plan(work, ga, hw, r, {})[0]
+    assert chosen.fits and chosen.ecfg.shard_within == "node", chosen.name
+    assert "sharded within each node" in chosen.name
+    # a GPU that holds 1/16 of the state but not 1/8: the whole job's sharding
+    state = {"master": "fp32", "moments": "fp32", "device_moments": "fp32",
+             "offload_optimizer": "none", "checkpointing": "full"}  # fmt: skip
+    need = {w: plan(work, ga, hw, r, {**state, "zero_stage": 3, "shard_within": w})[0]
+            for w in ("world", "node")}  # fmt: skip
+    budget = (need["world"].est.compute_total + need["node"].est.compute_total) // 2
+    small = dataclasses.replace(hw, gpu_mem=int(budget / 0.98))
+    tight = plan(work, ga, small, r, state)[0]
+    assert tight.fits and tight.ecfg.shard_within == "world", tight.name

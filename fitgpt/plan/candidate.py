@@ -75,6 +75,7 @@ class Candidate:
             if e.offload_params == "cpu":
                 off += ", their weights streamed from cpu"
         tp = f", tensor-parallel {e.tensor_parallel}" if e.tensor_parallel > 1 else ""
+        tp += ", sharded within each node" if e.shard_within == "node" else ""
         comp = {"blocks": ", compiled", "model": ", compiled whole"}.get(e.compile, "")
         return (
             f"{base}{tp}, checkpointing {e.checkpointing}{off}{comp}{formats.label(self.formats)}"

@@ -32,17 +32,25 @@ def tp_degrees(work: Workload, fixed: Fixed) -> list[int]:
     return tp_divisors(work.model, work.world, fixed.sequence_parallel)
 
 
-def enumerate_plans(world: int, fixed: Fixed, host_activations: bool = False) -> list[EngineConfig]:
+def enumerate_plans(
+    world: int, fixed: Fixed, host_activations: bool = False, nodes: int = 1
+) -> list[EngineConfig]:
     """Every plan the engines can run, restricted to the fields the user fixed (a plan those
     fields rule out, such as ddp with an offload flag, is left out). `host_activations` (a
     GPU run): also --checkpointing cpu, the block inputs in pinned host RAM, which is what lets
     long sequences fit (Llama 3 8B at 128k tokens: 32 GiB of block inputs); on a CPU run it
-    would keep them where they are, the same plan as full."""
+    would keep them where they are, the same plan as full. On several `nodes`, each sharded
+    stage also sharded within a node (--shard-within node, HSDP)."""
     stages = [0, 1, 2, 3] if world > 1 else [0]
     kinds = ("off", "full", "cpu") if host_activations else ("off", "full")
+    within = ("world", "node") if nodes > 1 else ("world",)
     plans = [EngineConfig(engine="ddp", checkpointing=ck) for ck in kinds]
     plans += [
-        EngineConfig(engine="zero", zero_stage=s, checkpointing=ck) for s in stages for ck in kinds
+        EngineConfig(engine="zero", zero_stage=s, checkpointing=ck, shard_within=w)
+        for w in within
+        for s in stages
+        for ck in kinds
+        if w == "world" or s > 0
     ]
     if "offload_optimizer" not in fixed:
         # block counts imply their tier (plan/validate.py: implied_tier), and streamed
@@ -54,7 +62,7 @@ def enumerate_plans(world: int, fixed: Fixed, host_activations: bool = False) ->
             fixed = fixed.with_(offload_optimizer=tier)
     out = []
     for p in plans:
-        if not fixed.agrees(p, ("engine", "zero_stage", "checkpointing")):
+        if not fixed.agrees(p, ("engine", "zero_stage", "checkpointing", "shard_within")):
             continue
         try:
             out.append(fixed.applied(p))

@@ -150,10 +150,17 @@ def rank_layout(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | No
 
 
 # ---- persistent state ------------------------------------------------------------------------
+def shard_ranks(work: Workload, ecfg: EngineConfig) -> int:
+    """The ranks the ZeRO state is sharded over: the W = world/T data-parallel ranks, or with
+    --shard-within node (HSDP) one node's (each node holds a replica)."""
+    ranks = work.ranks_per_node if ecfg.shard_within == "node" else work.world
+    return max(1, ranks // tp_of(ecfg))
+
+
 def placement_of(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None = None):
-    """The Placement the engine would execute for this workload and plan (over the W = world/T
-    data-parallel ranks, with this rank's layout)."""
-    dp = work.world // tp_of(ecfg)
+    """The Placement the engine would execute for this workload and plan (over the ranks
+    shard_ranks gives, with this rank's layout)."""
+    dp = shard_ranks(work, ecfg)
     return Placement.of(rank_layout(work, ecfg, layout), ecfg, dp, work.w, work.device)
 
 
@@ -369,7 +376,7 @@ def estimate(
     est = Estimate()
     host_dev = "cpu" if work.device == "cpu" else "cuda"
     est.host["process"] = HOST_BASE[host_dev] + (HOST_DIST if work.world > 1 else 0)
-    W, w = work.world // tp_of(ecfg), work.w
+    W, w = shard_ranks(work, ecfg), work.w
     if ecfg.checkpointing == "cpu" and work.device != "cpu":
         # every block's input of one micro-batch, pinned; the pinned cache rounds each buffer up
         # to a power of two (engine/transforms/activation.py)

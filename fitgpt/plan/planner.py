@@ -101,7 +101,9 @@ def plan_among(
     bases = [
         b
         for t in tp_degrees(work, fixed)  # T × (world/T): the stages shard over world/T ranks
-        for b in enumerate_plans(work.dp_ranks(t), fixed.with_(tensor_parallel=t), host_activations)
+        for b in enumerate_plans(
+            work.dp_ranks(t), fixed.with_(tensor_parallel=t), host_activations, work.nodes
+        )
     ]
     cands: list[Candidate] = []
     seen: set[EngineConfig] = set()

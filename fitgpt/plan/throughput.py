@@ -345,8 +345,13 @@ def step_time(
             g = work.w if placement.chunked else 4
             out["comm"] = max(0.0, dp.all_reduce(n * g) - 0.9 * backward_last)
         else:
-            rs = dp.reduce_scatter(n * work.w)
-            ag = dp.all_gather(n * work.w)  # updated weights, after the optimizer
+            # HSDP (--shard-within node): scattered and gathered inside the node, each 1/G
+            # shard then all-reduced across the nodes once per step (links.hsdp_reduce)
+            hsdp = ecfg.shard_within == "node" and dp.nodes > 1
+            ring = dp.inside_node() if hsdp else dp
+            rs = ring.reduce_scatter(n * work.w)
+            ag = ring.all_gather(n * work.w)  # updated weights, after the optimizer
+            across = dp.across_nodes().all_reduce(n * work.w / ring.ranks) if hsdp else 0.0
             # reduce-scattered every micro-batch, behind its backward, or once after the last
             scatters = placement.scatters_grads
             hidden = 0.9 * (compute * 0.6 if scatters else backward_last)
@@ -355,8 +360,9 @@ def step_time(
             # updated shards all-gathered once after the optimizer
             gathered = placement.gathers_weights
             gathers = 2 * ag * grad_accum if gathered else 0.0
-            out["comm"] = max(0.0, per_step_rs + gathers - hidden) + (0.0 if gathered else ag) * 0.5
-    opt_elems = n if placement.replicated else n / W
+            exposed = max(0.0, per_step_rs + across + gathers - hidden)
+            out["comm"] = exposed + (0.0 if gathered else ag) * 0.5
+    opt_elems = n if placement.replicated else n / placement.world
     # a compiled chunk engine in a 16-bit precision steps its plain state in one pass
     one_pass = placement.chunked and compiled(ecfg) and work.precision != "fp32"
     plain = ONE_PASS_BYTES if one_pass else FP32_DEVICE_BYTES
