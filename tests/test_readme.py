@@ -432,6 +432,9 @@ NOT_RUN = {
     "parallelism over 4 to 8 GPUs at 131,072 tokens",
     "docs/training.md: fitgpt train --gpus 8 --nnodes 2 --node-rank 0": "two machines of 8 "
     "GPUs (tests/test_nodes.py runs the same flags as two nodes on one CPU host)",
+    "docs/planner.md: fitgpt plan --preset llama3.1-70b --micro-batch 1": "plans of 70 B and "
+    "405 B on 2 to 16 machines, the table beside them (~2.5 min of planning on 2 cores; "
+    "tests/test_plan_nodes.py tests the pricing of nodes)",
     "docs/planner.md: fitgpt plan --preset 2.7b --gpu-mem 80GB --cpu-mem 125GB": "plans of "
     "2.7 to 39 B for an 80 GB GPU, output quoted beside them (~20 s of planning on 2 cores; "
     "tests/test_plan*.py test the planner)",
