@@ -160,6 +160,7 @@ CASES: list[Case] = [
     # train: numbers out of range
     Case("train-steps-0", f"{TRAIN_SYN} --steps 0", "--steps"),
     Case("train-cpu-mem-0", f"{TRAIN_SYN} --cpu-mem 0GB", "--cpu-mem"),
+    Case("train-gpu-mem-words", f"{TRAIN_SYN} --gpu-mem lots", "--gpu-mem"),
     # the stated RAM reaches the planner in the run's config (8 GB: 7.5 GiB, no reserve taken)
     Case("train-does-not-fit-stated-ram", "train --device cpu --data synthetic --vocab-size 64 --no-save --preset 40b --cpu-mem 8GB", "host RAM (has 7.5, short by"),
     Case("train-steps-negative", f"{TRAIN_SYN} --steps -3", "--steps"),

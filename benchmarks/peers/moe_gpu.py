@@ -7,6 +7,8 @@ Stages (`python3 benchmarks/peers/moe_gpu.py STAGE OUT [flags]`):
            sorted tokens: the largest difference of the output and of each gradient, and the
            forward+backward time of each; then one whole SparseMoe layer's forward+backward.
            One JSON line in OUT/grouped.json.
+  sink     gpt-oss's attention with sinks: the FlexAttention path CUDA runs against the SDPA
+           reference, outputs, gradients and times (sink() says how). OUT/sink.json.
   peer     Hugging Face transformers' Qwen3MoeForCausalLM of the same shape (random weights,
            --layers of them) trained by DeepSpeed ZeRO-3 with the parameters and the optimizer
            offloaded to pinned CPU memory, as LLaMA-Factory and axolotl set it up: built inside
@@ -124,6 +126,61 @@ def grouped(out: Path) -> None:
     print(json.dumps(rec))
 
 
+def sink(out: Path) -> None:
+    """gpt-oss's attention with sinks at gpt-oss-20b's head shape (64 query heads, 8 kv heads
+    of 64), 4 × 4,096 tokens, bf16: what CUDA runs (flex_sink_attention: compiled
+    FlexAttention's log-sum-exp, then σ(L − sink)) against the reference (sink_attention: the
+    sink as one more key on SDPA, the path the CPU tests compare with transformers), for a
+    sliding layer (window 128) and a full one: the largest difference of the output and of
+    each gradient (q, k, v, the sinks; also in fp32 at 1 × 1,024 tokens), and the
+    forward+backward time of each. One JSON line in OUT/sink.json."""
+    from fitgpt.model.families.gpt_oss.model import flex_sink_attention, sink_attention, sink_keep
+    from fitgpt.model.packing import window_block_mask
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    rec: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+    def inputs(B, T, dtype):
+        q, k, v = (torch.randn(B, h, T, 64, device=dev, generator=g).to(dtype) for h in (64, 8, 8))
+        sinks = torch.randn(64, device=dev, generator=g).to(dtype)
+        dy = torch.randn(B, 64, T, 64, device=dev, generator=g).to(dtype)
+        return q, k, v, sinks, dy
+
+    def pass_(fn, mask, tensors):
+        q, k, v, sinks, dy = tensors
+        leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+        y = fn(*leaves, mask)
+        y.backward(dy)
+        return [y] + [t.grad for t in leaves]
+
+    def ref(q, k, v, s, mask):
+        return sink_attention(q, k, v, s, mask, 0.0)
+
+    for window in (128, None):
+        name = "sliding128" if window else "full"
+        for B, T, dtype in ((1, 1024, torch.float32), (4, 4096, torch.bfloat16)):
+            tensors = inputs(B, T, dtype)
+            flex_mask = window_block_mask(T, window, dev)
+            dense = sink_keep(T, 0, window, dev)
+            fast = pass_(flex_sink_attention, flex_mask, tensors)
+            slow = pass_(ref, dense, tensors)
+            diff = {
+                n: float((f.float() - r.float()).abs().max() / r.float().abs().max())
+                for n, f, r in zip(("out", "d_q", "d_k", "d_v", "d_sinks"), fast, slow, strict=True)
+            }
+            key = f"{name}_{str(dtype).split('.')[-1]}_{B}x{T}"
+            rec[key] = {"max_rel_diff_flex_vs_reference": diff}
+            if dtype == torch.bfloat16:
+                fm, dm, ts = flex_mask, dense, tensors
+                rec[key]["flex_s"] = timed(lambda: pass_(flex_sink_attention, fm, ts))  # noqa: B023
+                rec[key]["reference_s"] = timed(lambda: pass_(ref, dm, ts))  # noqa: B023
+            del fast, slow
+            torch.cuda.empty_cache()
+    (out / "sink.json").write_text(json.dumps(rec) + "\n")
+    print(json.dumps(rec))
+
+
 def windows(prefix: str, seq: int, count: int, start: int) -> torch.Tensor:
     """`count` consecutive windows of seq + 1 tokens of the preprocessed data, from window
     `start` (the tokens fitgpt's run reads, in file order)."""
@@ -226,7 +283,7 @@ def peer(out: Path, args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("stage", choices=["grouped", "peer"])
+    p.add_argument("stage", choices=["grouped", "sink", "peer"])
     p.add_argument("out", type=Path)
     p.add_argument("--data", help="the preprocessed prefix fitgpt trains on")
     p.add_argument("--vocab", type=int, default=50257, help="the data tokenizer's vocabulary")
@@ -239,6 +296,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage == "grouped":
         grouped(args.out)
+    elif args.stage == "sink":
+        sink(args.out)
     else:
         if not args.data:
             sys.exit("peer: --data PREFIX is required")

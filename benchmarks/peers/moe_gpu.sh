@@ -6,7 +6,9 @@
 #            layers trained by `fitgpt train --preset qwen3-moe-30b-a3b --layers LAYERS` with the
 #            planner's plan on real text (the Python standard library's source through
 #            `fitgpt data preprocess`, GPT-2 BPE), micro-batch 4 × 4 accumulation × 4,096 tokens
+#   sink     gpt-oss's sink attention: FlexAttention's path against the SDPA reference (moe_gpu.py sink)
 #   oss      gpt-oss-20b's shape from its preset, the planner's plan (host offload on one GPU)
+#   oss80    the same planned for and capped at 80 GB of the GPU (--gpu-mem), the disk allowed
 #   STAGE=b  the peer on the same shape, data and batch: transformers + DeepSpeed ZeRO-3 offload
 #            (moe_gpu.py peer)
 # Usage (device): source benchmarks/device_env.sh; STAGE=a OUT=$OUT bash benchmarks/peers/moe_gpu.sh
@@ -48,6 +50,8 @@ tests)
   s=$(t); python3 benchmarks/checks/gpu_check.py "$OUT/gpu_check.json" 2>&1 | tail -2; echo "gpu check: $(( $(t) - s )) s" ;;
 grouped)
   python3 benchmarks/peers/moe_gpu.py grouped "$OUT" 2>&1 | tail -2 ;;
+sink)
+  python3 benchmarks/peers/moe_gpu.py sink "$OUT" 2>&1 | tail -2 ;;
 train)
   watched "train_l$LAYERS" /tmp/moe_run python3 -m fitgpt train --preset qwen3-moe-30b-a3b \
     --layers "$LAYERS" --data "$D/pystd_text_document" "${BATCH[@]}" --steps "$STEPS" --log-every 1 \
@@ -59,6 +63,14 @@ oss)
     --data "$D/pystd_text_document" --tokenizer none --vocab-size 201088 "${BATCH[@]}" \
     --steps "${OSS_STEPS:-6}" --log-every 1 --eval-every 0 --no-save --lr 1e-4 --warmup 2 \
     --out /tmp/oss_run --overwrite ;;
+oss80)
+  # the same on an 80 GB share of the GPU (`--gpu-mem 80GB`: the planner plans for an H100's
+  # memory and torch's allocator is capped at it) with the host RAM of the issue's H100 box
+  watched train_oss20b_80gb /tmp/oss80_run python3 -m fitgpt train --preset gpt-oss-20b \
+    --data "$D/pystd_text_document" --tokenizer none --vocab-size 201088 "${BATCH[@]}" \
+    --steps "${OSS_STEPS:-6}" --log-every 1 --eval-every 0 --no-save --lr 1e-4 --warmup 2 \
+    --gpu-mem 80GB --cpu-mem "${CPU_MEM:-115GB}" --nvme-path /tmp/oss80_nvme \
+    --out /tmp/oss80_run --overwrite ;;
 peer)
   L="$OUT/peer_l$LAYERS"
   s=$(t); python3 benchmarks/peers/moe_gpu.py peer "$OUT" --data "$D/pystd_text_document" \

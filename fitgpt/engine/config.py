@@ -163,6 +163,15 @@ class EngineConfig:
             "allocating; 0: what the kernel reports available, less a reserve",
         },
     )
+    gpu_mem: int = field(
+        default=0,
+        metadata={
+            "cli": False,  # `fitgpt train --gpu-mem 80GB`, its own flag, parsed to bytes
+            "help": "bytes of each GPU the run may fill, as the user stated it: the planner "
+            "fits plans to it and the engine caps torch's allocator at it (a shared GPU, or a "
+            "smaller card's plan on a larger one); 0: the whole GPU",
+        },
+    )
     master: Literal["auto", "fp32", "split"] = field(
         default="auto",
         metadata={

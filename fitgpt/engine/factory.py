@@ -9,6 +9,20 @@ from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.model import ModelConfig
 
 
+def cap_gpu(gpu_mem: int, ctx: DistContext) -> None:
+    """`--gpu-mem`: torch's caching allocator refuses to hold more than the stated bytes on
+    this rank's GPU (set_per_process_memory_fraction), so the run meets the plan made for that
+    size or fails as a GPU of that size would. Nothing on the CPU, or with 0 (the whole GPU).
+    Memory outside the allocator (the CUDA context, NCCL's buffers) is not capped; the planner
+    keeps its margin for it (plan/memory.py gpu_budget)."""
+    if not gpu_mem or ctx.device.type != "cuda":
+        return
+    import torch
+
+    total = torch.cuda.get_device_properties(ctx.device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_mem / total), ctx.device)
+
+
 def build_engine(
     model_cfg: ModelConfig,
     ecfg: EngineConfig,
@@ -28,6 +42,7 @@ def build_engine(
             f"{ctx.cp_size}, the engine config asks {ecfg.tensor_parallel} and "
             f"{ecfg.context_parallel}: pass ctx.laid_out(T, C)"
         )
+    cap_gpu(ecfg.gpu_mem, ctx)
     if ecfg.engine == "ddp":
         from fitgpt.engine.ddp import TorchEngine
 

@@ -83,6 +83,15 @@ class Family(ABC):
     # whether its attention takes model/packing.py's FlexAttention Packing on CUDA (windows,
     # packed rows); False: the boolean-mask Packing everywhere (gpt-oss: its sinks)
     flex_attention: ClassVar[bool] = True
+    # a learned sink logit per head in every softmax (gpt-oss): FlexAttention through its
+    # log-sum-exp on CUDA, SDPA's math kernel on a [T, 1+T] mask elsewhere (plan/memory.py
+    # attention_path prices both)
+    attention_sinks: ClassVar[bool] = False
+
+    def layer_windows(self, cfg: ModelConfig) -> tuple[int | None, ...]:
+        """Each layer's attention window (None: every key before): the config's one window in
+        every layer, unless the family alternates them (gpt-oss's layer_types)."""
+        return (cfg.sliding_window,) * cfg.n_layer
 
     def check(self, cfg: ModelConfig) -> None:
         """Raise UserError, in one line, for a field of `cfg` this family cannot honour."""

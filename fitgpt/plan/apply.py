@@ -90,6 +90,7 @@ def plan_engine(run, ctx: DistContext, fixed: Fixed, force: bool, log=print):
                 gpus=ctx.world,
                 device=ctx.device.type,
                 cpu_mem=run.engine.cpu_mem,
+                gpu_mem=run.engine.gpu_mem or None,
                 nvme=run.engine.nvme_path or None,
             )
             plans = plan_run(run, hw, rates.load(hw.gpu_name), fixed)
@@ -107,4 +108,5 @@ def plan_engine(run, ctx: DistContext, fixed: Fixed, force: bool, log=print):
             err.agreed = err.identical = ctx.distributed  # every rank raises rank 0's here
         raise err
     ecfg["cpu_mem"] = run.engine.cpu_mem  # the machine's RAM as stated: the engine checks it too
+    ecfg["gpu_mem"] = run.engine.gpu_mem  # the GPU's share as stated: the engine caps it
     return dataclasses.replace(run, engine=EngineConfig(**ecfg))

@@ -173,9 +173,13 @@ def attention_path(model: ModelConfig, device: str) -> str:
     has no CPU backward), "flex" for such a window on CUDA (FlexAttention's block mask: no T×T
     tensor, and the kernel skips the blocks outside the window; model/llama.py on the
     long-context branch), "flash" otherwise (SDPA is_causal: no S² term). Packed rows
-    (model/packing.py) are the data's choice, not priced here."""
+    (model/packing.py) are the data's choice, not priced here. A family with attention sinks
+    (gpt-oss, families/gpt_oss/model.py SinkMasks) runs FlexAttention on CUDA, whatever its
+    windows, and SDPA's math kernel on a mask elsewhere."""
     if model.position == "alibi":
         return "mask"
+    if family_of(model).attention_sinks:
+        return "flex" if device == "cuda" else "mask"
     W = model.sliding_window
     if W is not None and model.seq_len > W:
         return "flex" if device == "cuda" else "mask"
@@ -220,12 +224,12 @@ def attention_bytes(work: Workload, tp: int = 1) -> dict[str, int]:
             out["mask"] = N * S * S * w if w != 4 else 0
         else:
             out["mask"] = S * S
-    if not family_of(m).flex_attention:
-        # a family whose attention runs SDPA on a dense mask with grouped kv heads (gpt-oss's
-        # sinks: a [S, 1+S] mask) takes the math kernel, which holds the weights, [b, N, S,
-        # 1+S] in the working dtype, for the backward, and their gradient and the scores'
-        # beside them in it. Not priced before: gpt-oss-20b at 4 × 4,096 tokens planned at
-        # 133.5 GiB of an H200 ran out of memory in its first backward (results/moe_h200_2026-11-28)
+    if family_of(m).attention_sinks and attention_path(m, work.device) == "mask":
+        # sinks off CUDA run SDPA on a dense mask with grouped kv heads (a [S, 1+S] mask):
+        # the math kernel, which holds the weights, [b, N, S, 1+S] in the working dtype, for
+        # the backward, and their gradient and the scores' beside them in it. Not priced
+        # before: gpt-oss-20b at 4 × 4,096 tokens planned at 133.5 GiB of an H200 ran out of
+        # memory in its first backward (results/moe_h200_2026-11-28, before its flex path)
         scores = b * N * S * (S + 1) * w
         out["mask"] += scores
         out["backward"] += 2 * scores

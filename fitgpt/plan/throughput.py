@@ -105,17 +105,24 @@ RECOMPUTE = 0.6
 
 
 def keys_per_query(model, device: str = "cuda") -> float:
-    """The keys one query is scored against, on average, by the kernel that runs: S/2 for a
-    causal flash kernel (it skips the blocks above the diagonal); with a sliding window W < S
-    run through FlexAttention, W - W²/2S (the first W queries see fewer); S where attention runs
-    on a dense T×T mask or bias (memory.attention_path: the masked kernels skip no block)."""
-    S, W = model.seq_len, model.sliding_window
+    """The keys one query is scored against, on average over the layers, by the kernel that
+    runs: S/2 for a causal flash or flex kernel (it skips the blocks above the diagonal); in a
+    layer with a sliding window W < S run through FlexAttention, W - W²/2S (the first W
+    queries see fewer); S where attention runs on a dense T×T mask or bias
+    (memory.attention_path: the masked kernels skip no block). The windows are the family's
+    per layer (gpt-oss alternates sliding and full layers)."""
+    S = model.seq_len
     path = attention_path(model, device)
     if path == "mask":
         return float(S)
-    if path == "flex" and W is not None and W < S:
-        return W - W * W / (2.0 * S)
-    return S / 2.0
+
+    def one(W: int | None) -> float:
+        if path == "flex" and W is not None and W < S:
+            return W - W * W / (2.0 * S)
+        return S / 2.0
+
+    windows = family_of(model).layer_windows(model)
+    return sum(one(W) for W in windows) / len(windows)
 
 
 def attention_flops(model, device: str = "cuda") -> float:

@@ -118,7 +118,12 @@ def oom_message(run, ctx: DistContext, where: str, phase: str) -> str:
         predicted = f"the plan predicted {est.compute_total / GiB:.1f} GiB per GPU"
     else:
         predicted = f"the plan predicted {est.host_total / GiB:.1f} GiB of host RAM per rank"
-    hw = hardware.detect(gpus=ctx.world, device=ctx.device.type, cpu_mem=run.engine.cpu_mem)
+    hw = hardware.detect(
+        gpus=ctx.world,
+        device=ctx.device.type,
+        cpu_mem=run.engine.cpu_mem,
+        gpu_mem=run.engine.gpu_mem or None,
+    )
     # what the planner picks when what ran out holds 15% less than the plan predicted it needs
     if where == "gpu" and est.compute:
         hw = dataclasses.replace(hw, gpu_mem=int(0.85 * min(hw.gpu_mem, est.compute_total)))

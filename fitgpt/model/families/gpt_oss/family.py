@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from fitgpt.errors import UserError
-from fitgpt.model.families.gpt_oss.model import GptOss, layer_kinds
+from fitgpt.model.families.gpt_oss.model import GptOss, layer_kinds, layer_windows
 from fitgpt.model.families.llama.family import LlamaFamily
 from fitgpt.model.families.qwen3_moe.family import MoeCounts
 from fitgpt.model.family import Split
@@ -27,7 +27,10 @@ class GptOssFamily(MoeCounts):
     has_qkv_bias = True  # attention_bias: q, k, v and o (SinkAttention)
     has_window = True
     own_fields = ("layer_types", "swiglu_alpha", "swiglu_limit")
-    flex_attention = False  # the sinks take SDPA with a mask (model.py sink_attention)
+    # packing.py's Packing makes no FlexAttention mask for it: the sinks make their own
+    # (model.py SinkMasks: FlexAttention with its log-sum-exp on CUDA, SDPA's mask elsewhere)
+    flex_attention = False
+    attention_sinks = True
 
     def check(self, cfg: ModelConfig) -> None:
         super().check(cfg)
@@ -45,6 +48,9 @@ class GptOssFamily(MoeCounts):
                 "layer_types has sliding_attention layers but sliding_window is not set: "
                 "set it (the published models: 128)"
             )
+
+    def layer_windows(self, cfg: ModelConfig) -> tuple[int | None, ...]:
+        return layer_windows(cfg)
 
     def sparse_mlp(self, cfg: ModelConfig, experts: int) -> int:
         """One layer's router (E·H + E) and `experts` experts, each H·2F + 2F + F·H + H."""
