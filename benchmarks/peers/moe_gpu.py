@@ -9,6 +9,8 @@ Stages (`python3 benchmarks/peers/moe_gpu.py STAGE OUT [flags]`):
            One JSON line in OUT/grouped.json.
   sink     gpt-oss's attention with sinks: the FlexAttention path CUDA runs against the SDPA
            reference, outputs, gradients and times (sink() says how). OUT/sink.json.
+  blockmem one sparse block's saved set and backward peak on the GPU against the planner's
+           terms (blockmem() says how). OUT/blockmem.json.
   peer     Hugging Face transformers' Qwen3MoeForCausalLM of the same shape (random weights,
            --layers of them) trained by DeepSpeed ZeRO-3 with the parameters and the optimizer
            offloaded to pinned CPU memory, as LLaMA-Factory and axolotl set it up: built inside
@@ -181,6 +183,61 @@ def sink(out: Path) -> None:
     print(json.dumps(rec))
 
 
+def blockmem(out: Path) -> None:
+    """One sparse block of gpt-oss-20b and of Qwen3-30B-A3B in bf16 on the GPU, forward and
+    backward over 4 × 4,096 tokens as the engine runs a block (weights in bf16, gradients made
+    by autograd): what the block's forward leaves saved (allocated after the forward less
+    before) and the peak above the start during the backward, beside the planner's terms for
+    one block (plan/memory.py activation_bytes: the saved set per block with attention's
+    statistics, and a block's backward: the larger of attention's and the MLP's working sets,
+    plus the working gradients). OUT/blockmem.json."""
+    from fitgpt.model import build_model, get_preset
+    from fitgpt.model.families import family_of
+    from fitgpt.plan.memory import Workload, activation_bytes
+
+    dev = torch.device("cuda")
+    rec: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    B, T = 4, 4096
+    for preset in ("gpt-oss-20b", "qwen3-moe-30b-a3b"):
+        cfg = get_preset(preset).replace(n_layer=1, seq_len=T, vocab_size=1024)
+        model = build_model(cfg).to(dev, torch.bfloat16).train()
+        block = model.blocks[0]
+        aux = model.block_aux(T, 0, dev)
+        x = torch.randn(B, T, cfg.n_embd, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn_like(x)
+        for _ in range(2):  # the second pass measured: kernels compiled and tuned in the first
+            for p in block.parameters():
+                p.grad = None
+            x.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            y = block(x, None, 0, aux)
+            saved = torch.cuda.memory_allocated() - start - y.numel() * y.element_size()
+            y.backward(dy)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - start
+            grads = sum(p.numel() * p.element_size() for p in block.parameters())
+            del y
+        work = Workload(cfg, B, 1, "bf16")
+        terms = activation_bytes(work, "off")
+        per_block = terms["activations"]  # one layer, nothing checkpointed: its saved set
+        backward = terms["block_backward"] + terms["working_gradients"]
+        rec[preset] = {
+            "saved_gib": saved / 2**30,
+            "planned_saved_gib": per_block / 2**30,
+            "peak_above_start_gib": peak / 2**30,
+            "block_grads_gib": grads / 2**30,
+            "planned_peak_gib": (per_block + backward + grads) / 2**30,
+            "family": family_of(cfg).name,
+        }
+        del model, block, x, dy, aux
+        torch.cuda.empty_cache()
+    (out / "blockmem.json").write_text(json.dumps(rec) + "\n")
+    print(json.dumps(rec))
+
+
 def windows(prefix: str, seq: int, count: int, start: int) -> torch.Tensor:
     """`count` consecutive windows of seq + 1 tokens of the preprocessed data, from window
     `start` (the tokens fitgpt's run reads, in file order)."""
@@ -283,7 +340,7 @@ def peer(out: Path, args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("stage", choices=["grouped", "sink", "peer"])
+    p.add_argument("stage", choices=["grouped", "sink", "blockmem", "peer"])
     p.add_argument("out", type=Path)
     p.add_argument("--data", help="the preprocessed prefix fitgpt trains on")
     p.add_argument("--vocab", type=int, default=50257, help="the data tokenizer's vocabulary")
@@ -298,6 +355,8 @@ def main() -> None:
         grouped(args.out)
     elif args.stage == "sink":
         sink(args.out)
+    elif args.stage == "blockmem":
+        blockmem(args.out)
     else:
         if not args.data:
             sys.exit("peer: --data PREFIX is required")

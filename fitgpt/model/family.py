@@ -88,6 +88,12 @@ class Family(ABC):
     # attention_path prices both)
     attention_sinks: ClassVar[bool] = False
 
+    def mlp_backward_bytes(self, cfg: ModelConfig, tokens: int, w: int) -> int:
+        """Bytes a block's MLP backward holds beside its saved set, for `tokens` tokens in a
+        dtype of `w` bytes, where plan/memory.py's working gradients do not cover it (a mixture
+        of experts: its rows are k per token). 0: they do."""
+        return 0
+
     def layer_windows(self, cfg: ModelConfig) -> tuple[int | None, ...]:
         """Each layer's attention window (None: every key before): the config's one window in
         every layer, unless the family alternates them (gpt-oss's layer_types)."""

@@ -314,7 +314,9 @@ def activation_bytes(
     else:
         out["working_gradients"] = 8 * sbh * a
     # one block's backward at a time: attention's workspace, then the MLP's (not both at once)
-    out["block_backward"] = max(attn["backward"], mlp_piece)
+    # (a mixture of experts' MLP backward holds its k rows per token: Family.mlp_backward_bytes)
+    moe = family_of(m).mlp_backward_bytes(m, sb, a)
+    out["block_backward"] = max(attn["backward"], mlp_piece, moe)
     out["final_norm"] = 2 * sbh * a  # its saved input and its output, the head's input
     if attn["shared"]:
         out["attention_bias"] = attn["shared"]

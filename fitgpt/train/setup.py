@@ -106,8 +106,22 @@ def phase_of(e: BaseException, default: str) -> str:
     return default
 
 
-def oom_message(run, ctx: DistContext, where: str, phase: str) -> str:
-    """One line: what ran out, at which phase, the plan's prediction, and a plan that would fit."""
+def gpu_held(e: BaseException, device: torch.device) -> str:
+    """What torch's allocator held when the GPU ran out: allocated then, the run's peak, and
+    the request that failed (from torch's message), so a plan's miss can be sized."""
+    import re
+
+    GiB = 2**30
+    asked = re.search(r"Tried to allocate ([0-9.]+ [KMGT]iB)", str(e))
+    held = torch.cuda.memory_allocated(device) / GiB
+    peak = torch.cuda.max_memory_allocated(device) / GiB
+    more = f", asking {asked.group(1)} more" if asked else ""
+    return f" (torch held {held:.1f} GiB, peak {peak:.1f}{more})"
+
+
+def oom_message(run, ctx: DistContext, where: str, phase: str, held: str = "") -> str:
+    """One line: what ran out, at which phase (`held`: gpu_held's figures), the plan's
+    prediction, and a plan that would fit."""
     from fitgpt.plan import hardware, rates
     from fitgpt.plan.apply import plan_run, workload_of
     from fitgpt.plan.fixed import Fixed
@@ -138,7 +152,7 @@ def oom_message(run, ctx: DistContext, where: str, phase: str) -> str:
             "no plan needs 15% less at this size: train fewer layers or a smaller --micro-batch"
         )
     what = "GPU memory" if where == "gpu" else "host RAM"
-    return f"ran out of {what} during {phase}; {predicted}; {advice}"
+    return f"ran out of {what} during {phase}{held}; {predicted}; {advice}"
 
 
 def engine_flags(ecfg) -> str:
