@@ -28,6 +28,11 @@ def build_engine(
             f"{ctx.cp_size}, the engine config asks {ecfg.tensor_parallel} and "
             f"{ecfg.context_parallel}: pass ctx.laid_out(T, C)"
         )
+    if ctx.ep_size != ecfg.expert_parallel:
+        raise ValueError(
+            f"the ranks are laid out for --expert-parallel {ctx.ep_size}, the engine config asks "
+            f"{ecfg.expert_parallel}: pass ctx.laid_out(T, C, P)"
+        )
     if ecfg.engine == "ddp":
         from fitgpt.engine.ddp import TorchEngine
 

@@ -77,6 +77,9 @@ class Family(ABC):
     matmul_time: ClassVar[float] = 1.0
     # a mixture of experts (ModelConfig.num_experts and its fields): families without refuse them
     has_experts: ClassVar[bool] = False
+    # whose experts --expert-parallel may spread over ranks (fitgpt/parallel/experts.py: the
+    # experts module's `run` over rows grouped by expert, `weights`, `n`)
+    splits_experts: ClassVar[bool] = False
     # the fields of model/config.py's OWN_FIELDS this family honours: ModelConfig refuses the
     # others set (gpt-oss's layer_types and clamped SwiGLU)
     own_fields: ClassVar[tuple[str, ...]] = ()

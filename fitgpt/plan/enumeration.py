@@ -11,6 +11,7 @@ import dataclasses
 
 from fitgpt.engine.config import EngineConfig
 from fitgpt.errors import UserError
+from fitgpt.parallel.experts import expert_parallel_refusal
 from fitgpt.parallel.shard import tensor_parallel_refusal, tp_divisors
 from fitgpt.plan import validate
 from fitgpt.plan.candidate import Candidate, evaluate
@@ -30,6 +31,17 @@ def tp_degrees(work: Workload, fixed: Fixed) -> list[int]:
             raise UserError(why)
         return [t]
     return tp_divisors(work.model, work.world, fixed.sequence_parallel)
+
+
+def ep_degrees(work: Workload, fixed: Fixed, tp: int) -> list[int]:
+    """The expert-parallel degrees to price at T = tp: the one the user gave (default 1), or
+    with auto (0) 1 and every P that divides the ranks and the experts
+    (parallel/experts.py expert_parallel_refusal, the rule train checks)."""
+    p = fixed.expert_parallel
+    if p != 0:
+        return [p]
+    cands = range(2, work.world + 1) if tp == 1 and fixed.context_parallel == 1 else []
+    return [1] + [p for p in cands if not expert_parallel_refusal(p, work.model, work.world)]
 
 
 def enumerate_plans(world: int, fixed: Fixed, host_activations: bool = False) -> list[EngineConfig]:

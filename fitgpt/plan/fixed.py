@@ -73,6 +73,11 @@ class Fixed:
         return self._get("tensor_parallel", 1)
 
     @property
+    def expert_parallel(self) -> int:
+        """P as given: 1 when not given, 0 for auto (every P that divides is priced)."""
+        return self._get("expert_parallel", 1)
+
+    @property
     def context_parallel(self) -> int:
         """C as given: 1 when not given (the planner never chooses it)."""
         return self._get("context_parallel", 1)

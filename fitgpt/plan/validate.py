@@ -62,6 +62,7 @@ def refusal(
         stream_refusal,
     )
     from fitgpt.parallel.context import context_parallel_refusal
+    from fitgpt.parallel.experts import expert_parallel_refusal
     from fitgpt.parallel.shard import (
         tensor_parallel_refusal,
         tp_divisors,
@@ -106,6 +107,13 @@ def refusal(
     if why:
         return why
     why = context_parallel_refusal(e.context_parallel, model, world, tp, e.sequence_parallel)
+    if why:
+        return why
+    if e.expert_parallel == 0 and not planning:
+        return (
+            "--expert-parallel auto is the planner's to resolve: train with --plan auto, or give P"
+        )
+    why = expert_parallel_refusal(e.expert_parallel, model, world, tp, e.context_parallel)
     if why:
         return why
     if e.compile == "model" and settled("engine") and e.engine != "zero":

@@ -1,0 +1,217 @@
+"""Expert parallelism (`--expert-parallel P`): every sparse layer's E experts spread over the P
+ranks of an EP group (dist/mesh.py ExpertGroups), rank r holding experts [r·L, (r+1)·L), L = E/P.
+
+Each rank routes its own tokens as before (router, top k), then:
+  dispatch  the (token, expert) assignments sorted by expert, so the rows bound for each rank
+            are contiguous; the counts per expert traded first (one all-to-all of E integers
+            and a host sync: the row splits must be known on the host), then the rows (an
+            all-to-all of M·H elements: each rank sends the rows whose expert another rank
+            holds, (P-1)/P of them on average);
+  experts   the received rows regrouped by local expert (they arrive by source rank) and run
+            as the unsplit model runs them (Experts.run: one matmul per expert, or one grouped
+            GEMM);
+  combine   the outputs put back in arrival order and sent home by the reverse all-to-all,
+            then weighted and summed per token exactly as the unsplit model does.
+Both all-to-alls are differentiable (AllToAll: the backward is the all-to-all with the splits
+swapped), so the backward makes two more. Each rank's rows of expert e are whatever tokens any
+rank of its EP group routed there, so the experts' gradients are already summed over those
+tokens; the engine reduces them over the replica group only (engine/chunked/reduce.py), with the
+1/W of the data-parallel mean folded into the loss as for every other gradient.
+
+Parameters: `blocks.i.mlp.experts.fc` [L·2F, H] and `.proj` [L·H, F] on each rank: rank r's rows
+of the full [E·2F, H] and [E·H, F], contiguous (expert e's rows are a block of each). Checkpoints
+hold the full layout (engine/layout.py): ExpertView maps this rank's ranges to the full ones, so a
+run saved at P = 2 loads at P = 1 and the reverse.
+
+Shape legend: N this rank's tokens, K experts per token, M = N·K assignments, R rows received,
+E experts, L = E/P local experts, P the EP group, H hidden.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from fitgpt.dist.mesh import ExpertGroups
+from fitgpt.engine.layout import EXPERTS, ChunkSpec
+from fitgpt.engine.state_io import Piece, Reader, WeightSource, open_reader
+from fitgpt.model import ModelConfig, family_of
+from fitgpt.model.families.qwen3_moe.model import Experts, grouped_gemm_ok
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows of x sent to the group's ranks (in_splits[r] to rank r), out_splits[r] received
+    from rank r; the backward sends the gradients back the same way reversed."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        out_splits, in_splits = ctx.splits
+        gx = g.new_empty((sum(in_splits), *g.shape[1:]))
+        dist.all_to_all_single(gx, g.contiguous(), in_splits, out_splits, group=ctx.group)
+        return gx, None, None, None
+
+
+class ExpertExchange:
+    """Experts.forward under expert parallelism (module docstring): dispatch, the local
+    experts, combine."""
+
+    def __init__(self, groups: ExpertGroups) -> None:
+        self.size, self.group = groups.size, groups.group
+
+    def __call__(self, ex: Experts, x_NH: Tensor, idx_NK: Tensor, w_NK: Tensor) -> Tensor:
+        P, L = self.size, ex.n
+        flat_M = idx_NK.reshape(-1)
+        order_M = flat_M.argsort(stable=True)  # by expert, so by destination rank
+        token_M = order_M // idx_NK.shape[1]
+        count_E = torch.zeros(P * L, dtype=torch.int64, device=x_NH.device)
+        count_E.scatter_add_(0, flat_M, torch.ones_like(flat_M))
+        recv_PL = torch.empty_like(count_E)  # [s·L + l]: rows rank s sends to local expert l
+        dist.all_to_all_single(recv_PL, count_E, group=self.group)
+        recv_PL = recv_PL.view(P, L)
+        # host sync: the all-to-alls take their splits as host integers
+        send, recv = torch.stack([count_E.view(P, L).sum(1), recv_PL.sum(1)]).tolist()
+        x_RH = AllToAll.apply(x_NH[token_M], recv, send, self.group)
+        # the received rows come by source rank, each source's by local expert: regroup them
+        local_R = torch.arange(L, device=x_NH.device).repeat(P).repeat_interleave(recv_PL.view(-1))
+        regroup_R = local_R.argsort(stable=True)
+        count_L = recv_PL.sum(0)
+        x_RH = x_RH[regroup_R]
+        fc_LOH, _ = ex.weights(x_NH.shape[1])
+        ends = None if grouped_gemm_ok(x_RH, fc_LOH) else count_L.cumsum(0).tolist()
+        y_RH = ex.run(x_RH, count_L, ends)[regroup_R.argsort()]  # back in arrival order
+        y_MH = AllToAll.apply(y_RH, send, recv, self.group)
+        y_MH = y_MH * w_NK.reshape(-1)[order_M, None]
+        return torch.zeros_like(x_NH).index_add_(0, token_M, y_MH.to(x_NH.dtype))
+
+
+# ---- what P must be -------------------------------------------------------------------------
+def expert_parallel_refusal(
+    ep: int, cfg: ModelConfig, world: int | None = None, tp: int = 1, cp: int = 1
+) -> str | None:
+    """The one line refusing P for this model on `world` ranks (None: not known yet), or None
+    (P = 0, auto: the planner prices only the P this passes)."""
+    if ep in (0, 1):
+        return None
+    family = family_of(cfg)
+    if not family.has_experts:
+        return f"--expert-parallel {ep}: the {cfg.family} family has no experts; use 1"
+    if not family.splits_experts:
+        return (
+            f"--expert-parallel {ep}: the {family.name} family's experts are not split over "
+            "ranks yet; use 1"
+        )
+    if world is not None and world % ep:
+        return (
+            f"--expert-parallel {ep} does not divide the {world} rank(s) of this run: use a "
+            f"divisor of {world}"
+        )
+    if cfg.num_experts % ep:
+        return (
+            f"--expert-parallel {ep} does not divide the model's {cfg.num_experts} experts: use "
+            f"a divisor of {cfg.num_experts}"
+        )
+    if tp > 1 or cp > 1:
+        return (
+            f"--expert-parallel {ep} with --tensor-parallel or --context-parallel is not "
+            "supported yet: use one of them"
+        )
+    return None
+
+
+# ---- the model ----------------------------------------------------------------------------------
+def expert_parallel(model: nn.Module, groups: ExpertGroups) -> nn.Module:
+    """Keep this rank's E/P experts of every sparse layer (the model on the meta device: the
+    engine binds and initialises the parameters afterwards) and route through ExpertExchange."""
+    exchange = ExpertExchange(groups)
+    for m in model.modules():
+        if isinstance(m, Experts):
+            L = m.n // groups.size
+            m.fc = nn.Parameter(m.fc.new_empty(L * m.fc.shape[0] // m.n, m.fc.shape[1]))
+            m.proj = nn.Parameter(m.proj.new_empty(L * m.proj.shape[0] // m.n, m.proj.shape[1]))
+            m.n, m.exchange = L, exchange
+    return model
+
+
+# ---- state: the full layout (checkpoints, initialisation) from this rank's ----------------------
+def slot_ranges(full: ChunkSpec, local: ChunkSpec, rank: int, lo: int, hi: int):
+    """(local a, local b, full a) for each piece of local elements [lo, hi) of an experts'
+    chunk: rank r's part of each parameter is its r-th block of rows, contiguous in the full
+    chunk (expert-major rows)."""
+    for fs, ls in zip(full.slots, local.slots, strict=True):
+        a, b = max(lo, ls.offset), min(hi, ls.offset + ls.numel)
+        if a < b:
+            yield a, b, fs.offset + rank * ls.numel + (a - ls.offset)
+
+
+class ExpertReader:
+    """A full-layout reader read in this rank's layout: an experts' chunk's ranges mapped to
+    this rank's rows of the full chunk, every other chunk as it is."""
+
+    def __init__(self, reader: Reader, full: list[ChunkSpec], local: list[ChunkSpec], rank: int):
+        self.reader, self.full, self.local, self.rank = reader, full, local, rank
+
+    def read(self, chunk: int, kind: str, lo: int, hi: int, out: Tensor | None = None) -> Tensor:
+        if not self.local[chunk].experts:
+            return self.reader.read(chunk, kind, lo, hi, out)
+        if out is None:
+            out = torch.empty(hi - lo, dtype=torch.float32)
+        for a, b, f in slot_ranges(self.full[chunk], self.local[chunk], self.rank, lo, hi):
+            self.reader.read(chunk, kind, f, f + b - a, out=out[a - lo : b - lo])
+        return out
+
+
+class ExpertView:
+    """engine/transforms/build.py's StateView under expert parallelism: whole parameters drawn
+    and this rank's experts kept; checkpoints read and written in the full layout."""
+
+    def __init__(self, full: list[ChunkSpec], local: list[ChunkSpec], groups: ExpertGroups):
+        self.full, self.local, self.groups = full, local, groups
+        self.shapes = {s.name: s.shape for c in full for s in c.slots}
+
+    def init(self, init: Callable[[str, Tensor], None]) -> Callable[[str, Tensor], None]:
+        def init_local(name: str, t: Tensor) -> None:
+            if EXPERTS not in name:
+                init(name, t)
+                return
+            whole = torch.empty(self.shapes[name], dtype=t.dtype, device=t.device)
+            init(name, whole)  # the same values at any P; transient: one whole parameter
+            t.copy_(whole.chunk(self.groups.size, 0)[self.groups.rank])
+
+        return init_local
+
+    def reader(self, src: Path | WeightSource) -> Reader:
+        return ExpertReader(open_reader(src), self.full, self.local, self.groups.rank)
+
+    def to_full(self, piece: Piece) -> list[Piece]:
+        """This rank's piece of a chunk as pieces of the full layout."""
+        local = self.local[piece.chunk]
+        if not local.experts:
+            return [piece]
+        return [
+            Piece(piece.chunk, f, f + b - a, {k: t[a - piece.lo : b - piece.lo] for k, t in
+                                              piece.tensors.items()})
+            for a, b, f in slot_ranges(self.full[piece.chunk], local, self.groups.rank,
+                                       piece.lo, piece.hi)
+        ]  # fmt: skip
+
+    def pieces(self, local: Iterator) -> Iterator[Piece]:
+        raise NotImplementedError("expert parallelism saves through to_full")
+
+    def unsplit(self, name: str, t: Tensor) -> Tensor:
+        """The whole parameter from every EP rank's rows (collective over the EP group)."""
+        if EXPERTS not in name or self.groups.group is None:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.groups.size)]
+        dist.all_gather(parts, t.contiguous(), group=self.groups.group)
+        return torch.cat(parts, 0)
