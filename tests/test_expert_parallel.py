@@ -45,6 +45,10 @@ EP = {
                                 offload_optimizer="cpu", offload_blocks=1),
     "ep2_offload_experts": EngineConfig(engine="zero", zero_stage=2, expert_parallel=2,
                                         offload_optimizer="cpu", offload_experts=True),
+    # the experts' weights streamed from host RAM, attention and router resident
+    "ep2_stream_experts": EngineConfig(engine="zero", zero_stage=3, expert_parallel=2,
+                                       offload_optimizer="cpu", offload_params="cpu",
+                                       offload_experts=True),
 }  # fmt: skip
 
 
@@ -57,10 +61,13 @@ def losses_from(e, start: int, stop: int) -> list[float]:
     return [e.train_step(step_batches(e, TINY, s), 3e-3).loss for s in range(start, stop)]
 
 
-def saved_then_next(ecfg: EngineConfig, ctx: DistContext, folder: Path) -> float:
-    """Two steps, a checkpoint into `folder`, then the third step's loss."""
+def saved_then_next(ecfg: EngineConfig, ctx: DistContext, folder: Path) -> tuple[float, list]:
+    """Two steps, a checkpoint into `folder`, then the third step's loss, and each parameter's
+    sum of squares of the whole model for sampling after the second step."""
     e = engine(ecfg, ctx)
     losses_from(e, 0, 2)
+    whole = e.inference_model()  # collective under expert parallelism: every expert gathered
+    sums = [p.double().square().sum().item() for p in whole.parameters()]
     folder.mkdir(exist_ok=True)
     ctx.barrier()
     e.save_state(folder)
@@ -69,7 +76,7 @@ def saved_then_next(ecfg: EngineConfig, ctx: DistContext, folder: Path) -> float
     (folder / "extra.json").write_text(json.dumps(extra))
     (loss,) = losses_from(e, 2, 3)
     e.close()
-    return loss
+    return loss, sums
 
 
 def resumed_next(ecfg: EngineConfig, ctx: DistContext, folder: Path) -> float:
@@ -86,7 +93,7 @@ def _worker(rank, world, tmp) -> None:
     res = {key: engine_losses(TINY, ecfg, ctx, STEPS, 1.0) for key, ecfg in EP.items()}
     res = {key: {k: r[k] for k in ("loss", "norm", "shapes", "mem")} for key, r in res.items()}
     # saved at P = 2 (ZeRO 1: each rank writes its shard of the dense chunks and its experts)
-    res["saved_ep2_next"] = saved_then_next(EP["ep2_zero1"], ctx, tmp / "ep2")
+    res["saved_ep2_next"], res["whole_ep2"] = saved_then_next(EP["ep2_zero1"], ctx, tmp / "ep2")
     # saved at P = 1 by one process, resumed at P = 2 with ZeRO 2
     res["resumed_ep2_next"] = resumed_next(EP["ep2_zero2"], ctx, tmp / "ep1")
     if ctx.rank == 0:
@@ -98,7 +105,7 @@ def test_expert_parallel_at_world_size_2_equals_one_process(gloo, tmp_path):
     plain = EngineConfig(engine="zero")
     ref = engine_losses(TINY, plain, one_ctx, STEPS, 1.0)
     one = ref["loss"]
-    one_next = saved_then_next(plain, one_ctx, tmp_path / "ep1")
+    one_next, whole = saved_then_next(plain, one_ctx, tmp_path / "ep1")
     assert close([one_next], one[2:])
     gloo(2, _worker, str(tmp_path))
     res = json.loads((tmp_path / "results.json").read_text())
@@ -113,6 +120,7 @@ def test_expert_parallel_at_world_size_2_equals_one_process(gloo, tmp_path):
             ("host", res[key]["mem"].get("host")),
         ):
             assert nonzero(rep or {}) == nonzero(pred.get(tier, {})), (key, tier)
+    assert close(res["whole_ep2"], whole)  # the model for sampling holds every expert
     # the full layout on disk: every expert, whichever P wrote it
     assert close([resumed_next(plain, one_ctx, tmp_path / "ep2")], [res["saved_ep2_next"]])
     assert close([res["saved_ep2_next"], res["resumed_ep2_next"]], [one[2], one[2]])
@@ -161,6 +169,12 @@ def test_refusals_are_one_line(ep, cfg, world, needle):
     assert why and needle in why and "\n" not in why
     engine_cfg = EngineConfig(engine="zero", expert_parallel=ep)
     assert refusal(cfg, engine_cfg, "fp32", world, "cpu") == why
+
+
+def test_expert_parallel_and_one_compiled_graph_are_refused():
+    e = EngineConfig(engine="zero", expert_parallel=2, compile="model")
+    why = refusal(TINY, e, "bf16", 2, "cuda")
+    assert why and "--compile blocks or off" in why and "\n" not in why
 
 
 def test_expert_parallel_needs_the_chunked_engine():

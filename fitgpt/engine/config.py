@@ -144,6 +144,7 @@ class EngineConfig:
             "help": "mixtures of experts: of the offloaded blocks, offload only the experts' "
             "state (their own chunks) and keep each block's attention and router on the GPU "
             "(docs/memory.md)",
+            "planned": True,
         },
     )
     nvme_blocks: int | None = field(

@@ -67,7 +67,8 @@ class Candidate:
         if e.offload_optimizer != "none":
             p = self.placement
             n = len({c.spec.layer for c in p.chunks if c.block})
-            off = f", optimizer of {p.offloaded_blocks} of {n} blocks offloaded"
+            what = "experts' optimizer" if e.offload_experts else "optimizer"
+            off = f", {what} of {p.offloaded_blocks} of {n} blocks offloaded"
             if e.offload_optimizer == "nvme":
                 off += f" ({p.nvme_blocks} of those on nvme, the rest on cpu)"
             else:

@@ -11,6 +11,7 @@ import dataclasses
 
 from fitgpt.engine.config import EngineConfig
 from fitgpt.errors import UserError
+from fitgpt.model import family_of
 from fitgpt.parallel.experts import expert_parallel_refusal
 from fitgpt.parallel.shard import tensor_parallel_refusal, tp_divisors
 from fitgpt.plan import validate
@@ -94,10 +95,16 @@ def plans_of(work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: Fixed)
     (results/offload_compile_h100_2026-11-24); priced alone, the first that fits was taken."""
     base = evaluate(work, grad_accum, hw, rates, e, layout)
     out = [base]
-    for stream in (False, True):
-        off = offloaded_variant(work, grad_accum, hw, rates, e, layout, fixed, base, stream)
-        if off is not None and all(off.ecfg != c.ecfg for c in out):
-            out.append(off)
+    kinds = [e]
+    if "offload_experts" not in fixed and family_of(work.model).has_experts:
+        # a mixture of experts: also the offloaded blocks' experts alone on the host (their
+        # own chunks), attention and router resident (engine/chunked/placement.py)
+        kinds.append(dataclasses.replace(e, offload_experts=True))
+    for kind in kinds:
+        for stream in (False, True):
+            off = offloaded_variant(work, grad_accum, hw, rates, kind, layout, fixed, base, stream)
+            if off is not None and all(off.ecfg != c.ecfg for c in out):
+                out.append(off)
     return out
 
 

@@ -116,6 +116,9 @@ def refusal(
     why = expert_parallel_refusal(e.expert_parallel, model, world, tp, e.context_parallel)
     if why:
         return why
+    if e.compile == "model" and e.expert_parallel > 1:
+        # the all-to-alls' splits are host integers (a host sync per sparse layer)
+        return "--compile model with --expert-parallel: use --compile blocks or off"
     if e.compile == "model" and settled("engine") and e.engine != "zero":
         # DDP's reducer starts each bucket's all-reduce from a gradient hook between blocks,
         # which one graph of the whole model would not leave room for
