@@ -18,7 +18,6 @@ from fitgpt.dist import DistContext, init_distributed
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.engine.layout import chunk_layout
-from fitgpt.errors import UserError
 from fitgpt.interop.hf import model_config_from_hf
 from fitgpt.model import build_model, get_preset
 from fitgpt.parallel.experts import expert_parallel_refusal
@@ -178,6 +177,10 @@ def test_expert_parallel_and_one_compiled_graph_are_refused():
 
 
 def test_expert_parallel_needs_the_chunked_engine():
-    with pytest.raises(UserError, match="add --engine zero") as e:
-        EngineConfig(engine="ddp", expert_parallel=2)
-    assert "\n" not in str(e.value)
+    why = refusal(TINY, EngineConfig(engine="ddp", expert_parallel=2), "fp32", 2, "cpu")
+    assert why and "use --engine zero" in why and "\n" not in why
+    # where the planner chooses the engine, it is no refusal: the planner keeps the chunked one
+    planned = refusal(
+        TINY, EngineConfig(expert_parallel=2), "fp32", 2, "cpu", True, frozenset({"engine"})
+    )
+    assert planned is None

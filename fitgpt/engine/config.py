@@ -279,8 +279,6 @@ class EngineConfig:
         ep = self.expert_parallel
         if not isinstance(ep, int) or isinstance(ep, bool) or ep < 0:
             raise UserError(f"--expert-parallel {ep!r}: use a whole number >= 1, or auto")
-        if ep > 1 and self.engine != "zero":
-            raise UserError(f"--expert-parallel {ep} runs on the chunked engine: add --engine zero")
         if self.zero_stage not in (0, 1, 2, 3):
             raise UserError(f"--zero-stage {self.zero_stage}: use 0, 1, 2 or 3")
         if self.engine == "ddp" and (self.zero_stage or self.offloads):

@@ -34,6 +34,8 @@ def build_engine(
             f"{ecfg.expert_parallel}: pass ctx.laid_out(T, C, P)"
         )
     if ecfg.engine == "ddp":
+        if ecfg.expert_parallel > 1:  # plan/validate.py refuses it before a run gets here
+            raise ValueError("expert parallelism runs on the chunked engine (--engine zero)")
         from fitgpt.engine.ddp import TorchEngine
 
         return TorchEngine(model_cfg, ecfg, pcfg, ocfg, ctx, seed, adapter)

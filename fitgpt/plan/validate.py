@@ -116,6 +116,10 @@ def refusal(
     why = expert_parallel_refusal(e.expert_parallel, model, world, tp, e.context_parallel)
     if why:
         return why
+    if e.expert_parallel > 1 and settled("engine") and e.engine != "zero":
+        return (
+            f"--expert-parallel {e.expert_parallel} runs on the chunked engine: use --engine zero"
+        )
     if e.compile == "model" and e.expert_parallel > 1:
         # the all-to-alls' splits are host integers (a host sync per sparse layer)
         return "--compile model with --expert-parallel: use --compile blocks or off"
