@@ -30,10 +30,11 @@ from fitgpt.adapters.lora import attach_lora
 from fitgpt.dist.mesh import ContextGroup, ExpertGroups, Mesh
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
 from fitgpt.engine.state_io import Piece, Reader, StateReader, WeightSource, open_reader
+from fitgpt.engine.transforms.ep_state import ExpertView
 from fitgpt.engine.transforms.tp_state import TPReader, sharded_init, tp_pieces, unsplitter
 from fitgpt.model import DecoderLM, ModelConfig, build_model
 from fitgpt.parallel import context_parallel, parallelize
-from fitgpt.parallel.experts import ExpertView, expert_parallel
+from fitgpt.parallel.experts import expert_parallel
 
 Init = Callable[[str, Tensor], None]
 
