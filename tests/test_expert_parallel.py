@@ -18,6 +18,7 @@ from fitgpt.dist import DistContext, init_distributed
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.engine.layout import chunk_layout
+from fitgpt.errors import UserError
 from fitgpt.interop.hf import model_config_from_hf
 from fitgpt.model import build_model, get_preset
 from fitgpt.parallel.experts import expert_parallel_refusal
@@ -168,6 +169,16 @@ def test_refusals_are_one_line(ep, cfg, world, needle):
     assert why and needle in why and "\n" not in why
     engine_cfg = EngineConfig(engine="zero", expert_parallel=ep)
     assert refusal(cfg, engine_cfg, "fp32", world, "cpu") == why
+
+
+def test_offloading_the_experts_alone_needs_experts_and_an_offload_tier():
+    with pytest.raises(UserError, match="add --offload-optimizer cpu") as e:
+        EngineConfig(engine="zero", offload_experts=True)
+    assert "\n" not in str(e.value)
+    e = EngineConfig(engine="zero", offload_optimizer="cpu", offload_experts=True)
+    why = refusal(get_preset("llama3.1-8b"), e, "bf16", 1, "cuda")
+    assert why and "has no experts" in why and "\n" not in why
+    assert refusal(TINY, e, "fp32", 1, "cpu") is None
 
 
 def test_expert_parallel_and_one_compiled_graph_are_refused():

@@ -300,6 +300,11 @@ class EngineConfig:
                 "--offload-params cpu streams the weights of the offloaded blocks: add "
                 "--offload-optimizer cpu (or nvme)"
             )
+        if self.offload_experts and self.offload_optimizer == "none":
+            raise UserError(
+                "--offload-experts offloads the offloaded blocks' experts alone: add "
+                "--offload-optimizer cpu (or nvme)"
+            )
         compact = self.master == "split" or {self.moments, self.device_moments} - {"auto", "fp32"}
         if self.engine == "ddp" and compact:
             raise UserError(

@@ -63,6 +63,8 @@ def enumerate_plans(world: int, fixed: Fixed, host_activations: bool = False) ->
         tier = validate.implied_tier(fixed)
         if tier == "none" and fixed.offload_params not in (None, "none"):
             tier = "cpu"
+        if tier == "none" and fixed.offload_experts:
+            tier = "cpu"  # the experts alone offloaded imply the host tier as well
         if tier != "none":
             fixed = fixed.with_(offload_optimizer=tier)
     out = []
@@ -95,14 +97,16 @@ def plans_of(work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: Fixed)
     (results/offload_compile_h100_2026-11-24); priced alone, the first that fits was taken."""
     base = evaluate(work, grad_accum, hw, rates, e, layout)
     out = [base]
-    kinds = [e]
+    kinds = [e.offload_experts]
     if "offload_experts" not in fixed and family_of(work.model).has_experts:
         # a mixture of experts: also the offloaded blocks' experts alone on the host (their
         # own chunks), attention and router resident (engine/chunked/placement.py)
-        kinds.append(dataclasses.replace(e, offload_experts=True))
-    for kind in kinds:
+        kinds.append(True)
+    for experts in kinds:
         for stream in (False, True):
-            off = offloaded_variant(work, grad_accum, hw, rates, kind, layout, fixed, base, stream)
+            off = offloaded_variant(
+                work, grad_accum, hw, rates, e, layout, fixed, base, stream, experts
+            )
             if off is not None and all(off.ecfg != c.ecfg for c in out):
                 out.append(off)
     return out
@@ -129,10 +133,12 @@ def offloaded_variant(
     fixed: Fixed,
     base: Candidate,
     stream: bool = False,
+    experts: bool = False,
 ) -> Candidate | None:
     """Fill the GPU first: the plan with the fewest (last) blocks' optimizer state on the host
     that fits the GPU, their weights streamed from host RAM too when `stream` (or when the
-    optimizer state alone is not enough, or the user asked for it). None when the engine cannot
+    optimizer state alone is not enough, or the user asked for it); with `experts`, only the
+    offloaded blocks' experts (a mixture of experts' own chunks). None when the engine cannot
     offload, the user ruled offload out, the plan fits without it (unless the user asked for
     offload), or `stream` and the weights cannot be streamed."""
     if e.engine != "zero" or fixed.offload_optimizer == "none" or hw.device != "cuda":
@@ -143,7 +149,7 @@ def offloaded_variant(
     if stream and not can_stream(work, e, fixed, layout):
         return None
     if fixed.offload_optimizer == "nvme" or (fixed.offload_optimizer != "cpu" and hw.nvme_path):
-        v = spill_variant(work, grad_accum, hw, rates, e, layout, fixed, stream)
+        v = spill_variant(work, grad_accum, hw, rates, e, layout, fixed, stream, experts)
         if v is not None:
             return v
     L = work.model.n_layer
@@ -155,6 +161,7 @@ def offloaded_variant(
             offload_optimizer="cpu",
             offload_blocks=k,
             offload_params="cpu" if stream else "none",
+            offload_experts=experts,
         )
         return evaluate(work, grad_accum, hw, rates, cfg, layout)
 
@@ -173,7 +180,15 @@ def offloaded_variant(
 
 
 def spill_variant(
-    work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: Fixed, stream: bool = False
+    work,
+    grad_accum,
+    hw,
+    rates,
+    e: EngineConfig,
+    layout,
+    fixed: Fixed,
+    stream: bool = False,
+    experts: bool = False,
 ) -> Candidate | None:
     """Three tiers: the fewest (last) blocks offloaded that fit the GPU, and of those the fewest
     (last) on the disk that fit the host RAM. None when host RAM alone holds them (the cpu-only
@@ -192,6 +207,7 @@ def spill_variant(
             nvme_blocks=d,
             nvme_path=hw.nvme_path or e.nvme_path,
             offload_params="cpu" if stream else "none",
+            offload_experts=experts,
         )
         return evaluate(work, grad_accum, hw, rates, cfg, layout)
 

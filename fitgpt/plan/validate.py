@@ -29,7 +29,7 @@ from typing import Any
 from fitgpt.dist.context import device_type
 from fitgpt.engine.config import EngineConfig, PrecisionConfig
 from fitgpt.errors import UserError
-from fitgpt.model import ModelConfig
+from fitgpt.model import ModelConfig, family_of
 from fitgpt.plan.fixed import ENGINE_FIELDS, Fixed
 
 SCALER_FIELDS = ("initial_scale", "growth_interval", "hysteresis", "min_scale")
@@ -116,6 +116,8 @@ def refusal(
     why = expert_parallel_refusal(e.expert_parallel, model, world, tp, e.context_parallel)
     if why:
         return why
+    if e.offload_experts and not family_of(model).has_experts:
+        return f"--offload-experts: the {model.family} family has no experts; drop it"
     if e.expert_parallel > 1 and settled("engine") and e.engine != "zero":
         return (
             f"--expert-parallel {e.expert_parallel} runs on the chunked engine: use --engine zero"
