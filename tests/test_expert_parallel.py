@@ -35,6 +35,14 @@ TINY = model_config_from_hf(
          max_position_embeddings=16, bos_token_id=1, eos_token_id=2),
     "tiny",
 )  # fmt: skip
+# gpt-oss's experts: [E, H, 2F] weights and [E, 2F] biases, the clamped SwiGLU
+GPT_OSS = model_config_from_hf(
+    dict(model_type="gpt_oss", hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+         num_key_value_heads=1, head_dim=16, intermediate_size=16, num_local_experts=4,
+         num_experts_per_tok=2, sliding_window=6, vocab_size=128, max_position_embeddings=16,
+         bos_token_id=1, eos_token_id=2),
+    "tiny-gpt-oss",
+)  # fmt: skip
 STEPS = 3
 EP = {
     "ep2_zero0": EngineConfig(engine="zero", expert_parallel=2),
@@ -92,6 +100,8 @@ def _worker(rank, world, tmp) -> None:
     tmp = Path(tmp)
     res = {key: engine_losses(TINY, ecfg, ctx, STEPS, 1.0) for key, ecfg in EP.items()}
     res = {key: {k: r[k] for k in ("loss", "norm", "shapes", "mem")} for key, r in res.items()}
+    res["gpt_oss"] = engine_losses(GPT_OSS, EP["ep2_zero1"], ctx, STEPS, 1.0)
+    res["gpt_oss"]["shapes"] = res["gpt_oss"]["shapes"]["blocks.0.mlp.experts.gate_up_bias"]
     # saved at P = 2 (ZeRO 1: each rank writes its shard of the dense chunks and its experts)
     res["saved_ep2_next"], res["whole_ep2"] = saved_then_next(EP["ep2_zero1"], ctx, tmp / "ep2")
     # saved at P = 1 by one process, resumed at P = 2 with ZeRO 2
@@ -120,6 +130,9 @@ def test_expert_parallel_at_world_size_2_equals_one_process(gloo, tmp_path):
             ("host", res[key]["mem"].get("host")),
         ):
             assert nonzero(rep or {}) == nonzero(pred.get(tier, {})), (key, tier)
+    oss = engine_losses(GPT_OSS, plain, one_ctx, STEPS, 1.0)
+    assert close(res["gpt_oss"]["loss"], oss["loss"]) and close(res["gpt_oss"]["norm"], oss["norm"])
+    assert res["gpt_oss"]["shapes"] == [2, 32]  # 2 of the 4 experts' biases
     assert close(res["whole_ep2"], whole)  # the model for sampling holds every expert
     # the full layout on disk: every expert, whichever P wrote it
     assert close([resumed_next(plain, one_ctx, tmp_path / "ep2")], [res["saved_ep2_next"]])
@@ -159,7 +172,6 @@ def test_the_experts_of_a_sparse_block_are_a_chunk_of_their_own():
     "ep, cfg, world, needle",
     [
         (2, get_preset("llama3.1-8b"), 2, "has no experts"),
-        (2, get_preset("gpt-oss-20b"), 2, "not split over ranks yet"),
         (3, TINY, 2, "does not divide the 2 rank(s)"),
         (3, TINY, 3, "does not divide the model's 4 experts"),
     ],

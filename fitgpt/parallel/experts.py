@@ -82,9 +82,10 @@ class ExpertExchange:
         regroup_R = local_R.argsort(stable=True)
         count_L = recv_PL.sum(0)
         x_RH = x_RH[regroup_R]
-        fc_LOH, _ = ex.weights(x_NH.shape[1])
-        ends = None if grouped_gemm_ok(x_RH, fc_LOH) else count_L.cumsum(0).tolist()
-        y_RH = ex.run(x_RH, count_L, ends)[regroup_R.argsort()]  # back in arrival order
+        w_LOI, _ = ex.weights(x_NH.shape[1])
+        ends = None if grouped_gemm_ok(x_RH, w_LOI) else count_L.cumsum(0).tolist()
+        y_RH = ex.run(x_RH, count_L, ends, local_R[regroup_R])
+        y_RH = y_RH[regroup_R.argsort()]  # back in arrival order
         y_MH = AllToAll.apply(y_RH, send, recv, self.group)
         y_MH = y_MH * w_NK.reshape(-1)[order_M, None]
         return torch.zeros_like(x_NH).index_add_(0, token_M, y_MH.to(x_NH.dtype))
@@ -101,11 +102,6 @@ def expert_parallel_refusal(
     family = family_of(cfg)
     if not family.has_experts:
         return f"--expert-parallel {ep}: the {cfg.family} family has no experts; use 1"
-    if not family.splits_experts:
-        return (
-            f"--expert-parallel {ep}: the {family.name} family's experts are not split over "
-            "ranks yet; use 1"
-        )
     if world is not None and world % ep:
         return (
             f"--expert-parallel {ep} does not divide the {world} rank(s) of this run: use a "
@@ -127,12 +123,14 @@ def expert_parallel_refusal(
 # ---- the model ----------------------------------------------------------------------------------
 def expert_parallel(model: nn.Module, groups: ExpertGroups) -> nn.Module:
     """Keep this rank's E/P experts of every sparse layer (the model on the meta device: the
-    engine binds and initialises the parameters afterwards) and route through ExpertExchange."""
+    engine binds and initialises the parameters afterwards) and route through ExpertExchange.
+    Every parameter of a family's experts module is expert-major along its first dimension
+    (E·rows or E), so this rank's are 1/P of its rows."""
     exchange = ExpertExchange(groups)
-    for m in model.modules():
-        if isinstance(m, Experts):
-            L = m.n // groups.size
-            m.fc = nn.Parameter(m.fc.new_empty(L * m.fc.shape[0] // m.n, m.fc.shape[1]))
-            m.proj = nn.Parameter(m.proj.new_empty(L * m.proj.shape[0] // m.n, m.proj.shape[1]))
-            m.n, m.exchange = L, exchange
+    for mlp in model.sparse_mlps():
+        ex = mlp.experts
+        L = ex.n // groups.size
+        for name, p in list(ex.named_parameters(recurse=False)):
+            setattr(ex, name, nn.Parameter(p.new_empty(p.shape[0] // ex.n * L, *p.shape[1:])))
+        ex.n, ex.exchange = L, exchange
     return model

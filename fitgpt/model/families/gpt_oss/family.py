@@ -28,7 +28,6 @@ class GptOssFamily(MoeCounts):
     has_window = True
     own_fields = ("layer_types", "swiglu_alpha", "swiglu_limit")
     flex_attention = False  # the sinks take SDPA with a mask (model.py sink_attention)
-    splits_experts = False  # ClampedExperts has no `run` over grouped rows yet (expert parallelism)
 
     def check(self, cfg: ModelConfig) -> None:
         super().check(cfg)

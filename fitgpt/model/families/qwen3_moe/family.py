@@ -24,7 +24,6 @@ class MoeCounts(LlamaFamily):
     3·F'·H per expert instead of the dense 3·F·H."""
 
     has_experts = True
-    splits_experts = True  # Experts (model.py); gpt-oss's ClampedExperts not yet
     # the sparse layers' matmuls are grouped GEMMs over sorted tokens, with the routing around
     # them (softmax, top-k, the sort, the gather, the weighted scatter-add back): one whole
     # SparseMoe layer ran at 248 TFLOP/s forward + backward where its grouped matmuls alone ran

@@ -105,12 +105,15 @@ class Experts(nn.Module):
         self.exchange = None
 
     def weights(self, H: int) -> tuple[Tensor, Tensor]:
-        """The experts' weights as [E, 2F, H] and [E, H, F] views."""
+        """The experts' weights as [E, 2F, H] and [E, H, F] views (F.linear's [O, I] each)."""
         return self.fc.view(self.n, 2 * self.width, H), self.proj.view(self.n, H, self.width)
 
-    def run(self, x_MH: Tensor, count_E: Tensor, ends: list[int] | None) -> Tensor:
+    def run(
+        self, x_MH: Tensor, count_E: Tensor, ends: list[int] | None, expert_M: Tensor
+    ) -> Tensor:
         """[M, H]: each row through its expert's SwiGLU, the rows grouped by expert (count_E[e]
-        of expert e, in order; `ends` as sort_by_expert gives them)."""
+        of expert e, in order; `ends` as sort_by_expert gives them; expert_M, each row's
+        expert, for experts with biases)."""
         fc_EOH, proj_EHF = self.weights(x_MH.shape[1])
         gate, up = expert_matmul(x_MH, fc_EOH, count_E, ends).chunk(2, dim=-1)
         return expert_matmul(F.silu(gate) * up, proj_EHF, count_E, ends)
@@ -122,7 +125,7 @@ class Experts(nn.Module):
         fc_EOH, _ = self.weights(x_NH.shape[1])
         order_M, token_M, count_E, ends = sort_by_expert(idx_NK, self.n, x_NH, fc_EOH)
         x_MH = x_NH[token_M]  # M·H: each token once per expert it goes to (k copies)
-        y_MH = self.run(x_MH, count_E, ends) * w_NK.reshape(-1)[order_M, None]
+        y_MH = self.run(x_MH, count_E, ends, None) * w_NK.reshape(-1)[order_M, None]
         # summed back per token in expert order, as transformers' per-expert index_add_ does
         return torch.zeros_like(x_NH).index_add_(0, token_M, y_MH.to(x_NH.dtype))
 
