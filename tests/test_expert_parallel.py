@@ -207,3 +207,20 @@ def test_expert_parallel_needs_the_chunked_engine():
         TINY, EngineConfig(expert_parallel=2), "fp32", 2, "cpu", True, frozenset({"engine"})
     )
     assert planned is None
+
+
+def test_a_checkpoint_whose_sparse_blocks_are_one_chunk_is_named(monkeypatch, tmp_path):
+    """Checkpoints written before the experts were chunks of their own hold the same
+    parameters in other chunks: refused in one line that says so."""
+    from fitgpt.engine import layout as layout_mod
+    from fitgpt.train.checkpoint import CorruptCheckpoint, check_layout
+
+    with torch.device("meta"):
+        model = build_model(TINY)
+    new = chunk_layout(model)
+    monkeypatch.setattr(layout_mod, "EXPERTS", "no parameter has this in its name")
+    old = chunk_layout(model)  # the layout before: block.i held its experts
+    assert len(old) == len(new) - TINY.n_layer
+    with pytest.raises(CorruptCheckpoint, match="an older fitgpt's") as e:
+        check_layout({"layout": [c.to_dict() for c in old]}, new, tmp_path)
+    assert "\n" not in str(e.value)
