@@ -1,7 +1,7 @@
 """fitgpt's chunked engine (`--engine zero`): ZeRO stages 0-3 over flat per-chunk buffers.
 
 Every piece of state lives in a Chunk (engine/chunked/chunk.py): one chunk per transformer block
-plus the embedding and head chunks. The model's parameters are views into the chunks' flat
+(a sparse block's experts a second one) plus the embedding and head chunks. The model's parameters are views into the chunks' flat
 working-dtype buffers, so the model code never changes. Mixed precision keeps bf16/fp16 weights
 and gradients for compute and fp32 master weights and Adam moments over each rank's optimizer
 range.
@@ -18,6 +18,8 @@ engine/chunked/, reached only from here:
   chunk_state.py  checkpoints in and out, and a plain model for sampling
   accounting.py   bytes per tier: the host-RAM check before anything is allocated, and
                   memory_report after
+Expert parallelism (--expert-parallel P, fitgpt/parallel/experts.py) keeps E/P experts in each
+experts' chunk, reduced and sharded over the W/P ranks holding the same ones (Chunk.peers).
 Tensor parallelism (fitgpt/parallel, --tensor-parallel T) splits the model before the chunks are
 laid out: each rank's chunks hold its 1/T of the split weights, ZeRO runs over the data-parallel
 group, and checkpoints are gathered to the unsplit layout (engine/transforms/tp_state.py).
