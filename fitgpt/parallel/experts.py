@@ -19,7 +19,8 @@ tokens; the engine reduces them over the replica group only (engine/chunked/redu
 1/W of the data-parallel mean folded into the loss as for every other gradient.
 
 Parameters: `blocks.i.mlp.experts.fc` [L·2F, H] and `.proj` [L·H, F] on each rank: rank r's rows
-of the full [E·2F, H] and [E·H, F], contiguous (expert e's rows are a block of each). Checkpoints
+of the full [E·2F, H] and [E·H, F], contiguous (expert e's rows are a block of each); gpt-oss's
+`gate_up` [L, H, 2F], `down` [L, F, H] and their biases, the first dimension the expert's. Checkpoints
 hold the full layout (engine/layout.py): engine/transforms/ep_state.py maps this rank's ranges to
 the full ones, so a run saved at P = 2 loads at P = 1 and the reverse.
 
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 
 from fitgpt.dist.mesh import ExpertGroups
 from fitgpt.model import ModelConfig, family_of
-from fitgpt.model.families.qwen3_moe.model import Experts, grouped_gemm_ok
+from fitgpt.model.families.qwen3_moe.model import grouped_gemm_ok
 
 
 class AllToAll(torch.autograd.Function):
@@ -58,13 +59,14 @@ class AllToAll(torch.autograd.Function):
 
 
 class ExpertExchange:
-    """Experts.forward under expert parallelism (module docstring): dispatch, the local
-    experts, combine."""
+    """A family's experts module's forward under expert parallelism (module docstring):
+    dispatch, the local experts (the module's `run` over rows grouped by expert, given each
+    row's local expert for the families whose experts have biases), combine."""
 
     def __init__(self, groups: ExpertGroups) -> None:
         self.size, self.group = groups.size, groups.group
 
-    def __call__(self, ex: Experts, x_NH: Tensor, idx_NK: Tensor, w_NK: Tensor) -> Tensor:
+    def __call__(self, ex: nn.Module, x_NH: Tensor, idx_NK: Tensor, w_NK: Tensor) -> Tensor:
         P, L = self.size, ex.n
         flat_M = idx_NK.reshape(-1)
         order_M = flat_M.argsort(stable=True)  # by expert, so by destination rank

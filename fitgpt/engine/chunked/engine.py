@@ -1,10 +1,10 @@
 """fitgpt's chunked engine (`--engine zero`): ZeRO stages 0-3 over flat per-chunk buffers.
 
 Every piece of state lives in a Chunk (engine/chunked/chunk.py): one chunk per transformer block
-(a sparse block's experts a second one) plus the embedding and head chunks. The model's parameters are views into the chunks' flat
-working-dtype buffers, so the model code never changes. Mixed precision keeps bf16/fp16 weights
-and gradients for compute and fp32 master weights and Adam moments over each rank's optimizer
-range.
+(a sparse block's experts a second one) plus the embedding and head chunks. The model's
+parameters are views into the chunks' flat working-dtype buffers, so the model code never
+changes. Mixed precision keeps bf16/fp16 weights and gradients for compute and fp32 master
+weights and Adam moments over each rank's optimizer range.
 
 This file is the facade: it builds the model (engine/transforms/build.py) and the chunks from the
 placement (engine/chunked/chunk_build.py) and runs the step; each concern is its own part of

@@ -3,8 +3,9 @@ sampling (tp_state.py's counterpart for fitgpt/parallel/experts.py).
 
 A checkpoint holds the full layout (engine/layout.py: every expert of each `block.i.experts`
 chunk). Rank r of a P-rank EP group holds experts [r·E/P, (r+1)·E/P): of each of the experts'
-parameters (`mlp.experts.fc` [E·2F, H], `.proj` [E·H, F], expert-major rows) its r-th block of
-rows, one contiguous range of the full chunk per parameter. So each rank writes its ranges as
+parameters (`mlp.experts.fc` [E·2F, H], `.proj` [E·H, F]; gpt-oss's [E, ...]: expert-major
+along the first dimension) its r-th block of rows, one contiguous range of the full chunk per
+parameter. So each rank writes its ranges as
 pieces of the full chunk (to_full) and reads them back the same way (ExpertReader): no
 collective at save or load, and any P (or none) reads any other's checkpoint. Initialisation
 draws every parameter whole (the same values at any P) and keeps this rank's rows.
