@@ -138,6 +138,15 @@ class EngineConfig:
             "planned": True,
         },
     )
+    offload_experts: bool = field(
+        default=False,
+        metadata={
+            "help": "mixtures of experts: of the offloaded blocks, offload only the experts' "
+            "state (their own chunks) and keep each block's attention and router on the GPU "
+            "(docs/memory.md)",
+            "planned": True,
+        },
+    )
     nvme_blocks: int | None = field(
         default=None,
         metadata={
@@ -239,6 +248,18 @@ class EngineConfig:
             "--tensor-parallel T, C·T divides the GPUs and the heads (docs/parallel.md)"
         },
     )
+    expert_parallel: int = field(
+        default=1,
+        metadata={
+            "help": "mixtures of experts: spread every sparse layer's experts over groups of P "
+            "consecutive GPUs, each holding E/P of them; tokens travel to their experts' GPU "
+            "and back by all-to-all. The dense parts stay data-parallel over every GPU (ZeRO, "
+            "offload as usual); the experts are reduced over the world/P GPUs that hold the "
+            "same ones. P must divide the GPU count and the expert count; auto (stored as 0): "
+            "the planner picks P (docs/engine.md)",
+            "parse": lambda v: 0 if v == "auto" else int(v),
+        },
+    )
     compile: Literal["auto", "on", "off", "blocks", "model"] = field(
         default="auto",
         metadata={
@@ -264,6 +285,9 @@ class EngineConfig:
         cp = self.context_parallel
         if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
             raise UserError(f"--context-parallel {cp!r}: use a whole number >= 1")
+        ep = self.expert_parallel
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 0:
+            raise UserError(f"--expert-parallel {ep!r}: use a whole number >= 1, or auto")
         if self.zero_stage not in (0, 1, 2, 3):
             raise UserError(f"--zero-stage {self.zero_stage}: use 0, 1, 2 or 3")
         if self.engine == "ddp" and (self.zero_stage or self.offloads):
@@ -283,6 +307,11 @@ class EngineConfig:
         if self.offload_params != "none" and self.offload_optimizer == "none":
             raise UserError(
                 "--offload-params cpu streams the weights of the offloaded blocks: add "
+                "--offload-optimizer cpu (or nvme)"
+            )
+        if self.offload_experts and self.offload_optimizer == "none":
+            raise UserError(
+                "--offload-experts offloads the offloaded blocks' experts alone: add "
                 "--offload-optimizer cpu (or nvme)"
             )
         compact = self.master == "split" or {self.moments, self.device_moments} - {"auto", "fp32"}

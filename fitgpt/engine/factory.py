@@ -42,8 +42,15 @@ def build_engine(
             f"{ctx.cp_size}, the engine config asks {ecfg.tensor_parallel} and "
             f"{ecfg.context_parallel}: pass ctx.laid_out(T, C)"
         )
+    if ctx.ep_size != ecfg.expert_parallel:
+        raise ValueError(
+            f"the ranks are laid out for --expert-parallel {ctx.ep_size}, the engine config asks "
+            f"{ecfg.expert_parallel}: pass ctx.laid_out(T, C, P)"
+        )
     cap_gpu(ecfg.gpu_mem, ctx)
     if ecfg.engine == "ddp":
+        if ecfg.expert_parallel > 1:  # plan/validate.py refuses it before a run gets here
+            raise ValueError("expert parallelism runs on the chunked engine (--engine zero)")
         from fitgpt.engine.ddp import TorchEngine
 
         return TorchEngine(model_cfg, ecfg, pcfg, ocfg, ctx, seed, adapter)

@@ -76,6 +76,9 @@ class Family(ABC):
     # a family with more of it per matmul FLOP runs slower than the curve says. 1.0: GPT-2.
     matmul_time: ClassVar[float] = 1.0
     # a mixture of experts (ModelConfig.num_experts and its fields): families without refuse them
+    # (its experts module: `n` experts, `weights`, `run` over rows grouped by expert and an
+    # `exchange` slot, expert-major parameters: what --expert-parallel splits,
+    # fitgpt/parallel/experts.py)
     has_experts: ClassVar[bool] = False
     # the fields of model/config.py's OWN_FIELDS this family honours: ModelConfig refuses the
     # others set (gpt-oss's layer_types and clamped SwiGLU)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from fitgpt.dist.mesh import Mesh
+from fitgpt.dist.mesh import ExpertGroups, Mesh
 from fitgpt.engine.chunked.placement import MAX_INFLIGHT, Placement
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
@@ -115,13 +115,14 @@ class Estimate:
         return sum(self.host.values())
 
 
-def layout_of(model: ModelConfig, tp: int = 1) -> list[ChunkSpec]:
-    """The chunk layout of one rank: the model's, or with tp > 1 the split model's."""
-    return list(_layout(model, max(1, tp)))
+def layout_of(model: ModelConfig, tp: int = 1, ep: int = 1) -> list[ChunkSpec]:
+    """The chunk layout of one rank: the model's, or with tp > 1 the split model's, or with
+    ep > 1 the model holding E/P experts of each sparse layer."""
+    return list(_layout(model, max(1, tp), max(1, ep)))
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(model: ModelConfig, tp: int = 1) -> tuple[ChunkSpec, ...]:
+def _layout(model: ModelConfig, tp: int = 1, ep: int = 1) -> tuple[ChunkSpec, ...]:
     # building the model on the meta device takes ~3 ms a block; the capacity search and the
     # refusal's "what fits" plan the same sizes many times over
     with torch.device("meta"):
@@ -130,6 +131,10 @@ def _layout(model: ModelConfig, tp: int = 1) -> tuple[ChunkSpec, ...]:
             from fitgpt.parallel import parallelize
 
             m = parallelize(m, Mesh(tp, 1, 0, 0, None, None))
+        if ep > 1:  # the shapes of EP rank 0 (every rank's are the same); no group needed
+            from fitgpt.parallel.experts import expert_parallel
+
+            m = expert_parallel(m, ExpertGroups(ep, 0, None, 1, 0, None))
         return tuple(chunk_layout(m))
 
 
@@ -137,10 +142,17 @@ def tp_of(ecfg: EngineConfig) -> int:
     return max(1, ecfg.tensor_parallel)  # 0 (auto) is the planner's to replace before pricing
 
 
+def ep_of(ecfg: EngineConfig) -> int:
+    return max(1, ecfg.expert_parallel)
+
+
 def rank_layout(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None):
-    """This rank's layout: `layout` (the unsplit model's, given by the caller) unless T > 1."""
-    tp = tp_of(ecfg)
-    return layout_of(work.model, tp) if tp > 1 else (layout or layout_of(work.model))
+    """This rank's layout: `layout` (the unsplit model's, given by the caller) unless T > 1 or
+    P > 1."""
+    tp, ep = tp_of(ecfg), ep_of(ecfg)
+    if tp > 1 or ep > 1:
+        return layout_of(work.model, tp, ep)
+    return layout or layout_of(work.model)
 
 
 # ---- persistent state ------------------------------------------------------------------------

@@ -11,6 +11,9 @@ comm      ZeRO/DDP collectives at the probe's bus bandwidth; what overlaps with 
           forward, for stage-3 prefetches) is hidden, the rest exposed.
 optimizer fused AdamW streams ~36 bytes per parameter of its range through device memory;
           compact formats (engine/formats/compact.py) step in pieces through fp32 scratch and stream more.
+ep_comm   --expert-parallel P: per sparse layer 2 all-to-alls of b·S·k·H working elements in
+          forward (dispatch, combine) and 2 in backward, (P-1)/P of them leaving the rank, on the
+          critical path at the bus bandwidth; the experts' gradients are reduced over W/P ranks.
 tp_comm   --tensor-parallel T: per block 2 all-reduces of b·S·h working elements in forward and
           2 in backward (2 more when checkpointing recomputes the forward), plus the embedding's
           and the head's, on the critical path (nothing overlaps them), at the bus bandwidth
@@ -30,7 +33,14 @@ from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.formats.moments import bytes_per_param
 from fitgpt.engine.transforms.compile import CHECKPOINTED, compiled
 from fitgpt.model.families import family_of
-from fitgpt.plan.memory import Workload, attention_path, layout_of, placement_of, tp_of
+from fitgpt.plan.memory import (
+    Workload,
+    attention_path,
+    ep_of,
+    layout_of,
+    placement_of,
+    tp_of,
+)
 from fitgpt.plan.rates import Rates
 from fitgpt.plan.validate import CPU_FP16_SLOWDOWN
 
@@ -275,6 +285,24 @@ def cp_comm_time(work: Workload, ecfg: EngineConfig, grad_accum: int, bus_gbps: 
     return grad_accum * m.n_layer * passes * per_pass / (bus_gbps * 1e9)
 
 
+# One all-to-all's fixed cost under expert parallelism, with the host sync on the row counts
+# before it (fitgpt/parallel/experts.py). PLACEHOLDER: not measured; priced as a TP all-reduce's
+# launch plus one host round trip.
+EP_LATENCY_S = 50e-6
+
+
+def ep_comm_time(work: Workload, ecfg: EngineConfig, grad_accum: int, bus_gbps: float) -> float:
+    """Seconds per step of expert parallelism's all-to-alls (parallel/experts.py), on the
+    critical path (the experts wait for their rows): per sparse layer and micro-batch, the rows
+    out (dispatch) and back (combine), b·S·k·H·w·(P-1)/P bytes each per rank on average; the
+    backward moves the same again and checkpointing's recompute one forward more."""
+    m, ep = work.model, ep_of(ecfg)
+    per_a2a = work.micro_batch * m.seq_len * m.experts_per_token * m.n_embd * work.w
+    per_a2a *= (ep - 1) / ep
+    count = grad_accum * len(m.moe_layers) * (6 if ecfg.checkpointing != "off" else 4)
+    return count * (per_a2a / (bus_gbps * 1e9) + EP_LATENCY_S)
+
+
 def cached_compact_bytes(c: ChunkPlan, w: int) -> float:
     """DRAM bytes per element of a compact chunk's update whose pieces stay in the caches."""
     master = 8.0 if c.master == "split" else 8.0 + w
@@ -319,7 +347,12 @@ def step_time(
     # a context-parallel rank computes 1/C of each sequence's tokens (attention per token still
     # spans the whole sequence: flops_per_token's S is the model's)
     tokens = work.tokens_per_step(grad_accum, tp) // W // cp
-    n = sum(c.numel for c in layout_of(m, tp))  # this rank's parameters (1/T of the split ones)
+    ep = ep_of(ecfg)
+    # this rank's parameters (1/T of the split ones; under expert parallelism E/P experts of
+    # each sparse layer, reduced over the W/P ranks that hold the same ones)
+    local = layout_of(m, tp, ep)
+    n = sum(c.numel for c in local)
+    n_exp = sum(c.numel for c in local if c.experts) if ep > 1 else 0
     hidden = tp_efficiency_hidden(m.n_embd, tp) if tp > 1 else m.n_embd
     compute = compute_seconds(work, ecfg, tokens, rates)
     if compiled(ecfg):  # either scope: the factors were measured with the regions
@@ -338,9 +371,14 @@ def step_time(
         out["tp_comm"] = tp_comm_time(work, ecfg, grad_accum, rates.bus_gbps)
     if cp > 1:
         out["cp_comm"] = cp_comm_time(work, ecfg, grad_accum, rates.bus_gbps)
+    if ep > 1:
+        out["ep_comm"] = ep_comm_time(work, ecfg, grad_accum, rates.bus_gbps)
     if W > 1:
         bw = rates.bus_gbps * 1e9
-        frac = (W - 1) / W
+        # the experts' chunks are reduced over W/P ranks: priced as their share of the bytes
+        # at that group's ring fraction
+        R = W // ep
+        frac = ((W - 1) / W * (n - n_exp) + (R - 1) / R * n_exp) / n
         if placement.replicated:
             # every rank holds the whole optimizer state: the gradients are all-reduced once per
             # step, in the working dtype (chunks) or in fp32 (the plain engine's parameters)
@@ -358,7 +396,7 @@ def step_time(
             gathered = placement.gathers_weights
             gathers = 2 * ag * grad_accum if gathered else 0.0
             out["comm"] = max(0.0, per_step_rs + gathers - hidden) + (0.0 if gathered else ag) * 0.5
-    opt_elems = n if placement.replicated else n / W
+    opt_elems = n if placement.replicated else (n - n_exp) / W + n_exp / (W // ep)
     # a compiled chunk engine in a 16-bit precision steps its plain state in one pass
     one_pass = placement.chunked and compiled(ecfg) and work.precision != "fp32"
     plain = ONE_PASS_BYTES if one_pass else FP32_DEVICE_BYTES

@@ -43,7 +43,9 @@ if TYPE_CHECKING:
 class GradReducer:
     def __init__(self, peers: Peers, dtype: torch.dtype, device: torch.device) -> None:
         """Each chunk says how its gradient is reduced (Chunk.shard_grads, shard_opt: its
-        placement's ZeRO stage)."""
+        placement's ZeRO stage) and over which ranks (Chunk.peers: `peers`, the data-parallel
+        group, or under expert parallelism the experts' replica group); `peers` sums the loss
+        and the norm."""
         self.peers, self.dtype, self.device = peers, dtype, device
         # (handle, label, on completion, tensors the collective reads or writes until then, the
         # chunk whose gradient is final once it completes, or None)
@@ -78,10 +80,10 @@ class GradReducer:
             self._reduce_scatter_now(c)
         elif self.last_micro:
             if c.shard_opt:
-                work = self.peers.reduce_scatter(c.grad_shard, c.grad)
+                work = c.peers.reduce_scatter(c.grad_shard, c.grad)
                 self._launch(work, f"reduce-scatter gradients of {c.spec.name}", final=c)
             else:
-                work = self.peers.all_reduce(c.grad)
+                work = c.peers.all_reduce(c.grad)
                 self._launch(work, f"all-reduce gradients of {c.spec.name}", final=c)
 
     def _reduce_scatter_now(self, c: Chunk) -> None:
@@ -93,7 +95,7 @@ class GradReducer:
         for p in c.params:
             p.grad = None  # autograd's per-parameter gradients are freed here
         part = torch.empty(c.s, dtype=self.dtype, device=self.device)
-        work = self.peers.reduce_scatter(part, full)
+        work = c.peers.reduce_scatter(part, full)
         label = f"reduce-scatter gradients of {c.spec.name}"
         final = c if self.last_micro else None
         self._launch(work, label, lambda: c.grad_shard.add_(part), keep=(full, part), final=final)
@@ -128,13 +130,18 @@ class GradReducer:
         device scalars (no host sync here). Stages 1-3: each rank holds a different shard of the
         reduced gradient, so the squares are summed over ranks too."""
         sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        # expert parallelism: the experts' chunks differ between ranks (each holds E/P of them,
+        # on the W/P ranks of its replica group), so every chunk's square is summed over the
+        # whole world, divided by the number of ranks holding the same elements
+        mixed = any(c.peers is not self.peers for c in chunks)
         for c in chunks:
             if self.tp_norm is None:
-                sq += torch.linalg.vector_norm(c.opt_grad, dtype=torch.float32).square()
+                c_sq = torch.linalg.vector_norm(c.opt_grad, dtype=torch.float32).square()
             else:
-                sq += self.tp_norm.local_sq(c.opt_grad, self.tp_ranges[c.spec.index], c.opt_lo)
+                c_sq = self.tp_norm.local_sq(c.opt_grad, self.tp_ranges[c.spec.index], c.opt_lo)
+            sq += c_sq / c.peers.world if mixed and not c.shard_opt else c_sq
         if self.peers.world > 1:
-            if any(c.shard_opt for c in chunks):
+            if mixed or any(c.shard_opt for c in chunks):
                 self.peers.wait(self.peers.all_reduce(sq), "all-reduce grad norm")
             self.peers.wait(self.peers.all_reduce(loss_avg), "all-reduce loss")
             loss_avg /= self.peers.world

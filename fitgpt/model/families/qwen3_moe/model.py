@@ -100,18 +100,32 @@ class Experts(nn.Module):
         std = cfg.weight_std()
         self.fc = nn.Parameter(torch.empty(E * 2 * F_, H).normal_(0.0, std))
         self.proj = nn.Parameter(torch.empty(E * H, F_).normal_(0.0, cfg.residual_std()))
+        # expert parallelism (fitgpt/parallel/experts.py): this rank holds E/P experts (`n`)
+        # and `exchange` sends the tokens to their experts' ranks and back; None: all E here
+        self.exchange = None
+
+    def weights(self, H: int) -> tuple[Tensor, Tensor]:
+        """The experts' weights as [E, 2F, H] and [E, H, F] views (F.linear's [O, I] each)."""
+        return self.fc.view(self.n, 2 * self.width, H), self.proj.view(self.n, H, self.width)
+
+    def run(
+        self, x_MH: Tensor, count_E: Tensor, ends: list[int] | None, expert_M: Tensor
+    ) -> Tensor:
+        """[M, H]: each row through its expert's SwiGLU, the rows grouped by expert (count_E[e]
+        of expert e, in order; `ends` as sort_by_expert gives them; expert_M, each row's
+        expert, for experts with biases)."""
+        fc_EOH, proj_EHF = self.weights(x_MH.shape[1])
+        gate, up = expert_matmul(x_MH, fc_EOH, count_E, ends).chunk(2, dim=-1)
+        return expert_matmul(F.silu(gate) * up, proj_EHF, count_E, ends)
 
     def forward(self, x_NH: Tensor, idx_NK: Tensor, w_NK: Tensor) -> Tensor:
         """[N, H]: Σ_k w_NK[n, k] · expert_{idx_NK[n, k]}(x_NH[n])."""
-        H = x_NH.shape[1]
-        E, F_ = self.n, self.width
-        fc_EOH = self.fc.view(E, 2 * F_, H)
-        proj_EHF = self.proj.view(E, H, F_)
-        order_M, token_M, count_E, ends = sort_by_expert(idx_NK, E, x_NH, fc_EOH)
+        if self.exchange is not None:
+            return self.exchange(self, x_NH, idx_NK, w_NK)
+        fc_EOH, _ = self.weights(x_NH.shape[1])
+        order_M, token_M, count_E, ends = sort_by_expert(idx_NK, self.n, x_NH, fc_EOH)
         x_MH = x_NH[token_M]  # M·H: each token once per expert it goes to (k copies)
-        gate, up = expert_matmul(x_MH, fc_EOH, count_E, ends).chunk(2, dim=-1)
-        y_MH = expert_matmul(F.silu(gate) * up, proj_EHF, count_E, ends)
-        y_MH = y_MH * w_NK.reshape(-1)[order_M, None]
+        y_MH = self.run(x_MH, count_E, ends, None) * w_NK.reshape(-1)[order_M, None]
         # summed back per token in expert order, as transformers' per-expert index_add_ does
         return torch.zeros_like(x_NH).index_add_(0, token_M, y_MH.to(x_NH.dtype))
 
