@@ -176,11 +176,11 @@ class ClampedExperts(nn.Module):
         """[N', H]: Σ_k w_NK[n, k] · expert_{idx_NK[n, k]}(x_NH[n])."""
         up_EOI = self.gate_up.transpose(1, 2)  # views: expert_matmul takes F.linear's [O, I]
         down_EOI = self.down.transpose(1, 2)
-        order_M, token_M, count_E, ends = sort_by_expert(idx_NK, self.n, x_NH, up_EOI)
+        order_M, token_M, count_E, grouped = sort_by_expert(idx_NK, self.n, x_NH, up_EOI)
         expert_M = idx_NK.reshape(-1)[order_M]  # each sorted row's expert, for its biases
-        h = expert_matmul(x_NH[token_M], up_EOI, count_E, ends) + self.gate_up_bias[expert_M]
+        h = expert_matmul(x_NH[token_M], up_EOI, count_E, grouped) + self.gate_up_bias[expert_M]
         a = clamped_swiglu(h, self.alpha, self.limit)
-        y_MH = expert_matmul(a, down_EOI, count_E, ends) + self.down_bias[expert_M]
+        y_MH = expert_matmul(a, down_EOI, count_E, grouped) + self.down_bias[expert_M]
         y_MH = y_MH * w_NK.reshape(-1)[order_M, None]
         return torch.zeros_like(x_NH).index_add_(0, token_M, y_MH.to(x_NH.dtype))
 
