@@ -83,6 +83,10 @@ class Family(ABC):
     # whether its attention takes model/packing.py's FlexAttention Packing on CUDA (windows,
     # packed rows); False: the boolean-mask Packing everywhere (gpt-oss: its sinks)
     flex_attention: ClassVar[bool] = True
+    # why its attention cannot run context-parallel (parallel/context.py: each rank attends
+    # over the whole sequence with 1/C of the heads), "" where it can: context_parallel_refusal
+    # says it in one line
+    no_context_parallel: ClassVar[str] = ""
 
     def check(self, cfg: ModelConfig) -> None:
         """Raise UserError, in one line, for a field of `cfg` this family cannot honour."""

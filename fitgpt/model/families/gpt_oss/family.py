@@ -28,6 +28,9 @@ class GptOssFamily(MoeCounts):
     has_window = True
     own_fields = ("layer_types", "swiglu_alpha", "swiglu_limit")
     flex_attention = False  # the sinks take SDPA with a mask (model.py sink_attention)
+    # SinkAttention takes its sequence length from its input and keeps every head's sink: the
+    # head split's all-to-all hands it the whole sequence of 1/C of the heads
+    no_context_parallel = "gpt-oss's attention sinks are not split by heads yet"
 
     def check(self, cfg: ModelConfig) -> None:
         super().check(cfg)
