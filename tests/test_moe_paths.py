@@ -23,7 +23,7 @@ import pytest
 import tokenizer_folders as tf
 import torch
 from cli_refusal import run_main
-from helpers import CXX
+from helpers import CXX, fitgpt_rank
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -40,6 +40,7 @@ from fitgpt.interop.hf import model_config_from_hf
 from fitgpt.model import build_model
 from fitgpt.model.families.qwen3_moe.model import expert_mm
 from fitgpt.plan.validate import check_settings
+from fitgpt.train.rundir import read_record
 
 # the Qwen tokenizer's size, the models' vocabulary: generate samples no id the tokenizer lacks
 # (transformers' greedy may pick one of a larger vocabulary's unused rows)
@@ -124,24 +125,19 @@ def one_process(files):
 STAGES = {"qwen3_moe": 3, "mixtral": 2, "gpt_oss": 1}  # each family another stage
 
 
-def _two_rank_run(rank: int, world: int, argv: list) -> None:
-    fitgpt(*argv)  # its process group is the job's (gloo's), ended by the run at its end
-
-
 @pytest.fixture(scope="module")
 def two_ranks(files, one_process):
     """Over 2 gloo ranks: each family 2 steps at its ZeRO stage, saved; Qwen3-MoE and Mixtral
-    STEPS steps with --context-parallel 2 (both ranks read the same rows). One job a run: a
-    run ends its process group."""
+    STEPS steps with --context-parallel 2 (both ranks read the same rows)."""
     from conftest import run_gloo
 
     common = ["--data", files["data"], *TRAIN]
     for name, folder in files["hf"].items():
-        run_gloo(2, _two_rank_run, ["train", "--init-from", folder, *common, "--grad-accum", "1",
+        run_gloo(2, fitgpt_rank, ["train", "--init-from", folder, *common, "--grad-accum", "1",
                  "--zero-stage", STAGES[name], "--steps", 2, "--save-every", 2,
                  "--out", files["root"] / f"two_{name}"])  # fmt: skip
     for name in ("qwen3_moe", "mixtral"):
-        run_gloo(2, _two_rank_run, ["train", "--init-from", files["hf"][name], *common,
+        run_gloo(2, fitgpt_rank, ["train", "--init-from", files["hf"][name], *common,
                  "--grad-accum", "2", "--zero-stage", "2", "--context-parallel", "2",
                  "--steps", STEPS, "--no-save", "--out", files["root"] / f"cp_{name}"])  # fmt: skip
     return files
@@ -168,7 +164,9 @@ def test_packed_chat_sft_at_world_2_resumes_on_one_process_as_one_run(
 def test_context_parallel_2_trains_as_one_process(two_ranks, one_process, name):
     """--context-parallel 2 on packed rows (each rank routes its half of every row's tokens):
     one process's losses."""
-    got, want = losses(two_ranks["root"] / f"cp_{name}"), one_process[name]
+    run = two_ranks["root"] / f"cp_{name}"
+    assert read_record(run)["config"]["engine"]["context_parallel"] == 2
+    got, want = losses(run), one_process[name]
     assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, want)) < 1e-5, (got, want)
 
 
