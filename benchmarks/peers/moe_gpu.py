@@ -80,10 +80,10 @@ def grouped(out: Path) -> None:
     assert grouped_gemm_ok(x, w_fc), "torch._grouped_mm does not serve this GPU or dtype"
     dy = torch.randn(x.shape[0], H, device=dev, dtype=torch.bfloat16, generator=g)
 
-    def pass_(groups):
+    def pass_(grouped: bool):
         a, b, c = (t.detach().requires_grad_() for t in (x, w_fc, w_proj))
-        gate, up = expert_matmul(a, b, count, groups).chunk(2, dim=-1)
-        y = expert_matmul(torch.nn.functional.silu(gate) * up, c, count, groups)
+        gate, up = expert_matmul(a, b, count, grouped).chunk(2, dim=-1)
+        y = expert_matmul(torch.nn.functional.silu(gate) * up, c, count, grouped)
         y.backward(dy)
         return y, a.grad, b.grad, c.grad
 
