@@ -160,3 +160,17 @@ def full_tp_grads(tp_model, mesh, split, sp: bool) -> dict:
         dist.all_gather(parts, p.grad.contiguous())
         full[name] = unshard(split(name), parts)
     return full
+
+
+def fitgpt_rank(rank: int, world: int, argv: list) -> None:
+    """`fitgpt ARGV` in one rank of a gloo job (conftest's run_gloo): the command's own path at
+    world size `world`, as torchrun would start it. Here, not in the test's module, so a worker
+    imports nothing more (transformers costs each one ~1 s of CPU). The run ends the job's
+    process group: one job a run."""
+    from fitgpt.cli import main
+
+    try:
+        main([str(a) for a in argv])
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise RuntimeError(f"fitgpt {' '.join(map(str, argv))}: exit status {e.code}") from e

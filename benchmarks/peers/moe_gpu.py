@@ -78,27 +78,26 @@ def grouped(out: Path) -> None:
     flat = idx_NK.reshape(-1)
     order = flat.argsort(stable=True)
     count = torch.bincount(flat, minlength=E)
-    ends = count.cumsum(0).tolist()
     x = torch.randn(N, H, device=dev, dtype=torch.bfloat16, generator=g)[order // K]
     w_fc = (torch.randn(E, 2 * F, H, device=dev, generator=g) * 0.02).bfloat16()
     w_proj = (torch.randn(E, H, F, device=dev, generator=g) * 0.02).bfloat16()
     assert grouped_gemm_ok(x, w_fc), "torch._grouped_mm does not serve this GPU or dtype"
     dy = torch.randn(x.shape[0], H, device=dev, dtype=torch.bfloat16, generator=g)
 
-    def pass_(groups):
+    def pass_(grouped: bool):
         a, b, c = (t.detach().requires_grad_() for t in (x, w_fc, w_proj))
-        gate, up = expert_matmul(a, b, count, groups).chunk(2, dim=-1)
-        y = expert_matmul(torch.nn.functional.silu(gate) * up, c, count, groups)
+        gate, up = expert_matmul(a, b, count, grouped).chunk(2, dim=-1)
+        y = expert_matmul(torch.nn.functional.silu(gate) * up, c, count, grouped)
         y.backward(dy)
         return y, a.grad, b.grad, c.grad
 
-    fast, loop = pass_(None), pass_(ends)
+    fast, loop = pass_(True), pass_(False)
     names = ("out", "d_x", "d_fc", "d_proj")
     rel = {
         n: float((f.float() - s.float()).abs().max() / s.float().abs().max())
         for n, f, s in zip(names, fast, loop, strict=True)
     }
-    t_fast, t_loop = timed(lambda: pass_(None)), timed(lambda: pass_(ends))
+    t_fast, t_loop = timed(lambda: pass_(True)), timed(lambda: pass_(False))
     # the expert matmuls' FLOPs: 3 products of [M, H]·[H, F]-sized over M = N·K rows, forward
     # (1) and backward (2)
     flops = 3 * 2 * (N * K) * H * F * 3

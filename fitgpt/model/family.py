@@ -86,6 +86,10 @@ class Family(ABC):
     # whether its attention takes model/packing.py's FlexAttention Packing on CUDA (windows,
     # packed rows); False: the boolean-mask Packing everywhere (gpt-oss: its sinks)
     flex_attention: ClassVar[bool] = True
+    # why its attention cannot run context-parallel (parallel/context.py: each rank attends
+    # over the whole sequence with 1/C of the heads), "" where it can: context_parallel_refusal
+    # says it in one line
+    no_context_parallel: ClassVar[str] = ""
     # a learned sink logit per head in every softmax (gpt-oss): FlexAttention through its
     # log-sum-exp on CUDA, SDPA's math kernel on a [T, 1+T] mask elsewhere (plan/memory.py
     # attention_path prices both)

@@ -85,8 +85,7 @@ class ExpertExchange:
         count_L = recv_PL.sum(0)
         x_RH = x_RH[regroup_R]
         w_LOI, _ = ex.weights(x_NH.shape[1])
-        ends = None if grouped_gemm_ok(x_RH, w_LOI) else count_L.cumsum(0).tolist()
-        y_RH = ex.run(x_RH, count_L, ends, local_R[regroup_R])
+        y_RH = ex.run(x_RH, count_L, grouped_gemm_ok(x_RH, w_LOI), local_R[regroup_R])
         y_RH = y_RH[regroup_R.argsort()]  # back in arrival order
         y_MH = AllToAll.apply(y_RH, send, recv, self.group)
         y_MH = y_MH * w_NK.reshape(-1)[order_M, None]

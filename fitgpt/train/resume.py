@@ -408,7 +408,9 @@ def changed_settings(
                 old = tuple(old)
             if (part, name) in PATH_FIELDS:
                 old = absolute(old, PATH_FIELDS[part, name])  # an old relative one, unplaced
-            same = SAME_AS.get((part, name), {})
-            if same.get(old, old) != same.get(new, new):
+            same = SAME_AS.get((part, name))  # only for hashable fields (rope_scaling: a dict)
+            if same is not None:
+                old, new = same.get(old, old), same.get(new, new)
+            if old != new:
                 out.append(f"{_flag(PARTS[part], name)} {_shown(old)} → {_shown(new)}")
     return out

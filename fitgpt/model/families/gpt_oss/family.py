@@ -31,6 +31,9 @@ class GptOssFamily(MoeCounts):
     # (model.py SinkMasks: FlexAttention with its log-sum-exp on CUDA, SDPA's mask elsewhere)
     flex_attention = False
     attention_sinks = True
+    # SinkAttention takes its sequence length from its input and keeps every head's sink: the
+    # head split's all-to-all hands it the whole sequence of 1/C of the heads
+    no_context_parallel = "gpt-oss's attention sinks are not split by heads yet"
 
     def check(self, cfg: ModelConfig) -> None:
         super().check(cfg)

@@ -239,23 +239,21 @@ class ClampedExperts(nn.Module):
         """Views in F.linear's [O, I] per expert, as expert_matmul takes them."""
         return self.gate_up.transpose(1, 2), self.down.transpose(1, 2)
 
-    def run(
-        self, x_MH: Tensor, count_E: Tensor, ends: list[int] | None, expert_M: Tensor
-    ) -> Tensor:
+    def run(self, x_MH: Tensor, count_E: Tensor, grouped: bool, expert_M: Tensor) -> Tensor:
         """[M, H]: each row through its expert (expert_M[m], the rows grouped by expert)."""
         up_EOI, down_EOI = self.weights(x_MH.shape[1])
-        h = expert_matmul(x_MH, up_EOI, count_E, ends) + self.gate_up_bias[expert_M]
+        h = expert_matmul(x_MH, up_EOI, count_E, grouped) + self.gate_up_bias[expert_M]
         a = clamped_swiglu(h, self.alpha, self.limit)
-        return expert_matmul(a, down_EOI, count_E, ends) + self.down_bias[expert_M]
+        return expert_matmul(a, down_EOI, count_E, grouped) + self.down_bias[expert_M]
 
     def forward(self, x_NH: Tensor, idx_NK: Tensor, w_NK: Tensor) -> Tensor:
         """[N', H]: Σ_k w_NK[n, k] · expert_{idx_NK[n, k]}(x_NH[n])."""
         if self.exchange is not None:
             return self.exchange(self, x_NH, idx_NK, w_NK)
         up_EOI, _ = self.weights(x_NH.shape[1])
-        order_M, token_M, count_E, ends = sort_by_expert(idx_NK, self.n, x_NH, up_EOI)
+        order_M, token_M, count_E, grouped = sort_by_expert(idx_NK, self.n, x_NH, up_EOI)
         expert_M = idx_NK.reshape(-1)[order_M]  # each sorted row's expert, for its biases
-        y_MH = self.run(x_NH[token_M], count_E, ends, expert_M)
+        y_MH = self.run(x_NH[token_M], count_E, grouped, expert_M)
         y_MH = y_MH * w_NK.reshape(-1)[order_M, None]
         return torch.zeros_like(x_NH).index_add_(0, token_M, y_MH.to(x_NH.dtype))
 
