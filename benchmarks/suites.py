@@ -177,6 +177,18 @@ SUITES: tuple[Suite, ...] = (
                 carry=WHL,
                 results=("moe_h200_2026-11-28",),
             ),
+            Row(
+                "oss",
+                "peers/moe_gpu.sh",
+                "nvidia-h200",
+                "gpt-oss's sink attention (FlexAttention's path against the SDPA reference), one "
+                "sparse block's memory against the planner's terms, and gpt-oss-20b's whole shape "
+                "from its preset with the planner's plan (OSS_ARGS adds flags)",
+                env='STAGES="sink blockmem oss"',
+                device_env=True,
+                carry=WHL,
+                results=("moe_sink_h200_2026-11-28",),
+            ),
         ),
     ),
     Suite(

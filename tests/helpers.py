@@ -69,27 +69,34 @@ def train(config: RunConfig, ctx, **settings) -> dict:
     return train_run(assembled(config, ctx, **settings))
 
 
+def step_batches(e, model_cfg, step: int) -> list:
+    """Step `step`'s 2 micro-batches of a global batch of 8 rows for engine e's rank:
+    data-parallel rank d takes rows [d·b, (d+1)·b) (every rank of a TP group the same rows)."""
+    import torch
+
+    dp, d = (e.ctx.dp_world, e.ctx.dp_rank) if e.ctx.distributed else (1, 0)
+    b = 8 // dp
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, model_cfg.vocab_size, (16, model_cfg.seq_len + 1), generator=g)
+    micro = [x[m * 8 : (m + 1) * 8][d * b : (d + 1) * b] for m in range(2)]
+    return [(r[:, :-1], r[:, 1:]) for r in micro]
+
+
 def engine_losses(model_cfg, ecfg: EngineConfig, ctx, steps: int, clip: float) -> dict:
     """`steps` steps of 2 micro-batches of a global batch of 8 rows through build_engine (fp32,
     gradients clipped at `clip`); data-parallel rank d takes rows [d·b, (d+1)·b) (every rank of a
     TP group the same rows). The losses, gradient norms, the model's parameter shapes and module
     classes, and the engine's memory report."""
-    import torch
 
     from fitgpt.engine.factory import build_engine
 
-    ctx = ctx.laid_out(ecfg.tensor_parallel, ecfg.context_parallel)
+    ctx = ctx.laid_out(ecfg.tensor_parallel, ecfg.context_parallel, ecfg.expert_parallel)
     e = build_engine(
         model_cfg, ecfg, PrecisionConfig(precision="fp32"), OptimConfig(grad_clip=clip), ctx
     )
-    dp, d = (e.ctx.dp_world, e.ctx.dp_rank) if ctx.distributed else (1, 0)
-    b = 8 // dp
     out = {"loss": [], "norm": []}
     for step in range(steps):
-        g = torch.Generator().manual_seed(1000 + step)
-        x = torch.randint(0, model_cfg.vocab_size, (16, model_cfg.seq_len + 1), generator=g)
-        micro = [x[m * 8 : (m + 1) * 8][d * b : (d + 1) * b] for m in range(2)]
-        st = e.train_step([(r[:, :-1], r[:, 1:]) for r in micro], 3e-3)
+        st = e.train_step(step_batches(e, model_cfg, step), 3e-3)
         out["loss"].append(st.loss)
         out["norm"].append(st.grad_norm)
     out["shapes"] = {n: list(p.shape) for n, p in e.model.named_parameters()}
@@ -153,3 +160,17 @@ def full_tp_grads(tp_model, mesh, split, sp: bool) -> dict:
         dist.all_gather(parts, p.grad.contiguous())
         full[name] = unshard(split(name), parts)
     return full
+
+
+def fitgpt_rank(rank: int, world: int, argv: list) -> None:
+    """`fitgpt ARGV` in one rank of a gloo job (conftest's run_gloo): the command's own path at
+    world size `world`, as torchrun would start it. Here, not in the test's module, so a worker
+    imports nothing more (transformers costs each one ~1 s of CPU). The run ends the job's
+    process group: one job a run."""
+    from fitgpt.cli import main
+
+    try:
+        main([str(a) for a in argv])
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise RuntimeError(f"fitgpt {' '.join(map(str, argv))}: exit status {e.code}") from e

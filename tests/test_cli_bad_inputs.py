@@ -160,6 +160,7 @@ CASES: list[Case] = [
     # train: numbers out of range
     Case("train-steps-0", f"{TRAIN_SYN} --steps 0", "--steps"),
     Case("train-cpu-mem-0", f"{TRAIN_SYN} --cpu-mem 0GB", "--cpu-mem"),
+    Case("train-gpu-mem-words", f"{TRAIN_SYN} --gpu-mem lots", "--gpu-mem"),
     # the stated RAM reaches the planner in the run's config (8 GB: 7.5 GiB, no reserve taken)
     Case("train-does-not-fit-stated-ram", "train --device cpu --data synthetic --vocab-size 64 --no-save --preset 40b --cpu-mem 8GB", "host RAM (has 7.5, short by"),
     Case("train-steps-negative", f"{TRAIN_SYN} --steps -3", "--steps"),
@@ -171,6 +172,9 @@ CASES: list[Case] = [
     Case("train-tp-gpus", f"{TRAIN_SYN} --tensor-parallel 2 --gpus 3", "--tensor-parallel 2"),
     Case("train-tp-negative", f"{TRAIN_SYN} --tensor-parallel -2", "--tensor-parallel"),
     Case("train-tp-auto-unplanned", f"{TRAIN_SYN} --tensor-parallel auto --plan off", "--tensor-parallel auto"),
+    Case("train-ep-dense-model", f"{TRAIN_SYN} --expert-parallel 2", "has no experts"),
+    Case("train-ep-ddp", f"{TRAIN_SYN} --engine ddp --expert-parallel 2", "--expert-parallel 2"),
+    Case("train-ep-auto-unplanned", f"{TRAIN_SYN} --expert-parallel auto --plan off", "--expert-parallel auto"),
     Case("train-sp-without-tp", f"{TRAIN_SYN} --sequence-parallel", "--sequence-parallel"),
     Case("train-lr-0", f"{TRAIN_SYN} --lr 0", "--lr"),
     Case("train-lr-negative", f"{TRAIN_SYN} --lr -1", "--lr"),
@@ -490,6 +494,7 @@ CASES: list[Case] = [
     # helper V (issue 33: one validation of a run's settings, plan/validate.py): what train
     # refuses, plan, capacity and bench refuse in the same line; flags that would change nothing
     Case("plan-tp-not-dividing-gpus", "plan --preset gpt2-1.5b --device cuda --gpu-mem 80GB --gpus 8 --tensor-parallel 3", "--tensor-parallel 3"),
+    Case("plan-ep-not-dividing-experts", "plan --preset qwen3-moe-30b-a3b --device cuda --gpu-mem 80GB --gpus 6 --expert-parallel 3", "the model's 128 experts"),
     Case("plan-tp-4-on-6-gpus", "plan --preset gpt2-1.5b --device cuda --gpu-mem 80GB --gpus 6 --tensor-parallel 4", "--tensor-parallel 4"),
     Case("plan-sp-seq-not-dividing", "plan --device cuda --gpu-mem 80GB --gpus 2 --tensor-parallel 2 --sequence-parallel --seq-len 33", "--seq-len"),
     Case("plan-split-master-fp16", "plan --device cuda --gpu-mem 80GB --master split --precision fp16", "--master split"),

@@ -208,8 +208,9 @@ def test_the_expert_biases_are_not_decayed():
     cfg = model_config_from_hf(BASE | CASES["window6-yarn"] | {"model_type": "gpt_oss"}, "c")
     with torch.device("meta"):
         layout = chunk_layout(build_model(cfg))
-    block = layout[1]
-    decayed = {s.name for s in block.slots if s.offset < block.decay_numel}
+    # block 0 is two chunks: attention and router, then the experts (a chunk of their own)
+    assert [c.name for c in layout[1:3]] == ["block.0", "block.0.experts"]
+    decayed = {s.name for c in layout[1:3] for s in c.slots if s.offset < c.decay_numel}
     assert "blocks.0.mlp.experts.gate_up" in decayed and "blocks.0.mlp.router.weight" in decayed
     assert not any(n.endswith(("bias", "sinks")) for n in decayed), decayed
 
@@ -463,3 +464,33 @@ def test_mxfp4_blocks_of_another_dtype_and_gpt_oss_fields_elsewhere_are_refused(
         get_preset("mixtral-8x7b").replace(layer_types=("full_attention",) * 32)
     with pytest.raises(UserError, match="norm_topk_prob=False: gpt-oss"):
         get_preset("gpt-oss-20b").replace(norm_topk_prob=False)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: Inductor compiles flex")
+@pytest.mark.parametrize(("window", "packed"), [(None, False), (24, True)])
+def test_the_cuda_sink_kernel_equals_the_reference(window, packed):
+    """What CUDA runs for the sinks (flex_sink_attention: FlexAttention's log-sum-exp, then
+    σ(L − sink)) against the reference (sink_attention: the sink as one more key on SDPA),
+    forward only, eager (FlexAttention has no CPU backward, and the CPU's Inductor no
+    return_lse: benchmarks/peers/moe_gpu.py checks the compiled kernel and its gradients on a
+    GPU). Grouped heads 4:2, 200 tokens (not a multiple of the 128-token block),
+    sinks large and small, causal or a window, one sequence or three packed samples."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from fitgpt.model.families.gpt_oss.model import flex_sink_attention, sink_attention, sink_keep
+    from fitgpt.model.packing import block_mask, window_block_mask
+
+    T = 200
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, T, 16, generator=g) for h in (4, 2, 2))
+    sinks = torch.tensor([-3.0, 0.0, 2.0, 6.0])
+    seg = None
+    if packed:
+        seg = torch.zeros(2, T, dtype=torch.int64)
+        seg[0, 50:], seg[0, 130:], seg[1, 1:] = 1, 2, 1
+    mask = block_mask(seg, window) if packed else window_block_mask(T, window, "cpu")
+    with torch.no_grad():
+        got = flex_sink_attention(q, k, v, sinks, mask, flex_attention)
+        want = sink_attention(q, k, v, sinks, sink_keep(T, 0, window, "cpu", seg), 0.0)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()

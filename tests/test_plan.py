@@ -603,3 +603,14 @@ def test_a_refusal_names_the_least_disk_that_would_fit_it():
     with pytest.raises(UserError) as e:
         choose(work, 4, box, r, {"offload_optimizer": "cpu"})
     assert "on a disk" not in str(e.value)
+
+
+def test_a_stated_gpu_size_is_what_the_planner_plans_for():
+    """`fitgpt train --gpu-mem 80GB` (EngineConfig.gpu_mem, bytes) and `fitgpt plan --gpu-mem
+    80GB` (as typed) plan for the same GPU; a bigger stated GPU fits a bigger batch."""
+    from fitgpt.plan.hardware import detect, parse_bytes
+
+    typed = detect(1, "80GB", "125GB", None, "cuda")
+    stated = detect(1, parse_bytes("80GB", "--gpu-mem"), "125GB", None, "cuda")
+    assert typed.gpu_mem == stated.gpu_mem == parse_bytes("80GB", "--gpu-mem")
+    assert detect(1, 2 * stated.gpu_mem, "125GB", None, "cuda").gpu_mem == 2 * stated.gpu_mem

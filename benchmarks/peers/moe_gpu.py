@@ -7,6 +7,10 @@ Stages (`python3 benchmarks/peers/moe_gpu.py STAGE OUT [flags]`):
            sorted tokens: the largest difference of the output and of each gradient, and the
            forward+backward time of each; then one whole SparseMoe layer's forward+backward.
            One JSON line in OUT/grouped.json.
+  sink     gpt-oss's attention with sinks: the FlexAttention path CUDA runs against the SDPA
+           reference, outputs, gradients and times (sink() says how). OUT/sink.json.
+  blockmem one sparse block's saved set and backward peak on the GPU against the planner's
+           terms (blockmem() says how). OUT/blockmem.json.
   peer     Hugging Face transformers' Qwen3MoeForCausalLM of the same shape (random weights,
            --layers of them) trained by DeepSpeed ZeRO-3 with the parameters and the optimizer
            offloaded to pinned CPU memory, as LLaMA-Factory and axolotl set it up: built inside
@@ -74,27 +78,26 @@ def grouped(out: Path) -> None:
     flat = idx_NK.reshape(-1)
     order = flat.argsort(stable=True)
     count = torch.bincount(flat, minlength=E)
-    ends = count.cumsum(0).tolist()
     x = torch.randn(N, H, device=dev, dtype=torch.bfloat16, generator=g)[order // K]
     w_fc = (torch.randn(E, 2 * F, H, device=dev, generator=g) * 0.02).bfloat16()
     w_proj = (torch.randn(E, H, F, device=dev, generator=g) * 0.02).bfloat16()
     assert grouped_gemm_ok(x, w_fc), "torch._grouped_mm does not serve this GPU or dtype"
     dy = torch.randn(x.shape[0], H, device=dev, dtype=torch.bfloat16, generator=g)
 
-    def pass_(groups):
+    def pass_(grouped: bool):
         a, b, c = (t.detach().requires_grad_() for t in (x, w_fc, w_proj))
-        gate, up = expert_matmul(a, b, count, groups).chunk(2, dim=-1)
-        y = expert_matmul(torch.nn.functional.silu(gate) * up, c, count, groups)
+        gate, up = expert_matmul(a, b, count, grouped).chunk(2, dim=-1)
+        y = expert_matmul(torch.nn.functional.silu(gate) * up, c, count, grouped)
         y.backward(dy)
         return y, a.grad, b.grad, c.grad
 
-    fast, loop = pass_(None), pass_(ends)
+    fast, loop = pass_(True), pass_(False)
     names = ("out", "d_x", "d_fc", "d_proj")
     rel = {
         n: float((f.float() - s.float()).abs().max() / s.float().abs().max())
         for n, f, s in zip(names, fast, loop, strict=True)
     }
-    t_fast, t_loop = timed(lambda: pass_(None)), timed(lambda: pass_(ends))
+    t_fast, t_loop = timed(lambda: pass_(True)), timed(lambda: pass_(False))
     # the expert matmuls' FLOPs: 3 products of [M, H]·[H, F]-sized over M = N·K rows, forward
     # (1) and backward (2)
     flops = 3 * 2 * (N * K) * H * F * 3
@@ -121,6 +124,116 @@ def grouped(out: Path) -> None:
         "sparse_moe_layer_tflops": flops / t_layer / 1e12,
     }
     (out / "grouped.json").write_text(json.dumps(rec) + "\n")
+    print(json.dumps(rec))
+
+
+def sink(out: Path) -> None:
+    """gpt-oss's attention with sinks at gpt-oss-20b's head shape (64 query heads, 8 kv heads
+    of 64), 4 × 4,096 tokens, bf16: what CUDA runs (flex_sink_attention: compiled
+    FlexAttention's log-sum-exp, then σ(L − sink)) against the reference (sink_attention: the
+    sink as one more key on SDPA, the path the CPU tests compare with transformers), for a
+    sliding layer (window 128) and a full one: the largest difference of the output and of
+    each gradient (q, k, v, the sinks; also in fp32 at 1 × 1,024 tokens), and the
+    forward+backward time of each. One JSON line in OUT/sink.json."""
+    from fitgpt.model.families.gpt_oss.model import flex_sink_attention, sink_attention, sink_keep
+    from fitgpt.model.packing import window_block_mask
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    rec: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+    def inputs(B, T, dtype):
+        q, k, v = (torch.randn(B, h, T, 64, device=dev, generator=g).to(dtype) for h in (64, 8, 8))
+        sinks = torch.randn(64, device=dev, generator=g).to(dtype)
+        dy = torch.randn(B, 64, T, 64, device=dev, generator=g).to(dtype)
+        return q, k, v, sinks, dy
+
+    def pass_(fn, mask, tensors):
+        q, k, v, sinks, dy = tensors
+        leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+        y = fn(*leaves, mask)
+        y.backward(dy)
+        return [y] + [t.grad for t in leaves]
+
+    def ref(q, k, v, s, mask):
+        return sink_attention(q, k, v, s, mask, 0.0)
+
+    for window in (128, None):
+        name = "sliding128" if window else "full"
+        for B, T, dtype in ((1, 1024, torch.float32), (4, 4096, torch.bfloat16)):
+            tensors = inputs(B, T, dtype)
+            flex_mask = window_block_mask(T, window, dev)
+            dense = sink_keep(T, 0, window, dev)
+            fast = pass_(flex_sink_attention, flex_mask, tensors)
+            slow = pass_(ref, dense, tensors)
+            diff = {
+                n: float((f.float() - r.float()).abs().max() / r.float().abs().max())
+                for n, f, r in zip(("out", "d_q", "d_k", "d_v", "d_sinks"), fast, slow, strict=True)
+            }
+            key = f"{name}_{str(dtype).split('.')[-1]}_{B}x{T}"
+            rec[key] = {"max_rel_diff_flex_vs_reference": diff}
+            if dtype == torch.bfloat16:
+                fm, dm, ts = flex_mask, dense, tensors
+                rec[key]["flex_s"] = timed(lambda: pass_(flex_sink_attention, fm, ts))  # noqa: B023
+                rec[key]["reference_s"] = timed(lambda: pass_(ref, dm, ts))  # noqa: B023
+            del fast, slow
+            torch.cuda.empty_cache()
+    (out / "sink.json").write_text(json.dumps(rec) + "\n")
+    print(json.dumps(rec))
+
+
+def blockmem(out: Path) -> None:
+    """One sparse block of gpt-oss-20b and of Qwen3-30B-A3B in bf16 on the GPU, forward and
+    backward over 4 × 4,096 tokens as the engine runs a block (weights in bf16, gradients made
+    by autograd): what the block's forward leaves saved (allocated after the forward less
+    before) and the peak above the start during the backward, beside the planner's terms for
+    one block (plan/memory.py activation_bytes: the saved set per block with attention's
+    statistics, and a block's backward: the larger of attention's and the MLP's working sets,
+    plus the working gradients). OUT/blockmem.json."""
+    from fitgpt.model import build_model, get_preset
+    from fitgpt.model.families import family_of
+    from fitgpt.plan.memory import Workload, activation_bytes
+
+    dev = torch.device("cuda")
+    rec: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    B, T = 4, 4096
+    for preset in ("gpt-oss-20b", "qwen3-moe-30b-a3b"):
+        cfg = get_preset(preset).replace(n_layer=1, seq_len=T, vocab_size=1024)
+        model = build_model(cfg).to(dev, torch.bfloat16).train()
+        block = model.blocks[0]
+        aux = model.block_aux(T, 0, dev)
+        x = torch.randn(B, T, cfg.n_embd, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn_like(x)
+        for _ in range(2):  # the second pass measured: kernels compiled and tuned in the first
+            for p in block.parameters():
+                p.grad = None
+            x.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            y = block(x, None, 0, aux)
+            saved = torch.cuda.memory_allocated() - start - y.numel() * y.element_size()
+            y.backward(dy)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - start
+            grads = sum(p.numel() * p.element_size() for p in block.parameters())
+            del y
+        work = Workload(cfg, B, 1, "bf16")
+        terms = activation_bytes(work, "off")
+        per_block = terms["activations"]  # one layer, nothing checkpointed: its saved set
+        backward = terms["block_backward"] + terms["working_gradients"]
+        rec[preset] = {
+            "saved_gib": saved / 2**30,
+            "planned_saved_gib": per_block / 2**30,
+            "peak_above_start_gib": peak / 2**30,
+            "block_grads_gib": grads / 2**30,
+            "planned_peak_gib": (per_block + backward + grads) / 2**30,
+            "family": family_of(cfg).name,
+        }
+        del model, block, x, dy, aux
+        torch.cuda.empty_cache()
+    (out / "blockmem.json").write_text(json.dumps(rec) + "\n")
     print(json.dumps(rec))
 
 
@@ -226,7 +339,7 @@ def peer(out: Path, args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("stage", choices=["grouped", "peer"])
+    p.add_argument("stage", choices=["grouped", "sink", "blockmem", "peer"])
     p.add_argument("out", type=Path)
     p.add_argument("--data", help="the preprocessed prefix fitgpt trains on")
     p.add_argument("--vocab", type=int, default=50257, help="the data tokenizer's vocabulary")
@@ -239,6 +352,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage == "grouped":
         grouped(args.out)
+    elif args.stage == "sink":
+        sink(args.out)
+    elif args.stage == "blockmem":
+        blockmem(args.out)
     else:
         if not args.data:
             sys.exit("peer: --data PREFIX is required")

@@ -6,7 +6,10 @@
 #            layers trained by `fitgpt train --preset qwen3-moe-30b-a3b --layers LAYERS` with the
 #            planner's plan on real text (the Python standard library's source through
 #            `fitgpt data preprocess`, GPT-2 BPE), micro-batch 4 × 4 accumulation × 4,096 tokens
+#   sink     gpt-oss's sink attention: FlexAttention's path against the SDPA reference (moe_gpu.py sink)
+#   blockmem one sparse block's memory against the planner's terms (moe_gpu.py blockmem)
 #   oss      gpt-oss-20b's shape from its preset, the planner's plan (host offload on one GPU)
+#   oss80    the same planned for and capped at 80 GB of the GPU (--gpu-mem), the disk allowed
 #   STAGE=b  the peer on the same shape, data and batch: transformers + DeepSpeed ZeRO-3 offload
 #            (moe_gpu.py peer)
 # Usage (device): source benchmarks/device_env.sh; STAGE=a OUT=$OUT bash benchmarks/peers/moe_gpu.sh
@@ -48,6 +51,10 @@ tests)
   s=$(t); python3 benchmarks/checks/gpu_check.py "$OUT/gpu_check.json" 2>&1 | tail -2; echo "gpu check: $(( $(t) - s )) s" ;;
 grouped)
   python3 benchmarks/peers/moe_gpu.py grouped "$OUT" 2>&1 | tail -2 ;;
+sink)
+  python3 benchmarks/peers/moe_gpu.py sink "$OUT" 2>&1 | tail -2 ;;
+blockmem)
+  python3 benchmarks/peers/moe_gpu.py blockmem "$OUT" 2>&1 | tail -2 ;;
 train)
   watched "train_l$LAYERS" /tmp/moe_run python3 -m fitgpt train --preset qwen3-moe-30b-a3b \
     --layers "$LAYERS" --data "$D/pystd_text_document" "${BATCH[@]}" --steps "$STEPS" --log-every 1 \
@@ -55,10 +62,19 @@ train)
 oss)
   # gpt-oss-20b's whole shape (its 201,088-row vocabulary: the GPT-2 ids of the data lie below
   # it, --tokenizer none), built from the preset into the planner's tiers, the planner's plan
-  watched train_oss20b /tmp/oss_run python3 -m fitgpt train --preset gpt-oss-20b \
+  # (OSS_ARGS: flags added, e.g. a placement the planner would not choose; OSS_NAME: the files')
+  watched "${OSS_NAME:-train_oss20b}" /tmp/oss_run python3 -m fitgpt train --preset gpt-oss-20b \
     --data "$D/pystd_text_document" --tokenizer none --vocab-size 201088 "${BATCH[@]}" \
     --steps "${OSS_STEPS:-6}" --log-every 1 --eval-every 0 --no-save --lr 1e-4 --warmup 2 \
-    --out /tmp/oss_run --overwrite ;;
+    --out /tmp/oss_run --overwrite ${OSS_ARGS:-} ;;
+oss80)
+  # the same on an 80 GB share of the GPU (`--gpu-mem 80GB`: the planner plans for an H100's
+  # memory and torch's allocator is capped at it) with the host RAM of the issue's H100 box
+  watched train_oss20b_80gb /tmp/oss80_run python3 -m fitgpt train --preset gpt-oss-20b \
+    --data "$D/pystd_text_document" --tokenizer none --vocab-size 201088 "${BATCH[@]}" \
+    --steps "${OSS_STEPS:-6}" --log-every 1 --eval-every 0 --no-save --lr 1e-4 --warmup 2 \
+    --gpu-mem 80GB --cpu-mem "${CPU_MEM:-115GB}" --nvme-path /tmp/oss80_nvme \
+    --out /tmp/oss80_run --overwrite ;;
 peer)
   L="$OUT/peer_l$LAYERS"
   s=$(t); python3 benchmarks/peers/moe_gpu.py peer "$OUT" --data "$D/pystd_text_document" \

@@ -72,11 +72,16 @@ def request_of(args: argparse.Namespace) -> Request:
     """The command line, read once into plain values (train/request.py Request): the fields
     given per config part, a DeepSpeed config's keys among them as if typed (its own keys are
     judged by its notes, not as flags that would change nothing), and what else it names."""
-    cpu_mem = 0  # --cpu-mem in bytes (parse_bytes refuses a size under one byte); 0: measured
-    if getattr(args, "cpu_mem", None) is not None:
-        from fitgpt.plan.hardware import parse_bytes
+    from fitgpt.plan.hardware import parse_bytes
 
-        cpu_mem = parse_bytes(args.cpu_mem, "--cpu-mem")
+    # --cpu-mem, --gpu-mem in bytes (parse_bytes refuses a size under one byte); 0: measured
+    cpu_mem, gpu_mem = (
+        parse_bytes(v, flag) if v is not None else 0
+        for v, flag in (
+            (getattr(args, "cpu_mem", None), "--cpu-mem"),
+            (getattr(args, "gpu_mem", None), "--gpu-mem"),
+        )
+    )
     typed = typed_flags(args)  # before a DeepSpeed config adds its keys
     given = flags_given(args)
     files = {}
@@ -91,6 +96,7 @@ def request_of(args: argparse.Namespace) -> Request:
         offload_fraction=args.offload_fraction,
         nvme_fraction=args.nvme_fraction,
         cpu_mem=cpu_mem,
+        gpu_mem=gpu_mem,
         plan=getattr(args, "plan", "auto") == "auto",
         force=getattr(args, "force", False),
         overwrite=getattr(args, "overwrite", False),
@@ -195,6 +201,12 @@ def register(sub) -> None:
         default=None,
         help="host RAM the run may fill, e.g. 240GB (default: what the kernel reports available, "
         "less a 5%% reserve); for machines that report less RAM than they give",
+    )
+    p.add_argument(
+        "--gpu-mem",
+        default=None,
+        help="memory of each GPU the run may fill, e.g. 80GB (default: the whole GPU): the "
+        "planner plans for it and torch's allocator is capped at it, for a shared GPU",
     )
     p.add_argument(
         "--deepspeed-config",

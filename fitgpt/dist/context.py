@@ -17,7 +17,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fitgpt.dist.mesh import ContextGroup, Mesh, build_context_group, build_mesh
+from fitgpt.dist.mesh import (
+    ContextGroup,
+    ExpertGroups,
+    Mesh,
+    build_context_group,
+    build_expert_groups,
+    build_mesh,
+)
 from fitgpt.errors import UserError
 
 # A collective that waits longer than this ends the job with the rank and operation named,
@@ -38,6 +45,9 @@ class DistContext:
     # --context-parallel C > 1: this rank's CP group (dist/mesh.py ContextGroup); its C ranks
     # are data-parallel ranks for the engines (dp_*), and one data rank for the loader (data_*)
     cp: ContextGroup | None = None
+    # --expert-parallel P > 1: this rank's EP and expert-replica groups (dist/mesh.py
+    # ExpertGroups); every rank stays data-parallel for the dense parts and the data
+    ep: ExpertGroups | None = None
 
     @property
     def is_main(self) -> bool:
@@ -94,11 +104,25 @@ class DistContext:
             raise ValueError(f"this context is laid out for T={self.tp}, not {tp}")
         return dataclasses.replace(self, mesh=build_mesh(self.rank, self.world, tp))
 
-    def laid_out(self, tp: int, cp: int) -> DistContext:
+    @property
+    def ep_size(self) -> int:
+        return self.ep.size if self.ep is not None else 1
+
+    def with_expert_parallel(self, ep: int) -> DistContext:
+        """This context with P-rank expert-parallel groups (collective: every rank calls it).
+        P = 1, or a context that has them already, is returned as it is."""
+        if ep == self.ep_size:
+            return self
+        if self.ep is not None:
+            raise ValueError(f"this context is laid out for P={self.ep_size}, not {ep}")
+        return dataclasses.replace(self, ep=build_expert_groups(self.rank, self.world, ep))
+
+    def laid_out(self, tp: int, cp: int, ep: int = 1) -> DistContext:
         """This context with a run's mesh: T-rank tensor-parallel groups, then C-rank
-        context-parallel groups (collective: every rank calls it). A run's is laid out once,
-        by train/assemble.py; the trainer and the engines take it as given."""
-        return self.with_tensor_parallel(tp).with_context_parallel(cp)
+        context-parallel groups, then P-rank expert-parallel groups (collective: every rank
+        calls it). A run's is laid out once, by train/assemble.py; the trainer and the engines
+        take it as given."""
+        return self.with_tensor_parallel(tp).with_context_parallel(cp).with_expert_parallel(ep)
 
     @property
     def distributed(self) -> bool:

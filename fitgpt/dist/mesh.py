@@ -111,6 +111,43 @@ def build_context_group(rank: int, world: int, cp: int, tp: int = 1) -> ContextG
     return mine
 
 
+# ---- expert parallelism ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's place under P-way expert parallelism (fitgpt/parallel/experts.py): the EP
+    group (P consecutive ranks, one box's fastest links, which trade tokens by all-to-all, EP
+    rank r holding experts [r·E/P, (r+1)·E/P) of every sparse layer) and the replica group (the
+    W/P ranks holding the same experts, ranks r, r+P, ...: the experts' gradients are reduced
+    and their ZeRO shards cut over it, as the dense parts' are over the whole world).
+
+        W = 4, P = 2:   EP groups {0,1} {2,3}     replica groups {0,2} {1,3}"""
+
+    size: int  # P
+    rank: int  # which E/P experts this rank holds
+    group: dist.ProcessGroup | None  # the P ranks; None: a group of one
+    replicas: int  # W/P
+    replica_rank: int
+    replica_group: dist.ProcessGroup | None
+
+
+def build_expert_groups(rank: int, world: int, ep: int) -> ExpertGroups:
+    """Create every EP and replica group (collective: every rank calls it with the same
+    arguments); the layout is tp_ranks' and dp_ranks' with T = P."""
+    if ep < 1 or world % ep:
+        raise UserError(
+            f"--expert-parallel {ep} does not divide the {world} rank(s) of this run: use a "
+            f"divisor of {world}"
+        )
+    mine = {}
+    for kind, groups in (("ep", tp_ranks(world, ep)), ("rep", dp_ranks(world, ep))):
+        for ranks in groups:
+            g = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                mine[kind] = (g, ranks.index(rank))
+    (group, ep_rank), (rep_group, rep_rank) = mine["ep"], mine["rep"]
+    return ExpertGroups(ep, ep_rank, group, world // ep, rep_rank, rep_group)
+
+
 # ---- hierarchical sharding (HSDP) -----------------------------------------------------------
 def node_ranks(world: int, per_node: int) -> list[list[int]]:
     """The ranks of each machine: G consecutive ranks (torchrun's order: node r holds ranks

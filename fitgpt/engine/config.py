@@ -138,6 +138,15 @@ class EngineConfig:
             "planned": True,
         },
     )
+    offload_experts: bool = field(
+        default=False,
+        metadata={
+            "help": "mixtures of experts: of the offloaded blocks, offload only the experts' "
+            "state (their own chunks) and keep each block's attention and router on the GPU "
+            "(docs/memory.md)",
+            "planned": True,
+        },
+    )
     nvme_blocks: int | None = field(
         default=None,
         metadata={
@@ -161,6 +170,15 @@ class EngineConfig:
             "help": "host RAM (bytes) the machine gives the run, as the user stated it: the "
             "planner fits plans to it and the engine checks its host state against it before "
             "allocating; 0: what the kernel reports available, less a reserve",
+        },
+    )
+    gpu_mem: int = field(
+        default=0,
+        metadata={
+            "cli": False,  # `fitgpt train --gpu-mem 80GB`, its own flag, parsed to bytes
+            "help": "bytes of each GPU the run may fill, as the user stated it: the planner "
+            "fits plans to it and the engine caps torch's allocator at it (a shared GPU, or a "
+            "smaller card's plan on a larger one); 0: the whole GPU",
         },
     )
     master: Literal["auto", "fp32", "split"] = field(
@@ -230,6 +248,18 @@ class EngineConfig:
             "--tensor-parallel T, C·T divides the GPUs and the heads (docs/parallel.md)"
         },
     )
+    expert_parallel: int = field(
+        default=1,
+        metadata={
+            "help": "mixtures of experts: spread every sparse layer's experts over groups of P "
+            "consecutive GPUs, each holding E/P of them; tokens travel to their experts' GPU "
+            "and back by all-to-all. The dense parts stay data-parallel over every GPU (ZeRO, "
+            "offload as usual); the experts are reduced over the world/P GPUs that hold the "
+            "same ones. P must divide the GPU count and the expert count; auto (stored as 0): "
+            "the planner picks P (docs/engine.md)",
+            "parse": lambda v: 0 if v == "auto" else int(v),
+        },
+    )
     shard_within: Literal["world", "node"] = field(
         default="world",
         metadata={
@@ -265,13 +295,16 @@ class EngineConfig:
         cp = self.context_parallel
         if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
             raise UserError(f"--context-parallel {cp!r}: use a whole number >= 1")
+        ep = self.expert_parallel
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 0:
+            raise UserError(f"--expert-parallel {ep!r}: use a whole number >= 1, or auto")
         if self.shard_within not in ("world", "node"):
             raise UserError(f"--shard-within {self.shard_within!r}: use world or node")
-        if self.shard_within == "node" and (self.engine != "zero" or tp != 1 or cp != 1):
+        if self.shard_within == "node" and (self.engine != "zero" or tp != 1 or cp != 1 or ep != 1):
             raise UserError(
                 "--shard-within node shards fitgpt's engine inside each machine, without "
-                "tensor or context parallelism: use --engine zero, --tensor-parallel 1 and "
-                "--context-parallel 1 with it, or --shard-within world"
+                "tensor, context or expert parallelism: use --engine zero and --tensor-parallel, "
+                "--context-parallel and --expert-parallel 1 with it, or --shard-within world"
             )
         if self.zero_stage not in (0, 1, 2, 3):
             raise UserError(f"--zero-stage {self.zero_stage}: use 0, 1, 2 or 3")
@@ -292,6 +325,11 @@ class EngineConfig:
         if self.offload_params != "none" and self.offload_optimizer == "none":
             raise UserError(
                 "--offload-params cpu streams the weights of the offloaded blocks: add "
+                "--offload-optimizer cpu (or nvme)"
+            )
+        if self.offload_experts and self.offload_optimizer == "none":
+            raise UserError(
+                "--offload-experts offloads the offloaded blocks' experts alone: add "
                 "--offload-optimizer cpu (or nvme)"
             )
         compact = self.master == "split" or {self.moments, self.device_moments} - {"auto", "fp32"}

@@ -9,6 +9,20 @@ from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.model import ModelConfig
 
 
+def cap_gpu(gpu_mem: int, ctx: DistContext) -> None:
+    """`--gpu-mem`: torch's caching allocator refuses to hold more than the stated bytes on
+    this rank's GPU (set_per_process_memory_fraction), so the run meets the plan made for that
+    size or fails as a GPU of that size would. Nothing on the CPU, or with 0 (the whole GPU).
+    Memory outside the allocator (the CUDA context, NCCL's buffers) is not capped; the planner
+    keeps its margin for it (plan/memory.py gpu_budget)."""
+    if not gpu_mem or ctx.device.type != "cuda":
+        return
+    import torch
+
+    total = torch.cuda.get_device_properties(ctx.device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_mem / total), ctx.device)
+
+
 def build_engine(
     model_cfg: ModelConfig,
     ecfg: EngineConfig,
@@ -28,7 +42,15 @@ def build_engine(
             f"{ctx.cp_size}, the engine config asks {ecfg.tensor_parallel} and "
             f"{ecfg.context_parallel}: pass ctx.laid_out(T, C)"
         )
+    if ctx.ep_size != ecfg.expert_parallel:
+        raise ValueError(
+            f"the ranks are laid out for --expert-parallel {ctx.ep_size}, the engine config asks "
+            f"{ecfg.expert_parallel}: pass ctx.laid_out(T, C, P)"
+        )
+    cap_gpu(ecfg.gpu_mem, ctx)
     if ecfg.engine == "ddp":
+        if ecfg.expert_parallel > 1:  # plan/validate.py refuses it before a run gets here
+            raise ValueError("expert parallelism runs on the chunked engine (--engine zero)")
         from fitgpt.engine.ddp import TorchEngine
 
         return TorchEngine(model_cfg, ecfg, pcfg, ocfg, ctx, seed, adapter)

@@ -2,7 +2,10 @@
 
 A chunk is the unit of placement, communication and checkpointing: the embedding chunk (every
 child of the model before `blocks`), one chunk per transformer block, and the head chunk (every
-child after `blocks`). Inside a chunk, parameters sit back to back in a fixed order, the
+child after `blocks`). A sparse block of a mixture of experts is two chunks: `block.i` (attention,
+norms, router) and `block.i.experts` (every expert's weights, `blocks.i.mlp.experts.*`), so the
+experts are placed, reduced (over their own group under expert parallelism) and checkpointed as
+a unit of their own. Inside a chunk, parameters sit back to back in a fixed order, the
 weight-decayed ones (matrices and embeddings) first, so the decayed part of any range of the
 flat buffer is one contiguous run. The layout depends only on the model, never on the world
 size or the placement, which is what lets a checkpoint saved one way be loaded another.
@@ -31,7 +34,7 @@ class ParamSlot:
 @dataclass(frozen=True)
 class ChunkSpec:
     index: int
-    name: str  # "embed", "block.7", "head"
+    name: str  # "embed", "block.7", "block.7.experts", "head"
     slots: tuple[ParamSlot, ...]
     numel: int  # unpadded
     decay_numel: int  # elements [0, decay_numel) get weight decay
@@ -45,10 +48,24 @@ class ChunkSpec:
             "slots": [[s.name, list(s.shape), s.offset, s.numel] for s in self.slots],
         }
 
+    @property
+    def layer(self) -> int | None:
+        """The transformer layer of a block chunk ("block.i" or "block.i.experts"), else None."""
+        parts = self.name.split(".")
+        return int(parts[1]) if parts[0] == "block" else None
+
+    @property
+    def experts(self) -> bool:
+        """The experts of a sparse block: a chunk of their own (expert parallelism cuts it)."""
+        return self.name.endswith(".experts")
+
     @classmethod
     def from_dict(cls, d: dict) -> ChunkSpec:
         slots = tuple(ParamSlot(n, tuple(shape), off, k) for n, shape, off, k in d["slots"])
         return cls(d["index"], d["name"], slots, d["numel"], d["decay_numel"])
+
+
+EXPERTS = ".mlp.experts."  # the parameters of a sparse block's experts (model/families/qwen3_moe)
 
 
 def decays(name: str, ndim: int) -> bool:
@@ -92,7 +109,10 @@ def chunk_layout(model: nn.Module, trained: bool = False) -> list[ChunkSpec]:
             for i, block in enumerate(child):
                 named = [(f"blocks.{i}.{n}", p) for n, p in block.named_parameters()]
                 seen.update(id(p) for _, p in named)
-                chunks.append(_chunk(0, f"block.{i}", kept(named), rule))
+                experts = [(n, p) for n, p in named if EXPERTS in n]
+                dense = [(n, p) for n, p in named if EXPERTS not in n]
+                chunks.append(_chunk(0, f"block.{i}", kept(dense), rule))
+                chunks.append(_chunk(0, f"block.{i}.experts", kept(experts), rule))
             continue
         named = [(f"{child_name}.{n}", p) for n, p in child.named_parameters() if id(p) not in seen]
         seen.update(id(p) for _, p in named)

@@ -82,9 +82,13 @@ class Piece:
 
 def write_pieces(folder: Path, rank: int, pieces: Iterable[Piece]) -> None:
     """Write this rank's pieces and its index into `folder` (which must exist)."""
-    index = []
+    index, seen = [], set()
     for p in pieces:
-        name = f"c{p.chunk:04d}-r{rank:03d}.safetensors"
+        # a rank may write several ranges of one chunk (expert parallelism: its experts' rows of
+        # each of the chunk's parameters); the reader finds each by the index, not the name
+        part = f"-{p.lo}" if p.chunk in seen else ""
+        seen.add(p.chunk)
+        name = f"c{p.chunk:04d}-r{rank:03d}{part}.safetensors"
         tensors = {k: v.contiguous() for k, v in p.tensors.items()}
         save_file(tensors, str(folder / name), metadata={"lo": str(p.lo), "hi": str(p.hi)})
         size = (folder / name).stat().st_size

@@ -278,6 +278,10 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
+        # JSON (meta.json: a resume, --init-from a run) brings rope_scaling back as the dict
+        # to_dict made of it: the dataclass again, hashable (the planner caches by config)
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name}={getattr(self, name)} must be a positive integer")
@@ -431,10 +435,7 @@ class ModelConfig:
         unknown = set(d) - known
         if unknown:
             raise UserError(f"model config has unknown fields {sorted(unknown)}")
-        # fields missing (a meta.json written before they existed) take their defaults;
-        # rope_scaling comes back as the dict to_dict made of it
-        if isinstance(d.get("rope_scaling"), dict):
-            d = {**d, "rope_scaling": RopeScaling(**d["rope_scaling"])}
+        # fields missing (a meta.json written before they existed) take their defaults
         return cls(**d)
 
     def replace(self, **changes) -> ModelConfig:

@@ -76,6 +76,9 @@ class Family(ABC):
     # a family with more of it per matmul FLOP runs slower than the curve says. 1.0: GPT-2.
     matmul_time: ClassVar[float] = 1.0
     # a mixture of experts (ModelConfig.num_experts and its fields): families without refuse them
+    # (its experts module: `n` experts, `weights`, `run` over rows grouped by expert and an
+    # `exchange` slot, expert-major parameters: what --expert-parallel splits,
+    # fitgpt/parallel/experts.py)
     has_experts: ClassVar[bool] = False
     # the fields of model/config.py's OWN_FIELDS this family honours: ModelConfig refuses the
     # others set (gpt-oss's layer_types and clamped SwiGLU)
@@ -83,6 +86,25 @@ class Family(ABC):
     # whether its attention takes model/packing.py's FlexAttention Packing on CUDA (windows,
     # packed rows); False: the boolean-mask Packing everywhere (gpt-oss: its sinks)
     flex_attention: ClassVar[bool] = True
+    # why its attention cannot run context-parallel (parallel/context.py: each rank attends
+    # over the whole sequence with 1/C of the heads), "" where it can: context_parallel_refusal
+    # says it in one line
+    no_context_parallel: ClassVar[str] = ""
+    # a learned sink logit per head in every softmax (gpt-oss): FlexAttention through its
+    # log-sum-exp on CUDA, SDPA's math kernel on a [T, 1+T] mask elsewhere (plan/memory.py
+    # attention_path prices both)
+    attention_sinks: ClassVar[bool] = False
+
+    def mlp_backward_bytes(self, cfg: ModelConfig, tokens: int, w: int) -> int:
+        """Bytes a block's MLP backward holds beside its saved set, for `tokens` tokens in a
+        dtype of `w` bytes, where plan/memory.py's working gradients do not cover it (a mixture
+        of experts: its rows are k per token). 0: they do."""
+        return 0
+
+    def layer_windows(self, cfg: ModelConfig) -> tuple[int | None, ...]:
+        """Each layer's attention window (None: every key before): the config's one window in
+        every layer, unless the family alternates them (gpt-oss's layer_types)."""
+        return (cfg.sliding_window,) * cfg.n_layer
 
     def check(self, cfg: ModelConfig) -> None:
         """Raise UserError, in one line, for a field of `cfg` this family cannot honour."""

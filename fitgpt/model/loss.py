@@ -75,7 +75,7 @@ def _all_reduce(t: Tensor, group, op: str = "sum") -> Tensor:
     return funcol.wait_tensor(funcol.all_reduce(t, op, group))
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
+def compute_dtype(x: Tensor) -> torch.dtype:
     """The matmuls' dtype: autocast's where it is on (the ddp engine's fp32 weights), else x's."""
     dev = x.device.type
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
@@ -84,7 +84,7 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 class _PiecesCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NH, w_VH, targets_N, rows: int, real: int, lo: int, group):
-        cd = _compute_dtype(x_NH)
+        cd = compute_dtype(x_NH)
         fp16 = cd == torch.float16
         N, V = x_NH.shape[0], w_VH.shape[0]
         with torch.autocast(x_NH.device.type, enabled=False):  # every dtype below explicit

@@ -111,15 +111,27 @@ def _flex_serves(device: torch.device, cfg: ModelConfig, dropout: float, takes_f
     return device.type == "cuda" and dropout == 0.0 and cfg.position != "alibi" and takes_flex
 
 
-def window_block_mask(T: int, window: int, device) -> Any:
+def window_block_mask(T: int, window: int | None, device) -> Any:
     """FlexAttention's BlockMask of a causal window over one sequence (query i sees keys
-    i-window+1..i), made once for every row and head (B and H broadcast): (T/128)² flags."""
+    i-window+1..i; None: every key up to i), made once for every row and head (B and H
+    broadcast): (T/128)² flags."""
     _, create = _flex()
 
     def sliding(b, h, q, k):
-        return (k <= q) & (q - k < window)
+        return (k <= q) & (q - k < window) if window is not None else k <= q
 
     return create(sliding, None, None, T, T, device=device, _compile=True)
+
+
+def flex_attention_fn() -> Any:
+    """The compiled flex_attention every FlexAttention path calls (made once: _flex)."""
+    return _flex()[0]
+
+
+def flex_serves(device: torch.device, cfg: ModelConfig, dropout: float) -> bool:
+    """Whether a family with its own FlexAttention path (gpt-oss's sinks) may take it: the rule
+    of _flex_serves, for the attention that asks."""
+    return _flex_serves(device, cfg, dropout, True)
 
 
 @dataclass(frozen=True)

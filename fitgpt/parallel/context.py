@@ -64,7 +64,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from fitgpt.dist.mesh import ContextGroup
-from fitgpt.model import DecoderLM, ModelConfig
+from fitgpt.model import DecoderLM, ModelConfig, family_of
 
 
 # ---- the all-to-alls -----------------------------------------------------------------------
@@ -156,6 +156,9 @@ def context_parallel_refusal(
     is EngineConfig's own check). `tp`: T (0, auto: judged once the planner has chosen)."""
     if cp <= 1 or tp == 0:
         return None
+    why = family_of(cfg).no_context_parallel
+    if why:
+        return f"--context-parallel {cp}: {why} (the {cfg.family} family); use 1"
     checks = cp_sizes(cfg, world, tp, sequence_parallel)
     for n, other, what in checks:
         if n % (cp * other):

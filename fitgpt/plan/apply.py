@@ -95,6 +95,7 @@ def plan_engine(run, ctx: DistContext, fixed: Fixed, force: bool, log=print):
                 gpus=per_node,
                 device=ctx.device.type,
                 cpu_mem=run.engine.cpu_mem,
+                gpu_mem=run.engine.gpu_mem or None,
                 nvme=run.engine.nvme_path or None,
                 nnodes=nnodes,
             )
@@ -113,4 +114,5 @@ def plan_engine(run, ctx: DistContext, fixed: Fixed, force: bool, log=print):
             err.agreed = err.identical = ctx.distributed  # every rank raises rank 0's here
         raise err
     ecfg["cpu_mem"] = run.engine.cpu_mem  # the machine's RAM as stated: the engine checks it too
+    ecfg["gpu_mem"] = run.engine.gpu_mem  # the GPU's share as stated: the engine caps it
     return dataclasses.replace(run, engine=EngineConfig(**ecfg))

@@ -66,8 +66,9 @@ class Candidate:
         off = ""
         if e.offload_optimizer != "none":
             p = self.placement
-            n = sum(1 for c in p.chunks if c.block)
-            off = f", optimizer of {p.offloaded_blocks} of {n} blocks offloaded"
+            n = len({c.spec.layer for c in p.chunks if c.block})
+            what = "experts' optimizer" if e.offload_experts else "optimizer"
+            off = f", {what} of {p.offloaded_blocks} of {n} blocks offloaded"
             if e.offload_optimizer == "nvme":
                 off += f" ({p.nvme_blocks} of those on nvme, the rest on cpu)"
             else:
@@ -75,6 +76,7 @@ class Candidate:
             if e.offload_params == "cpu":
                 off += ", their weights streamed from cpu"
         tp = f", tensor-parallel {e.tensor_parallel}" if e.tensor_parallel > 1 else ""
+        tp += f", expert-parallel {e.expert_parallel}" if e.expert_parallel > 1 else ""
         tp += ", sharded within each node" if e.shard_within == "node" else ""
         comp = {"blocks": ", compiled", "model": ", compiled whole"}.get(e.compile, "")
         return (

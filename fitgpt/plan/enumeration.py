@@ -11,6 +11,8 @@ import dataclasses
 
 from fitgpt.engine.config import EngineConfig
 from fitgpt.errors import UserError
+from fitgpt.model import family_of
+from fitgpt.parallel.experts import expert_parallel_refusal
 from fitgpt.parallel.shard import tensor_parallel_refusal, tp_divisors
 from fitgpt.plan import validate
 from fitgpt.plan.candidate import Candidate, evaluate
@@ -30,6 +32,17 @@ def tp_degrees(work: Workload, fixed: Fixed) -> list[int]:
             raise UserError(why)
         return [t]
     return tp_divisors(work.model, work.world, fixed.sequence_parallel)
+
+
+def ep_degrees(work: Workload, fixed: Fixed, tp: int) -> list[int]:
+    """The expert-parallel degrees to price at T = tp: the one the user gave (default 1), or
+    with auto (0) 1 and every P that divides the ranks and the experts
+    (parallel/experts.py expert_parallel_refusal, the rule train checks)."""
+    p = fixed.expert_parallel
+    if p != 0:
+        return [p]
+    cands = range(2, work.world + 1) if tp == 1 and fixed.context_parallel == 1 else []
+    return [1] + [p for p in cands if not expert_parallel_refusal(p, work.model, work.world)]
 
 
 def enumerate_plans(
@@ -58,6 +71,8 @@ def enumerate_plans(
         tier = validate.implied_tier(fixed)
         if tier == "none" and fixed.offload_params not in (None, "none"):
             tier = "cpu"
+        if tier == "none" and fixed.offload_experts:
+            tier = "cpu"  # the experts alone offloaded imply the host tier as well
         if tier != "none":
             fixed = fixed.with_(offload_optimizer=tier)
     out = []
@@ -90,10 +105,18 @@ def plans_of(work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: Fixed)
     (results/offload_compile_h100_2026-11-24); priced alone, the first that fits was taken."""
     base = evaluate(work, grad_accum, hw, rates, e, layout)
     out = [base]
-    for stream in (False, True):
-        off = offloaded_variant(work, grad_accum, hw, rates, e, layout, fixed, base, stream)
-        if off is not None and all(off.ecfg != c.ecfg for c in out):
-            out.append(off)
+    kinds = [e.offload_experts]
+    if "offload_experts" not in fixed and family_of(work.model).has_experts:
+        # a mixture of experts: also the offloaded blocks' experts alone on the host (their
+        # own chunks), attention and router resident (engine/chunked/placement.py)
+        kinds.append(True)
+    for experts in kinds:
+        for stream in (False, True):
+            off = offloaded_variant(
+                work, grad_accum, hw, rates, e, layout, fixed, base, stream, experts
+            )
+            if off is not None and all(off.ecfg != c.ecfg for c in out):
+                out.append(off)
     return out
 
 
@@ -118,10 +141,12 @@ def offloaded_variant(
     fixed: Fixed,
     base: Candidate,
     stream: bool = False,
+    experts: bool = False,
 ) -> Candidate | None:
     """Fill the GPU first: the plan with the fewest (last) blocks' optimizer state on the host
     that fits the GPU, their weights streamed from host RAM too when `stream` (or when the
-    optimizer state alone is not enough, or the user asked for it). None when the engine cannot
+    optimizer state alone is not enough, or the user asked for it); with `experts`, only the
+    offloaded blocks' experts (a mixture of experts' own chunks). None when the engine cannot
     offload, the user ruled offload out, the plan fits without it (unless the user asked for
     offload), or `stream` and the weights cannot be streamed."""
     if e.engine != "zero" or fixed.offload_optimizer == "none" or hw.device != "cuda":
@@ -132,7 +157,7 @@ def offloaded_variant(
     if stream and not can_stream(work, e, fixed, layout):
         return None
     if fixed.offload_optimizer == "nvme" or (fixed.offload_optimizer != "cpu" and hw.nvme_path):
-        v = spill_variant(work, grad_accum, hw, rates, e, layout, fixed, stream)
+        v = spill_variant(work, grad_accum, hw, rates, e, layout, fixed, stream, experts)
         if v is not None:
             return v
     L = work.model.n_layer
@@ -144,6 +169,7 @@ def offloaded_variant(
             offload_optimizer="cpu",
             offload_blocks=k,
             offload_params="cpu" if stream else "none",
+            offload_experts=experts,
         )
         return evaluate(work, grad_accum, hw, rates, cfg, layout)
 
@@ -162,7 +188,15 @@ def offloaded_variant(
 
 
 def spill_variant(
-    work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: Fixed, stream: bool = False
+    work,
+    grad_accum,
+    hw,
+    rates,
+    e: EngineConfig,
+    layout,
+    fixed: Fixed,
+    stream: bool = False,
+    experts: bool = False,
 ) -> Candidate | None:
     """Three tiers: the fewest (last) blocks offloaded that fit the GPU, and of those the fewest
     (last) on the disk that fit the host RAM. None when host RAM alone holds them (the cpu-only
@@ -181,6 +215,7 @@ def spill_variant(
             nvme_blocks=d,
             nvme_path=hw.nvme_path or e.nvme_path,
             offload_params="cpu" if stream else "none",
+            offload_experts=experts,
         )
         return evaluate(work, grad_accum, hw, rates, cfg, layout)
 

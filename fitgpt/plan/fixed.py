@@ -73,6 +73,15 @@ class Fixed:
         return self._get("tensor_parallel", 1)
 
     @property
+    def offload_experts(self) -> bool:
+        return self._get("offload_experts", False)
+
+    @property
+    def expert_parallel(self) -> int:
+        """P as given: 1 when not given, 0 for auto (every P that divides is priced)."""
+        return self._get("expert_parallel", 1)
+
+    @property
     def context_parallel(self) -> int:
         """C as given: 1 when not given (the planner never chooses it)."""
         return self._get("context_parallel", 1)

@@ -77,7 +77,7 @@ class Hardware:
 
 def detect(
     gpus: int | None = None,
-    gpu_mem: str | None = None,
+    gpu_mem: str | int | None = None,
     cpu_mem: str | int | None = None,
     nvme: str | None = None,
     device: str = "auto",
@@ -94,8 +94,8 @@ def detect(
         name, mem, count = props.name, props.total_memory, torch.cuda.device_count()
     else:
         name, mem, count = ("(planned GPU)" if use_cuda else "cpu"), 0, 1
-    if gpu_mem is not None:
-        mem = parse_bytes(gpu_mem, "--gpu-mem")
+    if gpu_mem is not None:  # `fitgpt plan --gpu-mem` as typed, or a run's bytes
+        mem = parse_bytes(gpu_mem, "--gpu-mem") if isinstance(gpu_mem, str) else gpu_mem
     if gpus is not None:
         if gpus < 1:
             raise UserError(f"--gpus {gpus} must be at least 1")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from fitgpt.dist.mesh import Mesh
+from fitgpt.dist.mesh import ExpertGroups, Mesh
 from fitgpt.engine.chunked.placement import MAX_INFLIGHT, Placement
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
@@ -121,13 +121,14 @@ class Estimate:
         return sum(self.host.values())
 
 
-def layout_of(model: ModelConfig, tp: int = 1) -> list[ChunkSpec]:
-    """The chunk layout of one rank: the model's, or with tp > 1 the split model's."""
-    return list(_layout(model, max(1, tp)))
+def layout_of(model: ModelConfig, tp: int = 1, ep: int = 1) -> list[ChunkSpec]:
+    """The chunk layout of one rank: the model's, or with tp > 1 the split model's, or with
+    ep > 1 the model holding E/P experts of each sparse layer."""
+    return list(_layout(model, max(1, tp), max(1, ep)))
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(model: ModelConfig, tp: int = 1) -> tuple[ChunkSpec, ...]:
+def _layout(model: ModelConfig, tp: int = 1, ep: int = 1) -> tuple[ChunkSpec, ...]:
     # building the model on the meta device takes ~3 ms a block; the capacity search and the
     # refusal's "what fits" plan the same sizes many times over
     with torch.device("meta"):
@@ -136,6 +137,10 @@ def _layout(model: ModelConfig, tp: int = 1) -> tuple[ChunkSpec, ...]:
             from fitgpt.parallel import parallelize
 
             m = parallelize(m, Mesh(tp, 1, 0, 0, None, None))
+        if ep > 1:  # the shapes of EP rank 0 (every rank's are the same); no group needed
+            from fitgpt.parallel.experts import expert_parallel
+
+            m = expert_parallel(m, ExpertGroups(ep, 0, None, 1, 0, None))
         return tuple(chunk_layout(m))
 
 
@@ -143,10 +148,17 @@ def tp_of(ecfg: EngineConfig) -> int:
     return max(1, ecfg.tensor_parallel)  # 0 (auto) is the planner's to replace before pricing
 
 
+def ep_of(ecfg: EngineConfig) -> int:
+    return max(1, ecfg.expert_parallel)
+
+
 def rank_layout(work: Workload, ecfg: EngineConfig, layout: list[ChunkSpec] | None):
-    """This rank's layout: `layout` (the unsplit model's, given by the caller) unless T > 1."""
-    tp = tp_of(ecfg)
-    return layout_of(work.model, tp) if tp > 1 else (layout or layout_of(work.model))
+    """This rank's layout: `layout` (the unsplit model's, given by the caller) unless T > 1 or
+    P > 1."""
+    tp, ep = tp_of(ecfg), ep_of(ecfg)
+    if tp > 1 or ep > 1:
+        return layout_of(work.model, tp, ep)
+    return layout or layout_of(work.model)
 
 
 # ---- persistent state ------------------------------------------------------------------------
@@ -186,9 +198,13 @@ def attention_path(model: ModelConfig, device: str) -> str:
     has no CPU backward), "flex" for such a window on CUDA (FlexAttention's block mask: no T×T
     tensor, and the kernel skips the blocks outside the window; model/llama.py on the
     long-context branch), "flash" otherwise (SDPA is_causal: no S² term). Packed rows
-    (model/packing.py) are the data's choice, not priced here."""
+    (model/packing.py) are the data's choice, not priced here. A family with attention sinks
+    (gpt-oss, families/gpt_oss/model.py SinkMasks) runs FlexAttention on CUDA, whatever its
+    windows, and SDPA's math kernel on a mask elsewhere."""
     if model.position == "alibi":
         return "mask"
+    if family_of(model).attention_sinks:
+        return "flex" if device == "cuda" else "mask"
     W = model.sliding_window
     if W is not None and model.seq_len > W:
         return "flex" if device == "cuda" else "mask"
@@ -233,12 +249,12 @@ def attention_bytes(work: Workload, tp: int = 1) -> dict[str, int]:
             out["mask"] = N * S * S * w if w != 4 else 0
         else:
             out["mask"] = S * S
-    if not family_of(m).flex_attention:
-        # a family whose attention runs SDPA on a dense mask with grouped kv heads (gpt-oss's
-        # sinks: a [S, 1+S] mask) takes the math kernel, which holds the weights, [b, N, S,
-        # 1+S] in the working dtype, for the backward, and their gradient and the scores'
-        # beside them in it. Not priced before: gpt-oss-20b at 4 × 4,096 tokens planned at
-        # 133.5 GiB of an H200 ran out of memory in its first backward (results/moe_h200_2026-11-28)
+    if family_of(m).attention_sinks and attention_path(m, work.device) == "mask":
+        # sinks off CUDA run SDPA on a dense mask with grouped kv heads (a [S, 1+S] mask):
+        # the math kernel, which holds the weights, [b, N, S, 1+S] in the working dtype, for
+        # the backward, and their gradient and the scores' beside them in it. Not priced
+        # before: gpt-oss-20b at 4 × 4,096 tokens planned at 133.5 GiB of an H200 ran out of
+        # memory in its first backward (results/moe_h200_2026-11-28, before its flex path)
         scores = b * N * S * (S + 1) * w
         out["mask"] += scores
         out["backward"] += 2 * scores
@@ -323,7 +339,9 @@ def activation_bytes(
     else:
         out["working_gradients"] = 8 * sbh * a
     # one block's backward at a time: attention's workspace, then the MLP's (not both at once)
-    out["block_backward"] = max(attn["backward"], mlp_piece)
+    # (a mixture of experts' MLP backward holds its k rows per token: Family.mlp_backward_bytes)
+    moe = family_of(m).mlp_backward_bytes(m, sb, a)
+    out["block_backward"] = max(attn["backward"], mlp_piece, moe)
     out["final_norm"] = 2 * sbh * a  # its saved input and its output, the head's input
     if attn["shared"]:
         out["attention_bias"] = attn["shared"]

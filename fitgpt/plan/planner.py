@@ -38,7 +38,13 @@ from fitgpt.plan.candidate import (
     speed,
     uses_disk,
 )
-from fitgpt.plan.enumeration import enumerate_plans, plans_of, runnable, tp_degrees
+from fitgpt.plan.enumeration import (
+    enumerate_plans,
+    ep_degrees,
+    plans_of,
+    runnable,
+    tp_degrees,
+)
 from fitgpt.plan.fixed import Fixed
 from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import GPU_SAFETY_MARGIN, GiB, Workload, gpu_budget, layout_of
@@ -101,8 +107,12 @@ def plan_among(
     bases = [
         b
         for t in tp_degrees(work, fixed)  # T × (world/T): the stages shard over world/T ranks
+        for p in ep_degrees(work, fixed, t)  # P: the experts' chunks shard over world/P ranks
         for b in enumerate_plans(
-            work.dp_ranks(t), fixed.with_(tensor_parallel=t), host_activations, work.nodes
+            work.dp_ranks(t),
+            fixed.with_(tensor_parallel=t, expert_parallel=p),
+            host_activations,
+            work.nodes,
         )
     ]
     cands: list[Candidate] = []

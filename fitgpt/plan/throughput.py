@@ -11,6 +11,9 @@ comm      ZeRO/DDP collectives at the probe's bus bandwidth; what overlaps with 
           forward, for stage-3 prefetches) is hidden, the rest exposed.
 optimizer fused AdamW streams ~36 bytes per parameter of its range through device memory;
           compact formats (engine/formats/compact.py) step in pieces through fp32 scratch and stream more.
+ep_comm   --expert-parallel P: per sparse layer 2 all-to-alls of b·S·k·H working elements in
+          forward (dispatch, combine) and 2 in backward, (P-1)/P of them leaving the rank, on the
+          critical path at the bus bandwidth; the experts' gradients are reduced over W/P ranks.
 tp_comm   --tensor-parallel T: per block 2 all-reduces of b·S·h working elements in forward and
           2 in backward (2 more when checkpointing recomputes the forward), plus the embedding's
           and the head's, on the critical path (nothing overlaps them), at the bus bandwidth
@@ -31,7 +34,14 @@ from fitgpt.engine.formats.moments import bytes_per_param
 from fitgpt.engine.transforms.compile import CHECKPOINTED, compiled
 from fitgpt.model.families import family_of
 from fitgpt.plan.links import Links
-from fitgpt.plan.memory import Workload, attention_path, layout_of, placement_of, tp_of
+from fitgpt.plan.memory import (
+    Workload,
+    attention_path,
+    ep_of,
+    layout_of,
+    placement_of,
+    tp_of,
+)
 from fitgpt.plan.rates import Rates
 from fitgpt.plan.validate import CPU_FP16_SLOWDOWN
 
@@ -106,17 +116,24 @@ RECOMPUTE = 0.6
 
 
 def keys_per_query(model, device: str = "cuda") -> float:
-    """The keys one query is scored against, on average, by the kernel that runs: S/2 for a
-    causal flash kernel (it skips the blocks above the diagonal); with a sliding window W < S
-    run through FlexAttention, W - W²/2S (the first W queries see fewer); S where attention runs
-    on a dense T×T mask or bias (memory.attention_path: the masked kernels skip no block)."""
-    S, W = model.seq_len, model.sliding_window
+    """The keys one query is scored against, on average over the layers, by the kernel that
+    runs: S/2 for a causal flash or flex kernel (it skips the blocks above the diagonal); in a
+    layer with a sliding window W < S run through FlexAttention, W - W²/2S (the first W
+    queries see fewer); S where attention runs on a dense T×T mask or bias
+    (memory.attention_path: the masked kernels skip no block). The windows are the family's
+    per layer (gpt-oss alternates sliding and full layers)."""
+    S = model.seq_len
     path = attention_path(model, device)
     if path == "mask":
         return float(S)
-    if path == "flex" and W is not None and W < S:
-        return W - W * W / (2.0 * S)
-    return S / 2.0
+
+    def one(W: int | None) -> float:
+        if path == "flex" and W is not None and W < S:
+            return W - W * W / (2.0 * S)
+        return S / 2.0
+
+    windows = family_of(model).layer_windows(model)
+    return sum(one(W) for W in windows) / len(windows)
 
 
 def attention_flops(model, device: str = "cuda") -> float:
@@ -269,6 +286,24 @@ def cp_comm_time(work: Workload, ecfg: EngineConfig, grad_accum: int, bus_gbps: 
     return grad_accum * m.n_layer * passes * per_pass / (bus_gbps * 1e9)
 
 
+# One all-to-all's fixed cost under expert parallelism, with the host sync on the row counts
+# before it (fitgpt/parallel/experts.py). PLACEHOLDER: not measured; priced as a TP all-reduce's
+# launch plus one host round trip.
+EP_LATENCY_S = 50e-6
+
+
+def ep_comm_time(work: Workload, ecfg: EngineConfig, grad_accum: int, bus_gbps: float) -> float:
+    """Seconds per step of expert parallelism's all-to-alls (parallel/experts.py), on the
+    critical path (the experts wait for their rows): per sparse layer and micro-batch, the rows
+    out (dispatch) and back (combine), b·S·k·H·w·(P-1)/P bytes each per rank on average; the
+    backward moves the same again and checkpointing's recompute one forward more."""
+    m, ep = work.model, ep_of(ecfg)
+    per_a2a = work.micro_batch * m.seq_len * m.experts_per_token * m.n_embd * work.w
+    per_a2a *= (ep - 1) / ep
+    count = grad_accum * len(m.moe_layers) * (6 if ecfg.checkpointing != "off" else 4)
+    return count * (per_a2a / (bus_gbps * 1e9) + EP_LATENCY_S)
+
+
 def cached_compact_bytes(c: ChunkPlan, w: int) -> float:
     """DRAM bytes per element of a compact chunk's update whose pieces stay in the caches."""
     master = 8.0 if c.master == "split" else 8.0 + w
@@ -313,7 +348,12 @@ def step_time(
     # a context-parallel rank computes 1/C of each sequence's tokens (attention per token still
     # spans the whole sequence: flops_per_token's S is the model's)
     tokens = work.tokens_per_step(grad_accum, tp) // W // cp
-    n = sum(c.numel for c in layout_of(m, tp))  # this rank's parameters (1/T of the split ones)
+    ep = ep_of(ecfg)
+    # this rank's parameters (1/T of the split ones; under expert parallelism E/P experts of
+    # each sparse layer, reduced over the W/P ranks that hold the same ones)
+    local = layout_of(m, tp, ep)
+    n = sum(c.numel for c in local)
+    n_exp = sum(c.numel for c in local if c.experts) if ep > 1 else 0
     hidden = tp_efficiency_hidden(m.n_embd, tp) if tp > 1 else m.n_embd
     compute = compute_seconds(work, ecfg, tokens, rates)
     if compiled(ecfg):  # either scope: the factors were measured with the regions
@@ -337,20 +377,28 @@ def step_time(
     if cp > 1:  # C consecutive ranks of a DP group (dist/mesh.py cp_ranks)
         cp_bw = Links.of(cp, max(1, per_node // tp), rates).ring_bytes_per_s / 1e9
         out["cp_comm"] = cp_comm_time(work, ecfg, grad_accum, cp_bw)
+    if ep > 1:  # P consecutive ranks (dist/mesh.py build_expert_groups)
+        ep_bw = Links.of(ep, per_node, rates).ring_bytes_per_s / 1e9
+        out["ep_comm"] = ep_comm_time(work, ecfg, grad_accum, ep_bw)
     if W > 1:
         dp = Links.of(W, max(1, per_node // tp), rates)
+        # the experts' chunks are reduced over their W/P replicas (ranks r, r+P, ...): each
+        # collective is the dense part's over dp plus the experts' over `rep`
+        rep = Links.of(W // ep, max(1, per_node // (tp * ep)), rates)
         if placement.replicated:
             # every rank holds the whole optimizer state: the gradients are all-reduced once per
             # step, in the working dtype (chunks) or in fp32 (the plain engine's parameters)
             g = work.w if placement.chunked else 4
-            out["comm"] = max(0.0, dp.all_reduce(n * g) - 0.9 * backward_last)
+            reduce = dp.all_reduce((n - n_exp) * g) + rep.all_reduce(n_exp * g)
+            out["comm"] = max(0.0, reduce - 0.9 * backward_last)
         else:
             # HSDP (--shard-within node): scattered and gathered inside the node, each 1/G
             # shard then all-reduced across the nodes once per step (links.hsdp_reduce)
             hsdp = ecfg.shard_within == "node" and dp.nodes > 1
             ring = dp.inside_node() if hsdp else dp
-            rs = ring.reduce_scatter(n * work.w)
-            ag = ring.all_gather(n * work.w)  # updated weights, after the optimizer
+            rs = ring.reduce_scatter((n - n_exp) * work.w) + rep.reduce_scatter(n_exp * work.w)
+            # updated weights, after the optimizer
+            ag = ring.all_gather((n - n_exp) * work.w) + rep.all_gather(n_exp * work.w)
             across = dp.across_nodes().all_reduce(n * work.w / ring.ranks) if hsdp else 0.0
             # reduce-scattered every micro-batch, behind its backward, or once after the last
             scatters = placement.scatters_grads
@@ -362,7 +410,7 @@ def step_time(
             gathers = 2 * ag * grad_accum if gathered else 0.0
             exposed = max(0.0, per_step_rs + across + gathers - hidden)
             out["comm"] = exposed + (0.0 if gathered else ag) * 0.5
-    opt_elems = n if placement.replicated else n / placement.world
+    opt_elems = n if placement.replicated else (n - n_exp) / placement.world + n_exp / (W // ep)
     # a compiled chunk engine in a 16-bit precision steps its plain state in one pass
     one_pass = placement.chunked and compiled(ecfg) and work.precision != "fp32"
     plain = ONE_PASS_BYTES if one_pass else FP32_DEVICE_BYTES

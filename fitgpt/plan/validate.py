@@ -29,7 +29,7 @@ from typing import Any
 from fitgpt.dist.context import device_type
 from fitgpt.engine.config import EngineConfig, PrecisionConfig
 from fitgpt.errors import UserError
-from fitgpt.model import ModelConfig
+from fitgpt.model import ModelConfig, family_of
 from fitgpt.plan.fixed import ENGINE_FIELDS, Fixed
 
 SCALER_FIELDS = ("initial_scale", "growth_interval", "hysteresis", "min_scale")
@@ -62,6 +62,7 @@ def refusal(
         stream_refusal,
     )
     from fitgpt.parallel.context import context_parallel_refusal
+    from fitgpt.parallel.experts import expert_parallel_refusal
     from fitgpt.parallel.shard import (
         tensor_parallel_refusal,
         tp_divisors,
@@ -108,6 +109,22 @@ def refusal(
     why = context_parallel_refusal(e.context_parallel, model, world, tp, e.sequence_parallel)
     if why:
         return why
+    if e.expert_parallel == 0 and not planning:
+        return (
+            "--expert-parallel auto is the planner's to resolve: train with --plan auto, or give P"
+        )
+    why = expert_parallel_refusal(e.expert_parallel, model, world, tp, e.context_parallel)
+    if why:
+        return why
+    if e.offload_experts and not family_of(model).has_experts:
+        return f"--offload-experts: the {model.family} family has no experts; drop it"
+    if e.expert_parallel > 1 and settled("engine") and e.engine != "zero":
+        return (
+            f"--expert-parallel {e.expert_parallel} runs on the chunked engine: use --engine zero"
+        )
+    if e.compile == "model" and e.expert_parallel > 1:
+        # the all-to-alls' splits are host integers (a host sync per sparse layer)
+        return "--compile model with --expert-parallel: use --compile blocks or off"
     if e.compile == "model" and settled("engine") and e.engine != "zero":
         # DDP's reducer starts each bucket's all-reduce from a gradient hook between blocks,
         # which one graph of the whole model would not leave room for

@@ -133,7 +133,7 @@ def assemble(settings: Settings, ctx: DistContext, log=print) -> Run:
         log(note)
     config = placed(settings, ctx, log)
     e = config.engine
-    ctx = ctx.laid_out(e.tensor_parallel, e.context_parallel)
+    ctx = ctx.laid_out(e.tensor_parallel, e.context_parallel, e.expert_parallel)
     t = config.train
     tokens = tokens_per_step(t.micro_batch, t.grad_accum, config.model.seq_len, ctx.data_world)
     train, line, warning = resolve_schedule(t, config.model, tokens, config.optim.beta2)

@@ -222,9 +222,20 @@ def check_layout(meta: dict, layout: list[ChunkSpec], ckpt: Path) -> None:
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpoint(f"{ckpt}/meta.json: its layout is malformed ({e})") from None
     if saved != list(layout):
+        if _slots(saved) == _slots(layout):
+            # the same parameters cut into other chunks: a mixture of experts' sparse block was
+            # one chunk until the experts became chunks of their own (engine/layout.py)
+            raise CorruptCheckpoint(
+                f"{ckpt}/meta.json: its chunks are an older fitgpt's (a sparse block's experts "
+                "in the block's chunk); import the model again, or resume with that fitgpt"
+            )
         raise CorruptCheckpoint(
             f"{ckpt}/meta.json: its chunk layout does not match the model it describes"
         )
+
+
+def _slots(layout: list[ChunkSpec]) -> set[tuple[str, tuple[int, ...]]]:
+    return {(s.name, tuple(s.shape)) for c in layout for s in c.slots}
 
 
 def holds_optimizer(meta: dict) -> bool:

@@ -34,7 +34,7 @@ from fitgpt.train.profile import StepProfiler
 from fitgpt.train.resume import changed_settings, run_record, saved_run
 from fitgpt.train.rundir import close_run_dir, open_run_dir, write_run_files
 from fitgpt.train.schedule import lr_at
-from fitgpt.train.setup import OutOfMemory, is_oom, oom_message, phase_of
+from fitgpt.train.setup import OutOfMemory, gpu_held, is_oom, oom_message, phase_of
 
 
 class Trainer:
@@ -350,7 +350,9 @@ def train(run: Run) -> dict:
         if where is None:
             raise
         step = f"step {trainer.step + 1}" if trainer is not None else "start-up"
-        raise OutOfMemory(oom_message(config, ctx, where, phase_of(e, step)), where) from None
+        held = gpu_held(e, ctx.device) if where == "gpu" and ctx.device.type == "cuda" else ""
+        msg = oom_message(config, ctx, where, phase_of(e, step), held)
+        raise OutOfMemory(msg, where) from None
     finally:
         if trainer is not None:
             trainer.engine.close()

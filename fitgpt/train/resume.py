@@ -61,7 +61,7 @@ PATH_FIELDS = {
 NAMES = {*BUILTIN, *sidecar.BUILTIN_SPECS, "auto", "none", ""}
 # Not settings of the run: --profile looks at one leg's steps and is off on every resume;
 # --cpu-mem states what the machine gives, and every command sets it anew (cli/train.py).
-NOT_SETTINGS = {("train", "profile"), ("engine", "cpu_mem")}
+NOT_SETTINGS = {("train", "profile"), ("engine", "cpu_mem"), ("engine", "gpu_mem")}
 # Values that mean another one where no planner replaced them: a storage format left "auto" is
 # fp32 to the engine (engine/chunked/placement.py), so a run saved with --plan off and resumed planned
 # has not changed it.
@@ -408,7 +408,9 @@ def changed_settings(
                 old = tuple(old)
             if (part, name) in PATH_FIELDS:
                 old = absolute(old, PATH_FIELDS[part, name])  # an old relative one, unplaced
-            same = SAME_AS.get((part, name), {})
-            if same.get(old, old) != same.get(new, new):
+            same = SAME_AS.get((part, name))  # only for hashable fields (rope_scaling: a dict)
+            if same is not None:
+                old, new = same.get(old, old), same.get(new, new)
+            if old != new:
                 out.append(f"{_flag(PARTS[part], name)} {_shown(old)} → {_shown(new)}")
     return out

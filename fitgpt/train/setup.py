@@ -106,8 +106,22 @@ def phase_of(e: BaseException, default: str) -> str:
     return default
 
 
-def oom_message(run, ctx: DistContext, where: str, phase: str) -> str:
-    """One line: what ran out, at which phase, the plan's prediction, and a plan that would fit."""
+def gpu_held(e: BaseException, device: torch.device) -> str:
+    """What torch's allocator held when the GPU ran out: allocated then, the run's peak, and
+    the request that failed (from torch's message), so a plan's miss can be sized."""
+    import re
+
+    GiB = 2**30
+    asked = re.search(r"Tried to allocate ([0-9.]+ [KMGT]iB)", str(e))
+    held = torch.cuda.memory_allocated(device) / GiB
+    peak = torch.cuda.max_memory_allocated(device) / GiB
+    more = f", asking {asked.group(1)} more" if asked else ""
+    return f" (torch held {held:.1f} GiB, peak {peak:.1f}{more})"
+
+
+def oom_message(run, ctx: DistContext, where: str, phase: str, held: str = "") -> str:
+    """One line: what ran out, at which phase (`held`: gpu_held's figures), the plan's
+    prediction, and a plan that would fit."""
     from fitgpt.dist.nodes import node_shape
     from fitgpt.plan import hardware, rates
     from fitgpt.plan.apply import plan_run, workload_of
@@ -121,7 +135,11 @@ def oom_message(run, ctx: DistContext, where: str, phase: str) -> str:
         predicted = f"the plan predicted {est.host_total / GiB:.1f} GiB of host RAM per rank"
     per_node, nnodes = node_shape(ctx.world)  # the RAM that ran out is one node's
     hw = hardware.detect(
-        gpus=per_node, device=ctx.device.type, cpu_mem=run.engine.cpu_mem, nnodes=nnodes
+        gpus=per_node,
+        device=ctx.device.type,
+        cpu_mem=run.engine.cpu_mem,
+        gpu_mem=run.engine.gpu_mem or None,
+        nnodes=nnodes,
     )
     # what the planner picks when what ran out holds 15% less than the plan predicted it needs
     if where == "gpu" and est.compute:
@@ -137,7 +155,7 @@ def oom_message(run, ctx: DistContext, where: str, phase: str) -> str:
             "no plan needs 15% less at this size: train fewer layers or a smaller --micro-batch"
         )
     what = "GPU memory" if where == "gpu" else "host RAM"
-    return f"ran out of {what} during {phase}; {predicted}; {advice}"
+    return f"ran out of {what} during {phase}{held}; {predicted}; {advice}"
 
 
 def engine_flags(ecfg) -> str:

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from fitgpt.engine.chunked.placement import ChunkPlan
+from fitgpt.engine.comm import Peers
 from fitgpt.engine.config import OptimConfig
 from fitgpt.engine.formats.compact import CompactState, Scratch
 from fitgpt.engine.host.pinned import PinnedArena
@@ -78,6 +79,8 @@ class Chunk:
 
         self.optimizer: torch.optim.AdamW | None = None  # build_optimizer(), once state exists
         self.fetch_work = None  # handle of this chunk's weight gather / host→device copy in flight
+        # the ranks this chunk is reduced and sharded over (chunk_build.py sets it)
+        self.peers: Peers | None = None
 
     # ---- construction ------------------------------------------------------------------------
     def _alloc_weights(self, pinned: PinnedArena | None) -> None:

@@ -11,7 +11,8 @@ from torch import Tensor, nn
 
 from fitgpt.engine.chunked.chunk import Chunk
 from fitgpt.engine.chunked.disk_tier import DiskTier
-from fitgpt.engine.chunked.placement import Placement
+from fitgpt.engine.chunked.placement import ChunkPlan, Placement
+from fitgpt.engine.comm import Peers
 from fitgpt.engine.config import OptimConfig
 from fitgpt.engine.formats.compact import Scratch
 from fitgpt.engine.host.pinned import PinnedArena
@@ -44,7 +45,7 @@ def build_chunks(
     init: Callable[[str, Tensor], None],
     ocfg: OptimConfig,
     *,
-    rank: int,
+    peers_of: Callable[[ChunkPlan], Peers],
     dtype: torch.dtype,
     device: torch.device,
     pinned: PinnedArena,
@@ -53,10 +54,14 @@ def build_chunks(
 ) -> list[Chunk]:
     """One chunk at a time: allocate, bind into the model, initialise, build its optimizer (its
     views are cut while the state is resident), and write a disk-homed chunk's state out, so
-    init transients and host RAM stay at one chunk's worth."""
+    init transients and host RAM stay at one chunk's worth. `peers_of(plan)`: the ranks a
+    chunk is reduced and sharded over (the data-parallel group; an experts' chunk under expert
+    parallelism, its replica group), kept as `c.peers` for every part that communicates."""
     chunks = []
     for plan in placement.chunks:
-        c = Chunk(plan, rank=rank, dtype=dtype, device=device, pinned=pinned)
+        peers = peers_of(plan)
+        c = Chunk(plan, rank=peers.rank, dtype=dtype, device=device, pinned=pinned)
+        c.peers = peers
         c.bind(model)
         c.build_optimizer(ocfg)
         c.init_weights(init, scratch_of(scratch, c))

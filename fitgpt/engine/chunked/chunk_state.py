@@ -37,28 +37,39 @@ class ChunkStateIO:
         replicated: bool,
         scratch: dict[str, Scratch],
         device: torch.device | None = None,
+        to_full: Callable[[Piece], list[Piece]] | None = None,
     ) -> None:
         # replicated: every rank holds the whole state (stage 0; engine/chunked/placement.py)
         self.chunks, self.disk, self.peers, self.replicated = chunks, disk, peers, replicated
         self.device = device or torch.device("cpu")  # where whole_chunks' collectives run
         self.scratch = scratch  # the compact formats' pieces, per tier (engine/formats/compact.py)
+        # a piece of this rank's layout as pieces of the full one (expert parallelism: an
+        # experts' chunk holds E/P experts, fitgpt/parallel/experts.py); None: the same layout
+        self.to_full = to_full
 
     def _scratch(self, c: Chunk) -> Scratch:
         return self.scratch["host" if c.offloaded else "device"]
 
+    @staticmethod
+    def writes(c: Chunk) -> bool:
+        """Whether this rank writes chunk c: its shard, or the whole chunk from the first rank
+        of the group holding the same copy (stage 0: rank 0; an experts' chunk under expert
+        parallelism: the first rank of its replica group, one per E/P experts)."""
+        return c.shard_opt or c.peers.rank == 0
+
     def save(self, folder: Path, optimizer: bool) -> None:
-        """Write this rank's pieces into `folder` (replicated state: rank 0 writes it)."""
-        if not self.replicated or self.peers.rank == 0:
+        """Write this rank's pieces into `folder` (a rank with none writes no index)."""
+        if any(self.writes(c) for c in self.chunks):
             write_pieces(folder, self.peers.rank, self.pieces(KINDS if optimizer else KINDS[:1]))
 
     def pieces(self, kinds: tuple[str, ...]) -> Iterator[Piece]:
         """Each chunk's state as a Piece, one at a time: a disk-homed chunk is read in, written
         by write_pieces, and freed before the next, so saving needs no more host RAM than a step."""
         for c in self.chunks:
-            piece = self._piece(c, kinds)
+            piece = self._piece(c, kinds) if self.writes(c) else None
             if piece is None:
                 continue
-            yield piece
+            yield from (self.to_full(piece) if self.to_full is not None else [piece])
             c.free_state()
 
     def _piece(self, c: Chunk, kinds: tuple[str, ...]) -> Piece | None:
@@ -88,7 +99,7 @@ class ChunkStateIO:
         every rank iterates it). Tensor parallelism's save gathers these over its group next."""
         for c in self.chunks:
             piece = self._piece(c, kinds)
-            if not c.shard_opt or self.peers.world == 1:
+            if not c.shard_opt or c.peers.world == 1:
                 assert piece is not None and piece.hi - piece.lo == c.n
                 yield c, piece.tensors
                 c.free_state()
@@ -99,7 +110,7 @@ class ChunkStateIO:
                 if piece is not None:
                     shard[: piece.hi - piece.lo].copy_(piece.tensors[kind])
                 full = torch.empty(c.N, dtype=torch.float32, device=self.device)
-                self.peers.all_gather(full, shard, async_op=False)
+                c.peers.all_gather(full, shard, async_op=False)
                 whole[kind] = full[: c.n].cpu()
             if piece is not None:
                 c.free_state()
@@ -145,7 +156,7 @@ class ChunkStateIO:
         the full weights gathered from the shards where they are resident."""
         if c.compact is not None:
             if c.gathers_updated:
-                self.peers.all_gather(c.weight, c.weight_shard, async_op=False)
+                c.peers.all_gather(c.weight, c.weight_shard, async_op=False)
             return
         if c.master_aliases_weight:
             src = c.weight_shard if c.shard_opt else c.weight
@@ -156,7 +167,7 @@ class ChunkStateIO:
             return
         c.weight_shard.copy_(src)
         if not c.transient_weight:
-            self.peers.all_gather(c.weight, c.weight_shard, async_op=False)
+            c.peers.all_gather(c.weight, c.weight_shard, async_op=False)
 
     @torch.no_grad()
     def inference_model(

@@ -1,10 +1,10 @@
 """fitgpt's chunked engine (`--engine zero`): ZeRO stages 0-3 over flat per-chunk buffers.
 
 Every piece of state lives in a Chunk (engine/chunked/chunk.py): one chunk per transformer block
-plus the embedding and head chunks. The model's parameters are views into the chunks' flat
-working-dtype buffers, so the model code never changes. Mixed precision keeps bf16/fp16 weights
-and gradients for compute and fp32 master weights and Adam moments over each rank's optimizer
-range.
+(a sparse block's experts a second one) plus the embedding and head chunks. The model's
+parameters are views into the chunks' flat working-dtype buffers, so the model code never
+changes. Mixed precision keeps bf16/fp16 weights and gradients for compute and fp32 master
+weights and Adam moments over each rank's optimizer range.
 
 This file is the facade: it builds the model (engine/transforms/build.py) and the chunks from the
 placement (engine/chunked/chunk_build.py) and runs the step; each concern is its own part of
@@ -18,6 +18,8 @@ engine/chunked/, reached only from here:
   chunk_state.py  checkpoints in and out, and a plain model for sampling
   accounting.py   bytes per tier: the host-RAM check before anything is allocated, and
                   memory_report after
+Expert parallelism (--expert-parallel P, fitgpt/parallel/experts.py) keeps E/P experts in each
+experts' chunk, reduced and sharded over the W/P ranks holding the same ones (Chunk.peers).
 Tensor parallelism (fitgpt/parallel, --tensor-parallel T) splits the model before the chunks are
 laid out: each rank's chunks hold its 1/T of the split weights, ZeRO runs over the data-parallel
 group, and checkpoints are gathered to the unsplit layout (engine/transforms/tp_state.py).
@@ -74,6 +76,7 @@ from fitgpt.engine.transforms.tp_state import (
 from fitgpt.engine.transforms.wgrad import fuse_weight_grads
 from fitgpt.errors import UserError
 from fitgpt.model import DecoderLM, ModelConfig
+from fitgpt.parallel.experts import expert_parallel_refusal
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -107,8 +110,19 @@ class ChunkEngine(Engine):
             self.peers, self.replicas = node_peers(ctx)
 
         self.mesh = ctx.mesh
+        why = expert_parallel_refusal(
+            ecfg.expert_parallel, model_cfg, ctx.world, ctx.tp, ctx.cp_size
+        )
+        if why:
+            raise UserError(why)
+        # --expert-parallel P: the experts' chunks are reduced and sharded over the W/P ranks
+        # holding the same experts (their replica group), every other chunk over the DP group
+        ep = ctx.ep
+        self.expert_peers = (
+            Peers(ep.replica_group, ep.replicas, ep.replica_rank) if ep is not None else self.peers
+        )
         # on meta, no memory: every parameter is replaced by a chunk view below
-        built = build(model_cfg, self.mesh, ecfg.sequence_parallel, self.device, ctx.cp)
+        built = build(model_cfg, self.mesh, ecfg.sequence_parallel, self.device, ctx.cp, ep)
         model, self.layout, self.local_layout = built.model, built.layout, built.local_layout
         self.view = built.view
         model.materialize_buffers(self.device)
@@ -119,7 +133,8 @@ class ChunkEngine(Engine):
         init = self.view.init(partial(model.init_parameter_, seed=seed))
         self.chunks = build_chunks(
             self.placement, model, init, self.ocfg,
-            rank=self.peers.rank if self.world > 1 else 0, dtype=self.dtype,
+            peers_of=lambda plan: self.expert_peers if plan.spec.experts else self.peers,
+            dtype=self.dtype,
             device=self.device, pinned=self.pinned, scratch=self.scratch, disk=self.disk,
         )  # fmt: skip
         warm_up_codecs(self.chunks, self.scratch)
@@ -164,7 +179,9 @@ class ChunkEngine(Engine):
 
     def _connect_parts(self) -> None:
         """The engine's parts, and their hooks on the model (handles removed at close())."""
-        blocks, modules = self.blocks, list(self.model.blocks)
+        # a sparse block's two chunks (block.i, block.i.experts) go with its module
+        blocks, modules = self.blocks, [self.model.blocks[c.spec.layer] for c in self.blocks]
+        by_layer = [[c for c in blocks if c.spec.layer == i] for i in range(len(self.model.blocks))]
         self.updater = TieredUpdate(
             self.chunks, self.host_opt, self.peers, self.scratch.get("device"),
             speculative=self.ecfg.speculative_update, one_pass=self.compiled is not None,
@@ -186,6 +203,7 @@ class ChunkEngine(Engine):
             self.placement.replicated,
             self.scratch,
             self.device,
+            to_full=getattr(self.view, "to_full", None),
         )
         self.hooks: list = []
         if self.host_opt is not None:  # before the fetch hooks: a gather sees updated shards
@@ -198,9 +216,9 @@ class ChunkEngine(Engine):
             # streamed)
             owner = {id(p): c for c in self.chunks for p in c.params}
             keeps = lambda p: owner[id(p)].grad is not None and not owner[id(p)].transient_weight  # noqa: E731
-            self.hooks.append(fuse_weight_grads(modules, keeps))
+            self.hooks.append(fuse_weight_grads(list(self.model.blocks), keeps))
         if self.placement.fetches_weights:
-            self.hooks += self.fetcher.register(modules, blocks)
+            self.hooks += self.fetcher.register(list(self.model.blocks), by_layer)
         self.clock = StepClock(self.device)
         self._stats_host: Tensor | None = None  # the step's loss and norm², pinned (_stats_down)
 
@@ -366,6 +384,10 @@ class ChunkEngine(Engine):
                 f"tensor-parallel {self.mesh.tp} (1/{self.mesh.tp} of each layer), {placement}"
             )
             streams.insert(0, "tensor-parallel all-reduces: 2 per layer forward, 2 backward")
+        if self.ctx.ep is not None:
+            p = self.ctx.ep.size
+            placement = f"expert-parallel {p} (1/{p} of each sparse layer's experts), {placement}"
+            streams.insert(0, "expert all-to-alls: 2 per sparse layer forward, 2 backward")
         out.update(engine=f"zero-{self.placement.stage}", placement=placement)
         out["streams"] = streams
         return out

@@ -42,27 +42,32 @@ class WeightFetch:
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if streams and self.cuda else None
 
-    def register(self, modules: list[nn.Module], blocks: list[Chunk]) -> list:
-        """Fetch/free hooks on each block's module; returns the handles (removed at close)."""
+    def register(self, modules: list[nn.Module], blocks: list[list[Chunk]]) -> list:
+        """Fetch/free hooks on each block's module, for its chunks (a sparse block's experts are
+        a chunk of their own, fetched and freed with their block); returns the handles (removed
+        at close)."""
         hooks = []
-        for i, (module, c) in enumerate(zip(modules, blocks)):
-            nxt = blocks[i + 1] if i + 1 < len(blocks) else None
-            prv = blocks[i - 1] if i > 0 else None
-            last = nxt is None
+        for i, (module, cs) in enumerate(zip(modules, blocks)):
+            nxt = blocks[i + 1] if i + 1 < len(blocks) else []
+            prv = blocks[i - 1] if i > 0 else []
+            last = not nxt
 
-            def pre_forward(_m, _args, c=c, nxt=nxt):
-                self.ensure(c)
-                if nxt is not None:
-                    self.prefetch(nxt)
+            def pre_forward(_m, _args, cs=cs, nxt=nxt):
+                for c in cs:
+                    self.ensure(c)
+                for c in nxt:
+                    self.prefetch(c)
 
-            def post_forward(_m, _args, _out, c=c, last=last):
+            def post_forward(_m, _args, _out, cs=cs, last=last):
                 if not last or not torch.is_grad_enabled():
-                    c.free_weight()  # the last block is needed again at once by backward
+                    for c in cs:
+                        c.free_weight()  # the last block is needed again at once by backward
 
-            def pre_backward(_m, _grad, c=c, prv=prv):
-                self.ensure(c)
-                if prv is not None:
-                    self.prefetch(prv)
+            def pre_backward(_m, _grad, cs=cs, prv=prv):
+                for c in cs:
+                    self.ensure(c)
+                for c in prv:
+                    self.prefetch(c)
 
             hooks += [
                 module.register_forward_pre_hook(pre_forward),
@@ -81,7 +86,7 @@ class WeightFetch:
         if c.streamed:
             c.fetch_work = self._stream_in(c)
             return
-        c.fetch_work = self.peers.all_gather(c.weight, c.weight_shard)
+        c.fetch_work = c.peers.all_gather(c.weight, c.weight_shard)
 
     def ensure(self, c: Chunk) -> None:
         """c's full weights, resident and complete before the compute stream's next use."""
@@ -95,14 +100,14 @@ class WeightFetch:
         across ranks), on the copy stream so it overlaps the block running now. Returns a handle
         whose wait() makes the compute stream wait for it (no host sync)."""
         if not self.cuda:
-            shard = c.weight[c.lo : c.hi] if self.peers.world > 1 else c.weight
+            shard = c.weight[c.lo : c.hi] if c.peers.world > 1 else c.weight
             shard.copy_(c.weight_shard)  # CPU runs: the host tier is the same memory, a copy
-            return self.peers.all_gather(c.weight, shard)
+            return c.peers.all_gather(c.weight, shard)
         compute = torch.cuda.current_stream(self.device)
         self.copy_stream.wait_stream(compute)  # the weight's storage was allocated on `compute`
         with torch.cuda.stream(self.copy_stream):
             c.weight[c.lo : c.hi].copy_(c.weight_shard, non_blocking=True)
-            if self.peers.world > 1:
+            if c.peers.world > 1:
                 # launched from the copy stream, so NCCL's stream waits for the copy (it waits on
                 # the stream current at launch) and the compute stream only where ensure() waits
                 # for the gather. Making the compute stream wait for the copy here instead, as
@@ -110,7 +115,7 @@ class WeightFetch:
                 # from its pre-hook) until the next block's host copy had landed: every
                 # streamed block's PCIe time exposed on several ranks (4x H200:
                 # benchmarks/results/x4_peers_h200_2026-11-26/README.md).
-                return self.peers.all_gather(c.weight, c.weight[c.lo : c.hi])
+                return c.peers.all_gather(c.weight, c.weight[c.lo : c.hi])
             landed = torch.cuda.Event()
             landed.record(self.copy_stream)
         return _EventWork(landed)

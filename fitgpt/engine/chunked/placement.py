@@ -127,14 +127,26 @@ class Placement:
         """The placement of `layout` under `ecfg` on `world` ranks (w bytes per working
         element, compute on `device`); a block count the model does not have is refused in one
         line. Formats left "auto" are fp32 here: the planner replaces them before pricing."""
-        blocks = [c for c in layout if c.name.startswith("block.")]
-        k = offloaded_blocks(ecfg, len(blocks))
+        layers = sorted({c.layer for c in layout if c.layer is not None})
+        k = offloaded_blocks(ecfg, len(layers))
         d = disk_blocks(ecfg, k)
         homes = {c.index: "device" for c in layout}
-        for j, c in enumerate(blocks[len(blocks) - k :]):
-            homes[c.index] = "nvme" if j >= k - d else "cpu"
+        tier = {
+            layer: "nvme" if j >= k - d else "cpu"
+            for j, layer in enumerate(layers[-k:] if k else [])
+        }
+        for c in layout:
+            # a sparse block's two chunks go together, or (--offload-experts) its experts alone
+            if c.layer in tier and (c.experts or not ecfg.offload_experts):
+                homes[c.index] = tier[c.layer]
         stage = ecfg.zero_stage if ecfg.engine == "zero" else 0
-        chunks = tuple(_chunk(c, homes[c.index], ecfg, world, stage, w) for c in layout)
+        # the experts' chunks are reduced and sharded over the ranks that hold the same experts
+        # (world / P under expert parallelism), every other chunk over the whole world
+        ep = max(1, ecfg.expert_parallel)
+        chunks = tuple(
+            _chunk(c, homes[c.index], ecfg, world // ep if c.experts else world, stage, w)
+            for c in layout
+        )
         return cls(chunks, world, stage, w, k, d, device, ecfg.cpu_mem, ecfg.engine == "zero")
 
     # ---- views ----------------------------------------------------------------------------
@@ -263,7 +275,7 @@ class Placement:
 
     def describe(self) -> str:
         """One line: where the blocks' state lives."""
-        n = sum(1 for c in self.chunks if c.block)
+        n = len({c.spec.layer for c in self.chunks if c.block})
         where = "all on the device"
         if self.offloaded_blocks:
             where = (

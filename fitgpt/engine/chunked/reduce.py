@@ -53,11 +53,13 @@ class GradReducer:
         replicas: Peers | None = None,
     ) -> None:
         """Each chunk says how its gradient is reduced (Chunk.shard_grads, shard_opt: its
-        placement's ZeRO stage). `replicas` (HSDP, --shard-within node): `peers` are one
-        machine's ranks, and a chunk's gradient reduced over them is then all-reduced over its
-        replicas on the other machines (the same shard of every machine: 2·(M-1)/M·s elements
-        over the link between machines, where a flat reduce-scatter over every rank sends
-        (W-1)/W·N through it)."""
+        placement's ZeRO stage) and over which ranks (Chunk.peers: `peers`, the data-parallel
+        group, or under expert parallelism the experts' replica group); `peers` sums the loss
+        and the norm. `replicas` (HSDP, --shard-within node): `peers` are one machine's ranks,
+        and a chunk's gradient reduced over them is then all-reduced over its replicas on the
+        other machines (the same shard of every machine: 2·(M-1)/M·s elements over the link
+        between machines, where a flat reduce-scatter over every rank sends (W-1)/W·N through
+        it)."""
         self.peers, self.dtype, self.device, self.replicas = peers, dtype, device, replicas
         # (handle, label, on completion, tensors the collective reads or writes until then, the
         # chunk whose gradient is final once it completes, or None)
@@ -92,10 +94,10 @@ class GradReducer:
             self._reduce_scatter_now(c)
         elif self.last_micro:
             if c.shard_opt:
-                work = self.peers.reduce_scatter(c.grad_shard, c.grad)
+                work = c.peers.reduce_scatter(c.grad_shard, c.grad)
                 self._launch(work, f"reduce-scatter gradients of {c.spec.name}", final=c)
             else:
-                work = self.peers.all_reduce(c.grad)
+                work = c.peers.all_reduce(c.grad)
                 self._launch(work, f"all-reduce gradients of {c.spec.name}", final=c)
 
     def _reduce_scatter_now(self, c: Chunk) -> None:
@@ -107,7 +109,7 @@ class GradReducer:
         for p in c.params:
             p.grad = None  # autograd's per-parameter gradients are freed here
         part = torch.empty(c.s, dtype=self.dtype, device=self.device)
-        work = self.peers.reduce_scatter(part, full)
+        work = c.peers.reduce_scatter(part, full)
         label = f"reduce-scatter gradients of {c.spec.name}"
         final = c if self.last_micro else None
         self._launch(work, label, lambda: c.grad_shard.add_(part), keep=(full, part), final=final)
@@ -149,13 +151,18 @@ class GradReducer:
         device scalars (no host sync here). Stages 1-3: each rank holds a different shard of the
         reduced gradient, so the squares are summed over ranks too."""
         sq = torch.zeros((), device=self.device, dtype=torch.float32)
+        # expert parallelism: the experts' chunks differ between ranks (each holds E/P of them,
+        # on the W/P ranks of its replica group), so every chunk's square is summed over the
+        # whole world, divided by the number of ranks holding the same elements
+        mixed = any(c.peers is not self.peers for c in chunks)
         for c in chunks:
             if self.tp_norm is None:
-                sq += torch.linalg.vector_norm(c.opt_grad, dtype=torch.float32).square()
+                c_sq = torch.linalg.vector_norm(c.opt_grad, dtype=torch.float32).square()
             else:
-                sq += self.tp_norm.local_sq(c.opt_grad, self.tp_ranges[c.spec.index], c.opt_lo)
-        # the squares of every shard: one machine's ranks hold them all (HSDP)
-        if self.peers.world > 1 and any(c.shard_opt for c in chunks):
+                c_sq = self.tp_norm.local_sq(c.opt_grad, self.tp_ranges[c.spec.index], c.opt_lo)
+            sq += c_sq / c.peers.world if mixed and not c.shard_opt else c_sq
+        # the squares of every shard (HSDP: one machine's ranks hold them all)
+        if self.peers.world > 1 and (mixed or any(c.shard_opt for c in chunks)):
             self.peers.wait(self.peers.all_reduce(sq), "all-reduce grad norm")
         self.mean(loss_avg)
         if self.tp_norm is not None:

@@ -59,7 +59,7 @@ class TieredUpdate:
         self.hosted = [c for c in chunks if c.offloaded]
         # the host-homed chunks of stages 1-2 on several ranks: weights replicated, state
         # sharded (on one rank the shard is the weights: nothing to gather)
-        self.regather = [c for c in self.hosted if c.gathers_updated] if peers.world > 1 else []
+        self.regather = [c for c in self.hosted if c.gathers_updated and c.peers.world > 1]
         self.speculative = speculative and host_opt is not None
         self.lr, self.spec_mul = 0.0, None  # this step's, from begin_step
         self.guess = 1.0  # this step's grad_mul if it is neither clipped nor skipped
@@ -240,7 +240,7 @@ class TieredUpdate:
                 # the step count was written, taken back here
                 state["step"].sub_(1)
                 why = f"the optimizer's compiled pass failed to compile ({error_line(e)})"
-                if not c.shard_opt and self.peers.world > 1:
+                if not c.shard_opt and c.peers.world > 1:
                     raise UserError(f"{why}; every rank steps its own copy of the state, so "
                                     "all must take one path: run with --compile off") from None  # fmt: skip
                 self.one_pass = False
@@ -251,7 +251,7 @@ class TieredUpdate:
         return len(opt.param_groups)
 
     def _gather_updated(self, c: Chunk) -> tuple[object, str]:
-        work = self.peers.all_gather(c.weight, c.weight_shard)
+        work = c.peers.all_gather(c.weight, c.weight_shard)
         return work, f"all-gather updated weights of {c.spec.name}"
 
     def sync(self) -> None:

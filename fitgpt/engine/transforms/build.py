@@ -3,7 +3,8 @@
   1. the family's network on the meta device: no memory (model/families/__init__.py build_model);
   2. its chunk layout, the unsplit model's: what checkpoints record (engine/layout.py);
   3. tensor parallelism: 1/T of the cut weights (fitgpt/parallel); or context parallelism:
-     attention's all-to-alls hooked on, every weight whole (fitgpt/parallel/context.py). T and C
+     attention's all-to-alls hooked on, every weight whole (fitgpt/parallel/context.py); or
+     expert parallelism: E/P experts of each sparse layer (fitgpt/parallel/experts.py). T and C
      were validated with the run's other settings (plan/validate.py), and the ranks laid out
      for them (train/assemble.py), before any engine is built;
   4. this rank's layout (the same as 2 at T = 1, and under context parallelism);
@@ -26,12 +27,14 @@ from torch import Tensor
 
 from fitgpt.adapters import AdapterConfig, lora_targets
 from fitgpt.adapters.lora import attach_lora
-from fitgpt.dist.mesh import ContextGroup, Mesh
+from fitgpt.dist.mesh import ContextGroup, ExpertGroups, Mesh
 from fitgpt.engine.layout import ChunkSpec, chunk_layout
 from fitgpt.engine.state_io import Piece, Reader, StateReader, WeightSource, open_reader
+from fitgpt.engine.transforms.ep_state import ExpertView
 from fitgpt.engine.transforms.tp_state import TPReader, sharded_init, tp_pieces, unsplitter
 from fitgpt.model import DecoderLM, ModelConfig, build_model
 from fitgpt.parallel import context_parallel, parallelize
+from fitgpt.parallel.experts import expert_parallel
 
 Init = Callable[[str, Tensor], None]
 
@@ -80,7 +83,7 @@ class Built:
     model: DecoderLM  # on the meta device
     layout: list[ChunkSpec]  # the unsplit model's
     local_layout: list[ChunkSpec]  # this rank's
-    view: StateView
+    view: StateView | ExpertView
 
 
 def build(
@@ -89,11 +92,17 @@ def build(
     sequence_parallel: bool,
     device,
     cp: ContextGroup | None = None,
+    ep: ExpertGroups | None = None,
 ) -> Built:
-    """`cp`: the context-parallel group (DistContext.cp), None at C = 1."""
+    """`cp`: the context-parallel group (DistContext.cp), None at C = 1; `ep`: the
+    expert-parallel groups (DistContext.ep), None at P = 1 (neither T nor C then: refused)."""
     with torch.device("meta"):
         model = build_model(cfg)
     layout = chunk_layout(model)
+    if ep is not None:  # E/P experts per sparse layer, the rest whole
+        model = expert_parallel(model, ep)
+        local = chunk_layout(model)
+        return Built(model, layout, local, ExpertView(layout, local, ep))
     if mesh is None:  # context parallelism keeps the weights whole: the unsplit layout and view
         model = context_parallel(model, cp) if cp is not None else model
         return Built(model, layout, layout, StateView())

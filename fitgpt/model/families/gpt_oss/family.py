@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from fitgpt.errors import UserError
-from fitgpt.model.families.gpt_oss.model import GptOss, layer_kinds
+from fitgpt.model.families.gpt_oss.model import GptOss, layer_kinds, layer_windows
 from fitgpt.model.families.llama.family import LlamaFamily
 from fitgpt.model.families.qwen3_moe.family import MoeCounts
 from fitgpt.model.family import Split
@@ -27,7 +27,13 @@ class GptOssFamily(MoeCounts):
     has_qkv_bias = True  # attention_bias: q, k, v and o (SinkAttention)
     has_window = True
     own_fields = ("layer_types", "swiglu_alpha", "swiglu_limit")
-    flex_attention = False  # the sinks take SDPA with a mask (model.py sink_attention)
+    # packing.py's Packing makes no FlexAttention mask for it: the sinks make their own
+    # (model.py SinkMasks: FlexAttention with its log-sum-exp on CUDA, SDPA's mask elsewhere)
+    flex_attention = False
+    attention_sinks = True
+    # SinkAttention takes its sequence length from its input and keeps every head's sink: the
+    # head split's all-to-all hands it the whole sequence of 1/C of the heads
+    no_context_parallel = "gpt-oss's attention sinks are not split by heads yet"
 
     def check(self, cfg: ModelConfig) -> None:
         super().check(cfg)
@@ -45,6 +51,25 @@ class GptOssFamily(MoeCounts):
                 "layer_types has sliding_attention layers but sliding_window is not set: "
                 "set it (the published models: 128)"
             )
+
+    # the clamped SwiGLU keeps more per (token, expert) than SwiGLU: gate and up with their
+    # bias (2F'), the clamped gate and up, σ(α·g), g·σ, up + 1 and the product (6F' in all of
+    # these; measured, tests/test_moe_memory.py)
+    expert_saved: ClassVar[int] = 7
+
+    def route_saved(self, cfg: ModelConfig) -> int:
+        """The router's probabilities (E) and logits' top k, no renormalising sum (measured)."""
+        return cfg.num_experts + 6 * cfg.experts_per_token
+
+    def layer_windows(self, cfg: ModelConfig) -> tuple[int | None, ...]:
+        return layer_windows(cfg)
+
+    def block_activations(self, cfg: ModelConfig) -> tuple[int, int]:
+        """MoeCounts', with what the sinks' FlexAttention path adds on CUDA (model.py
+        flex_sink_attention): the attention output scaled by σ(L − sink), a second N·D the
+        output projection reads, and the factor itself (N per token)."""
+        whole, cut = super().block_activations(cfg)
+        return whole, cut + cfg.n_head * cfg.head_dim + cfg.n_head
 
     def sparse_mlp(self, cfg: ModelConfig, experts: int) -> int:
         """One layer's router (E·H + E) and `experts` experts, each H·2F + 2F + F·H + H."""
@@ -73,17 +98,6 @@ class GptOssFamily(MoeCounts):
         V·H.)"""
         idle = cfg.num_experts - cfg.experts_per_token
         return self.num_params(cfg) - cfg.n_layer * idle * self.expert(cfg)
-
-    def block_activations(self, cfg: ModelConfig) -> tuple[int, int]:
-        """MoeCounts' sparse block, plus what the sinks and the clamp add per token: the padded
-        copies of q, k and v SDPA keeps (N·(D+8) + 2·K·(D+8)) and, per assignment, the clamped
-        gate and up, the sigmoid and up + 1 (3·k·F more than silu(gate)·up keeps). Counted,
-        not measured (issue 50)."""
-        whole, cut = super().block_activations(cfg)
-        N, K, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
-        pad = D + 8
-        cut += N * pad + 2 * K * pad + 3 * cfg.experts_per_token * cfg.moe_ffn_hidden
-        return whole, cut
 
 
 FAMILY = GptOssFamily()

@@ -16,16 +16,26 @@ loss) with what transformers' GptOssForCausalLM (5.23) computes differently:
                g = min(gate, limit), u = clamp(up, -limit, limit), out = (u + 1) · g·σ(α·g)
              with α = swiglu_alpha (1.702) and limit = swiglu_limit (7.0).
 
-The sinks ride on SDPA (sink_attention): each query gains one coordinate holding sink/scale, a
-key in front of the keys has 1 there and 0 elsewhere, and its value is zero; that key then
-scores exactly the sink, its weight joins the denominator and adds nothing to the output. No
-kernel of its own and no S×S scores in Python; the cost is copies of q, k and v one key and 8
-coordinates larger (the head stays a multiple of 8, as the fused kernels want), and a boolean
-mask over the keys and the sink ([T, 1+P+T], or [B, 1, T, 1+T] for packed samples: T² bytes,
-made once per forward for each kind of layer: block_aux), on CUDA too: the family says
-flex_attention = False, so model/packing.py makes no FlexAttention mask for it (a sink needs a
-kernel that returns the softmax's normaliser with its gradient). Not yet timed on a GPU
-(issue 50).
+Two kernels for the sinks, chosen per call in one place (SinkMasks.for_layer):
+  flex   training and evaluation forwards on CUDA without dropout (flex_sink_attention):
+         FlexAttention without the sink, asked for its softmax normaliser (log-sum-exp, L,
+         differentiable), then y · σ(L − sink): Σ_i exp(s_i) / (exp(sink) + Σ_i exp(s_i)) is
+         σ(L − sink), so this is exactly the softmax with the sink in its denominator. No T×T
+         tensor: a BlockMask per kind of layer (causal, or causal within the window, or within
+         each packed sample), and the kernel skips the blocks outside them (a sliding layer
+         costs T·window, not T²/2). Its cost: one [B, N, T] fp32 factor per layer, and the
+         compile of flex_attention once per shape (model/packing.py). FlexAttention has no CPU
+         backward and no dropout.
+  mask   elsewhere (the CPU, the KV cache of generation, dropout; the reference, tested against
+         transformers): SDPA with the sink as one more key (sink_attention): each query gains
+         one coordinate holding sink/scale, a key in front of the keys has 1 there and 0
+         elsewhere, and its value is zero; that key then scores exactly the sink, its weight
+         joins the denominator and adds nothing to the output. The cost: copies of q, k and v
+         one key and 8 coordinates larger, a boolean mask over the keys and the sink ([T, 1+P+T],
+         or [B, 1, T, 1+T] packed: T² bytes, made once per forward for each kind of layer), and
+         with grouped kv heads SDPA's math kernel, which holds the [B, N, T, 1+T] weights.
+The family says flex_attention = False: model/packing.py's Packing makes no mask of its own for
+it (only its segments and positions are read; the masks are SinkMasks').
 
 Parameters beyond the Llama network's (E experts, F one expert's width, H hidden, N heads):
 `attn.proj.bias` [H], `attn.sinks` [N], `mlp.router.bias` [E], and the experts as transformers
@@ -39,7 +49,7 @@ N' = B·T tokens, M = N'·K' (token, expert) assignments, F one expert's width.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +63,14 @@ from fitgpt.model.families.qwen3_moe.model import (
     expert_matmul,
     sort_by_expert,
 )
-from fitgpt.model.packing import Packing, keep_mask
+from fitgpt.model.packing import (
+    Packing,
+    block_mask,
+    flex_attention_fn,
+    flex_serves,
+    keep_mask,
+    window_block_mask,
+)
 
 if TYPE_CHECKING:
     from fitgpt.model.config import ModelConfig
@@ -116,6 +133,47 @@ def sink_attention(
     return y[..., :D]  # [B, N, T, D]: the padding's coordinates are zeros
 
 
+def flex_sink_attention(
+    q_BNTD: Tensor, k_BKSD: Tensor, v_BKSD: Tensor, sinks_N: Tensor, mask: Any, attend=None
+) -> Tensor:
+    """sink_attention's result through FlexAttention (module docstring, "flex"): the
+    attention without the sink over the BlockMask `mask`, scaled per query by σ(L − sink), L
+    its log-sum-exp (fp32, natural log). The factor is cast to the output's dtype before the
+    product: one rounding, as the reference's weights are rounded in the working dtype.
+    `attend`: flex_attention itself (the compiled one by default; the CPU's Inductor takes no
+    return_lse, so the CPU test hands in the eager one)."""
+    gqa = k_BKSD.shape[1] != q_BNTD.shape[1]
+    y, lse_BNT = (attend or flex_attention_fn())(
+        q_BNTD, k_BKSD, v_BKSD, block_mask=mask, enable_gqa=gqa, return_lse=True
+    )
+    keep_BNT = torch.sigmoid(lse_BNT - sinks_N.float().view(1, -1, 1))
+    return y * keep_BNT.unsqueeze(-1).to(y.dtype)
+
+
+class SinkMasks:
+    """One forward's masks, made on first use and shared by the layers of each kind (the one
+    place the sink kernel is chosen, module docstring): for_layer(window, dropout, cached)
+    gives ("flex", BlockMask) or ("mask", sink_keep's boolean)."""
+
+    def __init__(self, cfg: ModelConfig, T: int, past: int, device, seg: Tensor | None) -> None:
+        self.cfg, self.T, self.past, self.device, self.seg = cfg, T, past, device, seg
+        self._made: dict[tuple[str, int | None], Any] = {}
+
+    def for_layer(self, window: int | None, dropout: float, cached: bool) -> tuple[str, Any]:
+        dev = torch.device(self.device)
+        kind = "mask" if cached or not flex_serves(dev, self.cfg, dropout) else "flex"
+        key = (kind, window)
+        if key not in self._made:
+            if kind == "mask":
+                made = sink_keep(self.T, self.past, window, self.device, self.seg)
+            elif self.seg is not None:  # packed samples (the family takes no Packing.window)
+                made = block_mask(self.seg, window)
+            else:
+                made = window_block_mask(self.T, window, self.device)
+            self._made[key] = made
+        return kind, self._made[key]
+
+
 class SinkAttention(nn.Module):
     """Grouped-query attention with biases on q, k, v and o and a sink per query head, over
     the window `window` (None: every key before). Its q, kv and proj are laid out as the
@@ -133,7 +191,7 @@ class SinkAttention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x_BTH: Tensor, cache: KVCache | None, layer: int, aux) -> Tensor:
-        """`aux`: GptOss.block_aux's (rotary tables, {window: sink_keep mask})."""
+        """`aux`: GptOss.block_aux's (rotary tables, SinkMasks)."""
         rope_2TD, masks = aux
         B, T, _ = x_BTH.shape
         q_BTND = self.q(x_BTH).view(B, T, self.n_head, self.head_dim)
@@ -143,7 +201,11 @@ class SinkAttention(nn.Module):
         if cache is not None:
             k, v = cache.append(layer, k, v)
         drop = self.dropout if self.training else 0.0
-        y = sink_attention(q, k, v, self.sinks, masks[self.window], drop)
+        kind, mask = masks.for_layer(self.window, drop, cache is not None)
+        if kind == "flex":
+            y = flex_sink_attention(q, k, v, self.sinks, mask)
+        else:
+            y = sink_attention(q, k, v, self.sinks, mask, drop)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         return F.dropout(self.proj(y), drop, self.training)
 
@@ -171,16 +233,27 @@ class ClampedExperts(nn.Module):
         self.gate_up_bias = nn.Parameter(torch.zeros(E, 2 * F_))
         self.down = nn.Parameter(torch.empty(E, F_, H).normal_(0.0, cfg.residual_std()))
         self.down_bias = nn.Parameter(torch.zeros(E, H))
+        self.exchange = None  # expert parallelism, as ../qwen3_moe's Experts
+
+    def weights(self, H: int) -> tuple[Tensor, Tensor]:
+        """Views in F.linear's [O, I] per expert, as expert_matmul takes them."""
+        return self.gate_up.transpose(1, 2), self.down.transpose(1, 2)
+
+    def run(self, x_MH: Tensor, count_E: Tensor, grouped: bool, expert_M: Tensor) -> Tensor:
+        """[M, H]: each row through its expert (expert_M[m], the rows grouped by expert)."""
+        up_EOI, down_EOI = self.weights(x_MH.shape[1])
+        h = expert_matmul(x_MH, up_EOI, count_E, grouped) + self.gate_up_bias[expert_M]
+        a = clamped_swiglu(h, self.alpha, self.limit)
+        return expert_matmul(a, down_EOI, count_E, grouped) + self.down_bias[expert_M]
 
     def forward(self, x_NH: Tensor, idx_NK: Tensor, w_NK: Tensor) -> Tensor:
         """[N', H]: Σ_k w_NK[n, k] · expert_{idx_NK[n, k]}(x_NH[n])."""
-        up_EOI = self.gate_up.transpose(1, 2)  # views: expert_matmul takes F.linear's [O, I]
-        down_EOI = self.down.transpose(1, 2)
-        order_M, token_M, count_E, ends = sort_by_expert(idx_NK, self.n, x_NH, up_EOI)
+        if self.exchange is not None:
+            return self.exchange(self, x_NH, idx_NK, w_NK)
+        up_EOI, _ = self.weights(x_NH.shape[1])
+        order_M, token_M, count_E, grouped = sort_by_expert(idx_NK, self.n, x_NH, up_EOI)
         expert_M = idx_NK.reshape(-1)[order_M]  # each sorted row's expert, for its biases
-        h = expert_matmul(x_NH[token_M], up_EOI, count_E, ends) + self.gate_up_bias[expert_M]
-        a = clamped_swiglu(h, self.alpha, self.limit)
-        y_MH = expert_matmul(a, down_EOI, count_E, ends) + self.down_bias[expert_M]
+        y_MH = self.run(x_NH[token_M], count_E, grouped, expert_M)
         y_MH = y_MH * w_NK.reshape(-1)[order_M, None]
         return torch.zeros_like(x_NH).index_add_(0, token_M, y_MH.to(x_NH.dtype))
 
@@ -223,11 +296,10 @@ class GptOss(MoeLlama):
         return super().init_std(name)
 
     def block_aux(self, T: int, past: int, device, packing: Packing | None = None):
-        """(the rotary tables, at each token's position in its sample when packed; one
-        sink_keep mask per window the layers use). Of a Packing only the segments and
-        positions are read: its mask is the config's one window's, without the sink."""
+        """(the rotary tables, at each token's position in its sample when packed; the
+        forward's SinkMasks, which make each kind of layer's mask on first use). Of a Packing
+        only the segments and positions are read."""
         seg = packing.segments_BT if packing is not None else None
         pos = packing.positions_BT if packing is not None else None
         rope = rope_tables(self.cfg, T, past, device, pos)
-        windows = {b.attn.window for b in self.blocks}
-        return rope, {w: sink_keep(T, past, w, device, seg) for w in windows}
+        return rope, SinkMasks(self.cfg, T, past, device, seg)

@@ -80,16 +80,36 @@ class MoeCounts(LlamaFamily):
         attn = 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.seq_len
         return 6.0 * n + attn
 
+    # elements one (token, expert) assignment saves per unit of expert width F' inside its
+    # expert: SwiGLU's gate and up (2F'), silu(gate) and the product (2F')
+    expert_saved: ClassVar[int] = 4
+
+    def route_saved(self, cfg: ModelConfig) -> int:
+        """What the routing saves per token, in elements of their own dtype: the router's
+        probabilities (E), the top-k weights, their sum, the indexes and the sorted rows'
+        (measured, tests/test_moe_memory.py)."""
+        return cfg.num_experts + 1 + 5 * cfg.experts_per_token
+
     def block_activations(self, cfg: ModelConfig) -> tuple[int, int]:
         """A sparse block's (the larger of the two kinds, priced for every block): Llama's
-        attention part, then per token the router's probabilities (E, fp32 counted as one
-        element), its k gathered copies of the input (k·H), each copy's gate and up, silu and
-        product (4·k·F') and the expert outputs before their weighting (k·H). Counted from the
-        sorted-token formulation (model.py), not yet measured on a GPU (issue 50)."""
+        attention part, then per token the routing's (route_saved), its k gathered copies of
+        the input (k·H), each copy's expert intermediates (expert_saved·k·F'), the expert
+        outputs before their weighting and after it (the scatter-add back keeps its source:
+        2·k·H). Measured on the CPU, saved tensor by saved tensor (tests/test_moe_memory.py);
+        before, the weighted outputs were not counted (gpt-oss-20b at 4 × 4,096 tokens ran out
+        of an H200 its plan filled: results/moe_h200_2026-11-28)."""
         whole, cut = super().block_activations(cfg)
         k, H, Fe = cfg.experts_per_token, cfg.n_embd, cfg.moe_ffn_hidden
-        cut += -4 * cfg.ffn_width + cfg.num_experts + 2 * k * H + 4 * k * Fe
-        return whole, cut
+        cut += -4 * cfg.ffn_width + self.route_saved(cfg) + 3 * k * H
+        return whole, cut + self.expert_saved * k * Fe
+
+    def mlp_backward_bytes(self, cfg: ModelConfig, tokens: int, w: int) -> int:
+        """A sparse MLP's backward beside its saved set: the gradients of the expert rows (the
+        outputs' and the inputs', 2·k·H; the intermediates', 4·k·F' at their widest) for
+        `tokens` tokens, and one expert matrix's gradient for all E experts, made whole by the
+        grouped matmul's backward before it is added to the chunk's gradient (E·2F'·H)."""
+        k, H, Fe, E = cfg.experts_per_token, cfg.n_embd, cfg.moe_ffn_hidden, cfg.num_experts
+        return ((2 * k * H + 4 * k * Fe) * tokens + E * 2 * Fe * H) * w
 
     def mlp_activations(self, cfg: ModelConfig) -> tuple[int, int]:
         """The sparse MLP never runs a piece of tokens at a time (model/pieces.py)."""

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fitgpt.model.families.llama.model import Llama, LlamaBlock
+from fitgpt.model.loss import compute_dtype
 
 if TYPE_CHECKING:
     from fitgpt.model.config import ModelConfig
@@ -60,34 +61,88 @@ def grouped_gemm_ok(x: Tensor, w: Tensor) -> bool:
     )
 
 
-def expert_matmul(x_MI: Tensor, w_EOI: Tensor, count_E: Tensor, ends: list[int] | None) -> Tensor:
+def expert_matmul(x_MI: Tensor, w_EOI: Tensor, count_E: Tensor, grouped: bool) -> Tensor:
     """[M, O]: row m of x_MI times expert e's w_EOI[e]^T, rows grouped by expert (count_E[e]
-    rows of expert e, in order). `ends`: the groups' cumulative ends on the host, for the
-    per-expert form (None on the grouped-GEMM path)."""
-    if ends is None:
-        offs = count_E.cumsum(0).to(torch.int32)
+    rows of expert e, in order). `grouped`: one torch._grouped_mm (grouped_gemm_ok), else the
+    per-expert matmuls of the custom op expert_mm."""
+    if grouped:
+        offs = count_E.cumsum(0).to(torch.int32)  # on the device: no host sync
         return torch._grouped_mm(x_MI, w_EOI.transpose(-2, -1), offs=offs)
-    starts = [0, *ends[:-1]]
-    return torch.cat(
-        [F.linear(x_MI[a:b], w_EOI[e]) for e, (a, b) in enumerate(zip(starts, ends, strict=True))]
-    )
+    dtype = compute_dtype(x_MI)  # autocast's cast, made here: the custom op is opaque to it
+    return expert_mm(x_MI.to(dtype), w_EOI.to(dtype), count_E)
+
+
+# The per-expert matmuls (one F.linear per expert over its contiguous rows) and their backward
+# as custom ops, registered at import (registering inside a compiled region breaks its graph).
+# Their slices need the groups' bounds on the host, a sync (free on a CPU; a GPU without the
+# grouped kernel pays it once per op). Inside an op the compiler sees one opaque call of known
+# output shape, so a compiled block holds a sparse layer whole, where the bounds read in
+# Python broke the graph at every sparse layer (torch._dynamo.explain on one block: 6 breaks,
+# 0 now; tests/test_moe_paths.py counts them).
+def _bounds(count_E: Tensor) -> list[tuple[int, int]]:
+    ends = count_E.cumsum(0).tolist()  # host sync
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+@torch.library.custom_op(
+    "fitgpt::expert_mm", mutates_args=(), schema="(Tensor x, Tensor w, Tensor count) -> Tensor"
+)
+def expert_mm(x_MI: Tensor, w_EOI: Tensor, count_E: Tensor) -> Tensor:
+    return torch.cat([F.linear(x_MI[a:b], w_EOI[e]) for e, (a, b) in enumerate(_bounds(count_E))])
+
+
+@expert_mm.register_fake
+def _(x_MI, w_EOI, count_E):
+    return x_MI.new_empty(x_MI.shape[0], w_EOI.shape[1])
+
+
+@torch.library.custom_op(
+    "fitgpt::expert_mm_wgrad",
+    mutates_args=(),
+    schema="(Tensor dy, Tensor x, Tensor count) -> Tensor",
+)
+def expert_mm_wgrad(dy_MO: Tensor, x_MI: Tensor, count_E: Tensor) -> Tensor:
+    """[E, O, I]: expert e's dy rows^T times its x rows (zeros for an expert with none)."""
+    dw_EOI = dy_MO.new_zeros(count_E.shape[0], dy_MO.shape[1], x_MI.shape[1])
+    for e, (a, b) in enumerate(_bounds(count_E)):
+        if b > a:
+            torch.mm(dy_MO[a:b].t(), x_MI[a:b], out=dw_EOI[e])
+    return dw_EOI
+
+
+@expert_mm_wgrad.register_fake
+def _(dy_MO, x_MI, count_E):
+    return dy_MO.new_empty(count_E.shape[0], dy_MO.shape[1], x_MI.shape[1])
+
+
+def _expert_mm_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)  # x_MI, w_EOI, count_E: no copy (the rows F.linear kept)
+
+
+def _expert_mm_backward(ctx, dy_MO: Tensor):
+    x_MI, w_EOI, count_E = ctx.saved_tensors
+    dy_MO = dy_MO.contiguous()  # a compiled graph may hand a strided one
+    dx = expert_mm(dy_MO, w_EOI.transpose(1, 2), count_E) if ctx.needs_input_grad[0] else None
+    dw = expert_mm_wgrad(dy_MO, x_MI, count_E) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+expert_mm.register_autograd(_expert_mm_backward, setup_context=_expert_mm_context)
 
 
 def sort_by_expert(
     idx_NK: Tensor, n_experts: int, x_NH: Tensor, w_EOI: Tensor
-) -> tuple[Tensor, Tensor, Tensor, list[int] | None]:
+) -> tuple[Tensor, Tensor, Tensor, bool]:
     """The assignments grouped by expert, token order kept within each: (order_M, the
     assignment m = n·K + k at each sorted place; token_M, its token; count_E, the rows of each
-    expert; the groups' ends on the host for the per-expert matmuls, None where one grouped
-    GEMM serves x_NH and the experts' weights w_EOI)."""
+    expert; whether one grouped GEMM serves x_NH and the experts' weights w_EOI). No host
+    sync."""
     flat_M = idx_NK.reshape(-1)
     order_M = flat_M.argsort(stable=True)
     token_M = order_M // idx_NK.shape[1]
     count_E = torch.zeros(n_experts, dtype=torch.int64, device=x_NH.device)
     count_E.scatter_add_(0, flat_M, torch.ones_like(flat_M))  # no host sync (bincount has one)
-    # the per-expert form needs the groups' bounds on the host: a host sync (free on a CPU)
-    ends = None if grouped_gemm_ok(x_NH, w_EOI) else count_E.cumsum(0).tolist()
-    return order_M, token_M, count_E, ends
+    return order_M, token_M, count_E, grouped_gemm_ok(x_NH, w_EOI)
 
 
 class Experts(nn.Module):
@@ -100,18 +155,30 @@ class Experts(nn.Module):
         std = cfg.weight_std()
         self.fc = nn.Parameter(torch.empty(E * 2 * F_, H).normal_(0.0, std))
         self.proj = nn.Parameter(torch.empty(E * H, F_).normal_(0.0, cfg.residual_std()))
+        # expert parallelism (fitgpt/parallel/experts.py): this rank holds E/P experts (`n`)
+        # and `exchange` sends the tokens to their experts' ranks and back; None: all E here
+        self.exchange = None
+
+    def weights(self, H: int) -> tuple[Tensor, Tensor]:
+        """The experts' weights as [E, 2F, H] and [E, H, F] views (F.linear's [O, I] each)."""
+        return self.fc.view(self.n, 2 * self.width, H), self.proj.view(self.n, H, self.width)
+
+    def run(self, x_MH: Tensor, count_E: Tensor, grouped: bool, expert_M: Tensor) -> Tensor:
+        """[M, H]: each row through its expert's SwiGLU, the rows grouped by expert (count_E[e]
+        of expert e, in order; `grouped` as sort_by_expert gives it; expert_M, each row's
+        expert, for experts with biases)."""
+        fc_EOH, proj_EHF = self.weights(x_MH.shape[1])
+        gate, up = expert_matmul(x_MH, fc_EOH, count_E, grouped).chunk(2, dim=-1)
+        return expert_matmul(F.silu(gate) * up, proj_EHF, count_E, grouped)
 
     def forward(self, x_NH: Tensor, idx_NK: Tensor, w_NK: Tensor) -> Tensor:
         """[N, H]: Σ_k w_NK[n, k] · expert_{idx_NK[n, k]}(x_NH[n])."""
-        H = x_NH.shape[1]
-        E, F_ = self.n, self.width
-        fc_EOH = self.fc.view(E, 2 * F_, H)
-        proj_EHF = self.proj.view(E, H, F_)
-        order_M, token_M, count_E, ends = sort_by_expert(idx_NK, E, x_NH, fc_EOH)
+        if self.exchange is not None:
+            return self.exchange(self, x_NH, idx_NK, w_NK)
+        fc_EOH, _ = self.weights(x_NH.shape[1])
+        order_M, token_M, count_E, grouped = sort_by_expert(idx_NK, self.n, x_NH, fc_EOH)
         x_MH = x_NH[token_M]  # M·H: each token once per expert it goes to (k copies)
-        gate, up = expert_matmul(x_MH, fc_EOH, count_E, ends).chunk(2, dim=-1)
-        y_MH = expert_matmul(F.silu(gate) * up, proj_EHF, count_E, ends)
-        y_MH = y_MH * w_NK.reshape(-1)[order_M, None]
+        y_MH = self.run(x_MH, count_E, grouped, None) * w_NK.reshape(-1)[order_M, None]
         # summed back per token in expert order, as transformers' per-expert index_add_ does
         return torch.zeros_like(x_NH).index_add_(0, token_M, y_MH.to(x_NH.dtype))
 
