@@ -145,3 +145,13 @@ def test_sharding_within_a_node_is_priced_as_the_docs_say_and_chosen_where_faste
     small = dataclasses.replace(hw, gpu_mem=int(budget / 0.98))
     tight = plan(work, ga, small, r, state)[0]
     assert tight.fits and tight.ecfg.shard_within == "world", tight.name
+
+
+def test_a_fixed_shard_within_node_is_planned_on_one_node_too():
+    """--shard-within node given on one node: the planner prices the plans that shard so (there
+    the same bytes as the whole job's), not the defaults with the flag pasted on."""
+    work = Workload(get_preset("gpt2-1.5b"), 4, 8, "bf16")
+    hw = Hardware("cuda", 8, 80 * GiB, "H100", 1024 * GiB, 16)
+    cands = plan(work, 1, hw, H100, {"shard_within": "node"})
+    assert cands[0].fits and all(c.ecfg.shard_within == "node" for c in cands)
+    assert len({(c.ecfg.zero_stage, c.ecfg.checkpointing) for c in cands}) > 2

@@ -56,7 +56,8 @@ def enumerate_plans(
     stage also sharded within a node (--shard-within node, HSDP)."""
     stages = [0, 1, 2, 3] if world > 1 else [0]
     kinds = ("off", "full", "cpu") if host_activations else ("off", "full")
-    within = ("world", "node") if nodes > 1 else ("world",)
+    # (given on one node it is the plain sharding: the planner prices what was asked)
+    within = ("world", "node") if nodes > 1 or fixed.shard_within == "node" else ("world",)
     plans = [EngineConfig(engine="ddp", checkpointing=ck) for ck in kinds]
     plans += [
         EngineConfig(engine="zero", zero_stage=s, checkpointing=ck, shard_within=w)

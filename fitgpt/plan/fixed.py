@@ -87,6 +87,11 @@ class Fixed:
         return self._get("context_parallel", 1)
 
     @property
+    def shard_within(self) -> str:
+        """Where ZeRO shards: "world" when not given (on several nodes the planner prices both)."""
+        return self._get("shard_within", "world")
+
+    @property
     def sequence_parallel(self) -> bool:
         return bool(self._get("sequence_parallel"))
 
