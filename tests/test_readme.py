@@ -418,6 +418,9 @@ RECIPES = {
 }
 
 NOT_RUN = {
+    "README.md: fitgpt data preprocess --chat --input moe-chats.jsonl": "a 30 B mixture of "
+    "experts on 4 GPUs; tests/test_moe_paths.py runs the same commands (chat preprocess, "
+    "train at world size 2, export, generate) on tiny Qwen3-MoE, Mixtral and gpt-oss folders",
     "README.md: fitgpt presets": "the CLI tour: one line per flag, `...` standing for the rest "
     "of a run's flags, GPU sizes (13b, 20b) and GPUs (--gpus 8); parsed only",
     "docs/results.md: fitgpt train --preset gpt2-125m --data": "the nanoGPT comparison: a "
