@@ -12,6 +12,9 @@ from pathlib import Path
 from fitgpt.errors import UserError
 
 ALL_LINEAR = "all-linear"
+BASE_FORMATS = ("fp32", "bf16", "int8", "nf4")  # adapters/quant.py holds them
+# where the frozen base lives and in what format: the run's placement, free to change on a resume
+PLACEMENT = ("base_format", "base_host_blocks")
 # a Hugging Face module name or the end of one: layers.0.self_attn.q_proj, c_attn
 _NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 
@@ -61,6 +64,24 @@ class AdapterConfig:
             "are the folder's"
         },
     )
+    base_format: str = field(
+        default="auto",
+        metadata={
+            "help": "how the frozen base's blocks are held: fp32, bf16, int8 (per-row absmax) "
+            "or nf4 (QLoRA's NormalFloat4, double-quantised, bitsandbytes' bytes); each block "
+            "is unpacked to the compute dtype while it runs. auto: bf16 under bf16/fp16 "
+            "precision, fp32 under fp32",
+        },
+    )
+    base_host_blocks: int | None = field(
+        default=None,
+        metadata={
+            "help": "how many of the frozen base's blocks (the last ones) live in pinned host "
+            "RAM and are streamed to the GPU block by block, copies overlapped with compute; "
+            "default: the planner's choice (none if the base fits on the GPU)",
+            "default_text": "planned",
+        },
+    )
 
     def __post_init__(self) -> None:
         r = self.lora_rank
@@ -87,6 +108,13 @@ class AdapterConfig:
                 f"--lora-targets {self.lora_targets!r}: {what}; pass {ALL_LINEAR}, or module "
                 "names separated by commas (q_proj,v_proj)"
             )
+        if self.base_format not in ("auto", *BASE_FORMATS):
+            raise UserError(
+                f"--base-format {self.base_format!r}: use auto, {', '.join(BASE_FORMATS)}"
+            )
+        h = self.base_host_blocks
+        if h is not None and (not isinstance(h, int) or isinstance(h, bool) or h < 0):
+            raise UserError(f"--base-host-blocks {h!r} must be a whole number >= 0")
 
     @property
     def active(self) -> bool:
@@ -133,7 +161,7 @@ def resumed_adapter(saved: dict, asked: dict, ckpt: Path) -> AdapterConfig:
         )
     for name, value in asked.items():
         had = old.alpha if name == "lora_alpha" and old.active else getattr(old, name)
-        if name != "lora_dropout" and not same(name, value, had):
+        if name != "lora_dropout" and name not in PLACEMENT and not same(name, value, had):
             what = f"with {flag(name)} {had}" if old.active else "the whole model, no adapters"
             raise UserError(
                 f"--resume: {ckpt} was trained {what}, this command asks {flag(name)} {value}; "
@@ -141,4 +169,6 @@ def resumed_adapter(saved: dict, asked: dict, ckpt: Path) -> AdapterConfig:
             )
     if "lora_dropout" in asked and not old.active:
         raise UserError(f"--resume: {ckpt} trained the whole model: drop --lora-dropout")
-    return AdapterConfig(**{**{k: getattr(old, k) for k in known}, **asked})
+    # the base's format and tiers are placed again (plan/adapter.py) unless asked
+    kept = {k: getattr(old, k) for k in known if k not in PLACEMENT}
+    return AdapterConfig(**{**kept, **asked})

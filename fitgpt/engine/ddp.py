@@ -20,10 +20,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fitgpt.adapters import AdapterConfig, lora_targets
 from fitgpt.adapters.lora import attach_lora, init_lora
+from fitgpt.adapters.quant import base_format, packed_base
 from fitgpt.dist import DistContext
 from fitgpt.engine import comm
 from fitgpt.engine.base import (
@@ -36,6 +38,7 @@ from fitgpt.engine.base import (
     token_mean,
     weighted,
 )
+from fitgpt.engine.chunked.frozen import FrozenStore
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.layout import ChunkSpec, chunk_layout, decays
 from fitgpt.engine.scaler import LossScaler
@@ -77,11 +80,15 @@ class TorchEngine(Engine):
         built = build(model_cfg, self.mesh, ecfg.sequence_parallel, self.device, ctx.cp)
         model, self.layout, self.local_layout = built.model, built.layout, built.local_layout
         self.view = built.view
-        model.to_empty(device=self.device)
-        model.materialize_buffers(self.device)  # to_empty left the non-persistent ones undefined
-        self._init(model, seed)
-        if adapter is not None and adapter.active:  # before compiling: the blocks change
-            self._adapt(model, adapter, seed)
+        self.store: FrozenStore | None = None  # a base held packed or streamed (_adapt_packed)
+        if adapter is not None and adapter.active and packed_base(adapter, pcfg.precision):
+            self._adapt_packed(model, adapter, seed)  # built straight into its tiers
+        else:
+            model.to_empty(device=self.device)
+            model.materialize_buffers(self.device)  # to_empty left the non-persistent undefined
+            self._init(model, seed)
+            if adapter is not None and adapter.active:  # before compiling: the blocks change
+                self._adapt(model, adapter, seed)
         scope = scope_of(ecfg)  # the planner's (engine/transforms/compile.py compile_scope)
         self.compiled = compile_regions(model, ctx.is_main) if scope != "off" else None
         if ecfg.checkpointing != "off":  # after compiling: the checkpoint wraps compiled blocks
@@ -130,6 +137,56 @@ class TorchEngine(Engine):
         initialised as PEFT does from `seed`; from here `layout` is the adapters' chunks."""
         targets = lora_targets(self.model_cfg, adapter)
         attach_lora(model, targets, adapter)
+        init_lora(model, targets, seed)
+        self.frozen = FrozenBase(self, self.layout)
+        self.layout = self.local_layout = chunk_layout(model, trained=True)
+
+    def _adapt_packed(self, model: DecoderLM, adapter: AdapterConfig, seed: int) -> None:
+        """LoRA on a base held in --base-format, its last --base-host-blocks blocks in pinned
+        host RAM (engine/chunked/frozen.py): the model stays on the meta device until each part
+        has its home; the blocks' weights are made (seeded, or read later by `frozen`) one block
+        at a time into their packed form, so no whole base is ever materialised in fp32."""
+        targets = lora_targets(self.model_cfg, adapter)
+        attach_lora(model, targets, adapter)  # on meta: the adapters' shapes
+        working = AUTOCAST[self.pcfg.precision] or torch.float32
+        fmt = base_format(adapter, self.pcfg.precision)
+        self.store = FrozenStore(
+            model, self.layout, fmt, working, adapter.base_host_blocks or 0, self.device
+        )
+        # the rest on the device: the adapters in fp32, the embedding and head as the blocks'
+        # vectors (fp32 for an fp32 base, else the compute dtype); tied weights stay tied
+        outer = torch.float32 if fmt == "fp32" else working
+        made: dict[int, nn.Parameter] = {}
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None or not p.is_meta:
+                    continue
+                if id(p) not in made:
+                    dtype = torch.float32 if p.requires_grad else outer
+                    t = torch.empty(p.shape, dtype=dtype, device=self.device)
+                    made[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+                module._parameters[name] = made[id(p)]
+        model.materialize_buffers(self.device)
+        init = self.view.init(partial(model.init_parameter_, seed=seed))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    continue
+                chunk = name.split(".")[:2]
+                if chunk[0] == "blocks":
+                    continue
+                if p.dtype == torch.float32:
+                    init(name, p)
+                else:  # drawn in fp32 as the plain engine draws it, then rounded
+                    t = torch.empty(p.shape, dtype=torch.float32, device=self.device)
+                    init(name, t)
+                    p.copy_(t)
+            for c in self.store.chunks:  # one block's fp32 at a time
+                flat = torch.empty(c.spec.numel, dtype=torch.float32, device=self.device)
+                for s in c.spec.slots:
+                    init(s.name, flat[s.offset : s.offset + s.numel].view(s.shape))
+                c.load(flat)
+                del flat
         init_lora(model, targets, seed)
         self.frozen = FrozenBase(self, self.layout)
         self.layout = self.local_layout = chunk_layout(model, trained=True)
@@ -271,6 +328,9 @@ class TorchEngine(Engine):
         step = int(extra.get("optimizer_step", 0)) if optimizer else 0
         kinds = ("master", "exp_avg", "exp_avg_sq") if optimizer else ("master",)
         for c in layout:
+            if self.store is not None and c.name in self.store.by_name:  # a frozen block
+                self.store.by_name[c.name].load(reader.read(c.index, "master", 0, c.numel))
+                continue
             flat = {k: reader.read(c.index, k, 0, c.numel) for k in kinds}
             for s in c.slots:
                 p = params[s.name]
@@ -301,7 +361,17 @@ class TorchEngine(Engine):
             what = (
                 "the frozen base's weights, and the adapters with their gradients and Adam moments,"
             )
-        out.update(engine="ddp", placement=f"{what} in fp32 on the device, {where}")
+        placement = f"{what} in fp32 on the device, {where}"
+        if self.store is not None:
+            c = self.store.chunks[0]
+            held = sum(not c.streamed for c in self.store.chunks)
+            placement = (
+                f"the frozen base's blocks in {c.codec.fmt} ({held} on the device, "
+                f"{len(self.store.chunks) - held} streamed from host RAM, each unpacked to "
+                f"{str(c.codec.working).removeprefix('torch.')} while it runs), the adapters "
+                f"with their gradients and Adam moments in fp32 on the device, {where}"
+            )
+        out.update(engine="ddp", placement=placement)
         if self.dp > 1:
             out["streams"] = ["DDP's bucketed all-reduce, overlapped with the backward"]
         return out
@@ -319,7 +389,17 @@ class TorchEngine(Engine):
                 [st["exp_avg"] for st in states] + [st["exp_avg_sq"] for st in states]
             ),
         }
-        if self.frozen is not None:  # an adapter run's base: weights alone
+        if self.store is not None:  # a packed base: its blocks' bytes by tier, the rest
+            tiers = self.store.held_bytes()
+            blocks = {id(p) for c in self.store.chunks for p in c.params}
+            rest = (
+                p for p in self.model.parameters() if not p.requires_grad and id(p) not in blocks
+            )
+            held["frozen_weights"] = tiers["device"] + nbytes(rest)
+            if dev != "cpu":
+                return {dev: held, "cpu": {"frozen_weights": tiers["host"]}}
+            held["frozen_weights"] += tiers["host"]
+        elif self.frozen is not None:  # an adapter run's base: weights alone
             held["frozen_weights"] = nbytes(
                 p for p in self.model.parameters() if not p.requires_grad
             )

@@ -1,0 +1,170 @@
+"""The frozen base of a LoRA run held in fewer bytes and placed in tiers (fitgpt/adapters/quant.py,
+engine/chunked/frozen.py, plan/adapter.py): NF4 and int8 against bitsandbytes bit for bit, a
+base streamed from the host tier against the ddp engine's plain fp32 base, the base's bytes
+unchanged by training, the planner's refusal and `fitgpt capacity --lora-rank`.
+
+The HF model is built here with random weights (3 layers, 64 wide) and saved to a temporary
+folder: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fitgpt.adapters import AdapterConfig
+from fitgpt.adapters.quant import BlockCodec
+from fitgpt.dist import DistContext
+from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
+from fitgpt.engine.factory import build_engine
+from fitgpt.engine.layout import ChunkSpec, ParamSlot
+from fitgpt.interop.init_source import find_source
+from fitgpt.train.init_from import load_source
+
+bnbf = pytest.importorskip("bitsandbytes.functional")
+transformers = pytest.importorskip("transformers")
+
+CPU = DistContext(0, 1, 0, torch.device("cpu"))
+V, SEQ, MB, STEPS = 300, 32, 4, 4
+# shapes that leave a partial block of 64 weights and of 256 absmaxes, and a vector
+SHAPES = [(96, 64), (33, 17), (257, 130), (40,)]
+
+
+def spec_of(shapes) -> ChunkSpec:
+    slots, at = [], 0
+    for i, shape in enumerate(shapes):
+        n = int(torch.Size(shape).numel())
+        slots.append(ParamSlot(f"w{i}", tuple(shape), at, n))
+        at += n
+    return ChunkSpec(0, "block.0", tuple(slots), at, at)
+
+
+def packed(fmt: str, flat: torch.Tensor, working=torch.float32):
+    codec = BlockCodec(spec_of(SHAPES), fmt, working)
+    buf = torch.zeros(codec.nbytes, dtype=torch.uint8)
+    codec.pack(flat, buf)
+    out = torch.empty(flat.numel(), dtype=working)
+    codec.unpack(buf, out)
+    return codec, buf, out
+
+
+def parts(codec: BlockCodec, buf: torch.Tensor, i: int) -> dict[str, torch.Tensor]:
+    return {name: buf[at : at + n] for name, at, n in codec.regions[i].parts}
+
+
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("working", [torch.float32, torch.bfloat16])
+def test_nf4_is_bitsandbytes_nf4_bit_for_bit(source, working):
+    """Each matrix's bytes (codes, absmaxes, their scales, offset) are quantize_4bit's with
+    QLoRA's settings, and unpacking gives dequantize_4bit's values, from a bf16 source too."""
+    g = torch.Generator().manual_seed(0)
+    flat = torch.randn(sum(torch.Size(s).numel() for s in SHAPES), generator=g) * 0.05
+    flat = flat.to(source).float()
+    codec, buf, out = packed("nf4", flat, working)
+    for i, s in enumerate(codec.spec.slots):
+        w = flat[s.offset : s.offset + s.numel].view(s.shape)
+        got = out[s.offset : s.offset + s.numel].view(s.shape)
+        if len(s.shape) == 1:  # vectors are held in bf16
+            assert torch.equal(got, w.to(torch.bfloat16).to(working))
+            continue
+        q, st = bnbf.quantize_4bit(w.to(source), blocksize=64, compress_statistics=True,
+                                   quant_type="nf4")  # fmt: skip
+        p = parts(codec, buf, i)
+        assert torch.equal(p["codes"], q.reshape(-1))
+        assert torch.equal(p["absmax"], st.absmax)
+        assert torch.equal(p["scales"].view(torch.float32), st.state2.absmax)
+        assert torch.equal(p["offset"].view(torch.float32), st.offset.reshape(1))
+        st.dtype = working
+        assert torch.equal(got, bnbf.dequantize_4bit(q, st))
+        assert (got.float() - w).abs().max() < 0.5 * w.abs().max()  # a round trip, not noise
+
+
+def test_int8_is_bitsandbytes_per_row_absmax():
+    """int8: the codes and row scales are int8_vectorwise_quant's; each weight comes back
+    within half a step (max|row|/254) of itself."""
+    g = torch.Generator().manual_seed(1)
+    flat = torch.randn(sum(torch.Size(s).numel() for s in SHAPES), generator=g)
+    codec, buf, out = packed("int8", flat)
+    for i, s in enumerate(codec.spec.slots):
+        if len(s.shape) == 1:
+            continue
+        w = flat[s.offset : s.offset + s.numel].view(s.shape)
+        codes, scales, _ = bnbf.int8_vectorwise_quant(w)
+        p = parts(codec, buf, i)
+        assert torch.equal(p["codes"].view(torch.int8).view(s.shape), codes)
+        assert torch.equal(p["scales"].view(torch.float32), scales)
+        got = out[s.offset : s.offset + s.numel].view(s.shape)
+        assert torch.equal(got, bnbf.int8_vectorwise_dequant(codes, scales))
+        step = w.abs().amax(dim=1, keepdim=True) / 127
+        assert ((got - w).abs() <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("fmt, size", [("fp32", 4), ("bf16", 2), ("int8", 1), ("nf4", 0.5)])
+def test_a_format_holds_its_bytes_per_parameter(fmt, size):
+    codec = BlockCodec(spec_of([(256, 512)]), fmt, torch.float32)
+    assert size * 256 * 512 <= codec.nbytes <= size * 256 * 512 * 1.04
+
+
+# ---- the engine: a base held packed, streamed from the host tier ---------------------------
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=V, max_position_embeddings=64,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("hf") / "llama"
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    return folder
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randint(0, V, (MB, SEQ), generator=g), torch.randint(0, V, (MB, SEQ), generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def trained(folder, **base):
+    """(losses, engine) of STEPS LoRA steps over `folder`'s base, held as `base` asks."""
+    source = find_source(str(folder))
+    a = AdapterConfig(lora_rank=4, **base)
+    e = build_engine(source.model, EngineConfig(engine="ddp"), PrecisionConfig("fp32"),
+                     OptimConfig(grad_clip=1.0), CPU, 3, a)  # fmt: skip
+    load_source(source, e, source.model, CPU)
+    return [e.train_step([b], 2e-3).loss for b in data()], e
+
+
+def adapters_of(e) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in e.model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("host_blocks", [3, 1])
+def test_a_base_streamed_from_host_ram_trains_as_the_ddp_engine_s(llama, host_blocks):
+    """fp32 blocks in the host tier, fetched per use: the losses and adapters of the plain
+    ddp engine's fp32 base, bit for bit."""
+    ref, e0 = trained(llama, base_format="fp32")
+    got, e = trained(llama, base_format="fp32", base_host_blocks=host_blocks)
+    assert e0.store is None and sum(c.streamed for c in e.store.chunks) == host_blocks
+    assert got == ref
+    a, b = adapters_of(e0), adapters_of(e)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("fmt, tol", [("bf16", 1e-3), ("int8", 5e-3), ("nf4", 5e-2)])
+def test_a_packed_base_trains_close_to_fp32_and_its_bytes_never_change(llama, fmt, tol):
+    """Held in bf16, int8 or NF4 (the last block streamed): the losses near the fp32 base's,
+    the held bytes of every block bit-identical before and after training, and unpacking them
+    gives the weights the blocks ran with."""
+    ref, _ = trained(llama, base_format="fp32")
+    source = find_source(str(llama))
+    e = build_engine(source.model, EngineConfig(engine="ddp"), PrecisionConfig("fp32"),
+                     OptimConfig(grad_clip=1.0), CPU, 3,
+                     AdapterConfig(lora_rank=4, base_format=fmt, base_host_blocks=1))  # fmt: skip
+    load_source(source, e, source.model, CPU)
+    before = [c.weight_shard.clone() for c in e.store.chunks]
+    got = [e.train_step([b], 2e-3).loss for b in data()]
+    assert all(torch.equal(c.weight_shard, b) for c, b in zip(e.store.chunks, before))
+    assert got != ref and max(abs(a - b) for a, b in zip(got, ref)) < tol
