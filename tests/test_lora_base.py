@@ -9,8 +9,11 @@ folder: nothing is downloaded.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from cli_refusal import assert_refused, run_in_process, run_main
 
 from fitgpt.adapters import AdapterConfig
 from fitgpt.adapters.quant import BlockCodec
@@ -18,7 +21,12 @@ from fitgpt.dist import DistContext
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.engine.layout import ChunkSpec, ParamSlot
+from fitgpt.errors import UserError
 from fitgpt.interop.init_source import find_source
+from fitgpt.plan.adapter import plan_base, price_base
+from fitgpt.plan.apply import workload_of
+from fitgpt.plan.hardware import Hardware
+from fitgpt.plan.memory import Workload
 from fitgpt.train.init_from import load_source
 
 bnbf = pytest.importorskip("bitsandbytes.functional")
@@ -168,3 +176,81 @@ def test_a_packed_base_trains_close_to_fp32_and_its_bytes_never_change(llama, fm
     got = [e.train_step([b], 2e-3).loss for b in data()]
     assert all(torch.equal(c.weight_shard, b) for c, b in zip(e.store.chunks, before))
     assert got != ref and max(abs(a - b) for a, b in zip(got, ref)) < tol
+
+
+# ---- the run: planned, refused, resumed ------------------------------------------------------
+def lora_run(preset: str, fmt: str, micro_batch: int, checkpointing: str):
+    from helpers import run_config
+
+    from fitgpt.model import get_preset
+
+    run = run_config("unused", micro_batch=micro_batch, checkpointing=checkpointing,
+                     precision="bf16", device="cuda")  # fmt: skip
+    return dataclasses.replace(
+        run, model=get_preset(preset), adapter=AdapterConfig(lora_rank=16, base_format=fmt)
+    )
+
+
+def gpu(gpu_gb: float, host_gb: float) -> Hardware:
+    return Hardware("cuda", 1, int(gpu_gb * 2**30), "a GPU", int(host_gb * 2**30), 16)
+
+
+def test_the_planner_streams_the_fewest_blocks_that_fit_and_refuses_in_one_line():
+    """A 70B-shaped bf16 base on one 80 GB GPU: some blocks streamed from host RAM, the fewest
+    that fit (one fewer does not); NF4 holds it all on the GPU; a GPU and host too small for
+    bf16 are refused in one line that names the format that fits."""
+    run = lora_run("llama3.1-70b", "bf16", 1, "full")
+    placed, line = plan_base(run, gpu(80, 512))
+    h = placed.adapter.base_host_blocks
+    assert 0 < h < 80 and f"{h} streamed from host RAM" in line
+    work = workload_of(run, 1, "cuda")
+    assert price_base(work, run.adapter, "bf16", h, "full").fits(gpu(80, 512))
+    assert not price_base(work, run.adapter, "bf16", h - 1, "full").fits(gpu(80, 512))
+    nf4, _ = plan_base(lora_run("llama3.1-70b", "nf4", 1, "full"), gpu(80, 512))
+    assert nf4.adapter.base_host_blocks == 0
+    with pytest.raises(UserError) as e:
+        plan_base(run, gpu(24, 64))
+    msg = str(e.value)
+    assert "\n" not in msg and "--lora-rank 16" in msg and "--base-format nf4 fits" in msg
+    with pytest.raises(UserError, match="--checkpointing full fits"):
+        plan_base(lora_run("llama3.1-8b", "bf16", 4, "off"), gpu(80, 512))
+
+
+def test_the_priced_base_is_the_bytes_the_engine_holds(llama):
+    """The planner's packed blocks, per tier, are the store's bytes (the same codec)."""
+    source = find_source(str(llama))
+    a = AdapterConfig(lora_rank=4, base_format="nf4", base_host_blocks=2)
+    e = build_engine(source.model, EngineConfig(engine="ddp"), PrecisionConfig("fp32"),
+                     OptimConfig(), CPU, 3, a)  # fmt: skip
+    work = Workload(source.model, MB, 1, "fp32", "cuda")
+    est = price_base(work, a, "nf4", 2, "off").est
+    held = e.store.held_bytes()
+    assert est.compute["frozen_blocks"] == held["device"] > 0
+    assert est.host["frozen_blocks_pinned"] == held["host"] > 0
+
+
+def test_a_packed_base_run_resumes_exactly_and_refusals_name_their_flags(llama, tmp_path, capsys):
+    """`fitgpt train --base-format nf4 --base-host-blocks 1`: 4 steps equal 2 and a resume of
+    2 (the base packed again from the source, the format the checkpoint's); a bad format, too
+    many host blocks, or a LoRA with neither --init-from nor --preset refused in one line."""
+    common = ["train", "--init-from", llama, "--data", "synthetic", "--device", "cpu",
+              "--lora-rank", "4", "--micro-batch", "2", "--seq-len", str(SEQ), "--steps", "4",
+              "--eval-every", "0", "--log-every", "1"]  # fmt: skip
+    code, out, _ = run_main(capsys, *common, "--base-format", "nf4", "--base-host-blocks", "1",
+                            "--save-every", "2", "--out", tmp_path / "a")  # fmt: skip
+    assert code == 0 and "the base in nf4, 2 of its 3 blocks on the device" in out
+    code, again, _ = run_main(capsys, "train", "--resume", tmp_path / "a" / "step_00000002",
+                              "--out", tmp_path / "b")  # fmt: skip
+    assert code == 0 and "the base in nf4" in again
+    assert losses(out)[-2:] == losses(again)[-2:]
+    code, err = run_in_process(capsys, *common, "--base-format", "nf2", "--out", tmp_path / "c")
+    assert_refused(code, err, "--base-format", "nf4")
+    code, err = run_in_process(capsys, *common, "--base-host-blocks", "9", "--out", tmp_path / "d")
+    assert_refused(code, err, "--base-host-blocks 9", "3 blocks")
+    code, err = run_in_process(capsys, "train", "--lora-rank", "4", "--data", "synthetic",
+                               "--out", tmp_path / "e")  # fmt: skip
+    assert_refused(code, err, "--init-from", "--preset")
+
+
+def losses(out: str) -> list[str]:
+    return [line.split("| loss ")[1].split()[0] for line in out.splitlines() if "| loss " in line]

@@ -169,6 +169,7 @@ def resumed_adapter(saved: dict, asked: dict, ckpt: Path) -> AdapterConfig:
             )
     if "lora_dropout" in asked and not old.active:
         raise UserError(f"--resume: {ckpt} trained the whole model: drop --lora-dropout")
-    # the base's format and tiers are placed again (plan/adapter.py) unless asked
-    kept = {k: getattr(old, k) for k in known if k not in PLACEMENT}
+    # the base's format is the checkpoint's unless asked (the adapters trained on its values);
+    # its tiers are placed again for this machine (plan/adapter.py)
+    kept = {k: getattr(old, k) for k in known if k != "base_host_blocks"}
     return AdapterConfig(**{**kept, **asked})

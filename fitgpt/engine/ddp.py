@@ -321,14 +321,17 @@ class TorchEngine(Engine):
         self._load(self.local_layout, folder, extra, optimizer)
 
     @torch.no_grad()
-    def _load(self, layout: list[ChunkSpec], folder, extra: dict, optimizer: bool) -> None:
-        """The parameters of `layout` (what trains, or the frozen base) from `folder`."""
+    def _load(
+        self, layout: list[ChunkSpec], folder, extra: dict, optimizer: bool, base: bool = False
+    ) -> None:
+        """The parameters of `layout` (what trains, or with `base` the frozen base: its blocks
+        packed into the store, if it has one) from `folder`."""
         reader = self.view.reader(folder)  # under TP the whole chunks read, this rank's parts kept
         params = dict(self.model.named_parameters())
         step = int(extra.get("optimizer_step", 0)) if optimizer else 0
         kinds = ("master", "exp_avg", "exp_avg_sq") if optimizer else ("master",)
         for c in layout:
-            if self.store is not None and c.name in self.store.by_name:  # a frozen block
+            if base and self.store is not None and c.name in self.store.by_name:  # packed
                 self.store.by_name[c.name].load(reader.read(c.index, "master", 0, c.numel))
                 continue
             flat = {k: reader.read(c.index, k, 0, c.numel) for k in kinds}
@@ -426,4 +429,4 @@ class FrozenBase(FrozenWeights):
         self.engine, self.layout = engine, layout
 
     def load_state(self, folder, extra: dict, optimizer: bool = False) -> None:
-        self.engine._load(self.layout, folder, extra, optimizer=False)
+        self.engine._load(self.layout, folder, extra, optimizer=False, base=True)

@@ -24,18 +24,36 @@ source its checkpoint names).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from fitgpt.adapters import lora_targets
+import torch
+
+from fitgpt.adapters import AdapterConfig, lora_targets
+from fitgpt.adapters.quant import BlockCodec, base_format, packed_base
 from fitgpt.engine.config import EngineConfig
 from fitgpt.errors import UserError
+from fitgpt.model import ModelConfig
 from fitgpt.plan.fixed import Fixed
+from fitgpt.plan.hardware import Hardware
+from fitgpt.plan.memory import (
+    CUDA_CONTEXT,
+    HOST_BASE,
+    NCCL_BUFFERS,
+    Estimate,
+    GiB,
+    Workload,
+    activation_peak,
+    gpu_budget,
+    layout_of,
+)
 from fitgpt.plan.validate import flag_text
 
 WHY = (
-    "a LoRA run (--lora-rank) trains on the ddp engine, which holds a frozen base; the chunk "
-    "engine's sharding, offload and formats do not hold one yet"
+    "a LoRA run (--lora-rank) trains its adapters on the ddp engine and places its frozen base "
+    "itself (--base-format, --base-host-blocks)"
 )
 # engine field -> the value that asks nothing of the chunk engine (none typed, or off)
 PLAIN = {
@@ -84,19 +102,184 @@ def adapter_placement(run, fixed: Fixed | None, typed: Mapping[str, Any], has_ba
     a = run.adapter
     if not a.active:
         return run, fixed, ()
-    if not has_base:
-        raise UserError(
-            f"--lora-rank {a.lora_rank} adapts a pretrained model: add --init-from MODEL (a "
-            "Hugging Face folder or a fitgpt run)"
-        )
     lora_targets(run.model, a)  # each name refused here if the family has no such linear
     e = fixed.applied(run.engine) if fixed is not None and fixed.names else run.engine
     why = adapter_refusal(e, typed)
     if why:
         raise UserError(why)
     run = dataclasses.replace(run, engine=dataclasses.replace(e, engine="ddp"))
-    note = (
-        "LoRA: the ddp engine (the planner does not price a frozen base yet: set "
-        "--checkpointing full if activations do not fit)"
+    notes = () if has_base else (RANDOM_BASE,)
+    return run, None, notes
+
+
+RANDOM_BASE = (
+    "LoRA on a randomly initialised base (no --init-from): the model's preset built straight "
+    "into its tiers, for measuring a LoRA run's speed and memory; nothing pretrained is adapted"
+)
+
+
+def place_base(run, ctx, log=print):
+    """`run` with its base's format and host blocks settled for this machine (plan_base), the
+    plan said on rank 0; one line refusing what does not fit, before anything is allocated.
+    Every rank decides alike (each holds the whole base)."""
+    from fitgpt.plan import hardware
+
+    hw = hardware.detect(gpus=ctx.world, device=ctx.device.type, cpu_mem=run.engine.cpu_mem)
+    run, line = plan_base(run, hw)
+    log(line)
+    return run
+
+
+# ---- pricing the frozen base (engine/chunked/frozen.py) -----------------------------------
+# what to try, in order, when a run does not fit as asked: the leaner formats, then recompute
+LEANER = ("bf16", "int8", "nf4")
+
+
+@dataclass(frozen=True)
+class BasePlan:
+    """An adapter run's memory: the base in `fmt`, its last `host_blocks` blocks in host RAM."""
+
+    fmt: str
+    host_blocks: int
+    blocks: int
+    est: Estimate
+
+    def fits(self, hw: Hardware) -> bool:
+        gpu_ok = hw.device != "cuda" or self.est.compute_total <= gpu_budget(hw.gpu_mem)
+        return gpu_ok and (not hw.cpu_mem or self.est.host_total <= hw.cpu_mem)
+
+    def line(self) -> str:
+        gpu = f"{self.est.compute_total / GiB:.1f} GiB a GPU, " if self.est.compute else ""
+        device = "GPU" if self.est.compute else "device"
+        where = (
+            f"{self.blocks - self.host_blocks} of its {self.blocks} blocks on the {device}, "
+            f"{self.host_blocks} streamed from host RAM"
+        )
+        return f"the base in {self.fmt}, {where}: {gpu}{self.est.host_total / GiB:.1f} GiB host"
+
+
+@functools.lru_cache(maxsize=32)
+def adapter_elements(model: ModelConfig, adapter: AdapterConfig) -> int:
+    """A and B's elements over every target: r·(in + rows) each."""
+    r = adapter.lora_rank
+    return sum(r * (t.in_features + t.hi - t.lo) for t in lora_targets(model, adapter))
+
+
+def price_base(
+    work: Workload, adapter: AdapterConfig, fmt: str, host_blocks: int, checkpointing: str
+) -> BasePlan:
+    """Bytes per rank of an adapter run whose base is held in `fmt` with its last `host_blocks`
+    blocks in pinned host RAM (engine/chunked/frozen.py): the packed blocks on their tiers, the
+    embedding and head, the working copies of two blocks while they run, the adapters with
+    their gradients and Adam moments (16 bytes an element), the activations as a run without
+    adapters holds them (the plain engine's memory model: memory.py activation_peak)."""
+    w = work.w
+    packed = packed_base(
+        dataclasses.replace(adapter, base_format=fmt, base_host_blocks=host_blocks), work.precision
     )
-    return run, None, (note,) if fixed is not None else ()
+    sizes, numels, outer = _block_bytes(work.model, fmt, w)
+    first_host = len(sizes) - host_blocks
+    dev = {
+        "frozen_blocks": sum(sizes[:first_host]),
+        "frozen_embedding_head": outer * (4 if fmt == "fp32" else w),
+        "adapters": 16 * adapter_elements(work.model, adapter),
+    }
+    big = max(numels, default=0)
+    if packed:  # the running block and the prefetched one, unpacked; streamed bytes landing
+        dev["unpacked_blocks"] = 2 * big * w
+        if host_blocks:
+            dev["landed_blocks"] = 2 * max(sizes[first_host:])
+    elif w == 2:  # an fp32 base under autocast: bf16 copies of the weights, saved for backward
+        dev["autocast_weights"] = 2 * sum(numels)
+    dev.update(activation_peak(work, EngineConfig(engine="ddp", checkpointing=checkpointing)))
+    est = Estimate()
+    est.host["process"] = HOST_BASE["cpu" if work.device == "cpu" else "cuda"]
+    est.host["frozen_blocks_pinned"] = sum(sizes[first_host:])
+    if work.device == "cpu":
+        est.host.update(dev)
+    else:
+        est.compute = dict(dev)
+        est.compute["outside:cuda_context"] = CUDA_CONTEXT
+        if work.world > 1:
+            est.compute["outside:nccl_buffers"] = NCCL_BUFFERS
+    return BasePlan(fmt, host_blocks, len(sizes), est)
+
+
+@functools.lru_cache(maxsize=32)
+def _block_bytes(
+    model: ModelConfig, fmt: str, w: int
+) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(packed bytes of each block in `fmt`, each block's parameters, the parameters outside the
+    blocks): the engine's own codec on the model's layout (a search prices them many times)."""
+    layout = layout_of(model)
+    blocks = [c for c in layout if c.name.startswith("block.")]
+    working = torch.float32 if w == 4 else torch.bfloat16
+    sizes, by_shape = [], {}
+    for c in blocks:
+        key = tuple(s.shape for s in c.slots)
+        if key not in by_shape:
+            by_shape[key] = BlockCodec(c, fmt, working).nbytes
+        sizes.append(by_shape[key])
+    outer = sum(c.numel for c in layout if c not in blocks)
+    return tuple(sizes), tuple(c.numel for c in blocks), outer
+
+
+def plan_base(run, hw: Hardware) -> tuple[Any, str]:
+    """(run, line): the adapter's base format and host blocks settled for `hw` (the fewest
+    blocks in host RAM that fit the GPU), or one line refusing a run that does not fit, naming
+    what would. On the CPU everything is host memory: nothing is streamed unless asked."""
+    from fitgpt.plan.apply import workload_of  # plan/apply.py imports the planner
+
+    a = run.adapter
+    work = workload_of(run, hw.gpus, hw.device)
+    fmt = base_format(a, work.precision)
+    ckpt = run.engine.checkpointing
+    n_blocks = run.model.n_layer
+    if a.base_host_blocks is not None:
+        if a.base_host_blocks > n_blocks:
+            raise UserError(
+                f"--base-host-blocks {a.base_host_blocks}: the model has {n_blocks} blocks; "
+                f"use 0 to {n_blocks}"
+            )
+        tries = [a.base_host_blocks]
+    else:
+        tries = [0] if hw.device != "cuda" else range(n_blocks + 1)
+    for h in tries:
+        p = price_base(work, a, fmt, h, ckpt)
+        if p.fits(hw):
+            return _settled(run, fmt, h), "LoRA: " + p.line()
+    raise UserError(_refusal(work, a, fmt, ckpt, p, hw))
+
+
+def _settled(run, fmt: str, host_blocks: int):
+    a = dataclasses.replace(run.adapter, base_format=fmt, base_host_blocks=host_blocks)
+    return dataclasses.replace(run, adapter=a)
+
+
+def _refusal(work, a, fmt, ckpt, tried: BasePlan, hw: Hardware) -> str:
+    """One line: what the run needs at its leanest as asked, and the first leaner setting that
+    fits (a smaller format, every block streamed; then --checkpointing full)."""
+    need = (
+        f"{tried.est.compute_total / GiB:.1f} GiB a GPU (of {gpu_budget(hw.gpu_mem) / GiB:.1f} "
+        f"usable) and {tried.est.host_total / GiB:.1f} GiB host (of {hw.cpu_mem / GiB:.1f})"
+    )
+    fix = "a smaller --micro-batch or --seq-len, or more GPUs' memory"
+    order = LEANER[LEANER.index(fmt) :] if fmt in LEANER else (fmt, *LEANER)
+    options = [(f, c) for c in dict.fromkeys((ckpt, "full")) for f in order]
+    for f, c in options:
+        if (f, c) == (fmt, ckpt):
+            continue
+        for h in range(tried.blocks + 1):
+            if price_base(work, a, f, h, c).fits(hw):
+                flags = [f"--base-format {f}"] if f != fmt else []
+                flags += [f"--checkpointing {c}"] if c != ckpt else []
+                fix = f"{' '.join(flags)} fits ({h} blocks in host RAM)"
+                break
+        else:
+            continue
+        break
+    return (
+        f"--lora-rank {a.lora_rank}: {work.model.num_params() / 1e9:.2f} B parameters with "
+        f"the base in {fmt} and {tried.host_blocks} of {tried.blocks} blocks in host RAM need "
+        f"{need}; {fix}"
+    )

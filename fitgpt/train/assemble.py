@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fitgpt.dist import DistContext
-from fitgpt.plan.adapter import adapter_placement
+from fitgpt.plan.adapter import adapter_placement, place_base
 from fitgpt.plan.apply import plan_engine
 from fitgpt.plan.fixed import Fixed
 from fitgpt.plan.memory import tokens_per_step
@@ -152,5 +152,7 @@ def placed(settings: Settings, ctx: DistContext, log=print) -> RunConfig:
     config = settings.config
     if settings.fixed is not None:
         return plan_engine(config, ctx, settings.fixed, settings.force, log)
+    if config.adapter.active:  # the frozen base placed, priced, refused if it does not fit
+        config = place_base(config, ctx, log)
     scope = unplanned_compile(config, ctx.device.type, ctx.world)
     return dataclasses.replace(config, engine=dataclasses.replace(config.engine, compile=scope))
