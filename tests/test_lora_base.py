@@ -10,6 +10,7 @@ folder: nothing is downloaded.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -23,10 +24,10 @@ from fitgpt.engine.factory import build_engine
 from fitgpt.engine.layout import ChunkSpec, ParamSlot
 from fitgpt.errors import UserError
 from fitgpt.interop.init_source import find_source
-from fitgpt.plan.adapter import plan_base, price_base
+from fitgpt.plan.adapter import largest_lora, plan_base, price_base
 from fitgpt.plan.apply import workload_of
 from fitgpt.plan.hardware import Hardware
-from fitgpt.plan.memory import Workload
+from fitgpt.plan.memory import HOST_BASE, Workload
 from fitgpt.train.init_from import load_source
 
 bnbf = pytest.importorskip("bitsandbytes.functional")
@@ -254,3 +255,38 @@ def test_a_packed_base_run_resumes_exactly_and_refusals_name_their_flags(llama, 
 
 def losses(out: str) -> list[str]:
     return [line.split("| loss ")[1].split()[0] for line in out.splitlines() if "| loss " in line]
+
+
+def test_capacity_covers_lora(capsys):
+    """`fitgpt capacity --lora-rank R`: the largest layer count whose LoRA run the planner fits
+    (one more does not); on a GPU NF4 fits more layers than bf16, and bf16 more than its
+    blocks alone would (the rest streamed from host RAM)."""
+    from fitgpt.bench.config import BenchConfig
+    from fitgpt.bench.systems import bench_run
+
+    code, out, _ = run_main(capsys, "capacity", "--device", "cpu", "--lora-rank", "8",
+                            "--hidden", "64", "--heads", "4", "--micro-batch", "2",
+                            "--seq-len", "64", "--cap", "200MB")  # fmt: skip
+    assert code == 0
+    found = json.loads(out.strip().splitlines()[-1])
+    bench = BenchConfig(hidden=64, heads=4, micro_batch=2, seq_len=64)
+    hw = Hardware("cpu", 1, 0, "", 200 * 10**6 + HOST_BASE["cpu"], 2)
+
+    def run_at(layers, fmt="auto"):
+        run = bench_run(bench.model(layers), bench, "fp32", "cpu")
+        return dataclasses.replace(run, adapter=AdapterConfig(lora_rank=8, base_format=fmt))
+
+    plan_base(run_at(found["layers"]), hw)
+    with pytest.raises(UserError):
+        plan_base(run_at(found["layers"] + 1), hw)
+    big = BenchConfig(hidden=8192, heads=64, micro_batch=1, seq_len=4096)
+
+    def gpu_run(fmt):
+        return lambda n: dataclasses.replace(
+            bench_run(big.model(n), big, "bf16", "cuda"),
+            adapter=AdapterConfig(lora_rank=16, base_format=fmt),
+        )
+
+    nf4, _ = largest_lora(gpu_run("nf4"), gpu(80, 1024))
+    bf16, line = largest_lora(gpu_run("bf16"), gpu(80, 1024))
+    assert nf4 > bf16 > 80 * 2**30 / (2 * big.model(1).num_params()) and "streamed" in line

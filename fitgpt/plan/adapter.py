@@ -283,3 +283,25 @@ def _refusal(work, a, fmt, ckpt, tried: BasePlan, hw: Hardware) -> str:
         f"the base in {fmt} and {tried.host_blocks} of {tried.blocks} blocks in host RAM need "
         f"{need}; {fix}"
     )
+
+
+def largest_lora(run_at, hw: Hardware, limit: int = 4096) -> tuple[int, str] | None:
+    """(layers, plan line) of the largest model `run_at(layers)` (a RunConfig with its adapter)
+    whose LoRA run plan_base fits on `hw`, streaming from host RAM as it must; None if one layer
+    does not fit. Fits are monotone in the layers (each adds a block's bytes on some tier)."""
+
+    def fits(n: int) -> str | None:
+        try:
+            return plan_base(run_at(n), hw)[1]
+        except UserError:
+            return None
+
+    if fits(1) is None:
+        return None
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi) is not None:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) is not None else (lo, mid)
+    return lo, fits(lo)
