@@ -408,6 +408,13 @@ class TorchEngine(Engine):
             )
         return {dev: held}
 
+    def close(self) -> None:
+        """A packed base's hooks removed and its pinned host RAM unregistered (idempotent)."""
+        if self.store is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # no copy may still read a pinned buffer
+            self.store.close()
+
     def inference_model(self) -> DecoderLM:
         if self.mesh is None and self.ctx.cp is None:
             return self.model
