@@ -32,6 +32,7 @@ Shape legend: n a tensor's elements, rows its first dimension.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,9 @@ ALIGN = 16  # bytes: every region starts aligned, so fp32 views of the byte buff
 
 def _bnb():
     """bitsandbytes' functional API, or one line saying how to get it."""
+    # on a CPU box bitsandbytes logs a warning that an optional kernel package is missing at
+    # import; its own torch code is what then runs (and what the tests compare against)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         import bitsandbytes.functional as bnbf
     except ImportError as e:  # pragma: no cover - a declared dependency; `make` installs it

@@ -179,7 +179,9 @@ class FrozenStore:
                 model.get_submodule(owner)._parameters[leaf] = p
         streams = any(c.streamed for c in self.chunks)
         self.fetch = FrozenFetch(Peers(None, 1, 0), device, None, streams)
-        self.hooks = self.fetch.register(list(model.blocks), self.chunks)
+        self.hooks = []
+        if streams or not all(c.codec.direct for c in self.chunks):  # else nothing to bring in
+            self.hooks = self.fetch.register(list(model.blocks), self.chunks)
 
     def release(self) -> None:
         """Every block's working copy and landed bytes freed (after a step's backward: block 0
