@@ -19,6 +19,7 @@ from cli_refusal import assert_refused, run_in_process, run_main
 from fitgpt.adapters import AdapterConfig
 from fitgpt.adapters.quant import BlockCodec
 from fitgpt.dist import DistContext
+from fitgpt.engine.chunked.frozen import DiskBlocks
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.engine.layout import ChunkSpec, ParamSlot
@@ -290,3 +291,45 @@ def test_capacity_covers_lora(capsys):
     nf4, _ = largest_lora(gpu_run("nf4"), gpu(80, 1024))
     bf16, line = largest_lora(gpu_run("bf16"), gpu(80, 1024))
     assert nf4 > bf16 > 80 * 2**30 / (2 * big.model(1).num_params()) and "streamed" in line
+
+
+def test_a_base_on_the_disk_tier_trains_as_the_ddp_engine_s(llama, tmp_path, monkeypatch):
+    """Blocks in files under --nvme-path, read ahead into a ring of staging buffers (two here,
+    so they cycle and every step reads): the plain engine's losses bit for bit; the files are
+    gone after close()."""
+    monkeypatch.setattr(DiskBlocks, "RING", 2)
+    ref, _ = trained(llama, base_format="fp32")
+    source = find_source(str(llama))
+    a = AdapterConfig(lora_rank=4, base_format="fp32", base_host_blocks=3, base_disk_blocks=3)
+    e = build_engine(source.model, EngineConfig(engine="ddp", nvme_path=str(tmp_path)),
+                     PrecisionConfig("fp32"), OptimConfig(grad_clip=1.0), CPU, 3, a)  # fmt: skip
+    load_source(source, e, source.model, CPU)
+    assert [e.train_step([b], 2e-3).loss for b in data()] == ref
+    io = e.store.disk.store.stats()
+    assert e.memory_report()["nvme"]["frozen_weights"] == e.store.held_bytes()["disk"] > 0
+    # the ring cycles: blocks are read again, step after step (more than two whole passes)
+    assert io["bytes_read"] > 2 * e.store.held_bytes()["disk"]
+    e.close()
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_planner_puts_blocks_on_the_disk_when_host_ram_is_short():
+    """With --nvme-path, a bf16 70B-shaped base whose streamed blocks overflow host RAM puts
+    the last of them on the disk (the fewest); without it the run is refused; disk blocks
+    without --nvme-path are refused in one line."""
+    run = lora_run("llama3.1-70b", "bf16", 1, "full")
+    short = dataclasses.replace(gpu(80, 64), nvme_path="/nvme", nvme_free=2**40)
+    placed, line = plan_base(run, short)
+    a = placed.adapter
+    assert 0 < a.base_disk_blocks <= a.base_host_blocks and "from the disk" in line
+    work = workload_of(run, 1, "cuda")
+    fewer = price_base(
+        work, run.adapter, "bf16", a.base_host_blocks, "full", a.base_disk_blocks - 1
+    )
+    assert not fewer.fits(short)
+    with pytest.raises(UserError):
+        plan_base(run, gpu(80, 64))
+    asked = dataclasses.replace(run, adapter=dataclasses.replace(
+        run.adapter, base_host_blocks=10, base_disk_blocks=2))  # fmt: skip
+    with pytest.raises(UserError, match=r"--base-disk-blocks 2: .*--nvme-path"):
+        plan_base(asked, gpu(80, 512))

@@ -14,7 +14,7 @@ from fitgpt.errors import UserError
 ALL_LINEAR = "all-linear"
 BASE_FORMATS = ("fp32", "bf16", "int8", "nf4")  # adapters/quant.py holds them
 # where the frozen base lives and in what format: the run's placement, free to change on a resume
-PLACEMENT = ("base_format", "base_host_blocks")
+PLACEMENT = ("base_format", "base_host_blocks", "base_disk_blocks")
 # a Hugging Face module name or the end of one: layers.0.self_attn.q_proj, c_attn
 _NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 
@@ -73,6 +73,16 @@ class AdapterConfig:
             "precision, fp32 under fp32",
         },
     )
+    base_disk_blocks: int | None = field(
+        default=None,
+        metadata={
+            "help": "of the blocks in host RAM (--base-host-blocks), how many (the last ones) "
+            "live in files under --nvme-path instead, read ahead into pinned staging buffers "
+            "and streamed the same way (for capacity: a disk reads ~2 GB/s); default: the "
+            "planner's choice (none unless host RAM is short and --nvme-path is given)",
+            "default_text": "planned",
+        },
+    )
     base_host_blocks: int | None = field(
         default=None,
         metadata={
@@ -112,9 +122,10 @@ class AdapterConfig:
             raise UserError(
                 f"--base-format {self.base_format!r}: use auto, {', '.join(BASE_FORMATS)}"
             )
-        h = self.base_host_blocks
-        if h is not None and (not isinstance(h, int) or isinstance(h, bool) or h < 0):
-            raise UserError(f"--base-host-blocks {h!r} must be a whole number >= 0")
+        for name in ("base_host_blocks", "base_disk_blocks"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise UserError(f"{flag(name)} {v!r} must be a whole number >= 0")
 
     @property
     def active(self) -> bool:
@@ -171,5 +182,5 @@ def resumed_adapter(saved: dict, asked: dict, ckpt: Path) -> AdapterConfig:
         raise UserError(f"--resume: {ckpt} trained the whole model: drop --lora-dropout")
     # the base's format is the checkpoint's unless asked (the adapters trained on its values);
     # its tiers are placed again for this machine (plan/adapter.py)
-    kept = {k: getattr(old, k) for k in known if k != "base_host_blocks"}
+    kept = {k: getattr(old, k) for k in known if k not in PLACEMENT[1:]}
     return AdapterConfig(**{**kept, **asked})

@@ -151,8 +151,9 @@ class TorchEngine(Engine):
         working = AUTOCAST[self.pcfg.precision] or torch.float32
         fmt = base_format(adapter, self.pcfg.precision)
         self.store = FrozenStore(
-            model, self.layout, fmt, working, adapter.base_host_blocks or 0, self.device
-        )
+            model, self.layout, fmt, working, adapter.base_host_blocks or 0, self.device,
+            disk_blocks=adapter.base_disk_blocks or 0, nvme_path=self.ecfg.nvme_path,
+        )  # fmt: skip
         # the rest on the device: the adapters in fp32, the embedding and head as the blocks'
         # vectors (fp32 for an fp32 base, else the compute dtype); tied weights stay tied
         outer = torch.float32 if fmt == "fp32" else working
@@ -368,9 +369,12 @@ class TorchEngine(Engine):
         if self.store is not None:
             c = self.store.chunks[0]
             held = sum(not c.streamed for c in self.store.chunks)
+            disk = sum(c.on_disk for c in self.store.chunks)
             placement = (
                 f"the frozen base's blocks in {c.codec.fmt} ({held} on the device, "
-                f"{len(self.store.chunks) - held} streamed from host RAM, each unpacked to "
+                f"{len(self.store.chunks) - held} streamed from host RAM"
+                + (f", {disk} of them read from the disk" if disk else "")
+                + ", each unpacked to "
                 f"{str(c.codec.working).removeprefix('torch.')} while it runs), the adapters "
                 f"with their gradients and Adam moments in fp32 on the device, {where}"
             )
@@ -399,9 +403,14 @@ class TorchEngine(Engine):
                 p for p in self.model.parameters() if not p.requires_grad and id(p) not in blocks
             )
             held["frozen_weights"] = tiers["device"] + nbytes(rest)
+            out = {dev: held}
             if dev != "cpu":
-                return {dev: held, "cpu": {"frozen_weights": tiers["host"]}}
-            held["frozen_weights"] += tiers["host"]
+                out["cpu"] = {"frozen_weights": tiers["host"]}
+            else:
+                held["frozen_weights"] += tiers["host"]
+            if tiers["disk"]:
+                out["nvme"] = {"frozen_weights": tiers["disk"]}
+            return out
         elif self.frozen is not None:  # an adapter run's base: weights alone
             held["frozen_weights"] = nbytes(
                 p for p in self.model.parameters() if not p.requires_grad

@@ -1,16 +1,18 @@
 """An adapter run's placement, decided once, where a run is settled (train/assemble.py settle).
 
-LoRA (fitgpt/adapters) trains a few matrices on a frozen base. The chunk engine does not hold
-frozen weights yet (its chunks step every parameter they hold), and the planner does not price
-a frozen base (its memory model counts gradients and Adam moments for every parameter), so an
-adapter run trains on the ddp engine, as given, unplanned: every rank holds the base's fp32
-weights and the adapters with their state (docs/adapters.md). What needs the chunk engine, or
-cuts the model, is refused in one line naming the flag, before anything is planned or built:
+LoRA (fitgpt/adapters) trains a few matrices on a frozen base. The adapters, their gradients
+and Adam moments are small and stay on the GPU, so an adapter run trains on the ddp engine; what
+this file plans is the base (plan_base, when the run is placed: train/assemble.py placed): its
+format (--base-format, auto: bf16 under bf16 compute, fp32 under fp32) and how many of its
+blocks stream from pinned host RAM or from the disk (engine/chunked/frozen.py), priced by
+price_base; a run that fits nowhere is refused in one line naming what would fit
+(docs/adapters.md). What needs the chunk engine's tiers for the trained state, or cuts the
+model, is refused in one line naming the flag, before anything is planned or built:
 
   --engine zero, --zero-stage 1-3         sharded state: the ddp engine shards nothing
   --offload-optimizer, --offload-params,  state in host RAM or on disk: the chunk engine's tiers
-  --offload-blocks, --nvme-blocks, and
-  the two --*-fraction shares, --nvme-path
+  --offload-blocks, --nvme-blocks, and    (a LoRA base has its own: --base-host-blocks,
+  the two --*-fraction shares             --base-disk-blocks with --nvme-path)
   --master split, compact --moments,      the chunk engine's optimizer formats
   --device-moments
   --compile model                         the chunk engine's whole-model graph
@@ -33,6 +35,7 @@ import torch
 
 from fitgpt.adapters import AdapterConfig, lora_targets
 from fitgpt.adapters.quant import BlockCodec, base_format, packed_base
+from fitgpt.engine.chunked.frozen import DiskBlocks
 from fitgpt.engine.config import EngineConfig
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
@@ -76,7 +79,7 @@ def adapter_refusal(e: EngineConfig, typed: Mapping[str, Any]) -> str | None:
     flags typed (the shares --offload-fraction and --nvme-fraction among them)."""
     if typed.get("engine") == "zero":
         return f"--engine zero: {WHY}; drop it"
-    for name in ("offload_fraction", "nvme_fraction", "nvme_path"):
+    for name in ("offload_fraction", "nvme_fraction"):  # --nvme-path: the base's disk tier
         if typed.get(name) not in (None, ""):
             return f"{flag_text(name, typed[name])}: {WHY}; drop it"
     for name, plain in PLAIN.items():
@@ -124,7 +127,12 @@ def place_base(run, ctx, log=print):
     Every rank decides alike (each holds the whole base)."""
     from fitgpt.plan import hardware
 
-    hw = hardware.detect(gpus=ctx.world, device=ctx.device.type, cpu_mem=run.engine.cpu_mem)
+    hw = hardware.detect(
+        gpus=ctx.world,
+        device=ctx.device.type,
+        cpu_mem=run.engine.cpu_mem,
+        nvme=run.engine.nvme_path or None,
+    )
     run, line = plan_base(run, hw)
     log(line)
     return run
@@ -137,25 +145,39 @@ LEANER = ("bf16", "int8", "nf4")
 
 @dataclass(frozen=True)
 class BasePlan:
-    """An adapter run's memory: the base in `fmt`, its last `host_blocks` blocks in host RAM."""
+    """An adapter run's memory: the base in `fmt`, its last `host_blocks` blocks off the GPU,
+    the last `disk_blocks` of those in files rather than pinned host RAM."""
 
     fmt: str
     host_blocks: int
     blocks: int
     est: Estimate
+    disk_blocks: int = 0
+
+    def gpu_fits(self, hw: Hardware) -> bool:
+        return hw.device != "cuda" or self.est.compute_total <= gpu_budget(hw.gpu_mem)
+
+    def host_fits(self, hw: Hardware) -> bool:
+        disk = sum(self.est.nvme.values())
+        disk_ok = not disk or (bool(hw.nvme_path) and disk <= hw.nvme_free)
+        return disk_ok and (not hw.cpu_mem or self.est.host_total <= hw.cpu_mem)
 
     def fits(self, hw: Hardware) -> bool:
-        gpu_ok = hw.device != "cuda" or self.est.compute_total <= gpu_budget(hw.gpu_mem)
-        return gpu_ok and (not hw.cpu_mem or self.est.host_total <= hw.cpu_mem)
+        return self.gpu_fits(hw) and self.host_fits(hw)
 
     def line(self) -> str:
         gpu = f"{self.est.compute_total / GiB:.1f} GiB a GPU, " if self.est.compute else ""
         device = "GPU" if self.est.compute else "device"
+        disk = f" ({self.disk_blocks} of them from the disk)" if self.disk_blocks else ""
         where = (
             f"{self.blocks - self.host_blocks} of its {self.blocks} blocks on the {device}, "
-            f"{self.host_blocks} streamed from host RAM"
+            f"{self.host_blocks} streamed from host RAM{disk}"
         )
-        return f"the base in {self.fmt}, {where}: {gpu}{self.est.host_total / GiB:.1f} GiB host"
+        nvme = sum(self.est.nvme.values())
+        nvme = f", {nvme / GiB:.1f} GiB disk" if nvme else ""
+        return (
+            f"the base in {self.fmt}, {where}: {gpu}{self.est.host_total / GiB:.1f} GiB host{nvme}"
+        )
 
 
 @functools.lru_cache(maxsize=32)
@@ -166,7 +188,12 @@ def adapter_elements(model: ModelConfig, adapter: AdapterConfig) -> int:
 
 
 def price_base(
-    work: Workload, adapter: AdapterConfig, fmt: str, host_blocks: int, checkpointing: str
+    work: Workload,
+    adapter: AdapterConfig,
+    fmt: str,
+    host_blocks: int,
+    checkpointing: str,
+    disk_blocks: int = 0,
 ) -> BasePlan:
     """Bytes per rank of an adapter run whose base is held in `fmt` with its last `host_blocks`
     blocks in pinned host RAM (engine/chunked/frozen.py): the packed blocks on their tiers, the
@@ -191,10 +218,14 @@ def price_base(
             dev["landed_blocks"] = 2 * max(sizes[first_host:])
     elif w == 2:  # an fp32 base under autocast: bf16 copies of the weights, saved for backward
         dev["autocast_weights"] = 2 * sum(numels)
-    dev.update(activation_peak(work, EngineConfig(engine="ddp", checkpointing=checkpointing)))
+    dev.update(_activations(work, checkpointing))
     est = Estimate()
     est.host["process"] = HOST_BASE["cpu" if work.device == "cpu" else "cuda"]
-    est.host["frozen_blocks_pinned"] = sum(sizes[first_host:])
+    first_disk = len(sizes) - disk_blocks
+    est.host["frozen_blocks_pinned"] = sum(sizes[first_host:first_disk])
+    if disk_blocks:  # the files, and the staging ring they are read into (DiskBlocks)
+        est.nvme["frozen_blocks"] = sum(sizes[first_disk:])
+        est.host["frozen_disk_staging"] = DiskBlocks.RING * max(sizes[first_disk:])
     if work.device == "cpu":
         est.host.update(dev)
     else:
@@ -202,7 +233,12 @@ def price_base(
         est.compute["outside:cuda_context"] = CUDA_CONTEXT
         if work.world > 1:
             est.compute["outside:nccl_buffers"] = NCCL_BUFFERS
-    return BasePlan(fmt, host_blocks, len(sizes), est)
+    return BasePlan(fmt, host_blocks, len(sizes), est, disk_blocks)
+
+
+@functools.lru_cache(maxsize=64)
+def _activations(work: Workload, checkpointing: str) -> dict[str, int]:
+    return activation_peak(work, EngineConfig(engine="ddp", checkpointing=checkpointing))
 
 
 @functools.lru_cache(maxsize=32)
@@ -235,24 +271,42 @@ def plan_base(run, hw: Hardware) -> tuple[Any, str]:
     fmt = base_format(a, work.precision)
     ckpt = run.engine.checkpointing
     n_blocks = run.model.n_layer
+    h, d = a.base_host_blocks, a.base_disk_blocks
+    if h is not None and h > n_blocks:
+        raise UserError(f"--base-host-blocks {h}: the model has {n_blocks} blocks; use 0 to "
+                        f"{n_blocks}")  # fmt: skip
+    if d and d > (n_blocks if h is None else h):
+        raise UserError(f"--base-disk-blocks {d}: more than the blocks off the GPU "
+                        f"(--base-host-blocks {h}); the disk ones are among them")  # fmt: skip
+    if a.base_disk_blocks and not hw.nvme_path:
+        raise UserError(
+            f"--base-disk-blocks {a.base_disk_blocks}: the disk blocks' files need "
+            "--nvme-path DIR on a disk with room for them"
+        )
     if a.base_host_blocks is not None:
-        if a.base_host_blocks > n_blocks:
-            raise UserError(
-                f"--base-host-blocks {a.base_host_blocks}: the model has {n_blocks} blocks; "
-                f"use 0 to {n_blocks}"
-            )
         tries = [a.base_host_blocks]
     else:
         tries = [0] if hw.device != "cuda" else range(n_blocks + 1)
     for h in tries:
         p = price_base(work, a, fmt, h, ckpt)
-        if p.fits(hw):
-            return _settled(run, fmt, h), "LoRA: " + p.line()
+        if not p.gpu_fits(hw):
+            continue
+        disks = [a.base_disk_blocks] if a.base_disk_blocks is not None else [0]
+        if a.base_disk_blocks is None and hw.nvme_path:  # the disk when host RAM is short
+            disks = range(h + 1)
+        for d in disks:
+            if d > h:  # the disk blocks are among the host ones
+                continue
+            p = price_base(work, a, fmt, h, ckpt, d)
+            if p.fits(hw):
+                return _settled(run, fmt, h, d), "LoRA: " + p.line()
     raise UserError(_refusal(work, a, fmt, ckpt, p, hw))
 
 
-def _settled(run, fmt: str, host_blocks: int):
-    a = dataclasses.replace(run.adapter, base_format=fmt, base_host_blocks=host_blocks)
+def _settled(run, fmt: str, host_blocks: int, disk_blocks: int):
+    a = dataclasses.replace(
+        run.adapter, base_format=fmt, base_host_blocks=host_blocks, base_disk_blocks=disk_blocks
+    )
     return dataclasses.replace(run, adapter=a)
 
 

@@ -113,7 +113,10 @@ def settle(settings: Settings, world: int, device: str) -> Settings:
     has_base = settings.init_from is not None
     config, fixed, notes = adapter_placement(config, settings.fixed, settings.typed, has_base)
     m, e, p = config.model, config.engine, config.precision
-    check_settings(m, e, p, world, device, fixed, settings.typed)
+    typed = settings.typed
+    if config.adapter.active:  # --nvme-path holds a LoRA base's disk blocks (plan/adapter.py)
+        typed = {k: v for k, v in typed.items() if k != "nvme_path"}
+    check_settings(m, e, p, world, device, fixed, typed)
     notes = (*settings.notes, *(n for n in notes if n not in settings.notes))
     return dataclasses.replace(
         settings, config=config, fixed=fixed, notes=notes, settled=(world, device)

@@ -40,8 +40,13 @@ class FrozenChunk:
         streamed: bool,
         device: torch.device,
         pinned: PinnedArena,
+        on_disk: bool = False,
     ) -> None:
         self.spec, self.codec, self.streamed, self.device = spec, codec, streamed, device
+        # a disk block: a streamed block whose host copy is a staging buffer of DiskBlocks',
+        # filled from its file ahead of use (weight_shard None while it has none)
+        self.on_disk = on_disk
+        self.disk: DiskBlocks | None = None  # set by DiskBlocks
         self.N = codec.nbytes  # packed bytes (WeightFetch copies [lo, hi) of them)
         self.lo, self.hi = 0, self.N
         self.fetch_work = None
@@ -67,7 +72,11 @@ class FrozenChunk:
         ]
         self.resident = True
         self.weight_shard = self.weight
-        if streamed:
+        if on_disk:
+            self.weight_shard = None
+            self._resize(self.weight, 0)
+            self.resident = False
+        elif streamed:
             self.weight_shard = pinned.zeros(self.N, torch.uint8)
             self._resize(self.weight, 0)  # frees N bytes on the device until fetched
             self.resident = False
@@ -116,6 +125,9 @@ class FrozenChunk:
         runs on the compute device (one block's fp32 there at a time)."""
         packed = torch.zeros(self.N, dtype=torch.uint8, device=self.device)
         self.codec.pack(flat.to(self.device, torch.float32), packed)
+        if self.on_disk:
+            self.disk.write(self, packed.cpu())
+            return
         self.weight_shard.copy_(packed)
         if self.streamed:
             self.free_weight()
@@ -127,9 +139,17 @@ class FrozenFetch(WeightFetch):
     """WeightFetch for frozen chunks: a chunk is ready once unpacked; block i+1 is freed when
     the backward reaches block i (its own backward is done)."""
 
+    disk: DiskBlocks | None = None
+
     def prefetch(self, c: FrozenChunk) -> None:
-        if not c.unpacked:
+        if c.unpacked:
+            return
+        if c.on_disk and not c.resident:  # its bytes from the disk first (read ahead, mostly)
+            self.disk.stage(c)
             super().prefetch(c)
+            self.disk.copying(c, c.fetch_work)
+            return
+        super().prefetch(c)
 
     def ensure(self, c: FrozenChunk) -> None:
         super().ensure(c)
@@ -164,14 +184,25 @@ class FrozenStore:
         working: torch.dtype,
         host_blocks: int,
         device: torch.device,
+        disk_blocks: int = 0,
+        nvme_path: str = "",
     ) -> None:
         specs = [c for c in layout if c.name.startswith("block.")]
         self.pinned = PinnedArena(device.type == "cuda")
-        first_host = len(specs) - host_blocks
+        first_host, first_disk = len(specs) - host_blocks, len(specs) - disk_blocks
         self.chunks = [
-            FrozenChunk(s, BlockCodec(s, fmt, working), i >= first_host, device, self.pinned)
+            FrozenChunk(
+                s,
+                BlockCodec(s, fmt, working),
+                i >= first_host,
+                device,
+                self.pinned,
+                on_disk=i >= first_disk,
+            )
             for i, s in enumerate(specs)
         ]
+        on_disk = [c for c in self.chunks if c.on_disk]
+        self.disk = DiskBlocks(nvme_path, on_disk, self.pinned, device) if on_disk else None
         self.by_name = {c.spec.name: c for c in self.chunks}
         for c in self.chunks:
             for slot, p in zip(c.spec.slots, c.params):
@@ -179,6 +210,7 @@ class FrozenStore:
                 model.get_submodule(owner)._parameters[leaf] = p
         streams = any(c.streamed for c in self.chunks)
         self.fetch = FrozenFetch(Peers(None, 1, 0), device, None, streams)
+        self.fetch.disk = self.disk
         self.hooks = []
         if streams or not all(c.codec.direct for c in self.chunks):  # else nothing to bring in
             self.hooks = self.fetch.register(list(model.blocks), self.chunks)
@@ -191,13 +223,97 @@ class FrozenStore:
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes held between uses, by tier: the packed blocks on the device and in host RAM."""
-        out = {"device": 0, "host": 0}
+        out = {"device": 0, "host": 0, "disk": 0}
         for c in self.chunks:
-            out["host" if c.streamed else "device"] += c.N
+            out["disk" if c.on_disk else "host" if c.streamed else "device"] += c.N
+        if self.disk is not None:
+            out["host"] += sum(b.numel() for b in self.disk.ring)  # the staging buffers
         return out
 
     def close(self) -> None:
         for h in self.hooks:
             h.remove()
         self.hooks = []
+        if self.disk is not None:
+            self.disk.close()  # removes the files
         self.pinned.close()
+
+
+class DiskBlocks:
+    """The disk tier of a frozen base: each disk block's packed bytes in a file of its own
+    (engine/host/nvme.py's store, under --nvme-path; removed at exit), read into one of RING
+    pinned staging buffers ahead of use, then streamed to the GPU as a host block is.
+
+    Read-ahead: staging block i for its fetch starts the read of the next disk block in the
+    same direction (i+1 in the forward, i-1 in the backward), so one read overlaps one block's
+    compute. A staging buffer is reused only once the host→device copy out of it has landed
+    (its event waited on: a host sync, on a copy issued two blocks earlier). Costs: RING × the
+    largest block's packed bytes of pinned host RAM; every disk block read once per forward
+    and once per backward (the disk's bandwidth, ~2 GB/s, against PCIe's ~25-50)."""
+
+    RING = 3  # the block being copied, the one being read ahead, and one free to start
+
+    def __init__(self, path: str, chunks: list[FrozenChunk], pinned: PinnedArena, device) -> None:
+        from fitgpt.engine.host.nvme import NvmeStore
+
+        self.chunks = chunks
+        self.store = NvmeStore(path, need_bytes=sum(c.N for c in chunks))
+        for c in chunks:
+            c.disk = self
+            self.store.alloc(self._key(c), c.N)
+        big = max(c.N for c in chunks)
+        self.ring = [pinned.zeros(big, torch.uint8) for _ in range(self.RING)]
+        self.owner: list[FrozenChunk | None] = [None] * self.RING
+        self.landed: list = [None] * self.RING  # the copy out of each buffer, if on CUDA
+        self.reads: dict[int, object] = {}  # id(chunk) -> the read's future
+        self.next, self.last = 0, -1
+
+    @staticmethod
+    def _key(c: FrozenChunk) -> str:
+        return f"frozen-{c.spec.index}"
+
+    def write(self, c: FrozenChunk, packed: Tensor) -> None:
+        self.store.write(self._key(c), packed).result()
+
+    def _start(self, c: FrozenChunk, keep: FrozenChunk | None = None) -> None:
+        """Begin reading c's bytes into a staging buffer, round robin, never `keep`'s (the
+        block being fetched now); nothing if c has its bytes or their read is under way."""
+        if c.weight_shard is not None or id(c) in self.reads:
+            return
+        i = self.next
+        if self.owner[i] is not None and self.owner[i] is keep:
+            i = (i + 1) % self.RING
+        self.next = (i + 1) % self.RING
+        if self.landed[i] is not None:
+            self.landed[i].synchronize()  # host sync: the GPU has read this buffer out
+            self.landed[i] = None
+        if self.owner[i] is not None:
+            self.owner[i].weight_shard = None
+        self.owner[i] = c
+        c.weight_shard = self.ring[i][: c.N]
+        self.reads[id(c)] = self.store.read(self._key(c), c.weight_shard)
+
+    def stage(self, c: FrozenChunk) -> None:
+        """c's bytes in host RAM (read now, or waited for), and the next disk block's read
+        started."""
+        self._start(c)
+        fut = self.reads.pop(id(c), None)
+        if fut is not None:
+            fut.result()
+        at = self.chunks.index(c)
+        step = 1 if at > self.last else -1
+        self.last = at
+        if 0 <= at + step < len(self.chunks):
+            self._start(self.chunks[at + step], keep=c)
+
+    def copying(self, c: FrozenChunk, work) -> None:
+        """The copy out of c's staging buffer was issued (`work`: its handle)."""
+        event = getattr(work, "event", None)
+        if event is not None:
+            self.landed[self.owner.index(c)] = event
+
+    def close(self) -> None:
+        for fut in self.reads.values():
+            fut.result()
+        self.reads = {}
+        self.store.close()
