@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from cli_refusal import assert_refused, run_in_process, run_main
+from helpers import close
 
 from fitgpt.adapters import AdapterConfig
 from fitgpt.adapters.quant import BlockCodec
@@ -273,9 +275,10 @@ def test_capacity_covers_lora(capsys):
     bench = BenchConfig(hidden=64, heads=4, micro_batch=2, seq_len=64)
     hw = Hardware("cpu", 1, 0, "", 200 * 10**6 + HOST_BASE["cpu"], 2)
 
-    def run_at(layers, fmt="auto"):
+    def run_at(layers):
         run = bench_run(bench.model(layers), bench, "fp32", "cpu")
-        return dataclasses.replace(run, adapter=AdapterConfig(lora_rank=8, base_format=fmt))
+        engine = dataclasses.replace(run.engine, checkpointing=bench.checkpointing)
+        return dataclasses.replace(run, engine=engine, adapter=AdapterConfig(lora_rank=8))
 
     plan_base(run_at(found["layers"]), hw)
     with pytest.raises(UserError):
@@ -283,13 +286,16 @@ def test_capacity_covers_lora(capsys):
     big = BenchConfig(hidden=8192, heads=64, micro_batch=1, seq_len=4096)
 
     def gpu_run(fmt):
-        return lambda n: dataclasses.replace(
-            bench_run(big.model(n), big, "bf16", "cuda"),
-            adapter=AdapterConfig(lora_rank=16, base_format=fmt),
-        )
+        def run_at(n):
+            run = bench_run(big.model(n), big, "bf16", "cuda")
+            engine = dataclasses.replace(run.engine, checkpointing="full")
+            adapter = AdapterConfig(lora_rank=16, base_format=fmt)
+            return dataclasses.replace(run, engine=engine, adapter=adapter)
 
-    nf4, _ = largest_lora(gpu_run("nf4"), gpu(80, 1024))
-    bf16, line = largest_lora(gpu_run("bf16"), gpu(80, 1024))
+        return run_at
+
+    nf4, _ = largest_lora(gpu_run("nf4"), gpu(80, 128))
+    bf16, line = largest_lora(gpu_run("bf16"), gpu(80, 128))
     assert nf4 > bf16 > 80 * 2**30 / (2 * big.model(1).num_params()) and "streamed" in line
 
 
@@ -333,3 +339,35 @@ def test_the_planner_puts_blocks_on_the_disk_when_host_ram_is_short():
         run.adapter, base_host_blocks=10, base_disk_blocks=2))  # fmt: skip
     with pytest.raises(UserError, match=r"--base-disk-blocks 2: .*--nvme-path"):
         plan_base(asked, gpu(80, 512))
+
+
+def _sharded_worker(rank: int, world: int, folder: str, tmp: str) -> None:
+    """One gloo rank of test_a_sharded_base_...: half the batch, the base's bytes cut in two."""
+    from fitgpt.dist.context import init_distributed
+
+    ctx = init_distributed("cpu")
+    source = find_source(folder)
+    a = AdapterConfig(lora_rank=4, base_format="nf4", base_host_blocks=1, base_sharded=True)
+    e = build_engine(source.model, EngineConfig(engine="ddp"), PrecisionConfig("fp32"),
+                     OptimConfig(grad_clip=1.0), ctx, 3, a)  # fmt: skip
+    load_source(source, e, source.model, ctx)
+    half = [(x[rank::world], y[rank::world]) for x, y in data()]
+    losses = [e.train_step([b], 2e-3).loss for b in half]
+    shards = [c.weight_shard.numel() for c in e.store.chunks]
+    out = {"loss": losses, "shards": shards, "whole": [c.N for c in e.store.chunks],
+           "adapters": {n: t.tolist() for n, t in adapters_of(e).items()}}  # fmt: skip
+    (Path(tmp) / f"r{rank}.json").write_text(json.dumps(out))
+
+
+@pytest.mark.slow
+def test_a_sharded_base_on_two_gloo_ranks_equals_one_process(llama, tmp_path, gloo):
+    """--base-sharded: each rank holds half of every block's NF4 bytes (one block streamed
+    from host RAM, its half pinned) and all-gathers a block as it runs; two ranks on half the
+    batch each give the one process's losses and adapters."""
+    one, e = trained(llama, base_format="nf4", base_host_blocks=1)
+    gloo(2, _sharded_worker, str(llama), str(tmp_path))
+    r0, r1 = (json.loads((tmp_path / f"r{r}.json").read_text()) for r in range(2))
+    assert all(2 * s == n for s, n in zip(r0["shards"], r0["whole"]))
+    assert close(r0["loss"], one, 1e-6) and r0["adapters"] == r1["adapters"]
+    for n, t in adapters_of(e).items():
+        assert torch.allclose(torch.tensor(r0["adapters"][n]), t, atol=1e-6), n

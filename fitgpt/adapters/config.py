@@ -14,7 +14,7 @@ from fitgpt.errors import UserError
 ALL_LINEAR = "all-linear"
 BASE_FORMATS = ("fp32", "bf16", "int8", "nf4")  # adapters/quant.py holds them
 # where the frozen base lives and in what format: the run's placement, free to change on a resume
-PLACEMENT = ("base_format", "base_host_blocks", "base_disk_blocks")
+PLACEMENT = ("base_format", "base_host_blocks", "base_disk_blocks", "base_sharded")
 # a Hugging Face module name or the end of one: layers.0.self_attn.q_proj, c_attn
 _NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 
@@ -80,6 +80,15 @@ class AdapterConfig:
             "live in files under --nvme-path instead, read ahead into pinned staging buffers "
             "and streamed the same way (for capacity: a disk reads ~2 GB/s); default: the "
             "planner's choice (none unless host RAM is short and --nvme-path is given)",
+            "default_text": "planned",
+        },
+    )
+    base_sharded: bool | None = field(
+        default=None,
+        metadata={
+            "help": "shard the frozen base's blocks over the data-parallel ranks, each holding "
+            "1/N of every block's bytes (on its tier) and all-gathering a block as it runs; "
+            "default: the planner's choice (only where the whole base per rank does not fit)",
             "default_text": "planned",
         },
     )

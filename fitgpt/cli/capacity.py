@@ -286,7 +286,9 @@ def lora_capacity(args, bench, system, hw) -> int:
 
     def run_at(layers: int):
         run = bench_run(bench.model(layers), bench, system.precision, hw.device)
-        return dataclasses.replace(run, adapter=adapter)
+        # the bench's --checkpointing, which a trial's system would apply (plan_fixed)
+        engine = dataclasses.replace(run.engine, checkpointing=bench.checkpointing)
+        return dataclasses.replace(run, engine=engine, adapter=adapter)
 
     found = largest_lora(run_at, hw)
     head = (

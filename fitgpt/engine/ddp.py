@@ -39,6 +39,7 @@ from fitgpt.engine.base import (
     weighted,
 )
 from fitgpt.engine.chunked.frozen import FrozenStore
+from fitgpt.engine.comm import Peers
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.layout import ChunkSpec, chunk_layout, decays
 from fitgpt.engine.scaler import LossScaler
@@ -153,6 +154,7 @@ class TorchEngine(Engine):
         self.store = FrozenStore(
             model, self.layout, fmt, working, adapter.base_host_blocks or 0, self.device,
             disk_blocks=adapter.base_disk_blocks or 0, nvme_path=self.ecfg.nvme_path,
+            peers=self._base_peers(adapter),
         )  # fmt: skip
         # the rest on the device: the adapters in fp32, the embedding and head as the blocks'
         # vectors (fp32 for an fp32 base, else the compute dtype); tied weights stay tied
@@ -191,6 +193,14 @@ class TorchEngine(Engine):
         init_lora(model, targets, seed)
         self.frozen = FrozenBase(self, self.layout)
         self.layout = self.local_layout = chunk_layout(model, trained=True)
+
+    def _base_peers(self, adapter: AdapterConfig) -> Peers | None:
+        """The data-parallel ranks a sharded base (--base-sharded) is cut over; None: whole."""
+        ctx = self.ctx
+        dp = ctx.dp_world if ctx.distributed else 1
+        if not adapter.base_sharded or dp == 1:
+            return None
+        return Peers(ctx.dp_group, dp, ctx.dp_rank)
 
     @torch.no_grad()
     def _init(self, model: DecoderLM, seed: int) -> None:
@@ -374,6 +384,7 @@ class TorchEngine(Engine):
                 f"the frozen base's blocks in {c.codec.fmt} ({held} on the device, "
                 f"{len(self.store.chunks) - held} streamed from host RAM"
                 + (f", {disk} of them read from the disk" if disk else "")
+                + (f", each cut over {self.store.fetch.peers.world} ranks" if c.s != c.N else "")
                 + ", each unpacked to "
                 f"{str(c.codec.working).removeprefix('torch.')} while it runs), the adapters "
                 f"with their gradients and Adam moments in fp32 on the device, {where}"

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from fitgpt.adapters import AdapterConfig, lora_targets
-from fitgpt.adapters.quant import BlockCodec, base_format, packed_base
+from fitgpt.adapters.quant import ALIGN, BlockCodec, base_format, packed_base
 from fitgpt.engine.chunked.frozen import DiskBlocks
 from fitgpt.engine.config import EngineConfig
 from fitgpt.errors import UserError
@@ -153,14 +153,21 @@ class BasePlan:
     blocks: int
     est: Estimate
     disk_blocks: int = 0
+    shards: int = 1  # the ranks each block's bytes are cut over (1: whole on every rank)
+    ranks: int = 1  # the ranks on this machine, sharing its host RAM and disk
 
     def gpu_fits(self, hw: Hardware) -> bool:
         return hw.device != "cuda" or self.est.compute_total <= gpu_budget(hw.gpu_mem)
 
+    @property
+    def host_bytes(self) -> int:
+        """Host RAM of every rank on the machine (each pins its own blocks)."""
+        return self.est.host_total * self.ranks
+
     def host_fits(self, hw: Hardware) -> bool:
-        disk = sum(self.est.nvme.values())
+        disk = sum(self.est.nvme.values()) * self.ranks
         disk_ok = not disk or (bool(hw.nvme_path) and disk <= hw.nvme_free)
-        return disk_ok and (not hw.cpu_mem or self.est.host_total <= hw.cpu_mem)
+        return disk_ok and (not hw.cpu_mem or self.host_bytes <= hw.cpu_mem)
 
     def fits(self, hw: Hardware) -> bool:
         return self.gpu_fits(hw) and self.host_fits(hw)
@@ -169,15 +176,17 @@ class BasePlan:
         gpu = f"{self.est.compute_total / GiB:.1f} GiB a GPU, " if self.est.compute else ""
         device = "GPU" if self.est.compute else "device"
         disk = f" ({self.disk_blocks} of them from the disk)" if self.disk_blocks else ""
+        if self.shards > 1:
+            disk += f", each block sharded over {self.shards} GPUs"
         where = (
             f"{self.blocks - self.host_blocks} of its {self.blocks} blocks on the {device}, "
             f"{self.host_blocks} streamed from host RAM{disk}"
         )
-        nvme = sum(self.est.nvme.values())
+        nvme = sum(self.est.nvme.values()) * self.ranks
         nvme = f", {nvme / GiB:.1f} GiB disk" if nvme else ""
-        return (
-            f"the base in {self.fmt}, {where}: {gpu}{self.est.host_total / GiB:.1f} GiB host{nvme}"
-        )
+        ranks = f" ({self.ranks} ranks)" if self.ranks > 1 else ""
+        host = f"{self.host_bytes / GiB:.1f} GiB host{ranks}"
+        return f"the base in {self.fmt}, {where}: {gpu}{host}{nvme}"
 
 
 @functools.lru_cache(maxsize=32)
@@ -194,9 +203,11 @@ def price_base(
     host_blocks: int,
     checkpointing: str,
     disk_blocks: int = 0,
+    shards: int = 1,
 ) -> BasePlan:
     """Bytes per rank of an adapter run whose base is held in `fmt` with its last `host_blocks`
-    blocks in pinned host RAM (engine/chunked/frozen.py): the packed blocks on their tiers, the
+    blocks in pinned host RAM, the last `disk_blocks` of those on the disk, each block's bytes
+    cut over `shards` ranks (engine/chunked/frozen.py): the packed blocks on their tiers, the
     embedding and head, the working copies of two blocks while they run, the adapters with
     their gradients and Adam moments (16 bytes an element), the activations as a run without
     adapters holds them (the plain engine's memory model: memory.py activation_peak)."""
@@ -204,7 +215,9 @@ def price_base(
     packed = packed_base(
         dataclasses.replace(adapter, base_format=fmt, base_host_blocks=host_blocks), work.precision
     )
-    sizes, numels, outer = _block_bytes(work.model, fmt, w)
+    whole, numels, outer = _block_bytes(work.model, fmt, w)
+    unit = shards * ALIGN  # a block's bytes padded so each rank holds an aligned equal part
+    sizes = [-(-n // unit) * ALIGN for n in whole]  # this rank's part (all of it at 1)
     first_host = len(sizes) - host_blocks
     dev = {
         "frozen_blocks": sum(sizes[:first_host]),
@@ -212,10 +225,11 @@ def price_base(
         "adapters": 16 * adapter_elements(work.model, adapter),
     }
     big = max(numels, default=0)
-    if packed:  # the running block and the prefetched one, unpacked; streamed bytes landing
-        dev["unpacked_blocks"] = 2 * big * w
-        if host_blocks:
-            dev["landed_blocks"] = 2 * max(sizes[first_host:])
+    if packed or shards > 1:  # the running block and the prefetched one, unpacked; their
+        # bytes while they land (streamed) or are gathered (sharded)
+        dev["unpacked_blocks"] = 2 * big * w if not _direct(fmt, w) else 0
+        if host_blocks or shards > 1:
+            dev["landed_blocks"] = 2 * max(whole)
     elif w == 2:  # an fp32 base under autocast: bf16 copies of the weights, saved for backward
         dev["autocast_weights"] = 2 * sum(numels)
     dev.update(_activations(work, checkpointing))
@@ -233,7 +247,13 @@ def price_base(
         est.compute["outside:cuda_context"] = CUDA_CONTEXT
         if work.world > 1:
             est.compute["outside:nccl_buffers"] = NCCL_BUFFERS
-    return BasePlan(fmt, host_blocks, len(sizes), est, disk_blocks)
+    ranks = work.world if work.device == "cuda" else 1  # a CPU job's host RAM: its own check
+    return BasePlan(fmt, host_blocks, len(sizes), est, disk_blocks, shards, ranks)
+
+
+def _direct(fmt: str, w: int) -> bool:
+    """The held bytes are the working weights (adapters/quant.py BlockCodec.direct)."""
+    return (fmt, w) in (("fp32", 4), ("bf16", 2))
 
 
 @functools.lru_cache(maxsize=64)
@@ -287,25 +307,35 @@ def plan_base(run, hw: Hardware) -> tuple[Any, str]:
         tries = [a.base_host_blocks]
     else:
         tries = [0] if hw.device != "cuda" else range(n_blocks + 1)
+    # the fewest blocks streamed (PCIe is slower than the GPUs' links); at each count whole on
+    # every rank first (no gathers), then sharded over the ranks
+    cuts = [hw.gpus if a.base_sharded else 1] if a.base_sharded is not None else [1]
+    if a.base_sharded is None and hw.gpus > 1 and hw.device == "cuda":
+        cuts.append(hw.gpus)
     for h in tries:
-        p = price_base(work, a, fmt, h, ckpt)
-        if not p.gpu_fits(hw):
-            continue
-        disks = [a.base_disk_blocks] if a.base_disk_blocks is not None else [0]
-        if a.base_disk_blocks is None and hw.nvme_path:  # the disk when host RAM is short
-            disks = range(h + 1)
-        for d in disks:
-            if d > h:  # the disk blocks are among the host ones
+        for k in cuts:
+            p = price_base(work, a, fmt, h, ckpt, shards=k)
+            if not p.gpu_fits(hw):
                 continue
-            p = price_base(work, a, fmt, h, ckpt, d)
-            if p.fits(hw):
-                return _settled(run, fmt, h, d), "LoRA: " + p.line()
+            disks = [a.base_disk_blocks] if a.base_disk_blocks is not None else [0]
+            if a.base_disk_blocks is None and hw.nvme_path:  # the disk when host RAM is short
+                disks = range(h + 1)
+            for d in disks:
+                if d > h:  # the disk blocks are among the host ones
+                    continue
+                p = price_base(work, a, fmt, h, ckpt, d, k)
+                if p.fits(hw):
+                    return _settled(run, fmt, h, d, k > 1), "LoRA: " + p.line()
     raise UserError(_refusal(work, a, fmt, ckpt, p, hw))
 
 
-def _settled(run, fmt: str, host_blocks: int, disk_blocks: int):
+def _settled(run, fmt: str, host_blocks: int, disk_blocks: int, sharded: bool):
     a = dataclasses.replace(
-        run.adapter, base_format=fmt, base_host_blocks=host_blocks, base_disk_blocks=disk_blocks
+        run.adapter,
+        base_format=fmt,
+        base_host_blocks=host_blocks,
+        base_disk_blocks=disk_blocks,
+        base_sharded=sharded,
     )
     return dataclasses.replace(run, adapter=a)
 
@@ -315,23 +345,32 @@ def _refusal(work, a, fmt, ckpt, tried: BasePlan, hw: Hardware) -> str:
     fits (a smaller format, every block streamed; then --checkpointing full)."""
     need = (
         f"{tried.est.compute_total / GiB:.1f} GiB a GPU (of {gpu_budget(hw.gpu_mem) / GiB:.1f} "
-        f"usable) and {tried.est.host_total / GiB:.1f} GiB host (of {hw.cpu_mem / GiB:.1f})"
+        f"usable) and {tried.host_bytes / GiB:.1f} GiB host (of {hw.cpu_mem / GiB:.1f})"
     )
     fix = "a smaller --micro-batch or --seq-len, or more GPUs' memory"
     order = LEANER[LEANER.index(fmt) :] if fmt in LEANER else (fmt, *LEANER)
     options = [(f, c) for c in dict.fromkeys((ckpt, "full")) for f in order]
+    cuts = dict.fromkeys((1, hw.gpus if hw.device == "cuda" else 1))
     for f, c in options:
-        if (f, c) == (fmt, ckpt):
+        if (f, c) == (fmt, ckpt) and len(cuts) == 1:
             continue
-        for h in range(tried.blocks + 1):
-            if price_base(work, a, f, h, c).fits(hw):
-                flags = [f"--base-format {f}"] if f != fmt else []
-                flags += [f"--checkpointing {c}"] if c != ckpt else []
-                fix = f"{' '.join(flags)} fits ({h} blocks in host RAM)"
-                break
-        else:
-            continue
-        break
+        plan = next(
+            (
+                (h, k)
+                for k in cuts
+                for h in range(tried.blocks + 1)
+                if price_base(work, a, f, h, c, shards=k).fits(hw)
+            ),
+            None,
+        )
+        if plan is not None:
+            h, k = plan
+            flags = [f"--base-format {f}"] if f != fmt else []
+            flags += [f"--checkpointing {c}"] if c != ckpt else []
+            flags += ["--base-sharded"] if k > 1 else []
+            flags = flags or [f"--base-host-blocks {h}"]
+            fix = f"{' '.join(flags)} fits ({h} blocks in host RAM)"
+            break
     return (
         f"--lora-rank {a.lora_rank}: {work.model.num_params() / 1e9:.2f} B parameters with "
         f"the base in {fmt} and {tried.host_blocks} of {tried.blocks} blocks in host RAM need "

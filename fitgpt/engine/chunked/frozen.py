@@ -13,6 +13,9 @@ alloc_weight, free_weight, fetch_work). FrozenFetch adds what a frozen chunk nee
 fetch: the unpack once the bytes have landed, and the free of block i+1 once the backward has
 reached block i (there is no gradient hook to free it, as reduce.py does for a trained chunk).
 
+Sharded (--base-sharded, over the data-parallel ranks): each rank holds [lo, hi) of every
+block's packed bytes on its tier and the fetch all-gathers them, as for a ZeRO stage-3 block.
+
 Bytes, per block of p parameters: held p·b (b: 4, 2, ~1 or ~0.52 by format) on its tier; while
 it runs, p·w for the working copy (w = 2 in bf16) plus, streamed, p·b on the GPU for the landed
 bytes until unpacked. Peak: two blocks' working copies (the running block and the prefetched).
@@ -25,7 +28,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from fitgpt.adapters.quant import BlockCodec
+from fitgpt.adapters.quant import ALIGN, BlockCodec
 from fitgpt.engine.chunked.fetch import WeightFetch
 from fitgpt.engine.comm import Peers
 from fitgpt.engine.host.pinned import PinnedArena
@@ -41,20 +44,25 @@ class FrozenChunk:
         device: torch.device,
         pinned: PinnedArena,
         on_disk: bool = False,
+        rank: int = 0,
+        world: int = 1,
     ) -> None:
         self.spec, self.codec, self.streamed, self.device = spec, codec, streamed, device
         # a disk block: a streamed block whose host copy is a staging buffer of DiskBlocks',
         # filled from its file ahead of use (weight_shard None while it has none)
         self.on_disk = on_disk
         self.disk: DiskBlocks | None = None  # set by DiskBlocks
-        self.N = codec.nbytes  # packed bytes (WeightFetch copies [lo, hi) of them)
-        self.lo, self.hi = 0, self.N
+        # packed bytes, padded to a multiple of world·ALIGN; sharded over `world` ranks (each
+        # holds [lo, hi) and all-gathers the rest per use, as stage 3 gathers a trained block)
+        self.N = -(-codec.nbytes // (world * ALIGN)) * world * ALIGN
+        self.s = self.N // world
+        self.lo, self.hi = rank * self.s, (rank + 1) * self.s
+        self.transient = streamed or world > 1  # the full bytes only while the block runs
         self.fetch_work = None
-        # weight: the packed bytes on the device; weight_shard: their home (pinned host RAM, or
-        # the same bytes on the device tier)
-        # weight: the packed bytes on the device; weight_shard: their home (pinned host RAM, or
-        # the same bytes on the device tier). work: the working weights, the packed bytes
-        # themselves where nothing is unpacked (codec.direct)
+        # weight: the packed bytes on the device; weight_shard: this rank's home of them
+        # (pinned host RAM, a disk block's staging buffer, its shard on the device, or the
+        # bytes themselves on an unsharded device block). work: the working weights, the
+        # packed bytes themselves where nothing is unpacked (codec.direct)
         self.weight = torch.zeros(self.N, dtype=torch.uint8, device=device)
         direct = codec.direct
         self.work = (
@@ -70,16 +78,16 @@ class FrozenChunk:
             nn.Parameter(alias[s.offset : s.offset + s.numel].view(s.shape), requires_grad=False)
             for s in spec.slots
         ]
-        self.resident = True
         self.weight_shard = self.weight
         if on_disk:
             self.weight_shard = None
-            self._resize(self.weight, 0)
-            self.resident = False
         elif streamed:
-            self.weight_shard = pinned.zeros(self.N, torch.uint8)
+            self.weight_shard = pinned.zeros(self.s, torch.uint8)
+        elif world > 1:
+            self.weight_shard = torch.zeros(self.s, dtype=torch.uint8, device=device)
+        self.resident = not self.transient
+        if self.transient:
             self._resize(self.weight, 0)  # frees N bytes on the device until fetched
-            self.resident = False
         if not direct:
             self._resize(self.work, 0)  # unpacked per use
         self.unpacked = direct and self.resident
@@ -100,7 +108,7 @@ class FrozenChunk:
         landed bytes (p·b)."""
         if not self.codec.direct and self.unpacked:
             self._resize(self.work, 0)
-        if self.streamed and self.resident:
+        if self.transient and self.resident:
             self._resize(self.weight, 0)
             self.resident = False
         self.unpacked = self.codec.direct and self.resident
@@ -114,7 +122,7 @@ class FrozenChunk:
         if not self.codec.direct:
             self._resize(self.work, self.spec.numel)
             self.codec.unpack(self.weight, self.work)
-            if self.streamed:
+            if self.transient:
                 self._resize(self.weight, 0)
                 self.resident = False
         self.unpacked = True
@@ -126,10 +134,10 @@ class FrozenChunk:
         packed = torch.zeros(self.N, dtype=torch.uint8, device=self.device)
         self.codec.pack(flat.to(self.device, torch.float32), packed)
         if self.on_disk:
-            self.disk.write(self, packed.cpu())
+            self.disk.write(self, packed[self.lo : self.hi].cpu())
             return
-        self.weight_shard.copy_(packed)
-        if self.streamed:
+        self.weight_shard.copy_(packed[self.lo : self.hi])
+        if self.transient:
             self.free_weight()
         elif not self.codec.direct:
             self.free_weight()  # the working copy is stale: unpacked again at the next use
@@ -186,7 +194,10 @@ class FrozenStore:
         device: torch.device,
         disk_blocks: int = 0,
         nvme_path: str = "",
+        peers: Peers | None = None,
     ) -> None:
+        """peers: the ranks the base's bytes are sharded over (None: each holds them whole)."""
+        peers = peers or Peers(None, 1, 0)
         specs = [c for c in layout if c.name.startswith("block.")]
         self.pinned = PinnedArena(device.type == "cuda")
         first_host, first_disk = len(specs) - host_blocks, len(specs) - disk_blocks
@@ -198,6 +209,8 @@ class FrozenStore:
                 device,
                 self.pinned,
                 on_disk=i >= first_disk,
+                rank=peers.rank,
+                world=peers.world,
             )
             for i, s in enumerate(specs)
         ]
@@ -209,10 +222,11 @@ class FrozenStore:
                 owner, _, leaf = slot.name.rpartition(".")
                 model.get_submodule(owner)._parameters[leaf] = p
         streams = any(c.streamed for c in self.chunks)
-        self.fetch = FrozenFetch(Peers(None, 1, 0), device, None, streams)
+        self.fetch = FrozenFetch(peers, device, None, streams)
         self.fetch.disk = self.disk
         self.hooks = []
-        if streams or not all(c.codec.direct for c in self.chunks):  # else nothing to bring in
+        # else every block is whole on the device, as it runs: nothing to bring in
+        if streams or peers.world > 1 or not all(c.codec.direct for c in self.chunks):
             self.hooks = self.fetch.register(list(model.blocks), self.chunks)
 
     def release(self) -> None:
@@ -225,7 +239,7 @@ class FrozenStore:
         """Bytes held between uses, by tier: the packed blocks on the device and in host RAM."""
         out = {"device": 0, "host": 0, "disk": 0}
         for c in self.chunks:
-            out["disk" if c.on_disk else "host" if c.streamed else "device"] += c.N
+            out["disk" if c.on_disk else "host" if c.streamed else "device"] += c.s
         if self.disk is not None:
             out["host"] += sum(b.numel() for b in self.disk.ring)  # the staging buffers
         return out
@@ -257,11 +271,11 @@ class DiskBlocks:
         from fitgpt.engine.host.nvme import NvmeStore
 
         self.chunks = chunks
-        self.store = NvmeStore(path, need_bytes=sum(c.N for c in chunks))
-        for c in chunks:
+        self.store = NvmeStore(path, need_bytes=sum(c.s for c in chunks))
+        for c in chunks:  # this rank's shard of each block (all of it on one rank)
             c.disk = self
-            self.store.alloc(self._key(c), c.N)
-        big = max(c.N for c in chunks)
+            self.store.alloc(self._key(c), c.s)
+        big = max(c.s for c in chunks)
         self.ring = [pinned.zeros(big, torch.uint8) for _ in range(self.RING)]
         self.owner: list[FrozenChunk | None] = [None] * self.RING
         self.landed: list = [None] * self.RING  # the copy out of each buffer, if on CUDA
@@ -290,7 +304,7 @@ class DiskBlocks:
         if self.owner[i] is not None:
             self.owner[i].weight_shard = None
         self.owner[i] = c
-        c.weight_shard = self.ring[i][: c.N]
+        c.weight_shard = self.ring[i][: c.s]
         self.reads[id(c)] = self.store.read(self._key(c), c.weight_shard)
 
     def stage(self, c: FrozenChunk) -> None:
