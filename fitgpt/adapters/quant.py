@@ -5,7 +5,8 @@ flat byte buffer, and unpacked into the working dtype when the block runs.
   bf16   2 bytes per parameter: the weights rounded once, at load.
   int8   the matrices per-row absmax int8 (bitsandbytes' int8_vectorwise_quant: q = round(127·w
          / max|row|), w ≈ q·max|row|/127), one fp32 scale per row: 1 + 4/in bytes per
-         parameter; vectors (norm gains, biases) in bf16.
+         parameter; vectors (norm gains, biases) in bf16. Quantised from the weights in fp16,
+         as bitsandbytes quantises its LLM.int8 weights (its CUDA kernel takes fp16 alone).
   nf4    QLoRA's NormalFloat4 with double quantisation, bitsandbytes' own (quantize_4bit,
          quant_type="nf4", blocksize 64, compress_statistics=True): two 4-bit codes a byte, one
          8-bit absmax per 64 weights, those absmaxes 8-bit-quantised again in blocks of 256 with
@@ -146,8 +147,8 @@ class BlockCodec:
         if kind == "float":
             return [w.to(self.held).contiguous()]
         bnbf = _bnb()
-        if kind == "int8":
-            codes, scales, _ = bnbf.int8_vectorwise_quant(w.float().reshape(w.shape[0], -1))
+        if kind == "int8":  # from fp16, as bitsandbytes' int8 weights (its CUDA kernel's input)
+            codes, scales, _ = bnbf.int8_vectorwise_quant(w.half().reshape(w.shape[0], -1))
             return [codes, scales]
         codes, st = bnbf.quantize_4bit(
             w.float().contiguous(), blocksize=NF4_BLOCK, compress_statistics=True, quant_type="nf4"

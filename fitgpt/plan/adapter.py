@@ -122,20 +122,36 @@ RANDOM_BASE = (
 
 
 def place_base(run, ctx, log=print):
-    """`run` with its base's format and host blocks settled for this machine (plan_base), the
-    plan said on rank 0; one line refusing what does not fit, before anything is allocated.
-    Every rank decides alike (each holds the whole base)."""
+    """`run` with its base's format and tiers settled for this machine (plan_base), the plan
+    said on rank 0; one line refusing what does not fit, before anything is allocated. Rank 0
+    decides and broadcasts (plan/apply.py plan_engine's way), so every rank shards or streams
+    the same blocks even where their free memory differs."""
+    import torch.distributed as dist
+
     from fitgpt.plan import hardware
 
-    hw = hardware.detect(
-        gpus=ctx.world,
-        device=ctx.device.type,
-        cpu_mem=run.engine.cpu_mem,
-        nvme=run.engine.nvme_path or None,
-    )
-    run, line = plan_base(run, hw)
-    log(line)
-    return run
+    decision = [None]
+    if ctx.is_main:
+        try:
+            hw = hardware.detect(
+                gpus=ctx.world,
+                device=ctx.device.type,
+                cpu_mem=run.engine.cpu_mem,
+                nvme=run.engine.nvme_path or None,
+            )
+            placed, line = plan_base(run, hw)
+            decision[0] = (dataclasses.asdict(placed.adapter), None)
+            log(line)
+        except Exception as e:  # a refusal must reach every rank, not only rank 0
+            decision[0] = (None, e)
+    if ctx.distributed:
+        dist.broadcast_object_list(decision, src=0, group=ctx.group)
+    adapter, err = decision[0]
+    if err is not None:
+        if isinstance(err, UserError):
+            err.agreed = err.identical = ctx.distributed  # every rank raises rank 0's here
+        raise err
+    return dataclasses.replace(run, adapter=AdapterConfig(**adapter))
 
 
 # ---- pricing the frozen base (engine/chunked/frozen.py) -----------------------------------
@@ -177,7 +193,7 @@ class BasePlan:
         device = "GPU" if self.est.compute else "device"
         disk = f" ({self.disk_blocks} of them from the disk)" if self.disk_blocks else ""
         if self.shards > 1:
-            disk += f", each block sharded over {self.shards} GPUs"
+            disk += f", each block sharded over {self.shards} ranks"
         where = (
             f"{self.blocks - self.host_blocks} of its {self.blocks} blocks on the {device}, "
             f"{self.host_blocks} streamed from host RAM{disk}"
