@@ -6,10 +6,13 @@ model is wrapped in DistributedDataParallel: gradients are all-reduced in bucket
 backward, and accumulation micro-batches skip the all-reduce (no_sync). On one device there is no
 wrapper at all. Kept honest and tuned because every speed-up fitgpt claims is measured against it.
 
-With LoRA adapters (fitgpt/adapters, --lora-rank) the base is frozen: its fp32 weights stay on
-the device (4 bytes per parameter), with no gradient, no optimizer state and no part in DDP's
-buckets; the adapters are what trains, is clipped, stepped, saved and loaded (`layout`), and the
-base is loaded through `frozen` from the run's --init-from source.
+With LoRA adapters (fitgpt/adapters, --lora-rank) the base is frozen: no gradient, no optimizer
+state and no part in DDP's buckets; the adapters are what trains, is clipped, stepped, saved and
+loaded (`layout`), and the base is loaded through `frozen` from the run's --init-from source.
+An fp32 base on the device is the model's own fp32 parameters (4 bytes per parameter); any other
+(--base-format bf16/int8/nf4, blocks in host RAM or on the disk, sharded) is a FrozenStore
+(engine/chunked/frozen.py): the model built on the meta device, its blocks made or read one at
+a time straight into their packed form and tier, unpacked per use (_adapt_packed).
 """
 
 from __future__ import annotations
