@@ -73,6 +73,15 @@ class AdapterConfig:
             "precision, fp32 under fp32",
         },
     )
+    base_host_blocks: int | None = field(
+        default=None,
+        metadata={
+            "help": "how many of the frozen base's blocks (the last ones) live in pinned host "
+            "RAM and are streamed to the GPU block by block, copies overlapped with compute; "
+            "default: the planner's choice (none if the base fits on the GPU)",
+            "default_text": "planned",
+        },
+    )
     base_disk_blocks: int | None = field(
         default=None,
         metadata={
@@ -89,15 +98,6 @@ class AdapterConfig:
             "help": "shard the frozen base's blocks over the data-parallel ranks, each holding "
             "1/N of every block's bytes (on its tier) and all-gathering a block as it runs; "
             "default: the planner's choice (only where the whole base per rank does not fit)",
-            "default_text": "planned",
-        },
-    )
-    base_host_blocks: int | None = field(
-        default=None,
-        metadata={
-            "help": "how many of the frozen base's blocks (the last ones) live in pinned host "
-            "RAM and are streamed to the GPU block by block, copies overlapped with compute; "
-            "default: the planner's choice (none if the base fits on the GPU)",
             "default_text": "planned",
         },
     )
