@@ -27,7 +27,8 @@ from fitgpt.engine.factory import build_engine
 from fitgpt.engine.layout import ChunkSpec, ParamSlot
 from fitgpt.errors import UserError
 from fitgpt.interop.init_source import find_source
-from fitgpt.plan.adapter import largest_lora, plan_base, price_base
+from fitgpt.plan.adapter import largest_lora, plan_base
+from fitgpt.plan.adapter_memory import price_base
 from fitgpt.plan.apply import workload_of
 from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import HOST_BASE, Workload

@@ -63,6 +63,11 @@ def _bnb():
     return bnbf
 
 
+def is_direct(fmt: str, working: torch.dtype) -> bool:
+    """Whether a block held in `fmt` is its working weights already (nothing to unpack)."""
+    return (fmt, working) in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+
+
 def bytes_per_param(fmt: str, in_features: int = 4096) -> float:
     """A matrix's bytes per parameter held in `fmt` (the planner's price: plan/adapter.py)."""
     return {
@@ -98,7 +103,7 @@ class BlockCodec:
             raise UserError(f"--base-format {fmt!r}: use one of {', '.join(FORMATS)}")
         self.spec, self.fmt, self.working = spec, fmt, working
         self.held = torch.float32 if fmt == "fp32" else torch.bfloat16  # vectors, and fp32/bf16
-        self.direct = fmt in ("fp32", "bf16") and self.held == working
+        self.direct = is_direct(fmt, working)
         self.regions, self.nbytes = self._lay_out()
 
     def _lay_out(self) -> tuple[list[Region], int]:

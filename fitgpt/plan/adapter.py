@@ -5,7 +5,7 @@ and Adam moments are small and stay on the GPU, so an adapter run trains on the 
 this file plans is the base (plan_base, when the run is placed: train/assemble.py placed): its
 format (--base-format, auto: bf16 under bf16 compute, fp32 under fp32) and how many of its
 blocks stream from pinned host RAM or from the disk (engine/chunked/frozen.py), priced by
-price_base; a run that fits nowhere is refused in one line naming what would fit
+plan/adapter_memory.py; a run that fits nowhere is refused in one line naming what would fit
 (docs/adapters.md). What needs the chunk engine's tiers for the trained state, or cuts the
 model, is refused in one line naming the flag, before anything is planned or built:
 
@@ -26,32 +26,17 @@ source its checkpoint names).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from fitgpt.adapters import AdapterConfig, lora_targets
-from fitgpt.adapters.quant import ALIGN, BlockCodec, base_format, packed_base
-from fitgpt.engine.chunked.frozen import DiskBlocks
+from fitgpt.adapters.quant import base_format
 from fitgpt.engine.config import EngineConfig
 from fitgpt.errors import UserError
-from fitgpt.model import ModelConfig
+from fitgpt.plan.adapter_memory import BasePlan, price_base
 from fitgpt.plan.fixed import Fixed
 from fitgpt.plan.hardware import Hardware
-from fitgpt.plan.memory import (
-    CUDA_CONTEXT,
-    HOST_BASE,
-    NCCL_BUFFERS,
-    Estimate,
-    GiB,
-    Workload,
-    activation_peak,
-    gpu_budget,
-    layout_of,
-)
+from fitgpt.plan.memory import GiB, gpu_budget
 from fitgpt.plan.validate import flag_text
 
 WHY = (
@@ -154,146 +139,8 @@ def place_base(run, ctx, log=print):
     return dataclasses.replace(run, adapter=AdapterConfig(**adapter))
 
 
-# ---- pricing the frozen base (engine/chunked/frozen.py) -----------------------------------
 # what to try, in order, when a run does not fit as asked: the leaner formats, then recompute
 LEANER = ("bf16", "int8", "nf4")
-
-
-@dataclass(frozen=True)
-class BasePlan:
-    """An adapter run's memory: the base in `fmt`, its last `host_blocks` blocks off the GPU,
-    the last `disk_blocks` of those in files rather than pinned host RAM."""
-
-    fmt: str
-    host_blocks: int
-    blocks: int
-    est: Estimate
-    disk_blocks: int = 0
-    shards: int = 1  # the ranks each block's bytes are cut over (1: whole on every rank)
-    ranks: int = 1  # the ranks on this machine, sharing its host RAM and disk
-
-    def gpu_fits(self, hw: Hardware) -> bool:
-        return hw.device != "cuda" or self.est.compute_total <= gpu_budget(hw.gpu_mem)
-
-    @property
-    def host_bytes(self) -> int:
-        """Host RAM of every rank on the machine (each pins its own blocks)."""
-        return self.est.host_total * self.ranks
-
-    def host_fits(self, hw: Hardware) -> bool:
-        disk = sum(self.est.nvme.values()) * self.ranks
-        disk_ok = not disk or (bool(hw.nvme_path) and disk <= hw.nvme_free)
-        return disk_ok and (not hw.cpu_mem or self.host_bytes <= hw.cpu_mem)
-
-    def fits(self, hw: Hardware) -> bool:
-        return self.gpu_fits(hw) and self.host_fits(hw)
-
-    def line(self) -> str:
-        gpu = f"{self.est.compute_total / GiB:.1f} GiB a GPU, " if self.est.compute else ""
-        device = "GPU" if self.est.compute else "device"
-        disk = f" ({self.disk_blocks} of them from the disk)" if self.disk_blocks else ""
-        if self.shards > 1:
-            disk += f", each block sharded over {self.shards} ranks"
-        where = (
-            f"{self.blocks - self.host_blocks} of its {self.blocks} blocks on the {device}, "
-            f"{self.host_blocks} streamed from host RAM{disk}"
-        )
-        nvme = sum(self.est.nvme.values()) * self.ranks
-        nvme = f", {nvme / GiB:.1f} GiB disk" if nvme else ""
-        ranks = f" ({self.ranks} ranks)" if self.ranks > 1 else ""
-        host = f"{self.host_bytes / GiB:.1f} GiB host{ranks}"
-        return f"the base in {self.fmt}, {where}: {gpu}{host}{nvme}"
-
-
-@functools.lru_cache(maxsize=32)
-def adapter_elements(model: ModelConfig, adapter: AdapterConfig) -> int:
-    """A and B's elements over every target: r·(in + rows) each."""
-    r = adapter.lora_rank
-    return sum(r * (t.in_features + t.hi - t.lo) for t in lora_targets(model, adapter))
-
-
-def price_base(
-    work: Workload,
-    adapter: AdapterConfig,
-    fmt: str,
-    host_blocks: int,
-    checkpointing: str,
-    disk_blocks: int = 0,
-    shards: int = 1,
-) -> BasePlan:
-    """Bytes per rank of an adapter run whose base is held in `fmt` with its last `host_blocks`
-    blocks in pinned host RAM, the last `disk_blocks` of those on the disk, each block's bytes
-    cut over `shards` ranks (engine/chunked/frozen.py): the packed blocks on their tiers, the
-    embedding and head, the working copies of two blocks while they run, the adapters with
-    their gradients and Adam moments (16 bytes an element), the activations as a run without
-    adapters holds them (the plain engine's memory model: memory.py activation_peak)."""
-    w = work.w
-    packed = packed_base(
-        dataclasses.replace(adapter, base_format=fmt, base_host_blocks=host_blocks), work.precision
-    )
-    whole, numels, outer = _block_bytes(work.model, fmt, w)
-    unit = shards * ALIGN  # a block's bytes padded so each rank holds an aligned equal part
-    sizes = [-(-n // unit) * ALIGN for n in whole]  # this rank's part (all of it at 1)
-    first_host = len(sizes) - host_blocks
-    dev = {
-        "frozen_blocks": sum(sizes[:first_host]),
-        "frozen_embedding_head": outer * (4 if fmt == "fp32" else w),
-        "adapters": 16 * adapter_elements(work.model, adapter),
-    }
-    big = max(numels, default=0)
-    if packed or shards > 1:  # the running block and the prefetched one, unpacked; their
-        # bytes while they land (streamed) or are gathered (sharded)
-        dev["unpacked_blocks"] = 2 * big * w if not _direct(fmt, w) else 0
-        if host_blocks or shards > 1:
-            dev["landed_blocks"] = 2 * max(whole)
-    elif w == 2:  # an fp32 base under autocast: bf16 copies of the weights, saved for backward
-        dev["autocast_weights"] = 2 * sum(numels)
-    dev.update(_activations(work, checkpointing))
-    est = Estimate()
-    est.host["process"] = HOST_BASE["cpu" if work.device == "cpu" else "cuda"]
-    first_disk = len(sizes) - disk_blocks
-    est.host["frozen_blocks_pinned"] = sum(sizes[first_host:first_disk])
-    if disk_blocks:  # the files, and the staging ring they are read into (DiskBlocks)
-        est.nvme["frozen_blocks"] = sum(sizes[first_disk:])
-        est.host["frozen_disk_staging"] = DiskBlocks.RING * max(sizes[first_disk:])
-    if work.device == "cpu":
-        est.host.update(dev)
-    else:
-        est.compute = dict(dev)
-        est.compute["outside:cuda_context"] = CUDA_CONTEXT
-        if work.world > 1:
-            est.compute["outside:nccl_buffers"] = NCCL_BUFFERS
-    ranks = work.world if work.device == "cuda" else 1  # a CPU job's host RAM: its own check
-    return BasePlan(fmt, host_blocks, len(sizes), est, disk_blocks, shards, ranks)
-
-
-def _direct(fmt: str, w: int) -> bool:
-    """The held bytes are the working weights (adapters/quant.py BlockCodec.direct)."""
-    return (fmt, w) in (("fp32", 4), ("bf16", 2))
-
-
-@functools.lru_cache(maxsize=64)
-def _activations(work: Workload, checkpointing: str) -> dict[str, int]:
-    return activation_peak(work, EngineConfig(engine="ddp", checkpointing=checkpointing))
-
-
-@functools.lru_cache(maxsize=32)
-def _block_bytes(
-    model: ModelConfig, fmt: str, w: int
-) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    """(packed bytes of each block in `fmt`, each block's parameters, the parameters outside the
-    blocks): the engine's own codec on the model's layout (a search prices them many times)."""
-    layout = layout_of(model)
-    blocks = [c for c in layout if c.name.startswith("block.")]
-    working = torch.float32 if w == 4 else torch.bfloat16
-    sizes, by_shape = [], {}
-    for c in blocks:
-        key = tuple(s.shape for s in c.slots)
-        if key not in by_shape:
-            by_shape[key] = BlockCodec(c, fmt, working).nbytes
-        sizes.append(by_shape[key])
-    outer = sum(c.numel for c in layout if c not in blocks)
-    return tuple(sizes), tuple(c.numel for c in blocks), outer
 
 
 def plan_base(run, hw: Hardware) -> tuple[Any, str]:
