@@ -44,9 +44,12 @@ class FrozenChunk:
         device: torch.device,
         pinned: PinnedArena,
         on_disk: bool = False,
-        rank: int = 0,
-        world: int = 1,
+        peers: Peers | None = None,
     ) -> None:
+        """peers: the ranks the packed bytes are sharded over (None: held whole here); the
+        fetch gathers over them (a Chunk's `peers`, as WeightFetch reads it)."""
+        self.peers = peers = peers or Peers(None, 1, 0)
+        rank, world = peers.rank, peers.world
         self.spec, self.codec, self.streamed, self.device = spec, codec, streamed, device
         # a disk block: a streamed block whose host copy is a staging buffer of DiskBlocks',
         # filled from its file ahead of use (weight_shard None while it has none)
@@ -168,7 +171,7 @@ class FrozenFetch(WeightFetch):
         # warns that its backward pre-hook fires when the gradients of the block's outputs are
         # computed: that is when it is meant to fire (before the block's backward)
         warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients")
-        hooks = super().register(modules, blocks)
+        hooks = super().register(modules, [[c] for c in blocks])  # one chunk per frozen block
         for module, nxt in zip(modules, blocks[1:]):
 
             def done_after(_m, _grad, nxt=nxt):
@@ -209,8 +212,7 @@ class FrozenStore:
                 device,
                 self.pinned,
                 on_disk=i >= first_disk,
-                rank=peers.rank,
-                world=peers.world,
+                peers=peers,
             )
             for i, s in enumerate(specs)
         ]
