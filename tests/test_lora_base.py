@@ -1,4 +1,4 @@
-"""The frozen base of a LoRA run held in fewer bytes and placed in tiers (fitgpt/adapters/quant.py,
+"""The frozen base of a LoRA run held in fewer bytes and placed in tiers (fitgpt/engine/formats/frozen_base.py,
 engine/chunked/frozen.py, plan/adapter.py): NF4 and int8 against bitsandbytes bit for bit, a
 base streamed from the host tier against the ddp engine's plain fp32 base, the base's bytes
 unchanged by training, the planner's refusal and `fitgpt capacity --lora-rank`.
@@ -19,11 +19,11 @@ from cli_refusal import assert_refused, run_in_process, run_main
 from helpers import close
 
 from fitgpt.adapters import AdapterConfig
-from fitgpt.adapters.quant import BlockCodec
 from fitgpt.dist import DistContext
 from fitgpt.engine.chunked.frozen import DiskBlocks
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
+from fitgpt.engine.formats.frozen_base import BlockCodec
 from fitgpt.engine.layout import ChunkSpec, ParamSlot
 from fitgpt.errors import UserError
 from fitgpt.interop.init_source import find_source

@@ -10,14 +10,13 @@ alpha/√r). A starts Kaiming-uniform, B at zero, so the first forward is the ba
   targets.py   which linears are adapted: Hugging Face module names (q_proj, c_attn, ...)
                mapped to fitgpt's modules through the family's name map (model/hf_map.py)
   lora.py      the adapted linear, attaching adapters to a built model, PEFT's initialisation
-  quant.py     the frozen base's formats (--base-format fp32, bf16, int8, NF4): a block packed
-               to bytes and unpacked per use, through bitsandbytes
   merge.py     W + s·B·A: the merged weights, read like any checkpoint's
   peft.py      PEFT's adapter folder (adapter_config.json, adapter_model.safetensors) written
                and read
 
-The engine (engine/ddp.py) attaches them and trains only them, its base held and streamed by
-engine/chunked/frozen.py as the planner places it (plan/adapter.py); a checkpoint holds the
+The engine (engine/ddp.py) attaches them and trains only them, its base held in
+--base-format (engine/formats/frozen_base.py: fp32, bf16, int8, NF4 through bitsandbytes) and
+streamed by engine/chunked/frozen.py as the planner places it (plan/adapter.py); a checkpoint holds the
 adapters and their optimizer, and names the base by its --init-from source (docs/adapters.md).
 """
 

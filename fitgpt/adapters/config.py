@@ -12,7 +12,7 @@ from pathlib import Path
 from fitgpt.errors import UserError
 
 ALL_LINEAR = "all-linear"
-BASE_FORMATS = ("fp32", "bf16", "int8", "nf4")  # adapters/quant.py holds them
+BASE_FORMATS = ("fp32", "bf16", "int8", "nf4")  # engine/formats/frozen_base.py holds them
 # where the frozen base lives and in what format: the run's placement, free to change on a resume
 PLACEMENT = ("base_format", "base_host_blocks", "base_disk_blocks", "base_sharded")
 # a Hugging Face module name or the end of one: layers.0.self_attn.q_proj, c_attn

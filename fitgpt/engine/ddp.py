@@ -28,7 +28,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fitgpt.adapters import AdapterConfig, lora_targets
 from fitgpt.adapters.lora import attach_lora, init_lora
-from fitgpt.adapters.quant import base_format, packed_base
 from fitgpt.dist import DistContext
 from fitgpt.engine import comm
 from fitgpt.engine.base import (
@@ -44,6 +43,7 @@ from fitgpt.engine.base import (
 from fitgpt.engine.chunked.frozen import FrozenStore
 from fitgpt.engine.comm import Peers
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
+from fitgpt.engine.formats.frozen_base import base_format, packed_base
 from fitgpt.engine.layout import ChunkSpec, chunk_layout, decays
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import write_pieces

@@ -30,8 +30,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from fitgpt.adapters import AdapterConfig, lora_targets
-from fitgpt.adapters.quant import base_format
 from fitgpt.engine.config import EngineConfig
+from fitgpt.engine.formats.frozen_base import base_format
 from fitgpt.errors import UserError
 from fitgpt.plan.adapter_memory import BasePlan, price_base
 from fitgpt.plan.fixed import Fixed

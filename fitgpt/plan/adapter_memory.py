@@ -2,7 +2,7 @@
 host RAM and on the disk for a frozen base held in a format, its blocks placed on those tiers
 and perhaps sharded over the ranks (engine/chunked/frozen.py), plus the adapters and their
 optimizer state and the activations. plan/adapter.py searches placements with it; the packed
-sizes are the engine's own codec's (adapters/quant.py), so they are exact.
+sizes are the engine's own codec's (engine/formats/frozen_base.py), so they are exact.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from fitgpt.adapters import AdapterConfig, lora_targets
-from fitgpt.adapters.quant import ALIGN, BlockCodec, is_direct, packed_base
 from fitgpt.engine.chunked.frozen import DiskBlocks
 from fitgpt.engine.config import EngineConfig
+from fitgpt.engine.formats.frozen_base import ALIGN, BlockCodec, is_direct, packed_base
 from fitgpt.model import ModelConfig
 from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import (

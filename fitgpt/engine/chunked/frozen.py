@@ -1,7 +1,7 @@
 """A frozen base's blocks (an adapter run's: fitgpt/adapters), held packed and brought in per use.
 
 Each transformer block's frozen weights are one FrozenChunk: its bytes in the run's base format
-(adapters/quant.py: fp32, bf16, int8 or NF4) on the GPU (`device` tier) or in pinned host RAM
+(engine/formats/frozen_base.py: fp32, bf16, int8 or NF4) on the GPU (`device` tier) or in pinned host RAM
 (`host` tier, streamed), and a working buffer in the compute dtype the block's parameters are
 views of, filled (unpacked) only while the block runs: weights are dequantised per block per use
 and freed after. A frozen chunk has no gradient buffer and no optimizer state.
@@ -28,9 +28,9 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from fitgpt.adapters.quant import ALIGN, BlockCodec
 from fitgpt.engine.chunked.fetch import WeightFetch
 from fitgpt.engine.comm import Peers
+from fitgpt.engine.formats.frozen_base import ALIGN, BlockCodec
 from fitgpt.engine.host.pinned import PinnedArena
 from fitgpt.engine.layout import ChunkSpec
 
