@@ -632,6 +632,16 @@ SUITES: tuple[Suite, ...] = (
                 results=("lora_h200_2026-11-28",),
             ),
             Row(
+                "qlora-smoke",
+                "checks/qlora_smoke_gpu.sh",
+                "nvidia-h200",
+                "the frozen base on a GPU, first contact: a Llama-3.1-8B-shaped LoRA from its "
+                "preset with the base in NF4 on an 80 GB share, then bf16 with half its blocks "
+                "streamed from host RAM (.whl must carry bitsandbytes); not yet run",
+                device_env=True,
+                carry=WHL,
+            ),
+            Row(
                 "cpu",
                 "checks/refactor_losses_cpu.py",
                 "cpu",
