@@ -150,6 +150,22 @@ SUITES: tuple[Suite, ...] = (
         ),
     ),
     Suite(
+        "ep",
+        "expert parallelism on the GPUs of one box: the all-to-all path against P = 1",
+        (
+            Row(
+                "x2",
+                "multi_gpu/ep_x2.sh",
+                "nvidia-h200-x2",
+                "`fitgpt train --gpus 2 --expert-parallel P` (2, then the planner's choice) on a "
+                "Qwen3-30B-A3B shape of LAYERS layers (default 4) on the standard library's source",
+                device_env=True,
+                carry=WHL,
+                results=("ep_x2_h200_2026-11-28",),
+            ),
+        ),
+    ),
+    Suite(
         "moe",
         "mixture-of-experts models on one GPU: the expert matmuls, fitgpt's planned run, and "
         "transformers + DeepSpeed ZeRO-3 offload on the same shape and batch",
@@ -614,6 +630,16 @@ SUITES: tuple[Suite, ...] = (
                 device_env=True,
                 carry=WHL,
                 results=("lora_h200_2026-11-28",),
+            ),
+            Row(
+                "qlora-smoke",
+                "checks/qlora_smoke_gpu.sh",
+                "nvidia-h200",
+                "the frozen base on a GPU, first contact: a Llama-3.1-8B-shaped LoRA from its "
+                "preset with the base in NF4 on an 80 GB share, then bf16 with half its blocks "
+                "streamed from host RAM (.whl must carry bitsandbytes); not yet run",
+                device_env=True,
+                carry=WHL,
             ),
             Row(
                 "cpu",

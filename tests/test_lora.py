@@ -499,7 +499,7 @@ def test_bad_lora_commands_are_refused_in_one_line_by_the_cli(folders, tmp_path)
     """Through `python -m fitgpt`: exit 2, one stderr line, no traceback."""
     r = run_process("train", "--lora-rank", "4", "--data", "synthetic", "--device", "cpu",
                     "--steps", "2", "--out", tmp_path / "a")  # fmt: skip
-    assert_refused(r.returncode, r.stderr, "--init-from")
+    assert_refused(r.returncode, r.stderr, "--init-from", "--preset")
     r = run_process("train", "--lora-alpha", "8", "--data", "synthetic", "--device", "cpu",
                     "--out", tmp_path / "b")  # fmt: skip
     assert_refused(r.returncode, r.stderr, "--lora-alpha", "--lora-rank")

@@ -418,6 +418,12 @@ RECIPES = {
 }
 
 NOT_RUN = {
+    "README.md: fitgpt data preprocess --chat --input moe-chats.jsonl": "a 30 B mixture of "
+    "experts on 4 GPUs; tests/test_moe_paths.py runs the same commands (chat preprocess, "
+    "train at world size 2, export, generate) on tiny Qwen3-MoE, Mixtral and gpt-oss folders",
+    "docs/adapters.md: fitgpt train --init-from Llama-3.1-70B-Instruct": "a 70 B "
+    "base on an 80 GB GPU (tests/test_lora_base.py runs the same formats and streaming on a "
+    "3-block model)",
     "README.md: fitgpt presets": "the CLI tour: one line per flag, `...` standing for the rest "
     "of a run's flags, GPU sizes (13b, 20b) and GPUs (--gpus 8); parsed only",
     "docs/results.md: fitgpt train --preset gpt2-125m --data": "the nanoGPT comparison: a "

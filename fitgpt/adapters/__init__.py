@@ -14,8 +14,10 @@ alpha/√r). A starts Kaiming-uniform, B at zero, so the first forward is the ba
   peft.py      PEFT's adapter folder (adapter_config.json, adapter_model.safetensors) written
                and read
 
-The engine (engine/ddp.py) attaches them and trains only them; a checkpoint holds the adapters
-and their optimizer, and names the base by its --init-from source (docs/adapters.md).
+The engine (engine/ddp.py) attaches them and trains only them, its base held in
+--base-format (engine/formats/frozen_base.py: fp32, bf16, int8, NF4 through bitsandbytes) and
+streamed by engine/chunked/frozen.py as the planner places it (plan/adapter.py); a checkpoint holds the
+adapters and their optimizer, and names the base by its --init-from source (docs/adapters.md).
 """
 
 from fitgpt.adapters.config import AdapterConfig

@@ -12,6 +12,9 @@ from pathlib import Path
 from fitgpt.errors import UserError
 
 ALL_LINEAR = "all-linear"
+BASE_FORMATS = ("fp32", "bf16", "int8", "nf4")  # engine/formats/frozen_base.py holds them
+# where the frozen base lives and in what format: the run's placement, free to change on a resume
+PLACEMENT = ("base_format", "base_host_blocks", "base_disk_blocks", "base_sharded")
 # a Hugging Face module name or the end of one: layers.0.self_attn.q_proj, c_attn
 _NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 
@@ -61,6 +64,43 @@ class AdapterConfig:
             "are the folder's"
         },
     )
+    base_format: str = field(
+        default="auto",
+        metadata={
+            "help": "how the frozen base's blocks are held: fp32, bf16, int8 (per-row absmax) "
+            "or nf4 (QLoRA's NormalFloat4, double-quantised, bitsandbytes' bytes); each block "
+            "is unpacked to the compute dtype while it runs. auto: bf16 under bf16/fp16 "
+            "precision, fp32 under fp32",
+        },
+    )
+    base_host_blocks: int | None = field(
+        default=None,
+        metadata={
+            "help": "how many of the frozen base's blocks (the last ones) live in pinned host "
+            "RAM and are streamed to the GPU block by block, copies overlapped with compute; "
+            "default: the planner's choice (none if the base fits on the GPU)",
+            "default_text": "planned",
+        },
+    )
+    base_disk_blocks: int | None = field(
+        default=None,
+        metadata={
+            "help": "of the blocks in host RAM (--base-host-blocks), how many (the last ones) "
+            "live in files under --nvme-path instead, read ahead into pinned staging buffers "
+            "and streamed the same way (for capacity: a disk reads ~2 GB/s); default: the "
+            "planner's choice (none unless host RAM is short and --nvme-path is given)",
+            "default_text": "planned",
+        },
+    )
+    base_sharded: bool | None = field(
+        default=None,
+        metadata={
+            "help": "shard the frozen base's blocks over the data-parallel ranks, each holding "
+            "1/N of every block's bytes (on its tier) and all-gathering a block as it runs; "
+            "default: the planner's choice (only where the whole base per rank does not fit)",
+            "default_text": "planned",
+        },
+    )
 
     def __post_init__(self) -> None:
         r = self.lora_rank
@@ -87,6 +127,14 @@ class AdapterConfig:
                 f"--lora-targets {self.lora_targets!r}: {what}; pass {ALL_LINEAR}, or module "
                 "names separated by commas (q_proj,v_proj)"
             )
+        if self.base_format not in ("auto", *BASE_FORMATS):
+            raise UserError(
+                f"--base-format {self.base_format!r}: use auto, {', '.join(BASE_FORMATS)}"
+            )
+        for name in ("base_host_blocks", "base_disk_blocks"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise UserError(f"{flag(name)} {v!r} must be a whole number >= 0")
 
     @property
     def active(self) -> bool:
@@ -133,7 +181,7 @@ def resumed_adapter(saved: dict, asked: dict, ckpt: Path) -> AdapterConfig:
         )
     for name, value in asked.items():
         had = old.alpha if name == "lora_alpha" and old.active else getattr(old, name)
-        if name != "lora_dropout" and not same(name, value, had):
+        if name != "lora_dropout" and name not in PLACEMENT and not same(name, value, had):
             what = f"with {flag(name)} {had}" if old.active else "the whole model, no adapters"
             raise UserError(
                 f"--resume: {ckpt} was trained {what}, this command asks {flag(name)} {value}; "
@@ -141,4 +189,7 @@ def resumed_adapter(saved: dict, asked: dict, ckpt: Path) -> AdapterConfig:
             )
     if "lora_dropout" in asked and not old.active:
         raise UserError(f"--resume: {ckpt} trained the whole model: drop --lora-dropout")
-    return AdapterConfig(**{**{k: getattr(old, k) for k in known}, **asked})
+    # the base's format is the checkpoint's unless asked (the adapters trained on its values);
+    # its tiers are placed again for this machine (plan/adapter.py)
+    kept = {k: getattr(old, k) for k in known if k not in PLACEMENT[1:]}
+    return AdapterConfig(**{**kept, **asked})

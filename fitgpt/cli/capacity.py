@@ -116,6 +116,20 @@ def register(sub) -> None:
         help="timed optimizer steps per trial (default: 2; 1 where a step takes minutes, as "
         "with optimizer state on the disk)",
     )
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="the largest model a LoRA run of this rank trains here (every linear adapted), its "
+        "frozen base placed by the planner (docs/adapters.md): predicted by the memory model, "
+        "no trials",
+    )
+    p.add_argument(
+        "--base-format",
+        choices=["auto", "fp32", "bf16", "int8", "nf4"],
+        default="auto",
+        help="with --lora-rank: how the frozen base is held (default: auto, as `fitgpt train`)",
+    )
     p.add_argument("--out", default=None, help="append every trial as a JSON line to this file")
     add_config_args(p, BenchConfig, skip=("steps", "warmup"))
     p.set_defaults(func=run)
@@ -200,6 +214,8 @@ def search(args: argparse.Namespace) -> int:
     check_trial(system, bench, layers, args.gpus, hw.device)
     fixed = system.plan_fixed(bench)  # None: a peer (no memory model)
     r = rates.load(hw.gpu_name)
+    if args.lora_rank is not None:
+        return lora_capacity(args, bench, system, hw)
     if args.search == "seq-len":
         return run_seq_search(args, out, system, bench, hw, cap, fixed, r)
 
@@ -256,6 +272,38 @@ def search(args: argparse.Namespace) -> int:
     state = describe_formats(formats_of(best))
     if state:
         print(f"its optimizer state: {state}")
+    return 0
+
+
+def lora_capacity(args, bench, system, hw) -> int:
+    """`fitgpt capacity --lora-rank R`: the largest layer count at --hidden whose LoRA run fits,
+    its base's format and tiers as `fitgpt train` would place them (plan/adapter.py)."""
+    from fitgpt.adapters import AdapterConfig
+    from fitgpt.bench.systems import bench_run
+    from fitgpt.plan.adapter import largest_lora
+
+    adapter = AdapterConfig(lora_rank=args.lora_rank, base_format=args.base_format)
+
+    def run_at(layers: int):
+        run = bench_run(bench.model(layers), bench, system.precision, hw.device)
+        # the bench's --checkpointing, which a trial's system would apply (plan_fixed)
+        engine = dataclasses.replace(run.engine, checkpointing=bench.checkpointing)
+        return dataclasses.replace(run, engine=engine, adapter=adapter)
+
+    found = largest_lora(run_at, hw)
+    head = (
+        f"LoRA rank {args.lora_rank} capacity: hidden {bench.hidden}, micro-batch "
+        f"{bench.micro_batch}, seq {bench.seq_len}, checkpointing {bench.checkpointing}, "
+        f"{where(args, hw)}"
+    )
+    if found is None:
+        print(f"{head}; not even 1 layer fits")
+        return 1
+    layers, line = found
+    params = units.params(bench.model(layers).num_params())
+    print(f"{head}; predicted largest {layers} layers ({params}), {line}")
+    print(json.dumps({"lora_rank": args.lora_rank, "layers": layers,
+                      "params": bench.model(layers).num_params(), "plan": line}))  # fmt: skip
     return 0
 
 

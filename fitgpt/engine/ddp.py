@@ -6,10 +6,13 @@ model is wrapped in DistributedDataParallel: gradients are all-reduced in bucket
 backward, and accumulation micro-batches skip the all-reduce (no_sync). On one device there is no
 wrapper at all. Kept honest and tuned because every speed-up fitgpt claims is measured against it.
 
-With LoRA adapters (fitgpt/adapters, --lora-rank) the base is frozen: its fp32 weights stay on
-the device (4 bytes per parameter), with no gradient, no optimizer state and no part in DDP's
-buckets; the adapters are what trains, is clipped, stepped, saved and loaded (`layout`), and the
-base is loaded through `frozen` from the run's --init-from source.
+With LoRA adapters (fitgpt/adapters, --lora-rank) the base is frozen: no gradient, no optimizer
+state and no part in DDP's buckets; the adapters are what trains, is clipped, stepped, saved and
+loaded (`layout`), and the base is loaded through `frozen` from the run's --init-from source.
+An fp32 base on the device is the model's own fp32 parameters (4 bytes per parameter); any other
+(--base-format bf16/int8/nf4, blocks in host RAM or on the disk, sharded) is a FrozenStore
+(engine/chunked/frozen.py): the model built on the meta device, its blocks made or read one at
+a time straight into their packed form and tier, unpacked per use (_adapt_packed).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fitgpt.adapters import AdapterConfig, lora_targets
@@ -36,7 +40,10 @@ from fitgpt.engine.base import (
     token_mean,
     weighted,
 )
+from fitgpt.engine.chunked.frozen import FrozenStore
+from fitgpt.engine.comm import Peers
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
+from fitgpt.engine.formats.frozen_base import base_format, packed_base
 from fitgpt.engine.layout import ChunkSpec, chunk_layout, decays
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.state_io import write_pieces
@@ -77,11 +84,15 @@ class TorchEngine(Engine):
         built = build(model_cfg, self.mesh, ecfg.sequence_parallel, self.device, ctx.cp)
         model, self.layout, self.local_layout = built.model, built.layout, built.local_layout
         self.view = built.view
-        model.to_empty(device=self.device)
-        model.materialize_buffers(self.device)  # to_empty left the non-persistent ones undefined
-        self._init(model, seed)
-        if adapter is not None and adapter.active:  # before compiling: the blocks change
-            self._adapt(model, adapter, seed)
+        self.store: FrozenStore | None = None  # a base held packed or streamed (_adapt_packed)
+        if adapter is not None and adapter.active and packed_base(adapter, pcfg.precision):
+            self._adapt_packed(model, adapter, seed)  # built straight into its tiers
+        else:
+            model.to_empty(device=self.device)
+            model.materialize_buffers(self.device)  # to_empty left the non-persistent undefined
+            self._init(model, seed)
+            if adapter is not None and adapter.active:  # before compiling: the blocks change
+                self._adapt(model, adapter, seed)
         scope = scope_of(ecfg)  # the planner's (engine/transforms/compile.py compile_scope)
         self.compiled = compile_regions(model, ctx.is_main) if scope != "off" else None
         if ecfg.checkpointing != "off":  # after compiling: the checkpoint wraps compiled blocks
@@ -133,6 +144,66 @@ class TorchEngine(Engine):
         init_lora(model, targets, seed)
         self.frozen = FrozenBase(self, self.layout)
         self.layout = self.local_layout = chunk_layout(model, trained=True)
+
+    def _adapt_packed(self, model: DecoderLM, adapter: AdapterConfig, seed: int) -> None:
+        """LoRA on a base held in --base-format, its last --base-host-blocks blocks in pinned
+        host RAM (engine/chunked/frozen.py): the model stays on the meta device until each part
+        has its home; the blocks' weights are made (seeded, or read later by `frozen`) one block
+        at a time into their packed form, so no whole base is ever materialised in fp32."""
+        targets = lora_targets(self.model_cfg, adapter)
+        attach_lora(model, targets, adapter)  # on meta: the adapters' shapes
+        working = AUTOCAST[self.pcfg.precision] or torch.float32
+        fmt = base_format(adapter, self.pcfg.precision)
+        self.store = FrozenStore(
+            model, self.layout, fmt, working, adapter.base_host_blocks or 0, self.device,
+            disk_blocks=adapter.base_disk_blocks or 0, nvme_path=self.ecfg.nvme_path,
+            peers=self._base_peers(adapter),
+        )  # fmt: skip
+        # the rest on the device: the adapters in fp32, the embedding and head as the blocks'
+        # vectors (fp32 for an fp32 base, else the compute dtype); tied weights stay tied
+        outer = torch.float32 if fmt == "fp32" else working
+        made: dict[int, nn.Parameter] = {}
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None or not p.is_meta:
+                    continue
+                if id(p) not in made:
+                    dtype = torch.float32 if p.requires_grad else outer
+                    t = torch.empty(p.shape, dtype=dtype, device=self.device)
+                    made[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+                module._parameters[name] = made[id(p)]
+        model.materialize_buffers(self.device)
+        init = self.view.init(partial(model.init_parameter_, seed=seed))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    continue
+                chunk = name.split(".")[:2]
+                if chunk[0] == "blocks":
+                    continue
+                if p.dtype == torch.float32:
+                    init(name, p)
+                else:  # drawn in fp32 as the plain engine draws it, then rounded
+                    t = torch.empty(p.shape, dtype=torch.float32, device=self.device)
+                    init(name, t)
+                    p.copy_(t)
+            for c in self.store.chunks:  # one block's fp32 at a time
+                flat = torch.empty(c.spec.numel, dtype=torch.float32, device=self.device)
+                for s in c.spec.slots:
+                    init(s.name, flat[s.offset : s.offset + s.numel].view(s.shape))
+                c.load(flat)
+                del flat
+        init_lora(model, targets, seed)
+        self.frozen = FrozenBase(self, self.layout)
+        self.layout = self.local_layout = chunk_layout(model, trained=True)
+
+    def _base_peers(self, adapter: AdapterConfig) -> Peers | None:
+        """The data-parallel ranks a sharded base (--base-sharded) is cut over; None: whole."""
+        ctx = self.ctx
+        dp = ctx.dp_world if ctx.distributed else 1
+        if not adapter.base_sharded or dp == 1:
+            return None
+        return Peers(ctx.dp_group, dp, ctx.dp_rank)
 
     @torch.no_grad()
     def _init(self, model: DecoderLM, seed: int) -> None:
@@ -264,13 +335,19 @@ class TorchEngine(Engine):
         self._load(self.local_layout, folder, extra, optimizer)
 
     @torch.no_grad()
-    def _load(self, layout: list[ChunkSpec], folder, extra: dict, optimizer: bool) -> None:
-        """The parameters of `layout` (what trains, or the frozen base) from `folder`."""
+    def _load(
+        self, layout: list[ChunkSpec], folder, extra: dict, optimizer: bool, base: bool = False
+    ) -> None:
+        """The parameters of `layout` (what trains, or with `base` the frozen base: its blocks
+        packed into the store, if it has one) from `folder`."""
         reader = self.view.reader(folder)  # under TP the whole chunks read, this rank's parts kept
         params = dict(self.model.named_parameters())
         step = int(extra.get("optimizer_step", 0)) if optimizer else 0
         kinds = ("master", "exp_avg", "exp_avg_sq") if optimizer else ("master",)
         for c in layout:
+            if base and self.store is not None and c.name in self.store.by_name:  # packed
+                self.store.by_name[c.name].load(reader.read(c.index, "master", 0, c.numel))
+                continue
             flat = {k: reader.read(c.index, k, 0, c.numel) for k in kinds}
             for s in c.slots:
                 p = params[s.name]
@@ -301,7 +378,21 @@ class TorchEngine(Engine):
             what = (
                 "the frozen base's weights, and the adapters with their gradients and Adam moments,"
             )
-        out.update(engine="ddp", placement=f"{what} in fp32 on the device, {where}")
+        placement = f"{what} in fp32 on the device, {where}"
+        if self.store is not None:
+            c = self.store.chunks[0]
+            held = sum(not c.streamed for c in self.store.chunks)
+            disk = sum(c.on_disk for c in self.store.chunks)
+            placement = (
+                f"the frozen base's blocks in {c.codec.fmt} ({held} on the device, "
+                f"{len(self.store.chunks) - held} streamed from host RAM"
+                + (f", {disk} of them read from the disk" if disk else "")
+                + (f", each cut over {self.store.fetch.peers.world} ranks" if c.s != c.N else "")
+                + ", each unpacked to "
+                f"{str(c.codec.working).removeprefix('torch.')} while it runs), the adapters "
+                f"with their gradients and Adam moments in fp32 on the device, {where}"
+            )
+        out.update(engine="ddp", placement=placement)
         if self.dp > 1:
             out["streams"] = ["DDP's bucketed all-reduce, overlapped with the backward"]
         return out
@@ -319,11 +410,33 @@ class TorchEngine(Engine):
                 [st["exp_avg"] for st in states] + [st["exp_avg_sq"] for st in states]
             ),
         }
-        if self.frozen is not None:  # an adapter run's base: weights alone
+        if self.store is not None:  # a packed base: its blocks' bytes by tier, the rest
+            tiers = self.store.held_bytes()
+            blocks = {id(p) for c in self.store.chunks for p in c.params}
+            rest = (
+                p for p in self.model.parameters() if not p.requires_grad and id(p) not in blocks
+            )
+            held["frozen_weights"] = tiers["device"] + nbytes(rest)
+            out = {dev: held}
+            if dev != "cpu":
+                out["cpu"] = {"frozen_weights": tiers["host"]}
+            else:
+                held["frozen_weights"] += tiers["host"]
+            if tiers["disk"]:
+                out["nvme"] = {"frozen_weights": tiers["disk"]}
+            return out
+        elif self.frozen is not None:  # an adapter run's base: weights alone
             held["frozen_weights"] = nbytes(
                 p for p in self.model.parameters() if not p.requires_grad
             )
         return {dev: held}
+
+    def close(self) -> None:
+        """A packed base's hooks removed and its pinned host RAM unregistered (idempotent)."""
+        if self.store is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # no copy may still read a pinned buffer
+            self.store.close()
 
     def inference_model(self) -> DecoderLM:
         if self.mesh is None and self.ctx.cp is None:
@@ -346,4 +459,4 @@ class FrozenBase(FrozenWeights):
         self.engine, self.layout = engine, layout
 
     def load_state(self, folder, extra: dict, optimizer: bool = False) -> None:
-        self.engine._load(self.layout, folder, extra, optimizer=False)
+        self.engine._load(self.layout, folder, extra, optimizer=False, base=True)

@@ -1,16 +1,18 @@
 """An adapter run's placement, decided once, where a run is settled (train/assemble.py settle).
 
-LoRA (fitgpt/adapters) trains a few matrices on a frozen base. The chunk engine does not hold
-frozen weights yet (its chunks step every parameter they hold), and the planner does not price
-a frozen base (its memory model counts gradients and Adam moments for every parameter), so an
-adapter run trains on the ddp engine, as given, unplanned: every rank holds the base's fp32
-weights and the adapters with their state (docs/adapters.md). What needs the chunk engine, or
-cuts the model, is refused in one line naming the flag, before anything is planned or built:
+LoRA (fitgpt/adapters) trains a few matrices on a frozen base. The adapters, their gradients
+and Adam moments are small and stay on the GPU, so an adapter run trains on the ddp engine; what
+this file plans is the base (plan_base, when the run is placed: train/assemble.py placed): its
+format (--base-format, auto: bf16 under bf16 compute, fp32 under fp32) and how many of its
+blocks stream from pinned host RAM or from the disk (engine/chunked/frozen.py), priced by
+plan/adapter_memory.py; a run that fits nowhere is refused in one line naming what would fit
+(docs/adapters.md). What needs the chunk engine's tiers for the trained state, or cuts the
+model, is refused in one line naming the flag, before anything is planned or built:
 
   --engine zero, --zero-stage 1-3         sharded state: the ddp engine shards nothing
   --offload-optimizer, --offload-params,  state in host RAM or on disk: the chunk engine's tiers
-  --offload-blocks, --nvme-blocks, and
-  the two --*-fraction shares, --nvme-path
+  --offload-blocks, --nvme-blocks, and    (a LoRA base has its own: --base-host-blocks,
+  the two --*-fraction shares             --base-disk-blocks with --nvme-path)
   --master split, compact --moments,      the chunk engine's optimizer formats
   --device-moments
   --compile model                         the chunk engine's whole-model graph
@@ -27,15 +29,19 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from fitgpt.adapters import lora_targets
+from fitgpt.adapters import AdapterConfig, lora_targets
 from fitgpt.engine.config import EngineConfig
+from fitgpt.engine.formats.frozen_base import base_format
 from fitgpt.errors import UserError
+from fitgpt.plan.adapter_memory import BasePlan, price_base
 from fitgpt.plan.fixed import Fixed
+from fitgpt.plan.hardware import Hardware
+from fitgpt.plan.memory import GiB, gpu_budget
 from fitgpt.plan.validate import flag_text
 
 WHY = (
-    "a LoRA run (--lora-rank) trains on the ddp engine, which holds a frozen base; the chunk "
-    "engine's sharding, offload and formats do not hold one yet"
+    "a LoRA run (--lora-rank) trains its adapters on the ddp engine and places its frozen base "
+    "itself (--base-format, --base-host-blocks)"
 )
 # engine field -> the value that asks nothing of the chunk engine (none typed, or off)
 PLAIN = {
@@ -58,7 +64,7 @@ def adapter_refusal(e: EngineConfig, typed: Mapping[str, Any]) -> str | None:
     flags typed (the shares --offload-fraction and --nvme-fraction among them)."""
     if typed.get("engine") == "zero":
         return f"--engine zero: {WHY}; drop it"
-    for name in ("offload_fraction", "nvme_fraction", "nvme_path"):
+    for name in ("offload_fraction", "nvme_fraction"):  # --nvme-path: the base's disk tier
         if typed.get(name) not in (None, ""):
             return f"{flag_text(name, typed[name])}: {WHY}; drop it"
     for name, plain in PLAIN.items():
@@ -84,19 +90,174 @@ def adapter_placement(run, fixed: Fixed | None, typed: Mapping[str, Any], has_ba
     a = run.adapter
     if not a.active:
         return run, fixed, ()
-    if not has_base:
-        raise UserError(
-            f"--lora-rank {a.lora_rank} adapts a pretrained model: add --init-from MODEL (a "
-            "Hugging Face folder or a fitgpt run)"
-        )
     lora_targets(run.model, a)  # each name refused here if the family has no such linear
     e = fixed.applied(run.engine) if fixed is not None and fixed.names else run.engine
     why = adapter_refusal(e, typed)
     if why:
         raise UserError(why)
     run = dataclasses.replace(run, engine=dataclasses.replace(e, engine="ddp"))
-    note = (
-        "LoRA: the ddp engine (the planner does not price a frozen base yet: set "
-        "--checkpointing full if activations do not fit)"
+    notes = () if has_base else (RANDOM_BASE,)
+    return run, None, notes
+
+
+RANDOM_BASE = (
+    "LoRA on a randomly initialised base (no --init-from): the model's preset built straight "
+    "into its tiers, for measuring a LoRA run's speed and memory; nothing pretrained is adapted"
+)
+
+
+def place_base(run, ctx, log=print):
+    """`run` with its base's format and tiers settled for this machine (plan_base), the plan
+    said on rank 0; one line refusing what does not fit, before anything is allocated. Rank 0
+    decides and broadcasts (plan/apply.py plan_engine's way), so every rank shards or streams
+    the same blocks even where their free memory differs."""
+    import torch.distributed as dist
+
+    from fitgpt.plan import hardware
+
+    decision = [None]
+    if ctx.is_main:
+        try:
+            hw = hardware.detect(
+                gpus=ctx.world,
+                device=ctx.device.type,
+                cpu_mem=run.engine.cpu_mem,
+                nvme=run.engine.nvme_path or None,
+            )
+            placed, line = plan_base(run, hw)
+            decision[0] = (dataclasses.asdict(placed.adapter), None)
+            log(line)
+        except Exception as e:  # a refusal must reach every rank, not only rank 0
+            decision[0] = (None, e)
+    if ctx.distributed:
+        dist.broadcast_object_list(decision, src=0, group=ctx.group)
+    adapter, err = decision[0]
+    if err is not None:
+        if isinstance(err, UserError):
+            err.agreed = err.identical = ctx.distributed  # every rank raises rank 0's here
+        raise err
+    return dataclasses.replace(run, adapter=AdapterConfig(**adapter))
+
+
+# what to try, in order, when a run does not fit as asked: the leaner formats, then recompute
+LEANER = ("bf16", "int8", "nf4")
+
+
+def plan_base(run, hw: Hardware) -> tuple[Any, str]:
+    """(run, line): the adapter's base format and host blocks settled for `hw` (the fewest
+    blocks in host RAM that fit the GPU), or one line refusing a run that does not fit, naming
+    what would. On the CPU everything is host memory: nothing is streamed unless asked."""
+    from fitgpt.plan.apply import workload_of  # plan/apply.py imports the planner
+
+    a = run.adapter
+    work = workload_of(run, hw.gpus, hw.device)
+    fmt = base_format(a, work.precision)
+    ckpt = run.engine.checkpointing
+    n_blocks = run.model.n_layer
+    h, d = a.base_host_blocks, a.base_disk_blocks
+    if h is not None and h > n_blocks:
+        raise UserError(f"--base-host-blocks {h}: the model has {n_blocks} blocks; use 0 to "
+                        f"{n_blocks}")  # fmt: skip
+    if d and d > (n_blocks if h is None else h):
+        raise UserError(f"--base-disk-blocks {d}: more than the blocks off the GPU "
+                        f"(--base-host-blocks {h}); the disk ones are among them")  # fmt: skip
+    if a.base_disk_blocks and not hw.nvme_path:
+        raise UserError(
+            f"--base-disk-blocks {a.base_disk_blocks}: the disk blocks' files need "
+            "--nvme-path DIR on a disk with room for them"
+        )
+    if a.base_host_blocks is not None:
+        tries = [a.base_host_blocks]
+    else:
+        tries = [0] if hw.device != "cuda" else range(n_blocks + 1)
+    # the fewest blocks streamed (PCIe is slower than the GPUs' links); at each count whole on
+    # every rank first (no gathers), then sharded over the ranks
+    cuts = [hw.gpus if a.base_sharded else 1] if a.base_sharded is not None else [1]
+    if a.base_sharded is None and hw.gpus > 1 and hw.device == "cuda":
+        cuts.append(hw.gpus)
+    for h in tries:
+        for k in cuts:
+            p = price_base(work, a, fmt, h, ckpt, shards=k)
+            if not p.gpu_fits(hw):
+                continue
+            disks = [a.base_disk_blocks] if a.base_disk_blocks is not None else [0]
+            if a.base_disk_blocks is None and hw.nvme_path:  # the disk when host RAM is short
+                disks = range(h + 1)
+            for d in disks:
+                if d > h:  # the disk blocks are among the host ones
+                    continue
+                p = price_base(work, a, fmt, h, ckpt, d, k)
+                if p.fits(hw):
+                    return _settled(run, fmt, h, d, k > 1), "LoRA: " + p.line()
+    raise UserError(_refusal(work, a, fmt, ckpt, p, hw))
+
+
+def _settled(run, fmt: str, host_blocks: int, disk_blocks: int, sharded: bool):
+    a = dataclasses.replace(
+        run.adapter,
+        base_format=fmt,
+        base_host_blocks=host_blocks,
+        base_disk_blocks=disk_blocks,
+        base_sharded=sharded,
     )
-    return run, None, (note,) if fixed is not None else ()
+    return dataclasses.replace(run, adapter=a)
+
+
+def _refusal(work, a, fmt, ckpt, tried: BasePlan, hw: Hardware) -> str:
+    """One line: what the run needs at its leanest as asked, and the first leaner setting that
+    fits (a smaller format, every block streamed; then --checkpointing full)."""
+    need = (
+        f"{tried.est.compute_total / GiB:.1f} GiB a GPU (of {gpu_budget(hw.gpu_mem) / GiB:.1f} "
+        f"usable) and {tried.host_bytes / GiB:.1f} GiB host (of {hw.cpu_mem / GiB:.1f})"
+    )
+    fix = "a smaller --micro-batch or --seq-len, or more GPUs' memory"
+    order = LEANER[LEANER.index(fmt) :] if fmt in LEANER else (fmt, *LEANER)
+    options = [(f, c) for c in dict.fromkeys((ckpt, "full")) for f in order]
+    cuts = dict.fromkeys((1, hw.gpus if hw.device == "cuda" else 1))
+    for f, c in options:
+        if (f, c) == (fmt, ckpt) and len(cuts) == 1:
+            continue
+        plan = next(
+            (
+                (h, k)
+                for k in cuts
+                for h in range(tried.blocks + 1)
+                if price_base(work, a, f, h, c, shards=k).fits(hw)
+            ),
+            None,
+        )
+        if plan is not None:
+            h, k = plan
+            flags = [f"--base-format {f}"] if f != fmt else []
+            flags += [f"--checkpointing {c}"] if c != ckpt else []
+            flags += ["--base-sharded"] if k > 1 else []
+            flags = flags or [f"--base-host-blocks {h}"]
+            fix = f"{' '.join(flags)} fits ({h} blocks in host RAM)"
+            break
+    return (
+        f"--lora-rank {a.lora_rank}: {work.model.num_params() / 1e9:.2f} B parameters with "
+        f"the base in {fmt} and {tried.host_blocks} of {tried.blocks} blocks in host RAM need "
+        f"{need}; {fix}"
+    )
+
+
+def largest_lora(run_at, hw: Hardware, limit: int = 4096) -> tuple[int, str] | None:
+    """(layers, plan line) of the largest model `run_at(layers)` (a RunConfig with its adapter)
+    whose LoRA run plan_base fits on `hw`, streaming from host RAM as it must; None if one layer
+    does not fit. Fits are monotone in the layers (each adds a block's bytes on some tier)."""
+
+    def fits(n: int) -> str | None:
+        try:
+            return plan_base(run_at(n), hw)[1]
+        except UserError:
+            return None
+
+    if fits(1) is None:
+        return None
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi) is not None:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) is not None else (lo, mid)
+    return lo, fits(lo)

@@ -364,16 +364,8 @@ def activation_bytes(
 
 
 # ---- the whole estimate -------------------------------------------------------------------------
-def estimate(
-    work: Workload,
-    ecfg: EngineConfig,
-    layout: list[ChunkSpec] | None = None,
-    placement: Placement | None = None,
-) -> Estimate:
-    """Peak bytes per rank on each device for one training step of `work` under `ecfg`
-    (`placement`: the one `ecfg` makes, when the caller has it already)."""
-    layout = rank_layout(work, ecfg, layout)
-    placement = placement or placement_of(work, ecfg, layout)
+def activation_peak(work: Workload, ecfg: EngineConfig) -> dict[str, int]:
+    """The activation terms alive at the step's activation peak (activation_bytes)."""
     terms = activation_bytes(
         work,
         ecfg.checkpointing,
@@ -389,8 +381,20 @@ def estimate(
     block = ("working_gradients", "block_backward")
     act_head = {k: v for k, v in terms.items() if k not in block}
     act = {k: v for k, v in terms.items() if k not in head}
-    if sum(act_head.values()) > sum(act.values()):
-        act = act_head
+    return act_head if sum(act_head.values()) > sum(act.values()) else act
+
+
+def estimate(
+    work: Workload,
+    ecfg: EngineConfig,
+    layout: list[ChunkSpec] | None = None,
+    placement: Placement | None = None,
+) -> Estimate:
+    """Peak bytes per rank on each device for one training step of `work` under `ecfg`
+    (`placement`: the one `ecfg` makes, when the caller has it already)."""
+    layout = rank_layout(work, ecfg, layout)
+    placement = placement or placement_of(work, ecfg, layout)
+    act = activation_peak(work, ecfg)
     est = Estimate()
     host_dev = "cpu" if work.device == "cpu" else "cuda"
     est.host["process"] = HOST_BASE[host_dev] + (HOST_DIST if work.world > 1 else 0)

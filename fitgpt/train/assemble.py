@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fitgpt.dist import DistContext
-from fitgpt.plan.adapter import adapter_placement
+from fitgpt.plan.adapter import adapter_placement, place_base
 from fitgpt.plan.apply import plan_engine
 from fitgpt.plan.fixed import Fixed
 from fitgpt.plan.memory import tokens_per_step
@@ -113,7 +113,10 @@ def settle(settings: Settings, world: int, device: str) -> Settings:
     has_base = settings.init_from is not None
     config, fixed, notes = adapter_placement(config, settings.fixed, settings.typed, has_base)
     m, e, p = config.model, config.engine, config.precision
-    check_settings(m, e, p, world, device, fixed, settings.typed)
+    typed = settings.typed
+    if config.adapter.active:  # --nvme-path holds a LoRA base's disk blocks (plan/adapter.py)
+        typed = {k: v for k, v in typed.items() if k != "nvme_path"}
+    check_settings(m, e, p, world, device, fixed, typed)
     notes = (*settings.notes, *(n for n in notes if n not in settings.notes))
     return dataclasses.replace(
         settings, config=config, fixed=fixed, notes=notes, settled=(world, device)
@@ -152,5 +155,7 @@ def placed(settings: Settings, ctx: DistContext, log=print) -> RunConfig:
     config = settings.config
     if settings.fixed is not None:
         return plan_engine(config, ctx, settings.fixed, settings.force, log)
+    if config.adapter.active:  # the frozen base placed, priced, refused if it does not fit
+        config = place_base(config, ctx, log)
     scope = unplanned_compile(config, ctx.device.type, ctx.world)
     return dataclasses.replace(config, engine=dataclasses.replace(config.engine, compile=scope))

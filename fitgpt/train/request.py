@@ -185,8 +185,8 @@ def adapter_base(run: RunConfig, meta: dict, ckpt: Path, open_source: OpenSource
     if not run.adapter.active:
         return None
     path = meta.get("init_from")
-    if not path:
-        raise UserError(f"--resume: {ckpt} holds LoRA adapters but names no base; it is damaged")
+    if not path:  # a randomly initialised base (--preset, no --init-from): the seed remakes it
+        return None
     source = open_source(path)
     # the architecture alone: the run's data was checked against this source when it started,
     # and the checkpoint's data against the run's by resumed_config
@@ -241,6 +241,13 @@ def fresh_config(
     flags checked against it) or the preset with the model flags applied, the Python standard
     library as data unless --data says otherwise. `--preset ""` names no preset and is refused
     by get_preset, as any other name it does not know (an empty name is not the default)."""
+    adapter = adapter_config(given["adapter"])  # --lora-from: its folder's adapter
+    if model is None and adapter.active and req.preset is None:
+        raise UserError(
+            f"--lora-rank {adapter.lora_rank} adapts a pretrained model: add --init-from MODEL "
+            "(a Hugging Face folder or a fitgpt run), or name --preset for a randomly "
+            "initialised base (to measure a LoRA run's speed and memory)"
+        )
     if model is None:
         preset = DEFAULT_PRESET if req.preset is None else req.preset
         model = dataclasses.replace(get_preset(preset), **given["model"])
@@ -251,7 +258,7 @@ def fresh_config(
         engine=EngineConfig(**given["engine"]),
         precision=PrecisionConfig(**given["precision"]),
         optim=OptimConfig(**given["optim"]),
-        adapter=adapter_config(given["adapter"]),  # --lora-from: its folder's adapter
+        adapter=adapter,
     )
 
 

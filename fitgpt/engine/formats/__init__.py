@@ -8,5 +8,7 @@ compiled decode and encode (codec.py), or in one native pass per element on the 
 (hostkernel.py over host_adamw.cpp). speculate.py undoes one AdamW step, so the speculative update
 (chunked/update.py) can redo a step whose clip coefficient it guessed wrong. Formats know no
 chunks, tiers or ranks: this wing imports nothing else of the engine, and chunked/ (and through
-its placement, the planner) reads their sizes from here.
+its placement, the planner) reads their sizes from here. frozen_base.py holds a LoRA run's
+frozen base in fewer bytes (bf16, int8, NF4 through bitsandbytes), a block at a time: it reads
+the block's parameter layout (engine/layout.py ChunkSpec) and nothing else of the engine.
 """
