@@ -222,7 +222,9 @@ def check_layout(meta: dict, layout: list[ChunkSpec], ckpt: Path) -> None:
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpoint(f"{ckpt}/meta.json: its layout is malformed ({e})") from None
     if saved != list(layout):
-        if _slots(saved) == _slots(layout):
+        names = {c.name for c in saved}
+        split = [c for c in layout if c.name.endswith(".experts") and c.name not in names]
+        if split and _slots(saved) == _slots(layout):
             # the same parameters cut into other chunks: a mixture of experts' sparse block was
             # one chunk until the experts became chunks of their own (engine/layout.py)
             raise CorruptCheckpoint(
