@@ -89,7 +89,10 @@ class ExpertView:
         ]  # fmt: skip
 
     def pieces(self, local: Iterator) -> Iterator[Piece]:
-        raise NotImplementedError("expert parallelism saves through to_full")
+        """Whole-chunk pieces are tensor parallelism's way to save (the engines call pieces()
+        only with a TP mesh); expert parallelism is refused beside TP (plan/validate.py), and
+        its ranks save their own pieces in the full layout through to_full."""
+        raise RuntimeError("expert parallelism with tensor parallelism: refused by the planner")
 
     def unsplit(self, name: str, t: Tensor) -> Tensor:
         """The whole parameter from every EP rank's rows (collective over the EP group)."""
