@@ -224,3 +224,25 @@ def hard_exit(code: int) -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+def decided_on_rank0(ctx: DistContext, decide):
+    """decide() run on rank 0 alone and its result broadcast, so every rank of a job (also of
+    several machines, whose free memory differs) goes on with the same decision; an exception
+    raised there is raised on every rank (a UserError marked as every rank's, said once)."""
+    from fitgpt.errors import UserError
+
+    decision = [None]
+    if ctx.is_main:
+        try:
+            decision[0] = (decide(), None)
+        except Exception as e:  # a refusal must reach every rank, not only rank 0
+            decision[0] = (None, e)
+    if ctx.distributed:
+        dist.broadcast_object_list(decision, src=0, group=ctx.group)
+    value, err = decision[0]
+    if err is not None:
+        if isinstance(err, UserError):
+            err.agreed = err.identical = ctx.distributed  # every rank raises rank 0's here
+        raise err
+    return value

@@ -109,33 +109,17 @@ RANDOM_BASE = (
 def place_base(run, ctx, log=print):
     """`run` with its base's format and tiers settled for this machine (plan_base), the plan
     said on rank 0; one line refusing what does not fit, before anything is allocated. Rank 0
-    decides and broadcasts (plan/apply.py plan_engine's way), so every rank shards or streams
-    the same blocks even where their free memory differs."""
-    import torch.distributed as dist
-
+    decides and broadcasts (dist/context.py decided_on_rank0, as plan_engine), so every rank
+    shards or streams the same blocks even where their free memory differs."""
+    from fitgpt.dist.context import decided_on_rank0
     from fitgpt.plan import hardware
 
-    decision = [None]
-    if ctx.is_main:
-        try:
-            hw = hardware.detect(
-                gpus=ctx.world,
-                device=ctx.device.type,
-                cpu_mem=run.engine.cpu_mem,
-                nvme=run.engine.nvme_path or None,
-            )
-            placed, line = plan_base(run, hw)
-            decision[0] = (dataclasses.asdict(placed.adapter), None)
-            log(line)
-        except Exception as e:  # a refusal must reach every rank, not only rank 0
-            decision[0] = (None, e)
-    if ctx.distributed:
-        dist.broadcast_object_list(decision, src=0, group=ctx.group)
-    adapter, err = decision[0]
-    if err is not None:
-        if isinstance(err, UserError):
-            err.agreed = err.identical = ctx.distributed  # every rank raises rank 0's here
-        raise err
+    def decide() -> dict:
+        placed, line = plan_base(run, hardware.for_run(run.engine, ctx.world, ctx.device.type))
+        log(line)
+        return dataclasses.asdict(placed.adapter)
+
+    adapter = decided_on_rank0(ctx, decide)
     return dataclasses.replace(run, adapter=AdapterConfig(**adapter))
 
 

@@ -12,10 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from fitgpt.dist import DistContext
-from fitgpt.dist.nodes import node_shape
+from fitgpt.dist.context import decided_on_rank0
 from fitgpt.engine.config import EngineConfig
 from fitgpt.errors import UserError
 from fitgpt.plan import hardware, rates
@@ -87,32 +85,16 @@ def plan_engine(run, ctx: DistContext, fixed: Fixed, force: bool, log=print):
     when their free memory differs. Refuses (UserError) before anything is allocated when the
     plan cannot fit, unless `force` (then the leanest plan is tried: capacity is measured).
     """
-    decision = [None]
-    if ctx.is_main:
-        try:
-            per_node, nnodes = node_shape(ctx.world)  # RAM and disk are each node's
-            hw = hardware.detect(
-                gpus=per_node,
-                device=ctx.device.type,
-                cpu_mem=run.engine.cpu_mem,
-                gpu_mem=run.engine.gpu_mem or None,
-                nvme=run.engine.nvme_path or None,
-                nnodes=nnodes,
-            )
-            plans = plan_run(run, hw, rates.load(hw.gpu_name), fixed)
-            if not plans.fits and not force:
-                raise UserError(plans.refusal() + " (--force tries anyway)")
-            decision[0] = (dataclasses.asdict(plans.best.ecfg), None)
-            log(plans.summary())
-        except Exception as e:  # a refusal must reach every rank, not only rank 0
-            decision[0] = (None, e)
-    if ctx.distributed:
-        dist.broadcast_object_list(decision, src=0, group=ctx.group)
-    ecfg, err = decision[0]
-    if err is not None:
-        if isinstance(err, UserError):
-            err.agreed = err.identical = ctx.distributed  # every rank raises rank 0's here
-        raise err
+
+    def decide() -> dict:
+        hw = hardware.for_run(run.engine, ctx.world, ctx.device.type)
+        plans = plan_run(run, hw, rates.load(hw.gpu_name), fixed)
+        if not plans.fits and not force:
+            raise UserError(plans.refusal() + " (--force tries anyway)")
+        log(plans.summary())
+        return dataclasses.asdict(plans.best.ecfg)
+
+    ecfg = decided_on_rank0(ctx, decide)
     ecfg["cpu_mem"] = run.engine.cpu_mem  # the machine's RAM as stated: the engine checks it too
     ecfg["gpu_mem"] = run.engine.gpu_mem  # the GPU's share as stated: the engine caps it
     return dataclasses.replace(run, engine=EngineConfig(**ecfg))

@@ -75,6 +75,23 @@ class Hardware:
         )
 
 
+def for_run(ecfg, world: int, device: str) -> Hardware:
+    """The machines a run of `world` ranks trains on, as its EngineConfig states them (RAM, the
+    GPU's share, the disk folder) and torchrun lays them out (dist/nodes.py node_shape: the
+    ranks on each node, the nodes): what the planner plans a run for, the one place."""
+    from fitgpt.dist.nodes import node_shape
+
+    per_node, nnodes = node_shape(world)  # RAM and disk are each node's
+    return detect(
+        gpus=per_node,
+        device=device,
+        cpu_mem=ecfg.cpu_mem,
+        gpu_mem=ecfg.gpu_mem or None,
+        nvme=ecfg.nvme_path or None,
+        nnodes=nnodes,
+    )
+
+
 def detect(
     gpus: int | None = None,
     gpu_mem: str | int | None = None,

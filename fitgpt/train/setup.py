@@ -122,7 +122,6 @@ def gpu_held(e: BaseException, device: torch.device) -> str:
 def oom_message(run, ctx: DistContext, where: str, phase: str, held: str = "") -> str:
     """One line: what ran out, at which phase (`held`: gpu_held's figures), the plan's
     prediction, and a plan that would fit."""
-    from fitgpt.dist.nodes import node_shape
     from fitgpt.plan import hardware, rates
     from fitgpt.plan.apply import plan_run, workload_of
     from fitgpt.plan.fixed import Fixed
@@ -133,14 +132,7 @@ def oom_message(run, ctx: DistContext, where: str, phase: str, held: str = "") -
         predicted = f"the plan predicted {est.compute_total / GiB:.1f} GiB per GPU"
     else:
         predicted = f"the plan predicted {est.host_total / GiB:.1f} GiB of host RAM per rank"
-    per_node, nnodes = node_shape(ctx.world)  # the RAM that ran out is one node's
-    hw = hardware.detect(
-        gpus=per_node,
-        device=ctx.device.type,
-        cpu_mem=run.engine.cpu_mem,
-        gpu_mem=run.engine.gpu_mem or None,
-        nnodes=nnodes,
-    )
+    hw = hardware.for_run(run.engine, ctx.world, ctx.device.type)  # RAM: one node's
     # what the planner picks when what ran out holds 15% less than the plan predicted it needs
     if where == "gpu" and est.compute:
         hw = dataclasses.replace(hw, gpu_mem=int(0.85 * min(hw.gpu_mem, est.compute_total)))
