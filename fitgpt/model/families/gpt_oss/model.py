@@ -151,27 +151,32 @@ def flex_sink_attention(
 
 
 class SinkMasks:
-    """One forward's masks, made on first use and shared by the layers of each kind (the one
-    place the sink kernel is chosen, module docstring): for_layer(window, dropout, cached)
-    gives ("flex", BlockMask) or ("mask", sink_keep's boolean)."""
+    """One forward's masks, shared by the layers of each kind (the one place the sink kernel is
+    chosen, module docstring): for_layer(window, dropout, cached) gives ("flex", BlockMask) or
+    ("mask", sink_keep's boolean). The BlockMasks a forward without a past may take are made
+    here, when the forward starts, for each of the layers' `windows` (outside the blocks, which
+    --compile compiles: making one inside a compiled block would be traced); the boolean masks
+    on first use."""
 
-    def __init__(self, cfg: ModelConfig, T: int, past: int, device, seg: Tensor | None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, T: int, past: int, device, seg: Tensor | None, windows
+    ) -> None:
         self.cfg, self.T, self.past, self.device, self.seg = cfg, T, past, device, seg
         self._made: dict[tuple[str, int | None], Any] = {}
+        if past == 0 and flex_serves(torch.device(device), cfg, 0.0):
+            for w in windows:
+                m = block_mask(seg, w) if seg is not None else window_block_mask(T, w, device)
+                self._made[("flex", w)] = m  # seg: packed samples (no Packing.window here)
 
     def for_layer(self, window: int | None, dropout: float, cached: bool) -> tuple[str, Any]:
-        dev = torch.device(self.device)
-        kind = "mask" if cached or not flex_serves(dev, self.cfg, dropout) else "flex"
-        key = (kind, window)
-        if key not in self._made:
-            if kind == "mask":
-                made = sink_keep(self.T, self.past, window, self.device, self.seg)
-            elif self.seg is not None:  # packed samples (the family takes no Packing.window)
-                made = block_mask(self.seg, window)
-            else:
-                made = window_block_mask(self.T, window, self.device)
-            self._made[key] = made
-        return kind, self._made[key]
+        flex = not cached and flex_serves(torch.device(self.device), self.cfg, dropout)
+        if flex and ("flex", window) in self._made:
+            return "flex", self._made[("flex", window)]
+        if ("mask", window) not in self._made:
+            self._made[("mask", window)] = sink_keep(
+                self.T, self.past, window, self.device, self.seg
+            )
+        return "mask", self._made[("mask", window)]
 
 
 class SinkAttention(nn.Module):
@@ -297,9 +302,10 @@ class GptOss(MoeLlama):
 
     def block_aux(self, T: int, past: int, device, packing: Packing | None = None):
         """(the rotary tables, at each token's position in its sample when packed; the
-        forward's SinkMasks, which make each kind of layer's mask on first use). Of a Packing
-        only the segments and positions are read."""
+        forward's SinkMasks, one mask per kind of layer). Of a Packing only the segments and
+        positions are read."""
         seg = packing.segments_BT if packing is not None else None
         pos = packing.positions_BT if packing is not None else None
         rope = rope_tables(self.cfg, T, past, device, pos)
-        return rope, SinkMasks(self.cfg, T, past, device, seg)
+        windows = {b.attn.window for b in self.blocks}
+        return rope, SinkMasks(self.cfg, T, past, device, seg, windows)
