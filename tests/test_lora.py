@@ -303,6 +303,44 @@ def test_a_resumed_run_is_the_uninterrupted_one_bit_for_bit(folders, tmp_path):
                                b.read(c["index"], kind, 0, c["numel"]))  # fmt: skip
 
 
+@pytest.mark.parametrize("name, targets", [("llama", "k_proj,down_proj"), ("gpt2", "all-linear")])
+def test_the_step_log_counts_a_lora_step_s_flops_from_the_model_s_own_tensors(
+    folders, tmp_path, name, targets
+):
+    """The FLOPs per token behind the step log's TFLOP/s and MFU (the trainer's StepMetrics),
+    against the trainer's own model: with adapters, 4 per frozen parameter that multiplies (its
+    forward and its input's gradient, no weight gradient), 6 per adapter element, attention as
+    it was; the whole model trained, 6 per parameter that multiplies and attention, as before.
+    A parameter that multiplies: every one but the input embedding when the head has its own."""
+    from helpers import assembled
+
+    from fitgpt.train.loop import Trainer
+
+    source = find_source(str(folders[name]))
+    m = source.model
+    attn = 12.0 * m.n_layer * m.n_head * m.head_dim * m.seq_len
+    counted = {}
+    for lora in (adapter(targets), AdapterConfig()):
+        out = tmp_path / f"run{lora.active}"
+        cfg = dataclasses.replace(run_config(out, steps=1), model=m, adapter=lora)
+        out.mkdir()  # what train() makes, and locks, before its Trainer
+        trainer = Trainer(assembled(cfg, CPU, init_from=source))
+        model = trainer.engine.model
+        lookup = model.wte.weight if model.head_weight() is not model.wte.weight else None
+        multiplying = [p for p in model.parameters() if p is not lookup]
+        frozen = sum(p.numel() for p in multiplying if not p.requires_grad)
+        trained = sum(p.numel() for p in multiplying if p.requires_grad)
+        if lora.active:
+            assert frozen == m.num_params() - (lookup.numel() if lookup is not None else 0)
+            assert trained == sum(p.numel() for p in trainer.engine.params) > 0
+            assert trainer.metrics.flops_per_token == 4.0 * frozen + 6.0 * trained + attn
+        else:
+            assert frozen == 0 and trainer.metrics.flops_per_token == 6.0 * trained + attn
+        counted[lora.active] = trainer.metrics.flops_per_token
+        trainer.engine.close()
+    assert counted[True] < counted[False]  # a LoRA step is cheaper than a full one
+
+
 # ---- two ranks -----------------------------------------------------------------------------
 def lora_run(folder: str, ctx, steps: int) -> dict:
     """`steps` steps of 2 micro-batches of a global batch of 8 rows on the LoRA engine; rank d
