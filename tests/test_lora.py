@@ -1,8 +1,8 @@
 """LoRA (fitgpt/adapters) against Hugging Face PEFT: the seeded initialisation draw for draw,
 the forward, a 20-step trajectory of `fitgpt train --lora-rank` against transformers + peft fed
 the same batches, PEFT's folder out (`export --format peft`) and in (`--lora-from`), the merge
-against merge_and_unload(), a frozen base bit for bit, resume exact, two gloo ranks against
-one process, and the refusals.
+against merge_and_unload(), a frozen base bit for bit, the step's FLOPs, resume exact (on
+another world size too), two gloo ranks against one process, and the refusals.
 
 Every HF model is built here with random weights (2 layers, 32-64 wide) and saved to a
 temporary folder: nothing is downloaded.
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cli_refusal import assert_refused, run_in_process, run_process
-from helpers import close, run_config
+from helpers import close, fitgpt_rank, run_config
 
 from fitgpt.adapters import AdapterConfig, lora_targets
 from fitgpt.adapters.lora import param_names
@@ -388,6 +388,38 @@ def test_fitgpt_train_gpus_2_equals_one_process(folders, trained, tmp_path):
     r = run_process(*argv, timeout=280, env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert close(losses(tmp_path / "run"), losses(trained["llama"]))
+
+
+# one global batch of 8 rows a step however it is cut: 2 ranks of one micro-batch of 4, or one
+# process of 2 micro-batches of 4 (BatchLoader's micro-batch k of rank d of W is rows
+# [(k·W + d)·4, +4): step s reads rows [8s, 8s + 8) either way)
+ONE_PROCESS, TWO_RANKS = ("--grad-accum", "2"), ("--grad-accum", "1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_resume_on_another_world_size_goes_on_as_one_uninterrupted_run(
+    folders, tmp_path, gloo, streamed
+):
+    """4 steps of one process, uninterrupted; 2 steps over 2 gloo ranks resumed by one process
+    for steps 3-4, and 2 steps of one process resumed by 2 gloo ranks: the same losses (1e-6),
+    the same global batch throughout (--grad-accum). Streamed: the last block of the base in
+    host RAM (--base-host-blocks 1) in every run, asked again on each resume (a resume places
+    the base's tiers afresh for its machine: adapters/config.py resumed_adapter)."""
+    folder = folders["llama"]
+    base = ("--base-host-blocks", "1") if streamed else ()
+    cli(train_argv(folder, tmp_path / "one", *ONE_PROCESS, *base, "--no-save", steps=4))
+    want = losses(tmp_path / "one")
+    two_then_one, one_then_two = tmp_path / "two_then_one", tmp_path / "one_then_two"
+    save = ("--save-every", "2")
+    gloo(2, fitgpt_rank, train_argv(folder, two_then_one, *TWO_RANKS, *base, *save, steps=2))
+    cli(["train", "--out", two_then_one, "--resume", "--steps", "4", *ONE_PROCESS, *base])
+    cli(train_argv(folder, one_then_two, *ONE_PROCESS, *base, *save, steps=2))
+    resume = ["train", "--out", one_then_two, "--resume", "--steps", "4", *TWO_RANKS, *base]
+    gloo(2, fitgpt_rank, resume)
+    for out in (two_then_one, one_then_two):
+        got = losses(out)
+        assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, want)) < 1e-6, (out, got)
 
 
 # ---- PEFT's folder out and in, the merge ---------------------------------------------------
