@@ -282,9 +282,10 @@ def test_only_the_adapters_train_and_the_base_stays_bit_identical(folders, tmp_p
     e.close()
 
 
-def test_a_resumed_run_is_the_uninterrupted_one_bit_for_bit(folders, tmp_path):
+def test_a_resumed_run_is_the_uninterrupted_one_bit_for_bit(folders, tmp_path, capsys):
     """6 steps saved at 3 and 6; the step-6 checkpoint removed and steps 4-6 run again from
-    step 3: the same losses and the same adapters and moments, bit for bit."""
+    step 3: the same losses and the same adapters and moments, bit for bit. A flag given again
+    that agrees with the checkpoint is no change, and is not named as one."""
     out = tmp_path / "run"
     cli(train_argv(folders["llama"], out, "--save-every", "3", steps=6))
     want = losses(out)
@@ -292,8 +293,11 @@ def test_a_resumed_run_is_the_uninterrupted_one_bit_for_bit(folders, tmp_path):
     keep = tmp_path / "uninterrupted"
     shutil.copytree(final, keep)
     shutil.rmtree(final)
+    capsys.readouterr()
     cli(["train", "--out", out, "--resume", "--lora-alpha", "8"])  # 2R: the run's own alpha
     assert losses(out) == want
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("resumed"))
+    assert line.endswith("at step 3"), line
     from fitgpt.engine.state_io import StateReader
 
     a, b = StateReader(keep), StateReader(final)
@@ -399,13 +403,14 @@ ONE_PROCESS, TWO_RANKS = ("--grad-accum", "2"), ("--grad-accum", "1")
 @pytest.mark.slow
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_resume_on_another_world_size_goes_on_as_one_uninterrupted_run(
-    folders, tmp_path, gloo, streamed
+    folders, tmp_path, gloo, capsys, streamed
 ):
     """4 steps of one process, uninterrupted; 2 steps over 2 gloo ranks resumed by one process
     for steps 3-4, and 2 steps of one process resumed by 2 gloo ranks: the same losses (1e-6),
     the same global batch throughout (--grad-accum). Streamed: the last block of the base in
-    host RAM (--base-host-blocks 1) in every run, asked again on each resume (a resume places
-    the base's tiers afresh for its machine: adapters/config.py resumed_adapter)."""
+    host RAM (--base-host-blocks 1) in the saved runs: asked again by the resume on 2 ranks;
+    not by the one on one process, which places the base afresh (every block on the device
+    here) and says so."""
     folder = folders["llama"]
     base = ("--base-host-blocks", "1") if streamed else ()
     cli(train_argv(folder, tmp_path / "one", *ONE_PROCESS, *base, "--no-save", steps=4))
@@ -413,7 +418,10 @@ def test_a_resume_on_another_world_size_goes_on_as_one_uninterrupted_run(
     two_then_one, one_then_two = tmp_path / "two_then_one", tmp_path / "one_then_two"
     save = ("--save-every", "2")
     gloo(2, fitgpt_rank, train_argv(folder, two_then_one, *TWO_RANKS, *base, *save, steps=2))
-    cli(["train", "--out", two_then_one, "--resume", "--steps", "4", *ONE_PROCESS, *base])
+    cli(["train", "--out", two_then_one, "--resume", "--steps", "4", *ONE_PROCESS])
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("resumed"))
+    assert "world size 2 → 1" in line and "--grad-accum 1 → 2" in line, line
+    assert ("--base-host-blocks 1 → 0" in line) == streamed, line  # placed again, said
     cli(train_argv(folder, one_then_two, *ONE_PROCESS, *base, *save, steps=2))
     resume = ["train", "--out", one_then_two, "--resume", "--steps", "4", *TWO_RANKS, *base]
     gloo(2, fitgpt_rank, resume)
