@@ -1,8 +1,8 @@
 """LoRA (fitgpt/adapters) against Hugging Face PEFT: the seeded initialisation draw for draw,
 the forward, a 20-step trajectory of `fitgpt train --lora-rank` against transformers + peft fed
 the same batches, PEFT's folder out (`export --format peft`) and in (`--lora-from`), the merge
-against merge_and_unload(), a frozen base bit for bit, resume exact, two gloo ranks against
-one process, and the refusals.
+against merge_and_unload(), a frozen base bit for bit, the step's FLOPs, resume exact (on
+another world size too), two gloo ranks against one process, and the refusals.
 
 Every HF model is built here with random weights (2 layers, 32-64 wide) and saved to a
 temporary folder: nothing is downloaded.
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cli_refusal import assert_refused, run_in_process, run_process
-from helpers import close, run_config
+from helpers import close, fitgpt_rank, run_config
 
 from fitgpt.adapters import AdapterConfig, lora_targets
 from fitgpt.adapters.lora import param_names
@@ -282,9 +282,10 @@ def test_only_the_adapters_train_and_the_base_stays_bit_identical(folders, tmp_p
     e.close()
 
 
-def test_a_resumed_run_is_the_uninterrupted_one_bit_for_bit(folders, tmp_path):
+def test_a_resumed_run_is_the_uninterrupted_one_bit_for_bit(folders, tmp_path, capsys):
     """6 steps saved at 3 and 6; the step-6 checkpoint removed and steps 4-6 run again from
-    step 3: the same losses and the same adapters and moments, bit for bit."""
+    step 3: the same losses and the same adapters and moments, bit for bit. A flag given again
+    that agrees with the checkpoint is no change, and is not named as one."""
     out = tmp_path / "run"
     cli(train_argv(folders["llama"], out, "--save-every", "3", steps=6))
     want = losses(out)
@@ -292,8 +293,11 @@ def test_a_resumed_run_is_the_uninterrupted_one_bit_for_bit(folders, tmp_path):
     keep = tmp_path / "uninterrupted"
     shutil.copytree(final, keep)
     shutil.rmtree(final)
+    capsys.readouterr()
     cli(["train", "--out", out, "--resume", "--lora-alpha", "8"])  # 2R: the run's own alpha
     assert losses(out) == want
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("resumed"))
+    assert line.endswith("at step 3"), line
     from fitgpt.engine.state_io import StateReader
 
     a, b = StateReader(keep), StateReader(final)
@@ -301,6 +305,44 @@ def test_a_resumed_run_is_the_uninterrupted_one_bit_for_bit(folders, tmp_path):
         for kind in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(a.read(c["index"], kind, 0, c["numel"]),
                                b.read(c["index"], kind, 0, c["numel"]))  # fmt: skip
+
+
+@pytest.mark.parametrize("name, targets", [("llama", "k_proj,down_proj"), ("gpt2", "all-linear")])
+def test_the_step_log_counts_a_lora_step_s_flops_from_the_model_s_own_tensors(
+    folders, tmp_path, name, targets
+):
+    """The FLOPs per token behind the step log's TFLOP/s and MFU (the trainer's StepMetrics),
+    against the trainer's own model: with adapters, 4 per frozen parameter that multiplies (its
+    forward and its input's gradient, no weight gradient), 6 per adapter element, attention as
+    it was; the whole model trained, 6 per parameter that multiplies and attention, as before.
+    A parameter that multiplies: every one but the input embedding when the head has its own."""
+    from helpers import assembled
+
+    from fitgpt.train.loop import Trainer
+
+    source = find_source(str(folders[name]))
+    m = source.model
+    attn = 12.0 * m.n_layer * m.n_head * m.head_dim * m.seq_len
+    counted = {}
+    for lora in (adapter(targets), AdapterConfig()):
+        out = tmp_path / f"run{lora.active}"
+        cfg = dataclasses.replace(run_config(out, steps=1), model=m, adapter=lora)
+        out.mkdir()  # what train() makes, and locks, before its Trainer
+        trainer = Trainer(assembled(cfg, CPU, init_from=source))
+        model = trainer.engine.model
+        lookup = model.wte.weight if model.head_weight() is not model.wte.weight else None
+        multiplying = [p for p in model.parameters() if p is not lookup]
+        frozen = sum(p.numel() for p in multiplying if not p.requires_grad)
+        trained = sum(p.numel() for p in multiplying if p.requires_grad)
+        if lora.active:
+            assert frozen == m.num_params() - (lookup.numel() if lookup is not None else 0)
+            assert trained == sum(p.numel() for p in trainer.engine.params) > 0
+            assert trainer.metrics.flops_per_token == 4.0 * frozen + 6.0 * trained + attn
+        else:
+            assert frozen == 0 and trainer.metrics.flops_per_token == 6.0 * trained + attn
+        counted[lora.active] = trainer.metrics.flops_per_token
+        trainer.engine.close()
+    assert counted[True] < counted[False]  # a LoRA step is cheaper than a full one
 
 
 # ---- two ranks -----------------------------------------------------------------------------
@@ -350,6 +392,42 @@ def test_fitgpt_train_gpus_2_equals_one_process(folders, trained, tmp_path):
     r = run_process(*argv, timeout=280, env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert close(losses(tmp_path / "run"), losses(trained["llama"]))
+
+
+# one global batch of 8 rows a step however it is cut: 2 ranks of one micro-batch of 4, or one
+# process of 2 micro-batches of 4 (BatchLoader's micro-batch k of rank d of W is rows
+# [(k·W + d)·4, +4): step s reads rows [8s, 8s + 8) either way)
+ONE_PROCESS, TWO_RANKS = ("--grad-accum", "2"), ("--grad-accum", "1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_resume_on_another_world_size_goes_on_as_one_uninterrupted_run(
+    folders, tmp_path, gloo, capsys, streamed
+):
+    """4 steps of one process, uninterrupted; 2 steps over 2 gloo ranks resumed by one process
+    for steps 3-4, and 2 steps of one process resumed by 2 gloo ranks: the same losses (1e-6),
+    the same global batch throughout (--grad-accum). Streamed: the last block of the base in
+    host RAM (--base-host-blocks 1) in the saved runs: asked again by the resume on 2 ranks;
+    not by the one on one process, which places the base afresh (every block on the device
+    here) and says so."""
+    folder = folders["llama"]
+    base = ("--base-host-blocks", "1") if streamed else ()
+    cli(train_argv(folder, tmp_path / "one", *ONE_PROCESS, *base, "--no-save", steps=4))
+    want = losses(tmp_path / "one")
+    two_then_one, one_then_two = tmp_path / "two_then_one", tmp_path / "one_then_two"
+    save = ("--save-every", "2")
+    gloo(2, fitgpt_rank, train_argv(folder, two_then_one, *TWO_RANKS, *base, *save, steps=2))
+    cli(["train", "--out", two_then_one, "--resume", "--steps", "4", *ONE_PROCESS])
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("resumed"))
+    assert "world size 2 → 1" in line and "--grad-accum 1 → 2" in line, line
+    assert ("--base-host-blocks 1 → 0" in line) == streamed, line  # placed again, said
+    cli(train_argv(folder, one_then_two, *ONE_PROCESS, *base, *save, steps=2))
+    resume = ["train", "--out", one_then_two, "--resume", "--steps", "4", *TWO_RANKS, *base]
+    gloo(2, fitgpt_rank, resume)
+    for out in (two_then_one, one_then_two):
+        got = losses(out)
+        assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, want)) < 1e-6, (out, got)
 
 
 # ---- PEFT's folder out and in, the merge ---------------------------------------------------

@@ -190,6 +190,9 @@ def resumed_adapter(saved: dict, asked: dict, ckpt: Path) -> AdapterConfig:
     if "lora_dropout" in asked and not old.active:
         raise UserError(f"--resume: {ckpt} trained the whole model: drop --lora-dropout")
     # the base's format is the checkpoint's unless asked (the adapters trained on its values);
-    # its tiers are placed again for this machine (plan/adapter.py)
+    # its tiers are placed again for this machine (plan/adapter.py). A shape field asked again
+    # agrees (checked above): the checkpoint's spelling is kept (--lora-alpha 8 at rank 4 is
+    # its unset alpha), so the resume's line of changes (train/resume.py) does not name it.
     kept = {k: getattr(old, k) for k in known if k not in PLACEMENT[1:]}
-    return AdapterConfig(**{**kept, **asked})
+    changeable = {k: v for k, v in asked.items() if k == "lora_dropout" or k in PLACEMENT}
+    return AdapterConfig(**{**kept, **changeable})

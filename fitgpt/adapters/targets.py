@@ -17,6 +17,7 @@ not adapt them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -105,3 +106,12 @@ def lora_targets(cfg: ModelConfig, adapter: AdapterConfig) -> list[Target]:
             f"use {ALL_LINEAR} or some of {known}"
         )
     return [t for t in found if any(matches(t.hf, n) for n in names)]
+
+
+@functools.lru_cache(maxsize=32)
+def adapter_elements(cfg: ModelConfig, adapter: AdapterConfig) -> int:
+    """A and B's elements over every target, r·(in + rows) each: what the adapters' state
+    costs (plan/adapter_memory.py) and what a LoRA step's FLOPs count (RunConfig
+    flops_per_token)."""
+    r = adapter.lora_rank
+    return sum(r * (t.in_features + t.out_features) for t in lora_targets(cfg, adapter))

@@ -420,11 +420,13 @@ class ModelConfig:
         """Exact parameter count, equal to the built model's (the family's closed form)."""
         return _family_of(self).num_params(self)
 
-    def flops_per_token(self) -> float:
+    def flops_per_token(self, adapters: int | None = None) -> float:
         """Model FLOPs per trained token (model/family.py Family.flops_per_token): for GPT-2
-        6·N + 12·L·h·S, recompute not counted. The attention term counts QK^T and AV for the
-        full S×S square, as the ANCHORS protocol does, so figures compare with the peers'."""
-        return _family_of(self).flops_per_token(self)
+        6·N + 12·L·h·S, recompute not counted; with `adapters` LoRA elements trained on the
+        frozen model, 4·N + 6 per adapter element + 12·L·h·S. The attention term counts QK^T
+        and AV for the full S×S square, as the ANCHORS protocol does, so figures compare with
+        the peers'. A run's count: train/config.py RunConfig.flops_per_token."""
+        return _family_of(self).flops_per_token(self, adapters)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -9,8 +9,10 @@ else:
                     by rows is a column-parallel linear, by columns a row-parallel one, an
                     embedding's rows its vocabulary); the rest is replicated
   tp_sizes          what the tensor-parallel degree must divide (heads, MLP width, vocabulary)
-  num_params, flops_per_token
-                    the exact parameter count and the model FLOPs per trained token
+  num_params, matmul_params, attention_flops, flops_per_token
+                    the exact parameter count; the model FLOPs per trained token (the whole
+                    model trained, or LoRA adapters on it frozen) and its two parts: the
+                    parameters a token multiplies by, attention's work
   block_activations the elements per token a block saves for backward, split into those tensor
                     parallelism leaves whole (the norms) and those it cuts 1/T (inside attention
                     and the MLP): what the planner's memory model prices
@@ -136,11 +138,29 @@ class Family(ABC):
         recompute) is priced by, where num_params prices the state."""
         return self.num_params(cfg)
 
-    def flops_per_token(self, cfg: ModelConfig) -> float:
-        """Model FLOPs per trained token, recompute not counted: 6 per parameter, plus
-        attention's QK^T and AV over the full S×S square (12·L·h·S; the convention the peers'
-        published figures use)."""
-        return 6.0 * self.num_params(cfg) + 12.0 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+    def matmul_params(self, cfg: ModelConfig) -> int:
+        """The parameters one token's forward multiplies by, each 2 FLOPs forward and 2 for
+        its input's gradient, 2 more for its own gradient where it trains: every active one
+        (active_params; the norms' and biases' few counted as the convention counts them)."""
+        return self.active_params(cfg)
+
+    def attention_flops(self, cfg: ModelConfig) -> float:
+        """Attention's QK^T and AV per token, forward + backward, over the full S×S square:
+        12·L·h·S, the convention the peers' published figures use (a causal kernel does half;
+        plan/throughput.py prices what it does)."""
+        return 12.0 * cfg.n_layer * cfg.n_embd * cfg.seq_len
+
+    def flops_per_token(self, cfg: ModelConfig, adapters: int | None = None) -> float:
+        """Model FLOPs per trained token, recompute not counted. The whole model trained: 6 per
+        multiplying parameter plus attention. `adapters` LoRA elements trained on the frozen
+        model (fitgpt/adapters): its weights get no gradient, 4 per parameter (the forward and
+        the input's gradient), and each adapter element 6 (A·x and B·(A·x) are 2 per element
+        forward, the input and weight gradients of both 2 and 2: the rank-r path's whole
+        work); attention is the same work either way."""
+        mm, attn = self.matmul_params(cfg), self.attention_flops(cfg)
+        if adapters is None:
+            return 6.0 * mm + attn
+        return 4.0 * mm + 6.0 * adapters + attn
 
     @abstractmethod
     def block_activations(self, cfg: ModelConfig) -> tuple[int, int]:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fitgpt.adapters import AdapterConfig, lora_targets
+from fitgpt.adapters import AdapterConfig
+from fitgpt.adapters.targets import adapter_elements
 from fitgpt.engine.chunked.frozen import DiskBlocks
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.formats.frozen_base import ALIGN, BlockCodec, is_direct, packed_base
@@ -76,13 +77,6 @@ class BasePlan:
         ranks = f" ({self.ranks} ranks)" if self.ranks > 1 else ""
         host = f"{self.host_bytes / GiB:.1f} GiB host{ranks}"
         return f"the base in {self.fmt}, {where}: {gpu}{host}{nvme}"
-
-
-@functools.lru_cache(maxsize=32)
-def adapter_elements(model: ModelConfig, adapter: AdapterConfig) -> int:
-    """A and B's elements over every target: r·(in + rows) each."""
-    r = adapter.lora_rank
-    return sum(r * (t.in_features + t.hi - t.lo) for t in lora_targets(model, adapter))
 
 
 def price_base(

@@ -6,7 +6,10 @@ compute   the matmuls (6 FLOPs per multiplying parameter per token, + 0.6 of a f
           attention rate × the same efficiency share; fp32 runs on the non-tensor-core rate.
           Model FLOPs (family.flops_per_token, the TFLOP/s and MFU we report) count attention
           over the full S×S square, 12·L·N·D·S per token, as the peers' published figures do: a
-          reporting convention, not the work a causal kernel does (half of it).
+          reporting convention, not the work a causal kernel does (half of it). A LoRA run is
+          not priced here: its engine is fixed (ddp) and plan/adapter.py places its base by
+          memory alone, with no choice for a step time to decide; its model FLOPs (4 per frozen
+          parameter, 6 per adapter element: Family.flops_per_token) are what to price if one is.
 comm      ZeRO/DDP collectives at the probe's bus bandwidth; what overlaps with backward (or with
           forward, for stage-3 prefetches) is hidden, the rest exposed.
 optimizer fused AdamW streams ~36 bytes per parameter of its range through device memory;
@@ -144,10 +147,9 @@ def attention_flops(model, device: str = "cuda") -> float:
 
 
 def matmul_flops(model) -> float:
-    """The model FLOPs per token less attention's full square (the convention's 12·L·N·D·S):
-    6 per parameter that multiplies, at the GEMM rate."""
-    square = 12.0 * model.n_layer * model.n_head * model.head_dim * model.seq_len
-    return model.flops_per_token() - square
+    """The model FLOPs per token less attention's full square (Family.attention_flops): 6 per
+    parameter that multiplies (Family.matmul_params), at the GEMM rate."""
+    return 6.0 * family_of(model).matmul_params(model)
 
 
 def compute_seconds(work: Workload, ecfg: EngineConfig, tokens: int, rates: Rates) -> float:

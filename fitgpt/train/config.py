@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from fitgpt.adapters import AdapterConfig
+from fitgpt.adapters.targets import adapter_elements
 from fitgpt.data.config import DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
@@ -156,6 +157,13 @@ class RunConfig:
     optim: OptimConfig
     # LoRA on a frozen base (fitgpt/adapters); off by default, and in checkpoints made before it
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+
+    def flops_per_token(self) -> float:
+        """The model FLOPs per token this run trains (the step log's TFLOP/s and MFU, the
+        compile decision's run length): the family's count of the whole model trained, or of
+        LoRA adapters on it frozen (model/family.py Family.flops_per_token)."""
+        a = self.adapter
+        return self.model.flops_per_token(adapter_elements(self.model, a) if a.active else None)
 
     def to_dict(self) -> dict:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -84,7 +84,7 @@ class Trainer:
         )
         self.log = MetricsLog(self.out, ctx.is_main)
         self.metrics = StepMetrics(
-            self.log, ctx, self.engine, run.model, self.cfg.steps, self.tokens_per_step
+            self.log, ctx, self.engine, run.flops_per_token(), self.cfg.steps, self.tokens_per_step
         )
         # a CPU run keeps the faster thread count as other programs come and go (dist/threads.py)
         self.threads = thread_tuner(self.cfg.cpu_threads, ctx.device.type)

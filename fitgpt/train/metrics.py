@@ -29,7 +29,6 @@ from fitgpt.engine.base import Engine, StepStats
 from fitgpt.engine.timing import PHASES
 from fitgpt.engine.transforms.compile import report_line
 from fitgpt.errors import UserError
-from fitgpt.model import ModelConfig
 from fitgpt.units import tflops
 
 # Dense bf16 tensor-core peaks (no sparsity), FLOP/s, matched by substring of the device name.
@@ -119,19 +118,21 @@ class MetricsLog:
 
 class StepMetrics:
     """The records of one run's steps, each written to `log` and said as one line on rank 0.
-    `tokens_per_step` counts every data-parallel rank's; `steps` is the run's length (the ETA)."""
+    `flops_per_token`: the run's model FLOPs per token (RunConfig.flops_per_token), what its
+    TFLOP/s and MFU count; `tokens` per step counts every data-parallel rank's; `steps` is the
+    run's length (the ETA)."""
 
     def __init__(
         self,
         log: MetricsLog,
         ctx: DistContext,
         engine: Engine,
-        model: ModelConfig,
+        flops_per_token: float,
         steps: int,
         tokens: int,
     ) -> None:
         self.log, self.ctx, self.engine = log, ctx, engine
-        self.flops_per_token = model.flops_per_token()
+        self.flops_per_token = flops_per_token
         self.steps, self.tokens_per_step = steps, tokens
         self.peak = peak_flops(ctx.device)
         self._counts: dict[str, float] = {}  # the engine's counters at the last train record

@@ -399,7 +399,9 @@ def changed_settings(
         out.append(
             f"tokens per step {before:,} → {after:,}{keep if before % per_accum == 0 else ''}"
         )
-    for part in ("engine", "precision", "train", "optim", "model", "data"):
+    # the adapter's shape is the checkpoint's (adapters/config.py resumed_adapter): what may
+    # differ is its dropout and its base's format and tiers, placed again for this machine
+    for part in ("engine", "precision", "train", "optim", "model", "data", "adapter"):
         for name, new in now[part].items():
             if (part, name) in NOT_SETTINGS or name not in saved[part]:
                 continue

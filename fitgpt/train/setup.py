@@ -75,7 +75,7 @@ def estimated_run_s(run, device_type: str) -> float:
     t = run.train
     tokens = tokens_per_step(t.micro_batch, t.grad_accum, run.model.seq_len)  # one rank's share
     peak = peak_flops(torch.device("cuda")) or max(PEAK_BF16.values())
-    return t.steps * run.model.flops_per_token() * tokens / (ASSUMED_MFU * peak)
+    return t.steps * run.flops_per_token() * tokens / (ASSUMED_MFU * peak)
 
 
 # ---- out of memory ---------------------------------------------------------------------------

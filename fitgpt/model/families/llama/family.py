@@ -101,15 +101,15 @@ class LlamaFamily(Family):
         V = cfg.padded_vocab_size
         return cfg.n_layer * per_block + V * H + H + (0 if cfg.tie_embeddings else V * H)
 
-    def flops_per_token(self, cfg: ModelConfig) -> float:
-        """6 per parameter that multiplies (the input embedding is a lookup: its V·H are left
-        out when the head has its own, and counted as the head's when tied), plus attention's
-        QK^T and AV over the full S×S square: 12·L·N·D·S."""
-        n = self.num_params(cfg)
-        if not cfg.tie_embeddings:
-            n -= cfg.padded_vocab_size * cfg.n_embd
-        attn = 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.seq_len
-        return 6.0 * n + attn
+    def matmul_params(self, cfg: ModelConfig) -> int:
+        """Every active parameter but the input embedding when the head has its own (a lookup
+        multiplies nothing; a tied one is counted as the head's)."""
+        n = self.active_params(cfg)
+        return n if cfg.tie_embeddings else n - cfg.padded_vocab_size * cfg.n_embd
+
+    def attention_flops(self, cfg: ModelConfig) -> float:
+        """QK^T and AV over the full S×S square, by the heads' width: 12·L·N·D·S."""
+        return 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.seq_len
 
     def block_activations(self, cfg: ModelConfig) -> tuple[int, int]:
         """Left whole by TP, 4H: the two RMSNorms' inputs and outputs (a fused RMSNorm keeps

@@ -70,16 +70,6 @@ class MoeCounts(LlamaFamily):
             self.num_params(cfg) - len(cfg.moe_layers) * moe * 3 * cfg.moe_ffn_hidden * cfg.n_embd
         )
 
-    def flops_per_token(self, cfg: ModelConfig) -> float:
-        """6 per ACTIVE parameter that multiplies (the k experts of each sparse layer, not all
-        E: the compute a token costs; the state is priced by num_params), plus attention's
-        QK^T and AV over the full S×S square (12·L·N·D·S), as Llama's."""
-        n = self.active_params(cfg)
-        if not cfg.tie_embeddings:
-            n -= cfg.padded_vocab_size * cfg.n_embd
-        attn = 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.seq_len
-        return 6.0 * n + attn
-
     # elements one (token, expert) assignment saves per unit of expert width F' inside its
     # expert: SwiGLU's gate and up (2F'), silu(gate) and the product (2F')
     expert_saved: ClassVar[int] = 4
