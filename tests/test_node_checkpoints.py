@@ -107,3 +107,22 @@ def test_node_local_checkpoints_where_a_rank_would_read_another_machines_files_a
     check_node_local(dataclasses.replace(config, engine=EngineConfig(zero_stage=1)), ctx)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # one machine holds every file
     check_node_local(config, ctx)
+
+
+def test_a_node_missing_its_own_files_is_refused_before_loading(tmp_path, capsys):
+    """A resume in the saving shape whose node lacks a file it wrote itself (its --out is another
+    folder, or the file was deleted): refused in one line naming the node, nothing loaded."""
+    from cli_refusal import run_main
+
+    out = tmp_path / "run"
+    args = ["train", *RUN, "--steps", 1, "--out", out, "--node-local-checkpoints"]
+    code, _, err = run_main(capsys, *args)
+    assert code == 0, err
+    meta = json.loads((out / "step_00000001" / "meta.json").read_text())
+    assert meta["nodes"] == {"count": 1, "per_node": 1, "files": dict.fromkeys(meta["files"], 0)}
+    (out / "step_00000001" / "rng-r000.pt").unlink()
+    code, err = run_in_process(capsys, *args[:-1], "--steps", 2, "--resume")
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert "node(s) 0 lack the files they saved there (rng-r000.pt)" in lines[0]
+    assert not (out / "step_00000002").exists()

@@ -207,8 +207,9 @@ def reading_node(meta: dict, ctx: DistContext) -> int | None:
     return node_of_rank() if (per, count) == (nodes["per_node"], nodes["count"]) else None
 
 
-def scattered(ckpt: Path, meta: dict, gaps: dict[str, int | None]) -> UserError:
-    """The one line refusing a checkpoint whose files `gaps` are not in `ckpt`."""
+def scattered(ckpt: Path, meta: dict, gaps: dict[str, int | None], own: bool = False) -> UserError:
+    """The one line refusing a checkpoint whose files `gaps` are not in `ckpt` (`own`: a job of
+    the saving shape, whose nodes miss the files they wrote themselves)."""
     nodes = meta.get("nodes")
     if nodes is None or None in gaps.values():
         first = sorted(gaps)[0]
@@ -218,6 +219,12 @@ def scattered(ckpt: Path, meta: dict, gaps: dict[str, int | None]) -> UserError:
     held = sorted(set(gaps.values()))
     names = sorted(gaps)
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    if own:
+        return ScatteredCheckpoint(
+            f"{ckpt}: node(s) {', '.join(map(str, held))} lack the files they saved there "
+            f"({shown}): give each node the --out it saved into, or resume from an earlier "
+            "checkpoint"
+        )
     gather = "; ".join(f"rsync -a NODE{r}:{ckpt}/ {ckpt}/" for r in held)
     return ScatteredCheckpoint(
         f"{ckpt} was saved node-local on {nodes['count']} node(s) of {nodes['per_node']} "
@@ -234,13 +241,14 @@ def require_files(ckpt: Path, meta: dict, ctx: DistContext) -> None:
     the names, before anything is loaded). A checkpoint that is not node-local passes."""
     if "nodes" not in meta:
         return
-    gaps = missing(ckpt, meta, files_needed(meta, reading_node(meta, ctx)))
+    node = reading_node(meta, ctx)
+    gaps = missing(ckpt, meta, files_needed(meta, node))
     if ctx.distributed:
         every: list = [None] * ctx.world
         dist.all_gather_object(every, gaps, group=ctx.group)
         gaps = {k: v for g in every for k, v in g.items()}
     if gaps:
-        e = scattered(ckpt, meta, gaps)
+        e = scattered(ckpt, meta, gaps, own=node is not None)
         e.agreed = e.identical = ctx.distributed  # every rank holds the same gathered names
         raise e
 
