@@ -166,6 +166,21 @@ SUITES: tuple[Suite, ...] = (
         ),
     ),
     Suite(
+        "nodes",
+        "several machines (--nnodes), stood for by processes on one box that talk as machines do",
+        (
+            Row(
+                "x4",
+                "multi_gpu/nodes_x4.sh",
+                "nvidia-h200-x4",
+                "NOT RUN YET (written without a device): two 2-GPU machines on one 4-GPU box "
+                "(NCCL off NVLink and shared memory between them) training 20 B with ZeRO-3 "
+                "sharded over all 4 ranks, then within each machine (--shard-within node), the "
+                "same batch, each step's time beside the plan's",
+            ),
+        ),
+    ),
+    Suite(
         "moe",
         "mixture-of-experts models on one GPU: the expert matmuls, fitgpt's planned run, and "
         "transformers + DeepSpeed ZeRO-3 offload on the same shape and batch",

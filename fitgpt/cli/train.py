@@ -298,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
             if ctx.is_main:
                 print(msg, flush=True)
 
-        check_same(ctx, settings.to_dict())  # every node settled the same run
+        check_same(ctx, compared(settings))  # every node settled the same run
         train(assemble(settings, ctx, log))
     except UserError as e:
         if not ctx.distributed:
@@ -319,6 +319,18 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutdown(ctx)
     return 0
+
+
+def compared(settings) -> dict:
+    """What every node must have settled alike: all of `settings`, but with node-local
+    checkpoints each machine's own --out (its own disk; a path of its own on a shared host),
+    the notes that name it, and of the checkpoint resumed its step folder's name alone."""
+    d = settings.to_dict()
+    if settings.config.train.node_local_checkpoints:
+        d["config"]["train"].pop("out")
+        d.pop("notes")
+        d["resume"] = d["resume"] and os.path.basename(os.path.normpath(d["resume"]))
+    return d
 
 
 def lone_failure(ctx, e: BaseException) -> None:

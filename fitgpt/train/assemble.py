@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fitgpt.dist import DistContext
+from fitgpt.dist.nodes import node_shape
+from fitgpt.errors import UserError
 from fitgpt.plan.adapter import adapter_placement, place_base
 from fitgpt.plan.apply import plan_engine
 from fitgpt.plan.fixed import Fixed
@@ -135,6 +137,7 @@ def assemble(settings: Settings, ctx: DistContext, log=print) -> Run:
     for note in settings.notes:
         log(note)
     config = placed(settings, ctx, log)
+    check_node_local(config, ctx)
     e = config.engine
     ctx = ctx.laid_out(e.tensor_parallel, e.context_parallel, e.expert_parallel)
     t = config.train
@@ -145,6 +148,29 @@ def assemble(settings: Settings, ctx: DistContext, log=print) -> Run:
     config = dataclasses.replace(config, train=train)
     s = settings
     return Run(config, ctx, s.resume, s.init_from, s.overwrite, s.files, schedule_line=line)
+
+
+def check_node_local(config: RunConfig, ctx: DistContext) -> None:
+    """--node-local-checkpoints on several machines needs every rank to write, and on a resume
+    read, its own shard alone (ZeRO stages 1-3 on the whole world, one model copy): otherwise a
+    machine would read files that only another machine holds. Refused in one line, on every
+    rank alike (the placement is the same on every rank)."""
+    e = config.engine
+    own = (
+        e.engine == "zero" and e.zero_stage >= 1 and e.tensor_parallel == 1
+        and e.expert_parallel == 1 and e.shard_within == "world" and not config.adapter.active
+    )  # fmt: skip
+    if not config.train.node_local_checkpoints or own or node_shape(ctx.world)[1] == 1:
+        return
+    err = UserError(
+        "--node-local-checkpoints needs each rank to save its own shard: --engine zero "
+        f"--zero-stage 1-3 without --tensor-parallel, --expert-parallel, --shard-within node "
+        f"or LoRA (this run: --engine {e.engine} --zero-stage {e.zero_stage}, --tensor-parallel "
+        f"{e.tensor_parallel}, --shard-within {e.shard_within}); pin those, or put --out on a "
+        "shared disk and drop the flag"
+    )
+    err.agreed = err.identical = ctx.distributed
+    raise err
 
 
 def placed(settings: Settings, ctx: DistContext, log=print) -> RunConfig:

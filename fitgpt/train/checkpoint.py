@@ -8,6 +8,16 @@ run/.step_XXXXXXXX.tmp and the folder is renamed only when complete, so a crash 
 never leave a folder that looks like a checkpoint; a checkpoint is never overwritten in place.
 A save that fails in any rank (full disk, I/O error, an exception, a dead rank) removes the
 temporary folder, keeps every earlier checkpoint and ends the run in one line.
+
+Node-local checkpoints (--node-local-checkpoints: machines that share no disk): each machine's
+first rank makes the temporary folder in its own --out, the machine's ranks write their files
+there, and every machine's first rank writes the same meta.json, which names the machine that
+holds each file (`nodes`: the node count, the ranks per node and the node of every file) and
+renames its folder into place. A resume on the same world and node shape reads each machine's
+own files (every rank reads only its own shard: the flag is refused where that is not so,
+train/assemble.py); any other resume, and an export, needs every file in one folder, and a
+checkpoint whose files are scattered is refused in one line naming the nodes whose files are
+missing and the rsync that gathers them (`require_files`), before anything is loaded.
 """
 
 from __future__ import annotations
@@ -21,8 +31,10 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from fitgpt.dist import DistContext
+from fitgpt.dist.nodes import node_of_rank, node_shape
 from fitgpt.engine.base import Engine
 from fitgpt.engine.comm import CollectiveError, all_ok
 from fitgpt.engine.layout import ChunkSpec
@@ -36,6 +48,17 @@ FAULT_ENV = "FITGPT_SAVE_FAULT"  # RANK:STEP:enospc|eio|error|die, for the failu
 # --init-from source; train/rundir.py writes it, --resume reads it). The first checkpoint takes
 # over that role, and the record goes.
 RECORD_NAME = "run.json"
+
+
+# load_meta(ckpt, node=ANY_NODE): meta.json and the files present (a node-local checkpoint read
+# on one machine: its config, for settling a run); the files a rank needs are then checked by
+# require_files, where the ranks that read them are known
+ANY_NODE = -1
+
+
+class ScatteredCheckpoint(UserError):
+    """A node-local checkpoint whose files lie on other machines than the one reading it. Not a
+    CorruptCheckpoint: an earlier checkpoint of the run is scattered the same way."""
 
 
 class SaveFailed(UserError):
@@ -73,19 +96,22 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def write_meta(folder: Path, meta: dict) -> None:
-    """Complete `meta` with the format, the size of every file in `folder`, the SHA-256 of every
-    file that is not a state file (those carry CRCs in their index) and the checksum of meta's
-    own content, and write it as folder/meta.json (fsynced, renamed into place). Any writer of
-    fitgpt checkpoints (the trainer, an importer) ends with this call."""
+def listing(folder: Path) -> dict:
+    """The size of every file in `folder` and the SHA-256 of every file that is not a state file
+    (those carry CRCs in their index): meta.json's `files` and `file_sha256`."""
     names = sorted(p.name for p in folder.iterdir() if p.name != "meta.json")
-    body = {
-        "format": FORMAT,
-        "version": VERSION,
-        **meta,
+    return {
         "files": {n: (folder / n).stat().st_size for n in names},
         "file_sha256": {n: _sha256(folder / n) for n in names if not n.endswith(".safetensors")},
     }
+
+
+def write_meta(folder: Path, meta: dict, files: dict | None = None) -> None:
+    """Complete `meta` with the format, the `listing` of `folder` (or `files`: every node's,
+    for a node-local checkpoint) and the checksum of meta's own content, and write it as
+    folder/meta.json (fsynced, renamed into place). Any writer of fitgpt checkpoints (the
+    trainer, an importer) ends with this call."""
+    body = {"format": FORMAT, "version": VERSION, **meta, **(files or listing(folder))}
     body["checksum"] = hashlib.sha256(_canonical(body).encode()).hexdigest()
     tmp = folder / "meta.json.tmp"
     with open(tmp, "w") as f:
@@ -115,10 +141,12 @@ def _read_meta(path: Path) -> dict:
     return meta
 
 
-def verify(ckpt: Path) -> dict:
+def verify(ckpt: Path, node: int | None = None) -> dict:
     """meta.json of a complete checkpoint whose files all have their recorded sizes and small
     files their recorded SHA-256, or CorruptCheckpoint naming the problem. The state files'
-    headers are checked by StateReader when it opens them, their tensors when they are read."""
+    headers are checked by StateReader when it opens them, their tensors when they are read.
+    A node-local checkpoint's files are those of `node` (None: every node's, refused in one line
+    naming the nodes whose files are missing; ANY_NODE: those present)."""
     meta_path = ckpt / "meta.json"
     if not meta_path.is_file():
         raise CorruptCheckpoint(
@@ -126,21 +154,103 @@ def verify(ckpt: Path) -> dict:
         )
     meta = _read_meta(meta_path)
     try:
-        for name, size in meta["files"].items():
-            f = ckpt / name
+        needed = files_needed(meta, node)
+        if node is None and (gaps := missing(ckpt, meta, needed)):
+            raise scattered(ckpt, meta, gaps)
+        for name in needed:
+            f, size = ckpt / name, meta["files"][name]
             actual = f.stat().st_size if f.is_file() else -1
+            if (
+                actual < 0
+                and node == ANY_NODE
+                and name in (meta.get("nodes") or {}).get("files", {})
+            ):
+                continue  # another machine's file: require_files asks for it where it is read
             if actual != size:
                 state = "missing" if actual < 0 else f"{actual} bytes instead of {size}"
                 raise CorruptCheckpoint(f"{f} is {state}: the checkpoint is truncated or damaged")
         for name, digest in meta.get("file_sha256", {}).items():
-            if _sha256(ckpt / name) != digest:
+            if name in needed and (ckpt / name).is_file() and _sha256(ckpt / name) != digest:
                 raise CorruptCheckpoint(f"{ckpt / name} does not match its SHA-256: it is damaged")
-        missing = [k for k in ("step", "world", "layout", "config") if k not in meta]
-        if missing:
-            raise KeyError(", ".join(missing))
+        absent = [k for k in ("step", "world", "layout", "config") if k not in meta]
+        if absent:
+            raise KeyError(", ".join(absent))
     except (KeyError, TypeError, AttributeError, OSError) as e:
         raise CorruptCheckpoint(f"{meta_path} is malformed ({type(e).__name__}: {e})") from None
     return meta
+
+
+# ---- node-local checkpoints -----------------------------------------------------------------
+def files_needed(meta: dict, node: int | None) -> list[str]:
+    """The files of `meta` a reader on `node` needs: a node-local checkpoint's files of that
+    node (None or ANY_NODE: all of them), every file of any other checkpoint."""
+    where = (meta.get("nodes") or {}).get("files")
+    if where is None or node is None or node == ANY_NODE:
+        return list(meta["files"])
+    return [n for n in meta["files"] if where.get(n, node) == node]
+
+
+def missing(ckpt: Path, meta: dict, names: list[str]) -> dict[str, int | None]:
+    """The `names` absent from `ckpt`, each with the node that holds it (None: not node-local)."""
+    where = (meta.get("nodes") or {}).get("files", {})
+    return {n: where.get(n) for n in names if not (ckpt / n).is_file()}
+
+
+def reading_node(meta: dict, ctx: DistContext) -> int | None:
+    """The node whose files this rank reads: its own, when the checkpoint is node-local and the
+    job has its world and node shape (each rank then reads only its own shard, which its own
+    machine wrote); None (every file, in this folder) otherwise."""
+    nodes = meta.get("nodes")
+    if nodes is None or meta["world"] != ctx.world:
+        return None
+    per, count = node_shape(ctx.world)
+    return node_of_rank() if (per, count) == (nodes["per_node"], nodes["count"]) else None
+
+
+def scattered(ckpt: Path, meta: dict, gaps: dict[str, int | None], own: bool = False) -> UserError:
+    """The one line refusing a checkpoint whose files `gaps` are not in `ckpt` (`own`: a job of
+    the saving shape, whose nodes miss the files they wrote themselves)."""
+    nodes = meta.get("nodes")
+    if nodes is None or None in gaps.values():
+        first = sorted(gaps)[0]
+        return CorruptCheckpoint(
+            f"{ckpt / first} is missing: the checkpoint is truncated or damaged"
+        )
+    held = sorted(set(gaps.values()))
+    names = sorted(gaps)
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    if own:
+        return ScatteredCheckpoint(
+            f"{ckpt}: node(s) {', '.join(map(str, held))} lack the files they saved there "
+            f"({shown}): give each node the --out it saved into, or resume from an earlier "
+            "checkpoint"
+        )
+    gather = "; ".join(f"rsync -a NODE{r}:{ckpt}/ {ckpt}/" for r in held)
+    return ScatteredCheckpoint(
+        f"{ckpt} was saved node-local on {nodes['count']} node(s) of {nodes['per_node']} "
+        f"process(es); the files of node(s) {', '.join(map(str, held))} are not here ({shown}): "
+        f"gather them into this folder first (on this machine: {gather}, NODE the machine's "
+        f"address), or resume on {nodes['count']} node(s) of {nodes['per_node']} process(es), "
+        "each with its own --out"
+    )
+
+
+def require_files(ckpt: Path, meta: dict, ctx: DistContext) -> None:
+    """Every file each rank of the job needs is in its folder, or every rank raises the same
+    one-line refusal naming the nodes whose files are missing (collective: one all_gather of
+    the names, before anything is loaded). A checkpoint that is not node-local passes."""
+    if "nodes" not in meta:
+        return
+    node = reading_node(meta, ctx)
+    gaps = missing(ckpt, meta, files_needed(meta, node))
+    if ctx.distributed:
+        every: list = [None] * ctx.world
+        dist.all_gather_object(every, gaps, group=ctx.group)
+        gaps = {k: v for g in every for k, v in g.items()}
+    if gaps:
+        e = scattered(ckpt, meta, gaps, own=node is not None)
+        e.agreed = e.identical = ctx.distributed  # every rank holds the same gathered names
+        raise e
 
 
 def resolve(path: Path) -> Path:
@@ -209,10 +319,10 @@ def pointing_back(ckpt: Path):
         raise CorruptCheckpoint(f"{e}{hint}".replace("\n", " ")) from None
 
 
-def load_meta(ckpt: Path) -> dict:
+def load_meta(ckpt: Path, node: int | None = None) -> dict:
     """verify() with a message that points at the previous good checkpoint when there is one."""
     with pointing_back(ckpt):
-        return verify(ckpt)
+        return verify(ckpt, node)
 
 
 def check_layout(meta: dict, layout: list[ChunkSpec], ckpt: Path) -> None:
@@ -313,10 +423,13 @@ def _write_files(tmp: Path, step: int, engine: Engine, ctx: DistContext, optimiz
     return None
 
 
-def _publish(run_dir: Path, tmp: Path, final: Path, meta: dict, keep: int) -> None:
-    """Rank 0: meta.json last, then the rename; an existing folder of the same step (a re-save
-    after a resume) is set aside first and deleted only once the new one is in place."""
-    write_meta(tmp, meta)
+def _publish(
+    run_dir: Path, tmp: Path, final: Path, meta: dict, keep: int, files: dict | None = None
+) -> None:
+    """Rank 0 (node-local: each node's first rank): meta.json last, then the rename; an existing
+    folder of the same step (a re-save after a resume) is set aside first and deleted only once
+    the new one is in place."""
+    write_meta(tmp, meta, files)
     old = run_dir / f".{final.name}.old"
     if final.exists():
         os.replace(final, old)
@@ -347,15 +460,18 @@ def save(
     keep: int,
     optimizer: bool = True,
     explain=None,
+    node_local: bool = False,
 ) -> Path:
-    """Write step_XXXXXXXX (weights only when optimizer=False). On failure in any rank the
-    temporary folder is removed and SaveFailed raised in every rank; `explain(cause, error)`
-    gives the sentence that follows the cause (sizes, free space, options)."""
+    """Write step_XXXXXXXX (weights only when optimizer=False; node_local: into each machine's
+    own `run_dir`, the module docstring says how). On failure in any rank the temporary folder
+    is removed and SaveFailed raised in every rank; `explain(cause, error)` gives the sentence
+    that follows the cause (sizes, free space, options)."""
     final = run_dir / f"step_{step:08d}"
     tmp = run_dir / f".step_{step:08d}.tmp"
     failure: BaseException | None = None
+    leader = ctx.local_rank == 0 if node_local else ctx.is_main  # makes, names, cleans the folder
     try:
-        if ctx.is_main:
+        if leader:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save are never valid
             tmp.mkdir(parents=True)
     except OSError as e:
@@ -364,7 +480,9 @@ def save(
     try:
         if all_ok(ctx, failure is None, f"{label}: folder made"):
             failure = _write_files(tmp, step, engine, ctx, optimizer)
-        if all_ok(ctx, failure is None, f"{label}: every rank wrote its files") and ctx.is_main:
+        wrote = all_ok(ctx, failure is None, f"{label}: every rank wrote its files")
+        full = files = None
+        if wrote and ctx.is_main:
             full = {
                 "step": step,
                 "world": ctx.world,
@@ -374,22 +492,49 @@ def save(
                 "engine_state": engine.extra_state(),
                 **meta,
             }
+        if wrote and node_local:  # rank 0's meta and every node's files, to every node
+            full, files = _node_listings(tmp, full, ctx, leader)
+        if wrote and leader:
             try:
-                _publish(run_dir, tmp, final, full, keep)
+                _publish(run_dir, tmp, final, full, keep, files)
             except (Exception, KeyboardInterrupt) as e:
                 failure = e
         ok = all_ok(ctx, failure is None, f"{label}: rank 0 renamed it")
     except CollectiveError:
-        if ctx.is_main:  # a dead rank writes nothing more: the partial folder can go
+        if leader:  # a dead rank writes nothing more: the partial folder can go
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if ok:
         return final
-    if ctx.is_main:
+    if leader:
         shutil.rmtree(tmp, ignore_errors=True)
     if isinstance(failure, KeyboardInterrupt):
         raise failure
     raise _failed(run_dir, final, failure, explain) from failure
+
+
+def _node_listings(tmp: Path, full: dict | None, ctx: DistContext, leader: bool):
+    """(rank 0's meta with `nodes`, every node's files merged): each node's first rank lists
+    its folder, and one all_gather_object brings the lists and rank 0's meta to every rank
+    (a few KB: the names, sizes and small files' SHA-256)."""
+    mine = (node_of_rank(), listing(tmp) if leader else None, full)
+    every: list = [mine]
+    if ctx.distributed:
+        every = [None] * ctx.world
+        dist.all_gather_object(every, mine, group=ctx.group)
+    files: dict = {"files": {}, "file_sha256": {}}
+    where: dict[str, int] = {}
+    for node, lst, _ in every:
+        if lst is None:
+            continue
+        for key in files:
+            files[key].update(lst[key])
+        where.update(dict.fromkeys(lst["files"], node))
+    files["files"] = dict(sorted(files["files"].items()))
+    files["file_sha256"] = dict(sorted(files["file_sha256"].items()))
+    per, count = node_shape(ctx.world)
+    nodes = {"count": count, "per_node": per, "files": dict(sorted(where.items()))}
+    return {**every[0][2], "nodes": nodes}, files
 
 
 def is_disk_full(e: BaseException | None) -> bool:

@@ -102,6 +102,7 @@ class CheckpointPolicy:
             self.cfg.keep + 1,  # the extra one goes after the next healthy step (prune)
             optimizer=optimizer,
             explain=space.explain_failure(self.out, self.size, optimizer),
+            node_local=self.cfg.node_local_checkpoints,
         )
         self.saved_step, self.prune_owed = step, True
         size = self.size.of(optimizer) / 1e9
@@ -127,7 +128,8 @@ class CheckpointPolicy:
     def prune(self) -> None:
         """Checkpoints beyond --keep go once a healthy step has shown the newest one's weights
         to be good (save() keeps one extra until then: at most keep + 1, as while writing)."""
-        if self.prune_owed and self.ctx.is_main:
+        leader = self.ctx.local_rank == 0 if self.cfg.node_local_checkpoints else self.ctx.is_main
+        if self.prune_owed and leader:  # node-local: every machine prunes its own --out
             ckpt_io.prune(self.out, self.cfg.keep)
         self.prune_owed = False
 

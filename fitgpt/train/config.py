@@ -78,6 +78,15 @@ class TrainConfig:
             "the optimizer state fresh)"
         },
     )
+    node_local_checkpoints: bool = field(
+        default=False,
+        metadata={
+            "help": "several machines without a shared disk: each machine writes its ranks' "
+            "checkpoint files into its own --out (its own lock, its own run folder); a resume "
+            "on another node count or world size needs the files gathered into one folder "
+            "first (docs/checkpoints.md)"
+        },
+    )
     max_bad_steps: int = field(
         default=20,
         metadata={

@@ -108,7 +108,10 @@ class Trainer:
             self.log.drop_after(0)
             return
         ckpt = ckpt_io.resolve(where)
-        meta = ckpt_io.load_meta(ckpt)
+        # the files present checked; then every file each rank reads, wherever it lies (a
+        # node-local checkpoint: the rank's own machine's, or all of them), before any is read
+        meta = ckpt_io.load_meta(ckpt, ckpt_io.ANY_NODE)
+        ckpt_io.require_files(ckpt, meta, self.ctx)
         check_same_architecture(meta, self.model_cfg, ckpt)
         ckpt_io.load_state(ckpt, meta, self.engine, self.ctx)
         trainer = meta.get("trainer", {})  # an imported model may carry no trainer state
@@ -328,7 +331,8 @@ def train(run: Run) -> dict:
     # the run as started, kept in --out until its first checkpoint: what --resume restarts
     source = run.init_from and str(run.init_from.path)
     record = run_record(config, source, resume or None)
-    lock = open_run_dir(out, resume is not None, run.overwrite, ctx, record)  # locked, checked
+    per_node = config.train.node_local_checkpoints  # each machine opens and locks its own --out
+    lock = open_run_dir(out, resume is not None, run.overwrite, ctx, record, per_node)
     trainer, failed = None, True
     try:
         trainer = Trainer(run, check_room=resume is None)

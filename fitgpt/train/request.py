@@ -131,7 +131,9 @@ def configs(req: Request, given: dict[str, dict], world: int, open_source: OpenS
             note = f"--resume: {out} holds no checkpoint yet; starting a new run there"
             return fresh_config(req, given), None, None, [note]
         return restart_recorded(req, given, out, record, world, open_source)
-    meta = ckpt_io.load_meta(ckpt)
+    # meta.json and the files on this machine: a node-local checkpoint's others are asked for
+    # where the ranks that read them are known (train/loop.py, checkpoint.require_files)
+    meta = ckpt_io.load_meta(ckpt, ckpt_io.ANY_NODE)
     if req.resume and "out" not in given["train"]:  # continue in the run folder of CKPT
         given["train"] = {**given["train"], "out": str(ckpt.parent)}
     # checked here, before any work; what changed is said once the run is planned (the trainer)
@@ -162,7 +164,7 @@ def restart_recorded(
     ckpt, base, what = "", record, "from scratch"  # "": --out's newest, none yet (train/loop.py)
     if record.get("resume_from"):  # its steps must lie past the checkpoint's
         ckpt = ckpt_io.resolve(Path(record["resume_from"]))
-        meta = ckpt_io.load_meta(ckpt)
+        meta = ckpt_io.load_meta(ckpt, ckpt_io.ANY_NODE)  # its config
         base = {**record, "step": meta["step"], "trainer": meta.get("trainer", {})}
         what = f"--resume {ckpt}"
     run, notes = resumed_config(base, where, given, req.preset)
@@ -331,7 +333,7 @@ def check_out_apart(typed_source: str | None, settings: Settings) -> None:
                 for p in ckpt_io.sources(ckpt_io.load_meta(source.path))
             ]
     if ckpt:
-        meta = ckpt_io.load_meta(Path(ckpt))
+        meta = ckpt_io.load_meta(Path(ckpt), ckpt_io.ANY_NODE)  # its sources alone
         kept += [(f"a model {ckpt} came from", p) for p in ckpt_io.sources(meta)]
     if settings.overwrite:
         if run.data.data not in BUILTIN:

@@ -16,6 +16,10 @@ as long as it runs. The kernel drops a flock when its
 process ends in any way (exit, exception, Ctrl-C, kill -9), so a lock left by a dead run is free
 and the next run takes it over with a note naming the old owner. On a filesystem without flock
 support the pid in the file decides: a live pid on this host, or any pid on another host, holds.
+
+With --node-local-checkpoints (machines that share no disk) every machine's first rank does
+all of this in its own --out: each machine's folder has its own lock and its own run record,
+and a second run on any one machine with the same --out is refused there.
 """
 
 from __future__ import annotations
@@ -234,21 +238,28 @@ def close_run_dir(out: Path, lock: RunLock | None, failed: bool, started: bool =
 
 
 def open_run_dir(
-    out: Path, resume: bool, overwrite: bool, ctx: DistContext, record: dict | None = None
+    out: Path,
+    resume: bool,
+    overwrite: bool,
+    ctx: DistContext,
+    record: dict | None = None,
+    per_node: bool = False,
 ) -> RunLock | None:
-    """Lock `out` for this run (rank 0), refuse to start over an existing run unless asked,
-    remove what killed saves left behind, and, where no checkpoint says what the run is yet,
-    write `record` (train/resume.py run_record). The caller releases the lock when the run
-    ends (close_run_dir)."""
+    """Lock `out` for this run (rank 0; `per_node`, node-local checkpoints: each machine's first
+    rank, its own --out, so each machine's folder is locked, checked and cleaned on its disk),
+    refuse to start over an existing run unless asked, remove what killed saves left behind,
+    and, where no checkpoint says what the run is yet, write `record` (train/resume.py
+    run_record). The caller releases the lock when the run ends (close_run_dir)."""
     lock, error = None, None
-    if ctx.is_main:
+    if (ctx.local_rank == 0) if per_node else ctx.is_main:
         try:
             lock = _open(out, resume, overwrite, lambda m: print(f"note: {m}", flush=True), record)
         except UserError as e:
             error = e
     if not all_ok(ctx, error is None, "open the run folder"):
         close_run_dir(out, lock, failed=True, started=False)
-        error = error or UserError(f"--out {out}: rank 0 could not open it (see its message)")
+        who = "a machine's first rank" if per_node else "rank 0"
+        error = error or UserError(f"--out {out}: {who} could not open it (see its message)")
         error.agreed = True
         raise error
     return lock
