@@ -173,10 +173,10 @@ SUITES: tuple[Suite, ...] = (
                 "x4",
                 "multi_gpu/nodes_x4.sh",
                 "nvidia-h200-x4",
-                "NOT RUN YET (written without a device): two 2-GPU machines on one 4-GPU box "
-                "(NCCL off NVLink and shared memory between them) training 20 B with ZeRO-3 "
-                "sharded over all 4 ranks, then within each machine (--shard-within node), the "
-                "same batch, each step's time beside the plan's",
+                "two 2-GPU machines on one 4-GPU box (each its own NCCL host: NVLink inside, "
+                "sockets between): `fitgpt probe` across them, then 20 B trained with ZeRO-3 "
+                "sharded within each machine (--shard-within node) and over all 4 ranks, the "
+                "same batch, each step's time beside the plan's (summary.json)",
             ),
         ),
     ),
@@ -688,6 +688,7 @@ SUITES: tuple[Suite, ...] = (
 HELPERS = (
     "device_env.sh",
     "multi_gpu/x4_env.sh",
+    "multi_gpu/nodes_summary.py",
     "stdlib_jsonl.py",
     "peers/llama_gpu.py",
     "peers/moe_gpu.py",

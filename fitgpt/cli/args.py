@@ -163,3 +163,49 @@ def typed_flags(args: argparse.Namespace) -> dict[str, Any]:
     names = [f.name for f in dataclasses.fields(EngineConfig)]
     names += [*PrecisionConfig.__dataclass_fields__, "offload_fraction", "nvme_fraction"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+# the flags the --gpus launcher turns into torchrun's (dist/nodes.py), not handed to its ranks
+LAUNCH_FLAGS = ("--gpus", "--nnodes", "--node-rank", "--master-addr", "--master-port")
+
+
+def add_node_args(p: argparse.ArgumentParser, what: str) -> None:
+    """The several-machines flags of `train` and `probe` (dist/nodes.py judges them), and the
+    link between the machines (plan/links.py)."""
+    nodes = p.add_argument_group(
+        f"several machines (with --gpus; {what} the same command on each, docs/training.md)"
+    )
+    nodes.add_argument(
+        "--nnodes",
+        type=int,
+        default=None,
+        help="machines in the job, each running --gpus processes (default: 1)",
+    )
+    nodes.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        help="this machine's index, 0..nnodes-1; node 0 hosts the rendezvous (default: 0)",
+    )
+    nodes.add_argument(
+        "--master-addr",
+        default=None,
+        help="node 0's host name or IP address, the same on "
+        "every node (default: 127.0.0.1, for nodes on one machine)",
+    )
+    nodes.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help="a free TCP port of node 0, the same on "
+        "every node (required with --nnodes > 1; one node picks its own)",
+    )
+    if what == "run":  # the probe measures it
+        nodes.add_argument(
+            "--inter-node-gbps",
+            type=float,
+            default=None,
+            help="the link between machines, Gb/s per GPU (bits, as NICs are sold), which the "
+            "planner prices collectives that leave a machine at (default: what `fitgpt probe` "
+            "measured across these machines, else 400: docs/planner.md)",
+        )

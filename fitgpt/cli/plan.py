@@ -17,7 +17,7 @@ from fitgpt.data.config import DataConfig
 from fitgpt.engine.config import EngineConfig, PrecisionConfig
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
-from fitgpt.plan.links import INTER_NODE_GBIT
+from fitgpt.plan.links import INTER_NODE_GBIT, stated_link
 from fitgpt.train.config import TrainConfig
 
 
@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     model = run.model
     # what train refuses, plan refuses, in the same line, before pricing anything
     check_settings(model, run.engine, run.precision, hw.world, hw.device, fixed, typed)
-    plans = plan_run(run, hw, with_network(rates.load(hw.gpu_name), args.inter_node_gbps), fixed)
+    link = stated_link(args.inter_node_gbps)
+    plans = plan_run(run, hw, rates.with_network(rates.load(hw.gpu_name), link), fixed)
     work, t = plans.work, run.train
     print(
         f"model {model_name(args)}: "
@@ -132,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"machine: {hw.describe()}; rates: {plans.rates.source}")
     if hw.nnodes > 1:
-        said = "--inter-node-gbps" if args.inter_node_gbps else "assumed: give --inter-node-gbps"
+        said = plans.rates.inter_node_source
+        if said == "assumed":
+            said = "assumed: give --inter-node-gbps, or run `fitgpt probe` on the nodes"
         print(f"between nodes: {plans.rates.inter_node_gbit:g} Gb/s per GPU ({said})")
     cpu = cpu_only(args, hw)
     if cpu:
@@ -154,15 +157,6 @@ def run(args: argparse.Namespace) -> int:
     if args.breakdown:
         print_breakdown(plans.best)
     return 0
-
-
-def with_network(r, gbit: float | None):
-    """The rates with --inter-node-gbps, when given (Gb/s per GPU: plan/links.py)."""
-    if gbit is None:
-        return r
-    if not gbit > 0:
-        raise UserError(f"--inter-node-gbps {gbit:g} must be positive: the Gb/s of each GPU's NIC")
-    return dataclasses.replace(r, inter_node_gbit=gbit)
 
 
 def cpu_only(args: argparse.Namespace, hw) -> str | None:

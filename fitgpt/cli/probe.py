@@ -17,6 +17,9 @@ def register(sub) -> None:
         default=None,
         help="also measure all-gather/reduce-scatter bandwidth across N GPUs (starts torchrun)",
     )
+    from fitgpt.cli.args import add_node_args
+
+    add_node_args(p, "probe")  # started on every node, it also measures the link between them
     p.set_defaults(func=run)
 
 
@@ -33,12 +36,19 @@ def run(args) -> int:
         check_writable_dir(args.nvme, "--nvme")  # the disk test writes a file there
     # the rates are cached here at the end: refuse now, not after the measurements
     check_writable_dir(cache_path("").parent, "the probe cache (FITGPT_CACHE)")
+    from fitgpt.dist.nodes import Nodes
+
+    nodes = Nodes.of(args, args.gpus)  # a bad node flag refused before any measurement
     if args.gpus is not None:
         if args.gpus < 1:
             raise UserError(f"--gpus {args.gpus} must be at least 1")
+        from fitgpt.cli.args import LAUNCH_FLAGS
         from fitgpt.dist.launch import relaunch, strip_flag
 
-        return relaunch(args.gpus, strip_flag(sys.argv[1:], "--gpus"))
+        argv = sys.argv[1:]
+        for flag in LAUNCH_FLAGS:  # torchrun's, not the ranks'
+            argv = strip_flag(argv, flag)
+        return relaunch(args.gpus, argv, nodes=nodes)
     from fitgpt.dist import init_distributed, shutdown
     from fitgpt.plan.rates import probe
 

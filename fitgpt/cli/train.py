@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING
 
 from fitgpt.adapters.config import AdapterConfig
 from fitgpt.cli.args import (
+    LAUNCH_FLAGS,
     add_config_args,
     add_fraction_flags,
+    add_node_args,
     add_removed_flags,
     explicit,
     typed_flags,
@@ -73,6 +75,7 @@ def request_of(args: argparse.Namespace) -> Request:
     given per config part, a DeepSpeed config's keys among them as if typed (its own keys are
     judged by its notes, not as flags that would change nothing), and what else it names."""
     from fitgpt.plan.hardware import parse_bytes
+    from fitgpt.plan.links import stated_link
 
     # --cpu-mem, --gpu-mem in bytes (parse_bytes refuses a size under one byte); 0: measured
     cpu_mem, gpu_mem = (
@@ -82,6 +85,7 @@ def request_of(args: argparse.Namespace) -> Request:
             (getattr(args, "gpu_mem", None), "--gpu-mem"),
         )
     )
+    link = stated_link(getattr(args, "inter_node_gbps", None))
     typed = typed_flags(args)  # before a DeepSpeed config adds its keys
     given = flags_given(args)
     files = {}
@@ -97,6 +101,7 @@ def request_of(args: argparse.Namespace) -> Request:
         nvme_fraction=args.nvme_fraction,
         cpu_mem=cpu_mem,
         gpu_mem=gpu_mem,
+        inter_node_gbps=link or 0.0,
         plan=getattr(args, "plan", "auto") == "auto",
         force=getattr(args, "force", False),
         overwrite=getattr(args, "overwrite", False),
@@ -157,34 +162,7 @@ def register(sub) -> None:
     p.add_argument(
         "--gpus", type=int, default=None, help="start torchrun with N processes on this machine"
     )
-    nodes = p.add_argument_group(
-        "several machines (with --gpus; run the same command on each, docs/training.md)"
-    )
-    nodes.add_argument(
-        "--nnodes",
-        type=int,
-        default=None,
-        help="machines in the job, each running --gpus processes (default: 1)",
-    )
-    nodes.add_argument(
-        "--node-rank",
-        type=int,
-        default=None,
-        help="this machine's index, 0..nnodes-1; node 0 hosts the rendezvous (default: 0)",
-    )
-    nodes.add_argument(
-        "--master-addr",
-        default=None,
-        help="node 0's host name or IP address, the same on "
-        "every node (default: 127.0.0.1, for nodes on one machine)",
-    )
-    nodes.add_argument(
-        "--master-port",
-        type=int,
-        default=None,
-        help="a free TCP port of node 0, the same on "
-        "every node (required with --nnodes > 1; one node picks its own)",
-    )
+    add_node_args(p, "run")
     p.add_argument(
         "--plan",
         choices=["auto", "off"],
@@ -237,9 +215,6 @@ def deepspeed_given(path: str, given: dict[str, dict]) -> tuple[dict[str, dict],
             print(line, flush=True)
     return given, {NOTES_FILE: "\n".join(lines) + "\n"}
 
-
-# the flags the --gpus launcher turns into torchrun's (dist/nodes.py), not handed to its ranks
-LAUNCH_FLAGS = ("--gpus", "--nnodes", "--node-rank", "--master-addr", "--master-port")
 
 # the settings a --gpus launcher settled, as JSON in its ranks' environment
 HANDED = "FITGPT_SETTLED"

@@ -181,6 +181,15 @@ class EngineConfig:
             "smaller card's plan on a larger one); 0: the whole GPU",
         },
     )
+    inter_node_gbps: float = field(
+        default=0.0,
+        metadata={
+            "cli": False,  # `fitgpt train --inter-node-gbps 400`, with the node flags
+            "help": "the link between nodes as the user stated it, Gb/s per GPU: the planner "
+            "prices collectives that leave a node at it (plan/links.py); 0: as `fitgpt probe` "
+            "measured it on this machine, else the assumed 400",
+        },
+    )
     master: Literal["auto", "fp32", "split"] = field(
         default="auto",
         metadata={

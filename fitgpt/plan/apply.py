@@ -88,13 +88,17 @@ def plan_engine(run, ctx: DistContext, fixed: Fixed, force: bool, log=print):
 
     def decide() -> dict:
         hw = hardware.for_run(run.engine, ctx.world, ctx.device.type)
-        plans = plan_run(run, hw, rates.load(hw.gpu_name), fixed)
+        r = rates.for_run(hw.gpu_name, run.engine)
+        plans = plan_run(run, hw, r, fixed)
         if not plans.fits and not force:
             raise UserError(plans.refusal() + " (--force tries anyway)")
         log(plans.summary())
+        if hw.nnodes > 1:  # the figure the plan's collectives between nodes were priced at
+            log(f"between nodes: {r.inter_node_gbit:.3g} Gb/s per GPU ({r.inter_node_source})")
         return dataclasses.asdict(plans.best.ecfg)
 
     ecfg = decided_on_rank0(ctx, decide)
     ecfg["cpu_mem"] = run.engine.cpu_mem  # the machine's RAM as stated: the engine checks it too
     ecfg["gpu_mem"] = run.engine.gpu_mem  # the GPU's share as stated: the engine caps it
+    ecfg["inter_node_gbps"] = run.engine.inter_node_gbps  # the link as stated
     return dataclasses.replace(run, engine=EngineConfig(**ecfg))

@@ -31,6 +31,20 @@ from dataclasses import dataclass
 INTER_NODE_GBIT = 400.0
 
 
+def stated_link(gbit: float | None, flag: str = "--inter-node-gbps") -> float | None:
+    """--inter-node-gbps judged, once for `plan` and `train`: a positive number of Gb/s per
+    GPU, else one line naming the flag."""
+    if gbit is not None and not gbit > 0:
+        from fitgpt.errors import UserError
+
+        raise UserError(
+            f"{flag} {gbit:g} must be positive: the Gb/s of each GPU's link to the other "
+            "nodes (leave it out to use `fitgpt probe`'s measurement, or the assumed "
+            f"{INTER_NODE_GBIT:g})"
+        )
+    return gbit
+
+
 @dataclass(frozen=True)
 class Links:
     """A collective group of `ranks` ranks, `per_node` of them on each node it spans."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from fitgpt import units
+from fitgpt.dist.nodes import node_shape
 from fitgpt.plan.links import INTER_NODE_GBIT
 
 
@@ -39,9 +40,11 @@ class Rates:
     # pairs the causal kernel computes (half the square): plan/throughput.py attention_flops
     attn_tflops: float = 300.0
     # between nodes, Gb/s per GPU (bits, as network links are sold): plan/links.py prices the
-    # collectives that leave a node at it; `fitgpt plan --inter-node-gbps` sets it (the probe
-    # measures one machine and leaves it at the assumption, links.INTER_NODE_GBIT)
+    # collectives that leave a node at it; `--inter-node-gbps` sets it, `fitgpt probe` started
+    # on several nodes measures it, else it is the assumption, links.INTER_NODE_GBIT
     inter_node_gbit: float = INTER_NODE_GBIT
+    # where that figure comes from: assumed, a probe across nodes, or the user's flag
+    inter_node_source: str = "assumed"
     source: str = "defaults"
 
     def to_dict(self) -> dict:
@@ -90,6 +93,18 @@ def load(gpu_name: str) -> Rates:
         except (TypeError, json.JSONDecodeError):
             pass
     return base
+
+
+def with_network(r: Rates, gbit: float | None) -> Rates:
+    """`r` with the link between nodes as the user stated it (Gb/s per GPU: plan/links.py,
+    judged there: `stated_link`); None or 0: as probed, else assumed."""
+    return replace(r, inter_node_gbit=gbit, inter_node_source="--inter-node-gbps") if gbit else r
+
+
+def for_run(gpu_name: str, ecfg) -> Rates:
+    """The rates a run is planned at: this machine's (`load`), the link between nodes as its
+    EngineConfig states it (`fitgpt train --inter-node-gbps`)."""
+    return with_network(load(gpu_name), ecfg.inter_node_gbps)
 
 
 def _time(fn, repeat: int = 5) -> float:
@@ -167,21 +182,33 @@ def probe(nvme_path: str = "", log=print) -> Rates:
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_world_size() > 1:
-        r = replace(r, bus_gbps=_probe_collectives())
-        log(
-            f"all-gather / reduce-scatter over {dist.get_world_size()} ranks: {r.bus_gbps:.1f} GB/s bus bandwidth"
-        )
+        per, nnodes = node_shape(dist.get_world_size())
+        inside, across = _node_groups(per, nnodes)
+        if per > 1:  # one GPU per node: nothing inside a node to measure
+            r = replace(r, bus_gbps=_probe_collectives(inside, per))
+            where = f"{per} ranks" + (" of one node" if nnodes > 1 else "")
+            log(f"all-gather / reduce-scatter over {where}: {r.bus_gbps:.1f} GB/s bus bandwidth")
+        if nnodes > 1:
+            r = replace(
+                r,
+                inter_node_gbit=_probe_between_nodes(across, nnodes),
+                inter_node_source=f"probe across {nnodes} nodes {time.strftime('%Y-%m-%d %H:%M')}",
+            )
+            log(
+                f"between nodes: all-reduce across {nnodes} nodes, each of a node's {per} GPUs at "
+                f"once: {r.inter_node_gbit:.1f} Gb/s per GPU ({r.inter_node_gbit / 8:.2f} GB/s)"
+            )
     if nvme_path:
         r = replace(r, **_probe_disk(nvme_path))
         log(
             f"disk at {nvme_path}: write {r.nvme_write_gbps:.2f} GB/s, read {r.nvme_read_gbps:.2f} GB/s"
         )
     r = replace(r, source=f"probe {time.strftime('%Y-%m-%d %H:%M')}")
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return r  # rank 0 writes the cache
+    if dist.is_initialized() and int(os.environ.get("LOCAL_RANK", dist.get_rank())) != 0:
+        return r  # each machine's first rank writes its cache, on its own disk
     path = cache_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # nodes that share a host and disk
     tmp.write_text(json.dumps(r.to_dict(), indent=1))
     os.replace(tmp, path)
     log(f"cached in {path}")
@@ -206,22 +233,54 @@ def _probe_attention(dev: torch.device, B: int = 1, N: int = 32, S: int = 8192, 
     return 12 * N * D * B * S * S / 2 / _time(step, 10) / 1e12
 
 
-def _probe_collectives(nbytes: int = 256 << 20) -> float:
-    """Bus bandwidth of all-gather and reduce-scatter (the ZeRO collectives), the slower of the
-    two: bytes·(W-1)/W per second, as nccl-tests reports it."""
+def _node_groups(per: int, nnodes: int):
+    """(the group of this rank's node, the group of the ranks that share its place on the other
+    nodes): torchrun's order, node r holding ranks r·per..r·per+per-1 (dist/nodes.py). Every
+    rank creates every group, in one order, as torch.distributed requires."""
     import torch.distributed as dist
 
+    if nnodes == 1:
+        return dist.group.WORLD, None
+    me = dist.get_rank()
+    inside = across = None
+    for n in range(nnodes):
+        g = dist.new_group(list(range(n * per, (n + 1) * per)))
+        inside = g if me // per == n else inside
+    for k in range(per):
+        g = dist.new_group([k + n * per for n in range(nnodes)])
+        across = g if me % per == k else across
+    return inside, across
+
+
+def _probe_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _probe_between_nodes(group, nnodes: int, nbytes: int = 256 << 20) -> float:
+    """The link between nodes, Gb/s per GPU, as plan/links.py prices it: an all-reduce of
+    `nbytes` across the nodes, every GPU of a node in its own group at once (HSDP's gradient
+    reduction; every GPU's traffic crosses the link together, so a NIC shared by several GPUs
+    shows as its share), 2·(N-1)/N·bytes per second."""
+    import torch.distributed as dist
+
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=_probe_device())
+    t = _time(lambda: dist.all_reduce(x, group=group), 3)
+    # the slowest rank's time, as a step waits for it: every rank then caches the same figure
+    t_all = torch.tensor([t], dtype=torch.float64, device=x.device)
+    dist.all_reduce(t_all, op=dist.ReduceOp.MAX)
+    return 8 * 2 * (nnodes - 1) / nnodes * nbytes / float(t_all) / 1e9
+
+
+def _probe_collectives(group, W: int, nbytes: int = 256 << 20) -> float:
+    """Bus bandwidth of all-gather and reduce-scatter (the ZeRO collectives) over `group`'s `W`
+    ranks, the slower of the two: bytes·(W-1)/W per second, as nccl-tests reports it."""
     from fitgpt.engine import comm
 
-    W = dist.get_world_size()
-    dev = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    dev = _probe_device()
     full = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev)
     shard = torch.empty(full.numel() // W, dtype=torch.bfloat16, device=dev)
-    group = dist.group.WORLD
     ag = _time(lambda: comm.all_gather(full, shard, group, W), 5)
     rs = _time(lambda: comm.reduce_scatter(shard, full, group, W), 5)
     return nbytes * (W - 1) / W / max(ag, rs) / 1e9

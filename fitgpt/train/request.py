@@ -55,6 +55,7 @@ class Request:
     nvme_fraction: float | None = None
     cpu_mem: int = 0  # --cpu-mem in bytes; 0: as the machine reports it
     gpu_mem: int = 0  # --gpu-mem in bytes; 0: the whole GPU
+    inter_node_gbps: float = 0.0  # --inter-node-gbps; 0: as probed, else assumed
     plan: bool = True  # --plan auto: the planner chooses the engine fields not given
     force: bool = False
     overwrite: bool = False
@@ -87,7 +88,7 @@ def asked(req: Request, world: int, open_source: OpenSource) -> Settings:
     given, run = with_block_counts(req, given, run)
     # what this machine gives, for the planner and every rank's engine; never a resumed run's
     # saved figure
-    mem = {"cpu_mem": req.cpu_mem, "gpu_mem": req.gpu_mem}
+    mem = {"cpu_mem": req.cpu_mem, "gpu_mem": req.gpu_mem, "inter_node_gbps": req.inter_node_gbps}
     run = dataclasses.replace(run, engine=dataclasses.replace(run.engine, **mem))
     # --plan auto: the engine fields given are kept, the planner chooses the rest; off: as given
     fixed = Fixed.of(given["engine"]) if req.plan else None

@@ -61,7 +61,12 @@ PATH_FIELDS = {
 NAMES = {*BUILTIN, *sidecar.BUILTIN_SPECS, "auto", "none", ""}
 # Not settings of the run: --profile looks at one leg's steps and is off on every resume;
 # --cpu-mem states what the machine gives, and every command sets it anew (cli/train.py).
-NOT_SETTINGS = {("train", "profile"), ("engine", "cpu_mem"), ("engine", "gpu_mem")}
+NOT_SETTINGS = {
+    ("train", "profile"),
+    ("engine", "cpu_mem"),
+    ("engine", "gpu_mem"),
+    ("engine", "inter_node_gbps"),
+}
 # Values that mean another one where no planner replaced them: a storage format left "auto" is
 # fp32 to the engine (engine/chunked/placement.py), so a run saved with --plan off and resumed planned
 # has not changed it.

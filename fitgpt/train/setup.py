@@ -139,7 +139,7 @@ def oom_message(run, ctx: DistContext, where: str, phase: str, held: str = "") -
     else:
         need = est.host_total * hw.gpus  # this node's ranks
         hw = dataclasses.replace(hw, cpu_mem=int(0.85 * min(hw.cpu_mem or need, need)))
-    plans = plan_run(run, hw, rates.load(hw.gpu_name), Fixed())
+    plans = plan_run(run, hw, rates.for_run(hw.gpu_name, run.engine), Fixed())
     if plans.fits:
         advice = f"a plan that needs 15% less: {engine_flags(plans.best.ecfg)}"
     else:
