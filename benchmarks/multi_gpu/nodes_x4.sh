@@ -18,6 +18,7 @@
 # host, and each would otherwise plan for all of it. Each stage's step lines (step time beside
 # the plan's) are in $OUT/STAGE_node0.txt; summary.json has both plans and the measured steps.
 # Usage (device, nvidia-h200-x4): OUT=$OUT bash benchmarks/multi_gpu/nodes_x4.sh [probe node flat]
+# On a 2-GPU box, two 1-GPU machines: GPM=1 PRESET=6.7b OUT=$OUT bash benchmarks/multi_gpu/nodes_x4.sh
 # CPU rehearsal: PRESET=tiny DEVICE=cpu MB=2 GA=2 bash benchmarks/multi_gpu/nodes_x4.sh
 set -u
 OUT=${OUT:-/tmp/nodes_x4}
@@ -27,6 +28,7 @@ PRESET=${PRESET:-20b}
 MB=${MB:-8}
 GA=${GA:-2}
 DEVICE=${DEVICE:-cuda}
+GPM=${GPM:-2}  # GPUs per machine: 1 carves a 2-GPU box (nvidia-h200-x2) the same way
 mkdir -p "$OUT"
 STAGE=nodes
 if [ "$DEVICE" = cuda ]; then
@@ -45,14 +47,17 @@ RUN=(--preset "$PRESET" --data synthetic --seq-len 1024 --micro-batch "$MB" --gr
      --eval-every 0 --no-save --cpu-mem "$((AVAIL_GB / 2))GB" --dist-timeout 300)
 # both machines of one command, each on its own GPUs and host identity; waits for both
 machines() {
-  local name=$1 budget=$2 r
+  local name=$1 budget=$2 r pids=()
   shift 2
   for r in 0 1; do
-    CUDA_VISIBLE_DEVICES=$((2 * r)),$((2 * r + 1)) NCCL_HOSTID=fitgpt-machine-$r timeout "$budget" \
-      taskset -c $((r * HALF))-$((r * HALF + HALF - 1)) python3 -m fitgpt "$1" --nnodes 2 --node-rank $r --gpus 2 --master-addr 127.0.0.1 \
+    CUDA_VISIBLE_DEVICES=$(seq -s, $((r * GPM)) $((r * GPM + GPM - 1))) \
+      NCCL_HOSTID=fitgpt-machine-$r timeout "$budget" \
+      taskset -c $((r * HALF))-$((r * HALF + HALF - 1)) python3 -m fitgpt "$1" --nnodes 2 \
+      --node-rank $r --gpus "$GPM" --master-addr 127.0.0.1 \
       --master-port $PORT "${@:2}" > "$OUT/${name}_node$r.txt" 2>&1 &
+    pids+=($!)
   done
-  wait
+  wait "${pids[@]}"  # these two only: x4_env.sh's RAM log runs in the background until exit
   PORT=$((PORT + 1))
 }
 for stage in ${@:-probe node flat}; do
