@@ -236,6 +236,28 @@ def test_a_diverged_run_stops_in_one_line_and_keeps_the_last_good_checkpoint(tmp
         assert (tmp_path / f"diverged.step_{start - 1:08d}").is_dir()
 
 
+def test_a_diverged_step_that_cannot_be_set_aside_is_named(tmp_path, capsys):
+    """Where the checkpoint that gave the first bad step cannot be renamed (a file already holds
+    its diverged.* name), the run still ends in one line, which names it and says not to resume
+    from it; the checkpoint stays where it was."""
+    tmp_path.mkdir(exist_ok=True)
+    for step in range(1, 41):  # whichever step it is, its diverged.* name is taken by a file
+        (tmp_path / f"diverged.step_{step:08d}").write_text("not a folder")
+    args = [*TINY_ARGS, "--lr", "1000", "--min-lr", "0", "--warmup", "400", "--steps", "40"]
+    args += ["--save-every", "1", "--keep", "2", "--max-bad-steps", "4", "--log-every", "1"]
+    code, _, err = run_main(capsys, "train", *args, "--out", str(tmp_path))
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    start = strict_lines(tmp_path / "metrics.jsonl")[-1]["step"] - 3  # the streak of 4
+    suspect = f"step_{start - 1:08d}"
+    assert (
+        f"{suspect}, whose weights gave the first bad step, could not be set aside (node 0: " in err
+    )
+    assert "delete it there, never resume from it" in err
+    ckpt_io.verify(tmp_path / suspect)
+    kept = [p for p in ckpt_io.step_dirs(tmp_path) if p.name < suspect]
+    assert f"the last good checkpoint is {kept[-1]};" in err
+
+
 def test_the_divergence_guard_can_be_turned_off(tmp_path):
     cfg = run_config(tmp_path, steps=8, lr=1000, min_lr=0, warmup=0, max_bad_steps=0, save=False)
     out = train(cfg, CPU)

@@ -1,13 +1,20 @@
 """Checkpoints on machines that share no disk (--node-local-checkpoints): 2 nodes x 2 gloo
 processes on this one host, each node's --out a folder of its own standing for its own disk."""
 
+import contextlib
 import json
+import os
 import shutil
+import signal
+import time
 
 import pytest
-from cli_refusal import run_in_process
+from cli_refusal import assert_refused, run_in_process
 from conftest import free_port
-from test_nodes import RUN, finish, losses, nodes, train
+from test_nodes import RUN, finish, losses, nodes, train, tree
+
+from fitgpt.train import checkpoint as ckpt_io
+from fitgpt.train.rundir import LOCK_NAME
 
 STEP2, STEP4 = "step_00000002", "step_00000004"
 
@@ -126,3 +133,85 @@ def test_a_node_missing_its_own_files_is_refused_before_loading(tmp_path, capsys
     assert code == 2 and len(lines) == 1, err
     assert "node(s) 0 lack the files they saved there (rng-r000.pt)" in lines[0]
     assert not (out / "step_00000002").exists()
+
+
+def lock_owner(out) -> int | None:
+    """The pid that RUN/run.lock names, once its owner has written it."""
+    try:
+        return json.loads((out / LOCK_NAME).read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def rank_env(pid: int) -> dict[str, str]:
+    """torchrun's variables of a running rank (Linux /proc)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv]
+    return {k.decode(): v.decode() for k, v in pairs if k in (b"GROUP_RANK", b"LOCAL_RANK")}
+
+
+def test_each_node_locks_its_own_out_and_a_second_run_there_is_refused(tmp_path, capsys):
+    """2 nodes x 1 with node-local checkpoints: each node's first rank (node 1's is not rank 0)
+    holds the lock of its own --out (its pid, on its node). While the job runs, a second run on
+    either node's folder is refused in one line naming that node's owner; the job goes on."""
+    outs = [tmp_path / "disk0", tmp_path / "disk1"]
+    run = [*RUN, "--node-local-checkpoints", "--steps", 100000, "--log-every", 100000]
+    procs = nodes(2, 1, free_port(), run, lambda r: ["--out", outs[r]])
+    try:
+        deadline, owners = time.monotonic() + 120, [None, None]
+        while time.monotonic() < deadline and None in owners:
+            assert all(p.poll() is None for p in procs), finish(procs)
+            owners = [o if o in tree(p.pid) else None for o, p in zip(map(lock_owner, outs), procs)]
+            time.sleep(0.2)
+        assert None not in owners, f"the locks were never taken: {owners}"
+        # each lock is held by its own node's first rank, never by the other node's
+        assert [rank_env(pid) for pid in owners] == [
+            {"GROUP_RANK": str(r), "LOCAL_RANK": "0"} for r in (0, 1)
+        ]
+        every = [pid for p in procs for pid in tree(p.pid)]
+        for pid in every:  # stopped, the ranks hold their locks and leave the CPU to the refusals
+            os.kill(pid, signal.SIGSTOP)
+        for out, pid in zip(outs, owners):
+            argv = ["train", *RUN, "--node-local-checkpoints", "--steps", 2, "--out", out]
+            code, err = run_in_process(capsys, *argv)
+            assert_refused(code, err, f"--out {out} is in use by another fitgpt run (pid {pid} on ")
+        assert list(map(lock_owner, outs)) == owners and all(p.poll() is None for p in procs)
+    finally:  # SIGKILL ends a stopped process too
+        for pid in [pid for p in procs if p.poll() is None for pid in tree(p.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for p in procs:
+            p.communicate()
+
+
+def test_a_diverged_step_is_set_aside_on_every_node(tmp_path):
+    """lr 1000 over a long warm-up diverges after some good steps. With node-local checkpoints
+    on 2 nodes x 1, the step whose weights gave the first bad step is set aside on both nodes'
+    folders, so both keep the same last good step with the same meta.json, each with its own
+    files; the job ends in one line naming it."""
+    outs = [tmp_path / "disk0", tmp_path / "disk1"]
+    run = [*RUN, "--node-local-checkpoints", "--lr", 1000, "--min-lr", 0, "--warmup", 400,
+           "--steps", 80, "--save-every", 1, "--keep", 2, "--max-bad-steps", 4]  # fmt: skip
+    procs = nodes(2, 1, free_port(), run, lambda r: ["--out", outs[r]])
+    got = finish(procs)
+    assert [p.returncode for p in procs] == [2, 2], [err[-3000:] for _, err in got]
+    rows = [json.loads(x) for x in (outs[0] / "metrics.jsonl").read_text().splitlines()]
+    bad = {r["step"] for r in rows if r["loss"] is None or r["grad_norm"] is None}
+    last = rows[-1]["step"]
+    start = last - 3  # the streak of 4 that stopped the run
+    assert last < 80 and set(range(start, last + 1)) <= bad and start - 1 not in bad, bad
+    suspect = f"step_{start - 1:08d}"
+    lines = [ln for ln in got[0][1].splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in got[0][1], got[0][1][-3000:]
+    assert f"{suspect}, whose weights gave the first bad step, is now " in lines[0]
+    assert f"{outs[0] / ('diverged.' + suspect)} on every machine" in lines[0]
+    assert "Traceback" not in got[1][1], got[1][1][-3000:]
+    kept = [[p.name for p in ckpt_io.step_dirs(o)] for o in outs]
+    assert kept[0] == kept[1] and kept[0] and kept[0][-1] < suspect, kept
+    assert f"the last good checkpoint is {outs[0] / kept[0][-1]}" in lines[0]
+    for name in (kept[0][-1], f"diverged.{suspect}"):  # the same meta.json on both nodes
+        metas = [(o / name / "meta.json").read_bytes() for o in outs]
+        assert metas[0] == metas[1], name
+    for r, o in enumerate(outs):  # each node's last good step holds that node's own files
+        ckpt_io.verify(o / kept[0][-1], node=r)
+        assert not (o / suspect).exists()

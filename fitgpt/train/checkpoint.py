@@ -67,6 +67,13 @@ class SaveFailed(UserError):
     agreed = True  # every rank learns the outcome from the same all_ok
 
 
+def leads_folder(ctx: DistContext, node_local: bool) -> bool:
+    """Whether this rank does a run folder's file work (makes, renames, prunes, sets aside, locks):
+    rank 0 of the one shared --out, or with node-local checkpoints each machine's first rank in
+    its own (whose folder holds that machine's files and a copy of meta.json)."""
+    return ctx.local_rank == 0 if node_local else ctx.is_main
+
+
 def step_dirs(run_dir: Path) -> list[Path]:
     """Complete checkpoints (with meta.json) of a run, oldest first."""
     if not run_dir.is_dir():
@@ -469,7 +476,7 @@ def save(
     final = run_dir / f"step_{step:08d}"
     tmp = run_dir / f".step_{step:08d}.tmp"
     failure: BaseException | None = None
-    leader = ctx.local_rank == 0 if node_local else ctx.is_main  # makes, names, cleans the folder
+    leader = leads_folder(ctx, node_local)  # makes, names, cleans the folder
     try:
         if leader:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save are never valid

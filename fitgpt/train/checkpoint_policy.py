@@ -26,7 +26,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch.distributed as dist
+
 from fitgpt.dist import DistContext
+from fitgpt.dist.nodes import node_of_rank, node_shape
 from fitgpt.engine.base import Engine
 from fitgpt.engine.scaler import LossScaler
 from fitgpt.engine.transforms.build import adapter_layout
@@ -128,7 +131,7 @@ class CheckpointPolicy:
     def prune(self) -> None:
         """Checkpoints beyond --keep go once a healthy step has shown the newest one's weights
         to be good (save() keeps one extra until then: at most keep + 1, as while writing)."""
-        leader = self.ctx.local_rank == 0 if self.cfg.node_local_checkpoints else self.ctx.is_main
+        leader = ckpt_io.leads_folder(self.ctx, self.cfg.node_local_checkpoints)
         if self.prune_owed and leader:  # node-local: every machine prunes its own --out
             ckpt_io.prune(self.out, self.cfg.keep)
         self.prune_owed = False
@@ -167,25 +170,75 @@ class CheckpointPolicy:
         raise Interrupted(self.resume_hint(f"{what}, not saved ({reason})"))
 
     def diverged(self, guard: DivergenceGuard, lr: float, step: int) -> None:
-        """Stop a diverged run in one line. The checkpoint saved just before the first unhealthy
-        step holds the weights that produced it: rank 0 sets it aside, never to be resumed."""
+        """Stop a diverged run in one line, on every rank at once (rank 0's line). The checkpoint
+        saved just before the first unhealthy step holds the weights that produced it: each
+        folder's leader sets it aside (set_aside), never to be resumed."""
         what = (
             f"training diverged: {guard.streak} steps in a row (steps {guard.first_bad}-"
             f"{step}) had a NaN/inf loss or a skipped update (latest loss {guard.last_loss})"
         )
-        if not self.ctx.is_main:
-            raise Diverged(f"{what}; rank 0 names the last good checkpoint")
-        moved = ""
-        suspect = self.out / f"step_{(guard.first_unhealthy or 1) - 1:08d}"
-        if guard.first_unhealthy is not None and (suspect / "meta.json").is_file():
-            aside = self.out / f"diverged.{suspect.name}"
-            shutil.rmtree(aside, ignore_errors=True)
-            os.replace(suspect, aside)
-            moved = f"; {suspect.name}, whose weights gave the first bad step, is now {aside}"
-        last = self.newest()
-        good = f"; the last good checkpoint is {last}" if last else "; no good checkpoint exists"
-        raise Diverged(
-            f"{what}; nothing was saved from them{moved}{good}; "
-            f"{guard.advice(lr, self.cfg.lr, self.cfg.warmup)}, "
-            "or pass --max-bad-steps 0 to train on"
-        )
+        # the checkpoint whose weights gave the first unhealthy step, if the streak had one
+        first = guard.first_unhealthy
+        suspect = None if first is None else self.out / f"step_{first - 1:08d}"
+        outcomes = self.set_aside(suspect)
+        if self.ctx.is_main:
+            failed = sorted((node, why) for node, _, why in outcomes if why)
+            moved = ""
+            if failed:
+                where = ", ".join(f"node {n}: {why}" for n, why in failed)
+                moved = (
+                    f"; {suspect.name}, whose weights gave the first bad step, could not be set "
+                    f"aside ({where}): delete it there, never resume from it"
+                )
+            elif any(m for _, m, _ in outcomes):
+                aside = self.out / f"diverged.{suspect.name}"
+                each = " on every machine, in its own --out" if self.nodes > 1 else ""
+                moved = (
+                    f"; {suspect.name}, whose weights gave the first bad step, is now {aside}{each}"
+                )
+            # the suspect is no good one, even where it could not be moved
+            kept = [p for p in ckpt_io.step_dirs(self.out) if p != suspect]
+            last = kept[-1] if kept else None
+            good = (
+                f"; the last good checkpoint is {last}" if last else "; no good checkpoint exists"
+            )
+            line = (
+                f"{what}; nothing was saved from them{moved}{good}; "
+                f"{guard.advice(lr, self.cfg.lr, self.cfg.warmup)}, "
+                "or pass --max-bad-steps 0 to train on"
+            )
+        else:
+            line = f"{what}; rank 0 names the last good checkpoint"
+        stop = Diverged(line)
+        # every rank stops here together: rank 0 prints, the others wait for its line (a rank
+        # that exited first would let torchrun end rank 0 before it spoke)
+        stop.agreed = stop.identical = self.ctx.distributed
+        raise stop
+
+    @property
+    def nodes(self) -> int:
+        """The machines whose own --out holds a copy of each checkpoint (1 unless node-local)."""
+        return node_shape(self.ctx.world)[1] if self.cfg.node_local_checkpoints else 1
+
+    def set_aside(self, suspect: Path | None) -> list[tuple[int, bool, str | None]]:
+        """Rename `suspect` to diverged.<name> in every folder that holds it: rank 0's --out, or
+        with node-local checkpoints every machine's own, so that every machine's newest
+        checkpoint stays the same step with the same meta.json (a --resume on all of them picks
+        the same one). Returns every rank's (node, moved, why it failed), gathered: a few bytes,
+        one all_gather_object, once per run."""
+        moved, why = False, None
+        leader = ckpt_io.leads_folder(self.ctx, self.cfg.node_local_checkpoints)
+        if suspect is not None and leader and (suspect / "meta.json").is_file():
+            aside = suspect.with_name(f"diverged.{suspect.name}")
+            try:
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(suspect, aside)
+                moved = True
+            except OSError as e:
+                why = f"{e.strerror or e} ({e.filename or suspect})"
+        mine = (node_of_rank(), moved, why)
+        if not self.ctx.distributed:
+            return [mine]
+        every: list = [None] * self.ctx.world
+        dist.all_gather_object(every, mine, group=self.ctx.group)
+        return every

@@ -251,7 +251,7 @@ def open_run_dir(
     and, where no checkpoint says what the run is yet, write `record` (train/resume.py
     run_record). The caller releases the lock when the run ends (close_run_dir)."""
     lock, error = None, None
-    if (ctx.local_rank == 0) if per_node else ctx.is_main:
+    if ckpt_io.leads_folder(ctx, per_node):
         try:
             lock = _open(out, resume, overwrite, lambda m: print(f"note: {m}", flush=True), record)
         except UserError as e:
