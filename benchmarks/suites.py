@@ -178,6 +178,14 @@ SUITES: tuple[Suite, ...] = (
                 "sharded within each machine (--shard-within node) and over all 4 ranks, the "
                 "same batch, each step's time beside the plan's (summary.json)",
             ),
+            Row(
+                "x2",
+                "multi_gpu/nodes_x4.sh",
+                "nvidia-h200-x2",
+                "the same on a 2-GPU box carved into two 1-GPU machines, a 6.7 B model",
+                env="GPM=1 PRESET=6.7b",
+                results=("nodes_x2_h200_2026-11-28",),
+            ),
         ),
     ),
     Suite(
