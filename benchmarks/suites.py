@@ -633,6 +633,43 @@ SUITES: tuple[Suite, ...] = (
         ),
     ),
     Suite(
+        "lora",
+        "LoRA on a frozen base the planner places over the GPUs, host RAM and the disk (issue 51)",
+        (
+            *(
+                Row(
+                    f"x4-{stage}",
+                    "multi_gpu/lora_x4.sh",
+                    "nvidia-h200-x4",
+                    "NOT RUN YET (written without a device): " + what,
+                    args=stage,
+                    carry=WHL,
+                )
+                for stage, what in (
+                    (
+                        "smoke",
+                        "a Llama-3.1-8B-shaped LoRA from its preset, three runs at once: NF4 on "
+                        "an 80 GB share of one GPU, bf16 with 16 blocks streamed from host RAM on "
+                        "another, int8 sharded over two with 8 streamed (.whl must carry "
+                        "bitsandbytes)",
+                    ),
+                    (
+                        "l405",
+                        "the Llama-3.1-405B shape from its preset, LoRA r=16, 5 steps of "
+                        "`fitgpt train --gpus 4` with the int8 base (FMT) the planner places "
+                        "over the GPUs and host RAM: the plan's bytes, tokens/s, GPU, host and "
+                        "disk peaks, the adapter exported for peft",
+                    ),
+                    (
+                        "l405-bf16",
+                        "the same with the bf16 base and a disk tier (host RAM nearly full, 5 "
+                        "blocks on the disk), 3 steps",
+                    ),
+                )
+            ),
+        ),
+    ),
+    Suite(
         "refactor",
         "a refactor changes no result: the exact losses of the tree before it and this one",
         (

@@ -266,6 +266,36 @@ def losses(out: str) -> list[str]:
     return [line.split("| loss ")[1].split()[0] for line in out.splitlines() if "| loss " in line]
 
 
+def test_plan_says_the_base_placement_train_makes(capsys):
+    """`fitgpt plan --lora-rank R`: plan_base's placement for the box the flags describe (the
+    405B shape on 4 x 139 GiB, 470 GB host: int8 sharded, some blocks streamed), the train flags
+    that ask for it, and with --breakdown the bytes per rank on each tier; what fits nowhere
+    (bf16 there, no disk) is refused in one line naming the format that fits."""
+    from fitgpt.plan.hardware import detect
+
+    box = ["--gpus", "4", "--gpu-mem", "139GiB", "--cpu-mem", "470GB", "--device", "cuda"]
+    shape = ["--preset", "llama3.1-405b", "--lora-rank", "16", "--checkpointing", "full",
+             "--micro-batch", "1"]  # fmt: skip
+    code, out, _ = run_main(capsys, "plan", *shape, *box, "--base-format", "int8", "--breakdown")
+    assert code == 0
+    run = lora_run("llama3.1-405b", "int8", 1, "full")
+    hw = detect(4, "139GiB", "470GB", None, "cuda")
+    placed, line = plan_base(run, hw)
+    a = placed.adapter
+    assert line in out and "405.85 B parameters" in out
+    assert 0 < a.base_host_blocks < 126 and a.base_sharded
+    assert (f"as train flags: --base-format int8 --base-host-blocks {a.base_host_blocks} "
+            "--base-sharded") in out  # fmt: skip
+    est = price_base(workload_of(run, 4, "cuda"), a, "int8", a.base_host_blocks, "full",
+                     shards=4).est  # fmt: skip
+    for tier, items in (("GPU", est.compute), ("host", est.host)):
+        assert f"{tier} per rank: " in out
+        pinned = f"{items.get('frozen_blocks', items.get('frozen_blocks_pinned')) / 2**30:.2f} GiB"
+        assert pinned in out
+    code, err = run_in_process(capsys, "plan", *shape, *box, "--base-format", "bf16")
+    assert_refused(code, err, "--lora-rank 16", "bf16", "--base-format int8")
+
+
 def test_capacity_covers_lora(capsys):
     """`fitgpt capacity --lora-rank R`: the largest layer count whose LoRA run the planner fits
     (one more does not); on a GPU NF4 fits more layers than bf16, and bf16 more than its
