@@ -667,6 +667,30 @@ SUITES: tuple[Suite, ...] = (
                     ),
                 )
             ),
+            *(
+                Row(
+                    name,
+                    "peers/lora_gpu.sh",
+                    machine,
+                    "NOT RUN YET (written without a device): a Llama-3.1-8B-shaped folder "
+                    "(random weights) and chat data at 4,096 tokens, LoRA r=16 all-linear: "
+                    "fitgpt with the planner's plan against transformers + peft (gradient "
+                    "checkpointing) on the same rows and seeded adapters, tokens/s and both "
+                    "loss curves (stages make, fitgpt, peer, compare; .whl must carry peft)" + what,
+                    env=env,
+                    device_env=True,
+                    carry=WHL,
+                )
+                for name, machine, env, what in (
+                    ("8b-h100", H100, "", ""),
+                    (
+                        "8b-h200-as-h100",
+                        "nvidia-h200",
+                        "GPU_MEM=80GB",
+                        "; both capped at 80 GB and labelled an H100's stand-in",
+                    ),
+                )
+            ),
         ),
     ),
     Suite(
@@ -727,6 +751,7 @@ HELPERS = (
     "multi_gpu/x4_env.sh",
     "stdlib_jsonl.py",
     "peers/llama_gpu.py",
+    "peers/lora_gpu.py",
     "peers/moe_gpu.py",
     "run.py",
     "suites.py",
