@@ -158,7 +158,9 @@ def peer(work: Path, out: Path, a: argparse.Namespace) -> None:
         for x, y, seg in micro:
             pos = segment_positions(seg)  # restarts at each packed sample: transformers' packing
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
-                logits = model(input_ids=x, position_ids=pos).logits
+                # no cache: transformers reads packed samples from the position ids only
+                # without one (a cache would make every row one causal sequence)
+                logits = model(input_ids=x, position_ids=pos, use_cache=False).logits
             # the mean over the step's assistant tokens fitgpt counts (-1: not a target), as
             # transformers' ForCausalLMLoss computes it on already-shifted labels with
             # num_items_in_batch: fp32 logits, summed, over the step's count
