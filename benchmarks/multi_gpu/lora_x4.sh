@@ -36,6 +36,8 @@
 # Usage (device): OUT=$OUT bash benchmarks/multi_gpu/lora_x4.sh [smoke|l405|l405-bf16]
 #   env: FMT, MB, SEQ, STEPS (the 405B run), DEADLINE (seconds for the call, default 540),
 #   EXTRA (more train flags). .whl must carry bitsandbytes (int8/NF4 quantise with it).
+#   The plan fills 135.7 of 136.2 usable GiB a GPU: if a rank runs out of memory, EXTRA="--base-host-blocks
+#   40" streams 10 more blocks (~0.3 s more of PCIe a step, overlapped); a step too long: SEQ=2048.
 # CPU rehearsal (this script's commands at --layers 2, width 64, 4 gloo ranks, the placement
 #   forced since the CPU streams nothing unless asked): TINY=1 bash benchmarks/multi_gpu/lora_x4.sh l405
 set -u
