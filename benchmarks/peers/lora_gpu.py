@@ -215,6 +215,7 @@ def compare(out: Path, metrics: Path, label: str) -> None:
     n = min(len(ours), len(peer_rows))
     a, b = mean_rate(ours[:n]), mean_rate(peer_rows[:n])
     diffs = [abs(o["loss"] - p["loss"]) for o, p in zip(ours[:n], peer_rows[:n], strict=True)]
+    rel = max(d / abs(p["loss"]) for d, p in zip(diffs, peer_rows, strict=False))
     res = {
         "machine": label,
         "gpu": theirs["gpu"],
@@ -228,6 +229,7 @@ def compare(out: Path, metrics: Path, label: str) -> None:
         "bar": BAR,
         "meets_bar": a / b >= BAR,
         "loss_max_abs_diff": max(diffs),
+        "loss_max_rel_diff": rel,
         "fitgpt_loss": [o["loss"] for o in ours[:n]],
         "peer_loss": [p["loss"] for p in peer_rows[:n]],
         "peer": {k: theirs[k] for k in ("system", "transformers", "peft", "gpu_peak_gib")},
@@ -248,7 +250,7 @@ def compare(out: Path, metrics: Path, label: str) -> None:
         f"{peer_rows[n - 1]['loss']:.4f} |",
         "",
         f"ratio {a / b:.2f}x (bar {BAR}x: {'met' if a / b >= BAR else 'NOT met'}); largest loss "
-        f"difference over the {n} steps {max(diffs):.4f}",
+        f"difference over the {n} steps {max(diffs):.4f} ({100 * rel:.2f}% of the peer's)",
         "",
         "| step | fitgpt loss | peer loss |",
         "|---|---|---|",
