@@ -669,25 +669,46 @@ SUITES: tuple[Suite, ...] = (
             ),
             *(
                 Row(
-                    name,
+                    f"{stage}-{where}",
                     "peers/lora_gpu.sh",
                     machine,
-                    "NOT RUN YET (written without a device): a Llama-3.1-8B-shaped folder "
-                    "(random weights) and chat data at 4,096 tokens, LoRA r=16 all-linear: "
-                    "fitgpt with the planner's plan against transformers + peft (gradient "
-                    "checkpointing) on the same rows and seeded adapters, tokens/s and both "
-                    "loss curves (stages make, fitgpt, peer, compare; .whl must carry peft)" + what,
+                    "NOT RUN YET (written without a device): " + what + cap,
+                    args="" if stage == "8b" else stage,
                     env=env,
                     device_env=True,
                     carry=WHL,
                 )
-                for name, machine, env, what in (
-                    ("8b-h100", H100, "", ""),
+                for where, machine, env, cap in (
+                    ("h100", H100, "", ""),
                     (
-                        "8b-h200-as-h100",
+                        "h200-as-h100",
                         "nvidia-h200",
                         "GPU_MEM=80GB",
-                        "; both capped at 80 GB and labelled an H100's stand-in",
+                        "; capped at 80 GB and labelled an H100's stand-in",
+                    ),
+                )
+                for stage, what in (
+                    (
+                        "8b",
+                        "a Llama-3.1-8B-shaped folder (random weights) and chat data at 4,096 "
+                        "tokens, LoRA r=16 all-linear: fitgpt with the planner's plan against "
+                        "transformers + peft (gradient checkpointing) on the same rows and "
+                        "seeded adapters, tokens/s and both loss curves (stages make, fitgpt, "
+                        "peer, compare; .whl must carry peft)",
+                    ),
+                    (
+                        "q70",
+                        "QLoRA (NF4) of the llama3.1-70b preset against transformers + "
+                        "bitsandbytes + peft built in memory as the QLoRA recipe trains it (no "
+                        "70 B folder fits an H100 box), the same synthetic rows, tokens/s",
+                    ),
+                    (
+                        "q70-long",
+                        "the longest --seq-len the planner accepts for that QLoRA, 2 steps of it",
+                    ),
+                    (
+                        "l70-bf16",
+                        "the 70 B shape's LoRA with its bf16 base streamed from host RAM",
                     ),
                 )
             ),

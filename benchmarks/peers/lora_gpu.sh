@@ -15,6 +15,18 @@
 #   peer     the peer on fitgpt's rows and rates (it reads fitgpt's metrics.jsonl), PEER_MB rows a
 #            micro-batch (default 4: gradient checkpointing holds them), accumulated to the same 4
 #   compare  the results files
+# The 70B bar's runs (H100 stand-in: GPU_MEM=80GB; synthetic rows, micro-batch 1 x 4,096):
+#   q70      fitgpt's QLoRA of the llama3.1-70b preset (NF4 base built at random into its tiers,
+#            --checkpointing full: 54.9 GiB planned at 80 GB) against the runnable peer: no 141 GB
+#            folder fits an H100 box's disk or RAM, so lora_gpu.py qpeer builds transformers'
+#            Llama of the shape with bitsandbytes NF4 linears from random weights on the GPU and
+#            trains it as the QLoRA recipe does (peft k-bit preparation, gradient checkpointing,
+#            paged 8-bit AdamW); the same rows, STEPS70 steps (default 8); tokens/s against the
+#            1.5x bar (OUT/qlora_70b.json, .md). Different random bases: losses not compared.
+#   q70-long the longest --seq-len the planner accepts for that run (`fitgpt plan --lora-rank`,
+#            bisected in steps of 4,096 from 4,096 to 131,072), then 2 steps of it
+#   l70-bf16 the bf16 base of the same preset streamed from host RAM (the planner: 31 of 80
+#            blocks on an 80 GB GPU, 49 from 115 GB of host RAM), STEPS70 steps
 # Usage (device): source benchmarks/device_env.sh; [GPU_MEM=80GB] OUT=$OUT bash benchmarks/peers/lora_gpu.sh [all|make|fitgpt|peer|compare]
 #   .whl must carry peft. CPU rehearsal (a 2-layer, 64-wide model, 64 tokens, fp32 both):
 #   TINY=1 bash benchmarks/peers/lora_gpu.sh
@@ -27,8 +39,9 @@ LR=${LR:-2e-4}
 TINY=${TINY:-}
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
-case $STAGE in all | make | fitgpt | peer | compare) ;; *)
-  echo "lora_gpu.sh: no stage $STAGE; use all, make, fitgpt, peer or compare" >&2; exit 2 ;; esac
+case $STAGE in all | make | fitgpt | peer | compare | q70 | q70-long | l70-bf16) ;; *)
+  echo "lora_gpu.sh: no stage $STAGE; use all, make, fitgpt, peer, compare, q70, q70-long or" \
+    "l70-bf16" >&2; exit 2 ;; esac
 LABEL=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 LABEL=${LABEL:-cpu}
 CAP=()
@@ -42,7 +55,7 @@ if [ $((MB * GA % PEER_MB)) -ne 0 ]; then
   echo "lora_gpu.sh: PEER_MB=$PEER_MB does not divide MB x GA = $((MB * GA)) rows a step" >&2; exit 2
 fi
 t() { date +%s; }
-has() { [ "$STAGE" = all ] || [ "$STAGE" = "$1" ]; }
+has() { [ "$STAGE" = "$1" ] || { [ "$STAGE" = all ] && [ "${1#q70}" = "$1" ] && [ "$1" != l70-bf16 ]; }; }
 DATA="$W/chat_chat_document"
 
 if has make; then
@@ -87,4 +100,53 @@ fi
 if has compare; then
   python3 benchmarks/peers/lora_gpu.py compare "$W" --out "$OUT" \
     --metrics "$OUT/fitgpt.metrics.jsonl" --label "$LABEL"
+fi
+
+# ---- the 70B bar ----------------------------------------------------------------------------
+SHAPE70=(--preset llama3.1-70b --lora-rank 16 --checkpointing full --micro-batch 1)
+TRAIN70=(--data synthetic --seed "$SEED" --lr "$LR" --warmup 2 --log-every 1 --eval-every 0
+  --no-save --overwrite ${CAP[@]+"${CAP[@]}"})
+if [ -n "$TINY" ]; then
+  SHAPE70+=(--layers 2 --hidden 64 --heads 4 --kv-heads 2 --ffn-hidden 128)
+  TRAIN70+=(--device cpu)
+fi
+SEQ70=$([ -n "$TINY" ] && echo 64 || echo 4096)
+run70() {  # name, flags...: one fitgpt run of the 70B shape, its log and metrics in OUT
+  local name=$1 s
+  shift
+  echo "== fitgpt train ${SHAPE70[*]} $*" | tee "$OUT/$name.log"
+  s=$(t)
+  python3 -m fitgpt train "${SHAPE70[@]}" "${TRAIN70[@]}" --out "$W/$name" "$@" >> "$OUT/$name.log" 2>&1
+  echo "== exit $? in $(($(t) - s)) s" | tee -a "$OUT/$name.log"
+  grep -E "LoRA:|placement|model |step +[0-9]+ \||rror" "$OUT/$name.log" | cut -c1-250 | head -16
+  cp "$W/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2>/dev/null
+}
+if has q70; then
+  run70 q70_fitgpt --base-format nf4 --seq-len "$SEQ70" --steps "${STEPS70:-8}"
+  s=$(t)
+  python3 benchmarks/peers/lora_gpu.py qpeer "$W" --out "$OUT" --lrs "$OUT/q70_fitgpt.metrics.jsonl" \
+    --steps "${STEPS70:-8}" --micro-batch 1 --seq-len "$SEQ70" --seed "$SEED" \
+    ${GPU_MEM:+--gpu-mem "$GPU_MEM"} ${TINY:+--tiny} > "$OUT/qpeer.log" 2>&1
+  echo "qpeer: exit $? in $(($(t) - s)) s"
+  grep -vE "^\s*$|[Ww]arn|kernels|loss \+= " "$OUT/qpeer.log" | tail -4 | cut -c1-250
+  python3 benchmarks/peers/lora_gpu.py compare "$W" --out "$OUT" --bar q70 \
+    --metrics "$OUT/q70_fitgpt.metrics.jsonl" --label "$LABEL"
+fi
+if has q70-long; then  # the longest length the planner accepts: it holds at lo, not at hi
+  HW=(--gpus 1 --device cuda ${CAP[@]+"${CAP[@]}"})  # as the run: its cap, or what is detected
+  [ -n "$TINY" ] && HW+=(--gpu-mem 80GB --cpu-mem 115GB)  # no GPU here: plan for the H100
+  fits() { python3 -m fitgpt plan "${SHAPE70[@]}" --base-format nf4 --seq-len "$1" "${HW[@]}" \
+    > "$OUT/q70_long_plan_$1.txt" 2>&1; }
+  step=$([ -n "$TINY" ] && echo 64 || echo 4096)
+  lo=$step hi=$((32 * step))
+  fits $hi && lo=$hi
+  while [ $((hi - lo)) -gt "$step" ] && [ "$lo" != "$hi" ]; do
+    mid=$(((lo + hi) / 2 / step * step))
+    if fits $mid; then lo=$mid; else hi=$mid; fi
+  done
+  echo "the planner's longest: --seq-len $lo ($(grep -h "LoRA:" "$OUT/q70_long_plan_$lo.txt"))"
+  run70 q70_long --base-format nf4 --seq-len "$lo" --steps 2
+fi
+if has l70-bf16; then
+  run70 l70_bf16 --base-format bf16 --seq-len "$SEQ70" --steps "${STEPS70:-8}"
 fi
