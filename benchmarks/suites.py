@@ -641,6 +641,88 @@ SUITES: tuple[Suite, ...] = (
         ),
     ),
     Suite(
+        "lora",
+        "LoRA on a frozen base the planner places over the GPUs, host RAM and the disk (issue 51)",
+        (
+            *(
+                Row(
+                    f"x4-{stage}",
+                    "multi_gpu/lora_x4.sh",
+                    "nvidia-h200-x4",
+                    "NOT RUN YET (written without a device): " + what,
+                    args=stage,
+                    carry=WHL,
+                )
+                for stage, what in (
+                    (
+                        "smoke",
+                        "a Llama-3.1-8B-shaped LoRA from its preset, three runs at once: NF4 on "
+                        "an 80 GB share of one GPU, bf16 with 16 blocks streamed from host RAM on "
+                        "another, int8 sharded over two with 8 streamed (.whl must carry "
+                        "bitsandbytes)",
+                    ),
+                    (
+                        "l405",
+                        "the Llama-3.1-405B shape from its preset, LoRA r=16, 5 steps of "
+                        "`fitgpt train --gpus 4` with the int8 base (FMT) the planner places "
+                        "over the GPUs and host RAM: the plan's bytes, tokens/s, GPU, host and "
+                        "disk peaks, the adapter exported for peft",
+                    ),
+                    (
+                        "l405-bf16",
+                        "the same with the bf16 base and a disk tier (host RAM nearly full, 5 "
+                        "blocks on the disk), 3 steps",
+                    ),
+                )
+            ),
+            *(
+                Row(
+                    f"{stage}-{where}",
+                    "peers/lora_gpu.sh",
+                    machine,
+                    "NOT RUN YET (written without a device): " + what + cap,
+                    args="" if stage == "8b" else stage,
+                    env=env,
+                    device_env=True,
+                    carry=WHL,
+                )
+                for where, machine, env, cap in (
+                    ("h100", H100, "", ""),
+                    (
+                        "h200-as-h100",
+                        "nvidia-h200",
+                        "GPU_MEM=80GB",
+                        "; capped at 80 GB and labelled an H100's stand-in",
+                    ),
+                )
+                for stage, what in (
+                    (
+                        "8b",
+                        "a Llama-3.1-8B-shaped folder (random weights) and chat data at 4,096 "
+                        "tokens, LoRA r=16 all-linear: fitgpt with the planner's plan against "
+                        "transformers + peft (gradient checkpointing) on the same rows and "
+                        "seeded adapters, tokens/s and both loss curves (stages make, fitgpt, "
+                        "peer, compare; .whl must carry peft)",
+                    ),
+                    (
+                        "q70",
+                        "QLoRA (NF4) of the llama3.1-70b preset against transformers + "
+                        "bitsandbytes + peft built in memory as the QLoRA recipe trains it (no "
+                        "70 B folder fits an H100 box), the same synthetic rows, tokens/s",
+                    ),
+                    (
+                        "q70-long",
+                        "the longest --seq-len the planner accepts for that QLoRA, 2 steps of it",
+                    ),
+                    (
+                        "l70-bf16",
+                        "the 70 B shape's LoRA with its bf16 base streamed from host RAM",
+                    ),
+                )
+            ),
+        ),
+    ),
+    Suite(
         "refactor",
         "a refactor changes no result: the exact losses of the tree before it and this one",
         (
@@ -699,6 +781,7 @@ HELPERS = (
     "multi_gpu/nodes_summary.py",
     "stdlib_jsonl.py",
     "peers/llama_gpu.py",
+    "peers/lora_gpu.py",
     "peers/moe_gpu.py",
     "run.py",
     "suites.py",

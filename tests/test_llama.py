@@ -113,6 +113,7 @@ HF_SHAPES = {
     "llama3.2-3b": ("Llama", 28, 3072, 24, 8, 8192, 128256, True, None),
     "llama3.1-8b": ("Llama", 32, 4096, 32, 8, 14336, 128256, False, None),
     "llama3.1-70b": ("Llama", 80, 8192, 64, 8, 28672, 128256, False, None),
+    "llama3.1-405b": ("Llama", 126, 16384, 128, 8, 53248, 128256, False, None),
     "qwen2.5-0.5b": ("Qwen2", 24, 896, 14, 2, 4864, 151936, True, None),
     "qwen2.5-1.5b": ("Qwen2", 28, 1536, 12, 2, 8960, 151936, True, None),
     "qwen2.5-3b": ("Qwen2", 36, 2048, 16, 2, 11008, 151936, True, None),

@@ -266,6 +266,68 @@ def losses(out: str) -> list[str]:
     return [line.split("| loss ")[1].split()[0] for line in out.splitlines() if "| loss " in line]
 
 
+def test_plan_says_the_base_placement_train_makes(capsys):
+    """`fitgpt plan --lora-rank R`: plan_base's placement for the box the flags describe (the
+    405B shape on 4 x 139 GiB, 470 GB host: int8 sharded, some blocks streamed), the train flags
+    that ask for it, and with --breakdown the bytes per rank on each tier; what fits nowhere
+    (bf16 there, no disk) is refused in one line naming the format that fits."""
+    from fitgpt.plan.hardware import detect
+
+    box = ["--gpus", "4", "--gpu-mem", "139GiB", "--cpu-mem", "470GB", "--device", "cuda"]
+    shape = ["--preset", "llama3.1-405b", "--lora-rank", "16", "--checkpointing", "full",
+             "--micro-batch", "1"]  # fmt: skip
+    code, out, _ = run_main(capsys, "plan", *shape, *box, "--base-format", "int8", "--breakdown")
+    assert code == 0
+    run = lora_run("llama3.1-405b", "int8", 1, "full")
+    hw = detect(4, "139GiB", "470GB", None, "cuda")
+    placed, line = plan_base(run, hw)
+    a = placed.adapter
+    assert line in out and "405.85 B parameters" in out
+    assert 0 < a.base_host_blocks < 126 and a.base_sharded
+    assert (f"as train flags: --base-format int8 --base-host-blocks {a.base_host_blocks} "
+            "--base-sharded") in out  # fmt: skip
+    est = price_base(workload_of(run, 4, "cuda"), a, "int8", a.base_host_blocks, "full",
+                     shards=4).est  # fmt: skip
+    for tier, items in (("GPU", est.compute), ("host", est.host)):
+        assert f"{tier} per rank: " in out
+        pinned = f"{items.get('frozen_blocks', items.get('frozen_blocks_pinned')) / 2**30:.2f} GiB"
+        assert pinned in out
+    code, err = run_in_process(capsys, "plan", *shape, *box, "--base-format", "bf16")
+    assert_refused(code, err, "--lora-rank 16", "bf16", "--base-format int8")
+
+
+def test_a_preset_s_random_base_trains_in_its_tiers_and_exports_for_peft(tmp_path, capsys):
+    """What benchmarks/multi_gpu/lora_x4.sh runs at 405 B, at 2 blocks of width 64: a LoRA on a
+    preset's random base (no --init-from) in int8, its last block streamed from host RAM, then
+    `fitgpt export --format peft`: the folder holds an A and a B for every adapted linear of
+    every block, of rank 16, named as PEFT names them, and says it has no base."""
+    from safetensors import safe_open
+
+    small = ["--preset", "llama3.1-405b", "--layers", "2", "--hidden", "64", "--heads", "8",
+             "--ffn-hidden", "128", "--vocab-size", "256", "--seq-len", "32"]  # fmt: skip
+    code, out, _ = run_main(capsys, "train", *small, "--lora-rank", "16", "--base-format", "int8",
+                            "--base-host-blocks", "1", "--checkpointing", "full", "--data",
+                            "synthetic", "--micro-batch", "2", "--steps", "2", "--eval-every", "0",
+                            "--log-every", "1", "--out", tmp_path / "run")  # fmt: skip
+    assert code == 0 and "the base in int8, 1 of its 2 blocks" in out
+    assert "randomly initialised base" in out and len(losses(out)) == 2
+    code, out, _ = run_main(capsys, "export", "--ckpt", tmp_path / "run", "--format", "peft",
+                            "--out", tmp_path / "peft")  # fmt: skip
+    assert code == 0 and "a random base (--preset without --init-from" in out
+    cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert cfg["r"] == 16 and cfg["base_model_name_or_path"] is None
+    with safe_open(tmp_path / "peft" / "adapter_model.safetensors", "pt") as f:
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert len(shapes) == 2 * 2 * len(names)
+    for i in range(2):
+        for n in names:
+            part = "self_attn" if n[0] in "qkvo" else "mlp"
+            stem = f"base_model.model.model.layers.{i}.{part}.{n}"
+            assert shapes[f"{stem}.lora_A.weight"][0] == 16
+            assert shapes[f"{stem}.lora_B.weight"][1] == 16
+
+
 def test_capacity_covers_lora(capsys):
     """`fitgpt capacity --lora-rank R`: the largest layer count whose LoRA run the planner fits
     (one more does not); on a GPU NF4 fits more layers than bf16, and bf16 more than its

@@ -82,6 +82,11 @@ def run(args: argparse.Namespace) -> int:
     return run_fitgpt(args)
 
 
+# a LoRA run of a --preset without --init-from (plan/adapter.py RANDOM_BASE): its adapters fit
+# the preset's seeded weights, which no folder holds; its PEFT folder names no base
+RANDOM_BASE = "--preset without --init-from: base_model_name_or_path is null"
+
+
 def run_peft(args: argparse.Namespace) -> int:
     from fitgpt.interop.hf_export import export_peft
 
@@ -89,7 +94,8 @@ def run_peft(args: argparse.Namespace) -> int:
     a = r.adapter
     print(
         f"wrote {r.out}: LoRA rank {a.lora_rank}, alpha {a.alpha:g}, on {r.modules} modules "
-        f"({r.values:,} values in {args.dtype or 'fp32'}), over the base {r.base}"
+        f"({r.values:,} values in {args.dtype or 'fp32'}), over "
+        + (f"the base {r.base}" if r.base else f"a random base ({RANDOM_BASE})")
     )
     return 0
 

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 
 from fitgpt import units
+from fitgpt.adapters.config import AdapterConfig
 from fitgpt.cli.args import (
     add_config_args,
     add_fraction_flags,
@@ -107,6 +108,12 @@ def register(sub) -> None:
     add_fraction_flags(p)
     add_removed_flags(p)
     add_config_args(p.add_argument_group("precision"), PrecisionConfig)
+    add_config_args(
+        p.add_argument_group(
+            "LoRA adapters (docs/adapters.md): the frozen base placed as train places it"
+        ),
+        AdapterConfig,
+    )
     p.set_defaults(func=run)
 
 
@@ -120,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
     hw = hardware.detect(args.gpus, args.gpu_mem, args.cpu_mem, args.nvme, args.device, args.nnodes)
     typed = typed_flags(args)  # as train judges them: before the shares become block counts
     run, fixed = planned_run(args, hw.device)
+    if run.adapter.active:
+        return plan_lora(args, run, fixed, typed, hw)
     model = run.model
     # what train refuses, plan refuses, in the same line, before pricing anything
     check_settings(model, run.engine, run.precision, hw.world, hw.device, fixed, typed)
@@ -159,6 +168,40 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan_lora(args: argparse.Namespace, run, fixed, typed, hw) -> int:
+    """`fitgpt plan --lora-rank R`: the frozen base's format and tiers as `fitgpt train` places
+    them on `hw` (plan/adapter.py, the one place), the flags that ask for exactly that, and with
+    --breakdown the bytes per rank item by item on the GPU, in host RAM and on the disk. No step
+    time: the planner prices an adapter run's memory alone (docs/adapters.md)."""
+    from fitgpt.plan.adapter import adapter_placement, plan_base
+    from fitgpt.plan.adapter_memory import price_base
+    from fitgpt.plan.apply import workload_of
+
+    run, _, notes = adapter_placement(run, fixed, typed, has_base=False)
+    placed, line = plan_base(run, hw)  # one line refusing a run that fits nowhere
+    a, model, t = placed.adapter, run.model, run.train
+    print(
+        f"model {model_name(args)}: {units.params(model.num_params())} parameters "
+        f"({model.n_layer}×{model.n_embd}), micro-batch {t.micro_batch} × {t.grad_accum} "
+        f"accumulation × seq {model.seq_len}, LoRA rank {a.lora_rank} ({a.lora_targets})"
+    )
+    print(f"machine: {hw.describe()}")
+    for note in notes:
+        print(f"note: {note}")
+    print(line)
+    flags = f"--base-format {a.base_format} --base-host-blocks {a.base_host_blocks}"
+    flags += f" --base-disk-blocks {a.base_disk_blocks}" if a.base_disk_blocks else ""
+    flags += " --base-sharded" if a.base_sharded else " --no-base-sharded"
+    print(f"as train flags: {flags}")
+    if args.breakdown:
+        work = workload_of(run, hw.gpus, hw.device)
+        shards = hw.gpus if a.base_sharded else 1
+        p = price_base(work, a, a.base_format, a.base_host_blocks, run.engine.checkpointing,
+                       a.base_disk_blocks or 0, shards)  # fmt: skip
+        print_breakdown(p, p.ranks)
+    return 0
+
+
 def cpu_only(args: argparse.Namespace, hw) -> str | None:
     """The line that says a plan is this machine's CPU's because no GPU was found (--device
     auto, no --gpu-mem), with the flags that plan for a GPU box from here; None otherwise. A
@@ -171,9 +214,11 @@ def cpu_only(args: argparse.Namespace, hw) -> str | None:
     )
 
 
-def print_breakdown(c) -> None:
+def print_breakdown(c, ranks: int = 0) -> None:
     """The chosen plan's estimate item by item (plan/memory.py Estimate; docs/memory.md names
-    each item), largest first, and its step time term by term (plan/throughput.py)."""
+    each item), largest first, and its step time term by term (plan/throughput.py); a LoRA
+    base's plan (plan/adapter_memory.py BasePlan) has no step time, and says the machine's
+    host RAM and disk over its `ranks`."""
     from fitgpt.plan.memory import FRAGMENTATION, GiB
 
     for tier, items in (("GPU", c.est.compute), ("host", c.est.host), ("disk", c.est.nvme)):
@@ -186,6 +231,10 @@ def print_breakdown(c) -> None:
         if tier == "GPU":  # what compute_total adds to the allocator's peak
             frag = c.est.compute_peak * FRAGMENTATION
             print(f"  {'fragmentation margin':<32}{frag / GiB:>9.2f} GiB")
+        elif ranks > 1:  # each rank pins its own blocks and writes its own files
+            print(f"  {f'the machine ({ranks} ranks)':<32}{total * ranks / GiB:>9.2f} GiB")
+    if ranks:
+        return
     terms = ", ".join(f"{k} {v:.2f}" for k, v in c.time.items() if k != "total")
     print(f"step {c.time['total']:.2f} s: {terms}")
 

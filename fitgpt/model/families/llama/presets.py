@@ -45,4 +45,5 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3.2-3b": _llama3(28, 3072, 24, 8192, 32.0, tied=True),
     "llama3.1-8b": _llama3(32, 4096, 32, 14336, 8.0),
     "llama3.1-70b": _llama3(80, 8192, 64, 28672, 8.0),
+    "llama3.1-405b": _llama3(126, 16384, 128, 53248, 8.0),
 }
