@@ -226,6 +226,27 @@ def test_the_planner_streams_the_fewest_blocks_that_fit_and_refuses_in_one_line(
         plan_base(lora_run("llama3.1-8b", "bf16", 4, "off"), gpu(80, 512))
 
 
+def test_the_planner_recomputes_only_where_nothing_else_fits(capsys):
+    """--checkpointing not given (--plan auto): an 8B bf16 base at micro-batch 4 on 80 GB does
+    not fit without recompute at any streaming (92.7 GiB of activations), so the planner turns
+    checkpointing on, and says so; at micro-batch 1 it keeps it off; a --checkpointing typed
+    is kept (and refused in one line naming the fix)."""
+    box = ["--gpu-mem", "80GB", "--cpu-mem", "115GB", "--device", "cuda"]
+    shape = ["--preset", "llama3.1-8b", "--lora-rank", "16", "--base-format", "bf16"]
+    code, out, _ = run_main(capsys, "plan", *shape, *box, "--micro-batch", "4")
+    assert code == 0 and "checkpointing full:" in out and "--checkpointing full" in out
+    free = dataclasses.replace(lora_run("llama3.1-8b", "bf16", 4, "off").adapter,
+                               checkpointing_planned=True)  # fmt: skip
+    placed, _ = plan_base(dataclasses.replace(lora_run("llama3.1-8b", "bf16", 4, "off"),
+                                              adapter=free), gpu(80, 512))  # fmt: skip
+    assert placed.engine.checkpointing == "full"
+    code, out, _ = run_main(capsys, "plan", *shape, *box, "--micro-batch", "1")
+    assert code == 0 and "--checkpointing off" in out and "checkpointing full" not in out
+    code, err = run_in_process(capsys, "plan", *shape, *box, "--micro-batch", "4",
+                               "--checkpointing", "off")  # fmt: skip
+    assert_refused(code, err, "--lora-rank 16", "--checkpointing full fits")
+
+
 def test_the_priced_base_is_the_bytes_the_engine_holds(llama):
     """The planner's packed blocks, per tier, are the store's bytes (the same codec)."""
     source = find_source(str(llama))
@@ -285,7 +306,7 @@ def test_plan_says_the_base_placement_train_makes(capsys):
     assert line in out and "405.85 B parameters" in out
     assert 0 < a.base_host_blocks < 126 and a.base_sharded
     assert (f"as train flags: --base-format int8 --base-host-blocks {a.base_host_blocks} "
-            "--base-sharded") in out  # fmt: skip
+            "--base-sharded --checkpointing full") in out  # fmt: skip
     est = price_base(workload_of(run, 4, "cuda"), a, "int8", a.base_host_blocks, "full",
                      shards=4).est  # fmt: skip
     for tier, items in (("GPU", est.compute), ("host", est.host)):

@@ -14,7 +14,13 @@ from fitgpt.errors import UserError
 ALL_LINEAR = "all-linear"
 BASE_FORMATS = ("fp32", "bf16", "int8", "nf4")  # engine/formats/frozen_base.py holds them
 # where the frozen base lives and in what format: the run's placement, free to change on a resume
-PLACEMENT = ("base_format", "base_host_blocks", "base_disk_blocks", "base_sharded")
+PLACEMENT = (
+    "base_format",
+    "base_host_blocks",
+    "base_disk_blocks",
+    "base_sharded",
+    "checkpointing_planned",
+)
 # a Hugging Face module name or the end of one: layers.0.self_attn.q_proj, c_attn
 _NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 
@@ -101,6 +107,9 @@ class AdapterConfig:
             "default_text": "planned",
         },
     )
+    # whether the base's planner may turn activation checkpointing on (--checkpointing not
+    # given under --plan auto): set where the run is settled (plan/adapter.py adapter_placement)
+    checkpointing_planned: bool = field(default=False, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         r = self.lora_rank

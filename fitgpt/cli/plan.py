@@ -192,6 +192,7 @@ def plan_lora(args: argparse.Namespace, run, fixed, typed, hw) -> int:
     flags = f"--base-format {a.base_format} --base-host-blocks {a.base_host_blocks}"
     flags += f" --base-disk-blocks {a.base_disk_blocks}" if a.base_disk_blocks else ""
     flags += " --base-sharded" if a.base_sharded else " --no-base-sharded"
+    flags += f" --checkpointing {placed.engine.checkpointing}"
     print(f"as train flags: {flags}")
     if args.breakdown:
         work = workload_of(run, hw.gpus, hw.device)

@@ -96,6 +96,9 @@ def adapter_placement(run, fixed: Fixed | None, typed: Mapping[str, Any], has_ba
     if why:
         raise UserError(why)
     run = dataclasses.replace(run, engine=dataclasses.replace(e, engine="ddp"))
+    # --plan auto without --checkpointing: the base's planner may recompute where it must
+    free = fixed is not None and "checkpointing" not in fixed.names
+    run = dataclasses.replace(run, adapter=dataclasses.replace(a, checkpointing_planned=free))
     notes = () if has_base else (RANDOM_BASE,)
     return run, None, notes
 
@@ -117,10 +120,11 @@ def place_base(run, ctx, log=print):
     def decide() -> dict:
         placed, line = plan_base(run, hardware.for_run(run.engine, ctx.world, ctx.device.type))
         log(line)
-        return dataclasses.asdict(placed.adapter)
+        return {**dataclasses.asdict(placed.adapter), "ckpt": placed.engine.checkpointing}
 
     adapter = decided_on_rank0(ctx, decide)
-    return dataclasses.replace(run, adapter=AdapterConfig(**adapter))
+    engine = dataclasses.replace(run.engine, checkpointing=adapter.pop("ckpt"))
+    return dataclasses.replace(run, adapter=AdapterConfig(**adapter), engine=engine)
 
 
 # what to try, in order, when a run does not fit as asked: the leaner formats, then recompute
@@ -159,24 +163,29 @@ def plan_base(run, hw: Hardware) -> tuple[Any, str]:
     cuts = [hw.gpus if a.base_sharded else 1] if a.base_sharded is not None else [1]
     if a.base_sharded is None and hw.gpus > 1 and hw.device == "cuda":
         cuts.append(hw.gpus)
-    for h in tries:
-        for k in cuts:
-            p = price_base(work, a, fmt, h, ckpt, shards=k)
-            if not p.gpu_fits(hw):
-                continue
-            disks = [a.base_disk_blocks] if a.base_disk_blocks is not None else [0]
-            if a.base_disk_blocks is None and hw.nvme_path:  # the disk when host RAM is short
-                disks = range(h + 1)
-            for d in disks:
-                if d > h:  # the disk blocks are among the host ones
+    # recompute only where nothing else fits: streamed blocks overlap the compute, recompute
+    # adds a third of the forward to every step (the base's planner has no step time to weigh
+    # them by: docs/adapters.md); a --checkpointing given is kept
+    ckpts = dict.fromkeys((ckpt, "full") if a.checkpointing_planned else (ckpt,))
+    for c in ckpts:
+        for h in tries:
+            for k in cuts:
+                p = price_base(work, a, fmt, h, c, shards=k)
+                if not p.gpu_fits(hw):
                     continue
-                p = price_base(work, a, fmt, h, ckpt, d, k)
-                if p.fits(hw):
-                    return _settled(run, fmt, h, d, k > 1), "LoRA: " + p.line()
+                disks = [a.base_disk_blocks] if a.base_disk_blocks is not None else [0]
+                if a.base_disk_blocks is None and hw.nvme_path:  # the disk when host RAM is short
+                    disks = range(h + 1)
+                for d in disks:
+                    if d > h:  # the disk blocks are among the host ones
+                        continue
+                    p = price_base(work, a, fmt, h, c, d, k)
+                    if p.fits(hw):
+                        return _settled(run, fmt, h, d, k > 1, c), "LoRA: " + p.line()
     raise UserError(_refusal(work, a, fmt, ckpt, p, hw))
 
 
-def _settled(run, fmt: str, host_blocks: int, disk_blocks: int, sharded: bool):
+def _settled(run, fmt: str, host_blocks: int, disk_blocks: int, sharded: bool, ckpt: str):
     a = dataclasses.replace(
         run.adapter,
         base_format=fmt,
@@ -184,7 +193,8 @@ def _settled(run, fmt: str, host_blocks: int, disk_blocks: int, sharded: bool):
         base_disk_blocks=disk_blocks,
         base_sharded=sharded,
     )
-    return dataclasses.replace(run, adapter=a)
+    engine = dataclasses.replace(run.engine, checkpointing=ckpt)
+    return dataclasses.replace(run, adapter=a, engine=engine)
 
 
 def _refusal(work, a, fmt, ckpt, tried: BasePlan, hw: Hardware) -> str:

@@ -45,6 +45,7 @@ class BasePlan:
     disk_blocks: int = 0
     shards: int = 1  # the ranks each block's bytes are cut over (1: whole on every rank)
     ranks: int = 1  # the ranks on this machine, sharing its host RAM and disk
+    checkpointing: str = "off"
 
     def gpu_fits(self, hw: Hardware) -> bool:
         return hw.device != "cuda" or self.est.compute_total <= gpu_budget(hw.gpu_mem)
@@ -76,7 +77,8 @@ class BasePlan:
         nvme = f", {nvme / GiB:.1f} GiB disk" if nvme else ""
         ranks = f" ({self.ranks} ranks)" if self.ranks > 1 else ""
         host = f"{self.host_bytes / GiB:.1f} GiB host{ranks}"
-        return f"the base in {self.fmt}, {where}: {gpu}{host}{nvme}"
+        ckpt = f", checkpointing {self.checkpointing}" if self.checkpointing != "off" else ""
+        return f"the base in {self.fmt}, {where}{ckpt}: {gpu}{host}{nvme}"
 
 
 def price_base(
@@ -131,7 +133,7 @@ def price_base(
         if work.world > 1:
             est.compute["outside:nccl_buffers"] = NCCL_BUFFERS
     ranks = work.world if work.device == "cuda" else 1  # a CPU job's host RAM: its own check
-    return BasePlan(fmt, host_blocks, len(sizes), est, disk_blocks, shards, ranks)
+    return BasePlan(fmt, host_blocks, len(sizes), est, disk_blocks, shards, ranks, checkpointing)
 
 
 @functools.lru_cache(maxsize=64)
