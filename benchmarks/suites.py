@@ -78,6 +78,8 @@ class Past:
 
 
 H100 = "nvidia-h100-x1"
+# the lora_gpu.sh rows that have run: (stage, where) -> their results
+LORA_RAN = {("8b", "h200-as-h100"): ("lora8_h200_2026-11-28",)}
 WHL = (".whl",)  # DeepSpeed 0.19.8 and GPT-2's tokenizer, built by ../shared/device/make-wheels.sh
 
 
@@ -680,11 +682,18 @@ SUITES: tuple[Suite, ...] = (
                     f"{stage}-{where}",
                     "peers/lora_gpu.sh",
                     machine,
-                    "NOT RUN YET (written without a device): " + what + cap,
+                    (
+                        ""
+                        if (stage, where) in LORA_RAN
+                        else "NOT RUN YET (written without a device): "
+                    )
+                    + what
+                    + cap,
                     args="" if stage == "8b" else stage,
                     env=env,
                     device_env=True,
                     carry=WHL,
+                    results=LORA_RAN.get((stage, where), ()),
                 )
                 for where, machine, env, cap in (
                     ("h100", H100, "", ""),
@@ -742,7 +751,8 @@ SUITES: tuple[Suite, ...] = (
                 "nvidia-h200",
                 "the frozen base on a GPU, first contact: a Llama-3.1-8B-shaped LoRA from its "
                 "preset with the base in NF4 on an 80 GB share, then bf16 with half its blocks "
-                "streamed from host RAM (.whl must carry bitsandbytes); not yet run",
+                "streamed from host RAM (.whl must carry bitsandbytes); its output is the "
+                "smoke.txt of lora8_h200_2026-11-28 (run in the same call)",
                 device_env=True,
                 carry=WHL,
             ),

@@ -356,7 +356,7 @@ def compare(out: Path, metrics: Path, label: str, bar: str) -> None:
         f"| | tokens/s (steps 3-{n}) | loss step 1 | loss step {n} |",
         "|---|---|---|---|",
         f"| fitgpt | {a:,.0f} | {ours[0]['loss']:.4f} | {ours[n - 1]['loss']:.4f} |",
-        f"| {theirs['system'].split(',')[0]} | {b:,.0f} | {peer_rows[0]['loss']:.4f} | "
+        f"| {theirs['system'].split('), ')[0] + ')'} | {b:,.0f} | {peer_rows[0]['loss']:.4f} | "
         f"{peer_rows[n - 1]['loss']:.4f} |",
         "",
         f"ratio {a / b:.2f}x (bar {need}x: {'met' if a / b >= need else 'NOT met'}); {losses}",
