@@ -421,6 +421,9 @@ NOT_RUN = {
     "README.md: fitgpt data preprocess --chat --input moe-chats.jsonl": "a 30 B mixture of "
     "experts on 4 GPUs; tests/test_moe_paths.py runs the same commands (chat preprocess, "
     "train at world size 2, export, generate) on tiny Qwen3-MoE, Mixtral and gpt-oss folders",
+    "README.md: fitgpt plan --preset llama3.1-70b --lora-rank 16": "an 8 B and a 70 B "
+    "Instruct folder on an 80 GB GPU; tests/test_lora.py and tests/test_lora_base.py run the "
+    "same commands (train, export peft and --merge, generate) on tiny Llama folders",
     "docs/adapters.md: fitgpt train --init-from Llama-3.1-70B-Instruct": "a 70 B "
     "base on an 80 GB GPU (tests/test_lora_base.py runs the same formats and streaming on a "
     "3-block model)",
