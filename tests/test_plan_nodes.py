@@ -20,9 +20,10 @@ H100 = DEFAULTS["H100"]
 
 def test_a_ring_that_leaves_the_node_runs_at_the_inter_node_link():
     """The docs' formulas, from the inputs: inside a node the bus bandwidth, across nodes the
-    slower of it and the NIC's Gb/s over 8; HSDP's reduce is the node's reduce-scatter plus the
-    cross-node all-reduce of a 1/G shard."""
-    r = dataclasses.replace(H100, inter_node_gbit=400.0)
+    slower of it and the node's G NICs' Gb/s over 8 (a ring per local GPU, each leaving by
+    another NIC); HSDP's reduce is the node's reduce-scatter plus the cross-node all-reduce of a
+    1/G shard, each GPU on its own NIC."""
+    r = dataclasses.replace(H100, inter_node_gbit=100.0)
     B, G, N = 3e9, 8, 4
     intra, inter = r.bus_gbps * 1e9, r.inter_node_gbit / 8 * 1e9
     one = Links.of(G, G, r)
@@ -30,8 +31,11 @@ def test_a_ring_that_leaves_the_node_runs_at_the_inter_node_link():
     many = Links.of(N * G, G, r)
     W = N * G
     assert many.nodes == N
-    assert many.all_reduce(B) == pytest.approx(2 * (W - 1) / W * B / min(intra, inter))
-    assert many.reduce_scatter(B) == pytest.approx((W - 1) / W * B / min(intra, inter))
+    assert many.all_reduce(B) == pytest.approx(2 * (W - 1) / W * B / min(intra, G * inter))
+    assert many.reduce_scatter(B) == pytest.approx((W - 1) / W * B / min(intra, G * inter))
+    # a group with fewer ranks on each node leaves it through fewer NICs
+    strided = Links.of(N * 2, 2, r)
+    assert strided.reduce_scatter(B) == pytest.approx((2 * N - 1) / (2 * N) * B / (2 * inter))
     assert many.all_gather(B) == many.reduce_scatter(B)
     hsdp = (G - 1) / G * B / intra + 2 * (N - 1) / N * (B / G) / inter
     assert many.hsdp_reduce(B) == pytest.approx(hsdp)
@@ -53,7 +57,7 @@ def test_the_step_prices_the_data_parallel_collectives_on_the_links_they_cross(s
     work = Workload(m, 4, G * N, "bf16", nodes=N)
     t = step_time(work, e, ga, r)
     n, W = sum(c.numel for c in layout_of(m)), G * N
-    inter = r.inter_node_gbit / 8 * 1e9
+    inter = min(r.bus_gbps * 1e9, G * r.inter_node_gbit / 8 * 1e9)  # the node's 8 NICs
     if stage == 0:  # all-reduced once, behind the last micro-batch's backward
         hidden = 0.9 * t["compute"] / ga * 0.6
         want = 2 * (W - 1) / W * n * work.w / inter - hidden
