@@ -179,6 +179,7 @@ SUITES: tuple[Suite, ...] = (
                 "sockets between): `fitgpt probe` across them, then 20 B trained with ZeRO-3 "
                 "sharded within each machine (--shard-within node) and over all 4 ranks, the "
                 "same batch, each step's time beside the plan's (summary.json)",
+                results=("nodes_x4_h200_2026-11-28",),
             ),
             Row(
                 "x2",
