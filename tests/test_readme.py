@@ -421,6 +421,9 @@ NOT_RUN = {
     "README.md: fitgpt data preprocess --chat --input moe-chats.jsonl": "a 30 B mixture of "
     "experts on 4 GPUs; tests/test_moe_paths.py runs the same commands (chat preprocess, "
     "train at world size 2, export, generate) on tiny Qwen3-MoE, Mixtral and gpt-oss folders",
+    "README.md: fitgpt probe --gpus 8 --nnodes 2 --node-rank 0": "two machines of 8 GPUs; "
+    "tests/test_nodes.py, test_probe_nodes.py and test_node_checkpoints.py run the same "
+    "commands as 2 node ranks of 1-2 processes on this host",
     "README.md: fitgpt plan --preset llama3.1-70b --lora-rank 16": "an 8 B and a 70 B "
     "Instruct folder on an 80 GB GPU; tests/test_lora.py and tests/test_lora_base.py run the "
     "same commands (train, export peft and --merge, generate) on tiny Llama folders",
