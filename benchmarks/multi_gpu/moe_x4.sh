@@ -63,7 +63,7 @@ make_data() {
   python3 benchmarks/stdlib_jsonl.py "$W/pystd.jsonl"
   python3 benchmarks/peers/moe_gpu.py chat "$W" --text "$W/pystd.jsonl" | tee "$OUT/chat.json"
   timeout "$(budget)" python3 -m fitgpt data preprocess --chat --input "$W/chat.jsonl" \
-    --tokenizer "$W/tok" --output-prefix "$W/chat" "${SEQ[@]}" --workers 16 \
+    --tokenizer "$W/tok" --output-prefix "$W/chat" "${SEQ[@]}" --workers $(($(nproc) < 16 ? $(nproc) : 16)) \
     > "$OUT/preprocess.log" 2>&1 || { tail -3 "$OUT/preprocess.log"; return 1; }
   grep -E "documents|loss on|long" "$OUT/preprocess.log"
   echo "data: $(($(date +%s) - s)) s"
@@ -110,6 +110,9 @@ peer)
   done ;;
 oss120)
   make_data || exit 1
+  # the disk tier wants ~145 GiB (36 GiB per rank) beside the 57 GiB folder: RM_HF=1 frees it
+  [ "${RM_HF:-0}" = 1 ] && rm -rf "$W/hf" "$W/hf_made"
+  df -h /tmp | tail -1
   mkdir -p "$W/nvme"
   # the chat data's ids lie below gpt-oss's 201,088 rows: the model keeps its own vocabulary
   OSS=(--preset gpt-oss-120b --gpus 4 --data "$DATA" --tokenizer none --vocab-size 201088
