@@ -11,6 +11,8 @@ Stages (`python3 benchmarks/peers/moe_gpu.py STAGE OUT [flags]`):
            reference, outputs, gradients and times (sink() says how). OUT/sink.json.
   blockmem one sparse block's saved set and backward peak on the GPU against the planner's
            terms (blockmem() says how). OUT/blockmem.json.
+  ossexp   gpt-oss-20b's experts forward + backward, routed evenly and all to 4 experts, their
+           biases trained and frozen (ossexp() says why). OUT/ossexp.json.
   peer     Hugging Face transformers' Qwen3MoeForCausalLM of the same shape (random weights,
            --layers of them) trained by DeepSpeed ZeRO-3 with the parameters and the optimizer
            offloaded to pinned CPU memory, as LLaMA-Factory and axolotl set it up: built inside
@@ -334,6 +336,44 @@ def make(out: Path, layers: int) -> None:
                       "saved_s": round(time.time() - t0 - built, 1)}))  # fmt: skip
 
 
+def ossexp(out: Path) -> None:
+    """gpt-oss-20b's experts (ClampedExperts: 32 of 2,880, 4 per token, biases gathered per
+    row) forward + backward over 2 × 4,096 tokens in bf16: routed evenly, and as a random
+    router routes at initialisation (every token to the same 4 experts, "busiest expert 8.00×"
+    in results/moe_sink_h200_2026-11-28), each with the biases trained and frozen (their
+    gradient is an index_put with accumulate over M rows into E: the cost the step model does
+    not price). Seconds and model TFLOP/s of the experts' matmuls. OUT/ossexp.json."""
+    from fitgpt.model import get_preset
+    from fitgpt.model.families.gpt_oss.model import ClampedExperts
+
+    dev = torch.device("cuda")
+    cfg = get_preset("gpt-oss-20b").replace(n_layer=1)
+    E, K, H, F = cfg.num_experts, cfg.experts_per_token, cfg.n_embd, cfg.moe_ffn_hidden
+    N = 2 * 4096
+    experts = ClampedExperts(cfg).to(dev, torch.bfloat16).train()
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(N, H, device=dev, dtype=torch.bfloat16, generator=g)
+    w = torch.full((N, K), 1.0 / K, device=dev, dtype=torch.bfloat16)
+    even = torch.stack([torch.randperm(E, device=dev, generator=g)[:K] for _ in range(N)])
+    hot = torch.arange(K, device=dev).expand(N, K).contiguous()
+    flops = 3 * 2 * N * K * 3 * H * F  # forward + backward of the two products
+    rec: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": N}
+    for name, idx in (("even", even), ("hot", hot)):
+        for biases in (True, False):
+            experts.gate_up_bias.requires_grad_(biases)
+            experts.down_bias.requires_grad_(biases)
+
+            def pass_(idx=idx):
+                a = x.detach().requires_grad_()
+                experts(a, idx, w).float().sum().backward()
+
+            t = timed(pass_)
+            key = f"{name}_{'biases' if biases else 'frozen_biases'}"
+            rec[key] = {"s": t, "tflops": flops / t / 1e12}
+    (out / "ossexp.json").write_text(json.dumps(rec) + "\n")
+    print(json.dumps(rec))
+
+
 def windows(prefix: str, seq: int, count: int, start: int) -> torch.Tensor:
     """`count` consecutive windows of seq + 1 tokens of the preprocessed data, from window
     `start` (the tokens fitgpt's run reads, in file order)."""
@@ -446,7 +486,9 @@ def peer(out: Path, args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("stage", choices=["grouped", "sink", "blockmem", "peer", "chat", "make"])
+    p.add_argument(
+        "stage", choices=["grouped", "sink", "blockmem", "ossexp", "peer", "chat", "make"]
+    )
     p.add_argument("out", type=Path)
     p.add_argument("--data", help="the preprocessed prefix fitgpt trains on")
     p.add_argument("--vocab", type=int, default=50257, help="the data tokenizer's vocabulary")
@@ -470,6 +512,8 @@ def main() -> None:
         sink(args.out)
     elif args.stage == "blockmem":
         blockmem(args.out)
+    elif args.stage == "ossexp":
+        ossexp(args.out)
     elif args.stage == "chat":
         if not args.text:
             sys.exit("chat: --text JSONL is required")
