@@ -26,7 +26,9 @@
 #           steps from the defaults with int8 moments and the disk tier in W/nvme (`--moments
 #           int8 --nvme-path`: no plan with bf16 moments fits 4 H200s, 470 GB of RAM and this
 #           disk; docs/planner.md): each loss and step time beside the plan's, GPU, host and
-#           disk peaks
+#           disk peaks. First `fitgpt probe --nvme` (PROBE=0 skips it): the plan's step is
+#           mostly the disk's traffic, priced at the default rates otherwise; OSS_STEPS steps
+#           (default 10) may not fit one call where the disk is slow: the plan says first
 # Usage (device): OUT=$OUT STAGES=qwen bash benchmarks/multi_gpu/moe_x4.sh
 set -u
 OUT=${OUT:-/tmp/moe_x4}
@@ -117,9 +119,17 @@ oss120)
   # the chat data's ids lie below gpt-oss's 201,088 rows: the model keeps its own vocabulary
   OSS=(--preset gpt-oss-120b --gpus 4 --data "$DATA" --tokenizer none --vocab-size 201088
     "${SEQ[@]}" --moments int8)
+  # the box's own disk bandwidth (the default rates' 1.7-1.8 GB/s price a step of this plan at
+  # ~180 s: its 4 ranks move ~39 GB each way a step through one disk); PROBE=0 skips it
+  if [ "${PROBE:-1}" = 1 ]; then
+    timeout 150 python3 -m fitgpt probe --nvme "$W/nvme" > "$OUT/probe.txt" 2>&1
+    grep -E "disk|saved|rates" "$OUT/probe.txt" | tail -3
+  fi
   timeout "$(budget)" python3 -m fitgpt plan "${OSS[@]}" --nvme "$W/nvme" --breakdown \
     > "$OUT/oss120_plan.txt" 2>&1
-  grep -E "^model|chosen|as train|GPU per rank|host per rank|disk per rank|^step|error" "$OUT/oss120_plan.txt" | cut -c1-400
+  grep -E "^model|rates|chosen|as train|GPU per rank|host per rank|disk per rank|^step|error" "$OUT/oss120_plan.txt" | cut -c1-400
+  step=$(sed -n 's/.*predicted [0-9.]* GiB per rank, \([0-9.]*\) s\/step.*/\1/p' "$OUT/oss120_plan.txt" | head -1)
+  echo "planned: ${OSS_STEPS:-10} steps x ${step:-?} s against $(left) s left (the build first)"
   watched oss120 python3 -m fitgpt train "${OSS[@]}" --nvme-path "$W/nvme" --steps "${OSS_STEPS:-10}" \
     --log-every 1 --eval-every 0 --no-save --overwrite --out "$W/oss_run"
   cp "$W/oss_run/metrics.jsonl" "$OUT/oss120.metrics.jsonl" 2>/dev/null

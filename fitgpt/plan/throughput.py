@@ -512,9 +512,14 @@ def host_optimizer_exposed(
         c.opt_elems for c in placement.hosted if c.master == "split" and not c.streamed
     )
     pcie = down * w / (rates.d2h_gbps * 1e9) + n_off * w / (rates.h2d_gbps * 1e9)
-    # the disk tier: the disk-homed chunks' state, in their formats, read in and written back
+    # the disk tier: the disk-homed chunks' state, in their formats, read in and written back,
+    # by every rank of the host at once through the one disk under --nvme-path: each rank gets
+    # 1/W of the bandwidth that one process probed (plan/rates.py). The form's, not measured on
+    # several ranks: gpt-oss-120b on 4 H200s moves 38.6 GB each way per rank and step, 44 s a
+    # step priced per rank where the disk carries four ranks' (docs/planner.md)
     read, written = placement.disk_traffic()
     disk = read / (rates.nvme_read_gbps * 1e9) + written / (rates.nvme_write_gbps * 1e9)
+    disk *= max(1, work.ranks_per_node)
     work_s = max(host, pcie, disk)
     forward_first_micro = compute / grad_accum / 3  # forward is about a third of a micro-batch
     window = forward_first_micro * (m.n_layer - k) / max(1, m.n_layer)
