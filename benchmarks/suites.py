@@ -168,6 +168,48 @@ SUITES: tuple[Suite, ...] = (
         ),
     ),
     Suite(
+        "moe4",
+        "mixture-of-experts models on the 4 GPUs of one box (issue 50's 4-GPU bars): a "
+        "Qwen3-30B-A3B-shaped folder on chat data against transformers + DeepSpeed ZeRO-3, and "
+        "the largest MoE the planner accepts (gpt-oss-120b) from its preset; one stage per "
+        "call, in order, on the same warm machine (each remakes what it lacks)",
+        tuple(
+            Row(
+                stage,
+                "multi_gpu/moe_x4.sh",
+                "nvidia-h200-x4",
+                what,
+                env=f"STAGES={stage}",
+                carry=WHL,
+            )
+            for stage, what in (
+                (
+                    "data",
+                    "the standard library's source as chat conversations, a Qwen-style "
+                    "tokenizer of Qwen3's 151,936 rows, `fitgpt data preprocess --chat`",
+                ),
+                ("make", "a Qwen3-30B-A3B-shaped folder saved by transformers (61 GB)"),
+                (
+                    "qwen",
+                    "`fitgpt train --gpus 4 --init-from` that folder (the preset without it) on "
+                    "the chat data at seq 4096, the planner's plan: tokens/s, active TFLOP/s, "
+                    "predicted step and peaks beside the measured",
+                ),
+                (
+                    "peer",
+                    "transformers' Qwen3MoeForCausalLM + DeepSpeed ZeRO-3 on the 4 GPUs, same "
+                    "shape, data and batch (offloaded to CPU only where it does not fit)",
+                ),
+                (
+                    "oss120",
+                    "gpt-oss-120b from its preset, 10 steps from the defaults with --moments "
+                    "int8 and the disk tier: losses, step times against the plan, GPU, host "
+                    "and disk peaks",
+                ),
+            )
+        ),
+    ),
+    Suite(
         "nodes",
         "several machines (--nnodes), stood for by processes on one box that talk as machines do",
         (

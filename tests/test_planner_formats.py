@@ -424,3 +424,27 @@ def test_host_work_overlaps_the_next_forward_only_where_no_gather_waits_for_it(s
     window = 1.0 / 3 * 6 / 8  # a third of the micro-batch, over the 6 device-homed blocks
     assert hidden(1) == pytest.approx(window)
     assert hidden(2) == pytest.approx(0.0 if stage < 3 else window)
+
+
+def test_the_ranks_of_one_host_share_its_disk():
+    """Every rank's disk-homed state goes through the one disk under --nvme-path: at W ranks on
+    a host each gets 1/W of the bandwidth one process probed; on two hosts each has its own."""
+    slow_disk = dataclasses.replace(R, nvme_read_gbps=1e-3, nvme_write_gbps=1e-3)
+    m = ModelConfig(n_layer=4, n_embd=256, n_head=4, seq_len=64)
+    e = formats.with_formats(
+        EngineConfig(engine="zero", zero_stage=3, offload_optimizer="nvme", nvme_path="/x",
+                     speculative_update=False), ("fp32",) * 3,
+    )  # fmt: skip
+
+    def disk_s(world: int, nodes: int = 1) -> tuple[float, int]:
+        w = Workload(m, 2, world, "bf16", nodes=nodes)
+        p = placement_of(w, e)
+        read, written = p.disk_traffic()
+        return host_optimizer_exposed(w, 1, 0.0, slow_disk, p), read + written
+
+    one, moved1 = disk_s(1)
+    four, moved4 = disk_s(4)
+    assert one == pytest.approx(moved1 / 1e6)  # the disk is the pipeline's slowest stage
+    assert four == pytest.approx(4 * moved4 / 1e6)  # 4 ranks' traffic through one disk
+    two_hosts, moved = disk_s(4, nodes=2)
+    assert two_hosts == pytest.approx(2 * moved / 1e6)  # 2 ranks a host, a disk each

@@ -11,6 +11,8 @@ Stages (`python3 benchmarks/peers/moe_gpu.py STAGE OUT [flags]`):
            reference, outputs, gradients and times (sink() says how). OUT/sink.json.
   blockmem one sparse block's saved set and backward peak on the GPU against the planner's
            terms (blockmem() says how). OUT/blockmem.json.
+  ossexp   gpt-oss-20b's experts forward + backward, routed evenly and all to 4 experts, their
+           biases trained and frozen (ossexp() says why). OUT/ossexp.json.
   peer     Hugging Face transformers' Qwen3MoeForCausalLM of the same shape (random weights,
            --layers of them) trained by DeepSpeed ZeRO-3 with the parameters and the optimizer
            offloaded to pinned CPU memory, as LLaMA-Factory and axolotl set it up: built inside
@@ -19,7 +21,18 @@ Stages (`python3 benchmarks/peers/moe_gpu.py STAGE OUT [flags]`):
            bf16. Fed windows of the same preprocessed tokens fitgpt trains on (--data PREFIX),
            the same micro-batch, accumulation and sequence length. Per step: seconds, tokens/s,
            loss; the GPU's peak and the host's used memory. OUT/peer.json.
-benchmarks/peers/moe_gpu.sh runs the stages with `fitgpt train` between them.
+  chat     OUT/tok, a Qwen-style tokenizer folder (byte-level BPE of 32,000 trained on the text
+           of --text, Qwen's <|endoftext|>, <|im_start|>, <|im_end|> and reserved special tokens
+           filling Qwen3's 151,936 rows, a ChatML chat template) and OUT/chat.jsonl:
+           conversations made of that text (a system line; the user gives the first part of a
+           piece of a file and asks for the rest; the assistant's reply is the rest), for
+           `fitgpt data preprocess --chat`.
+  make     OUT/hf: that tokenizer beside transformers' Qwen3MoeForCausalLM of the whole
+           Qwen3-30B-A3B shape (random weights, bf16, 5 GB shards), built on the GPU.
+  peer     (above) on several GPUs under torchrun or the deepspeed launcher: each rank reads its
+           own windows; --offload none keeps the parameters and the optimizer on the GPUs.
+benchmarks/peers/moe_gpu.sh and benchmarks/multi_gpu/moe_x4.sh run the stages with `fitgpt
+train` between them.
 """
 
 from __future__ import annotations
@@ -44,6 +57,17 @@ SHAPE = dict(
     rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
     max_position_embeddings=40960, output_router_logits=False,
 )  # fmt: skip
+
+
+# Qwen/Qwen3-30B-A3B's vocabulary, which the chat stage's tokenizer fills, and the ChatML
+# template Qwen's instruct models publish, without tools or thinking
+QWEN3_VOCAB = 151_936
+CHATML = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
 def host_used_gib() -> float:
@@ -237,6 +261,119 @@ def blockmem(out: Path) -> None:
     print(json.dumps(rec))
 
 
+def chat(out: Path, text_jsonl: Path) -> None:
+    """OUT/tok (the tokenizer folder) and OUT/chat.jsonl (module docstring)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from benchmarks.peers.llama_gpu import SPLIT
+
+    t0 = time.time()
+    texts = [json.loads(x)["text"] for x in text_jsonl.open()]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=32_000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(texts, trainer)
+    named = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    reserved = [f"<|reserved_{i}|>" for i in range(QWEN3_VOCAB - tok.get_vocab_size() - 3)]
+    tok.add_special_tokens([AddedToken(t, special=True) for t in named + reserved])
+    assert tok.get_vocab_size() == QWEN3_VOCAB, tok.get_vocab_size()
+    folder = out / "tok"
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    special = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    cfg = {"tokenizer_class": "Qwen2Tokenizer", "chat_template": CHATML, **special}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (folder / "special_tokens_map.json").write_text(json.dumps(special))
+    # conversations: pieces of at most 6,000 characters (~2,000 tokens: a 4,096-token row packs
+    # about two), the user quoting the first quarter, the assistant writing the rest
+    n = 0
+    with (out / "chat.jsonl.tmp").open("w") as f:
+        for text in texts:
+            for a in range(0, len(text), 6000):
+                piece = text[a : a + 6000]
+                cut = len(piece) // 4
+                if cut < 20 or not piece[cut:].strip():
+                    continue
+                msgs = [
+                    {"role": "system", "content": "You are a careful Python programmer."},
+                    {"role": "user", "content": "Continue this code:\n" + piece[:cut]},
+                    {"role": "assistant", "content": piece[cut:]},
+                ]
+                f.write(json.dumps({"messages": msgs}) + "\n")
+                n += 1
+    (out / "chat.jsonl.tmp").rename(out / "chat.jsonl")
+    print(json.dumps({"stage": "chat", "conversations": n, "vocab": QWEN3_VOCAB,
+                      "s": round(time.time() - t0, 1)}))  # fmt: skip
+
+
+def make(out: Path, layers: int) -> None:
+    """OUT/hf: the chat stage's tokenizer (OUT/tok) and a Qwen3-30B-A3B-shaped model of
+    `layers` layers (48: the whole shape), built on the GPU (the CPU where there is none)."""
+    import shutil
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    t0 = time.time()
+    hf = out / "hf"
+    shutil.copytree(out / "tok", hf, dirs_exist_ok=True)
+    cfg = Qwen3MoeConfig(vocab_size=QWEN3_VOCAB, num_hidden_layers=layers, **SHAPE)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)  # 61 GB of bf16 on one GPU (fp32 would be 122)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # transformers' init
+        model = Qwen3MoeForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    built = time.time() - t0
+    model.save_pretrained(hf, max_shard_size="5GB")
+    n = sum(p.numel() for p in model.parameters())
+    print(json.dumps({"stage": "make", "params": n, "built_s": round(built, 1),
+                      "saved_s": round(time.time() - t0 - built, 1)}))  # fmt: skip
+
+
+def ossexp(out: Path) -> None:
+    """gpt-oss-20b's experts (ClampedExperts: 32 of 2,880, 4 per token, biases gathered per
+    row) forward + backward over 2 × 4,096 tokens in bf16: routed evenly, and as a random
+    router routes at initialisation (every token to the same 4 experts, "busiest expert 8.00×"
+    in results/moe_sink_h200_2026-11-28), each with the biases trained and frozen (their
+    gradient is an index_put with accumulate over M rows into E: the cost the step model does
+    not price). Seconds and model TFLOP/s of the experts' matmuls. OUT/ossexp.json."""
+    from fitgpt.model import get_preset
+    from fitgpt.model.families.gpt_oss.model import ClampedExperts
+
+    dev = torch.device("cuda")
+    cfg = get_preset("gpt-oss-20b").replace(n_layer=1)
+    E, K, H, F = cfg.num_experts, cfg.experts_per_token, cfg.n_embd, cfg.moe_ffn_hidden
+    N = 2 * 4096
+    experts = ClampedExperts(cfg).to(dev, torch.bfloat16).train()
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(N, H, device=dev, dtype=torch.bfloat16, generator=g)
+    w = torch.full((N, K), 1.0 / K, device=dev, dtype=torch.bfloat16)
+    even = torch.stack([torch.randperm(E, device=dev, generator=g)[:K] for _ in range(N)])
+    hot = torch.arange(K, device=dev).expand(N, K).contiguous()
+    flops = 3 * 2 * N * K * 3 * H * F  # forward + backward of the two products
+    rec: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": N}
+    for name, idx in (("even", even), ("hot", hot)):
+        for biases in (True, False):
+            experts.gate_up_bias.requires_grad_(biases)
+            experts.down_bias.requires_grad_(biases)
+
+            def pass_(idx=idx):
+                a = x.detach().requires_grad_()
+                experts(a, idx, w).float().sum().backward()
+
+            t = timed(pass_)
+            key = f"{name}_{'biases' if biases else 'frozen_biases'}"
+            rec[key] = {"s": t, "tflops": flops / t / 1e12}
+    (out / "ossexp.json").write_text(json.dumps(rec) + "\n")
+    print(json.dumps(rec))
+
+
 def windows(prefix: str, seq: int, count: int, start: int) -> torch.Tensor:
     """`count` consecutive windows of seq + 1 tokens of the preprocessed data, from window
     `start` (the tokens fitgpt's run reads, in file order)."""
@@ -262,10 +399,12 @@ def peer(out: Path, args: argparse.Namespace) -> None:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     deepspeed.init_distributed()
-    torch.cuda.set_device(0)
     M, G, S = args.micro_batch, args.grad_accum, args.seq_len
     pinned = {"device": "cpu", "pin_memory": True}
+    off = pinned if args.offload == "cpu" else {"device": "none"}
     config = {
         "train_micro_batch_size_per_gpu": M,
         "gradient_accumulation_steps": G,
@@ -274,7 +413,7 @@ def peer(out: Path, args: argparse.Namespace) -> None:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95],
                                                   "eps": 1e-8, "weight_decay": 0.1}},
         "zero_optimization": {
-            "stage": 3, "offload_optimizer": pinned, "offload_param": pinned,
+            "stage": 3, "offload_optimizer": off, "offload_param": off,
             "overlap_comm": True, "contiguous_gradients": True,
             "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
             "stage3_prefetch_bucket_size": 1e7, "stage3_param_persistence_threshold": 1e5,
@@ -285,7 +424,8 @@ def peer(out: Path, args: argparse.Namespace) -> None:
     vocab = padded_vocab(args.vocab)
     hf_cfg = Qwen3MoeConfig(vocab_size=vocab, num_hidden_layers=args.layers, **SHAPE)
     t0 = time.perf_counter()
-    with deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu", pin_memory=True):
+    remote = "cpu" if args.offload == "cpu" else None  # None: each rank's shard on its GPU
+    with deepspeed.zero.Init(config_dict_or_path=config, remote_device=remote, pin_memory=True):
         model = Qwen3MoeForCausalLM(hf_cfg)
     params = sum(p.ds_numel for p in model.parameters())
     deepspeed.utils.set_z3_leaf_modules(model, [Qwen3MoeSparseMoeBlock])
@@ -295,14 +435,16 @@ def peer(out: Path, args: argparse.Namespace) -> None:
         model=model, model_parameters=model.parameters(), config=config
     )
     built = time.perf_counter() - t0
-    print(f"built {params / 1e9:.2f} B parameters in {built:.0f} s", flush=True)
+    if rank == 0:
+        print(f"built {params / 1e9:.2f} B parameters in {built:.0f} s", flush=True)
     steps, host_peak = [], host_used_gib()
     for step in range(args.steps):
         torch.cuda.synchronize()
         t = time.perf_counter()
         losses = []
         for i in range(G):
-            ids = windows(args.data, S, M, (step * G + i) * M)[:, :S].cuda()
+            # each rank its own windows, as fitgpt's data-parallel ranks read theirs
+            ids = windows(args.data, S, M, ((step * G + i) * world + rank) * M)[:, :S].cuda()
             # transformers shifts the labels itself: the inputs are the labels
             out_ = engine(input_ids=ids, labels=ids, use_cache=False)
             engine.backward(out_.loss)
@@ -311,14 +453,17 @@ def peer(out: Path, args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
         dt = time.perf_counter() - t
         host_peak = max(host_peak, host_used_gib())
-        rec = {"step": step + 1, "s": dt, "tokens_per_s": M * G * S / dt,
+        rec = {"step": step + 1, "s": dt, "tokens_per_s": M * G * S * world / dt,
                "loss": sum(losses) / len(losses)}  # fmt: skip
         steps.append(rec)
-        print(json.dumps(rec), flush=True)
+        if rank == 0:
+            print(json.dumps(rec), flush=True)
     timed_s = [r["s"] for r in steps[1:]] or [steps[0]["s"]]
+    where = "offloaded to pinned CPU memory" if args.offload == "cpu" else "on the GPUs"
     res = {
-        "system": "transformers Qwen3MoeForCausalLM + DeepSpeed ZeRO-3, params and optimizer "
-        "offloaded to pinned CPU memory, gradient checkpointing",
+        "system": f"transformers Qwen3MoeForCausalLM + DeepSpeed ZeRO-3, params and optimizer "
+        f"{where}, gradient checkpointing",
+        "ranks": world,
         "deepspeed": deepspeed.__version__,
         "gpu": torch.cuda.get_device_name(),
         "params": params,
@@ -328,18 +473,22 @@ def peer(out: Path, args: argparse.Namespace) -> None:
         "seq_len": S,
         "built_s": built,
         "median_step_s": statistics.median(timed_s),
-        "tokens_per_s": M * G * S / statistics.median(timed_s),
+        "tokens_per_s": M * G * S * world / statistics.median(timed_s),
+        "tokens_per_s_per_gpu": M * G * S / statistics.median(timed_s),
         "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "host_used_peak_gib": host_peak,
         "steps": steps,
     }
-    (out / "peer.json").write_text(json.dumps(res) + "\n")
-    print(json.dumps({k: v for k, v in res.items() if k != "steps"}))
+    if rank == 0:
+        (out / "peer.json").write_text(json.dumps(res) + "\n")
+        print(json.dumps({k: v for k, v in res.items() if k != "steps"}))
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("stage", choices=["grouped", "sink", "blockmem", "peer"])
+    p.add_argument(
+        "stage", choices=["grouped", "sink", "blockmem", "ossexp", "peer", "chat", "make"]
+    )
     p.add_argument("out", type=Path)
     p.add_argument("--data", help="the preprocessed prefix fitgpt trains on")
     p.add_argument("--vocab", type=int, default=50257, help="the data tokenizer's vocabulary")
@@ -348,6 +497,13 @@ def main() -> None:
     p.add_argument("--grad-accum", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument(
+        "--offload",
+        choices=["cpu", "none"],
+        default="cpu",
+        help="peer: where ZeRO-3 keeps the parameters and the optimizer state",
+    )
+    p.add_argument("--text", type=Path, help="chat: the JSON lines of text to make it of")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.stage == "grouped":
@@ -356,6 +512,14 @@ def main() -> None:
         sink(args.out)
     elif args.stage == "blockmem":
         blockmem(args.out)
+    elif args.stage == "ossexp":
+        ossexp(args.out)
+    elif args.stage == "chat":
+        if not args.text:
+            sys.exit("chat: --text JSONL is required")
+        chat(args.out, args.text)
+    elif args.stage == "make":
+        make(args.out, args.layers)
     else:
         if not args.data:
             sys.exit("peer: --data PREFIX is required")

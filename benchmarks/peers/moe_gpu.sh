@@ -8,6 +8,7 @@
 #            `fitgpt data preprocess`, GPT-2 BPE), micro-batch 4 × 4 accumulation × 4,096 tokens
 #   sink     gpt-oss's sink attention: FlexAttention's path against the SDPA reference (moe_gpu.py sink)
 #   blockmem one sparse block's memory against the planner's terms (moe_gpu.py blockmem)
+#   ossexp   gpt-oss-20b's experts, routed evenly and all to 4, biases trained and frozen
 #   oss      gpt-oss-20b's shape from its preset, the planner's plan (host offload on one GPU)
 #   oss80    the same planned for and capped at 80 GB of the GPU (--gpu-mem), the disk allowed
 #   STAGE=b  the peer on the same shape, data and batch: transformers + DeepSpeed ZeRO-3 offload
@@ -55,6 +56,8 @@ sink)
   python3 benchmarks/peers/moe_gpu.py sink "$OUT" 2>&1 | tail -2 ;;
 blockmem)
   python3 benchmarks/peers/moe_gpu.py blockmem "$OUT" 2>&1 | tail -2 ;;
+ossexp)
+  python3 benchmarks/peers/moe_gpu.py ossexp "$OUT" 2>&1 | tail -2 ;;
 train)
   watched "train_l$LAYERS" /tmp/moe_run python3 -m fitgpt train --preset qwen3-moe-30b-a3b \
     --layers "$LAYERS" --data "$D/pystd_text_document" "${BATCH[@]}" --steps "$STEPS" --log-every 1 \

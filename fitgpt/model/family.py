@@ -77,6 +77,10 @@ class Family(ABC):
     # elementwise work around the matmuls (LayerNorm, GELU, bias adds) it therefore includes;
     # a family with more of it per matmul FLOP runs slower than the curve says. 1.0: GPT-2.
     matmul_time: ClassVar[float] = 1.0
+    # the family's attention kernel time over what the planner prices for the keys it scores
+    # at the probed attention rate (flash, causal, head dim 128: plan/rates.py) and the curve's
+    # share of it (plan/throughput.py compute_seconds). 1.0: flash at head dim 128.
+    attention_time: ClassVar[float] = 1.0
     # a mixture of experts (ModelConfig.num_experts and its fields): families without refuse them
     # (its experts module: `n` experts, `weights`, `run` over rows grouped by expert and an
     # `exchange` slot, expert-major parameters: what --expert-parallel splits,

@@ -35,8 +35,8 @@ def tp_degrees(work: Workload, fixed: Fixed) -> list[int]:
 
 
 def ep_degrees(work: Workload, fixed: Fixed, tp: int) -> list[int]:
-    """The expert-parallel degrees to price at T = tp: the one the user gave (default 1), or
-    with auto (0) 1 and every P that divides the ranks and the experts
+    """The expert-parallel degrees to price at T = tp: the one the user gave, or with auto
+    (0, and when not given: Fixed.expert_parallel) 1 and every P that divides the ranks and the experts
     (parallel/experts.py expert_parallel_refusal, the rule train checks)."""
     p = fixed.expert_parallel
     if p != 0:

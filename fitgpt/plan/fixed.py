@@ -78,8 +78,12 @@ class Fixed:
 
     @property
     def expert_parallel(self) -> int:
-        """P as given: 1 when not given, 0 for auto (every P that divides is priced)."""
-        return self._get("expert_parallel", 1)
+        """P as given, 0 for auto (every P that divides is priced); not given: auto as well.
+        Unlike T (which splits every matmul and its activations), P only moves whole experts,
+        so a run's losses are the unsplit model's (docs/engine.md): the planner may choose it.
+        It is what lets gpt-oss-120b fit 4 H200s: at P = 1 ZeRO-3 gathers a 3.2 B-element
+        experts' chunk per block and holds its gradient's reductions in flight, 40 GiB per GPU."""
+        return self._get("expert_parallel", 0)
 
     @property
     def context_parallel(self) -> int:

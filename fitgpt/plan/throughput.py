@@ -118,21 +118,39 @@ def compiled_factor(
 RECOMPUTE = 0.6
 
 
+# FlexAttention's tile: create_block_mask's default BLOCK_SIZE, which model/packing.py
+# window_block_mask and gpt-oss's SinkMasks keep. The kernel scores every 128×128 block of a
+# query block's window whole, its masked entries included.
+FLEX_BLOCK = 128
+
+
+def flex_keys(S: int, W: int | None) -> float:
+    """Keys per query a FlexAttention kernel scores over S tokens, causal, within a window of
+    W (None: every key before): query block i of n = ⌈S/B⌉ scores min(i + 1, s) key blocks of
+    B, s = ⌈(W - 1)/B⌉ + 1 the blocks a window spans with the diagonal's (B: FLEX_BLOCK).
+    Causal: S/2 + B/2; gpt-oss's window of 128 at 4,096 tokens: 252, where the window's own
+    W - W²/2S is 126 (the blocks straddling its edge are scored whole)."""
+    B = FLEX_BLOCK
+    n = -(-S // B)
+    s = n if W is None else min(n, -(-(W - 1) // B) + 1)
+    return B * (s * (s + 1) // 2 + (n - s) * s) / n
+
+
 def keys_per_query(model, device: str = "cuda") -> float:
     """The keys one query is scored against, on average over the layers, by the kernel that
-    runs: S/2 for a causal flash or flex kernel (it skips the blocks above the diagonal); in a
-    layer with a sliding window W < S run through FlexAttention, W - W²/2S (the first W
-    queries see fewer); S where attention runs on a dense T×T mask or bias
-    (memory.attention_path: the masked kernels skip no block). The windows are the family's
-    per layer (gpt-oss alternates sliding and full layers)."""
+    runs: S/2 for a causal flash kernel (it skips the blocks above the diagonal); through
+    FlexAttention, the blocks it scores (flex_keys: a window's edges and the diagonal's block
+    whole); S where attention runs on a dense T×T mask or bias (memory.attention_path: the
+    masked kernels skip no block). The windows are the family's per layer (gpt-oss alternates
+    sliding and full layers)."""
     S = model.seq_len
     path = attention_path(model, device)
     if path == "mask":
         return float(S)
 
     def one(W: int | None) -> float:
-        if path == "flex" and W is not None and W < S:
-            return W - W * W / (2.0 * S)
+        if path == "flex":
+            return flex_keys(S, W if W is not None and W < S else None)
         return S / 2.0
 
     windows = family_of(model).layer_windows(model)
@@ -182,7 +200,10 @@ def compute_seconds(work: Workload, ecfg: EngineConfig, tokens: int, rates: Rate
     # attention's S², so its factor scales the matmul term only (Family.matmul_time); measured
     # on GPUs: a CPU's share is calibrated by itself (CPU_PRECISION_SHARE)
     mm_s = mm / gemm * (family_of(m).matmul_time if work.device == "cuda" else 1.0)
-    return tokens * (mm_s + attn / attn_rate) / tp  # each rank computes 1/T of every layer
+    # the family's attention kernel over the probed one (flash, head dim 128), where measured
+    # (Family.attention_time: gpt-oss's sinks through FlexAttention at head dim 64)
+    attn_s = attn / attn_rate * (family_of(m).attention_time if work.device == "cuda" else 1.0)
+    return tokens * (mm_s + attn_s) / tp  # each rank computes 1/T of every layer
 
 
 # Measured extra time over the compute term, as a fraction of it: autocast's per-op casts and
@@ -491,9 +512,14 @@ def host_optimizer_exposed(
         c.opt_elems for c in placement.hosted if c.master == "split" and not c.streamed
     )
     pcie = down * w / (rates.d2h_gbps * 1e9) + n_off * w / (rates.h2d_gbps * 1e9)
-    # the disk tier: the disk-homed chunks' state, in their formats, read in and written back
+    # the disk tier: the disk-homed chunks' state, in their formats, read in and written back,
+    # by every rank of the host at once through the one disk under --nvme-path: each rank gets
+    # 1/W of the bandwidth that one process probed (plan/rates.py). The form's, not measured on
+    # several ranks: gpt-oss-120b on 4 H200s moves 38.6 GB each way per rank and step, 44 s a
+    # step priced per rank where the disk carries four ranks' (docs/planner.md)
     read, written = placement.disk_traffic()
     disk = read / (rates.nvme_read_gbps * 1e9) + written / (rates.nvme_write_gbps * 1e9)
+    disk *= max(1, work.ranks_per_node)
     work_s = max(host, pcie, disk)
     forward_first_micro = compute / grad_accum / 3  # forward is about a third of a micro-batch
     window = forward_first_micro * (m.n_layer - k) / max(1, m.n_layer)

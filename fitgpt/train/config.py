@@ -13,14 +13,37 @@ from fitgpt.adapters.targets import adapter_elements
 from fitgpt.data.config import DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
-from fitgpt.model import ModelConfig
+from fitgpt.model import ModelConfig, family_of
+
+# The default micro-batch, in sequences per GPU. A dense model's is 24 (the planner's and the
+# benchmarks' figures were measured at it). A mixture of experts holds its tokens per
+# micro-batch to GPT-2's 24 × 1,024 instead: its sparse layers' backward holds k rows per token
+# (Family.mlp_backward_bytes) beside a saved set k-fold a dense MLP's, so 24 sequences of 4,096
+# tokens made gpt-oss-120b's activations 45 GiB per H200 and its checkpointed block inputs 144
+# GiB of pinned host RAM on 4 GPUs: no plan fit, where 6 sequences fit (docs/planner.md).
+DENSE_MICRO_BATCH = 24
+MOE_MICRO_TOKENS = 24 * 1024
+
+
+def default_micro_batch(model: ModelConfig) -> int:
+    """Sequences per micro-batch when --micro-batch is not given: DENSE_MICRO_BATCH, or for a
+    mixture of experts MOE_MICRO_TOKENS tokens' worth of the model's sequences (at least 1)."""
+    if not family_of(model).has_experts:
+        return DENSE_MICRO_BATCH
+    return max(1, MOE_MICRO_TOKENS // model.seq_len)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = field(default=400, metadata={"help": "optimizer steps to train for"})
-    micro_batch: int = field(
-        default=24, metadata={"help": "sequences per micro-batch per GPU (per process)"}
+    # None: the default, decided with the model (default_micro_batch; RunConfig settles it)
+    micro_batch: int | None = field(
+        default=None,
+        metadata={
+            "help": "sequences per micro-batch per GPU (per process)",
+            "default_text": f"{DENSE_MICRO_BATCH}; a mixture of experts: {MOE_MICRO_TOKENS:,} "
+            "tokens' worth (6 at seq 4096)",
+        },
     )
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     # None: the default, worked out where the run's figures are known (train/schedule.py
@@ -129,6 +152,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch", "grad_accum", "log_every", "keep"):
+            if name == "micro_batch" and self.micro_batch is None:
+                continue  # the default: RunConfig decides it with the model
             if getattr(self, name) < 1:
                 raise UserError(
                     f"--{name.replace('_', '-')} {getattr(self, name)} must be at least 1"
@@ -166,6 +191,11 @@ class RunConfig:
     optim: OptimConfig
     # LoRA on a frozen base (fitgpt/adapters); off by default, and in checkpoints made before it
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.micro_batch is None:  # not given: decided here, where the model is known
+            train = dataclasses.replace(self.train, micro_batch=default_micro_batch(self.model))
+            object.__setattr__(self, "train", train)
 
     def flops_per_token(self) -> float:
         """The model FLOPs per token this run trains (the step log's TFLOP/s and MFU, the

@@ -34,6 +34,15 @@ class GptOssFamily(MoeCounts):
     # SinkAttention takes its sequence length from its input and keeps every head's sink: the
     # head split's all-to-all hands it the whole sequence of 1/C of the heads
     no_context_parallel = "gpt-oss's attention sinks are not split by heads yet"
+    # its sinks' FlexAttention (model.py flex_sink_attention: the kernel with its log-sum-exp,
+    # then y·σ(L − sink)) at 64 heads of 64, timed alone on an H200 forward + backward at
+    # 4 × 4,096 tokens (results/moe_sink_h200_2026-11-28 sink.json): 8.00 ms a full layer and
+    # 2.43 ms a sliding one (window 128), against 4.24 and 0.51 ms priced for the blocks they
+    # score (plan/throughput.py flex_keys) at the H200's default attention rate and the curve's
+    # share at width 2880: 10.44 ms a pair of layers, as the presets alternate them, over
+    # 4.75 priced. (Alone, 1.89 a full layer and 4.8 a sliding one: its fixed work per query
+    # block, the sinks' pass and the mask's bookkeeping, weighs more where the window is short.)
+    attention_time: ClassVar[float] = 2.20
 
     def check(self, cfg: ModelConfig) -> None:
         super().check(cfg)
