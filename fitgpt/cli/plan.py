@@ -170,22 +170,24 @@ def run(args: argparse.Namespace) -> int:
 
 def plan_lora(args: argparse.Namespace, run, fixed, typed, hw) -> int:
     """`fitgpt plan --lora-rank R`: the frozen base's format and tiers as `fitgpt train` places
-    them on `hw` (plan/adapter.py, the one place), the flags that ask for exactly that, and with
-    --breakdown the bytes per rank item by item on the GPU, in host RAM and on the disk. No step
-    time: the planner prices an adapter run's memory alone (docs/adapters.md)."""
-    from fitgpt.plan.adapter import adapter_placement, plan_base
+    them on `hw` (plan/adapter.py, the one place) with the predicted step time, the flags that
+    ask for exactly that, and with --breakdown the bytes per rank item by item on the GPU, in
+    host RAM and on the disk, and the step time term by term (plan/adapter_time.py)."""
+    from fitgpt.plan import rates
+    from fitgpt.plan.adapter import adapter_placement, plan_base, timed_base
     from fitgpt.plan.adapter_memory import price_base
     from fitgpt.plan.apply import workload_of
 
     run, _, notes = adapter_placement(run, fixed, typed, has_base=False)
-    placed, line = plan_base(run, hw)  # one line refusing a run that fits nowhere
+    r = rates.with_network(rates.load(hw.gpu_name), stated_link(args.inter_node_gbps))
+    placed, line = plan_base(run, hw, r)  # one line refusing a run that fits nowhere
     a, model, t = placed.adapter, run.model, run.train
     print(
         f"model {model_name(args)}: {units.params(model.num_params())} parameters "
         f"({model.n_layer}×{model.n_embd}), micro-batch {t.micro_batch} × {t.grad_accum} "
         f"accumulation × seq {model.seq_len}, LoRA rank {a.lora_rank} ({a.lora_targets})"
     )
-    print(f"machine: {hw.describe()}")
+    print(f"machine: {hw.describe()}; rates: {r.source}")
     for note in notes:
         print(f"note: {note}")
     print(line)
@@ -197,9 +199,9 @@ def plan_lora(args: argparse.Namespace, run, fixed, typed, hw) -> int:
     if args.breakdown:
         work = workload_of(run, hw.gpus, hw.device)
         shards = hw.gpus if a.base_sharded else 1
-        p = price_base(work, a, a.base_format, a.base_host_blocks, run.engine.checkpointing,
+        p = price_base(work, a, a.base_format, a.base_host_blocks, placed.engine.checkpointing,
                        a.base_disk_blocks or 0, shards)  # fmt: skip
-        print_breakdown(p, p.ranks)
+        print_breakdown(timed_base(p, placed, work, r), p.ranks)
     return 0
 
 
@@ -217,9 +219,9 @@ def cpu_only(args: argparse.Namespace, hw) -> str | None:
 
 def print_breakdown(c, ranks: int = 0) -> None:
     """The chosen plan's estimate item by item (plan/memory.py Estimate; docs/memory.md names
-    each item), largest first, and its step time term by term (plan/throughput.py); a LoRA
-    base's plan (plan/adapter_memory.py BasePlan) has no step time, and says the machine's
-    host RAM and disk over its `ranks`."""
+    each item), largest first, and its step time term by term (plan/throughput.py; a LoRA
+    base's plan, plan/adapter_memory.py BasePlan: plan/adapter_time.py), the latter saying the
+    machine's host RAM and disk over its `ranks`."""
     from fitgpt.plan.memory import FRAGMENTATION, GiB
 
     for tier, items in (("GPU", c.est.compute), ("host", c.est.host), ("disk", c.est.nvme)):
@@ -234,7 +236,7 @@ def print_breakdown(c, ranks: int = 0) -> None:
             print(f"  {'fragmentation margin':<32}{frag / GiB:>9.2f} GiB")
         elif ranks > 1:  # each rank pins its own blocks and writes its own files
             print(f"  {f'the machine ({ranks} ranks)':<32}{total * ranks / GiB:>9.2f} GiB")
-    if ranks:
+    if not c.time:
         return
     terms = ", ".join(f"{k} {v:.2f}" for k, v in c.time.items() if k != "total")
     print(f"step {c.time['total']:.2f} s: {terms}")

@@ -4,8 +4,9 @@ LoRA (fitgpt/adapters) trains a few matrices on a frozen base. The adapters, the
 and Adam moments are small and stay on the GPU, so an adapter run trains on the ddp engine; what
 this file plans is the base (plan_base, when the run is placed: train/assemble.py placed): its
 format (--base-format, auto: bf16 under bf16 compute, fp32 under fp32) and how many of its
-blocks stream from pinned host RAM or from the disk (engine/chunked/frozen.py), priced by
-plan/adapter_memory.py; a run that fits nowhere is refused in one line naming what would fit
+blocks stream from pinned host RAM or from the disk (engine/chunked/frozen.py), and whether it
+recomputes: of the placements that fit (plan/adapter_memory.py), the fastest by its step time
+(plan/adapter_time.py); a run that fits nowhere is refused in one line naming what would fit
 (docs/adapters.md). What needs the chunk engine's tiers for the trained state, or cuts the
 model, is refused in one line naming the flag, before anything is planned or built:
 
@@ -33,10 +34,13 @@ from fitgpt.adapters import AdapterConfig, lora_targets
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.formats.frozen_base import base_format
 from fitgpt.errors import UserError
+from fitgpt.plan import rates
 from fitgpt.plan.adapter_memory import BasePlan, price_base
+from fitgpt.plan.adapter_time import adapter_step_time
 from fitgpt.plan.fixed import Fixed
 from fitgpt.plan.hardware import Hardware
 from fitgpt.plan.memory import GiB, gpu_budget
+from fitgpt.plan.rates import Rates
 from fitgpt.plan.validate import flag_text
 
 WHY = (
@@ -131,14 +135,23 @@ def place_base(run, ctx, log=print):
 LEANER = ("bf16", "int8", "nf4")
 
 
-def plan_base(run, hw: Hardware) -> tuple[Any, str]:
-    """(run, line): the adapter's base format and host blocks settled for `hw` (the fewest
-    blocks in host RAM that fit the GPU), or one line refusing a run that does not fit, naming
-    what would. On the CPU everything is host memory: nothing is streamed unless asked."""
+def timed_base(p: BasePlan, run, work, r: Rates) -> BasePlan:
+    """`p` with its predicted step time (plan/adapter_time.py) at `run`'s batch and adapters."""
+    t = adapter_step_time(p, work, run.adapter, run.train.grad_accum, r)
+    return dataclasses.replace(p, time=t)
+
+
+def plan_base(run, hw: Hardware, r: Rates | None = None) -> tuple[Any, str]:
+    """(run, line): the adapter's base format, tiers and recompute settled for `hw`: of the
+    placements that fit, the fastest by the step-time model at rates `r` (this machine's,
+    plan/rates.py, unless given), ties to the fewer blocks streamed; or one line refusing a run
+    that fits nowhere, naming what would. On the CPU everything is host memory: nothing is
+    streamed unless asked."""
     from fitgpt.plan.apply import workload_of  # plan/apply.py imports the planner
 
     a = run.adapter
     work = workload_of(run, hw.gpus, hw.device)
+    r = r or rates.for_run(hw.gpu_name, run.engine)
     fmt = base_format(a, work.precision)
     ckpt = run.engine.checkpointing
     n_blocks = run.model.n_layer
@@ -158,18 +171,22 @@ def plan_base(run, hw: Hardware) -> tuple[Any, str]:
         tries = [a.base_host_blocks]
     else:
         tries = [0] if hw.device != "cuda" else range(n_blocks + 1)
-    # the fewest blocks streamed (PCIe is slower than the GPUs' links); at each count whole on
-    # every rank first (no gathers), then sharded over the ranks
+    # whole on every rank (no gathers) or sharded over the ranks, as asked or both
     cuts = [hw.gpus if a.base_sharded else 1] if a.base_sharded is not None else [1]
     if a.base_sharded is None and hw.gpus > 1 and hw.device == "cuda":
         cuts.append(hw.gpus)
-    # recompute only where nothing else fits: streamed blocks overlap the compute, recompute
-    # adds a third of the forward to every step (the base's planner has no step time to weigh
-    # them by: docs/adapters.md); a --checkpointing given is kept
+    # recompute as asked, or (--checkpointing not given) off and full both, weighed by time
     ckpts = dict.fromkeys((ckpt, "full") if a.checkpointing_planned else (ckpt,))
+    # At one recompute and cut, a block more streamed (or read from the disk rather than host
+    # RAM) never makes a step faster (its copy is exposed or hidden, never negative), so the
+    # fewest blocks that fit is that pair's fastest: one candidate per pair, timed, the fastest
+    # taken
+    found: dict[tuple[str, int], BasePlan] = {}
     for c in ckpts:
         for h in tries:
             for k in cuts:
+                if (c, k) in found:
+                    continue
                 p = price_base(work, a, fmt, h, c, shards=k)
                 if not p.gpu_fits(hw):
                     continue
@@ -181,8 +198,14 @@ def plan_base(run, hw: Hardware) -> tuple[Any, str]:
                         continue
                     p = price_base(work, a, fmt, h, c, d, k)
                     if p.fits(hw):
-                        return _settled(run, fmt, h, d, k > 1, c), "LoRA: " + p.line()
-    raise UserError(_refusal(work, a, fmt, ckpt, p, hw))
+                        found[c, k] = timed_base(p, run, work, r)
+                        break
+    if not found:
+        raise UserError(_refusal(work, a, fmt, ckpt, p, hw))
+    best = min(found.values(), key=lambda q: (q.time["total"], q.host_blocks, q.disk_blocks))
+    placed = _settled(run, fmt, best.host_blocks, best.disk_blocks, best.shards > 1,
+                      best.checkpointing)  # fmt: skip
+    return placed, "LoRA: " + best.line()
 
 
 def _settled(run, fmt: str, host_blocks: int, disk_blocks: int, sharded: bool, ckpt: str):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,8 @@ class BasePlan:
     shards: int = 1  # the ranks each block's bytes are cut over (1: whole on every rank)
     ranks: int = 1  # the ranks on this machine, sharing its host RAM and disk
     checkpointing: str = "off"
+    # predicted seconds per step, term by term (plan/adapter_time.py; empty: not priced)
+    time: dict[str, float] = field(default_factory=dict, compare=False)
 
     def gpu_fits(self, hw: Hardware) -> bool:
         return hw.device != "cuda" or self.est.compute_total <= gpu_budget(hw.gpu_mem)
@@ -78,7 +80,8 @@ class BasePlan:
         ranks = f" ({self.ranks} ranks)" if self.ranks > 1 else ""
         host = f"{self.host_bytes / GiB:.1f} GiB host{ranks}"
         ckpt = f", checkpointing {self.checkpointing}" if self.checkpointing != "off" else ""
-        return f"the base in {self.fmt}, {where}{ckpt}: {gpu}{host}{nvme}"
+        step = f", predicted {self.time['total']:.3g} s/step" if self.time else ""
+        return f"the base in {self.fmt}, {where}{ckpt}: {gpu}{host}{nvme}{step}"
 
 
 def price_base(

@@ -6,10 +6,10 @@ compute   the matmuls (6 FLOPs per multiplying parameter per token, + 0.6 of a f
           attention rate × the same efficiency share; fp32 runs on the non-tensor-core rate.
           Model FLOPs (family.flops_per_token, the TFLOP/s and MFU we report) count attention
           over the full S×S square, 12·L·N·D·S per token, as the peers' published figures do: a
-          reporting convention, not the work a causal kernel does (half of it). A LoRA run is
-          not priced here: its engine is fixed (ddp) and plan/adapter.py places its base by
-          memory alone, with no choice for a step time to decide; its model FLOPs (4 per frozen
-          parameter, 6 per adapter element: Family.flops_per_token) are what to price if one is.
+          reporting convention, not the work a causal kernel does (half of it). A LoRA run's
+          compute is this term at its own FLOPs (compute_seconds with `adapters`: 4 per frozen
+          parameter, 6 per adapter element, Family.flops_per_token); the rest of its step (the
+          streamed base, unpacking, the adapters' optimizer) is plan/adapter_time.py's.
 comm      ZeRO/DDP collectives at the probe's bus bandwidth; what overlaps with backward (or with
           forward, for stage-3 prefetches) is hidden, the rest exposed.
 optimizer fused AdamW streams ~36 bytes per parameter of its range through device memory;
@@ -164,15 +164,21 @@ def attention_flops(model, device: str = "cuda") -> float:
     return 12.0 * model.n_layer * model.n_head * model.head_dim * keys_per_query(model, device)
 
 
-def matmul_flops(model) -> float:
-    """The model FLOPs per token less attention's full square (Family.attention_flops): 6 per
-    parameter that multiplies (Family.matmul_params), at the GEMM rate."""
-    return 6.0 * family_of(model).matmul_params(model)
+def matmul_flops(model, adapters: int | None = None) -> float:
+    """The model FLOPs per token less attention's full square (Family.attention_flops), at the
+    GEMM rate: 6 per parameter that multiplies (Family.matmul_params); with `adapters` LoRA
+    elements on the frozen model, 4 per such parameter and 6 per adapter element
+    (Family.flops_per_token decides both)."""
+    f = family_of(model)
+    return f.flops_per_token(model, adapters) - f.attention_flops(model)
 
 
-def compute_seconds(work: Workload, ecfg: EngineConfig, tokens: int, rates: Rates) -> float:
+def compute_seconds(
+    work: Workload, ecfg: EngineConfig, tokens: int, rates: Rates, adapters: int | None = None
+) -> float:
     """One rank's compute for `tokens` tokens: the matmuls at the achieved GEMM rate, attention
-    at the achieved attention rate, each 1/T under tensor parallelism.
+    at the achieved attention rate, each 1/T under tensor parallelism; with `adapters` LoRA
+    elements, a LoRA step's matmuls on the frozen model (matmul_flops).
 
     The efficiency curve was calibrated on whole steps at 1-4k tokens with attention priced at
     the GEMM rate; the attention kernel is taken to reach the same share of its own probe rate
@@ -190,16 +196,23 @@ def compute_seconds(work: Workload, ecfg: EngineConfig, tokens: int, rates: Rate
         share *= CPU_PRECISION_SHARE[work.precision]
     elif work.precision == "fp32":
         share *= FP32_FRACTION
-    mm, attn = matmul_flops(m), attention_flops(m, work.device)
+    mm, attn = matmul_flops(m, adapters), attention_flops(m, work.device)
+    whole = matmul_flops(m)  # the whole model's matmuls: what matmul_time was measured beside
     if ecfg.checkpointing != "off":
-        mm += RECOMPUTE * 2.0 * family_of(m).active_params(m)  # a MoE recomputes k experts
+        active = family_of(m).active_params(m)  # a MoE recomputes k experts
+        mm += RECOMPUTE * 2.0 * (active + (adapters or 0))  # a LoRA step its adapters too
+        whole += RECOMPUTE * 2.0 * active
         attn += RECOMPUTE * attn / 3  # the forward is a third of forward + backward
     gemm = rates.gemm_tflops * 1e12 * share
     attn_rate = rates.attn_tflops * 1e12 * share / rates.model_efficiency
     # the family's elementwise work grows with the matmuls (tokens × widths), not with
     # attention's S², so its factor scales the matmul term only (Family.matmul_time); measured
-    # on GPUs: a CPU's share is calibrated by itself (CPU_PRECISION_SHARE)
-    mm_s = mm / gemm * (family_of(m).matmul_time if work.device == "cuda" else 1.0)
+    # on GPUs: a CPU's share is calibrated by itself (CPU_PRECISION_SHARE). It is the norms',
+    # rotary's and the activation's passes forward and backward, which a LoRA step does all
+    # of (the inputs' gradients need them) over fewer matmul FLOPs: their time is the whole
+    # model's excess, not a share of the LoRA matmuls (the same as mm's without adapters)
+    factor = family_of(m).matmul_time if work.device == "cuda" else 1.0
+    mm_s = (mm + (factor - 1.0) * whole) / gemm
     # the family's attention kernel over the probed one (flash, head dim 128), where measured
     # (Family.attention_time: gpt-oss's sinks through FlexAttention at head dim 64)
     attn_s = attn / attn_rate * (family_of(m).attention_time if work.device == "cuda" else 1.0)

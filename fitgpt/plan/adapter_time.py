@@ -1,0 +1,122 @@
+"""The step-time model of an adapter run (LoRA, fitgpt/adapters): predicted seconds per optimizer
+step of a frozen base placed as plan/adapter_memory.py's BasePlan says, term by term. The dense
+model's pieces (plan/throughput.py) are reused where they apply; what is the adapter run's own:
+
+compute       a LoRA step's FLOPs (4 per frozen multiplying parameter, 6 per adapter element,
+              attention as a full fine-tune's: Family.flops_per_token) over this rank's tokens
+              (micro-batch x grad-accum x seq), at throughput.py compute_seconds' rates; under
+              --checkpointing full/cpu, its recompute of the forward (RECOMPUTE) as there.
+base_stream   each streamed block's bytes in its format (this rank's 1/shards), host -> GPU at
+              the probed h2d rate once per forward and once per backward of every micro-batch
+              (the last block is kept between the two), and once more for the recompute under
+              checkpointing; disk blocks at the disk's read rate (shared by the host's ranks),
+              the slower of the two links; a sharded block's all-gather after its copy. The next
+              block's bytes come in on a side stream while a block computes (engine/chunked/
+              fetch.py): a block's transfer is exposed only where it outlasts a block's compute
+              in that pass.
+base_gather   a sharded block resident on the GPU: its all-gather per use, exposed likewise.
+unpack        a packed block (int8, nf4) dequantised to the compute dtype per use, on the
+              compute stream: its packed bytes read and its weights written, at the HBM rate.
+optimizer     AdamW over the adapters' fp32 state (throughput.py FP32_DEVICE_BYTES an element).
+comm          several ranks: the adapters' fp32 gradients all-reduced once per step, behind the
+              last backward as the dense ddp engine's are.
+
+Not priced: --checkpointing cpu's block inputs to host RAM and back (the same PCIe as the
+streamed base; throughput.py prices them for a full fine-tune); the dense ddp engine's autocast
+overhead (throughput.py OVERHEAD, its per-op casts of fp32 weights): the base is held in the
+compute dtype and the adapters are small; the adapters' own memory-bound work beyond their
+FLOPs (the rank-r products' passes over each adapted linear's input and output, dropout, the
+scale and the add: of the order of a tenth of an 8B step, and most of why the model runs fast
+there: docs/adapters.md); bitsandbytes' NF4 kernel's own speed; the first step's start-up.
+"""
+
+from __future__ import annotations
+
+from fitgpt.adapters import AdapterConfig
+from fitgpt.adapters.targets import adapter_elements
+from fitgpt.engine.config import EngineConfig
+from fitgpt.engine.formats.frozen_base import ALIGN, is_direct
+from fitgpt.model.families import family_of
+from fitgpt.plan.adapter_memory import BasePlan, _block_bytes, _working
+from fitgpt.plan.links import Links
+from fitgpt.plan.memory import Workload
+from fitgpt.plan.rates import Rates
+from fitgpt.plan.throughput import (
+    FP32_DEVICE_BYTES,
+    RECOMPUTE,
+    attention_flops,
+    compute_seconds,
+)
+
+
+def forward_share(work: Workload, adapters: int, checkpointing: str) -> float:
+    """The forward's share of a LoRA step's FLOPs: 2 per frozen parameter and per adapter
+    element and attention's third, over the whole (4 and 6 and all of attention, plus the
+    recompute's forward, which runs inside the backward)."""
+    m = work.model
+    mm = family_of(m).matmul_params(m)
+    attn = attention_flops(m, work.device)
+    fwd = 2.0 * mm + 2.0 * adapters + attn / 3
+    total = 4.0 * mm + 6.0 * adapters + attn
+    if checkpointing != "off":
+        total += RECOMPUTE * fwd
+    return fwd / total
+
+
+def adapter_step_time(
+    plan: BasePlan, work: Workload, adapter: AdapterConfig, grad_accum: int, rates: Rates
+) -> dict[str, float]:
+    """Seconds per optimizer step of one rank, term by term (the module's docstring), of the
+    placement `plan` (plan/adapter_memory.py BasePlan: format, blocks per tier, shards,
+    checkpointing) for `work` at `grad_accum` micro-batches a step."""
+    m, w = work.model, work.w
+    ecfg = EngineConfig(engine="ddp", checkpointing=plan.checkpointing)
+    adapters = adapter_elements(m, adapter)
+    tokens = work.tokens_per_step(grad_accum) // work.world
+    compute = compute_seconds(work, ecfg, tokens, rates, adapters)
+    out = {"compute": compute}
+    # one block's compute in one pass of one micro-batch (forward, backward, the recompute's
+    # forward): the window its neighbour's bytes come in behind (every block costs the same)
+    per_block = compute / grad_accum / max(1, m.n_layer)
+    recompute = plan.checkpointing != "off"
+    fwd_share = forward_share(work, adapters, plan.checkpointing)
+    again = RECOMPUTE * fwd_share if recompute else 0.0
+    windows = (per_block * fwd_share, per_block * (1 - fwd_share - again), per_block * again)
+    whole, numels, _ = _block_bytes(m, plan.fmt, w)
+    k = plan.shards
+    parts = [-(-n // (k * ALIGN)) * ALIGN for n in whole]  # this rank's bytes of each block
+    first_host = len(parts) - plan.host_blocks
+    first_disk = len(parts) - plan.disk_blocks
+    ring = Links.of(k, min(k, work.ranks_per_node), rates) if k > 1 else None
+    h2d = rates.h2d_gbps * 1e9
+    disk = rates.nvme_read_gbps * 1e9 / max(1, work.ranks_per_node)  # the host's one disk
+    unpacked = not is_direct(plan.fmt, _working(w))
+    stream = gather = unpack = 0.0
+    for i, part in enumerate(parts):
+        # the passes a block is fetched for, per micro-batch (windows' order): the forward,
+        # then the backward and the recompute's forward before it, but not the last block's
+        # (kept from its forward for both)
+        passes = [0] + ([1] + ([2] if recompute else []) if i < len(parts) - 1 else [])
+        gathered = ring.all_gather(whole[i]) if ring is not None else 0.0
+        if i >= first_host:
+            link = part / h2d
+            if i >= first_disk:  # read into pinned staging, then copied: the slower link
+                link = max(link, part / disk)
+            stream += sum(max(0.0, link + gathered - windows[p]) for p in passes)
+        elif gathered:
+            gather += sum(max(0.0, gathered - windows[p]) for p in passes)
+        if unpacked:  # its packed bytes read, its weights written, on the compute stream
+            unpack += len(passes) * (whole[i] + numels[i] * w) / (rates.hbm_gbps * 1e9)
+    if stream:
+        out["base_stream"] = grad_accum * stream
+    if gather:
+        out["base_gather"] = grad_accum * gather
+    if unpack:
+        out["unpack"] = grad_accum * unpack
+    out["optimizer"] = adapters * FP32_DEVICE_BYTES / (rates.hbm_gbps * 1e9)
+    if work.world > 1:
+        dp = Links.of(work.world, work.ranks_per_node, rates)
+        backward_last = compute / grad_accum * (1 - fwd_share)
+        out["comm"] = max(0.0, dp.all_reduce(adapters * 4) - 0.9 * backward_last)
+    out["total"] = sum(out.values())
+    return out
