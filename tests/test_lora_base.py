@@ -464,3 +464,14 @@ def test_a_sharded_base_on_two_gloo_ranks_equals_one_process(llama, tmp_path, gl
     assert close(r0["loss"], one, 1e-6) and r0["adapters"] == r1["adapters"]
     for n, t in adapters_of(e).items():
         assert torch.allclose(torch.tensor(r0["adapters"][n]), t, atol=1e-6), n
+
+
+def test_plan_lora_on_a_machine_without_a_gpu_says_whose_answer_it_is(capsys):
+    """`fitgpt plan --lora-rank` on the CPU, no --gpu-mem: the line says the plan is this CPU's
+    (with the flags that plan for a GPU box), also in a refusal, which names no GPU memory."""
+    code, out, _ = run_main(capsys, "plan", "--preset", "tiny-llama", "--lora-rank", "4")
+    assert code == 0 and "planned for this machine's CPU" in out
+    code, err = run_in_process(capsys, "plan", "--preset", "llama3.1-8b", "--lora-rank", "16",
+                               "--cpu-mem", "4GB")  # fmt: skip
+    line = assert_refused(code, err, "--lora-rank 16", "planned for this machine's CPU")
+    assert "a GPU" not in line.split("(planned")[0]

@@ -180,7 +180,11 @@ def plan_lora(args: argparse.Namespace, run, fixed, typed, hw) -> int:
 
     run, _, notes = adapter_placement(run, fixed, typed, has_base=False)
     r = rates.with_network(rates.load(hw.gpu_name), stated_link(args.inter_node_gbps))
-    placed, line = plan_base(run, hw, r)  # one line refusing a run that fits nowhere
+    cpu = cpu_only(args, hw)  # a laptop's answer must not read as a GPU box's
+    try:
+        placed, line = plan_base(run, hw, r)  # one line refusing a run that fits nowhere
+    except UserError as e:
+        raise UserError(f"{e} ({cpu})" if cpu else str(e)) from None
     a, model, t = placed.adapter, run.model, run.train
     print(
         f"model {model_name(args)}: {units.params(model.num_params())} parameters "
@@ -188,6 +192,8 @@ def plan_lora(args: argparse.Namespace, run, fixed, typed, hw) -> int:
         f"accumulation × seq {model.seq_len}, LoRA rank {a.lora_rank} ({a.lora_targets})"
     )
     print(f"machine: {hw.describe()}; rates: {r.source}")
+    if cpu:
+        print(cpu)
     for note in notes:
         print(f"note: {note}")
     print(line)

@@ -223,10 +223,11 @@ def _settled(run, fmt: str, host_blocks: int, disk_blocks: int, sharded: bool, c
 def _refusal(work, a, fmt, ckpt, tried: BasePlan, hw: Hardware) -> str:
     """One line: what the run needs at its leanest as asked, and the first leaner setting that
     fits (a smaller format, every block streamed; then --checkpointing full)."""
-    need = (
-        f"{tried.est.compute_total / GiB:.1f} GiB a GPU (of {gpu_budget(hw.gpu_mem) / GiB:.1f} "
-        f"usable) and {tried.host_bytes / GiB:.1f} GiB host (of {hw.cpu_mem / GiB:.1f})"
-    )
+    host = f"{tried.host_bytes / GiB:.1f} GiB host (of {hw.cpu_mem / GiB:.1f})"
+    need = host  # a CPU run holds everything in host memory
+    if hw.device == "cuda":
+        gpu = gpu_budget(hw.gpu_mem) / GiB
+        need = f"{tried.est.compute_total / GiB:.1f} GiB a GPU (of {gpu:.1f} usable) and {host}"
     fix = "a smaller --micro-batch or --seq-len, or more GPUs' memory"
     order = LEANER[LEANER.index(fmt) :] if fmt in LEANER else (fmt, *LEANER)
     options = [(f, c) for c in dict.fromkeys((ckpt, "full")) for f in order]
