@@ -17,6 +17,18 @@ base_stream   each streamed block's bytes in its format (this rank's 1/shards), 
 base_gather   a sharded block resident on the GPU: its all-gather per use, exposed likewise.
 unpack        a packed block (int8, nf4) dequantised to the compute dtype per use, on the
               compute stream: its packed bytes read and its weights written, at the HBM rate.
+adapter_passes  the adapters' memory-bound work beyond their FLOPs: their rank-r matmuls are
+              too thin to be compute-bound, so each adapted linear's passes over its input and
+              output rows cost bytes at the HBM rate, per token (elements of the compute dtype;
+              adapters/lora.py, dropout at p = 0 being its input itself):
+                forward   A reads x (d_in); B writes its rows (d_out); the scale reads and writes
+                          them (2 d_out); the sum with the base's output reads two, writes one
+                          (3 d_out):                                          d_in + 5 d_out
+                backward  the scale again (2 d_out); B's two products read the gradient (2
+                          d_out); A's gradient reads x (d_in); x's gradient through A is written
+                          (d_in) and added to the base's (3 d_in):          5 d_in + 4 d_out
+              and the forward's again under recompute. On the 8B shape that is 1.24 MB a token
+              a layer, 0.156 s of a 16,384-token step at an H200's 4,175 GB/s.
 optimizer     AdamW over the adapters' fp32 state (throughput.py FP32_DEVICE_BYTES an element).
 comm          several ranks: the adapters' fp32 gradients all-reduced once per step, behind the
               last backward as the dense ddp engine's are.
@@ -24,16 +36,15 @@ comm          several ranks: the adapters' fp32 gradients all-reduced once per s
 Not priced: --checkpointing cpu's block inputs to host RAM and back (the same PCIe as the
 streamed base; throughput.py prices them for a full fine-tune); the dense ddp engine's autocast
 overhead (throughput.py OVERHEAD, its per-op casts of fp32 weights): the base is held in the
-compute dtype and the adapters are small; the adapters' own memory-bound work beyond their
-FLOPs (the rank-r products' passes over each adapted linear's input and output, dropout, the
-scale and the add: of the order of a tenth of an 8B step, and most of why the model runs fast
-there: docs/adapters.md); bitsandbytes' NF4 kernel's own speed; the first step's start-up.
+compute dtype and the adapters are small; a dropout above 0 (its mask and copy); the zeros and
+the concatenation of a fused linear adapted in part (k and v in one); bitsandbytes' NF4 kernel's
+own speed (priced as the unpack's bytes at the HBM rate); the first step's start-up.
 """
 
 from __future__ import annotations
 
 from fitgpt.adapters import AdapterConfig
-from fitgpt.adapters.targets import adapter_elements
+from fitgpt.adapters.targets import adapter_elements, lora_targets
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.formats.frozen_base import ALIGN, is_direct
 from fitgpt.model.families import family_of
@@ -47,6 +58,22 @@ from fitgpt.plan.throughput import (
     attention_flops,
     compute_seconds,
 )
+
+# elements each adapted linear moves per token, over its input (d_in) and output rows (d_out),
+# forward and backward (the module's docstring, adapter_passes)
+FWD_IN, FWD_OUT = 1, 5
+BWD_IN, BWD_OUT = 5, 4
+
+
+def adapter_passes(work: Workload, adapter: AdapterConfig, tokens: int, recompute: bool, rates):
+    """Seconds of the adapters' memory-bound passes over `tokens` tokens (adapter_passes in the
+    module's docstring)."""
+    targets = lora_targets(work.model, adapter)
+    d_in = sum(t.in_features for t in targets)
+    d_out = sum(t.out_features for t in targets)
+    fwd = FWD_IN * d_in + FWD_OUT * d_out
+    elements = fwd * (2 if recompute else 1) + BWD_IN * d_in + BWD_OUT * d_out
+    return tokens * elements * work.w / (rates.hbm_gbps * 1e9)
 
 
 def forward_share(work: Workload, adapters: int, checkpointing: str) -> float:
@@ -75,6 +102,9 @@ def adapter_step_time(
     tokens = work.tokens_per_step(grad_accum) // work.world
     compute = compute_seconds(work, ecfg, tokens, rates, adapters)
     out = {"compute": compute}
+    out["adapter_passes"] = adapter_passes(
+        work, adapter, tokens, plan.checkpointing != "off", rates
+    )
     # one block's compute in one pass of one micro-batch (forward, backward, the recompute's
     # forward): the window its neighbour's bytes come in behind (every block costs the same)
     per_block = compute / grad_accum / max(1, m.n_layer)
