@@ -174,3 +174,32 @@ def fitgpt_rank(rank: int, world: int, argv: list) -> None:
     except SystemExit as e:
         if e.code not in (0, None):
             raise RuntimeError(f"fitgpt {' '.join(map(str, argv))}: exit status {e.code}") from e
+
+
+def saved_hf_models(build, cases, root: Path) -> dict:
+    """{name: (model, folder)}: each case's transformers model, `build(name)`, saved under
+    `root` by save_pretrained (the interop tests' module fixtures: one build and save each)."""
+    out = {}
+    for name in cases:
+        model = build(name)
+        model.save_pretrained(root / name)
+        out[name] = (model, root / name)
+    return out
+
+
+def imported_runs(hf_folders: dict, root: Path) -> dict:
+    """{name: run folder}: each saved folder imported once by `fitgpt import` (interop/hf.py)."""
+    from fitgpt.interop.hf_import import import_hf
+
+    return {n: import_hf(folder, root / n).ckpt.parent for n, (_, folder) in hf_folders.items()}
+
+
+def tensors(folder: Path) -> dict:
+    """Every tensor of a folder's safetensors files, by name."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as handle:
+            out |= {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 (no dict)
+    return out

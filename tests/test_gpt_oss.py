@@ -15,10 +15,10 @@ import shutil
 
 import pytest
 import torch
-from helpers import close, engine_losses
+from helpers import close, engine_losses, imported_runs, saved_hf_models, tensors
 from safetensors import safe_open
 from safetensors.torch import save_file
-from test_moe import STEPS, hf_loss, tensors
+from test_moe import STEPS, hf_loss
 from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -73,19 +73,14 @@ def build_hf(name: str, seed: int = 0, **changes) -> GptOssForCausalLM:
 
 @pytest.fixture(scope="module")
 def hf_folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    out = {}
-    for name in CASES:
-        model = build_hf(name)
-        model.save_pretrained(root / name)
-        out[name] = (model, root / name)
-    return out
+    """Each case's model, saved once: {name: (model, folder)}."""
+    return saved_hf_models(build_hf, CASES, tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture(scope="module")
 def imported(hf_folders, tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    return {n: import_hf(f, root / n).ckpt.parent for n, (_, f) in hf_folders.items()}
+    """Each case imported once: {name: run folder}."""
+    return imported_runs(hf_folders, tmp_path_factory.mktemp("runs"))
 
 
 # ---- the network -------------------------------------------------------------------------------

@@ -13,8 +13,7 @@ import json
 
 import pytest
 import torch
-from helpers import run_config, train
-from safetensors import safe_open
+from helpers import imported_runs, run_config, saved_hf_models, tensors, train
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -125,31 +124,13 @@ def build_hf(name: str, seed: int = 0):
 @pytest.fixture(scope="module")
 def hf_folders(tmp_path_factory):
     """Each case's model, saved once: {name: (model, folder)}."""
-    root = tmp_path_factory.mktemp("hf")
-    out = {}
-    for name in CASES:
-        model = build_hf(name)
-        model.save_pretrained(root / name)
-        out[name] = (model, root / name)
-    return out
+    return saved_hf_models(build_hf, CASES, tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture(scope="module")
 def imported(hf_folders, tmp_path_factory):
     """Each case imported once: {name: run folder}."""
-    root = tmp_path_factory.mktemp("runs")
-    return {
-        name: import_hf(folder, root / name).ckpt.parent for name, (_, folder) in hf_folders.items()
-    }
-
-
-def tensors(folder) -> dict[str, torch.Tensor]:
-    files = sorted(folder.glob("*.safetensors"))
-    out = {}
-    for f in files:
-        with safe_open(str(f), "pt") as h:
-            out |= {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118 (safe_open is no dict)
-    return out
+    return imported_runs(hf_folders, tmp_path_factory.mktemp("runs"))
 
 
 X = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(1))

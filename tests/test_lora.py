@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cli_refusal import assert_refused, run_in_process, run_process
-from helpers import close, fitgpt_rank, run_config
+from helpers import close, fitgpt_rank, run_config, tensors
 
 from fitgpt.adapters import AdapterConfig, lora_targets
 from fitgpt.adapters.lora import param_names
@@ -455,12 +455,6 @@ def test_the_exported_adapter_loads_in_peft_and_gives_fitgpt_s_logits(
     with torch.no_grad():
         torch.testing.assert_close(merged(X)[..., :V], want, rtol=0, atol=1e-5)
     e.close()
-
-
-def tensors(folder) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(folder / "model.safetensors"))
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "llama-bf16"])

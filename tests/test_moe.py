@@ -13,8 +13,15 @@ import json
 
 import pytest
 import torch
-from helpers import TWO_RANK_ENGINES, close, engine_losses, two_rank_losses
-from safetensors import safe_open
+from helpers import (
+    TWO_RANK_ENGINES,
+    close,
+    engine_losses,
+    imported_runs,
+    saved_hf_models,
+    tensors,
+    two_rank_losses,
+)
 from transformers import (
     AutoModelForCausalLM,
     MixtralConfig,
@@ -32,7 +39,6 @@ from fitgpt.errors import UserError
 from fitgpt.infer.generate import SampleConfig, generate, load_model
 from fitgpt.interop.hf import model_config_from_hf
 from fitgpt.interop.hf_export import export_hf
-from fitgpt.interop.hf_import import import_hf
 from fitgpt.model import ModelConfig, build_model, get_preset
 from fitgpt.parallel.shard import tensor_parallel_refusal
 
@@ -81,27 +87,14 @@ def build_hf(name: str, seed: int = 0, **changes):
 
 @pytest.fixture(scope="module")
 def hf_folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    out = {}
-    for name in CASES:
-        model = build_hf(name)
-        model.save_pretrained(root / name)
-        out[name] = (model, root / name)
-    return out
+    """Each case's model, saved once: {name: (model, folder)}."""
+    return saved_hf_models(build_hf, CASES, tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture(scope="module")
 def imported(hf_folders, tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    return {n: import_hf(f, root / n).ckpt.parent for n, (_, f) in hf_folders.items()}
-
-
-def tensors(folder) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out |= {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118 (safe_open is no dict)
-    return out
+    """Each case imported once: {name: run folder}."""
+    return imported_runs(hf_folders, tmp_path_factory.mktemp("runs"))
 
 
 def hf_loss(ref, x, y):
