@@ -263,23 +263,13 @@ def blockmem(out: Path) -> None:
 
 def chat(out: Path, text_jsonl: Path) -> None:
     """OUT/tok (the tokenizer folder) and OUT/chat.jsonl (module docstring)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken
 
-    from benchmarks.peers.llama_gpu import SPLIT
+    from benchmarks.peers.llama_gpu import trained_bpe
 
     t0 = time.time()
     texts = [json.loads(x)["text"] for x in text_jsonl.open()]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])  # fmt: skip
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=32_000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )  # fmt: skip
-    tok.train_from_iterator(texts, trainer)
+    tok = trained_bpe(texts)
     named = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     reserved = [f"<|reserved_{i}|>" for i in range(QWEN3_VOCAB - tok.get_vocab_size() - 3)]
     tok.add_special_tokens([AddedToken(t, special=True) for t in named + reserved])
