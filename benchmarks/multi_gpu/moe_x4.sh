@@ -96,8 +96,9 @@ qwen)
   timeout "$(budget)" python3 -m fitgpt plan --preset qwen3-moe-30b-a3b --gpus 4 \
     --data "$DATA" "${BATCH[@]}" --breakdown > "$OUT/qwen_plan.txt" 2>&1
   grep -E "^model|chosen|GPU per rank|host per rank|^step" "$OUT/qwen_plan.txt" | cut -c1-300
-  watched qwen python3 -m fitgpt train --gpus 4 "${MODEL[@]}" --data "$DATA" "${BATCH[@]}" \
-    --steps "${STEPS:-8}" --log-every 1 --eval-every 0 --no-save --overwrite --out "$W/qwen_run"
+  watched "${QWEN_NAME:-qwen}" python3 -m fitgpt train --gpus 4 "${MODEL[@]}" --data "$DATA" "${BATCH[@]}" \
+    --steps "${STEPS:-8}" --log-every 1 --eval-every 0 --no-save --overwrite --out "$W/qwen_run" \
+    ${QWEN_ARGS:-}
   cp "$W/qwen_run/metrics.jsonl" "$OUT/qwen.metrics.jsonl" 2>/dev/null ;;
 peer)
   make_data || exit 1
