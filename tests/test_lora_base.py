@@ -249,6 +249,34 @@ def test_the_planner_recomputes_where_it_must_and_not_where_it_is_slower(capsys)
     assert_refused(code, err, "--lora-rank 16", "--checkpointing full fits")
 
 
+def test_long_rows_keep_their_block_inputs_in_host_ram_and_the_plan_pays_for_them():
+    """A 70B NF4 base on 80 GB: at 40,960 tokens no recompute kept on the GPU fits, so the
+    planner (--checkpointing not given) keeps the block inputs in pinned host RAM, and prices
+    them there: one per block, rounded to a power of two as the pinned cache rounds them
+    (80 x 1 GiB at 65,536 tokens). Where host RAM cannot hold them it refuses in one line, and
+    a typed --checkpointing cpu is priced the same."""
+    box = Hardware(
+        "cuda", 1, 80 * 10**9, "a GPU", 115 * 10**9, 16
+    )  # --gpu-mem 80GB --cpu-mem 115GB
+    for seq, planned in ((40960, True), (65536, True), (65536, False)):
+        run = lora_run("llama3.1-70b", "nf4", 1, "cpu" if not planned else "full")
+        run = dataclasses.replace(run, model=run.model.replace(seq_len=seq))
+        free = dataclasses.replace(run.adapter, checkpointing_planned=planned)
+        placed, line = plan_base(dataclasses.replace(run, adapter=free), box)
+        assert placed.engine.checkpointing == "cpu" and "checkpointing cpu" in line
+        p = price_base(workload_of(run, 1, "cuda"), run.adapter, "nf4", 0, "cpu")
+        inputs = p.est.host["checkpointed_inputs"]
+        assert inputs == 80 * 2 ** (seq * 8192 * 2 - 1).bit_length()
+        assert p.host_bytes >= inputs + HOST_BASE["cuda"]
+    assert inputs == 80 * 2**30
+    run = lora_run("llama3.1-70b", "nf4", 1, "full")
+    run = dataclasses.replace(run, model=run.model.replace(seq_len=69632),
+                              adapter=dataclasses.replace(run.adapter, checkpointing_planned=True))  # fmt: skip
+    with pytest.raises(UserError) as e:
+        plan_base(run, box)
+    assert "\n" not in str(e.value) and "host (of" in str(e.value)
+
+
 def test_the_priced_base_is_the_bytes_the_engine_holds(llama):
     """The planner's packed blocks, per tier, are the store's bytes (the same codec)."""
     source = find_source(str(llama))

@@ -17,14 +17,15 @@
 #   compare  the results files
 # The 70B bar's runs (H100 stand-in: GPU_MEM=80GB; synthetic rows, micro-batch 1 x 4,096):
 #   q70      fitgpt's QLoRA of the llama3.1-70b preset (NF4 base built at random into its tiers,
-#            --checkpointing full: 54.9 GiB planned at 80 GB) against the runnable peer: no 141 GB
-#            folder fits an H100 box's disk or RAM, so lora_gpu.py qpeer builds transformers'
+#            the planner's --checkpointing full: 54.9 GiB planned at 80 GB) against the runnable
+#            peer: no 141 GB folder fits an H100 box's disk or RAM, so lora_gpu.py qpeer builds transformers'
 #            Llama of the shape with bitsandbytes NF4 linears from random weights on the GPU and
 #            trains it as the QLoRA recipe does (peft k-bit preparation, gradient checkpointing,
 #            paged 8-bit AdamW); the same rows, STEPS70 steps (default 8); tokens/s against the
 #            1.5x bar (OUT/qlora_70b.json, .md). Different random bases: losses not compared.
 #   q70-long the longest --seq-len the planner accepts for that run (`fitgpt plan --lora-rank`,
-#            bisected in steps of 4,096 from 4,096 to 131,072), then 2 steps of it
+#            bisected in steps of 4,096 from 4,096 to 131,072; its recompute: cpu past ~36 k),
+#            then 2 steps of it
 #   l70-bf16 the bf16 base of the same preset streamed from host RAM (the planner: 31 of 80
 #            blocks on an 80 GB GPU, 49 from 115 GB of host RAM), STEPS70 steps
 # Usage (device): source benchmarks/device_env.sh; [GPU_MEM=80GB] OUT=$OUT bash benchmarks/peers/lora_gpu.sh [all|make|fitgpt|peer|compare]
@@ -103,7 +104,9 @@ if has compare; then
 fi
 
 # ---- the 70B bar ----------------------------------------------------------------------------
-SHAPE70=(--preset llama3.1-70b --lora-rank 16 --checkpointing full --micro-batch 1)
+# the recompute is the planner's (full at 4,096 tokens: without it the activations do not fit
+# 80 GB; past ~36 k tokens the block inputs go to pinned host RAM, --checkpointing cpu)
+SHAPE70=(--preset llama3.1-70b --lora-rank 16 --micro-batch 1)
 TRAIN70=(--data synthetic --seed "$SEED" --lr "$LR" --warmup 2 --log-every 1 --eval-every 0
   --no-save --overwrite ${CAP[@]+"${CAP[@]}"})
 if [ -n "$TINY" ]; then

@@ -175,14 +175,21 @@ def plan_base(run, hw: Hardware, r: Rates | None = None) -> tuple[Any, str]:
     cuts = [hw.gpus if a.base_sharded else 1] if a.base_sharded is not None else [1]
     if a.base_sharded is None and hw.gpus > 1 and hw.device == "cuda":
         cuts.append(hw.gpus)
-    # recompute as asked, or (--checkpointing not given) off and full both, weighed by time
+    # recompute as asked, or (--checkpointing not given) off and full both, weighed by time;
+    # where neither fits, the block inputs in pinned host RAM (cpu): the same recompute, a
+    # block input's PCIe both ways a block (adapter_time.py does not price it, so it is never
+    # preferred to a recompute that fits)
     ckpts = dict.fromkeys((ckpt, "full") if a.checkpointing_planned else (ckpt,))
+    if a.checkpointing_planned and hw.device == "cuda":
+        ckpts["cpu"] = None
     # At one recompute and cut, a block more streamed (or read from the disk rather than host
     # RAM) never makes a step faster (its copy is exposed or hidden, never negative), so the
     # fewest blocks that fit is that pair's fastest: one candidate per pair, timed, the fastest
     # taken
     found: dict[tuple[str, int], BasePlan] = {}
     for c in ckpts:
+        if c == "cpu" and found:
+            break
         for h in tries:
             for k in cuts:
                 if (c, k) in found:
@@ -230,7 +237,8 @@ def _refusal(work, a, fmt, ckpt, tried: BasePlan, hw: Hardware) -> str:
         need = f"{tried.est.compute_total / GiB:.1f} GiB a GPU (of {gpu:.1f} usable) and {host}"
     fix = "a smaller --micro-batch or --seq-len, or more GPUs' memory"
     order = LEANER[LEANER.index(fmt) :] if fmt in LEANER else (fmt, *LEANER)
-    options = [(f, c) for c in dict.fromkeys((ckpt, "full")) for f in order]
+    recompute = (ckpt, "full", "cpu") if hw.device == "cuda" else (ckpt, "full")
+    options = [(f, c) for c in dict.fromkeys(recompute) for f in order]
     cuts = dict.fromkeys((1, hw.gpus if hw.device == "cuda" else 1))
     for f, c in options:
         if (f, c) == (fmt, ckpt) and len(cuts) == 1:

@@ -29,6 +29,7 @@ from fitgpt.plan.memory import (
     Workload,
     activation_peak,
     gpu_budget,
+    host_checkpointed_inputs,
     layout_of,
 )
 
@@ -125,6 +126,8 @@ def price_base(
     est.host["process"] = HOST_BASE["cpu" if work.device == "cpu" else "cuda"]
     first_disk = len(sizes) - disk_blocks
     est.host["frozen_blocks_pinned"] = sum(sizes[first_host:first_disk])
+    if checkpointing == "cpu" and work.device != "cpu":
+        est.host["checkpointed_inputs"] = host_checkpointed_inputs(work)
     if disk_blocks:  # the files, and the staging ring they are read into (DiskBlocks)
         est.nvme["frozen_blocks"] = sum(sizes[first_disk:])
         est.host["frozen_disk_staging"] = DiskBlocks.RING * max(sizes[first_disk:])

@@ -384,6 +384,14 @@ def activation_peak(work: Workload, ecfg: EngineConfig) -> dict[str, int]:
     return act_head if sum(act_head.values()) > sum(act.values()) else act
 
 
+def host_checkpointed_inputs(work: Workload) -> int:
+    """Pinned host bytes of --checkpointing cpu on a GPU run: every block's input of one
+    micro-batch, each buffer rounded up to a power of two by torch's pinned-memory cache
+    (engine/transforms/activation.py). The full engine and the adapters' planner both price it."""
+    sbh = work.model.seq_len * work.micro_batch * work.model.n_embd
+    return work.model.n_layer * (1 << (sbh * work.w - 1).bit_length())
+
+
 def estimate(
     work: Workload,
     ecfg: EngineConfig,
@@ -400,10 +408,7 @@ def estimate(
     est.host["process"] = HOST_BASE[host_dev] + (HOST_DIST if work.world > 1 else 0)
     W, w = shard_ranks(work, ecfg), work.w
     if ecfg.checkpointing == "cpu" and work.device != "cpu":
-        # every block's input of one micro-batch, pinned; the pinned cache rounds each buffer up
-        # to a power of two (engine/transforms/activation.py)
-        sbh = work.model.seq_len * work.micro_batch * work.model.n_embd
-        est.host["checkpointed_inputs"] = work.model.n_layer * (1 << (sbh * w - 1).bit_length())
+        est.host["checkpointed_inputs"] = host_checkpointed_inputs(work)
     if not placement.chunked:  # plain PyTorch (ddp): its own fp32 state, no chunks
         state = torch_state(work, layout)
         n = sum(c.numel for c in layout)
