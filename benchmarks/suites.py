@@ -79,7 +79,12 @@ class Past:
 
 H100 = "nvidia-h100-x1"
 # the lora_gpu.sh rows that have run: (stage, where) -> their results
-LORA_RAN = {("8b", "h200-as-h100"): ("lora8_h200_2026-11-28",)}
+LORA_RAN = {
+    ("8b", "h200-as-h100"): ("lora8_h200_2026-11-28",),
+    **{(s, "h200-as-h100"): ("lora70_h200_2026-11-28",) for s in ("q70", "q70-long", "l70-bf16")},
+}
+# the lora_x4.sh stages that have run -> their results
+LORA_X4_RAN = {"l405": ("lora405_x4_h200_2026-11-28",)}
 WHL = (".whl",)  # DeepSpeed 0.19.8 and GPT-2's tokenizer, built by ../shared/device/make-wheels.sh
 
 
@@ -694,9 +699,11 @@ SUITES: tuple[Suite, ...] = (
                     f"x4-{stage}",
                     "multi_gpu/lora_x4.sh",
                     "nvidia-h200-x4",
-                    "NOT RUN YET (written without a device): " + what,
+                    ("" if stage in LORA_X4_RAN else "NOT RUN YET (written without a device): ")
+                    + what,
                     args=stage,
                     carry=WHL,
+                    results=LORA_X4_RAN.get(stage, ()),
                 )
                 for stage, what in (
                     (
