@@ -1,7 +1,9 @@
 """What a sparse model's backward holds under ZeRO-3 and activation checkpointing, at world size
 2 on gloo: the bytes of live tensors do not grow as the backward walks down the blocks, no
 sparse MLP keeps its recompute's routing (engine/transforms/activation.py _Recompute), and at
-most two blocks' full weights are resident at once (engine/chunked/fetch.py).
+most two blocks' full weights are resident at once (engine/chunked/fetch.py), which is what
+the planner's gathered_weights prices (a sparse layer's two chunks each, where it priced the
+experts' chunk alone before 2026-11-28).
 
 Before 2026-11-28 each block's recompute left its routing statistics, and with them the graph
 of everything the recompute saved before the router, on its SparseMoe until the next forward:
@@ -22,6 +24,7 @@ from fitgpt.dist import init_distributed
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.engine.factory import build_engine
 from fitgpt.interop.hf import model_config_from_hf
+from fitgpt.plan.memory import Workload, estimate
 
 LAYERS = 4
 # every layer sparse, width 32, 4 experts, top 2
@@ -58,9 +61,12 @@ class LiveBytes(TorchDispatchMode):
         return sum(n for _, n in self.live.values())
 
 
+ZERO3 = EngineConfig(engine="zero", zero_stage=3, checkpointing="full")
+
+
 def _worker(rank, world, tmp) -> None:
     ctx = init_distributed("cpu").laid_out(1, 1, 1)
-    ecfg = EngineConfig(engine="zero", zero_stage=3, checkpointing="full")
+    ecfg = ZERO3
     e = build_engine(TINY, ecfg, PrecisionConfig(precision="fp32"), OptimConfig(), ctx)
     mode, marks = LiveBytes(), []
 
@@ -70,6 +76,7 @@ def _worker(rank, world, tmp) -> None:
             "live": mode.total(),
             "resident_layers": sorted({c.spec.layer for c in e.blocks if c.resident}),
             "routes": sum(m.route is not None for m in e.model.sparse_mlps()),
+            "resident_bytes": sum(c.weight.nbytes for c in e.blocks if c.resident),
         })  # fmt: skip
 
     for i, block in enumerate(e.model.blocks):
@@ -96,5 +103,8 @@ def test_a_sparse_backward_under_zero3_and_recompute_holds_no_more_as_it_goes(gl
     live = [m["live"] for m in marks[1:]]
     assert max(live) == live[0], live
     assert all(m["routes"] == 0 for m in marks) and res["after"] == 0
-    # a block and the one prefetched below it
+    # a block and the one prefetched below it, as the planner prices them: a sparse layer's
+    # two chunks (the block's, its experts') each
     assert all(len(m["resident_layers"]) <= 2 for m in marks)
+    est = estimate(Workload(TINY, 2, world=2, precision="fp32", device="cpu"), ZERO3)
+    assert max(m["resident_bytes"] for m in marks) == est.host["gathered_weights"]
