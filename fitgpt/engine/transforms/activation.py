@@ -162,11 +162,13 @@ class _Recompute:
     The recompute runs the block's Python code again, side effects included. A module that
     keeps something of its training forward for the loss (SparseMoe.route, the routing
     statistics of the aux loss) then keeps the recompute's copy, and the copy's graph keeps every
-    tensor the recompute saved before it (the block's attention, its norms, the router): about
-    the attention's activations of one layer per sparse layer already through its backward, held
-    to the next forward. Qwen3-MoE-30B at 4 × 4096 tokens: ~0.4 GiB a layer, 10-15 GiB unpriced
-    at the backward's peak (4x H200, 2026-11-28). So after a recompute, ended or stopped early
-    (torch stops it by raising once the tensors it needs are back), each module's
+    tensor the recompute saved before it (the block's attention, its norms, the router): one
+    layer's attention activations more for every sparse block already through its backward,
+    held to the next forward (tests/test_moe_recompute.py measures the growth). Qwen3-MoE-30B at
+    4 × 4096 tokens: ~0.4 GiB a layer by the planner's attention terms; the eager 4x H200 run of
+    2026-11-28 ran out of memory 10-15 GiB above its plan. (Compiled blocks did not keep it:
+    torch stops the recompute, by raising once the tensors it needs are back, before dynamo
+    replays the attribute write.) So after a recompute, ended or stopped early, each module's
     `drop_forward_state()` forgets it. The recompute itself is left as it is: it must save the
     same tensors as the forward did, compiled or not."""
 
