@@ -427,7 +427,13 @@ def estimate(
         est.host.update({f"offloaded_{k}": v for k, v in both["host"].items()})
         est.nvme.update(both.get("nvme", {}))
         big = max((c.N for c in placement.chunks), default=0)
-        big_block = max((c.N for c in placement.chunks if c.block), default=0)
+        # a layer's weights: a sparse block's are two chunks (the block's, its experts'),
+        # fetched and freed together (engine/chunked/fetch.py)
+        per_layer: dict[int, int] = {}
+        for c in placement.chunks:
+            if c.block:
+                per_layer[c.spec.layer] = per_layer.get(c.spec.layer, 0) + c.N
+        big_block = max(per_layer.values(), default=0)
         phase_a = dict(state, **act)
         if placement.fetches_weights:
             # the block in use and the prefetched one (gathered, or streamed in from the host)

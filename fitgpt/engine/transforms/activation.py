@@ -140,13 +140,48 @@ def checkpoint_blocks(model: nn.Module, to_host: bool = False) -> None:
     region, because we wrap `forward`, not `__call__`."""
     host = HostActivations() if to_host else None
     for i, block in enumerate(model.blocks):
-        inner = block.forward
+        run = _Recompute(block, block.forward)
 
-        @functools.wraps(inner)
-        def forward(*args, _inner=inner, _first=i == 0, **kwargs):
-            if host is None:
-                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-            with host.hooks(first_block=_first):
-                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+        @functools.wraps(run.inner)
+        def forward(*args, _run=run, _first=i == 0, **kwargs):
+            _run.in_forward = True
+            try:
+                if host is None:
+                    return checkpoint(_run, *args, use_reentrant=False, **kwargs)
+                with host.hooks(first_block=_first):
+                    return checkpoint(_run, *args, use_reentrant=False, **kwargs)
+            finally:
+                _run.in_forward = False
 
         block.forward = forward
+
+
+class _Recompute:
+    """A block's forward as the checkpoint calls it: once in forward, again in backward.
+
+    The recompute runs the block's Python code again, side effects included. A module that
+    keeps something of its training forward for the loss (SparseMoe.route, the routing
+    statistics of the aux loss) then keeps the recompute's copy, and the copy's graph keeps every
+    tensor the recompute saved before it (the block's attention, its norms, the router): one
+    layer's attention activations more for every sparse block already through its backward,
+    held to the next forward (tests/test_moe_recompute.py measures the growth). Qwen3-MoE-30B at
+    4 × 4096 tokens: ~0.4 GiB a layer by the planner's attention terms; the eager 4x H200 run of
+    2026-11-28 ran out of memory 10-15 GiB above its plan. (Compiled blocks did not keep it:
+    torch stops the recompute, by raising once the tensors it needs are back, before dynamo
+    replays the attribute write.) So after a recompute, ended or stopped early, each module's
+    `drop_forward_state()` forgets it. The recompute itself is left as it is: it must save the
+    same tensors as the forward did, compiled or not."""
+
+    def __init__(self, block: nn.Module, inner) -> None:
+        self.block, self.inner = block, inner
+        self.in_forward = False  # set by the wrapper around the checkpoint's first call
+
+    def __call__(self, *args, **kwargs):
+        if self.in_forward:
+            return self.inner(*args, **kwargs)
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            for m in self.block.modules():
+                if (drop := getattr(m, "drop_forward_state", None)) is not None:
+                    drop()  # memory freed here: the recompute's graph kept through the module

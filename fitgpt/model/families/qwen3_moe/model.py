@@ -217,6 +217,12 @@ class SparseMoe(nn.Module):
             self.route = self.route_stats(logits_NE, p_NE, idx_NK)
         return self.experts(x_NH, idx_NK, w_NK).view(B, T, H)
 
+    def drop_forward_state(self) -> None:
+        """Forget this forward's routing (its graph with it): MoeLlama.forward, once it has
+        read it, and activation checkpointing after a block's recompute in the backward
+        (engine/transforms/activation.py), whose copy nobody reads."""
+        self.route = None
+
     def route_stats(self, logits_NE: Tensor, p_NE: Tensor, idx_NK: Tensor):
         """What the aux loss takes of this layer, as load_balancing_loss_func computes it: the
         softmax in the logits' dtype (the routing's fp32 one when they are fp32, else its own
@@ -276,7 +282,7 @@ class MoeLlama(Llama):
         out = super().forward(idx_BT, targets_BT, cache, segments_BT)
         routes = [m.route for m in self.sparse_mlps()]
         for m in self.sparse_mlps():
-            m.route = None  # the graph they hold goes with the loss's
+            m.drop_forward_state()  # the graph they hold goes with the loss's
         if not self.training or any(r is None for r in routes) or not routes:
             return out
         aux = load_balancing_loss(routes, self.cfg.num_experts)
