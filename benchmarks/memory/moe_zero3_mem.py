@@ -6,8 +6,8 @@ tokens: the same fetch/free hooks, gradient reductions and recompute as the 4-GP
 ran out of memory on 2026-11-28 (benchmarks/results/moe_x4_h200_2026-11-28/before_fix).
 torch.cuda.memory._record_memory_history records every allocation from before the engine is
 built; the trace is replayed to the moment of the step's peak, and the blocks alive then are
-printed largest first with their short Python stacks, grouped by what allocated them (state, gathered weights, gradient reductions, the
-recompute, the forward, autograd's backward). Also printed: the bytes allocated at each
+printed largest first with their short Python stacks, grouped by what allocated them (state,
+gathered weights, gradient reductions, the recompute, the forward, autograd's backward). Also printed: the bytes allocated at each
 block's backward (they should not grow as the backward goes down the blocks) and which
 blocks' weights are resident then (at most two), and the planner's items (plan/memory.py
 estimate) beside what was measured: the state per kind (engine.memory_report) and the rest.
