@@ -1,16 +1,17 @@
 """Where a ZeRO-3 mixture-of-experts step's GPU memory goes, against the planner's items.
 
-Qwen3-MoE-30B-A3B's width (2048 hidden, 128 experts of 768, top 8) with a few layers, trained
-by the chunk engine at ZeRO stage 3 with activation checkpointing `full`, one rank, random
-tokens: the same fetch/free hooks, gradient reductions and recompute as the 4-GPU runs that
-ran out of memory on 2026-11-28 (benchmarks/results/moe_x4_h200_2026-11-28/before_fix).
-torch.cuda.memory._record_memory_history records every allocation from before the engine is
-built; the trace is replayed to the moment of the step's peak, and the blocks alive then are
-printed largest first with their short Python stacks, grouped by what allocated them (state,
-gathered weights, gradient reductions, the recompute, the forward, autograd's backward). Also printed: the bytes allocated at each
-block's backward (they should not grow as the backward goes down the blocks) and which
-blocks' weights are resident then (at most two), and the planner's items (plan/memory.py
-estimate) beside what was measured: the state per kind (engine.memory_report) and the rest.
+Qwen3-MoE-30B-A3B's width (2048 hidden, 128 experts of 768, top 8) with a few layers, trained by
+the chunk engine at ZeRO stage 3 with activation checkpointing `full`, one rank, random tokens: the
+same fetch/free hooks, gradient reductions and recompute as the 4-GPU runs that ran out of memory
+on 2026-11-28 (benchmarks/results/moe_x4_h200_2026-11-28/before_fix).
+torch.cuda.memory._record_memory_history records every allocation from before the engine is built;
+the trace is replayed to the moment of the step's peak, and the blocks alive then are printed
+largest first with their short Python stacks, grouped by what allocated them (state, gathered
+weights, gradient reductions, the recompute, the forward, autograd's backward). Also printed: the
+bytes allocated at each block's backward (they should not grow as the backward goes down the
+blocks) and which blocks' weights are resident then (at most two), and the planner's items
+(plan/memory.py estimate) beside what was measured: the state per kind (engine.memory_report) and
+the rest.
 
 --as-before puts back what activation checkpointing did before 2026-11-28 (a recompute's
 routing kept on its SparseMoe until the next forward), to see the leak this fixed: the
