@@ -35,7 +35,7 @@ from fitgpt.interop.hf_export import export_hf
 from fitgpt.interop.hf_import import import_hf
 from fitgpt.interop.mxfp4 import dequantize_param
 from fitgpt.model import build_model, family_of, get_preset
-from fitgpt.model.families.gpt_oss.model import layer_windows
+from fitgpt.model.families.gpt_oss.model import layer_windows, row_bias
 
 BASE = dict(
     hidden_size=64, num_attention_heads=4, head_dim=16, intermediate_size=32,
@@ -489,3 +489,31 @@ def test_the_cuda_sink_kernel_equals_the_reference(window, packed):
         got = flex_sink_attention(q, k, v, sinks, mask, flex_attention)
         want = sink_attention(q, k, v, sinks, sink_keep(T, 0, window, "cpu", seg), 0.0)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 2**-8)])
+def test_expert_biases_take_their_gradient_summed_per_expert_as_a_gather_does(dtype, tol):
+    """The experts' biases (row_bias: each row's expert's bias, its gradient a one-hot matmul)
+    give a plain gather's forward and its gradient, the sum per expert, with rows spread over
+    the experts and with all rows on two of them (a random router's collapse), an expert with
+    no rows included (its gradient zero): within fp32's rounding of the exact sums, within one
+    bf16 rounding in bf16 and never further from them than the gather's own bf16 sums; a
+    frozen bias is gathered and takes no gradient."""
+    g = torch.Generator().manual_seed(0)
+    E, width = 8, 24
+    for expert_M in (torch.randint(0, E - 2, (200,), generator=g), torch.tensor([3, 5] * 100)):
+        expert_M = expert_M.sort().values  # the rows come grouped by expert
+        bias = torch.randn(E, width, generator=g).to(dtype).requires_grad_()
+        ref = bias.detach().clone().requires_grad_()
+        grad_MO = torch.randn(len(expert_M), width, generator=g).to(dtype)
+        exact = torch.zeros(E, width, dtype=torch.float64).index_add_(0, expert_M, grad_MO.double())
+        out = row_bias(bias, expert_M)
+        assert torch.equal(out, ref[expert_M])
+        out.backward(grad_MO)
+        ref[expert_M].backward(grad_MO)
+        err, theirs = ((t.grad.double() - exact).abs().max() for t in (bias, ref))
+        assert bias.grad.dtype == dtype and err <= tol * exact.abs().max() and err <= theirs + 1e-12
+        unused = sorted(set(range(E)) - set(expert_M.tolist()))
+        assert unused and not bias.grad[unused].any()
+    frozen = torch.randn(E, width, generator=g)
+    assert torch.equal(row_bias(frozen, expert_M), frozen[expert_M])

@@ -331,8 +331,10 @@ def ossexp(out: Path) -> None:
     row) forward + backward over 2 × 4,096 tokens in bf16: routed evenly, and as a random
     router routes at initialisation (every token to the same 4 experts, "busiest expert 8.00×"
     in results/moe_sink_h200_2026-11-28), each with the biases trained and frozen (their
-    gradient is an index_put with accumulate over M rows into E: the cost the step model does
-    not price). Seconds and model TFLOP/s of the experts' matmuls. OUT/ossexp.json."""
+    gradient summed per expert by a one-hot matmul, gpt_oss/model.py row_bias; before
+    2026-11-28 an index_put with accumulate over M rows into E, suspected of the step's 70%
+    over its priced compute: trained against frozen tells). Seconds and model TFLOP/s of the
+    experts' matmuls. OUT/ossexp.json."""
     from fitgpt.model import get_preset
     from fitgpt.model.families.gpt_oss.model import ClampedExperts
 
