@@ -92,6 +92,21 @@ def test_init_from_takes_the_rates_of_the_sources_width(tmp_path):
     assert rates("--init-from", str(tmp_path / "hf"), "--tokenizer", "bytes") == (6e-5, 6e-6)
 
 
+def test_adapters_take_qloras_rates_by_size_and_fine_tunings_warmup():
+    """--lora-rank: the adapters start from zero on a frozen base, so the default peak is the
+    QLoRA paper's, 2e-4 below 33 B parameters and 1e-4 from there (not a full fine-tune's tenth
+    of the width's, 1.2e-5 at Llama-3-8B), warmed up over fine-tuning's 3% of the run; the
+    line says LoRA's defaults; a named rate still wins."""
+    train, lines = resolved("--preset", "llama3.1-8b", "--lora-rank", "16", "--steps", "1000")
+    assert (train.lr, train.min_lr, train.warmup) == (2e-4, 2e-5, 30)
+    assert lines[0].startswith("defaults: LoRA, lr 0.0002 peak (LoRA's at 8.03 B parameters)")
+    assert "warm-up 30 steps" in lines[0] and "3% of the run" in lines[0]
+    big, _ = resolved("--preset", "llama3.1-70b", "--lora-rank", "16", "--steps", "100")
+    assert (big.lr, big.warmup) == (1e-4, 3)
+    assert rates("--preset", "llama3.1-8b") != rates("--preset", "llama3.1-8b", "--lora-rank", "8")
+    assert rates("--preset", "llama3.1-8b", "--lora-rank", "8", "--lr", "5e-5") == (5e-5, 5e-6)
+
+
 def test_a_deepspeed_config_naming_only_the_lr_ends_at_a_tenth_of_it(tmp_path):
     (tmp_path / "ds.json").write_text('{"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}')
     assert rates("--preset", "2.7b", "--deepspeed-config", str(tmp_path / "ds.json")) == (

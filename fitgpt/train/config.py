@@ -54,7 +54,8 @@ class TrainConfig:
         metadata={
             "help": "peak learning rate",
             "default_text": "by the model's width, interpolated from GPT-3's rates: 6e-4 at 768, "
-            "1.6e-4 at 2560, 9e-5 at 6144; tiny 2e-3; a tenth of that with --init-from",
+            "1.6e-4 at 2560, 9e-5 at 6144; tiny 2e-3; a tenth of that with --init-from; with "
+            "--lora-rank QLoRA's 2e-4, 1e-4 from 33 B parameters",
         },
     )
     min_lr: float | None = field(
@@ -70,7 +71,7 @@ class TrainConfig:
             "help": "linear warm-up steps",
             "default_text": "GPT-3's 375 M tokens, at most 5%% of the run, at least Adam's "
             "2/(1-beta2) steps (40) and enough for a deep, wide model's first step (185 at "
-            "GPT-2 1.5B, 477 at the 20b preset); with --init-from 3%% of the run",
+            "GPT-2 1.5B, 477 at the 20b preset); with --init-from or --lora-rank 3%% of the run",
         },
     )
     finetune: bool = field(
@@ -78,6 +79,13 @@ class TrainConfig:
         metadata={
             "cli": False,  # set by --init-from: the schedule's defaults are fine-tuning's
             "help": "the run starts from pretrained weights",
+        },
+    )
+    adapters: bool = field(
+        default=False,
+        metadata={
+            "cli": False,  # set by --lora-rank / --lora-from: the schedule's defaults are LoRA's
+            "help": "the run trains adapters on a frozen base",
         },
     )
     eval_every: int = field(default=200, metadata={"help": "evaluate every N steps (0 = never)"})

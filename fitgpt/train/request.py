@@ -257,7 +257,7 @@ def fresh_config(
     return RunConfig(
         model=model,
         data=data_config(given),
-        train=train_config(given["train"], model, finetune),
+        train=train_config(given["train"], model, finetune, adapter.active),
         engine=EngineConfig(**given["engine"]),
         precision=PrecisionConfig(**given["precision"]),
         optim=OptimConfig(**given["optim"]),
@@ -270,21 +270,23 @@ def data_config(given: Mapping[str, Mapping]) -> DataConfig:
     return DataConfig(**{"data": "stdlib", **given["data"]})
 
 
-def train_config(given: Mapping, model: ModelConfig, finetune: bool = False) -> TrainConfig:
+def train_config(
+    given: Mapping, model: ModelConfig, finetune: bool = False, adapters: bool = False
+) -> TrainConfig:
     """The training flags as given: the rates and warm-up the command does not name stay unset,
     for the Trainer to work out with the run's tokens per step (train/schedule.py
     resolve_schedule, the one place these defaults are decided). A --min-lr above the default
     peak is refused here, before anything is built."""
     from fitgpt.train.schedule import peak_lr
 
-    lr = peak_lr(model, finetune)
+    lr = peak_lr(model, finetune, adapters)
     if "lr" not in given and given.get("min_lr", 0) > lr:
-        what = "fine-tuning" if finetune else f"a model {model.n_embd} wide"
+        what = "LoRA" if adapters else "fine-tuning" if finetune else f"a model {model.n_embd} wide"
         raise UserError(
             f"--min-lr {given['min_lr']:g} is above the peak learning rate, {lr:g} by default "
             f"for {what}; lower --min-lr or set --lr"
         )
-    return TrainConfig(**given, finetune=finetune)
+    return TrainConfig(**given, finetune=finetune, adapters=adapters)
 
 
 def with_block_counts(req: Request, given: dict[str, dict], run: RunConfig):

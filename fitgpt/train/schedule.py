@@ -42,6 +42,12 @@ MIN_LR_RATIO = 0.1  # the cosine ends at a tenth of the peak, as GPT-3's does
 FINETUNE_LR_RATIO = 0.1
 FINETUNE_WARMUP_FRACTION = 0.03  # Alpaca's and Vicuna's warmup_ratio; HF Trainer's default is 0
 
+# Adapters (--lora-rank) train from zero (B = 0) on a frozen base: they take a rate ten or more
+# times a full fine-tune's, as the QLoRA paper's runs did (Dettmers et al. 2023, appendix B:
+# 2e-4 for 7 B and 13 B, 1e-4 for 33 B and 65 B), with fine-tuning's warm-up. A full
+# fine-tune's tenth of the width's rate (1.2e-5 at Llama-3-8B's 4096) is a tenth of theirs.
+LORA_LR = ((33e9, 1e-4), (0.0, 2e-4))  # (parameters at or above, rate), largest first
+
 # Pre-training warm-up, in tokens and bounded by the run's length. GPT-3 warmed every size up over
 # 375 M tokens (Brown et al. 2020, appendix B; OPT's smaller models did the same): counted in
 # tokens, the rate at a given number of tokens seen does not depend on the batch. A run too
@@ -97,8 +103,12 @@ def end_lr(lr: float) -> float:
     return float(f"{lr * MIN_LR_RATIO:.3g}")
 
 
-def peak_lr(model: ModelConfig, finetune: bool) -> float:
-    """The default peak learning rate: by the width (default_lr), a tenth of it to fine-tune."""
+def peak_lr(model: ModelConfig, finetune: bool, adapters: bool = False) -> float:
+    """The default peak learning rate: LoRA's by the model's size (LORA_LR) for adapters, else
+    by the width (default_lr), a tenth of it to fine-tune."""
+    if adapters:
+        n = model.num_params()
+        return next(lr for at, lr in LORA_LR if n >= at)
     lr = default_lr(model.n_embd)
     return float(f"{lr * FINETUNE_LR_RATIO:.2g}") if finetune else lr
 
@@ -141,19 +151,23 @@ def resolve_schedule(
     chosen, flags = [], []
     line = warning = None
     lr, min_lr, warmup = train.lr, train.min_lr, train.warmup
-    kind = "fine-tuning" if train.finetune else "pre-training"
+    tune = train.finetune or train.adapters  # fine-tuning's warm-up
+    kind = "LoRA" if train.adapters else "fine-tuning" if train.finetune else "pre-training"
     if lr is None:
-        lr = peak_lr(model, train.finetune)
-        whose = "a tenth of width" if train.finetune else "by width"
-        chosen.append(f"lr {lr:.2g} peak ({whose} {model.n_embd})")
+        lr = peak_lr(model, train.finetune, train.adapters)
+        if train.adapters:
+            whose = f"LoRA's at {model.num_params() / 1e9:.3g} B parameters"
+        else:
+            whose = ("a tenth of width " if train.finetune else "by width ") + str(model.n_embd)
+        chosen.append(f"lr {lr:.2g} peak ({whose})")
         flags.append("--lr")
     if min_lr is None:
         min_lr = end_lr(lr)
         chosen.append(f"ending at {min_lr:.2g}")
         flags.append("--min-lr")
     if warmup is None:
-        first = 0 if train.finetune else first_step_warmup(lr, model)
-        warmup, why = default_warmup(train.steps, tokens_per_step, beta2, train.finetune, first)
+        first = 0 if tune else first_step_warmup(lr, model)
+        warmup, why = default_warmup(train.steps, tokens_per_step, beta2, tune, first)
         tokens = warmup * tokens_per_step
         chosen.append(f"warm-up {warmup} steps ({_count(tokens)} tokens: {why})")
         flags.append("--warmup")
