@@ -5,11 +5,12 @@ model's pieces (plan/throughput.py) are reused where they apply; what is the ada
 compute       a LoRA step's FLOPs (4 per frozen multiplying parameter, 6 per adapter element,
               attention as a full fine-tune's: Family.flops_per_token) over this rank's tokens
               (micro-batch x grad-accum x seq), at throughput.py compute_seconds' rates; under
-              --checkpointing full/cpu, its recompute of the forward (RECOMPUTE) as there.
+              --checkpointing full/cpu, its recompute of the forward (a whole forward at the
+              step's rate: throughput.py RECOMPUTE_ADAPTERS).
 base_stream   each streamed block's bytes in its format (this rank's 1/shards), host -> GPU at
               the probed h2d rate once per forward and once per backward of every micro-batch
-              (the last block is kept between the two), and once more for the recompute under
-              checkpointing; disk blocks at the disk's read rate (shared by the host's ranks),
+              (the last block is kept between the two; under checkpointing the recompute runs
+              on the backward's copy); disk blocks at the disk's read rate (shared by the host's ranks),
               the slower of the two links; a sharded block's all-gather after its copy. The next
               block's bytes come in on a side stream while a block computes (engine/chunked/
               fetch.py): a block's transfer is exposed only where it outlasts a block's compute
@@ -54,9 +55,9 @@ from fitgpt.plan.memory import Workload
 from fitgpt.plan.rates import Rates
 from fitgpt.plan.throughput import (
     FP32_DEVICE_BYTES,
-    RECOMPUTE,
     attention_flops,
     compute_seconds,
+    recompute_share,
 )
 
 # elements each adapted linear moves per token, over its input (d_in) and output rows (d_out),
@@ -86,7 +87,7 @@ def forward_share(work: Workload, adapters: int, checkpointing: str) -> float:
     fwd = 2.0 * mm + 2.0 * adapters + attn / 3
     total = 4.0 * mm + 6.0 * adapters + attn
     if checkpointing != "off":
-        total += RECOMPUTE * fwd
+        total += recompute_share(adapters) * fwd
     return fwd / total
 
 
@@ -105,13 +106,12 @@ def adapter_step_time(
     out["adapter_passes"] = adapter_passes(
         work, adapter, tokens, plan.checkpointing != "off", rates
     )
-    # one block's compute in one pass of one micro-batch (forward, backward, the recompute's
-    # forward): the window its neighbour's bytes come in behind (every block costs the same)
+    # one block's compute in one pass of one micro-batch (the forward; the backward with the
+    # recompute's forward before it): the window its neighbour's bytes come in behind (every
+    # block costs the same)
     per_block = compute / grad_accum / max(1, m.n_layer)
-    recompute = plan.checkpointing != "off"
     fwd_share = forward_share(work, adapters, plan.checkpointing)
-    again = RECOMPUTE * fwd_share if recompute else 0.0
-    windows = (per_block * fwd_share, per_block * (1 - fwd_share - again), per_block * again)
+    windows = (per_block * fwd_share, per_block * (1 - fwd_share))
     whole, numels, _ = _block_bytes(m, plan.fmt, w)
     k = plan.shards
     parts = [-(-n // (k * ALIGN)) * ALIGN for n in whole]  # this rank's bytes of each block
@@ -124,9 +124,12 @@ def adapter_step_time(
     stream = gather = unpack = 0.0
     for i, part in enumerate(parts):
         # the passes a block is fetched for, per micro-batch (windows' order): the forward,
-        # then the backward and the recompute's forward before it, but not the last block's
-        # (kept from its forward for both)
-        passes = [0] + ([1] + ([2] if recompute else []) if i < len(parts) - 1 else [])
+        # then the backward, once for both the recompute and the backward (its backward
+        # pre-hook fetches it before the recompute runs; engine/chunked/frozen.py frees it when
+        # the backward reaches the block below), but not the last block's (kept from its
+        # forward). l70_bf16 of results/lora70_h200_2026-11-28 ran 26% under a plan that
+        # fetched a third time for the recompute.
+        passes = [0] + ([1] if i < len(parts) - 1 else [])
         gathered = ring.all_gather(whole[i]) if ring is not None else 0.0
         if i >= first_host:
             link = part / h2d

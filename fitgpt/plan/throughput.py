@@ -116,6 +116,18 @@ def compiled_factor(
 # Measured: 2.7b on the H100 at 53.0% -> 44.1% MFU (zero) and 47.0% -> 38.7% (ddp), and 4.44 B at
 # hidden 4096 (sweep_h100_2026-11-22: 594 TFLOP/s at 3.64 B without, 501 at 4.44 B with).
 RECOMPUTE = 0.6
+# A LoRA step's backward computes the frozen base's input gradients only, no weight gradients:
+# the same GEMMs as the forward, at the forward's rate, so its recompute costs a whole forward at
+# the step's rate. 70 B QLoRA on an H200 at 4,096 tokens ran 12% over a plan priced at 0.6, and
+# 405 B int8 over 4 H200s 30% (results/lora70_h200_2026-11-28, lora405_x4_h200_2026-11-28);
+# the 8 B runs without recompute matched (lora8_h200_2026-11-28).
+RECOMPUTE_ADAPTERS = 1.0
+
+
+def recompute_share(adapters: int | None) -> float:
+    """A recompute's cost in forwards at the step's rate: RECOMPUTE, or RECOMPUTE_ADAPTERS for
+    a LoRA step (`adapters`: its adapter elements; None: a full fine-tune)."""
+    return RECOMPUTE if adapters is None else RECOMPUTE_ADAPTERS
 
 
 # FlexAttention's tile: create_block_mask's default BLOCK_SIZE, which model/packing.py
@@ -185,7 +197,7 @@ def compute_seconds(
     (efficiency / ceiling: the launches, layout copies and rotary around it scale alike), so
     the calibrated predictions move by about 2% at those lengths (compute: GPT-2 124 M +2.1%,
     1.5 B +1.5%, Llama 3 8B at 4k +2.0%, at 8k +3.5%; at 128k +13%, where attention is 80% of
-    the work). Under checkpointing the recompute adds RECOMPUTE of a
+    the work). Under checkpointing the recompute adds recompute_share(adapters) of a
     forward to both: 2 FLOPs per parameter (as before) and attention's causal forward,
     4·L·N·D·keys_per_query (it was 4·L·h·S: the full square and n_embd, not N·D, wrong where
     they differ, Qwen3-32B's 64 heads of 128 at hidden 5120)."""
@@ -200,9 +212,10 @@ def compute_seconds(
     whole = matmul_flops(m)  # the whole model's matmuls: what matmul_time was measured beside
     if ecfg.checkpointing != "off":
         active = family_of(m).active_params(m)  # a MoE recomputes k experts
-        mm += RECOMPUTE * 2.0 * (active + (adapters or 0))  # a LoRA step its adapters too
-        whole += RECOMPUTE * 2.0 * active
-        attn += RECOMPUTE * attn / 3  # the forward is a third of forward + backward
+        again = recompute_share(adapters)
+        mm += again * 2.0 * (active + (adapters or 0))  # a LoRA step its adapters too
+        whole += again * 2.0 * active
+        attn += again * attn / 3  # the forward is a third of forward + backward
     gemm = rates.gemm_tflops * 1e12 * share
     attn_rate = rates.attn_tflops * 1e12 * share / rates.model_efficiency
     # the family's elementwise work grows with the matmuls (tokens × widths), not with
