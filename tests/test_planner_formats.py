@@ -448,3 +448,33 @@ def test_the_ranks_of_one_host_share_its_disk():
     assert four == pytest.approx(4 * moved4 / 1e6)  # 4 ranks' traffic through one disk
     two_hosts, moved = disk_s(4, nodes=2)
     assert two_hosts == pytest.approx(2 * moved / 1e6)  # 2 ranks a host, a disk each
+
+
+def test_a_split_master_alone_is_taken_for_any_speed_it_saves(capsys):
+    """A rung that changes only the master to split trains as fp32 state does (bf16 weights
+    unchanged, the master exact but for one-ulp ties), so it needs no margin: Qwen3-30B-A3B on
+    4 H200-sized GPUs with fp32 moments, where the fp32 master's plan offloads three blocks'
+    experts and the split master's, priced 5% faster, offloads nothing, takes the split master.
+    bf16 moments (lossy) still need SPEED_MARGIN
+    (test_an_offloaded_plan_gets_compact_state_where_it_is_faster)."""
+    from cli_refusal import run_main
+
+    argv = ("plan", "--preset", "qwen3-moe-30b-a3b", "--gpus", "4", "--gpu-mem", "139GiB",
+            "--cpu-mem", "470GB", "--seq-len", "4096", "--device", "cuda",
+            "--moments", "fp32", "--device-moments", "fp32")  # fmt: skip
+
+    def chosen(*more: str) -> tuple[str, float]:
+        code, out, err = run_main(capsys, *argv, *more)
+        assert code == 0, err
+        line = next(x for x in out.splitlines() if x.startswith("chosen:"))
+        plan = r"chosen: (.*?) \(predicted [0-9.]+ GiB per rank, ([0-9.]+) s/step"
+        name, seconds = re.match(plan, line).groups()
+        return name, float(seconds)
+
+    name, fast = chosen()
+    assert name.endswith("split master") and "offloaded" not in name and "moments" not in name
+    kept, fp32 = chosen("--master", "fp32")
+    assert "split" not in kept and fast < fp32 < fast / (1 - planner.SPEED_MARGIN)
+    assert formats.lossless(("split", "fp32", "-")) and not formats.lossless(
+        ("split", "bf16", "fp32")
+    )

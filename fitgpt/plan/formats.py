@@ -6,8 +6,9 @@ docs/offload.md): `master` (fp32, or split: the bf16 working weight plus an int1
 (those of the chunks whose state stays on the GPU), each fp32, bf16 or block-wise int8. A field the
 user set is used as set; the planner chooses the fields left "auto": fp32 when some plan fits with
 it, else the first rung of LADDER with which one does; and, where that rung's fastest plan offloads
-optimizer state, a higher rung whose plan is at least 10% faster (plan/planner.py: plan; the
-host AdamW is faster on compact state than on fp32). Either way only formats in AUTO_FORMATS:
+optimizer state, a higher rung whose plan is at least 10% faster, or faster at all where only
+the master is split (lossless: plan/planner.py faster; the host AdamW is faster on compact state
+than on fp32). Either way only formats in AUTO_FORMATS:
 a split master leaves the bf16 weights the forward sees unchanged, and bf16 moments kept the
 loss within the seed noise (1.56 B, 1,000 steps), so speed costs no accuracy that room does not
 already. Bytes per parameter and the reasons for this order: docs/planner.md.
@@ -79,6 +80,12 @@ def rungs(fixed: Fixed | Mapping[str, Any], precision: str) -> list[Formats]:
         if (a, b, c) not in out:
             out.append((a, b, c))
     return out
+
+
+def lossless(fmt: Formats) -> bool:
+    """Whether state in `fmt` trains as fp32 state does: fp32 moments wherever there are any,
+    the master fp32 or split (engine/formats/split_master.py: exact but for one-ulp ties)."""
+    return all(f in ("fp32", "-") for f in fmt[1:])
 
 
 def with_formats(e: EngineConfig, fmt: Formats) -> EngineConfig | None:

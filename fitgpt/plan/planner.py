@@ -53,12 +53,18 @@ from fitgpt.plan.rates import Rates
 # A more compact rung is chosen for speed only where its plan takes at least this share less
 # time than the least compact rung's that fits: the step time is a prediction, and bf16 moments
 # round m and v each step (within the loss noise at 1.56 B, but not free), so a near tie keeps
-# the less compact state.
+# the less compact state. A rung that changes only the master to split (formats.lossless: the
+# same bf16 weights, the master to the bit but for one ulp at rare ties) costs no accuracy, so
+# any time it saves counts: Qwen3-30B-A3B on 4 H200s kept fp32 masters for a plan priced 7%
+# slower than the split one (results/moe_x4_h200_2026-11-28).
 SPEED_MARGIN = 0.10
 
 
 def faster(c: Candidate, than: Candidate) -> bool:
-    """Whether `c` fits in RAM and saves SPEED_MARGIN of `than`'s step time."""
+    """Whether `c` fits in RAM and saves SPEED_MARGIN of `than`'s step time (any time, where
+    its formats are lossless)."""
+    if formats.lossless(c.formats):
+        return in_ram(c) and c.compared_time < than.compared_time
     return in_ram(c) and c.compared_time <= (1 - SPEED_MARGIN) * than.compared_time
 
 
