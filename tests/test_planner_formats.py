@@ -475,6 +475,7 @@ def test_a_split_master_alone_is_taken_for_any_speed_it_saves(capsys):
     assert name.endswith("split master") and "offloaded" not in name and "moments" not in name
     kept, fp32 = chosen("--master", "fp32")
     assert "split" not in kept and fast < fp32 < fast / (1 - planner.SPEED_MARGIN)
-    assert formats.lossless(("split", "fp32", "-")) and not formats.lossless(
-        ("split", "bf16", "fp32")
-    )
+    plain = ("fp32", "fp32", "fp32")
+    assert formats.lossless(("split", "fp32", "-"), plain)
+    assert not formats.lossless(("split", "bf16", "fp32"), plain)
+    assert formats.lossless(("split", "int8", "fp32"), ("fp32", "int8", "fp32"))  # int8 fixed

@@ -31,7 +31,9 @@ def resolved(*flags: str, world: int = 1):
     run = asked_by(args).config  # a DeepSpeed config's keys among the flags, as train reads them
     t = run.train
     tokens = t.micro_batch * t.grad_accum * world * run.model.seq_len
-    train, line, warning = resolve_schedule(t, run.model, tokens, run.optim.beta2)
+    train, line, warning = resolve_schedule(
+        t, run.model, tokens, run.optim.beta2, run.adapter.active
+    )
     return train, [x for x in (line, warning) if x]
 
 
@@ -94,15 +96,17 @@ def test_init_from_takes_the_rates_of_the_sources_width(tmp_path):
 
 def test_adapters_take_qloras_rates_by_size_and_fine_tunings_warmup():
     """--lora-rank: the adapters start from zero on a frozen base, so the default peak is the
-    QLoRA paper's, 2e-4 below 33 B parameters and 1e-4 from there (not a full fine-tune's tenth
-    of the width's, 1.2e-5 at Llama-3-8B), warmed up over fine-tuning's 3% of the run; the
-    line says LoRA's defaults; a named rate still wins."""
+    QLoRA paper's, 2e-4 below 20 B parameters and 1e-4 from there (its "33 B" has 32.5 B, so
+    Qwen3-32B takes 1e-4), not a full fine-tune's tenth of the width's (1.2e-5 at Llama-3-8B),
+    warmed up over fine-tuning's 3% of the run; the line says LoRA's defaults; a named rate
+    still wins."""
     train, lines = resolved("--preset", "llama3.1-8b", "--lora-rank", "16", "--steps", "1000")
     assert (train.lr, train.min_lr, train.warmup) == (2e-4, 2e-5, 30)
     assert lines[0].startswith("defaults: LoRA, lr 0.0002 peak (LoRA's at 8.03 B parameters)")
     assert "warm-up 30 steps" in lines[0] and "3% of the run" in lines[0]
     big, _ = resolved("--preset", "llama3.1-70b", "--lora-rank", "16", "--steps", "100")
     assert (big.lr, big.warmup) == (1e-4, 3)
+    assert rates("--preset", "qwen3-32b", "--lora-rank", "16")[0] == 1e-4
     assert rates("--preset", "llama3.1-8b") != rates("--preset", "llama3.1-8b", "--lora-rank", "8")
     assert rates("--preset", "llama3.1-8b", "--lora-rank", "8", "--lr", "5e-5") == (5e-5, 5e-6)
 

@@ -262,8 +262,8 @@ def _refusal(work, a, fmt, ckpt, tried: BasePlan, hw: Hardware) -> str:
             break
     return (
         f"--lora-rank {a.lora_rank}: {work.model.num_params() / 1e9:.2f} B parameters with "
-        f"the base in {fmt} and {tried.host_blocks} of {tried.blocks} blocks in host RAM need "
-        f"{need}; {fix}"
+        f"the base in {fmt}, {tried.host_blocks} of {tried.blocks} blocks in host RAM and "
+        f"--checkpointing {tried.checkpointing} need {need}; {fix}"
     )
 
 

@@ -122,12 +122,17 @@ def price_base(
     elif w == 2:  # an fp32 base under autocast: bf16 copies of the weights, saved for backward
         dev["autocast_weights"] = 2 * sum(numels)
     dev.update(_activations(work, checkpointing))
+    to_host = checkpointing == "cpu" and work.device != "cpu"
+    if to_host:
+        # the frozen embedding's output, block 0's input, needs no gradient: the host hooks
+        # leave it on the GPU (activation.py HostActivations.pack); the other blocks' go
+        dev["first_block_input"] = work.model.seq_len * work.micro_batch * work.model.n_embd * w
     est = Estimate()
     est.host["process"] = HOST_BASE["cpu" if work.device == "cpu" else "cuda"]
     first_disk = len(sizes) - disk_blocks
     est.host["frozen_blocks_pinned"] = sum(sizes[first_host:first_disk])
-    if checkpointing == "cpu" and work.device != "cpu":
-        est.host["checkpointed_inputs"] = host_checkpointed_inputs(work)
+    if to_host:
+        est.host["checkpointed_inputs"] = host_checkpointed_inputs(work, work.model.n_layer - 1)
     if disk_blocks:  # the files, and the staging ring they are read into (DiskBlocks)
         est.nvme["frozen_blocks"] = sum(sizes[first_disk:])
         est.host["frozen_disk_staging"] = DiskBlocks.RING * max(sizes[first_disk:])

@@ -82,10 +82,11 @@ def rungs(fixed: Fixed | Mapping[str, Any], precision: str) -> list[Formats]:
     return out
 
 
-def lossless(fmt: Formats) -> bool:
-    """Whether state in `fmt` trains as fp32 state does: fp32 moments wherever there are any,
-    the master fp32 or split (engine/formats/split_master.py: exact but for one-ulp ties)."""
-    return all(f in ("fp32", "-") for f in fmt[1:])
+def lossless(fmt: Formats, than: Formats) -> bool:
+    """Whether state in `fmt` trains as state in `than` does: the same moments (or fp32, or
+    none) on each tier, the master fp32 or split (engine/formats/split_master.py: exact but for
+    one-ulp ties)."""
+    return all(f in ("fp32", "-", t) for f, t in zip(fmt[1:], than[1:]))
 
 
 def with_formats(e: EngineConfig, fmt: Formats) -> EngineConfig | None:

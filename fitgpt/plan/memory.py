@@ -384,12 +384,14 @@ def activation_peak(work: Workload, ecfg: EngineConfig) -> dict[str, int]:
     return act_head if sum(act_head.values()) > sum(act.values()) else act
 
 
-def host_checkpointed_inputs(work: Workload) -> int:
-    """Pinned host bytes of --checkpointing cpu on a GPU run: every block's input of one
-    micro-batch, each buffer rounded up to a power of two by torch's pinned-memory cache
-    (engine/transforms/activation.py). The full engine and the adapters' planner both price it."""
+def host_checkpointed_inputs(work: Workload, blocks: int | None = None) -> int:
+    """Pinned host bytes of --checkpointing cpu on a GPU run: `blocks` block inputs (every
+    block's by default) of one micro-batch, each buffer rounded up to a power of two by torch's
+    pinned-memory cache (engine/transforms/activation.py). The full engine and the adapters'
+    planner both price it."""
     sbh = work.model.seq_len * work.micro_batch * work.model.n_embd
-    return work.model.n_layer * (1 << (sbh * work.w - 1).bit_length())
+    n = work.model.n_layer if blocks is None else blocks
+    return n * (1 << (sbh * work.w - 1).bit_length())
 
 
 def estimate(
@@ -427,11 +429,12 @@ def estimate(
         est.host.update({f"offloaded_{k}": v for k, v in both["host"].items()})
         est.nvme.update(both.get("nvme", {}))
         big = max((c.N for c in placement.chunks), default=0)
-        # a layer's weights: a sparse block's are two chunks (the block's, its experts'),
-        # fetched and freed together (engine/chunked/fetch.py)
+        # a layer's fetched weights: a sparse block's are two chunks (the block's, its
+        # experts'), fetched and freed together (engine/chunked/fetch.py); a chunk whose weights
+        # stay whole on the device (outside stage 3, not streamed) is in the state already
         per_layer: dict[int, int] = {}
         for c in placement.chunks:
-            if c.block:
+            if c.block and c.weights != "device":
                 per_layer[c.spec.layer] = per_layer.get(c.spec.layer, 0) + c.N
         big_block = max(per_layer.values(), default=0)
         phase_a = dict(state, **act)

@@ -7,8 +7,9 @@ RAM, and the disk tier within the disk's free space. The formats climb a ladder 
 fp32 state whenever some plan fits with it, else the least compact rung with which one does; of
 the plans that fit at that rung, the fastest. Where that plan offloads optimizer state on a GPU
 machine, a more compact rung (formats in AUTO_FORMATS only) is chosen when its fastest plan takes
-at least 10% less time: the host AdamW steps bf16 moments in 0.43 of fp32 state's time, and the
-room they free keeps more blocks on the GPU. That costs no accuracy the planner does not already
+at least 10% less time (any less, where it only splits the master: faster()): the host AdamW
+steps bf16 moments in 0.43 of fp32 state's time, and the room they free keeps more blocks on the
+GPU. That costs no accuracy the planner does not already
 accept for room: a split master leaves the forward's bf16 weights unchanged, and bf16 moments
 kept the loss within the seed noise (1.56 B, 1,000 steps). A request that fits nowhere is
 refused before anything is allocated, naming the shortfall and what would fit instead.
@@ -55,7 +56,7 @@ from fitgpt.plan.rates import Rates
 # round m and v each step (within the loss noise at 1.56 B, but not free), so a near tie keeps
 # the less compact state. A rung that changes only the master to split (formats.lossless: the
 # same bf16 weights, the master to the bit but for one ulp at rare ties) costs no accuracy, so
-# any time it saves counts: Qwen3-30B-A3B on 4 H200s kept fp32 masters for a plan priced 7%
+# any time it saves counts: Qwen3-30B-A3B on 4 H200s kept fp32 masters for a plan priced 5%
 # slower than the split one (results/moe_x4_h200_2026-11-28).
 SPEED_MARGIN = 0.10
 
@@ -63,7 +64,7 @@ SPEED_MARGIN = 0.10
 def faster(c: Candidate, than: Candidate) -> bool:
     """Whether `c` fits in RAM and saves SPEED_MARGIN of `than`'s step time (any time, where
     its formats are lossless)."""
-    if formats.lossless(c.formats):
+    if formats.lossless(c.formats, than.formats):
         return in_ram(c) and c.compared_time < than.compared_time
     return in_ram(c) and c.compared_time <= (1 - SPEED_MARGIN) * than.compared_time
 
@@ -78,7 +79,7 @@ def plan(
     """All candidates, the chosen one first: of the least compact formats with which some plan
     fits without the disk, the fastest plan (ties: the smaller peak), unless that plan offloads
     optimizer state and a more compact rung's plan, in RAM, takes at least SPEED_MARGIN less
-    time: then the fastest such plan. The disk comes after the formats: a step that streams its
+    time (any less where it only splits the master: faster()): then the fastest such plan. The disk comes after the formats: a step that streams its
     state through the disk is several times slower (14.11 B: 56 s/step on the H100, against
     ~10 s for the plans in RAM around that size) and wears the SSD, while AUTO_FORMATS holds
     only formats whose loss cost was measured within the noise. Where no rung fits without the

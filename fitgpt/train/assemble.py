@@ -142,7 +142,8 @@ def assemble(settings: Settings, ctx: DistContext, log=print) -> Run:
     ctx = ctx.laid_out(e.tensor_parallel, e.context_parallel, e.expert_parallel)
     t = config.train
     tokens = tokens_per_step(t.micro_batch, t.grad_accum, config.model.seq_len, ctx.data_world)
-    train, line, warning = resolve_schedule(t, config.model, tokens, config.optim.beta2)
+    adapters = config.adapter.active  # LoRA's rates (train/schedule.py LORA_LR)
+    train, line, warning = resolve_schedule(t, config.model, tokens, config.optim.beta2, adapters)
     if warning:
         log(warning)
     config = dataclasses.replace(config, train=train)

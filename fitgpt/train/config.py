@@ -55,7 +55,7 @@ class TrainConfig:
             "help": "peak learning rate",
             "default_text": "by the model's width, interpolated from GPT-3's rates: 6e-4 at 768, "
             "1.6e-4 at 2560, 9e-5 at 6144; tiny 2e-3; a tenth of that with --init-from; with "
-            "--lora-rank QLoRA's 2e-4, 1e-4 from 33 B parameters",
+            "--lora-rank QLoRA's 2e-4, 1e-4 from 20 B parameters",
         },
     )
     min_lr: float | None = field(
@@ -79,13 +79,6 @@ class TrainConfig:
         metadata={
             "cli": False,  # set by --init-from: the schedule's defaults are fine-tuning's
             "help": "the run starts from pretrained weights",
-        },
-    )
-    adapters: bool = field(
-        default=False,
-        metadata={
-            "cli": False,  # set by --lora-rank / --lora-from: the schedule's defaults are LoRA's
-            "help": "the run trains adapters on a frozen base",
         },
     )
     eval_every: int = field(default=200, metadata={"help": "evaluate every N steps (0 = never)"})

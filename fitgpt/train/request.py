@@ -286,7 +286,7 @@ def train_config(
             f"--min-lr {given['min_lr']:g} is above the peak learning rate, {lr:g} by default "
             f"for {what}; lower --min-lr or set --lr"
         )
-    return TrainConfig(**given, finetune=finetune, adapters=adapters)
+    return TrainConfig(**given, finetune=finetune)
 
 
 def with_block_counts(req: Request, given: dict[str, dict], run: RunConfig):

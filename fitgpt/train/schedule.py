@@ -44,9 +44,10 @@ FINETUNE_WARMUP_FRACTION = 0.03  # Alpaca's and Vicuna's warmup_ratio; HF Traine
 
 # Adapters (--lora-rank) train from zero (B = 0) on a frozen base: they take a rate ten or more
 # times a full fine-tune's, as the QLoRA paper's runs did (Dettmers et al. 2023, appendix B:
-# 2e-4 for 7 B and 13 B, 1e-4 for 33 B and 65 B), with fine-tuning's warm-up. A full
-# fine-tune's tenth of the width's rate (1.2e-5 at Llama-3-8B's 4096) is a tenth of theirs.
-LORA_LR = ((33e9, 1e-4), (0.0, 2e-4))  # (parameters at or above, rate), largest first
+# 2e-4 for 7 B and 13 B, 1e-4 for 33 B (32.5 B parameters) and 65 B), with fine-tuning's
+# warm-up; the cut between their sizes at 20 B. A full fine-tune's tenth of the width's rate
+# (1.2e-5 at Llama-3-8B's 4096) is a tenth of theirs.
+LORA_LR = ((20e9, 1e-4), (0.0, 2e-4))  # (parameters at or above, rate), largest first
 
 # Pre-training warm-up, in tokens and bounded by the run's length. GPT-3 warmed every size up over
 # 375 M tokens (Brown et al. 2020, appendix B; OPT's smaller models did the same): counted in
@@ -143,19 +144,24 @@ def default_warmup(
 
 
 def resolve_schedule(
-    train: TrainConfig, model: ModelConfig, tokens_per_step: int, beta2: float
+    train: TrainConfig,
+    model: ModelConfig,
+    tokens_per_step: int,
+    beta2: float,
+    adapters: bool = False,
 ) -> tuple[TrainConfig, str | None, str | None]:
     """(`train` with the rates and warm-up it leaves unset (None) worked out, the one line
     saying which defaults the run took or None, a warning about a warm-up that never finishes
-    or None)."""
+    or None). `adapters`: the run trains LoRA adapters (RunConfig.adapter.active): LoRA's rate
+    and fine-tuning's warm-up."""
     chosen, flags = [], []
     line = warning = None
     lr, min_lr, warmup = train.lr, train.min_lr, train.warmup
-    tune = train.finetune or train.adapters  # fine-tuning's warm-up
-    kind = "LoRA" if train.adapters else "fine-tuning" if train.finetune else "pre-training"
+    tune = train.finetune or adapters  # fine-tuning's warm-up
+    kind = "LoRA" if adapters else "fine-tuning" if train.finetune else "pre-training"
     if lr is None:
-        lr = peak_lr(model, train.finetune, train.adapters)
-        if train.adapters:
+        lr = peak_lr(model, train.finetune, adapters)
+        if adapters:
             whose = f"LoRA's at {model.num_params() / 1e9:.3g} B parameters"
         else:
             whose = ("a tenth of width " if train.finetune else "by width ") + str(model.n_embd)

@@ -244,7 +244,10 @@ class _RowBias(torch.autograd.Function):
     def backward(ctx, grad_MO: Tensor):
         (expert_M,) = ctx.saved_tensors
         hot_ME = F.one_hot(expert_M, ctx.experts).to(grad_MO.dtype)
-        return hot_ME.t() @ grad_MO, None
+        # in the gradient's own dtype: a backward run under autocast would otherwise cast an
+        # fp32 gradient to bf16 for the matmul
+        with torch.autocast(grad_MO.device.type, enabled=False):
+            return hot_ME.t() @ grad_MO, None
 
 
 def row_bias(bias_EO: Tensor, expert_M: Tensor) -> Tensor:
