@@ -233,9 +233,10 @@ def test_compact_formats_keep_state_off_the_disk():
     assert fp32.formats == ("fp32", "fp32", "fp32") and fp32.ecfg.nvme_blocks > 0
     per = fp32.placement.disk_traffic()[1] / fp32.placement.on_disk_elems()
     assert fp32.disk_written == fp32.placement.disk_traffic()[1] and per == 12
-    # bf16 moments (the user's choice): host RAM holds what fp32 state spilled to the disk
+    # bf16 moments (the user's choice): host RAM holds what fp32 state spilled to the disk (the
+    # master split where that is faster at all: it trains as the fp32 master does)
     bf16, _ = choose(w, 4, hw, R, {"moments": "bf16"})
-    assert bf16.formats == ("fp32", "bf16", "fp32") and bf16.placement.nvme_blocks == 0
+    assert bf16.formats[1:] == ("bf16", "fp32") and bf16.placement.nvme_blocks == 0
     # and where the disk is used anyway, it holds 8 bytes per element, not 12
     nvme = {"offload_optimizer": "nvme", "nvme_path": "/x"}
     forced, _ = choose(w, 4, hw, R, {"moments": "bf16", **nvme})
