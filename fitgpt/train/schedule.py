@@ -162,7 +162,7 @@ def resolve_schedule(
     if lr is None:
         lr = peak_lr(model, train.finetune, adapters)
         if adapters:
-            whose = f"LoRA's at {model.num_params() / 1e9:.3g} B parameters"
+            whose = f"LoRA's at {_count(model.num_params())} parameters"
         else:
             whose = ("a tenth of width " if train.finetune else "by width ") + str(model.n_embd)
         chosen.append(f"lr {lr:.2g} peak ({whose})")
