@@ -29,6 +29,8 @@
 #   l70-bf16 the bf16 base of the same preset streamed from host RAM (the planner: 31 of 80
 #            blocks on an 80 GB GPU, 49 from 115 GB of host RAM), STEPS70 steps
 # Usage (device): source benchmarks/device_env.sh; [GPU_MEM=80GB] OUT=$OUT bash benchmarks/peers/lora_gpu.sh [all|make|fitgpt|peer|compare]
+#   EXTRA70 adds train flags to the 70B runs (EXTRA70="--profile 2": OUT/NAME.profile.txt, the
+#   ops with the most time, for the QLoRA step's 1.5x bar)
 #   .whl must carry peft. CPU rehearsal (a 2-layer, 64-wide model, 64 tokens, fp32 both):
 #   TINY=1 bash benchmarks/peers/lora_gpu.sh
 set -u
@@ -115,14 +117,17 @@ if [ -n "$TINY" ]; then
 fi
 SEQ70=$([ -n "$TINY" ] && echo 64 || echo 4096)
 run70() {  # name, flags...: one fitgpt run of the 70B shape, its log and metrics in OUT
-  local name=$1 s
+  local name=$1 s extra
   shift
-  echo "== fitgpt train ${SHAPE70[*]} $*" | tee "$OUT/$name.log"
+  read -r -a extra <<< "${EXTRA70:-}"  # more train flags, e.g. EXTRA70="--profile 2"
+  echo "== fitgpt train ${SHAPE70[*]} $* ${extra[*]}" | tee "$OUT/$name.log"
   s=$(t)
-  python3 -m fitgpt train "${SHAPE70[@]}" "${TRAIN70[@]}" --out "$W/$name" "$@" >> "$OUT/$name.log" 2>&1
+  python3 -m fitgpt train "${SHAPE70[@]}" "${TRAIN70[@]}" --out "$W/$name" "$@" \
+    ${extra[@]+"${extra[@]}"} >> "$OUT/$name.log" 2>&1
   echo "== exit $? in $(($(t) - s)) s" | tee -a "$OUT/$name.log"
   grep -E "LoRA:|placement|model |step +[0-9]+ \||rror" "$OUT/$name.log" | cut -c1-250 | head -16
   cp "$W/$name/metrics.jsonl" "$OUT/$name.metrics.jsonl" 2>/dev/null
+  cp "$W/$name/profile/summary.txt" "$OUT/$name.profile.txt" 2>/dev/null
 }
 if has q70; then
   run70 q70_fitgpt --base-format nf4 --seq-len "$SEQ70" --steps "${STEPS70:-8}"
