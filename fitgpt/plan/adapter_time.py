@@ -10,8 +10,8 @@ compute       a LoRA step's FLOPs (4 per frozen multiplying parameter, 6 per ada
 base_stream   each streamed block's bytes in its format (this rank's 1/shards), host -> GPU at
               the probed h2d rate once per forward and once per backward of every micro-batch
               (the last block is kept between the two; under checkpointing the recompute runs
-              on the backward's copy); disk blocks at the disk's read rate (shared by the host's ranks),
-              the slower of the two links; a sharded block's all-gather after its copy. The next
+              on the backward's copy); disk blocks at the disk's read rate (shared by the
+              host's ranks), the slower of the two links; a sharded block's all-gather after its copy. The next
               block's bytes come in on a side stream while a block computes (engine/chunked/
               fetch.py): a block's transfer is exposed only where it outlasts a block's compute
               in that pass.

@@ -76,17 +76,17 @@ def plan(
     rates: Rates,
     fixed: Fixed | Mapping[str, Any] | None = None,
 ) -> list[Candidate]:
-    """All candidates, the chosen one first: of the least compact formats with which some plan
-    fits without the disk, the fastest plan (ties: the smaller peak), unless that plan offloads
-    optimizer state and a more compact rung's plan, in RAM, takes at least SPEED_MARGIN less
-    time (any less where it only splits the master: faster()): then the fastest such plan. The disk comes after the formats: a step that streams its
-    state through the disk is several times slower (14.11 B: 56 s/step on the H100, against
-    ~10 s for the plans in RAM around that size) and wears the SSD, while AUTO_FORMATS holds
-    only formats whose loss cost was measured within the noise. Where no rung fits without the
-    disk, the least compact rung that fits with it. Rungs above the first that fits are priced
-    only when its fastest plan offloads on a GPU machine (whose host AdamW is faster on compact
-    state), without the disk, and only their plans that fit are kept. `fixed`: the engine
-    fields the user set (a dict is read as Fixed.of(dict))."""
+    """All candidates, the chosen one first: of the least compact formats with which some plan fits
+    without the disk, the fastest plan (ties: the smaller peak), unless that plan offloads
+    optimizer state and a more compact rung's plan, in RAM, takes at least SPEED_MARGIN less time
+    (any less where it only splits the master: faster()): then the fastest such plan. The disk
+    comes after the formats: a step that streams its state through the disk is several times slower
+    (14.11 B: 56 s/step on the H100, against ~10 s for the plans in RAM around that size) and wears
+    the SSD, while AUTO_FORMATS holds only formats whose loss cost was measured within the noise.
+    Where no rung fits without the disk, the least compact rung that fits with it. Rungs above the
+    first that fits are priced only when its fastest plan offloads on a GPU machine (whose host
+    AdamW is faster on compact state), without the disk, and only their plans that fit are kept.
+    `fixed`: the engine fields the user set (a dict is read as Fixed.of(dict))."""
     fixed = Fixed.of(fixed)
     with priced_once():
         cands = plan_among(work, grad_accum, hw, rates, fixed, host_activations=False)
