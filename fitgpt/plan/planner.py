@@ -1,18 +1,18 @@
 """The planner: enumerate plans, predict memory and speed, keep those that fit, choose the fastest.
 
 A plan is an EngineConfig (engine, ZeRO stage, activation checkpointing, offload placement, the
-optimizer state's storage formats). Fit means: the allocator peak plus context and a
-fragmentation margin within each GPU, the host bytes of every rank on this machine within usable
-RAM, and the disk tier within the disk's free space. The formats climb a ladder (plan/formats.py):
-fp32 state whenever some plan fits with it, else the least compact rung with which one does; of
-the plans that fit at that rung, the fastest. Where that plan offloads optimizer state on a GPU
-machine, a more compact rung (formats in AUTO_FORMATS only) is chosen when its fastest plan takes
-at least 10% less time (any less, where it only splits the master: faster()): the host AdamW
-steps bf16 moments in 0.43 of fp32 state's time, and the room they free keeps more blocks on the
-GPU. That costs no accuracy the planner does not already
-accept for room: a split master leaves the forward's bf16 weights unchanged, and bf16 moments
-kept the loss within the seed noise (1.56 B, 1,000 steps). A request that fits nowhere is
-refused before anything is allocated, naming the shortfall and what would fit instead.
+optimizer state's storage formats). Fit means: the allocator peak plus context and a fragmentation
+margin within each GPU, the host bytes of every rank on this machine within usable RAM, and the
+disk tier within the disk's free space. The formats climb a ladder (plan/formats.py): fp32 state
+whenever some plan fits with it, else the least compact rung with which one does; of the plans that
+fit at that rung, the fastest. Where that plan offloads optimizer state on a GPU machine, a more
+compact rung (formats in AUTO_FORMATS only) is chosen when its fastest plan takes at least 10% less
+time (any less, where it only splits the master: faster()): the host AdamW steps bf16 moments in
+0.43 of fp32 state's time, and the room they free keeps more blocks on the GPU. That costs no
+accuracy the planner does not already accept for room: a split master leaves the forward's bf16
+weights unchanged, and bf16 moments kept the loss within the seed noise (1.56 B, 1,000 steps). A
+request that fits nowhere is refused before anything is allocated, naming the shortfall and what
+would fit instead.
 
 The plans and their offloaded variants come from plan/enumeration.py, each priced as a
 Candidate (plan/candidate.py, with the comparisons the sort below uses); this file climbs the
