@@ -81,10 +81,19 @@ H100 = "nvidia-h100-x1"
 # the lora_gpu.sh rows that have run: (stage, where) -> their results
 LORA_RAN = {
     ("8b", "h200-as-h100"): ("lora8_h200_2026-11-28",),
-    **{(s, "h200-as-h100"): ("lora70_h200_2026-11-28",) for s in ("q70", "q70-long", "l70-bf16")},
+    **{(s, "h200-as-h100"): ("lora70_h200_2026-11-28",) for s in ("q70-long", "l70-bf16")},
+    ("q70", "h200-as-h100"): ("lora70_h200_2026-11-28", "lora70_profile_h200_2026-11-28"),
 }
 # the lora_x4.sh stages that have run -> their results
 LORA_X4_RAN = {"l405": ("lora405_x4_h200_2026-11-28",)}
+# the moe_x4.sh stages that have run -> their results
+MOE_X4_RAN = {
+    **{
+        s: ("moe_x4_h200_2026-11-28", "moe_x4_split_h200_2026-11-28")
+        for s in ("data", "make", "qwen")
+    },
+    "peer": ("moe_x4_split_h200_2026-11-28",),
+}
 WHL = (".whl",)  # DeepSpeed 0.19.8 and GPT-2's tokenizer, built by ../shared/device/make-wheels.sh
 
 
@@ -186,7 +195,7 @@ SUITES: tuple[Suite, ...] = (
                 what,
                 env=f"STAGES={stage}",
                 carry=WHL,
-                results=("moe_x4_h200_2026-11-28",) if stage in ("data", "make", "qwen") else (),
+                results=MOE_X4_RAN.get(stage, ()),
             )
             for stage, what in (
                 (
@@ -288,6 +297,19 @@ SUITES: tuple[Suite, ...] = (
                 device_env=True,
                 carry=WHL,
                 results=("moe_sink_h200_2026-11-28",),
+            ),
+            Row(
+                "oss20",
+                "peers/moe_gpu.sh",
+                "nvidia-h200",
+                "gpt-oss-20b's experts with their biases trained and frozen, its whole shape "
+                "from its preset with the planner's plan at 4 × 4 × 4,096, and the same planned "
+                "for and capped at 80 GB of the GPU with 115 GB of RAM and the disk tier (an "
+                "H100 box's memory): step times beside the plan's, GPU and host peaks",
+                env='OSS_STEPS=5 STAGES="ossexp oss oss80"',
+                device_env=True,
+                carry=WHL,
+                results=("oss20_h200_2026-11-28",),
             ),
         ),
     ),

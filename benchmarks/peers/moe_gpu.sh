@@ -72,7 +72,9 @@ oss)
     --out /tmp/oss_run --overwrite ${OSS_ARGS:-} ;;
 oss80)
   # the same on an 80 GB share of the GPU (`--gpu-mem 80GB`: the planner plans for an H100's
-  # memory and torch's allocator is capped at it) with the host RAM of the issue's H100 box
+  # memory and torch's allocator is capped at it) with the host RAM of the issue's H100 box;
+  # --nvme-path takes an existing folder (a typo must not write optimizer files elsewhere)
+  mkdir -p /tmp/oss80_nvme
   watched train_oss20b_80gb /tmp/oss80_run python3 -m fitgpt train --preset gpt-oss-20b \
     --data "$D/pystd_text_document" --tokenizer none --vocab-size 201088 "${BATCH[@]}" \
     --steps "${OSS_STEPS:-6}" --log-every 1 --eval-every 0 --no-save --lr 1e-4 --warmup 2 \
