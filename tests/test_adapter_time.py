@@ -174,23 +174,33 @@ MEASURED = [("bf16", 2, 2, 0, 16384 / 12884, 0.10), ("nf4", 1, 1, 0, 0.369, 0.15
 
 
 def test_the_adapters_passes_are_their_rows_bytes_at_the_hbm_rate():
-    """adapter_passes: per token, d_in + 5 d_out forward and 5 d_in + 4 d_out backward
-    elements over every adapted linear (the forward's again under recompute), at the HBM rate;
-    from the targets' own shapes."""
+    """adapter_passes: per token, d_in + 2 d_out forward and 5 d_in + 2 d_out backward
+    elements over every adapted linear, once a linear however many adapters it holds (attn.kv's
+    k and v), every row of it (the forward's again under recompute), at the HBM rate; from the
+    built model's own linears. Targets covering part of a fused linear's rows still pass over
+    all of them."""
+    import torch
+
     from fitgpt.adapters import lora_targets
+    from fitgpt.model import build_model
     from fitgpt.plan.adapter_time import adapter_passes
     from fitgpt.plan.apply import workload_of
 
     run = lora_8b(1, 1, planned=False, base_format="bf16")
     work = workload_of(run, 1, "cuda")
-    targets = lora_targets(run.model, run.adapter)
-    d_in = sum(t.in_features for t in targets)
-    d_out = sum(t.out_features for t in targets)
-    assert len(targets) == 7 * run.model.n_layer  # every linear of every block
-    for recompute in (False, True):
-        fwd = (d_in + 5 * d_out) * (2 if recompute else 1)
-        want = 1000 * (fwd + 5 * d_in + 4 * d_out) * work.w / (H200.hbm_gbps * 1e9)
-        assert adapter_passes(work, run.adapter, 1000, recompute, H200) == pytest.approx(want)
+    with torch.device("meta"):
+        modules = dict(build_model(run.model).named_modules())
+    for names, per_block in ((run.adapter.lora_targets, 5), ("k_proj,down_proj", 2)):
+        adapter = dataclasses.replace(run.adapter, lora_targets=names)
+        linears = {modules[t.module] for t in lora_targets(run.model, adapter)}
+        assert len(linears) == per_block * run.model.n_layer  # q, kv, o, gate-up, down
+        d_in = sum(lin.in_features for lin in linears)
+        d_out = sum(lin.out_features for lin in linears)
+        for recompute in (False, True):
+            fwd = (d_in + 2 * d_out) * (2 if recompute else 1)
+            want = 1000 * (fwd + 5 * d_in + 2 * d_out) * work.w / (H200.hbm_gbps * 1e9)
+            got = adapter_passes(work, adapter, 1000, recompute, H200)
+            assert got == pytest.approx(want)
 
 
 @pytest.mark.parametrize(("fmt", "mb", "ga", "host", "seconds", "bar"), MEASURED)

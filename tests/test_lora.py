@@ -171,6 +171,115 @@ def test_the_forward_is_peft_s(folders, name, targets, alpha, rslora):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
 
 
+# ---- the adapted linear's own ops ----------------------------------------------------------
+# an nn.Linear [96, 48] with its rows adapted as one adapter, or as a fused linear's parts (k on
+# rows 0-40, v on 40-80, 80-96 unadapted); 74 tokens (2 x 37: no small shape is a multiple)
+IN, ROWS, RANK, TOKENS = 48, 96, 4, 74
+LAYOUTS = {"one": [(0, ROWS)], "fused": [(0, 40), (40, 80)]}
+
+
+def adapted_linear(layout: str, dropout: float = 0.0) -> torch.nn.Module:
+    from fitgpt.adapters.lora import attach_lora, init_lora
+    from fitgpt.adapters.targets import Target
+
+    holder = torch.nn.Module()
+    holder.lin = torch.nn.Linear(IN, ROWS)
+    ts = [Target(f"m.p{i}", "lin", lo, hi, IN, False) for i, (lo, hi) in enumerate(LAYOUTS[layout])]
+    attach_lora(holder, ts, AdapterConfig(lora_rank=RANK, lora_alpha=8.0, lora_dropout=dropout))
+    init_lora(holder, ts, seed=0)
+    with torch.no_grad():
+        for pair in holder.lin.lora.values():
+            pair.B.copy_(torch.randn(pair.B.shape, generator=torch.Generator().manual_seed(1)))
+    return holder.lin.train()
+
+
+def term_by_term(lin: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The base's output plus each adapter's s·B·A·drop(x) on its rows, term by term."""
+    y = F.linear(x, lin.weight, lin.bias)
+    parts = []
+    for lo, hi, name in lin.spans:
+        if name is None:
+            parts.append(y[..., lo:hi])
+            continue
+        p = lin.lora[name]
+        xd = F.dropout(x, p.dropout, lin.training)
+        parts.append(y[..., lo:hi] + F.linear(F.linear(xd, p.A), p.B) * p.scale)
+    return torch.cat(parts, dim=-1)
+
+
+class Materialised(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every tensor an aten op writes anew (not a view of one of its inputs): (op, numel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves
+        ins = {t.untyped_storage().data_ptr() for t in leaves((args, kwargs))
+               if isinstance(t, torch.Tensor)}  # fmt: skip
+        for t in leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ins:
+                self.made.append((func.overloadpacket.__name__, t.numel()))
+        return out
+
+    def per_token(self) -> list[tuple[str, int]]:
+        """The tensors with a token dimension, as (op, columns)."""
+        return [(op, n // TOKENS) for op, n in self.made if n and n % TOKENS == 0]
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_adapted_linear_passes_over_its_output_rows_once(layout, bf16):
+    """Forward and backward of an adapted linear (one adapter, or a fused linear's k and v with
+    rows no adapter has) write two tensors of its output rows, both in the forward: the base's y
+    and the one addmm's y + s·xa·B_bdᵀ; no zeros, no concatenation, no scale multiply over rows,
+    nothing of them in the backward; x is not copied at dropout 0. Under a bf16 autocast (the
+    ddp engine's), the base in bf16, the same: only the fp32 A and B are cast. In fp32 the
+    result and every gradient are the term-by-term sum's."""
+    k, dtype = len(LAYOUTS[layout]), torch.bfloat16 if bf16 else torch.float32
+    lin = adapted_linear(layout)
+    lin.weight.data, lin.bias.data = lin.weight.data.to(dtype), lin.bias.data.to(dtype)
+    x = torch.randn(2, TOKENS // 2, IN, dtype=dtype, requires_grad=True)
+    g = torch.randn(2, TOKENS // 2, ROWS, dtype=dtype)
+    with torch.autocast("cpu", torch.bfloat16, enabled=bf16), Materialised() as fwd:
+        out = lin(x)
+    with Materialised() as bwd:
+        out.backward(g)
+    base = fwd.per_token()[0][0]  # addmm or mm, as F.linear takes its bias
+    assert fwd.per_token() == [(base, ROWS), ("mm", k * RANK), ("addmm", ROWS)]
+    wide = [(op, c) for op, c in bwd.per_token() if c not in (IN, k * RANK)]
+    assert wide == [] and ("add", IN) in bwd.per_token()  # A's and the base's dx summed
+    if bf16:
+        return
+    params = [x, *lin.lora.parameters()]
+    got = [out.detach()] + [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    want = term_by_term(lin, x)
+    want.backward(g)
+    for a, b in zip(got, [want.detach()] + [p.grad for p in params]):  # sums of ~100 terms
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6 * b.abs().max().item())
+
+
+def test_dropout_draws_each_adapter_s_own_mask_and_the_base_sees_x_whole():
+    """At dropout 0.5 a fused linear's k and v adapters each see x through their own mask (as
+    PEFT's two modules do), drawn in row order; the base sees x undropped; eval drops nothing."""
+    lin = adapted_linear("fused", dropout=0.5)
+    x = torch.randn(2, TOKENS // 2, IN)
+    torch.manual_seed(5)
+    ours = lin(x)
+    torch.manual_seed(5)
+    torch.testing.assert_close(ours, term_by_term(lin, x), rtol=0, atol=1e-5)
+    torch.manual_seed(5)
+    mask = F.dropout(torch.ones_like(x), 0.5, True)  # one mask shared by both: not PEFT's
+    shared = term_by_term(lin.eval(), x * mask)  # (eval: the reference adds no second mask)
+    shared += F.linear(x, lin.weight, lin.bias) - F.linear(x * mask, lin.weight, lin.bias)
+    assert (ours - shared).abs().max() > 1e-3
+    torch.testing.assert_close(lin(x), term_by_term(lin, x), rtol=0, atol=1e-5)  # eval
+
+
 # ---- training ------------------------------------------------------------------------------
 STEPS, SEED = 20, 3
 

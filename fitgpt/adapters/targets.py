@@ -115,3 +115,16 @@ def adapter_elements(cfg: ModelConfig, adapter: AdapterConfig) -> int:
     flops_per_token)."""
     r = adapter.lora_rank
     return sum(r * (t.in_features + t.out_features) for t in lora_targets(cfg, adapter))
+
+
+@functools.lru_cache(maxsize=32)
+def adapted_linears(cfg: ModelConfig, adapter: AdapterConfig) -> tuple[tuple[int, int], ...]:
+    """(in_features, out_features) of each fitgpt linear `adapter` adapts, once however many
+    adapters it holds (attn.kv's k_proj and v_proj), its rows all of them (an adapted linear's
+    forward passes over every row, adapted or not: lora.py): the shapes the adapters' passes
+    run over (plan/adapter_time.py adapter_passes)."""
+    rows: dict[str, int] = {}
+    for t in _candidates(cfg)[0]:  # a linear's candidates cover its rows, in parts
+        rows[t.module] = max(rows.get(t.module, 0), t.hi)
+    ins = {t.module: t.in_features for t in lora_targets(cfg, adapter)}
+    return tuple((n, rows[m]) for m, n in ins.items())

@@ -21,15 +21,17 @@ unpack        a packed block (int8, nf4) dequantised to the compute dtype per us
 adapter_passes  the adapters' memory-bound work beyond their FLOPs: their rank-r matmuls are
               too thin to be compute-bound, so each adapted linear's passes over its input and
               output rows cost bytes at the HBM rate, per token (elements of the compute dtype;
-              adapters/lora.py, dropout at p = 0 being its input itself):
-                forward   A reads x (d_in); B writes its rows (d_out); the scale reads and writes
-                          them (2 d_out); the sum with the base's output reads two, writes one
-                          (3 d_out):                                          d_in + 5 d_out
-                backward  the scale again (2 d_out); B's two products read the gradient (2
-                          d_out); A's gradient reads x (d_in); x's gradient through A is written
-                          (d_in) and added to the base's (3 d_in):          5 d_in + 4 d_out
-              and the forward's again under recompute. On the 8B shape that is 1.24 MB a token
-              a layer, 0.156 s of a 16,384-token step at an H200's 4,175 GB/s.
+              adapters/lora.py: a linear's k adapters as one rank-k·r update, its A's product
+              reading x once, the base's y and the update summed in one addmm; d_out every
+              row of the linear, d_in its input, once a linear; dropout at p = 0 its input):
+                forward   A reads x (d_in); the addmm reads y and writes the sum (2 d_out):
+                                                                            d_in + 2 d_out
+                backward  B's two products read the gradient (2 d_out); A's gradient reads x
+                          (d_in); x's gradient through A is written (d_in) and added to the
+                          base's (3 d_in):                                 5 d_in + 2 d_out
+              and the forward's again under recompute. On the 8B shape that is 0.71 MB a token
+              a layer (1.24 before the addmm), 0.087 s of a 16,384-token step at the H200's
+              4,300 GB/s (plan/rates.py).
 optimizer     AdamW over the adapters' fp32 state (throughput.py FP32_DEVICE_BYTES an element).
 comm          several ranks: the adapters' fp32 gradients all-reduced once per step, behind the
               last backward as the dense ddp engine's are.
@@ -37,15 +39,16 @@ comm          several ranks: the adapters' fp32 gradients all-reduced once per s
 Not priced: --checkpointing cpu's block inputs to host RAM and back (the same PCIe as the
 streamed base; throughput.py prices them for a full fine-tune); the dense ddp engine's autocast
 overhead (throughput.py OVERHEAD, its per-op casts of fp32 weights): the base is held in the
-compute dtype and the adapters are small; a dropout above 0 (its mask and copy); the zeros and
-the concatenation of a fused linear adapted in part (k and v in one); bitsandbytes' NF4 kernel's
-own speed (priced as the unpack's bytes at the HBM rate); the first step's start-up.
+compute dtype and the adapters are small; a dropout above 0 (its mask and copy); a LoRA scale
+other than a power of two (lora.py: PEFT's rounding order, 4 passes over the rows more forward,
+2 backward); bitsandbytes' NF4 kernel's own speed (priced as the unpack's bytes at the HBM
+rate); the first step's start-up.
 """
 
 from __future__ import annotations
 
 from fitgpt.adapters import AdapterConfig
-from fitgpt.adapters.targets import adapter_elements, lora_targets
+from fitgpt.adapters.targets import adapted_linears, adapter_elements
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.formats.frozen_base import ALIGN, is_direct
 from fitgpt.model.families import family_of
@@ -62,16 +65,16 @@ from fitgpt.plan.throughput import (
 
 # elements each adapted linear moves per token, over its input (d_in) and output rows (d_out),
 # forward and backward (the module's docstring, adapter_passes)
-FWD_IN, FWD_OUT = 1, 5
-BWD_IN, BWD_OUT = 5, 4
+FWD_IN, FWD_OUT = 1, 2
+BWD_IN, BWD_OUT = 5, 2
 
 
 def adapter_passes(work: Workload, adapter: AdapterConfig, tokens: int, recompute: bool, rates):
     """Seconds of the adapters' memory-bound passes over `tokens` tokens (adapter_passes in the
     module's docstring)."""
-    targets = lora_targets(work.model, adapter)
-    d_in = sum(t.in_features for t in targets)
-    d_out = sum(t.out_features for t in targets)
+    linears = adapted_linears(work.model, adapter)
+    d_in = sum(n for n, _ in linears)
+    d_out = sum(rows for _, rows in linears)
     fwd = FWD_IN * d_in + FWD_OUT * d_out
     elements = fwd * (2 if recompute else 1) + BWD_IN * d_in + BWD_OUT * d_out
     return tokens * elements * work.w / (rates.hbm_gbps * 1e9)
