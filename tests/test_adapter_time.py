@@ -203,6 +203,25 @@ def test_the_adapters_passes_are_their_rows_bytes_at_the_hbm_rate():
             assert got == pytest.approx(want)
 
 
+def before_fusion(p, work, adapter, ga: int, recompute: bool) -> float:
+    """`p`'s predicted step for the adapters' forward that ran when the steps below were
+    measured (before 2026-11-28 19:50 UTC): each target's update its own two matmuls, a scale
+    pass, zeros and a concatenation for a fused linear's parts, and a sum with the base's
+    output, d_in + 5 d_out elements a target forward and 5 d_in + 4 d_out backward (the
+    adapter_time.py counts of that forward). The tree's forward moves fewer (one addmm per
+    linear): its own passes are taken out and those put in, so a measured step is compared
+    with the model of the code that ran it, until the steps are measured again."""
+    from fitgpt.adapters import lora_targets
+
+    targets = lora_targets(work.model, adapter)
+    d_in = sum(t.in_features for t in targets)
+    d_out = sum(t.out_features for t in targets)
+    elements = (d_in + 5 * d_out) * (2 if recompute else 1) + 5 * d_in + 4 * d_out
+    tokens = work.tokens_per_step(ga) // work.world
+    then = tokens * elements * work.w / (H200.hbm_gbps * 1e9)
+    return p.time["total"] - p.time["adapter_passes"] + then
+
+
 @pytest.mark.parametrize(("fmt", "mb", "ga", "host", "seconds", "bar"), MEASURED)
 def test_the_model_against_the_h200_s_measured_steps(fmt, mb, ga, host, seconds, bar):
     from fitgpt.plan.apply import workload_of
@@ -211,7 +230,7 @@ def test_the_model_against_the_h200_s_measured_steps(fmt, mb, ga, host, seconds,
     run = dataclasses.replace(run, model=run.model.replace(seq_len=4096))
     work = workload_of(run, 1, "cuda")
     p = timed_base(price_base(work, run.adapter, fmt, host, "off"), run, work, H200)
-    assert abs(p.time["total"] / seconds - 1) < bar
+    assert abs(before_fusion(p, work, run.adapter, ga, False) / seconds - 1) < bar
 
 
 # Measured on one H200 capped at 80 GB with torch 2.11 (benchmarks/results/lora70_h200_2026-11-28):
@@ -234,4 +253,4 @@ def test_the_model_against_the_recomputing_70b_steps(fmt, seq, host, seconds):
     run = dataclasses.replace(run, model=get_preset("llama3.1-70b").replace(seq_len=seq))
     work = workload_of(run, 1, "cuda")
     p = timed_base(price_base(work, run.adapter, fmt, host, "full"), run, work, H200)
-    assert abs(p.time["total"] / seconds - 1) < 0.10
+    assert abs(before_fusion(p, work, run.adapter, 1, True) / seconds - 1) < 0.10
