@@ -96,10 +96,11 @@ def pass_shares(work: Workload, adapters: int, checkpointing: str, keep: int = 0
     attn = attention_flops(m, work.device)
     fwd = 2.0 * mm + 2.0 * adapters + attn / 3
     total = 4.0 * mm + 6.0 * adapters + attn
+    bwd = total - fwd
     again = recompute_share(adapters) * fwd if checkpointing != "off" else 0.0
     ecfg = EngineConfig(engine="ddp", checkpointing=checkpointing, keep_activations=keep)
-    total += again * recomputed(m, ecfg)
-    return fwd / total, (total - fwd - again * recomputed(m, ecfg)) / total, again / total
+    total += again * recomputed(m, ecfg)  # the recomputed blocks' share of a recompute
+    return fwd / total, bwd / total, again / total
 
 
 def adapter_step_time(
@@ -117,7 +118,7 @@ def adapter_step_time(
     out["adapter_passes"] = adapter_passes(work, adapter, tokens, recomputed(m, ecfg), rates)
     # one block's compute in one pass of one micro-batch (the forward; the backward with the
     # recompute's forward before it, but for the last plan.keep blocks, which keep their
-    # activations): the window its neighbour's bytes come in behind (every block costs the same)
+    # activations): the window its neighbour's bytes come in behind (the blocks are alike)
     per_block = compute / grad_accum / max(1, m.n_layer)
     fwd_share, bwd_share, again = pass_shares(work, adapters, plan.checkpointing, plan.keep)
     windows = (per_block * fwd_share, per_block * (bwd_share + again))
