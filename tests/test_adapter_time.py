@@ -150,8 +150,8 @@ def test_plan_prints_the_predicted_step_and_its_terms(capsys):
     terms summing to it."""
     code, out, _ = run_main(capsys, "plan", "--preset", "llama3.1-8b", "--lora-rank", "16",
                             "--gpu-mem", "40GB", "--cpu-mem", "115GB", "--device", "cuda",
-                            "--micro-batch", "1", "--breakdown")  # fmt: skip
-    assert code == 0
+                            "--micro-batch", "1", "--breakdown", "--checkpointing", "off")  # fmt: skip
+    assert code == 0  # (off: planned, it would keep 26 blocks' activations and stream none)
     line = next(s for s in out.splitlines() if s.startswith("LoRA: "))
     step = next(s for s in out.splitlines() if s.startswith("step "))
     predicted = float(line.split("predicted ")[1].split(" s/step")[0])

@@ -20,6 +20,7 @@ PLACEMENT = (
     "base_disk_blocks",
     "base_sharded",
     "checkpointing_planned",
+    "keep_planned",
 )
 # a Hugging Face module name or the end of one: layers.0.self_attn.q_proj, c_attn
 _NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
@@ -110,6 +111,8 @@ class AdapterConfig:
     # whether the base's planner may turn activation checkpointing on (--checkpointing not
     # given under --plan auto): set where the run is settled (plan/adapter.py adapter_placement)
     checkpointing_planned: bool = field(default=False, metadata={"cli": False})
+    # whether it may choose --keep-activations under checkpointing full (the flag not given)
+    keep_planned: bool = field(default=False, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         r = self.lora_rank

@@ -200,13 +200,16 @@ def plan_lora(args: argparse.Namespace, run, fixed, typed, hw) -> int:
     flags = f"--base-format {a.base_format} --base-host-blocks {a.base_host_blocks}"
     flags += f" --base-disk-blocks {a.base_disk_blocks}" if a.base_disk_blocks else ""
     flags += " --base-sharded" if a.base_sharded else " --no-base-sharded"
-    flags += f" --checkpointing {placed.engine.checkpointing}"
+    e = placed.engine
+    flags += f" --checkpointing {e.checkpointing}"
+    if e.checkpointing == "full":  # 0 too: train would plan it again otherwise
+        flags += f" --keep-activations {e.keep_activations}"
     print(f"as train flags: {flags}")
     if args.breakdown:
         work = workload_of(run, hw.gpus, hw.device)
         shards = hw.gpus if a.base_sharded else 1
-        p = price_base(work, a, a.base_format, a.base_host_blocks, placed.engine.checkpointing,
-                       a.base_disk_blocks or 0, shards)  # fmt: skip
+        p = price_base(work, a, a.base_format, a.base_host_blocks, e.checkpointing,
+                       a.base_disk_blocks or 0, shards, e.keep_activations)  # fmt: skip
         print_breakdown(timed_base(p, placed, work, r), p.ranks)
     return 0
 

@@ -111,6 +111,15 @@ class EngineConfig:
             "planned": True,
         },
     )
+    keep_activations: int = field(
+        default=0,
+        metadata={
+            "help": "with --checkpointing full: the last K transformer blocks keep their whole "
+            "activations and are not recomputed (faster, more memory: each kept block holds "
+            "its whole saved set instead of its input); planned for adapter runs, 0 otherwise",
+            "planned": True,
+        },
+    )
     offload_optimizer: Tier = field(
         default="none",
         metadata={
@@ -314,6 +323,15 @@ class EngineConfig:
                 "--shard-within node shards fitgpt's engine inside each machine, without "
                 "tensor, context or expert parallelism: use --engine zero and --tensor-parallel, "
                 "--context-parallel and --expert-parallel 1 with it, or --shard-within world"
+            )
+        k = self.keep_activations
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise UserError(f"--keep-activations {k!r}: use a whole number >= 0")
+        if k and self.checkpointing != "full":
+            raise UserError(
+                f"--keep-activations {k} spares blocks from --checkpointing full's recompute, and "
+                f"--checkpointing is {self.checkpointing}: add --checkpointing full, or drop "
+                "--keep-activations"
             )
         if self.zero_stage not in (0, 1, 2, 3):
             raise UserError(f"--zero-stage {self.zero_stage}: use 0, 1, 2 or 3")

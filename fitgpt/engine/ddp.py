@@ -96,7 +96,7 @@ class TorchEngine(Engine):
         scope = scope_of(ecfg)  # the planner's (engine/transforms/compile.py compile_scope)
         self.compiled = compile_regions(model, ctx.is_main) if scope != "off" else None
         if ecfg.checkpointing != "off":  # after compiling: the checkpoint wraps compiled blocks
-            checkpoint_blocks(model, to_host=ecfg.checkpointing == "cpu")
+            checkpoint_blocks(model, ecfg.checkpointing == "cpu", ecfg.keep_activations)
         self.model = model
         self.dp = ctx.dp_world if ctx.distributed else 1
         if self.dp > 1 and self.frozen is not None:  # no broadcast of the base (each rank

@@ -102,7 +102,11 @@ def adapter_placement(run, fixed: Fixed | None, typed: Mapping[str, Any], has_ba
     run = dataclasses.replace(run, engine=dataclasses.replace(e, engine="ddp"))
     # --plan auto without --checkpointing: the base's planner may recompute where it must
     free = fixed is not None and "checkpointing" not in fixed.names
-    run = dataclasses.replace(run, adapter=dataclasses.replace(a, checkpointing_planned=free))
+    # --keep-activations not given (under --plan off too, like the base's tiers): under full,
+    # the base's planner keeps the most blocks' activations that fit
+    keep = "keep_activations" not in typed and (fixed is None or "keep_activations" not in fixed)
+    a = dataclasses.replace(a, checkpointing_planned=free, keep_planned=keep)
+    run = dataclasses.replace(run, adapter=a)
     notes = () if has_base else (RANDOM_BASE,)
     return run, None, notes
 
@@ -124,10 +128,14 @@ def place_base(run, ctx, log=print):
     def decide() -> dict:
         placed, line = plan_base(run, hardware.for_run(run.engine, ctx.world, ctx.device.type))
         log(line)
-        return {**dataclasses.asdict(placed.adapter), "ckpt": placed.engine.checkpointing}
+        e = placed.engine
+        return {**dataclasses.asdict(placed.adapter), "ckpt": e.checkpointing,
+                "keep": e.keep_activations}  # fmt: skip
 
     adapter = decided_on_rank0(ctx, decide)
-    engine = dataclasses.replace(run.engine, checkpointing=adapter.pop("ckpt"))
+    engine = dataclasses.replace(
+        run.engine, checkpointing=adapter.pop("ckpt"), keep_activations=adapter.pop("keep")
+    )
     return dataclasses.replace(run, adapter=AdapterConfig(**adapter), engine=engine)
 
 
@@ -182,40 +190,83 @@ def plan_base(run, hw: Hardware, r: Rates | None = None) -> tuple[Any, str]:
     ckpts = dict.fromkeys((ckpt, "full") if a.checkpointing_planned else (ckpt,))
     if a.checkpointing_planned and hw.device == "cuda":
         ckpts["cpu"] = None
-    # At one recompute and cut, a block more streamed (or read from the disk rather than host
-    # RAM) never makes a step faster (its copy is exposed or hidden, never negative), so the
-    # fewest blocks that fit is that pair's fastest: one candidate per pair, timed, the fastest
-    # taken
+    # --keep-activations as given, or (not given) under full the most blocks kept that fit
+    keep_given = None if a.keep_planned else run.engine.keep_activations
+    # At one recompute, cut and kept count, a block more streamed (or read from the disk rather
+    # than host RAM) never makes a step faster (its copy is exposed or hidden, never negative),
+    # so the fewest blocks that fit is that triple's fastest. Under full with the kept count
+    # planned there is a trade: a block more streamed frees GPU memory for more blocks kept,
+    # each sparing a block's recompute; every host count from the first that fits is priced
+    # with its most blocks kept (bisected: memory grows with K), until all are kept.
     found: dict[tuple[str, int], BasePlan] = {}
     for c in ckpts:
         if c == "cpu" and found:
             break
-        for h in tries:
-            for k in cuts:
-                if (c, k) in found:
+        search = c == "full" and keep_given is None
+        keep0 = keep_given if c == "full" and keep_given is not None else 0
+        for k in cuts:
+            for h in tries:
+                p = _fitting(work, a, fmt, h, c, k, keep0, hw)
+                if p is None:
                     continue
-                p = price_base(work, a, fmt, h, c, shards=k)
-                if not p.gpu_fits(hw):
-                    continue
-                disks = [a.base_disk_blocks] if a.base_disk_blocks is not None else [0]
-                if a.base_disk_blocks is None and hw.nvme_path:  # the disk when host RAM is short
-                    disks = range(h + 1)
-                for d in disks:
-                    if d > h:  # the disk blocks are among the host ones
-                        continue
-                    p = price_base(work, a, fmt, h, c, d, k)
-                    if p.fits(hw):
-                        found[c, k] = timed_base(p, run, work, r)
-                        break
-    if not found:
-        raise UserError(_refusal(work, a, fmt, ckpt, p, hw))
+                if search:
+                    p = _most_kept(work, a, fmt, p, hw)
+                p = timed_base(p, run, work, r)
+                if (c, k) not in found or p.time["total"] < found[c, k].time["total"]:
+                    found[c, k] = p
+                if not search or p.keep == n_blocks:
+                    break
+    if not found:  # said at the last placement tried: every block streamed, the last recompute
+        last = list(ckpts)[-1]
+        keep0 = keep_given if last == "full" and keep_given else 0
+        tried = price_base(work, a, fmt, tries[-1], last, shards=cuts[-1], keep=keep0)
+        raise UserError(_refusal(work, a, fmt, ckpt, tried, hw))
     best = min(found.values(), key=lambda q: (q.time["total"], q.host_blocks, q.disk_blocks))
     placed = _settled(run, fmt, best.host_blocks, best.disk_blocks, best.shards > 1,
-                      best.checkpointing)  # fmt: skip
+                      best.checkpointing, best.keep)  # fmt: skip
     return placed, "LoRA: " + best.line()
 
 
-def _settled(run, fmt: str, host_blocks: int, disk_blocks: int, sharded: bool, ckpt: str):
+def _fitting(work, a, fmt: str, h: int, c: str, k: int, keep: int, hw: Hardware):
+    """The placement of `h` host blocks, recompute `c`, cut `k`, `keep` blocks kept that fits
+    `hw` with the fewest of its host blocks on the disk, or None."""
+    p = price_base(work, a, fmt, h, c, shards=k, keep=keep)
+    if not p.gpu_fits(hw):
+        return None
+    disks = [a.base_disk_blocks] if a.base_disk_blocks is not None else [0]
+    if a.base_disk_blocks is None and hw.nvme_path:  # the disk when host RAM is short
+        disks = range(h + 1)
+    for d in disks:
+        if d > h:  # the disk blocks are among the host ones
+            continue
+        p = price_base(work, a, fmt, h, c, d, k, keep)
+        if p.fits(hw):
+            return p
+    return None
+
+
+def _most_kept(work, a, fmt: str, p: BasePlan, hw: Hardware) -> BasePlan:
+    """`p` (checkpointing full, fits `hw`) with the most blocks kept that still fits: memory
+    grows with the kept count (plan/memory.py activation_bytes), so a bisection."""
+
+    def at(keep: int) -> BasePlan:
+        return price_base(work, a, fmt, p.host_blocks, "full", p.disk_blocks, p.shards, keep)
+
+    lo, hi = p.keep, p.blocks + 1  # at(lo) fits; hi: past the last count
+    best = p
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        q = at(mid)
+        if q.fits(hw):
+            lo, best = mid, q
+        else:
+            hi = mid
+    return best
+
+
+def _settled(
+    run, fmt: str, host_blocks: int, disk_blocks: int, sharded: bool, ckpt: str, keep: int = 0
+):
     a = dataclasses.replace(
         run.adapter,
         base_format=fmt,
@@ -223,7 +274,7 @@ def _settled(run, fmt: str, host_blocks: int, disk_blocks: int, sharded: bool, c
         base_disk_blocks=disk_blocks,
         base_sharded=sharded,
     )
-    engine = dataclasses.replace(run.engine, checkpointing=ckpt)
+    engine = dataclasses.replace(run.engine, checkpointing=ckpt, keep_activations=keep)
     return dataclasses.replace(run, adapter=a, engine=engine)
 
 

@@ -47,6 +47,7 @@ class BasePlan:
     shards: int = 1  # the ranks each block's bytes are cut over (1: whole on every rank)
     ranks: int = 1  # the ranks on this machine, sharing its host RAM and disk
     checkpointing: str = "off"
+    keep: int = 0  # under checkpointing full, the last blocks that keep their activations
     # predicted seconds per step, term by term (plan/adapter_time.py; empty: not priced)
     time: dict[str, float] = field(default_factory=dict, compare=False)
 
@@ -81,6 +82,9 @@ class BasePlan:
         ranks = f" ({self.ranks} ranks)" if self.ranks > 1 else ""
         host = f"{self.host_bytes / GiB:.1f} GiB host{ranks}"
         ckpt = f", checkpointing {self.checkpointing}" if self.checkpointing != "off" else ""
+        if self.keep:
+            which = "block's" if self.keep == 1 else f"{self.keep} blocks'"
+            ckpt += f", the last {which} activations kept"
         step = f", predicted {self.time['total']:.3g} s/step" if self.time else ""
         return f"the base in {self.fmt}, {where}{ckpt}: {gpu}{host}{nvme}{step}"
 
@@ -93,10 +97,12 @@ def price_base(
     checkpointing: str,
     disk_blocks: int = 0,
     shards: int = 1,
+    keep: int = 0,
 ) -> BasePlan:
     """Bytes per rank of an adapter run whose base is held in `fmt` with its last `host_blocks`
     blocks in pinned host RAM, the last `disk_blocks` of those on the disk, each block's bytes
-    cut over `shards` ranks (engine/chunked/frozen.py): the packed blocks on their tiers, the
+    cut over `shards` ranks (engine/chunked/frozen.py), under checkpointing full the last `keep`
+    blocks' activations kept whole (--keep-activations): the packed blocks on their tiers, the
     embedding and head, the working copies of two blocks while they run, the adapters with
     their gradients and Adam moments (16 bytes an element), the activations as a run without
     adapters holds them (the plain engine's memory model: memory.py activation_peak)."""
@@ -121,7 +127,7 @@ def price_base(
             dev["landed_blocks"] = 2 * max(whole)
     elif w == 2:  # an fp32 base under autocast: bf16 copies of the weights, saved for backward
         dev["autocast_weights"] = 2 * sum(numels)
-    dev.update(_activations(work, checkpointing))
+    dev.update(_activations(work, checkpointing, keep))
     to_host = checkpointing == "cpu" and work.device != "cpu"
     if to_host:
         # the frozen embedding's output, block 0's input, needs no gradient: the host hooks
@@ -144,12 +150,15 @@ def price_base(
         if work.world > 1:
             est.compute["outside:nccl_buffers"] = NCCL_BUFFERS
     ranks = work.world if work.device == "cuda" else 1  # a CPU job's host RAM: its own check
-    return BasePlan(fmt, host_blocks, len(sizes), est, disk_blocks, shards, ranks, checkpointing)
+    return BasePlan(
+        fmt, host_blocks, len(sizes), est, disk_blocks, shards, ranks, checkpointing, keep
+    )
 
 
-@functools.lru_cache(maxsize=64)
-def _activations(work: Workload, checkpointing: str) -> dict[str, int]:
-    return activation_peak(work, EngineConfig(engine="ddp", checkpointing=checkpointing))
+@functools.lru_cache(maxsize=256)
+def _activations(work: Workload, checkpointing: str, keep: int = 0) -> dict[str, int]:
+    e = EngineConfig(engine="ddp", checkpointing=checkpointing, keep_activations=keep)
+    return activation_peak(work, e)
 
 
 @functools.lru_cache(maxsize=32)

@@ -6,7 +6,8 @@ compute       a LoRA step's FLOPs (4 per frozen multiplying parameter, 6 per ada
               attention as a full fine-tune's: Family.flops_per_token) over this rank's tokens
               (micro-batch x grad-accum x seq), at throughput.py compute_seconds' rates; under
               --checkpointing full/cpu, its recompute of the forward (a whole forward at the
-              step's rate: throughput.py RECOMPUTE_ADAPTERS).
+              step's rate: throughput.py RECOMPUTE_ADAPTERS), in all blocks but the last
+              --keep-activations K ((n-K)/n of it; their backward windows below are shorter).
 base_stream   each streamed block's bytes in its format (this rank's 1/shards), host -> GPU at
               the probed h2d rate once per forward and once per backward of every micro-batch
               (the last block is kept between the two; under checkpointing the recompute runs
@@ -61,6 +62,7 @@ from fitgpt.plan.throughput import (
     attention_flops,
     compute_seconds,
     recompute_share,
+    recomputed,
 )
 
 # elements each adapted linear moves per token, over its input (d_in) and output rows (d_out),
@@ -69,29 +71,39 @@ FWD_IN, FWD_OUT = 1, 2
 BWD_IN, BWD_OUT = 5, 2
 
 
-def adapter_passes(work: Workload, adapter: AdapterConfig, tokens: int, recompute: bool, rates):
+def adapter_passes(work: Workload, adapter: AdapterConfig, tokens: int, recompute: float, rates):
     """Seconds of the adapters' memory-bound passes over `tokens` tokens (adapter_passes in the
     module's docstring)."""
     linears = adapted_linears(work.model, adapter)
     d_in = sum(n for n, _ in linears)
     d_out = sum(rows for _, rows in linears)
     fwd = FWD_IN * d_in + FWD_OUT * d_out
-    elements = fwd * (2 if recompute else 1) + BWD_IN * d_in + BWD_OUT * d_out
+    elements = fwd * (1 + recompute) + BWD_IN * d_in + BWD_OUT * d_out  # recompute: a share
     return tokens * elements * work.w / (rates.hbm_gbps * 1e9)
 
 
-def forward_share(work: Workload, adapters: int, checkpointing: str) -> float:
+def forward_share(work: Workload, adapters: int, checkpointing: str, keep: int = 0) -> float:
     """The forward's share of a LoRA step's FLOPs: 2 per frozen parameter and per adapter
     element and attention's third, over the whole (4 and 6 and all of attention, plus the
-    recompute's forward, which runs inside the backward)."""
+    recompute's forward, which runs inside the backward, in all blocks but the last `keep`)."""
+    return pass_shares(work, adapters, checkpointing, keep)[0]
+
+
+def pass_shares(work: Workload, adapters: int, checkpointing: str, keep: int = 0):
+    """(forward, backward, recompute): one block's passes as shares of an average block's
+    compute in a LoRA step (forward_share's FLOPs), the recompute's being what a recomputed
+    block adds to its backward (the last `keep` blocks add none; the shares sum to 1 over the
+    blocks on average)."""
     m = work.model
     mm = family_of(m).matmul_params(m)
     attn = attention_flops(m, work.device)
     fwd = 2.0 * mm + 2.0 * adapters + attn / 3
     total = 4.0 * mm + 6.0 * adapters + attn
-    if checkpointing != "off":
-        total += recompute_share(adapters) * fwd
-    return fwd / total
+    bwd = total - fwd
+    again = recompute_share(adapters) * fwd if checkpointing != "off" else 0.0
+    ecfg = EngineConfig(engine="ddp", checkpointing=checkpointing, keep_activations=keep)
+    total += again * recomputed(m, ecfg)  # the recomputed blocks' share of a recompute
+    return fwd / total, bwd / total, again / total
 
 
 def adapter_step_time(
@@ -101,20 +113,20 @@ def adapter_step_time(
     placement `plan` (plan/adapter_memory.py BasePlan: format, blocks per tier, shards,
     checkpointing) for `work` at `grad_accum` micro-batches a step."""
     m, w = work.model, work.w
-    ecfg = EngineConfig(engine="ddp", checkpointing=plan.checkpointing)
+    ecfg = EngineConfig(engine="ddp", checkpointing=plan.checkpointing, keep_activations=plan.keep)
     adapters = adapter_elements(m, adapter)
     tokens = work.tokens_per_step(grad_accum) // work.world
     compute = compute_seconds(work, ecfg, tokens, rates, adapters)
     out = {"compute": compute}
-    out["adapter_passes"] = adapter_passes(
-        work, adapter, tokens, plan.checkpointing != "off", rates
-    )
+    out["adapter_passes"] = adapter_passes(work, adapter, tokens, recomputed(m, ecfg), rates)
     # one block's compute in one pass of one micro-batch (the forward; the backward with the
-    # recompute's forward before it): the window its neighbour's bytes come in behind (every
-    # block costs the same)
+    # recompute's forward before it, but for the last plan.keep blocks, which keep their
+    # activations): the window its neighbour's bytes come in behind (the blocks are alike)
     per_block = compute / grad_accum / max(1, m.n_layer)
-    fwd_share = forward_share(work, adapters, plan.checkpointing)
-    windows = (per_block * fwd_share, per_block * (1 - fwd_share))
+    fwd_share, bwd_share, again = pass_shares(work, adapters, plan.checkpointing, plan.keep)
+    windows = (per_block * fwd_share, per_block * (bwd_share + again))
+    kept_windows = (windows[0], per_block * bwd_share)
+    first_kept = m.n_layer - plan.keep
     whole, numels, _ = _block_bytes(m, plan.fmt, w)
     k = plan.shards
     parts = [-(-n // (k * ALIGN)) * ALIGN for n in whole]  # this rank's bytes of each block
@@ -138,9 +150,11 @@ def adapter_step_time(
             link = part / h2d
             if i >= first_disk:  # read into pinned staging, then copied: the slower link
                 link = max(link, part / disk)
-            stream += sum(max(0.0, link + gathered - windows[p]) for p in passes)
+            win = kept_windows if i >= first_kept else windows
+            stream += sum(max(0.0, link + gathered - win[p]) for p in passes)
         elif gathered:
-            gather += sum(max(0.0, gathered - windows[p]) for p in passes)
+            win = kept_windows if i >= first_kept else windows
+            gather += sum(max(0.0, gathered - win[p]) for p in passes)
         if unpacked:  # its packed bytes read, its weights written, on the compute stream
             unpack += len(passes) * (whole[i] + numels[i] * w) / (rates.hbm_gbps * 1e9)
     if stream:

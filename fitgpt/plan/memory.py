@@ -268,6 +268,7 @@ def activation_bytes(
     sp: bool = False,
     compiled: bool = False,
     cp: int = 1,
+    keep: int = 0,
 ) -> dict[str, int]:
     """Bytes of the activation peak, as terms of two moments of the last micro-batch's backward
     that never overlap (estimate() takes the larger): the head's, from the loss's forward to
@@ -299,7 +300,15 @@ def activation_bytes(
     parallelism (`sp`) the residual stream and the norms are split along the sequence too (the
     column-parallel matmuls keep their input's shard and gather it again in backward): all of it
     1/T, (r + c)·S·b/T per block, the block inputs kept by checkpointing, the final norm and
-    backward's working gradients included. Logits past one piece
+    backward's working gradients included. Under "full" with the last `keep` = K blocks kept
+    (--keep-activations, engine/transforms/activation.py): the n-K recomputed blocks hold their
+    inputs and the K kept ones their whole saved sets, (n-K)·sbh·w + K·per_block. The kept
+    blocks' backward runs first and frees their sets before the first recompute, whose one set
+    is then the largest alive beside the inputs: max(K, 1)·per_block in all. At K = 0 the term
+    has always counted the recomputed block's input twice (its set holds the very tensor the
+    checkpoint keeps), one sbh·w of slack under its GPU calibration; it is kept at every K, so
+    the estimate never falls as K grows (the planner bisects on it) and K = n is checkpointing
+    off's plus that one input. Logits past one piece
     (model/loss.py loss_pieces: more than PIECE_LOGITS per rank) are priced as one piece.
     """
     if cp > 1:
@@ -320,7 +329,8 @@ def activation_bytes(
     if checkpointing == "off":
         blocks = m.n_layer * per_block
     elif checkpointing == "full":
-        blocks = m.n_layer * sbh * a + per_block
+        blocks = (m.n_layer - keep) * sbh * a + max(keep, 1) * per_block
+        blocks += sbh * a if keep else 0  # K = 0's slack, kept (the docstring)
     else:  # cpu: inputs in pinned host RAM; on the GPU block i's and the prefetched i-1's
         blocks = 2 * sbh * a + per_block
     out = {"activations": blocks}
@@ -373,6 +383,7 @@ def activation_peak(work: Workload, ecfg: EngineConfig) -> dict[str, int]:
         ecfg.sequence_parallel,
         compiled(ecfg),
         max(1, ecfg.context_parallel),
+        ecfg.keep_activations,
     )
     # the head's moment and a block's backward never overlap (activation_bytes): the larger.
     # Priced apart at every length, so the estimate never falls where the MLP starts running in

@@ -124,6 +124,14 @@ RECOMPUTE = 0.6
 RECOMPUTE_ADAPTERS = 1.0
 
 
+def recomputed(model, ecfg: EngineConfig) -> float:
+    """The share of the blocks whose forward runs again in the backward: none without
+    checkpointing, all but the last --keep-activations K with it ((n-K)/n)."""
+    if ecfg.checkpointing == "off":
+        return 0.0
+    return (model.n_layer - ecfg.keep_activations) / max(1, model.n_layer)
+
+
 def recompute_share(adapters: int | None) -> float:
     """A recompute's cost in forwards at the step's rate: RECOMPUTE, or RECOMPUTE_ADAPTERS for
     a LoRA step (`adapters`: its adapter elements; None: a full fine-tune)."""
@@ -212,7 +220,9 @@ def compute_seconds(
     whole = matmul_flops(m)  # the whole model's matmuls: what matmul_time was measured beside
     if ecfg.checkpointing != "off":
         active = family_of(m).active_params(m)  # a MoE recomputes k experts
-        again = recompute_share(adapters)
+        # the recomputed blocks' share: the head and embedding are a few % of the matmuls and
+        # are never recomputed anyway, priced here as blocks (as before: K = 0 is unchanged)
+        again = recompute_share(adapters) * recomputed(m, ecfg)
         mm += again * 2.0 * (active + (adapters or 0))  # a LoRA step its adapters too
         whole += again * 2.0 * active
         attn += again * attn / 3  # the forward is a third of forward + backward
@@ -303,15 +313,14 @@ def tp_efficiency_hidden(hidden: int, tp: int) -> int:
 
 
 def tp_comm_time(work: Workload, ecfg: EngineConfig, grad_accum: int, bus_gbps: float) -> float:
-    """Seconds per step of the TP all-reduces: 4 per block per micro-batch (6 with recompute)
+    """Seconds per step of the TP all-reduces: 4 per block per micro-batch (6 if it recomputes)
     and 2 for the vocabulary-parallel embedding and head, each of b·S·h·w bytes, a ring
     all-reduce moving 2·(T-1)/T of them per rank. Sequence parallelism splits each into a
     reduce-scatter and an all-gather (the same bytes, two launches) and gathers the inputs of
     the 2 column-parallel matmuls per block and the head's again in backward (half an
     all-reduce's bytes each)."""
     m, tp = work.model, tp_of(ecfg)
-    per_block = 6 if ecfg.checkpointing != "off" else 4
-    count = grad_accum * (m.n_layer * per_block + 2)
+    count = grad_accum * (m.n_layer * (4 + 2 * recomputed(m, ecfg)) + 2)
     size = work.micro_batch * m.seq_len * m.n_embd * work.w
     bytes_moved = count * 2 * (tp - 1) / tp * size
     launches = count
@@ -331,7 +340,7 @@ def cp_comm_time(work: Workload, ecfg: EngineConfig, grad_accum: int, bus_gbps: 
     m, tp, cp = work.model, tp_of(ecfg), max(1, ecfg.context_parallel)
     heads = (2 * m.n_head + 2 * m.kv_heads) // tp
     per_pass = heads * m.head_dim * work.micro_batch * m.seq_len * work.w * (cp - 1) / cp**2
-    passes = 3 if ecfg.checkpointing != "off" else 2
+    passes = 2 + recomputed(m, ecfg)
     return grad_accum * m.n_layer * passes * per_pass / (bus_gbps * 1e9)
 
 
@@ -349,7 +358,9 @@ def ep_comm_time(work: Workload, ecfg: EngineConfig, grad_accum: int, bus_gbps: 
     m, ep = work.model, ep_of(ecfg)
     per_a2a = work.micro_batch * m.seq_len * m.experts_per_token * m.n_embd * work.w
     per_a2a *= (ep - 1) / ep
-    count = grad_accum * len(m.moe_layers) * (6 if ecfg.checkpointing != "off" else 4)
+    kept = range(m.n_layer - ecfg.keep_activations, m.n_layer)  # not recomputed
+    again = sum(ecfg.checkpointing != "off" and i not in kept for i in m.moe_layers)
+    count = grad_accum * (4 * len(m.moe_layers) + 2 * again)
     return count * (per_a2a / (bus_gbps * 1e9) + EP_LATENCY_S)
 
 
@@ -474,7 +485,7 @@ def step_time(
         out["compact_update"] = extra / (rates.hbm_gbps * 1e9)
     if not placement.chunked and work.precision != "fp32":
         # autocast re-casts the fp32 weights every micro-batch (and again when recomputing)
-        casts = grad_accum * (2 if ecfg.checkpointing != "off" else 1)
+        casts = grad_accum * (1 + recomputed(m, ecfg))
         out["autocast_casts"] = casts * n * 6 / (rates.hbm_gbps * 1e9)
     if ecfg.offloads:  # (the plain engine offloads nothing: EngineConfig refuses it)
         out["host_optimizer"] = host_optimizer_exposed(work, grad_accum, compute, rates, placement)

@@ -93,6 +93,11 @@ def refusal(
             disk_blocks(counts, offloaded_blocks(counts, model.n_layer))
         except UserError as err:
             return str(err)
+    if e.keep_activations > model.n_layer:
+        return (
+            f"--keep-activations {e.keep_activations}: the model has {model.n_layer} blocks; use "
+            f"0 to {model.n_layer}"
+        )
     if tp == 0 and not planning:
         return (
             "--tensor-parallel auto is the planner's to resolve: train with --plan auto, or give T"

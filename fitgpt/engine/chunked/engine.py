@@ -145,7 +145,7 @@ class ChunkEngine(Engine):
         if scope != "off":
             self.compiled = compile_regions(model, ctx.is_main, whole=scope == "model")
         if ecfg.checkpointing != "off":  # after compiling: the checkpoint wraps compiled blocks
-            checkpoint_blocks(model, to_host=ecfg.checkpointing == "cpu")
+            checkpoint_blocks(model, ecfg.checkpointing == "cpu", ecfg.keep_activations)
         self.model = model
         self.hosted = [c for c in self.chunks if c.offloaded]
         self.streamed = [c for c in self.chunks if c.streamed]
