@@ -277,6 +277,17 @@ SUITES: tuple[Suite, ...] = (
                 results=("moe_h200_2026-11-28",),
             ),
             Row(
+                "peer80",
+                "peers/moe_gpu.sh",
+                "nvidia-h200",
+                "NOT RUN YET (written without a device): the same peer and fitgpt on 80 GB of "
+                "the GPU (an H100's; fitgpt told 115 GB of RAM, the box has 125 GiB), the "
+                "largest shape the peer held uncapped (6 layers)",
+                env='GPU_MEM=80GB LAYERS=6 STAGES="peer train" PEER_STEPS=3',
+                device_env=True,
+                carry=WHL,
+            ),
+            Row(
                 "zero3-mem",
                 "memory/moe_zero3_mem.py",
                 "nvidia-h200",

@@ -393,6 +393,10 @@ def peer(out: Path, args: argparse.Namespace) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if args.gpu_mem:  # an H100's 80 GB on a larger card: torch's allocator capped, as fitgpt's
+        from lora_gpu import device
+
+        device(args.gpu_mem)
     deepspeed.init_distributed()
     M, G, S = args.micro_batch, args.grad_accum, args.seq_len
     pinned = {"device": "cpu", "pin_memory": True}
@@ -468,6 +472,7 @@ def peer(out: Path, args: argparse.Namespace) -> None:
         "tokens_per_s": M * G * S * world / statistics.median(timed_s),
         "tokens_per_s_per_gpu": M * G * S / statistics.median(timed_s),
         "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "gpu_mem_cap": args.gpu_mem,
         "host_used_peak_gib": host_peak,
         "steps": steps,
     }
@@ -495,6 +500,7 @@ def main() -> None:
         default="cpu",
         help="peer: where ZeRO-3 keeps the parameters and the optimizer state",
     )
+    p.add_argument("--gpu-mem", help="peer: cap the GPU's memory, e.g. 80GB (an H100's)")
     p.add_argument("--text", type=Path, help="chat: the JSON lines of text to make it of")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@
 #   oss      gpt-oss-20b's shape from its preset, the planner's plan (host offload on one GPU)
 #   oss80    the same planned for and capped at 80 GB of the GPU (--gpu-mem), the disk allowed
 #   STAGE=b  the peer on the same shape, data and batch: transformers + DeepSpeed ZeRO-3 offload
-#            (moe_gpu.py peer)
+#            (moe_gpu.py peer); GPU_MEM=80GB caps it and the train stage at an H100's memory
 # Usage (device): source benchmarks/device_env.sh; STAGE=a OUT=$OUT bash benchmarks/peers/moe_gpu.sh
 set -u
 OUT=${OUT:-/tmp/moe_gpu}
@@ -23,6 +23,10 @@ mkdir -p "$OUT" "$D"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 t() { date +%s; }
 BATCH=(--micro-batch 4 --grad-accum 4 --seq-len 4096)
+# GPU_MEM=80GB: the stages train and peer on an H100's share of the GPU (fitgpt plans for it and
+# caps torch's allocator; the peer's allocator is capped the same), fitgpt told CPU_MEM of RAM
+CAP=()
+[ -n "${GPU_MEM:-}" ] && CAP=(--gpu-mem "$GPU_MEM" --cpu-mem "${CPU_MEM:-115GB}")
 # one `fitgpt train` run: its log, metrics and the host's used memory every 3 s, as OUT/NAME.*
 watched() {
   local L="$OUT/$1" run=$2 s P
@@ -61,7 +65,7 @@ ossexp)
 train)
   watched "train_l$LAYERS" /tmp/moe_run python3 -m fitgpt train --preset qwen3-moe-30b-a3b \
     --layers "$LAYERS" --data "$D/pystd_text_document" "${BATCH[@]}" --steps "$STEPS" --log-every 1 \
-    --eval-every 0 --no-save --lr 1e-4 --warmup 2 --out /tmp/moe_run --overwrite ;;
+    --eval-every 0 --no-save --lr 1e-4 --warmup 2 --out /tmp/moe_run --overwrite "${CAP[@]}" ;;
 oss)
   # gpt-oss-20b's whole shape (its 201,088-row vocabulary: the GPT-2 ids of the data lie below
   # it, --tokenizer none), built from the preset into the planner's tiers, the planner's plan
@@ -84,7 +88,7 @@ peer)
   L="$OUT/peer_l$LAYERS"
   s=$(t); python3 benchmarks/peers/moe_gpu.py peer "$OUT" --data "$D/pystd_text_document" \
     --layers "$LAYERS" --steps "${PEER_STEPS:-4}" --micro-batch 4 --grad-accum 4 --seq-len 4096 \
-    > "$L.log" 2>&1; rc=$?; echo "peer: rc $rc $(( $(t) - s )) s"
+    ${GPU_MEM:+--gpu-mem "$GPU_MEM"} > "$L.log" 2>&1; rc=$?; echo "peer: rc $rc $(( $(t) - s )) s"
   [ -f "$OUT/peer.json" ] && mv "$OUT/peer.json" "$L.json"
   grep -vE "^\s*$|Warning|warn|return func|losses.append|Consider using" "$L.log" | tail -8 ;;
 esac; done
