@@ -140,10 +140,12 @@ def test_sharding_within_a_node_is_priced_as_the_docs_say_and_chosen_where_faste
     chosen = plan(work, ga, hw, r, {})[0]
     assert chosen.fits and chosen.ecfg.shard_within == "node", chosen.name
     assert "sharded within each node" in chosen.name
-    # a GPU that holds 1/16 of the state but not 1/8: the whole job's sharding
+    # a GPU that holds 1/16 of the state but not 1/8: the whole job's sharding (each one's
+    # need: its peak with no block's activations kept, the count fit is decided at)
     state = {"master": "fp32", "moments": "fp32", "device_moments": "fp32",
              "offload_optimizer": "none", "checkpointing": "full"}  # fmt: skip
-    need = {w: plan(work, ga, hw, r, {**state, "zero_stage": 3, "shard_within": w})[0]
+    need = {w: plan(work, ga, hw, r, {**state, "zero_stage": 3, "shard_within": w,
+                                      "keep_activations": 0})[0]
             for w in ("world", "node")}  # fmt: skip
     budget = (need["world"].est.compute_total + need["node"].est.compute_total) // 2
     small = dataclasses.replace(hw, gpu_mem=int(budget / 0.98))

@@ -116,7 +116,8 @@ class EngineConfig:
         metadata={
             "help": "with --checkpointing full: the last K transformer blocks keep their whole "
             "activations and are not recomputed (faster, more memory: each kept block holds "
-            "its whole saved set instead of its input); planned for adapter runs, 0 otherwise",
+            "its whole saved set instead of its input); under --plan auto (and for adapter runs "
+            "under --plan off too) the planner keeps the most that fit, 0 otherwise",
             "planned": True,
         },
     )

@@ -79,7 +79,8 @@ class Candidate:
         tp += f", expert-parallel {e.expert_parallel}" if e.expert_parallel > 1 else ""
         tp += ", sharded within each node" if e.shard_within == "node" else ""
         comp = {"blocks": ", compiled", "model": ", compiled whole"}.get(e.compile, "")
-        kept = f" (the last {e.keep_activations} blocks kept)" if e.keep_activations else ""
+        k = e.keep_activations
+        kept = f" (the last {k} blocks kept)" if k > 1 else " (the last block kept)" if k else ""
         return (
             f"{base}{tp}, checkpointing {e.checkpointing}{kept}{off}{comp}"
             f"{formats.label(self.formats)}"

@@ -2,7 +2,9 @@
 fixed (`enumerate_plans`, at each tensor-parallel degree `tp_degrees` gives), and for each the
 variants that fill the GPU first: the fewest (last) blocks whose optimizer state moves to host
 RAM, with or without their weights streamed from it, and with a disk given, the fewest of those
-whose state moves on to the disk (`plans_of`): each a binary search over block counts.
+whose state moves on to the disk (`plans_of`): each a binary search over block counts; and
+for each of those that fits under checkpointing full, the most last blocks that keep their
+activations (`most_kept`, --keep-activations), when the user did not give that count.
 """
 
 from __future__ import annotations
@@ -118,7 +120,37 @@ def plans_of(work, grad_accum, hw, rates, e: EngineConfig, layout, fixed: Fixed)
             )
             if off is not None and all(off.ecfg != c.ecfg for c in out):
                 out.append(off)
-    return out
+    if "keep_activations" in fixed:  # given (or fixed at 0 by a search for fit alone)
+        return out
+    return [most_kept(work, grad_accum, hw, rates, c, layout) for c in out]
+
+
+def most_kept(work, grad_accum, hw, rates, c: Candidate, layout) -> Candidate:
+    """`c` with the most of its last blocks keeping their activations that still fits, if it
+    fits under checkpointing full (else `c`). Fit is decided before, at the count `c` has (0
+    unless given): the count only spends room left over, for speed, so every search for what
+    fits (planner.py fits_seq, largest_layers) finds what it found without it. The memory
+    estimate never falls as the count grows (memory.py activation_bytes) and the step time never
+    rises (every exposed term is what a share under 1 of the compute leaves uncovered,
+    throughput.py step_time), so a bisection on fit finds the fastest. Each count is priced as
+    any plan is (evaluate), at `c`'s resolved --compile scope: re-weighing the compile at each
+    count could change the scope, and the memory with it, mid-bisection. Up to n-1: n kept is
+    checkpointing off with one block input more, and off is priced as itself. ~log2(n)
+    plans: 6 at 48 blocks."""
+    e = c.ecfg
+    if e.checkpointing != "full" or not c.fits:
+        return c
+
+    def at(keep: int) -> Candidate:
+        cfg = dataclasses.replace(e, keep_activations=keep)
+        return evaluate(work, grad_accum, hw, rates, cfg, layout)
+
+    lo, hi, best = e.keep_activations, work.model.n_layer, c  # at(lo) fits; hi: off's
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        q = at(mid)
+        lo, hi, best = (mid, hi, q) if q.fits else (lo, mid, best)
+    return best
 
 
 def can_stream(work: Workload, e: EngineConfig, fixed: Fixed, layout=None) -> bool:

@@ -120,10 +120,11 @@ class Fixed:
     def within(self, layers: int) -> Fixed:
         """These fields for the same model cut to `layers` blocks (the refusal's "what fits"
         search): a fixed block count above it means every block, the nearest plan to the
-        one asked for; the engine would refuse the count itself."""
+        one asked for; the engine would refuse the count itself (so would a --keep-activations
+        above it, which the refusal's search for fewer layers once raised instead of its line)."""
         cut = {
             k: min(v, layers)
-            for k in ("offload_blocks", "nvme_blocks")
+            for k in ("offload_blocks", "nvme_blocks", "keep_activations")
             if (v := self._get(k)) is not None and v > layers
         }
         return self.with_(**cut) if cut else self

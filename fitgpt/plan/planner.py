@@ -14,9 +14,10 @@ weights unchanged, and bf16 moments kept the loss within the seed noise (1.56 B,
 request that fits nowhere is refused before anything is allocated, naming the shortfall and what
 would fit instead.
 
-The plans and their offloaded variants come from plan/enumeration.py, each priced as a
-Candidate (plan/candidate.py, with the comparisons the sort below uses); this file climbs the
-ladder, sorts, says why the chosen plan won (`why`) and words the refusal (`refusal`).
+The plans, their offloaded variants and, under checkpointing full, the most blocks each keeps
+unrecomputed that still fit come from plan/enumeration.py, each priced as a Candidate
+(plan/candidate.py, with the comparisons the sort below uses); this file climbs the ladder,
+sorts, says why the chosen plan won (`why`) and words the refusal (`refusal`).
 """
 
 from __future__ import annotations
@@ -249,9 +250,18 @@ def largest_layers(
     return lo
 
 
+def for_fit(fixed: Fixed | Mapping[str, Any] | None) -> Fixed:
+    """`fixed` for a search that asks only whether some plan fits. Fit is decided at the kept
+    count given, or 0 (enumeration.py most_kept adds blocks kept after, for speed), so a count
+    the user did not give is fixed at 0 there: the same answer, without a bisection of the
+    count for every plan that fits."""
+    fixed = Fixed.of(fixed)
+    return fixed if "keep_activations" in fixed else fixed.with_(keep_activations=0)
+
+
 def fits_layers(work, grad_accum, hw, rates, fixed, layers: int) -> bool:
     w = dataclasses.replace(work, model=work.model.replace(n_layer=layers))
-    return any(c.fits for c in plan(w, grad_accum, hw, rates, Fixed.of(fixed).within(layers)))
+    return any(c.fits for c in plan(w, grad_accum, hw, rates, for_fit(fixed).within(layers)))
 
 
 # Sequence lengths are searched in multiples of this (a flash kernel's tile divides it, and
@@ -267,7 +277,7 @@ def seq_quantum(seq_len: int) -> int:
 
 def fits_seq(work: Workload, grad_accum: int, hw, rates, fixed, seq_len: int) -> bool:
     w = dataclasses.replace(work, model=work.model.replace(seq_len=seq_len))
-    return any(c.fits for c in plan(w, grad_accum, hw, rates, fixed))
+    return any(c.fits for c in plan(w, grad_accum, hw, rates, for_fit(fixed)))
 
 
 def largest_seq_len(
@@ -309,7 +319,7 @@ def longest_that_fits(
 def largest_micro_batch(
     work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fixed: Fixed
 ) -> int:
-    best = 0
+    best, fixed = 0, for_fit(fixed)
     for b in (1, 2, 4, 8, 16, 32, 64):
         if b >= work.micro_batch and best:
             break
@@ -382,9 +392,8 @@ def _refusal(
     # would make this very model fit
     if fixed.format("moments") == "auto" and "int8" not in formats.AUTO_FORMATS:
         try:
-            fits8 = any(
-                c.fits for c in plan(work, grad_accum, hw, rates, fixed.with_(moments="int8"))
-            )
+            int8 = for_fit(fixed).with_(moments="int8")
+            fits8 = any(c.fits for c in plan(work, grad_accum, hw, rates, int8))
         except UserError:  # the fixed fields rule compact moments out (--engine ddp)
             fits8 = False
         if fits8:
@@ -412,7 +421,7 @@ def disk_needed(work: Workload, grad_accum: int, hw: Hardware, rates: Rates, fix
         return 0
     boundless = dataclasses.replace(hw, nvme_path="(planned)", nvme_free=1 << 62)
     try:
-        cands = plan(work, grad_accum, boundless, rates, fixed)
+        cands = plan(work, grad_accum, boundless, rates, for_fit(fixed))
     except UserError:
         return 0
     return min((c.disk for c in cands if c.fits), default=0)
