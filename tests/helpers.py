@@ -187,6 +187,23 @@ def saved_hf_models(build, cases, root: Path) -> dict:
     return out
 
 
+def tiny_llama_folder(root: Path, vocab: int) -> Path:
+    """A 3-layer Llama of width 64 (8 query heads, 2 kv heads) with random weights (seed 0),
+    saved by transformers under `root`/llama: the frozen-base tests' module fixture."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=64,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    folder = root / "llama"
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    return folder
+
+
 def imported_runs(hf_folders: dict, root: Path) -> dict:
     """{name: run folder}: each saved folder imported once by `fitgpt import` (interop/hf.py)."""
     from fitgpt.interop.hf_import import import_hf

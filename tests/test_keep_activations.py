@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 import torch
 from cli_refusal import assert_refused, run_in_process, run_main
-from helpers import engine_losses
+from helpers import engine_losses, tiny_llama_folder
 
 from fitgpt.adapters import AdapterConfig
 from fitgpt.dist import DistContext
@@ -89,15 +89,7 @@ def test_a_full_fine_tune_with_kept_blocks_trains_as_without():
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    cfg = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=2, vocab_size=V, max_position_embeddings=64,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("hf") / "llama"
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
-    return folder
+    return tiny_llama_folder(tmp_path_factory.mktemp("hf"), V)
 
 
 def lora_losses(folder, ecfg: EngineConfig) -> list[float]:
