@@ -821,6 +821,11 @@ SUITES: tuple[Suite, ...] = (
                         "l70-bf16",
                         "the 70 B shape's LoRA with its bf16 base streamed from host RAM",
                     ),
+                    (
+                        "q70-alt",
+                        "q70's fitgpt run with every block on the GPU, then with every block "
+                        "recomputed: what the planner's streamed, activations-kept plan rests on",
+                    ),
                 )
             ),
         ),

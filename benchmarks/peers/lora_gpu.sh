@@ -28,6 +28,10 @@
 #            then 2 steps of it
 #   l70-bf16 the bf16 base of the same preset streamed from host RAM (the planner: 31 of 80
 #            blocks on an 80 GB GPU, 49 from 115 GB of host RAM), STEPS70 steps
+#   q70-alt  q70's fitgpt run two other ways, to tell apart what the planner's choice rests on
+#            (since 2026-11-28 it streams 78 of 80 NF4 blocks to keep 41 blocks' activations):
+#            every block on the GPU (--base-host-blocks 0, the most blocks kept that then fit),
+#            and every block recomputed (--keep-activations 0, the earlier plan); no peer
 # Usage (device): source benchmarks/device_env.sh; [GPU_MEM=80GB] OUT=$OUT bash benchmarks/peers/lora_gpu.sh [all|make|fitgpt|peer|compare]
 #   EXTRA70 adds train flags to the 70B runs (EXTRA70="--profile 2": OUT/NAME.profile.txt, the
 #   ops with the most time, for the QLoRA step's 1.5x bar)
@@ -42,8 +46,8 @@ LR=${LR:-2e-4}
 TINY=${TINY:-}
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
-case $STAGE in all | make | fitgpt | peer | compare | q70 | q70-long | l70-bf16) ;; *)
-  echo "lora_gpu.sh: no stage $STAGE; use all, make, fitgpt, peer, compare, q70, q70-long or" \
+case $STAGE in all | make | fitgpt | peer | compare | q70 | q70-long | q70-alt | l70-bf16) ;; *)
+  echo "lora_gpu.sh: no stage $STAGE; use all, make, fitgpt, peer, compare, q70, q70-long, q70-alt or" \
     "l70-bf16" >&2; exit 2 ;; esac
 LABEL=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 LABEL=${LABEL:-cpu}
@@ -154,6 +158,11 @@ if has q70-long; then  # the longest length the planner accepts: it holds at lo,
   done
   echo "the planner's longest: --seq-len $lo ($(grep -h "LoRA:" "$OUT/q70_long_plan_$lo.txt"))"
   run70 q70_long --base-format nf4 --seq-len "$lo" --steps 2
+fi
+if has q70-alt; then
+  run70 q70_resident --base-format nf4 --seq-len "$SEQ70" --steps "${STEPS70:-8}" --base-host-blocks 0
+  run70 q70_recompute --base-format nf4 --seq-len "$SEQ70" --steps "${STEPS70:-8}" \
+    --checkpointing full --keep-activations 0
 fi
 if has l70-bf16; then
   run70 l70_bf16 --base-format bf16 --seq-len "$SEQ70" --steps "${STEPS70:-8}"
