@@ -160,6 +160,46 @@ def test_plan_prints_the_predicted_step_and_its_terms(capsys):
     assert predicted == pytest.approx(total, abs=0.006)
 
 
+def test_the_base_s_plan_resolves_the_compile_and_prices_it(capsys):
+    """--compile on: the placement's plan says compiled, its engine builds the regions (the ddp
+    engine's: blocks), and its compute is the eager one times the family's compiled factor
+    (checkpointed: Llama's measured ratio); off keeps it eager; auto follows the one rule
+    (compile_scope): never on a CPU. `fitgpt plan` gives the scope in the train flags."""
+    from fitgpt.model.families import family_of
+    from fitgpt.plan.apply import workload_of
+    from fitgpt.plan.throughput import compiled_factor
+
+    run = lora_8b(1, 1, planned=False)
+    full = dataclasses.replace(run.engine, checkpointing="full")
+    placed = {}
+    for asked in ("off", "on"):
+        r = dataclasses.replace(run, engine=dataclasses.replace(full, compile=asked))
+        placed[asked] = plan_base(r, gpu(40), H200)
+    eager, compiled = placed["off"], placed["on"]
+    assert eager[0].engine.compile == "off" and ", compiled" not in eager[1]
+    assert compiled[0].engine.compile == "blocks" and ", compiled" in compiled[1]
+    a = compiled[0].adapter
+    assert (a.base_host_blocks, compiled[0].engine.keep_activations) == (
+        eager[0].adapter.base_host_blocks, eager[0].engine.keep_activations)  # fmt: skip
+    work = workload_of(run, 1, "cuda")
+    p = price_base(work, a, a.base_format, a.base_host_blocks, "full",
+                   keep=compiled[0].engine.keep_activations)  # fmt: skip
+    t_eager = timed_base(p, run, work, H200).time
+    t_comp = timed_base(dataclasses.replace(p, compile="blocks"), run, work, H200).time
+    factor = compiled_factor(run.model.n_embd, "full", family_of(run.model).compiled_checkpointed)
+    assert factor < 1
+    assert t_comp["compute"] == pytest.approx(t_eager["compute"] * factor, rel=1e-12)
+    cpu = dataclasses.replace(run, engine=dataclasses.replace(full, compile="auto"))
+    cpu_hw = Hardware("cpu", 1, 0, "", 64 * 2**30, 2)
+    assert plan_base(cpu, cpu_hw, H200)[0].engine.compile == "off"
+    code, out, _ = run_main(capsys, "plan", "--preset", "llama3.1-8b", "--lora-rank", "16",
+                            "--gpu-mem", "40GB", "--cpu-mem", "115GB", "--device", "cuda",
+                            "--micro-batch", "1", "--compile", "on")  # fmt: skip
+    assert code == 0
+    flags = next(s for s in out.splitlines() if s.startswith("as train flags: "))
+    assert flags.endswith("--compile blocks")
+
+
 # Measured on one H200 with torch 2.11 (benchmarks/results/lora8_h200_2026-11-28): the 8B
 # Llama shape, LoRA rank 16 over every linear, 4,096 tokens a row, no recompute.
 #   a) bf16 base on the GPU, micro-batch 2 x 2: 12,884 tok/s over steps 3-20 (fitgpt.log,

@@ -204,12 +204,14 @@ def plan_lora(args: argparse.Namespace, run, fixed, typed, hw) -> int:
     flags += f" --checkpointing {e.checkpointing}"
     if e.checkpointing == "full":  # 0 too: train would plan it again otherwise
         flags += f" --keep-activations {e.keep_activations}"
+    flags += f" --compile {e.compile}"  # resolved for this run's --steps (plan/adapter.py)
     print(f"as train flags: {flags}")
     if args.breakdown:
         work = workload_of(run, hw.gpus, hw.device)
         shards = hw.gpus if a.base_sharded else 1
         p = price_base(work, a, a.base_format, a.base_host_blocks, e.checkpointing,
                        a.base_disk_blocks or 0, shards, e.keep_activations)  # fmt: skip
+        p = dataclasses.replace(p, compile=e.compile)
         print_breakdown(timed_base(p, placed, work, r), p.ranks)
     return 0
 

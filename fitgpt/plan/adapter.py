@@ -33,7 +33,9 @@ from typing import Any
 from fitgpt.adapters import AdapterConfig, lora_targets
 from fitgpt.engine.config import EngineConfig
 from fitgpt.engine.formats.frozen_base import base_format
+from fitgpt.engine.transforms.compile import compile_scope
 from fitgpt.errors import UserError
+from fitgpt.model.families import family_of
 from fitgpt.plan import rates
 from fitgpt.plan.adapter_memory import BasePlan, price_base
 from fitgpt.plan.adapter_time import adapter_step_time
@@ -130,11 +132,14 @@ def place_base(run, ctx, log=print):
         log(line)
         e = placed.engine
         return {**dataclasses.asdict(placed.adapter), "ckpt": e.checkpointing,
-                "keep": e.keep_activations}  # fmt: skip
+                "keep": e.keep_activations, "compile": e.compile}  # fmt: skip
 
     adapter = decided_on_rank0(ctx, decide)
     engine = dataclasses.replace(
-        run.engine, checkpointing=adapter.pop("ckpt"), keep_activations=adapter.pop("keep")
+        run.engine,
+        checkpointing=adapter.pop("ckpt"),
+        keep_activations=adapter.pop("keep"),
+        compile=adapter.pop("compile"),
     )
     return dataclasses.replace(run, adapter=AdapterConfig(**adapter), engine=engine)
 
@@ -222,9 +227,23 @@ def plan_base(run, hw: Hardware, r: Rates | None = None) -> tuple[Any, str]:
         tried = price_base(work, a, fmt, tries[-1], last, shards=cuts[-1], keep=keep0)
         raise UserError(_refusal(work, a, fmt, ckpt, tried, hw))
     best = min(found.values(), key=lambda q: (q.time["total"], q.host_blocks, q.disk_blocks))
+    scope = _compile_scope(run, work, best)
+    if scope != "off":  # priced compiled; the placements were weighed eager
+        best = timed_base(dataclasses.replace(best, compile=scope), run, work, r)
     placed = _settled(run, fmt, best.host_blocks, best.disk_blocks, best.shards > 1,
-                      best.checkpointing, best.keep)  # fmt: skip
+                      best.checkpointing, best.keep, scope)  # fmt: skip
     return placed, "LoRA: " + best.line()
+
+
+def _compile_scope(run, work, p: BasePlan) -> str:
+    """--compile for the placement `p`: the one rule (engine/transforms/compile.py
+    compile_scope), its run's length this plan's eager step times the run's steps (the planned
+    full fine-tune's is its own step's: candidate.py settle_compile), the ddp engine's regions."""
+    return compile_scope(
+        run.engine.compile, "ddp", work.device, run.model.n_embd, work.world, True,
+        p.checkpointing, run.train.steps * p.time["total"],
+        family_of(run.model).compiled_checkpointed,
+    )  # fmt: skip
 
 
 def _fitting(work, a, fmt: str, h: int, c: str, k: int, keep: int, hw: Hardware):
@@ -265,7 +284,14 @@ def _most_kept(work, a, fmt: str, p: BasePlan, hw: Hardware) -> BasePlan:
 
 
 def _settled(
-    run, fmt: str, host_blocks: int, disk_blocks: int, sharded: bool, ckpt: str, keep: int = 0
+    run,
+    fmt: str,
+    host_blocks: int,
+    disk_blocks: int,
+    sharded: bool,
+    ckpt: str,
+    keep: int = 0,
+    scope: str | None = None,
 ):
     a = dataclasses.replace(
         run.adapter,
@@ -275,6 +301,8 @@ def _settled(
         base_sharded=sharded,
     )
     engine = dataclasses.replace(run.engine, checkpointing=ckpt, keep_activations=keep)
+    if scope is not None:
+        engine = dataclasses.replace(engine, compile=scope)
     return dataclasses.replace(run, adapter=a, engine=engine)
 
 

@@ -48,6 +48,7 @@ class BasePlan:
     ranks: int = 1  # the ranks on this machine, sharing its host RAM and disk
     checkpointing: str = "off"
     keep: int = 0  # under checkpointing full, the last blocks that keep their activations
+    compile: str = "off"  # --compile's scope (engine/transforms/compile.py SCOPES), priced
     # predicted seconds per step, term by term (plan/adapter_time.py; empty: not priced)
     time: dict[str, float] = field(default_factory=dict, compare=False)
 
@@ -85,6 +86,8 @@ class BasePlan:
         if self.keep:
             which = "block's" if self.keep == 1 else f"{self.keep} blocks'"
             ckpt += f", the last {which} activations kept"
+        if self.compile != "off":
+            ckpt += ", compiled"
         step = f", predicted {self.time['total']:.3g} s/step" if self.time else ""
         return f"the base in {self.fmt}, {where}{ckpt}: {gpu}{host}{nvme}{step}"
 

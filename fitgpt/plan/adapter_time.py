@@ -8,6 +8,9 @@ compute       a LoRA step's FLOPs (4 per frozen multiplying parameter, 6 per ada
               --checkpointing full/cpu, its recompute of the forward (a whole forward at the
               step's rate: throughput.py RECOMPUTE_ADAPTERS), in all blocks but the last
               --keep-activations K ((n-K)/n of it; their backward windows below are shorter).
+              Compiled blocks (--compile, as plan/adapter.py resolves it): times the full
+              step's factor (throughput.py compiled_factor: the family's measured ratio under
+              checkpointing, by width without), not measured on a LoRA step.
 base_stream   each streamed block's bytes in its format (this rank's 1/shards), host -> GPU at
               the probed h2d rate once per forward and once per backward of every micro-batch
               (the last block is kept between the two; under checkpointing the recompute runs
@@ -60,6 +63,7 @@ from fitgpt.plan.rates import Rates
 from fitgpt.plan.throughput import (
     FP32_DEVICE_BYTES,
     attention_flops,
+    compiled_factor,
     compute_seconds,
     recompute_share,
     recomputed,
@@ -117,6 +121,9 @@ def adapter_step_time(
     adapters = adapter_elements(m, adapter)
     tokens = work.tokens_per_step(grad_accum) // work.world
     compute = compute_seconds(work, ecfg, tokens, rates, adapters)
+    if plan.compile != "off":  # the blocks compiled: throughput.py's factor, as a full step's
+        compute *= compiled_factor(m.n_embd, plan.checkpointing,
+                                   family_of(m).compiled_checkpointed)  # fmt: skip
     out = {"compute": compute}
     out["adapter_passes"] = adapter_passes(work, adapter, tokens, recomputed(m, ecfg), rates)
     # one block's compute in one pass of one micro-batch (the forward; the backward with the
