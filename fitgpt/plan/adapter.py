@@ -227,12 +227,10 @@ def plan_base(run, hw: Hardware, r: Rates | None = None) -> tuple[Any, str]:
         tried = price_base(work, a, fmt, tries[-1], last, shards=cuts[-1], keep=keep0)
         raise UserError(_refusal(work, a, fmt, ckpt, tried, hw))
     best = min(found.values(), key=lambda q: (q.time["total"], q.host_blocks, q.disk_blocks))
-    scope = _compile_scope(run, work, best)
-    if scope != "off":  # priced compiled; the placements were weighed eager
-        best = timed_base(dataclasses.replace(best, compile=scope), run, work, r)
-    placed = _settled(run, fmt, best.host_blocks, best.disk_blocks, best.shards > 1,
-                      best.checkpointing, best.keep, scope)  # fmt: skip
-    return placed, "LoRA: " + best.line()
+    best = dataclasses.replace(best, compile=_compile_scope(run, work, best))
+    if best.compile != "off":  # priced compiled; the placements were weighed eager
+        best = timed_base(best, run, work, r)
+    return _settled(run, best), "LoRA: " + best.line()
 
 
 def _compile_scope(run, work, p: BasePlan) -> str:
@@ -283,26 +281,19 @@ def _most_kept(work, a, fmt: str, p: BasePlan, hw: Hardware) -> BasePlan:
     return best
 
 
-def _settled(
-    run,
-    fmt: str,
-    host_blocks: int,
-    disk_blocks: int,
-    sharded: bool,
-    ckpt: str,
-    keep: int = 0,
-    scope: str | None = None,
-):
+def _settled(run, p: BasePlan):
+    """`run` with the base placed as `p` says: its format and tiers, and the engine's
+    recompute, kept blocks and compile scope."""
     a = dataclasses.replace(
         run.adapter,
-        base_format=fmt,
-        base_host_blocks=host_blocks,
-        base_disk_blocks=disk_blocks,
-        base_sharded=sharded,
+        base_format=p.fmt,
+        base_host_blocks=p.host_blocks,
+        base_disk_blocks=p.disk_blocks,
+        base_sharded=p.shards > 1,
     )
-    engine = dataclasses.replace(run.engine, checkpointing=ckpt, keep_activations=keep)
-    if scope is not None:
-        engine = dataclasses.replace(engine, compile=scope)
+    engine = dataclasses.replace(
+        run.engine, checkpointing=p.checkpointing, keep_activations=p.keep, compile=p.compile
+    )
     return dataclasses.replace(run, adapter=a, engine=engine)
 
 
