@@ -17,3 +17,16 @@ class UserError(Exception):
     # a verdict on all-reduced figures): printed once, by rank 0. Where the ranks' messages
     # differ (a save that failed on one rank names its cause there only) each prints its own.
     identical: bool = False
+
+
+def print_line(text: str, stream=None) -> None:
+    """`text` and its newline in one write, flushed. The ranks of a torchrun job share one
+    stderr, and under PYTHONUNBUFFERED (common in containers and job scripts) print() writes
+    a text and its newline apart: two ranks failing together then printed "AB\\n\\n", one
+    line naming both causes (CI, 2026-11-28). One write of a line under the pipe's 4 KiB is
+    atomic; a longer one may still interleave, at no cost here."""
+    import sys
+
+    out = stream if stream is not None else sys.stderr
+    out.write(text + "\n")
+    out.flush()

@@ -1,6 +1,7 @@
 """Faults around a run, with real processes: the run folder lock, Ctrl-C, a kill, a rank that
 fails or dies while a checkpoint is written, and a disk that is really full (a small tmpfs)."""
 
+import io
 import json
 import os
 import re
@@ -17,7 +18,7 @@ from conftest import free_port
 from test_checkpoint import ENV, TINY_ARGS
 
 import fitgpt as fitgpt_pkg
-from fitgpt.errors import UserError
+from fitgpt.errors import UserError, print_line
 from fitgpt.train import checkpoint as ckpt_io
 from fitgpt.train.rundir import LOCK_NAME, RunLock
 
@@ -142,11 +143,36 @@ def test_a_save_that_fails_in_one_rank_ends_every_rank_in_one_line(tmp_path):
     # the clone's or the venv's path may hold as well)
     ours = re.escape(str(Path(fitgpt_pkg.__file__).parent) + os.sep)
     assert r.returncode != 0 and not re.search(rf'File "{ours}', r.stderr), r.stderr[-3000:]
-    assert len([x for x in r.stderr.splitlines() if x.startswith("fitgpt train")]) == 2
+    lines = [x for x in r.stderr.splitlines() if x.startswith("fitgpt train")]
+    assert len(lines) == 2, r.stderr[-3000:]
     assert "the disk is full" in r.stderr  # rank 1's own line
     assert "another rank failed to write its files" in r.stderr  # rank 0's
     assert [p.name for p in ckpt_io.step_dirs(tmp_path)] == ["step_00000002"]
     assert not list(tmp_path.glob(".step_*"))
+
+
+class CountingFile(io.FileIO):
+    """A file that records each write call it gets: what one process puts on a shared pipe
+    at once (a write under the pipe's 4 KiB is never split by another process's)."""
+
+    calls: list[bytes]
+
+    def write(self, b):
+        self.calls.append(bytes(b))
+        return super().write(b)
+
+
+def test_an_error_line_goes_out_in_one_write_as_python_u_sets_stderr(tmp_path):
+    # how Python -u (PYTHONUNBUFFERED) builds stderr: a text layer writing through to the file
+    raw = CountingFile(tmp_path / "stderr", "w")
+    raw.calls = []
+    err = io.TextIOWrapper(raw, line_buffering=True, write_through=True)
+    print("rank 1's cause", file=err, flush=True)
+    assert raw.calls == [b"rank 1's cause", b"\n"]  # two ranks' prints interleave: "AB\n\n"
+    raw.calls.clear()
+    print_line("rank 0's cause", err)
+    assert raw.calls == [b"rank 0's cause\n"]
+    err.close()
 
 
 def small_disk_script(mnt: Path, size: str, commands: str) -> list[str]:

@@ -19,7 +19,7 @@ import importlib
 import os
 import sys
 
-from fitgpt.errors import UserError
+from fitgpt.errors import UserError, print_line
 
 # Modules under fitgpt.cli, one per subcommand. Order is the order of `fitgpt --help`.
 COMMANDS: list[str] = [
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         code = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handlers, not at exit
     except UserError as e:
-        print(f"{name}: error: {e}", file=sys.stderr)
+        print_line(f"{name}: error: {e}")
         sys.exit(2)
     except BrokenPipeError:
         _quiet_broken_pipe()
@@ -137,19 +137,19 @@ def main(argv: list[str] | None = None) -> None:
             raise
         if _stdout_broken():
             _drop_stdout()
-        print(f"{name}: error: {line}", file=sys.stderr)
+        print_line(f"{name}: error: {line}")
         sys.exit(2)
     except RuntimeError as e:
         from fitgpt.engine.comm import CollectiveError
 
         if not isinstance(e, CollectiveError):
             raise
-        print(f"{name}: {e}", file=sys.stderr)
+        print_line(f"{name}: {e}")
         sys.exit(1)
     except KeyboardInterrupt as e:  # train's Interrupted says what was saved and how to resume
         from fitgpt.procs import Stopped
 
-        print(f"{name}: {e or 'interrupted'}", file=sys.stderr)
+        print_line(f"{name}: {e or 'interrupted'}")
         sys.exit(143 if isinstance(e, Stopped) else 130)  # 128 + SIGTERM's 15, or SIGINT's 2
     sys.exit(code or 0)
 

@@ -25,7 +25,7 @@ from fitgpt.cli.args import (
 )
 from fitgpt.data.config import DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
-from fitgpt.errors import UserError
+from fitgpt.errors import UserError, print_line
 from fitgpt.model import ModelConfig, get_preset
 from fitgpt.train.config import PARTS, TrainConfig
 from fitgpt.train.request import DEFAULT_PRESET, Request
@@ -281,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
         if not e.agreed:
             lone_failure(ctx, e)
         if ctx.is_main or not e.identical:  # the same line on every rank: printed once
-            print(f"fitgpt train: error: {e}", file=sys.stderr, flush=True)
+            print_line(f"fitgpt train: error: {e}")
         with contextlib.suppress(Exception):  # every line is out before any rank exits
             ctx.barrier()
         sys.exit(2)
@@ -320,8 +320,8 @@ def lone_failure(ctx, e: BaseException) -> None:
 
     where = f"rank {ctx.rank} of {ctx.world}"
     if isinstance(e, UserError):
-        print(f"fitgpt train: error on {where}: {e}", file=sys.stderr, flush=True)
+        print_line(f"fitgpt train: error on {where}: {e}")
         hard_exit(2)
     traceback.print_exc()
-    print(f"fitgpt train: {where} failed alone ({type(e).__name__}); the job ends", file=sys.stderr)
+    print_line(f"fitgpt train: {where} failed alone ({type(e).__name__}); the job ends")
     hard_exit(1)

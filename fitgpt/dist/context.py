@@ -25,7 +25,7 @@ from fitgpt.dist.mesh import (
     build_expert_groups,
     build_mesh,
 )
-from fitgpt.errors import UserError
+from fitgpt.errors import UserError, print_line
 
 # A collective that waits longer than this ends the job with the rank and operation named,
 # instead of hanging forever. Long enough for checkpoint writes and first-step compilation.
@@ -210,7 +210,7 @@ def exit_process(code) -> None:
         sys.exit(code)
     if code is not None and not isinstance(code, int):  # sys.exit("message") prints it, exits 1
         with contextlib.suppress(Exception):
-            print(code, file=sys.stderr, flush=True)
+            print_line(str(code))
         code = 1
     hard_exit(code or 0)
 
