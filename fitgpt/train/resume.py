@@ -66,6 +66,11 @@ NOT_SETTINGS = {
     ("engine", "cpu_mem"),
     ("engine", "gpu_mem"),
     ("engine", "inter_node_gbps"),
+    # whether the base's planner may choose --checkpointing / --keep-activations: no flags of
+    # their own, they follow the flags typed on each command; what the planner then chose is
+    # the engine's field, compared and named as itself
+    ("adapter", "checkpointing_planned"),
+    ("adapter", "keep_planned"),
 }
 # Values that mean another one where no planner replaced them: a storage format left "auto" is
 # fp32 to the engine (engine/chunked/placement.py), so a run saved with --plan off and resumed planned
