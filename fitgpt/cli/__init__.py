@@ -147,11 +147,18 @@ def main(argv: list[str] | None = None) -> None:
         print_line(f"{name}: {e}")
         sys.exit(1)
     except KeyboardInterrupt as e:  # train's Interrupted says what was saved and how to resume
-        from fitgpt.procs import Stopped
-
-        print_line(f"{name}: {e or 'interrupted'}")
-        sys.exit(143 if isinstance(e, Stopped) else 130)  # 128 + SIGTERM's 15, or SIGINT's 2
+        _interrupted(name, e)
     sys.exit(code or 0)
+
+
+def _interrupted(name: str, e: KeyboardInterrupt) -> None:
+    """One line for a stop, then exit 143 (128 + SIGTERM's 15) or 130 (SIGINT's 2). Ctrl-C's
+    own KeyboardInterrupt carries no text (and, an exception object, is truthy even so): it
+    printed `fitgpt data: ` with nothing after it."""
+    from fitgpt.procs import Stopped
+
+    print_line(f"{name}: {str(e) or 'stopped by SIGINT (Ctrl-C)'}")
+    sys.exit(143 if isinstance(e, Stopped) else 130)
 
 
 def _os_error_line(e: OSError, outputs: list[tuple[str, str]]) -> str | None:
@@ -164,8 +171,10 @@ def entry() -> None:
     """The `fitgpt` command and `python -m fitgpt`: main(), then an exit that survives gloo's
     threads (fitgpt.dist.context.exit_process). In-process callers use main() and get its
     SystemExit as before."""
-    from fitgpt.dist.context import exit_process
-
+    try:  # importing torch takes seconds: a Ctrl-C then is a stop too, not a traceback
+        from fitgpt.dist.context import exit_process
+    except KeyboardInterrupt as e:
+        _interrupted("fitgpt", e)
     try:
         main()
         code = 0

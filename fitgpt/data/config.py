@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,12 @@ class DataConfig:
             from fitgpt.paths import check_input_prefix
 
             check_input_prefix(self.data, "--data")  # a folder is named as one
+            near = _preprocessed_from(self.data)
+            if near:  # the --output-prefix given to preprocess, not the prefix it wrote
+                raise UserError(
+                    f"--data {self.data}: no {self.data}.bin/.idx pair; `fitgpt data preprocess "
+                    f"--output-prefix {self.data}` wrote {' and '.join(near)}: pass --data {near[0]}"
+                )
             raise UserError(
                 f"--data {self.data}: not one of {', '.join(BUILTIN)} and no {self.data}.bin/.idx "
                 "pair exists; run `fitgpt data preprocess` first or fix the prefix"
@@ -91,6 +98,14 @@ class DataConfig:
 
 def _prefix_exists(prefix: str) -> bool:
     return Path(prefix + ".bin").is_file() and Path(prefix + ".idx").is_file()
+
+
+def _preprocessed_from(prefix: str) -> list[str]:
+    """The prefixes `fitgpt data preprocess --output-prefix PREFIX` writes that exist
+    (PREFIX_{json key}_document, PREFIX_chat_document), sorted: Megatron's naming adds the
+    suffix, so the prefix a user typed for preprocess is the likeliest wrong --data."""
+    found = sorted(p[: -len(".idx")] for p in glob.glob(glob.escape(prefix) + "_*_document.idx"))
+    return [f for f in found if _prefix_exists(f)]
 
 
 def data_tokenizer(cfg: DataConfig) -> Tokenizer | None:

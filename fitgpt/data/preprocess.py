@@ -55,6 +55,7 @@ from typing import BinaryIO, Literal
 import numpy as np
 
 from fitgpt.data import sidecar
+from fitgpt.data.bar import transient_bar
 from fitgpt.data.chat import (
     ASSISTANT,
     CHAT_MADE_BY,
@@ -500,10 +501,8 @@ def _chunks(
 
 @contextlib.contextmanager
 def _progress_bar(enabled: bool, total: int):
-    from rich.console import Console
     from rich.progress import (
         BarColumn,
-        Progress,
         TaskProgressColumn,
         TextColumn,
         TimeRemainingColumn,
@@ -517,11 +516,9 @@ def _progress_bar(enabled: bool, total: int):
         TextColumn("{task.fields[mbps]:.2f} MB/s"),
         TimeRemainingColumn(),
     )
-    # transient: the bar is cleared when it ends, so a failure leaves only its one error line
-    # (the summary printed on success says what the bar said)
-    with Progress(
-        *columns, console=Console(stderr=True), disable=not enabled, transient=True
-    ) as bar:
+    # erased when it ends, so a failure leaves only its one error line (the summary printed on
+    # success says what the bar said)
+    with transient_bar(enabled, *columns) as bar:
         yield bar, bar.add_task("preprocess", total=total, docs=0, tokens=0, mbps=0.0)
 
 

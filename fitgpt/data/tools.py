@@ -392,10 +392,12 @@ def _histogram(lengths: np.ndarray, width: int = 40) -> list[str]:
 
 
 def _bar(enabled: bool):
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
+    from rich.progress import BarColumn, TaskProgressColumn, TextColumn
 
-    columns = (TextColumn("{task.description}"), BarColumn(), TaskProgressColumn())
-    # transient: the bar is erased when the work ends, so a refusal found during it (clean's
-    # --fix-unicode keeping nothing) is the one line on stderr, and a summary follows no bar
-    return Progress(*columns, console=Console(stderr=True), disable=not enabled, transient=True)
+    from fitgpt.data.bar import transient_bar
+
+    # erased when the work ends: a refusal found during it (clean's --fix-unicode keeping
+    # nothing) is the one line on stderr
+    return transient_bar(
+        enabled, TextColumn("{task.description}"), BarColumn(), TaskProgressColumn()
+    )

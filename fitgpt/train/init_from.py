@@ -78,6 +78,21 @@ def check_same_architecture(meta: dict, model_cfg: ModelConfig, ckpt: Path) -> N
         )
 
 
+def check_context(source: InitSource, seq_len: int) -> None:
+    """Refuse a --seq-len past the positions the source was made for (its config.json's
+    max_position_embeddings, kept in max_positions): rotary positions have no table, so such a
+    run trains, but on positions the weights never saw, and its export would still claim the
+    shorter context. Extending a context is a choice made in the source's config (a larger
+    max_position_embeddings with a rope scaling), not by a flag's typo."""
+    limit = source.model.max_positions
+    if limit is not None and seq_len > limit:
+        raise UserError(
+            f"--seq-len {seq_len} is past --init-from {source.path}'s context of {limit:,} "
+            f"tokens (max_position_embeddings); pass --seq-len {limit} or less, or extend the "
+            "context in its config.json first (max_position_embeddings and rope scaling)"
+        )
+
+
 def model_from_source(source: InitSource, asked: dict, data) -> ModelConfig:
     """The run's model: the source's architecture, with the fields a fine-tune may change from
     `asked` (the model flags given); any other difference is refused in one line. So is data
@@ -88,6 +103,8 @@ def model_from_source(source: InitSource, asked: dict, data) -> ModelConfig:
 
     model = source.model
     for name, value in asked.items():
+        if name == "seq_len":
+            check_context(source, value)
         if name in free_fields(source.model):
             model = dataclasses.replace(model, **{name: value})
         elif getattr(model, name) != value:

@@ -1,0 +1,169 @@
+"""A new user's first fine-tune, from the README's "Fine-tune your model" on the CPU: the
+mistakes met on the way are one line naming the input and the fix, before any work, leaving no
+output. Found by following the README with tiny Llama folders made by transformers:
+
+- Ctrl-C during `fitgpt data preprocess` printed `fitgpt data: ` and nothing else (Ctrl-C's
+  KeyboardInterrupt has no text), and during the start of any command (torch's import, 1-3 s)
+  a traceback;
+- every piped data command wrote a blank line to stderr (rich's erased bar), so a refusal was
+  not the one line on stderr;
+- `train --init-from FOLDER --seq-len N` past the folder's max_position_embeddings trained
+  without a word, on positions the weights never saw, and exported a config claiming less;
+- `--data PREFIX` with the --output-prefix given to preprocess (which writes
+  PREFIX_chat_document) said only that PREFIX.bin/.idx does not exist."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cli_refusal import assert_refused, files, run_in_process
+from helpers import tiny_llama_folder
+from tokenizer_folders import llama3
+
+import fitgpt
+
+ROOT = Path(fitgpt.__file__).resolve().parents[1]  # the tree under test
+
+
+def chats(path: Path, n: int) -> Path:
+    """`n` conversations as the README's JSON lines."""
+    line = {"messages": [{"role": "user", "content": "What is the capital of France?"},
+                         {"role": "assistant", "content": "Paris is. " * 3}]}  # fmt: skip
+    path.write_text((json.dumps(line) + "\n") * n)
+    return path
+
+
+def shell_signals() -> None:
+    """In the child: SIGINT at its default, as an interactive shell starts a command (a
+    background job of a script would inherit it ignored)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def interrupted(argv: list, ready, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m fitgpt ARGV`, Ctrl-C'd (SIGINT) as soon as `ready(pid)` is true."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fitgpt", *map(str, argv)], env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=shell_signals,
+    )  # fmt: skip
+    deadline = time.time() + timeout
+    while proc.poll() is None and not ready(proc.pid) and time.time() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, proc.communicate()  # still running when it is interrupted
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def assert_one_stop_line(done: subprocess.CompletedProcess, name: str) -> None:
+    lines = [x for x in done.stderr.splitlines() if x.strip()]
+    assert done.returncode == 130, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith(f"{name}: ") and "SIGINT" in lines[0], lines[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc")
+def test_ctrl_c_while_fitgpt_starts_is_one_line():
+    """Interrupted while torch loads (before any command runs): one line, exit 130."""
+
+    def loading_torch(pid: int) -> bool:
+        try:
+            return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            return False
+
+    done = interrupted(["presets"], loading_torch)
+    assert_one_stop_line(done, "fitgpt")
+
+
+def test_ctrl_c_during_preprocess_is_one_line_and_leaves_no_file(tmp_path):
+    """Interrupted while it tokenizes (its temporaries exist): one line saying so, and no file
+    of the output left."""
+    tok = llama3(tmp_path / "tok")
+    src = chats(tmp_path / "chats.jsonl", 40_000)  # ~4 s of tokenizing: interrupted early
+    out = tmp_path / "data"
+    out.mkdir()
+    argv = ["data", "preprocess", "--chat", "--input", src, "--tokenizer", tok]
+    argv += ["--output-prefix", out / "chats", "--workers", "0"]
+    done = interrupted(argv, lambda pid: bool(files(out)))
+    assert_one_stop_line(done, "fitgpt data")
+    assert not files(out)
+
+
+def test_a_piped_refusal_of_a_data_command_is_its_one_line(tmp_path, capsys):
+    """stderr not a terminal (a pipe, a log, CI): no bar is drawn, so none is erased with a
+    blank line; the refusal is all of stderr."""
+    tok = llama3(tmp_path / "tok")
+    src = chats(tmp_path / "chats.jsonl", 3)
+    src.write_text(src.read_text() + '{"messages": [\n')
+    argv = ["data", "preprocess", "--chat", "--input", src, "--tokenizer", tok]
+    code, err = run_in_process(capsys, *argv, "--output-prefix", tmp_path / "c", "--workers", "0")
+    assert_refused(code, err, f"{src}:4", "malformed JSON")
+    assert err.startswith("fitgpt data: error: "), repr(err)
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory):
+    """A tiny Llama folder (max_position_embeddings 64) with a chat tokenizer, and a fitgpt run
+    fine-tuned from it for one step at 32 tokens."""
+    from fitgpt.data.tokenizer import load_tokenizer
+
+    root = tmp_path_factory.mktemp("first_run")
+    tok = load_tokenizer(str(llama3(root / "tok")))
+    folder = tiny_llama_folder(root, tok.vocab_size)
+    llama3(folder)
+    run = root / "run"
+    argv = ["train", "--init-from", folder, "--data", "synthetic", "--seq-len", "32",
+            "--micro-batch", "1", "--grad-accum", "1", "--steps", "1", "--device", "cpu",
+            "--save-optimizer", "none", "--out", run]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "fitgpt", *map(str, argv)], capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {"folder": folder, "run": run, "root": root}
+
+
+@pytest.mark.parametrize("source", ["folder", "run"])
+def test_seq_len_past_the_models_context_is_refused_before_any_work(
+    llama_run, source, tmp_path, capsys
+):
+    """--seq-len past max_position_embeddings (64), from the folder or from a run fine-tuned
+    from it: one line naming both and the longest allowed, no run folder made; at 64 it is
+    taken."""
+    from fitgpt.data.config import DataConfig
+    from fitgpt.interop.init_source import find_source
+    from fitgpt.train.init_from import model_from_source
+
+    src = llama_run[source]
+    argv = ["train", "--init-from", src, "--data", "synthetic", "--seq-len", "65",
+            "--device", "cpu", "--steps", "1", "--out", tmp_path / "run"]  # fmt: skip
+    code, err = run_in_process(capsys, *argv)
+    line = assert_refused(code, err, "--seq-len 65", str(src), "max_position_embeddings")
+    assert "--seq-len 64 or less" in line
+    assert not (tmp_path / "run").exists()
+    opened = find_source(str(src))
+    assert model_from_source(opened, {"seq_len": 64}, DataConfig(data="synthetic")).seq_len == 64
+
+
+def test_data_named_by_the_preprocess_prefix_names_the_file_it_wrote(llama_run, tmp_path, capsys):
+    """`--data data/chats` after `preprocess --output-prefix data/chats`: the line names
+    data/chats_chat_document, the --data to pass."""
+    src = chats(tmp_path / "chats.jsonl", 4)
+    prefix = tmp_path / "data" / "chats"
+    argv = ["data", "preprocess", "--chat", "--input", src, "--tokenizer", llama_run["folder"]]
+    code, _ = run_in_process(capsys, *argv, "--output-prefix", prefix, "--workers", "0")
+    assert code in (0, None)
+    argv = ["train", "--init-from", llama_run["folder"], "--data", prefix, "--seq-len", "32",
+            "--device", "cpu", "--steps", "1", "--out", tmp_path / "run"]  # fmt: skip
+    code, err = run_in_process(capsys, *argv)
+    assert_refused(code, err, f"--data {prefix}", f"--data {prefix}_chat_document")
+    assert not (tmp_path / "run").exists()
