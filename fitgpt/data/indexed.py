@@ -248,15 +248,21 @@ class IndexedWriter:
             )
         }
         self._files: list = []
-        with self._os_errors():
-            self.bin_path.parent.mkdir(parents=True, exist_ok=True)
-            # Open for the writer's whole life; `finish` or `abort` closes them.
-            self._bin = open(self._tmp["bin"], "wb")  # noqa: SIM115
-            self._files.append(self._bin)
-            self._len = open(self._tmp["len"], "wb")  # noqa: SIM115
-            self._files.append(self._len)
-            self._doc = open(self._tmp["doc"], "wb")  # noqa: SIM115
-            self._files.append(self._doc)
+        # A Ctrl-C here, before the caller's `with` holds the writer, would leave the files
+        # opened so far behind (seen: a .bin.PID.tmp after a preprocess stopped at its start).
+        try:
+            with self._os_errors():
+                self.bin_path.parent.mkdir(parents=True, exist_ok=True)
+                # Open for the writer's whole life; `finish` or `abort` closes them.
+                self._bin = open(self._tmp["bin"], "wb")  # noqa: SIM115
+                self._files.append(self._bin)
+                self._len = open(self._tmp["len"], "wb")  # noqa: SIM115
+                self._files.append(self._len)
+                self._doc = open(self._tmp["doc"], "wb")  # noqa: SIM115
+                self._files.append(self._doc)
+        except BaseException:
+            self.abort()
+            raise
         self.num_sequences = 0
         self.num_documents = 0
         self.num_tokens = 0  # tokens written to the .bin
