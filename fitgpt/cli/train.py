@@ -157,7 +157,10 @@ def register(sub) -> None:
         "architecture, this command's data and settings, a fresh optimizer (docs/interop.md)",
     )
     p.add_argument(
-        "--overwrite", action="store_true", help="delete --out's checkpoints and start over"
+        "--overwrite",
+        action="store_true",
+        help="delete everything in --out (a run folder: a folder of other files is refused) and "
+        "start over",
     )
     p.add_argument(
         "--gpus", type=int, default=None, help="start torchrun with N processes on this machine"

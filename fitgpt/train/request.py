@@ -69,11 +69,14 @@ def settled(req: Request, world: int, open_source: OpenSource) -> Settings:
     torchrun starts (--gpus) and before anything is allocated."""
     from fitgpt.dist.context import device_type
     from fitgpt.paths import check_writable_dir
+    from fitgpt.train.rundir import check_overwritable
 
     settings = asked(req, world, open_source)
     device = device_type(settings.config.train.device)
     settings = settle(settings, world, device)
     check_out_apart(req.init_from, settings)
+    if settings.overwrite and req.resume is None:  # --resume keeps what is there
+        check_overwritable(Path(settings.config.train.out))
     check_writable_dir(settings.config.train.out, "--out")
     return settings
 
