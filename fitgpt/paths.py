@@ -133,6 +133,25 @@ def check_apart(flag: str, path: str | Path, kept: list[tuple[str, str | Path]],
             )
 
 
+def check_replaceable(flag: str, out: str | Path, marks: tuple[str, ...], what: str) -> None:
+    """Refuse, before any work, --overwrite of a folder `out` that holds files but none that
+    `marks` (glob patterns: what this command writes) match: --overwrite replaces or empties
+    `out` whole, and `--out . --overwrite` in a project folder, or a typo naming a folder of
+    one's own, would delete it all. No folder, an empty one or one this command wrote is
+    taken. `what` names such a folder in the line ("a run folder")."""
+    out = Path(out)
+    if not out.is_dir():
+        return
+    names = sorted(p.name for p in out.iterdir())
+    if not names or any(any(out.glob(m)) for m in marks):
+        return
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    raise UserError(
+        f"{flag} {out} is not {what} (it holds {shown}; no {', '.join(marks)}) and --overwrite "
+        f"would delete everything in it; name a new or empty folder, or {what}"
+    )
+
+
 def check_readable_file(
     path: str | Path, flag: str, what: str, *, allow_empty: bool = False
 ) -> Path:

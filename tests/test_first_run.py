@@ -169,21 +169,28 @@ def test_data_named_by_the_preprocess_prefix_names_the_file_it_wrote(llama_run, 
     assert not (tmp_path / "run").exists()
 
 
-def test_overwrite_of_a_folder_that_is_no_run_is_refused_and_deletes_nothing(
-    llama_run, tmp_path, capsys
+@pytest.mark.parametrize("command", ["train", "export", "import"])
+def test_overwrite_of_a_folder_of_other_files_is_refused_and_deletes_nothing(
+    llama_run, command, tmp_path, capsys
 ):
-    """`train --out . --overwrite` from a project folder (or a typo naming one's own folder):
-    --overwrite empties --out, so a folder of other files is refused in one line and keeps
-    them; a run's own folder is still overwritten."""
+    """`--out . --overwrite` from a project folder (or a typo naming one's own folder):
+    --overwrite empties or replaces --out, so a folder of other files is refused in one line
+    and keeps them; a folder the command wrote is still replaced."""
     mine = tmp_path / "project"
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
     (mine / "src").mkdir()
     before = files(mine)
-    argv = ["train", "--init-from", llama_run["folder"], "--data", "synthetic", "--seq-len",
-            "32", "--device", "cpu", "--steps", "1", "--overwrite"]  # fmt: skip
-    code, err = run_in_process(capsys, *argv, "--out", mine)
+    folder, run = llama_run["folder"], llama_run["run"]
+    argv, own = {
+        "train": (["train", "--init-from", folder, "--data", "synthetic", "--seq-len", "32",
+                   "--device", "cpu", "--steps", "1", "--save-optimizer", "none"], run),
+        "export": (["export", "--ckpt", run, "--format", "hf"], llama_run["root"] / "export"),
+        "import": (["import", "hf", folder], llama_run["root"] / "import"),
+    }[command]  # fmt: skip
+    code, err = run_in_process(capsys, *argv, "--out", mine, "--overwrite")
     assert_refused(code, err, f"--out {mine}", "notes.txt", "--overwrite")
     assert files(mine) == before and (mine / "src").is_dir()
-    code, err = run_in_process(capsys, *argv, "--out", llama_run["run"], "--save-optimizer", "none")
-    assert code in (0, None), err[-2000:]
+    for _ in range(2):  # the second replaces what the first wrote
+        code, err = run_in_process(capsys, *argv, "--out", own, "--overwrite")
+        assert code in (0, None), err[-2000:]

@@ -59,8 +59,13 @@ class ExportResult:
 
 
 def check_output(out: Path, overwrite: bool) -> None:
+    """--out free, or --overwrite of a folder an export wrote (it is replaced whole)."""
     if out.exists() and not overwrite:
         raise UserError(f"--out {out} already exists; pass --overwrite to replace it")
+    from fitgpt.paths import check_replaceable
+
+    marks = ("config.json", "adapter_config.json", "*.safetensors")
+    check_replaceable("--out", out, marks, "a model folder")
 
 
 def export_hf(

@@ -57,6 +57,9 @@ def chunk_pieces(
 def check_output(out: Path, overwrite: bool, needed_bytes: int) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise UserError(f"--out {out} exists and is not empty; pass --overwrite or another --out")
+    from fitgpt.train.rundir import check_overwritable
+
+    check_overwritable(out)  # --overwrite replaces it whole: a run folder only
     probe = out.parent if out.parent.exists() else Path.cwd()
     free = shutil.disk_usage(probe).free
     if free < needed_bytes:

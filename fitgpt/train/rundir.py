@@ -136,22 +136,12 @@ def _held_by_pid(owner: dict) -> bool:
 
 
 def check_overwritable(out: Path) -> None:
-    """Refuse, before any work, --overwrite of a folder that holds files but no run's (no
-    run.json, metrics.jsonl, lock or step_* checkpoint): --overwrite empties --out, and
-    `--out . --overwrite` in a project folder, or a typo naming a folder of one's own, would
-    delete it all. A run folder, an empty one or none at all is taken."""
-    if not out.is_dir():
-        return
-    names = sorted(p.name for p in out.iterdir())
-    marks = (ckpt_io.RECORD_NAME, "metrics.jsonl", LOCK_NAME)
-    if not names or any(n in marks or n.lstrip(".").startswith("step_") for n in names):
-        return
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    raise UserError(
-        f"--out {out} is not a run folder (it holds {shown}; no run.json, metrics.jsonl or "
-        "step_*) and --overwrite would delete everything in it; name a new or empty folder, "
-        "or a run's"
-    )
+    """--overwrite empties --out: refused, before any work, on a folder of other files
+    (paths.py check_replaceable), one with a run's files or the lock taken."""
+    from fitgpt.paths import check_replaceable
+
+    marks = (ckpt_io.RECORD_NAME, "metrics.jsonl", LOCK_NAME, "step_*", ".step_*")
+    check_replaceable("--out", out, marks, "a run folder")
 
 
 def _clear(out: Path) -> None:
