@@ -194,3 +194,38 @@ def test_overwrite_of_a_folder_of_other_files_is_refused_and_deletes_nothing(
     for _ in range(2):  # the second replaces what the first wrote
         code, err = run_in_process(capsys, *argv, "--out", own, "--overwrite")
         assert code in (0, None), err[-2000:]
+
+
+def test_generate_reads_the_source_models_context_as_transformers_does(llama_run, tmp_path, capsys):
+    """Fine-tuned at 32 tokens from a folder of 64 positions: a prompt and reply of 50 tokens
+    are read whole, as transformers generates with the export (greedy: the same ids), not
+    through a sliding window of the last 32; the CLI says nothing about a context."""
+    import torch
+    import transformers
+    from cli_refusal import run_main
+
+    from fitgpt.infer.generate import (
+        SampleConfig,
+        checkpoint_meta,
+        generate,
+        generation_context,
+        load_model,
+    )
+    from fitgpt.interop.hf_export import export_hf
+
+    run = llama_run["run"]
+    cfg = checkpoint_meta(run)[2]
+    assert (cfg.seq_len, generation_context(cfg)) == (32, 64)
+    model, _ = load_model(run, torch.device("cpu"), None, generation_context(cfg))
+    x = torch.randint(0, 200, (1, 10), generator=torch.Generator().manual_seed(0))
+    sample = SampleConfig(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    ours = generate(model, x, sample, note=pytest.fail)[0, 10:].tolist()
+    export_hf(run, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    theirs = hf.generate(x, do_sample=False, max_new_tokens=40, min_new_tokens=40,
+                         eos_token_id=None, pad_token_id=0)[0, 10:].tolist()  # fmt: skip
+    assert ours == theirs
+    code, _, err = run_main(capsys, "generate", "--ckpt", run, "--prompt", "Hello world",
+                            "--max-new-tokens", "40", "--temperature", "0",
+                            "--tokenizer", llama_run["folder"])  # fmt: skip
+    assert code == 0 and "context" not in err, err

@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         chat_prompt,
         checkpoint_meta,
         generate,
+        generation_context,
         load_model,
         strip_stop,
         tokenizer_for,
@@ -68,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
         chat_prompt(tok, "")  # no template, or one that refuses a turn: refused here
     from fitgpt.interop.adapter_export import merged_base
 
-    model, _ = load_model(path, device, merged_base(path))  # an adapter run's: merged
+    context = generation_context(model_cfg)  # a rotary model's whole, as transformers reads it
+    model, _ = load_model(path, device, merged_base(path), context)  # an adapter run's: merged
     told = []
 
     def note(line: str) -> None:  # the context note once, not once per interactive prompt

@@ -77,12 +77,29 @@ def checkpoint_meta(path: Path) -> tuple[Path, dict, ModelConfig]:
     return ckpt, meta, ModelConfig.from_dict(meta["config"]["model"])
 
 
-def load_model(path: Path, device: torch.device, merged=None) -> tuple[DecoderLM, dict]:
+def generation_context(cfg: ModelConfig) -> int:
+    """The tokens a generating model reads at most: a rotary model's max_positions (a Hugging
+    Face folder's max_position_embeddings, kept through import and fine-tuning), as transformers
+    reads the export, where that is more than the training run's --seq-len; else seq_len (a
+    learned position table holds no more). Fine-tuned at 4096 from a 131,072-token Llama, the
+    reply to a long conversation sees it all, as transformers' does, not its last 4096."""
+    if cfg.position == "learned" or not cfg.max_positions:
+        return cfg.seq_len
+    return max(cfg.seq_len, cfg.max_positions)
+
+
+def load_model(
+    path: Path, device: torch.device, merged=None, seq_len: int | None = None
+) -> tuple[DecoderLM, dict]:
     """The checkpoint's weights in a plain model on `device` (bf16 on GPUs, fp32 on CPUs), read
     with the trainer's checks: checksums, sizes, the layout against the model's own, CRCs. An
     adapter run's checkpoint holds no model: `merged` reads its base with the adapters merged
-    in (interop/adapter_export.py, opened by the command, which may read the base's format)."""
+    in (interop/adapter_export.py, opened by the command, which may read the base's format).
+    `seq_len`: the context the model is built for (generate's: generation_context), if not
+    the training run's; no weight depends on it where it may differ."""
     ckpt, meta, cfg = checkpoint_meta(path)
+    if seq_len is not None:
+        cfg = cfg.replace(seq_len=seq_len)
     if merged is None and meta["config"].get("adapter", {}).get("lora_rank") is not None:
         raise UserError(
             f"{ckpt} holds LoRA adapters, not a model: export it with them merged in (fitgpt "
@@ -162,8 +179,11 @@ class _Window:
     new token is one cached step; once it does not, every step re-reads the last seq_len tokens
     (the positions of the kept tokens change, so the cache cannot be reused)."""
 
-    def __init__(self, model: DecoderLM, idx_BT: Tensor, use_cache: bool) -> None:
+    def __init__(self, model: DecoderLM, idx_BT: Tensor, use_cache: bool, new: int) -> None:
         self.model, self.use_cache, self.S = model, use_cache, model.cfg.seq_len
+        # the cache holds what this call can reach, not the whole context: a 131,072-token
+        # Llama 3.1's is 16 GiB at 8 B, its 200-token reply's a few MiB
+        self.capacity = min(self.S, idx_BT.shape[1] + new)
         self.seq_BT = idx_BT
         self.logits = self._read_window()
 
@@ -172,7 +192,8 @@ class _Window:
         if not self.use_cache:
             return self.model(window_BT)[:, -1]
         dtype = next(self.model.parameters()).dtype
-        self.cache = KVCache(self.model.cfg, window_BT.shape[0], window_BT.device, dtype)
+        B = window_BT.shape[0]
+        self.cache = KVCache(self.model.cfg, B, window_BT.device, dtype, self.capacity)
         return self.model(window_BT, cache=self.cache)[:, -1]
 
     def push(self, nxt_B1: Tensor) -> None:
@@ -229,7 +250,7 @@ def generate(
     stops = None
     if stop_ids and not cfg.ignore_eos:
         stops = torch.tensor(sorted(set(stop_ids)), device=idx_BT.device)
-    window = _Window(model, idx_BT, use_cache)
+    window = _Window(model, idx_BT, use_cache, cfg.max_new_tokens)
     B = idx_BT.shape[0]
     done_B = torch.zeros(B, dtype=torch.bool, device=idx_BT.device)
     last_B1 = torch.zeros(B, 1, dtype=idx_BT.dtype, device=idx_BT.device)

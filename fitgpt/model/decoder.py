@@ -50,8 +50,11 @@ class KVCache:
     """Keys and values of every layer for incremental decoding: [B, K, S, D] per layer (K the
     key/value heads: grouped-query attention caches K heads, not N)."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, device, dtype) -> None:
-        shape = (batch, cfg.kv_heads, cfg.seq_len, cfg.head_dim)
+    def __init__(
+        self, cfg: ModelConfig, batch: int, device, dtype, length: int | None = None
+    ) -> None:
+        # `length` positions (default: the whole context), zeroed here: K·D·length per layer
+        shape = (batch, cfg.kv_heads, length or cfg.seq_len, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.length = 0  # P: positions filled so far, the same for every layer
