@@ -229,3 +229,19 @@ def test_generate_reads_the_source_models_context_as_transformers_does(llama_run
                             "--max-new-tokens", "40", "--temperature", "0",
                             "--tokenizer", llama_run["folder"])  # fmt: skip
     assert code == 0 and "context" not in err, err
+
+
+def test_presets_table_columns_line_up(capsys):
+    """`fitgpt presets`: every number ends under its column's name, for every family's preset
+    (qwen3_moe's name and a 405 B count outgrew fixed widths and shifted their rows)."""
+    from cli_refusal import run_main
+
+    code, out, _ = run_main(capsys, "presets")
+    head, *rows = [x for x in out.splitlines() if x and not x.startswith(("*", "Parameter"))]
+    assert code == 0 and len(rows) > 10
+    for col in ("layers", "hidden", "heads", "seq", "params"):
+        end = head.index(col) + len(col)
+        for row in rows:
+            assert row[end - 1].isdigit() and row[end] == " ", (col, row)
+    starts = {row.index(row.split()[1], len(row.split()[0])) for row in rows}
+    assert starts == {head.index("family")}  # the family names start under theirs

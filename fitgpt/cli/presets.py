@@ -11,17 +11,23 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    w = max(map(len, PRESETS))
-    print(
-        f"{'preset':<{w}} {'family':<7} {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>3} "
-        f"{'seq':>5} {'params':>14}  bytes of state*"
-    )
-    for name, c in PRESETS.items():
-        n = c.num_params()
-        print(
-            f"{name:<{w}} {c.family:<7} {c.n_layer:>6} {c.n_embd:>6} {c.n_head:>5} {c.kv_heads:>3} "
-            f"{c.seq_len:>5} {n:>14,}  {16 * n / 1e9:8.1f} GB"
-        )
+    rows = [
+        (name, c.family, c.n_layer, c.n_embd, c.n_head, c.kv_heads, c.seq_len, c.num_params())
+        for name, c in PRESETS.items()
+    ]
+    head = ("preset", "family", "layers", "hidden", "heads", "kv", "seq", "params")
+    cells = [head, *[(*r[:-1], f"{r[-1]:,}") for r in rows]]
+    # each column as wide as its widest cell: names and counts grow with the presets
+    # (qwen3_moe, 235,093,634,560 outgrew fixed widths and shifted their rows)
+    widths = [max(len(str(row[i])) for row in cells) for i in range(len(head))]
+
+    def line(row) -> str:
+        names = [f"{row[0]:<{widths[0]}}", f"{row[1]:<{widths[1]}}"]
+        return " ".join(names + [f"{v:>{w}}" for v, w in zip(row[2:], widths[2:])])
+
+    print(line(head) + "  bytes of state*")
+    for r, shown in zip(rows, cells[1:]):
+        print(line(shown) + f"  {16 * r[-1] / 1e9:8.1f} GB")
     print(
         "* mixed-precision Adam: 16 bytes per parameter (bf16 weight and gradient, fp32 master "
         "and two moments), before activations.\nParameter counts use the preset's vocabulary "
