@@ -245,3 +245,38 @@ def test_presets_table_columns_line_up(capsys):
             assert row[end - 1].isdigit() and row[end] == " ", (col, row)
     starts = {row.index(row.split()[1], len(row.split()[0])) for row in rows}
     assert starts == {head.index("family")}  # the family names start under theirs
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_file_with_a_bom_gives_what_it_gives_without(chat, tmp_path, capsys):
+    """A UTF-8 BOM before the first line (Notepad, Excel, PowerShell's Out-File): the same
+    files, byte for byte, as without it, for conversations and for plain text lines."""
+    tok = llama3(tmp_path / "tok")
+    plain = chats(tmp_path / "plain.jsonl", 3)
+    if not chat:
+        plain.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["a b", "c", "d e f"]))
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    made = {}
+    for src in (plain, marked):
+        out = tmp_path / src.stem
+        argv = ["data", "preprocess", *(["--chat"] if chat else []), "--input", src]
+        argv += ["--tokenizer", tok, "--output-prefix", out / "d", "--workers", "0"]
+        code, err = run_in_process(capsys, *argv)
+        assert code in (0, None), err
+        made[src] = {p.name: p.read_bytes() for p in out.iterdir() if p.suffix in (".bin", ".idx")}
+    assert made[plain] == made[marked] and len(made[plain]) == (4 if chat else 2)
+
+
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_conversation_file_saved_as_one_json_array_is_named_so(indent, tmp_path, capsys):
+    """`json.dump(rows, f)` (one line, or pretty-printed): one line saying it is an array, not
+    JSON lines, and how to convert it; nothing written."""
+    rows = [json.loads(x) for x in chats(tmp_path / "c.jsonl", 2).read_text().splitlines()]
+    src = tmp_path / "chats.json"
+    src.write_text(json.dumps(rows, indent=indent))
+    out = tmp_path / "data"
+    argv = ["data", "preprocess", "--chat", "--input", src, "--tokenizer", llama3(tmp_path / "t")]
+    code, err = run_in_process(capsys, *argv, "--output-prefix", out / "c", "--workers", "0")
+    assert_refused(code, err, f"{src}:1", "JSON array", "one conversation a line")
+    assert not out.exists() or not files(out)

@@ -44,6 +44,14 @@ class ChatLineError(ValueError):
     """One conversation that cannot be used; the message says what is wrong and the fix."""
 
 
+# A conversation file saved as one JSON array (`json.dump(rows, f)`, pretty-printed or not), the
+# likeliest first mistake: its first line is `[` or the whole array
+JSON_ARRAY = (
+    "a JSON array: the file looks like one array of conversations, not JSON lines; write one "
+    "conversation a line (jq -c '.[]' FILE > FILE.jsonl)"
+)
+
+
 def template_text(tok: Tokenizer) -> str:
     """The chat template of `tok`'s folder, or a one-line refusal naming the fix."""
     if not isinstance(tok, JSONTokenizer):
@@ -248,6 +256,8 @@ def conversation(obj: object) -> list[dict]:
     """The messages of one parsed JSON line, checked: a list of objects with a string role, at
     least one of them the assistant's, each content text (`_message`). prompt/response lines
     become user + assistant (after a system message when the line has "system")."""
+    if isinstance(obj, list):  # the whole file as one array: a .json, not JSON lines
+        raise ChatLineError(JSON_ARRAY)
     if not isinstance(obj, dict):
         raise ChatLineError(
             f'a JSON {json_type(obj)}, not an object; write {{"messages": [...]}} or '

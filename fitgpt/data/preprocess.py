@@ -60,6 +60,7 @@ from fitgpt.data.chat import (
     ASSISTANT,
     CHAT_MADE_BY,
     CHAT_SUFFIX,
+    JSON_ARRAY,
     ChatEncoder,
     ChatLineError,
     conversation,
@@ -469,6 +470,11 @@ def _open_input(path: str) -> Iterator[tuple[BinaryIO, BinaryIO]]:
             yield stream, raw  # type: ignore[misc]
 
 
+# what Notepad, Excel and PowerShell put first in a UTF-8 file; json.loads refuses it, so the
+# first line of such a file was "malformed JSON" (Python's utf-8-sig codec drops it too)
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def _chunks(
     stream: BinaryIO, size: int, damage: list[tuple[int, str]]
 ) -> Iterator[tuple[bytes, int]]:
@@ -489,6 +495,8 @@ def _chunks(
                 return
             if not block.endswith(b"\n"):
                 block += stream.readline()
+            if line == 1 and block.startswith(UTF8_BOM):  # Windows editors' mark, not text
+                del block[: len(UTF8_BOM)]
             yield bytes(block), line
             line += block.count(b"\n")
     except (OSError, EOFError, zlib.error) as e:
@@ -648,6 +656,8 @@ def _encode_chat(block: bytes, first_line: int) -> _Chunk:
             continue
         obj, problem, fixed = _json_line(raw, state)
         try:
+            if problem is not None and raw.lstrip().startswith(b"["):  # a pretty-printed array
+                raise ChatLineError(JSON_ARRAY)
             if problem is not None:
                 raise ChatLineError(f"{problem[1]}; each line must be one JSON conversation")
             obj, lone = _without_surrogates(obj)
