@@ -173,6 +173,13 @@ def check_input_prefix(prefix: str, flag: str) -> None:
     inside it when there is one (what the user most likely meant). Anything else is left to
     the reader of the pair, which says which file is missing or damaged."""
     p = Path(prefix)
+    stem, suffix = os.path.splitext(prefix)
+    pair = Path(stem + ".bin").is_file() and Path(stem + ".idx").is_file()
+    if suffix in (".bin", ".idx") and pair and not Path(prefix + ".bin").is_file():
+        raise UserError(  # a file of the pair, as a shell's tab completion gives it
+            f"{_name(flag, prefix)}: names a file of the pair; give its prefix, {stem} (the "
+            f"path without {suffix})"
+        )
     if not p.is_dir() or Path(prefix + ".bin").is_file():
         return
     pairs = sorted(i.with_suffix("") for i in p.glob("*.idx") if i.with_suffix(".bin").is_file())

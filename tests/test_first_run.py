@@ -280,3 +280,22 @@ def test_a_conversation_file_saved_as_one_json_array_is_named_so(indent, tmp_pat
     code, err = run_in_process(capsys, *argv, "--output-prefix", out / "c", "--workers", "0")
     assert_refused(code, err, f"{src}:1", "JSON array", "one conversation a line")
     assert not out.exists() or not files(out)
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".idx"])
+def test_data_named_by_a_file_of_the_pair_names_its_prefix(llama_run, suffix, tmp_path, capsys):
+    """`--data data/chats_chat_document.bin` (tab completion gives a file): the line names the
+    prefix to pass, for train and for the data tools."""
+    src = chats(tmp_path / "chats.jsonl", 4)
+    prefix = tmp_path / "chats"
+    argv = ["data", "preprocess", "--chat", "--input", src, "--tokenizer", llama_run["folder"]]
+    code, _ = run_in_process(capsys, *argv, "--output-prefix", prefix, "--workers", "0")
+    assert code in (0, None)
+    named = f"{prefix}_chat_document{suffix}"
+    argv = ["train", "--init-from", llama_run["folder"], "--data", named, "--seq-len", "32",
+            "--device", "cpu", "--steps", "1", "--out", tmp_path / "run"]  # fmt: skip
+    code, err = run_in_process(capsys, *argv)
+    assert_refused(code, err, f"--data {named}", f"its prefix, {prefix}_chat_document ")
+    code, err = run_in_process(capsys, "data", "inspect", named)
+    assert_refused(code, err, named, f"its prefix, {prefix}_chat_document ")
+    assert not (tmp_path / "run").exists()
