@@ -147,18 +147,18 @@ def main(argv: list[str] | None = None) -> None:
         print_line(f"{name}: {e}")
         sys.exit(1)
     except KeyboardInterrupt as e:  # train's Interrupted says what was saved and how to resume
-        _interrupted(name, e)
+        sys.exit(_stopped(name, e))
     sys.exit(code or 0)
 
 
-def _interrupted(name: str, e: KeyboardInterrupt) -> None:
-    """One line for a stop, then exit 143 (128 + SIGTERM's 15) or 130 (SIGINT's 2). Ctrl-C's
-    own KeyboardInterrupt carries no text (and, an exception object, is truthy even so): it
-    printed `fitgpt data: ` with nothing after it."""
+def _stopped(name: str, e: KeyboardInterrupt) -> int:
+    """One line for a stop; the exit code, 143 (128 + SIGTERM's 15) or 130 (SIGINT's 2).
+    Ctrl-C's own KeyboardInterrupt carries no text (and, an exception object, is truthy even
+    so): it printed `fitgpt data: ` with nothing after it."""
     from fitgpt.procs import Stopped
 
     print_line(f"{name}: {str(e) or 'stopped by SIGINT (Ctrl-C)'}")
-    sys.exit(143 if isinstance(e, Stopped) else 130)
+    return 143 if isinstance(e, Stopped) else 130
 
 
 def _os_error_line(e: OSError, outputs: list[tuple[str, str]]) -> str | None:
@@ -174,10 +174,12 @@ def entry() -> None:
     try:  # importing torch takes seconds: a Ctrl-C then is a stop too, not a traceback
         from fitgpt.dist.context import exit_process
     except KeyboardInterrupt as e:
-        _interrupted("fitgpt", e)
+        sys.exit(_stopped("fitgpt", e))
     try:
         main()
         code = 0
     except SystemExit as e:
         code = e.code
+    except KeyboardInterrupt as e:  # before main's own handler: while the parser is built
+        code = _stopped("fitgpt", e)
     exit_process(code)
