@@ -275,6 +275,41 @@ def test_plan_cli_refuses_before_allocating(capsys):
     assert "zero-0, checkpointing full" in out  # the table of candidates came first
 
 
+@pytest.mark.parametrize("lora", [(), ("--lora-rank", "4")], ids=["full", "lora"])
+def test_plan_init_from_plans_the_run_train_makes_of_the_folder(capsys, tmp_path, lora):
+    """`fitgpt plan --init-from FOLDER` prices the model and defaults `fitgpt train --init-from
+    FOLDER` trains (the folder's shape, fine-tuning's batch, a LoRA base that is the folder's):
+    its chosen plan is the line train prints before its first step; a flag against the
+    folder's architecture is refused by both alike."""
+    from helpers import tiny_llama_folder
+
+    folder = tiny_llama_folder(tmp_path, vocab=300)
+    run = (
+        "--init-from",
+        folder,
+        "--seq-len",
+        "32",
+        "--device",
+        "cpu",
+        "--data",
+        "synthetic",
+        *lora,
+    )
+    code, out, err = run_main(capsys, "plan", *run)
+    assert code == 0, err
+    assert out.startswith(f"model {folder} with seq_len=32: ")
+    assert "randomly initialised" not in out  # the base is the folder's
+    line = "LoRA: " if lora else "chosen: "
+    planned = next(x for x in out.splitlines() if x.startswith(line)).removeprefix("chosen: ")
+    code, out, err = run_main(capsys, "train", *run, "--steps", "1", "--out", tmp_path / "run")
+    assert code == 0, err
+    trained = next(x for x in out.splitlines() if x.startswith(("LoRA: ", "plan: ")))
+    assert trained.removeprefix("plan: ") == planned
+    for cmd in ("train", "--out", tmp_path / "x"), ("plan",):
+        code, _, err = run_main(capsys, cmd[0], *run, "--layers", "5", *cmd[1:])
+        assert code == 2 and "its model has n_layer=3, this command asks 5" in err, err
+
+
 # ---- the capacity search ---------------------------------------------------------------------
 @pytest.mark.parametrize("truth, start", [(37, 5), (5, 37), (1, 9), (12, 12)])
 def test_search_brackets_then_bisects_in_few_trials(truth, start):

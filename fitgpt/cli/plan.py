@@ -20,6 +20,7 @@ from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig, get_preset
 from fitgpt.plan.links import INTER_NODE_GBIT, stated_link
 from fitgpt.train.config import TrainConfig
+from fitgpt.train.request import DEFAULT_PRESET
 
 
 def add_hardware_args(p: argparse.ArgumentParser) -> None:
@@ -66,7 +67,19 @@ def register(sub) -> None:
         "each one's memory per device and step time, and print them with the "
         "chosen one first. Nothing is allocated.",
     )
-    p.add_argument("--preset", default="tiny", help="named model config (default: tiny)")
+    p.add_argument(
+        "--preset",
+        default=None,
+        help=f"named model config (see `fitgpt presets`; default: {DEFAULT_PRESET})",
+    )
+    p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="SRC",
+        help="plan for the model of SRC, as `fitgpt train --init-from SRC` would train it: a "
+        "Hugging Face folder or a fitgpt run (its config and the tensors' headers are read, "
+        "no weights)",
+    )
     add_config_args(
         p.add_argument_group("model"),
         ModelConfig,
@@ -178,7 +191,8 @@ def plan_lora(args: argparse.Namespace, run, fixed, typed, hw) -> int:
     from fitgpt.plan.adapter_memory import price_base
     from fitgpt.plan.apply import workload_of
 
-    run, _, notes = adapter_placement(run, fixed, typed, has_base=False)
+    has_base = args.init_from is not None
+    run, _, notes = adapter_placement(run, fixed, typed, has_base=has_base)
     r = rates.with_network(rates.load(hw.gpu_name), stated_link(args.inter_node_gbps))
     cpu = cpu_only(args, hw)  # a laptop's answer must not read as a GPU box's
     try:
@@ -254,19 +268,22 @@ def print_breakdown(c, ranks: int = 0) -> None:
 
 
 def model_name(args: argparse.Namespace) -> str:
-    """The preset, with the fields the flags changed: "llama3.1-8b with seq_len=131072"."""
+    """The --init-from source or the preset, with the fields the flags changed: "llama3.1-8b
+    with seq_len=131072"."""
+    name = args.init_from or args.preset or DEFAULT_PRESET
     changed = explicit(args, ModelConfig)
     if not changed:
-        return args.preset
-    return f"{args.preset} with " + ", ".join(f"{k}={v}" for k, v in changed.items())
+        return name
+    return f"{name} with " + ", ".join(f"{k}={v}" for k, v in changed.items())
 
 
 def planned_run(args: argparse.Namespace, device: str):
     """(the run `fitgpt train` makes of these flags, the engine fields given): the run as
     train/request.py makes it (fresh_config: the same preset, data, batch and engine defaults;
-    with_block_counts: the shares of blocks as counts), resolved as train resolves it for `device` (the
-    data's vocabulary, the precision): the planner prices the model train builds. Nothing is
-    opened but the tokenizer.
+    init_config for --init-from: the source's model and fine-tuning's defaults; with_block_counts:
+    the shares of blocks as counts), resolved as train resolves it for `device` (the data's
+    vocabulary, the precision): the planner prices the model train builds. Nothing is opened
+    but the tokenizer and a source's config and tensor headers.
 
     One difference: with neither --data nor --tokenizer, train's default data (the standard
     library through the bytes tokenizer) would give the model a 256-row vocabulary, and a
@@ -279,7 +296,13 @@ def planned_run(args: argparse.Namespace, device: str):
 
     req = request_of(args)
     given = {part: dict(fields) for part, fields in req.given.items()}
-    run = fresh_config(req, given)
+    if req.init_from is not None:  # the source's model, fine-tuning's defaults: train's own
+        from fitgpt.interop.init_source import find_source
+        from fitgpt.train.request import init_config
+
+        run, _ = init_config(req, given, find_source)
+    else:
+        run = fresh_config(req, given)
     given, run = with_block_counts(req, given, run)
     resolved = resolve_run(run, device)  # the planner settles --compile
     if not {"data", "tokenizer"} & set(given["data"]):
