@@ -23,14 +23,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from fitgpt.adapters.config import ALL_LINEAR, AdapterConfig, flag, same
+from fitgpt.adapters.config import ALL_LINEAR, PEFT_CONFIG_FILE, AdapterConfig, flag, same
 from fitgpt.adapters.lora import param_names
 from fitgpt.adapters.targets import Target, lora_targets
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
 
-CONFIG_FILE = "adapter_config.json"
+CONFIG_FILE = PEFT_CONFIG_FILE
 WEIGHTS_FILE = "adapter_model.safetensors"
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names of the dtypes taken
 PREFIX = "base_model.model."  # PeftModel's own name for the model it wraps
 # keys of adapter_config.json that, set, make PEFT compute more than plain LoRA on linears
 UNSUPPORTED = (
@@ -39,6 +40,11 @@ UNSUPPORTED = (
     "layer_replication", "target_parameters", "use_qalora", "alora_invocation_tokens",
     "use_bdlora", "arrow_config", "kasa_config", "velora_config", "monteclora_config",
 )  # fmt: skip
+# init_lora_weights values that draw A and B alone, the base untouched (B·A need not start at
+# zero: orthogonal's, MiCA's); the folder's saved A and B are then plain LoRA. The others
+# (PiSSA, OLoRA, CorDA, LoRA-GA, LoftQ) subtract their start from the base's weights, which a
+# folder does not hold.
+PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal", "mica")
 
 
 def peft_key(t: Target, which: str) -> str:
@@ -118,7 +124,7 @@ def read_adapter_config(folder: Path) -> dict:
     if cfg.get("bias", "none") != "none":
         raise UserError(f"{path}: bias={cfg['bias']!r}; fitgpt's LoRA trains no bias (none)")
     init = cfg.get("init_lora_weights", True)
-    if init not in (True, False, "gaussian"):
+    if init not in PLAIN_INITS:
         raise UserError(
             f"{path}: init_lora_weights={init!r} rewrites the base's weights at the start; "
             "convert the adapter to plain LoRA first (PEFT's path_initial_model_for_weight_"
@@ -154,9 +160,21 @@ def read_adapter_config(folder: Path) -> dict:
     }
 
 
-def read_peft_weights(folder: Path, cfg: ModelConfig, adapter: AdapterConfig) -> dict[str, Tensor]:
-    """The adapters of PEFT folder `folder`, fp32, by their names in fitgpt's model: exactly
-    the tensors `adapter`'s targets in the model `cfg` need, each of its shape and finite."""
+def _wanted(cfg: ModelConfig, adapter: AdapterConfig) -> dict[str, tuple[str, tuple[int, int]]]:
+    """PEFT key -> (the name in fitgpt's model, the shape) of every tensor `adapter` needs."""
+    r, out = adapter.lora_rank, {}
+    for t in lora_targets(cfg, adapter):
+        shapes = ((r, t.in_features), (t.out_features, r))
+        for which, name, shape in zip("AB", param_names(t), shapes):
+            out[peft_key(t, which)] = (name, shape)
+    return out
+
+
+def check_peft_weights(folder: Path, cfg: ModelConfig, adapter: AdapterConfig) -> None:
+    """The header of PEFT folder `folder`'s weights checked against the model `cfg`: exactly
+    the tensors `adapter`'s targets need, each floating point and of its shape, or one line
+    naming the key. Reads no tensor (a few KB), so a run refuses a folder of another model
+    before its base is read, not after (train/request.py); their values: read_peft_weights."""
     path = folder / WEIGHTS_FILE
     if not path.is_file():
         other = (
@@ -164,34 +182,40 @@ def read_peft_weights(folder: Path, cfg: ModelConfig, adapter: AdapterConfig) ->
             * (folder / "adapter_model.bin").is_file()
         )
         raise UserError(f"--lora-from {folder} has no {WEIGHTS_FILE}{other}")
-    try:
+    try:  # safetensors checks that the header's offsets cover the file: a truncation fails here
         with safe_open(str(path), framework="pt") as f:
-            stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (no dict)
+            slices = {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118 (no dict)
+            stored = {k: (v.get_dtype(), v.get_shape()) for k, v in slices.items()}
     except Exception as e:  # safetensors raises its own error types for a bad header
         raise UserError(f"{path} is unreadable ({e})") from None
-    out, r = {}, adapter.lora_rank
-    wanted = set()
-    for t in lora_targets(cfg, adapter):
-        for which, name, shape in zip("AB", param_names(t), ((r, t.in_features),
-                                                             (t.out_features, r))):  # fmt: skip
-            key = peft_key(t, which)
-            wanted.add(key)
-            v = stored.get(key)
-            if v is None:
-                raise UserError(f"{path} lacks {key}; is it an adapter of this model?")
-            if tuple(v.shape) != shape or not v.is_floating_point():
-                raise UserError(
-                    f"{path}: {key} is {v.dtype} {list(v.shape)}, this model's needs {list(shape)}"
-                )
-            if not torch.isfinite(v).all():
-                raise UserError(f"{path}: {key} holds NaN or inf values")
-            out[name] = v.float()
-    extra = sorted(set(stored) - wanted)
+    wanted = _wanted(cfg, adapter)
+    for key, (_, shape) in wanted.items():
+        if key not in stored:
+            raise UserError(f"{path} lacks {key}; is it an adapter of this model?")
+        dtype, got = stored[key]
+        if tuple(got) != shape or dtype not in FLOAT_DTYPES:
+            raise UserError(
+                f"{path}: {key} is {dtype} {got}; this model's needs floating point {list(shape)}"
+            )
+    extra = sorted(set(stored) - set(wanted))
     if extra:
         raise UserError(
             f"{path} holds {extra[0]}, which adapter_config.json's targets do not name "
             f"({len(extra)} such); fix target_modules"
         )
+
+
+def read_peft_weights(folder: Path, cfg: ModelConfig, adapter: AdapterConfig) -> dict[str, Tensor]:
+    """The adapters of PEFT folder `folder`, fp32, by their names in fitgpt's model: exactly
+    the tensors `adapter`'s targets in the model `cfg` need (check_peft_weights), finite."""
+    check_peft_weights(folder, cfg, adapter)
+    path, out = folder / WEIGHTS_FILE, {}
+    with safe_open(str(path), framework="pt") as f:
+        for key, (name, _) in _wanted(cfg, adapter).items():
+            v = f.get_tensor(key)
+            if not torch.isfinite(v).all():
+                raise UserError(f"{path}: {key} holds NaN or inf values")
+            out[name] = v.float()
     return out
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fitgpt.adapters.peft import adapter_config
+from fitgpt.adapters.peft import adapter_config, check_peft_weights
 from fitgpt.data.config import BUILTIN, DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
@@ -254,6 +254,8 @@ def fresh_config(
     if model is None:
         preset = DEFAULT_PRESET if req.preset is None else req.preset
         model = dataclasses.replace(get_preset(preset), **given["model"])
+    if adapter.lora_from:  # its tensors' names and shapes (a header), before a base is read
+        check_peft_weights(Path(adapter.lora_from), model, adapter)
     return RunConfig(
         model=model,
         data=data_config(given),

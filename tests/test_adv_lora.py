@@ -1,0 +1,134 @@
+"""PEFT folders made by PEFT itself (get_peft_model + save_pretrained) going into `fitgpt train
+--lora-from`, and what an adversarial user hands it: initialisations that leave the base alone
+(taken, PEFT's loss on the first batch), folders of another model or damaged ones (refused in
+one line before the base is read: nothing written under --out).
+
+Every HF model is built here with random weights (2 layers, 64 wide) and saved to a temporary
+folder: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cli_refusal import assert_refused, run_in_process
+from safetensors.torch import load_file, save_file
+from test_lora import batches, cli, hf_model, losses, train_argv
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning:peft"),  # EVA without data: its defaults
+]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf") / "llama"
+    hf_model("llama").save_pretrained(folder)
+    return folder
+
+
+def peft_folder(base_folder, out, **lora):
+    """PEFT's own folder of an adapter over `base_folder`, B drawn non-zero (a trained one)."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(base, peft.LoraConfig(**lora))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(out)
+    return out
+
+
+def from_folder_argv(base, adapter, out, steps=1) -> list[str]:
+    argv = train_argv(base, out, steps=steps)
+    i = argv.index("--lora-rank")
+    del argv[i : i + 2]
+    return [*argv, "--lora-from", str(adapter)]
+
+
+@pytest.mark.parametrize("init", ["orthogonal", "mica", "eva"])
+def test_an_initialisation_that_leaves_the_base_alone_goes_on_training(llama, tmp_path, init):
+    """orthogonal, MiCA and EVA draw A and B only (the base untouched), so the saved folder is
+    plain LoRA: taken, and the first step's loss is PeftModel.from_pretrained's on that batch."""
+    adapter = peft_folder(llama, tmp_path / "peft", r=4, lora_alpha=8, init_lora_weights=init,
+                          target_modules=["q_proj", "v_proj", "down_proj"])  # fmt: skip
+    assert json.loads((adapter / "adapter_config.json").read_text())["init_lora_weights"] == init
+    cli(from_folder_argv(llama, adapter, tmp_path / "run"))
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama).eval()
+    ref = peft.PeftModel.from_pretrained(base, adapter).eval()
+    x, y = batches(1)[0]
+    with torch.no_grad():
+        want = F.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten()).item()
+    assert abs(losses(tmp_path / "run")[0] - want) < 1e-5
+
+
+def _damaged(tmp_path, good, name, change):
+    folder = tmp_path / name
+    shutil.copytree(good, folder)
+    change(folder)
+    return folder
+
+
+def _rewrite(folder, fn):
+    path = folder / "adapter_model.safetensors"
+    save_file(fn(load_file(path)), path)
+
+
+def _config(folder, **fields):
+    path = folder / "adapter_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | fields))
+
+
+PREFIX = "base_model.model."
+DAMAGE = {
+    # (how the folder is damaged, what the one line names)
+    "another-rank": (lambda d: _config(d, r=8), "[8, 64]"),
+    "truncated": (
+        lambda d: (d / "adapter_model.safetensors").write_bytes(
+            (d / "adapter_model.safetensors").read_bytes()[:-100]
+        ),
+        "unreadable",
+    ),
+    "bin-only": (
+        lambda d: (
+            torch.save(load_file(d / "adapter_model.safetensors"), d / "adapter_model.bin"),
+            (d / "adapter_model.safetensors").unlink(),
+        ),
+        "adapter_model.bin",
+    ),
+    "integers": (
+        lambda d: _rewrite(d, lambda t: {k: v.to(torch.int32) for k, v in t.items()}),
+        "I32",
+    ),
+    "no-prefix": (
+        lambda d: _rewrite(d, lambda t: {k.removeprefix(PREFIX): v for k, v in t.items()}),
+        "lacks base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+    ),
+    "head": (lambda d: _config(d, target_modules=["q_proj", "lm_head"]), "target_modules lm_head"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_a_folder_fitgpt_cannot_read_is_refused_before_the_base_is_read(
+    llama, tmp_path, capsys, case
+):
+    """One line naming the file and the key, and nothing under --out: the tensors' names,
+    shapes and dtypes are read from the header when the run is settled, not after the base
+    (minutes for a large model) is loaded."""
+    good = peft_folder(llama, tmp_path / "peft", r=4, lora_alpha=8, target_modules=["q_proj"])
+    change, names = DAMAGE[case]
+    folder = _damaged(tmp_path, good, case, change)
+    out = tmp_path / "run"
+    line = assert_refused(*run_in_process(capsys, *from_folder_argv(llama, folder, out)), names)
+    assert str(folder) in line
+    assert not out.exists()
+    if case == "head":  # the folder's target_modules, not a flag the user did not give
+        assert "--lora-targets" not in line and "adapter_config.json" in line
