@@ -132,3 +132,20 @@ def test_a_folder_fitgpt_cannot_read_is_refused_before_the_base_is_read(
     assert not out.exists()
     if case == "head":  # the folder's target_modules, not a flag the user did not give
         assert "--lora-targets" not in line and "adapter_config.json" in line
+
+
+def test_a_merge_whose_base_is_gone_names_the_run_s_base_not_a_flag(llama, tmp_path, capsys):
+    """export --merge and generate of an adapter run read its base again: gone, the one line
+    says it is the run's base that is missing and that the adapters alone still export (it
+    said `--init-from X does not exist; pass ...`, a flag neither command has)."""
+    base = tmp_path / "base"
+    shutil.copytree(llama, base)
+    run = tmp_path / "run"
+    cli(train_argv(base, run, steps=1))
+    shutil.rmtree(base)
+    merge = ("export", "--ckpt", run, "--format", "hf", "--merge", "--out", tmp_path / "m")
+    for argv in (merge, ("generate", "--ckpt", run, "--prompt", "hi", "--tokenizer", "bytes")):
+        line = assert_refused(*run_in_process(capsys, *argv), str(base), "--format peft")
+        assert "--init-from" not in line.split(":")[0]
+    assert not (tmp_path / "m").exists()
+    cli(["export", "--ckpt", run, "--format", "peft", "--out", tmp_path / "p"])

@@ -66,6 +66,11 @@ def merged(ckpt: Path, meta: dict, cfg: ModelConfig) -> Merged:
     path = meta.get("init_from")
     if adapter is None or not path:
         raise UserError(f"{ckpt} holds no LoRA adapters over a base; there is nothing to merge")
+    if not Path(path).exists():  # find_source's line would name --init-from, which we lack
+        raise UserError(
+            f"{ckpt}: its base {path} (the run's --init-from) is gone, and the adapters merge "
+            "into it; put that model back there, or export the adapters alone (--format peft)"
+        )
     source = find_source(path)
     kept = {k: getattr(cfg, k) for k in free_fields(source.model)}
     if dataclasses.replace(source.model, **kept) != cfg:
