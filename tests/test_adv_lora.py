@@ -112,6 +112,7 @@ DAMAGE = {
         lambda d: _rewrite(d, lambda t: {k.removeprefix(PREFIX): v for k, v in t.items()}),
         "lacks base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
     ),
+    "alpha-infinite": (lambda d: _config(d, lora_alpha=float("inf")), "lora_alpha=inf"),
     "head": (lambda d: _config(d, target_modules=["q_proj", "lm_head"]), "target_modules lm_head"),
 }
 
@@ -130,7 +131,7 @@ def test_a_folder_fitgpt_cannot_read_is_refused_before_the_base_is_read(
     line = assert_refused(*run_in_process(capsys, *from_folder_argv(llama, folder, out)), names)
     assert str(folder) in line
     assert not out.exists()
-    if case == "head":  # the folder's target_modules, not a flag the user did not give
+    if case in ("head", "alpha-infinite"):  # the folder's target_modules, not a flag the user did not give
         assert "--lora-targets" not in line and "adapter_config.json" in line
 
 

@@ -16,6 +16,7 @@ a missing, extra or misshapen tensor, a value that is not finite.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -143,7 +144,7 @@ def read_adapter_config(folder: Path) -> dict:
     r, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)  # 8: PEFT's default alpha
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise UserError(f"{path}: r={r!r} must be a whole number >= 1")
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not alpha > 0:
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not 0 < alpha < math.inf:
         raise UserError(f"{path}: lora_alpha={alpha!r} must be a positive number")
     dropout = cfg.get("lora_dropout", 0.0)
     if not isinstance(dropout, int | float) or not 0 <= dropout < 1:
