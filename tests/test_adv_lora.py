@@ -131,7 +131,10 @@ def test_a_folder_fitgpt_cannot_read_is_refused_before_the_base_is_read(
     line = assert_refused(*run_in_process(capsys, *from_folder_argv(llama, folder, out)), names)
     assert str(folder) in line
     assert not out.exists()
-    if case in ("head", "alpha-infinite"):  # the folder's target_modules, not a flag the user did not give
+    if case in (
+        "head",
+        "alpha-infinite",
+    ):  # the folder's target_modules, not a flag the user did not give
         assert "--lora-targets" not in line and "adapter_config.json" in line
 
 
@@ -150,3 +153,25 @@ def test_a_merge_whose_base_is_gone_names_the_run_s_base_not_a_flag(llama, tmp_p
         assert "--init-from" not in line.split(":")[0]
     assert not (tmp_path / "m").exists()
     cli(["export", "--ckpt", run, "--format", "peft", "--out", tmp_path / "p"])
+
+
+def test_peft_s_all_linear_on_a_mixture_adapts_its_experts_and_is_refused_for_that(
+    tmp_path, capsys
+):
+    """PEFT 0.21's all-linear over transformers' Qwen3-MoE adapts the experts and the router
+    too (target_parameters, with a rank_pattern for the fused experts), which fitgpt does not:
+    the one line names target_parameters and the experts, not the rank_pattern PEFT added."""
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=64, vocab_size=300, intermediate_size=96,
+        moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "moe")
+    folder = peft_folder(tmp_path / "moe", tmp_path / "peft", r=4, target_modules="all-linear")
+    saved = json.loads((folder / "adapter_config.json").read_text())
+    assert saved["target_parameters"] and saved["rank_pattern"]  # what PEFT made of all-linear
+    argv = from_folder_argv(tmp_path / "moe", folder, tmp_path / "run")
+    line = assert_refused(*run_in_process(capsys, *argv), "target_parameters", "experts")
+    assert "rank_pattern" not in line and not (tmp_path / "run").exists()

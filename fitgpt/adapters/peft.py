@@ -118,6 +118,12 @@ def read_adapter_config(folder: Path) -> dict:
     path, cfg = _config_file(folder)
     if cfg.get("peft_type") != "LORA":
         raise UserError(f"{path}: peft_type={cfg.get('peft_type')!r}; fitgpt trains LORA only")
+    if cfg.get("target_parameters"):  # first: PEFT adds a rank_pattern for them on its own
+        raise UserError(
+            f"{path}: target_parameters={cfg['target_parameters']!r} adapts parameters that are "
+            "no linear (a mixture's experts and router: PEFT's all-linear adds them), which "
+            "fitgpt does not adapt yet; plain LoRA on linears only"
+        )
     for key in UNSUPPORTED:
         v = cfg.get(key)
         if v not in (None, False, {}, [], "", "megatron.core"):

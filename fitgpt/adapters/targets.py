@@ -12,7 +12,8 @@ in the map's order, which is the HF model's module order: PEFT creates its adapt
 order, so the same seed draws the same A (lora.py). `all-linear` is every candidate (PEFT's
 all-linear: every linear but the head). A mixture of experts' sparse MLP (router and experts)
 is no candidate yet: transformers keeps both as plain parameters, not linears, and fitgpt does
-not adapt them.
+not adapt them (PEFT 0.21's all-linear does, as target_parameters: its all-linear there is more
+than fitgpt's, whose exported folder names the linears it adapted).
 """
 
 from __future__ import annotations
