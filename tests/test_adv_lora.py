@@ -175,3 +175,17 @@ def test_peft_s_all_linear_on_a_mixture_adapts_its_experts_and_is_refused_for_th
     argv = from_folder_argv(tmp_path / "moe", folder, tmp_path / "run")
     line = assert_refused(*run_in_process(capsys, *argv), "target_parameters", "experts")
     assert "rank_pattern" not in line and not (tmp_path / "run").exists()
+
+
+def test_a_folder_holding_adapters_in_subfolders_names_them(llama, tmp_path, capsys):
+    """PEFT saves an adapter not named "default" in a subfolder of its name (and the HF Trainer
+    its checkpoints as checkpoint-N/): the parent folder passed, the one line names the
+    subfolders that are adapters, and one of them trains."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])
+    model = peft.get_peft_model(base, lora, adapter_name="sql")
+    model.save_pretrained(tmp_path / "saved")
+    assert (tmp_path / "saved" / "sql" / "adapter_config.json").is_file()
+    argv = from_folder_argv(llama, tmp_path / "saved", tmp_path / "run")
+    assert_refused(*run_in_process(capsys, *argv), "adapter_config.json", "saved/sql")
+    cli(from_folder_argv(llama, tmp_path / "saved" / "sql", tmp_path / "run"))

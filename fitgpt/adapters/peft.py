@@ -104,7 +104,11 @@ def _config_file(folder: Path) -> tuple[Path, dict]:
     try:
         cfg = json.loads(path.read_text())
     except FileNotFoundError:
-        raise UserError(f"{where} has no {CONFIG_FILE}: not a PEFT adapter folder") from None
+        # PEFT saves an adapter not named "default" in a subfolder of its name, the HF Trainer
+        # its checkpoints as checkpoint-N/: name those that are adapters
+        inside = sorted(str(p.parent) for p in folder.glob(f"*/{CONFIG_FILE}"))
+        hint = f"; its subfolders are: pass one of {', '.join(inside[:3])}" if inside else ""
+        raise UserError(f"{where} has no {CONFIG_FILE}: not a PEFT adapter folder{hint}") from None
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise UserError(f"{path} is not valid JSON ({e}); fix or replace it") from None
     if not isinstance(cfg, dict):
