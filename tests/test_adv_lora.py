@@ -189,3 +189,18 @@ def test_a_folder_holding_adapters_in_subfolders_names_them(llama, tmp_path, cap
     argv = from_folder_argv(llama, tmp_path / "saved", tmp_path / "run")
     assert_refused(*run_in_process(capsys, *argv), "adapter_config.json", "saved/sql")
     cli(from_folder_argv(llama, tmp_path / "saved" / "sql", tmp_path / "run"))
+
+
+@pytest.mark.parametrize("where", ["same", "inside"])
+def test_an_out_at_or_inside_the_lora_from_folder_is_refused_and_the_folder_kept(
+    llama, tmp_path, capsys, where
+):
+    """--out the --lora-from folder with --overwrite emptied it before its tensors were read:
+    the user's adapter was deleted and the run failed. Refused, as an --out in the --init-from
+    model is, and the folder stays whole."""
+    adapter = peft_folder(llama, tmp_path / "peft", r=4, lora_alpha=8, target_modules=["q_proj"])
+    before = {p.name: p.read_bytes() for p in adapter.iterdir()}
+    out = adapter if where == "same" else adapter / "run"
+    argv = [*from_folder_argv(llama, adapter, out), "--overwrite"]
+    assert_refused(*run_in_process(capsys, *argv), "--out", "--lora-from")
+    assert {p.name: p.read_bytes() for p in adapter.iterdir()} == before

@@ -320,7 +320,8 @@ def with_block_counts(req: Request, given: dict[str, dict], run: RunConfig):
 
 def check_out_apart(typed_source: str | None, settings: Settings) -> None:
     """Refuse an --out that is, lies inside or holds the model the run starts from (the
-    --init-from source as typed and as found, and the models that one came from), before any
+    --init-from source as typed and as found, the models that one came from, and the
+    --lora-from adapter folder), before any
     work: the run would write its files among the user's model files, and --overwrite delete
     them. With --overwrite, the data and the tokenizer folder are kept apart too (it empties
     --out)."""
@@ -337,6 +338,8 @@ def check_out_apart(typed_source: str | None, settings: Settings) -> None:
                 (f"a model {source.path} came from", p)
                 for p in ckpt_io.sources(ckpt_io.load_meta(source.path))
             ]
+        if run.adapter.lora_from:  # the PEFT folder whose adapters it goes on training
+            kept.append(("the adapter --lora-from reads", run.adapter.lora_from))
     if ckpt:
         meta = ckpt_io.load_meta(Path(ckpt), ckpt_io.ANY_NODE)  # its sources alone
         kept += [(f"a model {ckpt} came from", p) for p in ckpt_io.sources(meta)]
