@@ -321,10 +321,9 @@ def with_block_counts(req: Request, given: dict[str, dict], run: RunConfig):
 def check_out_apart(typed_source: str | None, settings: Settings) -> None:
     """Refuse an --out that is, lies inside or holds the model the run starts from (the
     --init-from source as typed and as found, the models that one came from, and the
-    --lora-from adapter folder), before any
-    work: the run would write its files among the user's model files, and --overwrite delete
-    them. With --overwrite, the data and the tokenizer folder are kept apart too (it empties
-    --out)."""
+    --lora-from adapter folder), before any work: the run would write its files among the
+    user's model files, and --overwrite delete them. With --overwrite, the data and the
+    tokenizer folder are kept apart too (it empties --out)."""
     from fitgpt.data.indexed import paths as pair_paths
     from fitgpt.paths import check_apart
 
