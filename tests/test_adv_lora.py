@@ -204,3 +204,16 @@ def test_an_out_at_or_inside_the_lora_from_folder_is_refused_and_the_folder_kept
     argv = [*from_folder_argv(llama, adapter, out), "--overwrite"]
     assert_refused(*run_in_process(capsys, *argv), "--out", "--lora-from")
     assert {p.name: p.read_bytes() for p in adapter.iterdir()} == before
+
+
+def test_a_folder_carrying_a_resized_embedding_is_refused_for_that(llama, tmp_path, capsys):
+    """Tokens added to the model (resize_token_embeddings) make PEFT save the whole embedding
+    and head beside the adapters, with target_modules unchanged: the one line says the folder
+    holds whole weights of a resized vocabulary, not "fix target_modules"."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
+    base.resize_token_embeddings(base.config.vocab_size + 8)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    model.save_pretrained(tmp_path / "peft")
+    argv = from_folder_argv(llama, tmp_path / "peft", tmp_path / "run")
+    line = assert_refused(*run_in_process(capsys, *argv), "embed_tokens", "vocabulary")
+    assert "fix target_modules" not in line and not (tmp_path / "run").exists()

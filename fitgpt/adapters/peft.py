@@ -209,6 +209,14 @@ def check_peft_weights(folder: Path, cfg: ModelConfig, adapter: AdapterConfig) -
                 f"{path}: {key} is {dtype} {got}; this model's needs floating point {list(shape)}"
             )
     extra = sorted(set(stored) - set(wanted))
+    whole = [k.removeprefix(PREFIX) for k in extra if ".lora_" not in k]
+    if whole:  # save_pretrained adds the embedding and head once the vocabulary was resized
+        raise UserError(
+            f"{path} holds whole weights beside the adapters ({', '.join(whole[:3])}): PEFT "
+            "saves them when tokens were added to the vocabulary; fitgpt's LoRA trains "
+            "adapters alone: merge the folder with PEFT (merge_and_unload) and --init-from "
+            "the merged model"
+        )
     if extra:
         raise UserError(
             f"{path} holds {extra[0]}, which adapter_config.json's targets do not name "
