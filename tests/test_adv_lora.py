@@ -217,3 +217,11 @@ def test_a_folder_carrying_a_resized_embedding_is_refused_for_that(llama, tmp_pa
     argv = from_folder_argv(llama, tmp_path / "peft", tmp_path / "run")
     line = assert_refused(*run_in_process(capsys, *argv), "embed_tokens", "vocabulary")
     assert "fix target_modules" not in line and not (tmp_path / "run").exists()
+
+
+def test_a_peft_folder_given_as_init_from_is_named_for_what_it_is(llama, tmp_path, capsys):
+    """An adapter folder passed as the model: the one line says it is a PEFT adapter, and to
+    pass its base (the folder's base_model_name_or_path) as --init-from and it as --lora-from."""
+    adapter = peft_folder(llama, tmp_path / "peft", r=4, target_modules=["q_proj"])
+    argv = train_argv(adapter, tmp_path / "run", steps=1)
+    assert_refused(*run_in_process(capsys, *argv), "PEFT adapter", "--lora-from", str(llama))
