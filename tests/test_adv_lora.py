@@ -225,3 +225,16 @@ def test_a_peft_folder_given_as_init_from_is_named_for_what_it_is(llama, tmp_pat
     adapter = peft_folder(llama, tmp_path / "peft", r=4, target_modules=["q_proj"])
     argv = train_argv(adapter, tmp_path / "run", steps=1)
     assert_refused(*run_in_process(capsys, *argv), "PEFT adapter", "--lora-from", str(llama))
+
+
+def test_targets_given_again_agree_by_the_modules_they_name(llama, tmp_path, capsys):
+    """PEFT saves all-linear as the module names it found (whole names on a small model):
+    --lora-targets all-linear given again names the same modules and is taken; a flag naming
+    other modules is refused in one line."""
+    adapter = peft_folder(llama, tmp_path / "peft", r=4, target_modules="all-linear")
+    saved = json.loads((adapter / "adapter_config.json").read_text())["target_modules"]
+    assert "all-linear" not in saved
+    argv = from_folder_argv(llama, adapter, tmp_path / "run")
+    assert_refused(*run_in_process(capsys, *argv, "--lora-targets", "q_proj"), "--lora-targets")
+    cli([*argv, "--lora-targets", "all-linear"])
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()

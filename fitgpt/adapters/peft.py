@@ -242,18 +242,27 @@ def read_peft_weights(folder: Path, cfg: ModelConfig, adapter: AdapterConfig) ->
 FROM_FOLDER = ("lora_rank", "lora_alpha", "lora_targets", "lora_rslora")
 
 
-def adapter_config(given: dict) -> AdapterConfig:
+def adapter_config(given: dict, model: ModelConfig | None = None) -> AdapterConfig:
     """The adapter the --lora-* flags `given` ask for: with --lora-from, the folder's (peft.py
     reads its adapter_config.json, refusing in one line what fitgpt's LoRA does not compute),
-    each flag given again checked against it; its dropout, a training choice, may be set."""
+    each flag given again checked against it; its dropout, a training choice, may be set.
+    --lora-targets agrees when it names the same modules of `model` (PEFT saves all-linear as
+    the names it found), or, no model known yet, the same names."""
     path = given.get("lora_from")
     if not path:
         return AdapterConfig(**given)
     found = read_adapter_config(Path(path))
     for name in FROM_FOLDER:
-        if name in given and not same(name, given[name], found[name]):
-            raise UserError(
-                f"{flag(name)} {given[name]}: the adapter --lora-from {path} has "
-                f"{found[name]}; drop the flag (the adapter's shape is the folder's)"
-            )
+        if name not in given or same(name, given[name], found[name]):
+            continue
+        if name == "lora_targets" and model is not None:
+            asked = AdapterConfig(lora_rank=1, lora_targets=given[name])  # the flag's own checks
+            folder = AdapterConfig(lora_rank=1, lora_targets=found[name], lora_from=path)
+            theirs = {t.hf for t in lora_targets(model, folder)}
+            if {t.hf for t in lora_targets(model, asked)} == theirs:
+                continue
+        raise UserError(
+            f"{flag(name)} {given[name]}: the adapter --lora-from {path} has "
+            f"{found[name]}; drop the flag (the adapter's shape is the folder's)"
+        )
     return AdapterConfig(**{**found, **given})

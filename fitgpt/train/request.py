@@ -244,7 +244,7 @@ def fresh_config(
     flags checked against it) or the preset with the model flags applied, the Python standard
     library as data unless --data says otherwise. `--preset ""` names no preset and is refused
     by get_preset, as any other name it does not know (an empty name is not the default)."""
-    adapter = adapter_config(given["adapter"])  # --lora-from: its folder's adapter
+    adapter = adapter_config(given["adapter"], model)  # --lora-from: its folder's adapter
     if model is None and adapter.active and req.preset is None:
         raise UserError(
             f"--lora-rank {adapter.lora_rank} adapts a pretrained model: add --init-from MODEL "
