@@ -238,3 +238,30 @@ def test_targets_given_again_agree_by_the_modules_they_name(llama, tmp_path, cap
     assert_refused(*run_in_process(capsys, *argv, "--lora-targets", "q_proj"), "--lora-targets")
     cli([*argv, "--lora-targets", "all-linear"])
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+def test_a_base_whose_weights_changed_is_refused_by_merge_generate_and_resume(
+    llama, tmp_path, capsys
+):
+    """The base folder a LoRA run names, overwritten by another model of the same shape (a
+    newer revision, the instruct model saved over the base): the merge, generate and a resume
+    added the adapters to weights they were not trained on, silently. The run records a
+    fingerprint of its base (sizes and sampled bytes of its weight files, as the data's): each
+    refuses in one line naming the base; put back, all go on."""
+    base = tmp_path / "base"
+    shutil.copytree(llama, base)
+    run = tmp_path / "run"
+    cli(train_argv(base, run, steps=1))
+    weights = base / "model.safetensors"
+    kept = weights.read_bytes()
+    other = load_file(weights)
+    save_file({k: v + 0.01 for k, v in other.items()}, weights, metadata={"format": "pt"})
+    merge = ("export", "--ckpt", run, "--format", "hf", "--merge", "--out", tmp_path / "m")
+    resume = ("train", "--out", run, "--resume", "--steps", "2")
+    generate = ("generate", "--ckpt", run, "--prompt", "hi", "--tokenizer", "bytes")
+    for argv in (merge, generate, resume):
+        assert_refused(*run_in_process(capsys, *argv), str(base), "other weights")
+    assert not (tmp_path / "m").exists()
+    weights.write_bytes(kept)
+    cli(merge)
+    cli(resume)

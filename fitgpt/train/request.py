@@ -199,6 +199,14 @@ def adapter_base(run: RunConfig, meta: dict, ckpt: Path, open_source: OpenSource
             f"--resume: {ckpt} trained LoRA adapters on {path}, which holds another model now; "
             "put the base back, or start a new run with --init-from and --overwrite"
         )
+    from fitgpt.train.resume import same_base
+
+    if not same_base(meta, path):
+        raise UserError(
+            f"--resume: {ckpt} trained LoRA adapters on {path}, which holds other weights now "
+            "(a model of the same shape saved there); put the base back, or start a new run "
+            "with --init-from and --overwrite"
+        )
     return source
 
 
