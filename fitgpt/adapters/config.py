@@ -12,6 +12,7 @@ from pathlib import Path
 from fitgpt.errors import UserError
 
 ALL_LINEAR = "all-linear"
+PEFT_CONFIG_FILE = "adapter_config.json"  # a PEFT folder's adapter, read by peft.py
 BASE_FORMATS = ("fp32", "bf16", "int8", "nf4")  # engine/formats/frozen_base.py holds them
 # where the frozen base lives and in what format: the run's placement, free to change on a resume
 PLACEMENT = (
@@ -162,6 +163,14 @@ class AdapterConfig:
         """s in W + s·B·A: alpha/r, or alpha/sqrt(r) (rsLoRA), as PEFT computes it."""
         r = self.lora_rank
         return self.alpha / math.sqrt(r) if self.lora_rslora else self.alpha / r
+
+    @property
+    def targets_given_by(self) -> str:
+        """Where the target names come from, for a line refusing one: the flag, or the
+        --lora-from folder's adapter_config.json."""
+        if self.lora_from:
+            return f"{Path(self.lora_from) / PEFT_CONFIG_FILE}: target_modules"
+        return "--lora-targets"
 
     @property
     def target_names(self) -> tuple[str, ...] | None:

@@ -16,6 +16,7 @@ a missing, extra or misshapen tensor, a value that is not finite.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -23,14 +24,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from fitgpt.adapters.config import ALL_LINEAR, AdapterConfig, flag, same
+from fitgpt.adapters.config import ALL_LINEAR, PEFT_CONFIG_FILE, AdapterConfig, flag, same
 from fitgpt.adapters.lora import param_names
 from fitgpt.adapters.targets import Target, lora_targets
 from fitgpt.errors import UserError
 from fitgpt.model import ModelConfig
 
-CONFIG_FILE = "adapter_config.json"
+CONFIG_FILE = PEFT_CONFIG_FILE
 WEIGHTS_FILE = "adapter_model.safetensors"
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names of the dtypes taken
 PREFIX = "base_model.model."  # PeftModel's own name for the model it wraps
 # keys of adapter_config.json that, set, make PEFT compute more than plain LoRA on linears
 UNSUPPORTED = (
@@ -39,6 +41,11 @@ UNSUPPORTED = (
     "layer_replication", "target_parameters", "use_qalora", "alora_invocation_tokens",
     "use_bdlora", "arrow_config", "kasa_config", "velora_config", "monteclora_config",
 )  # fmt: skip
+# init_lora_weights values that draw A and B alone, the base untouched (B·A need not start at
+# zero: orthogonal's, MiCA's); the folder's saved A and B are then plain LoRA. The others
+# (PiSSA, OLoRA, CorDA, LoRA-GA, LoftQ) subtract their start from the base's weights, which a
+# folder does not hold.
+PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal", "mica")
 
 
 def peft_key(t: Target, which: str) -> str:
@@ -97,7 +104,11 @@ def _config_file(folder: Path) -> tuple[Path, dict]:
     try:
         cfg = json.loads(path.read_text())
     except FileNotFoundError:
-        raise UserError(f"{where} has no {CONFIG_FILE}: not a PEFT adapter folder") from None
+        # PEFT saves an adapter not named "default" in a subfolder of its name, the HF Trainer
+        # its checkpoints as checkpoint-N/: name those that are adapters
+        inside = sorted(str(p.parent) for p in folder.glob(f"*/{CONFIG_FILE}"))
+        hint = f"; its subfolders are: pass one of {', '.join(inside[:3])}" if inside else ""
+        raise UserError(f"{where} has no {CONFIG_FILE}: not a PEFT adapter folder{hint}") from None
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise UserError(f"{path} is not valid JSON ({e}); fix or replace it") from None
     if not isinstance(cfg, dict):
@@ -111,6 +122,12 @@ def read_adapter_config(folder: Path) -> dict:
     path, cfg = _config_file(folder)
     if cfg.get("peft_type") != "LORA":
         raise UserError(f"{path}: peft_type={cfg.get('peft_type')!r}; fitgpt trains LORA only")
+    if cfg.get("target_parameters"):  # first: PEFT adds a rank_pattern for them on its own
+        raise UserError(
+            f"{path}: target_parameters={cfg['target_parameters']!r} adapts parameters that are "
+            "no linear (a mixture's experts and router: PEFT's all-linear adds them), which "
+            "fitgpt does not adapt yet; plain LoRA on linears only"
+        )
     for key in UNSUPPORTED:
         v = cfg.get(key)
         if v not in (None, False, {}, [], "", "megatron.core"):
@@ -118,7 +135,7 @@ def read_adapter_config(folder: Path) -> dict:
     if cfg.get("bias", "none") != "none":
         raise UserError(f"{path}: bias={cfg['bias']!r}; fitgpt's LoRA trains no bias (none)")
     init = cfg.get("init_lora_weights", True)
-    if init not in (True, False, "gaussian"):
+    if init not in PLAIN_INITS:
         raise UserError(
             f"{path}: init_lora_weights={init!r} rewrites the base's weights at the start; "
             "convert the adapter to plain LoRA first (PEFT's path_initial_model_for_weight_"
@@ -137,7 +154,7 @@ def read_adapter_config(folder: Path) -> dict:
     r, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)  # 8: PEFT's default alpha
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise UserError(f"{path}: r={r!r} must be a whole number >= 1")
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not alpha > 0:
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not 0 < alpha < math.inf:
         raise UserError(f"{path}: lora_alpha={alpha!r} must be a positive number")
     dropout = cfg.get("lora_dropout", 0.0)
     if not isinstance(dropout, int | float) or not 0 <= dropout < 1:
@@ -154,9 +171,21 @@ def read_adapter_config(folder: Path) -> dict:
     }
 
 
-def read_peft_weights(folder: Path, cfg: ModelConfig, adapter: AdapterConfig) -> dict[str, Tensor]:
-    """The adapters of PEFT folder `folder`, fp32, by their names in fitgpt's model: exactly
-    the tensors `adapter`'s targets in the model `cfg` need, each of its shape and finite."""
+def _wanted(cfg: ModelConfig, adapter: AdapterConfig) -> dict[str, tuple[str, tuple[int, int]]]:
+    """PEFT key -> (the name in fitgpt's model, the shape) of every tensor `adapter` needs."""
+    r, out = adapter.lora_rank, {}
+    for t in lora_targets(cfg, adapter):
+        shapes = ((r, t.in_features), (t.out_features, r))
+        for which, name, shape in zip("AB", param_names(t), shapes):
+            out[peft_key(t, which)] = (name, shape)
+    return out
+
+
+def check_peft_weights(folder: Path, cfg: ModelConfig, adapter: AdapterConfig) -> None:
+    """The header of PEFT folder `folder`'s weights checked against the model `cfg`: exactly
+    the tensors `adapter`'s targets need, each floating point and of its shape, or one line
+    naming the key. Reads no tensor (a few KB), so a run refuses a folder of another model
+    before its base is read, not after (train/request.py); their values: read_peft_weights."""
     path = folder / WEIGHTS_FILE
     if not path.is_file():
         other = (
@@ -164,34 +193,48 @@ def read_peft_weights(folder: Path, cfg: ModelConfig, adapter: AdapterConfig) ->
             * (folder / "adapter_model.bin").is_file()
         )
         raise UserError(f"--lora-from {folder} has no {WEIGHTS_FILE}{other}")
-    try:
+    try:  # safetensors checks that the header's offsets cover the file: a truncation fails here
         with safe_open(str(path), framework="pt") as f:
-            stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (no dict)
+            slices = {k: f.get_slice(k) for k in f.keys()}  # noqa: SIM118 (no dict)
+            stored = {k: (v.get_dtype(), v.get_shape()) for k, v in slices.items()}
     except Exception as e:  # safetensors raises its own error types for a bad header
         raise UserError(f"{path} is unreadable ({e})") from None
-    out, r = {}, adapter.lora_rank
-    wanted = set()
-    for t in lora_targets(cfg, adapter):
-        for which, name, shape in zip("AB", param_names(t), ((r, t.in_features),
-                                                             (t.out_features, r))):  # fmt: skip
-            key = peft_key(t, which)
-            wanted.add(key)
-            v = stored.get(key)
-            if v is None:
-                raise UserError(f"{path} lacks {key}; is it an adapter of this model?")
-            if tuple(v.shape) != shape or not v.is_floating_point():
-                raise UserError(
-                    f"{path}: {key} is {v.dtype} {list(v.shape)}, this model's needs {list(shape)}"
-                )
-            if not torch.isfinite(v).all():
-                raise UserError(f"{path}: {key} holds NaN or inf values")
-            out[name] = v.float()
-    extra = sorted(set(stored) - wanted)
+    wanted = _wanted(cfg, adapter)
+    for key, (_, shape) in wanted.items():
+        if key not in stored:
+            raise UserError(f"{path} lacks {key}; is it an adapter of this model?")
+        dtype, got = stored[key]
+        if tuple(got) != shape or dtype not in FLOAT_DTYPES:
+            raise UserError(
+                f"{path}: {key} is {dtype} {got}; this model's needs floating point {list(shape)}"
+            )
+    extra = sorted(set(stored) - set(wanted))
+    whole = [k.removeprefix(PREFIX) for k in extra if ".lora_" not in k]
+    if whole:  # save_pretrained adds the embedding and head once the vocabulary was resized
+        raise UserError(
+            f"{path} holds whole weights beside the adapters ({', '.join(whole[:3])}): PEFT "
+            "saves them when tokens were added to the vocabulary; fitgpt's LoRA trains "
+            "adapters alone: merge the folder with PEFT (merge_and_unload) and --init-from "
+            "the merged model"
+        )
     if extra:
         raise UserError(
             f"{path} holds {extra[0]}, which adapter_config.json's targets do not name "
             f"({len(extra)} such); fix target_modules"
         )
+
+
+def read_peft_weights(folder: Path, cfg: ModelConfig, adapter: AdapterConfig) -> dict[str, Tensor]:
+    """The adapters of PEFT folder `folder`, fp32, by their names in fitgpt's model: exactly
+    the tensors `adapter`'s targets in the model `cfg` need (check_peft_weights), finite."""
+    check_peft_weights(folder, cfg, adapter)
+    path, out = folder / WEIGHTS_FILE, {}
+    with safe_open(str(path), framework="pt") as f:
+        for key, (name, _) in _wanted(cfg, adapter).items():
+            v = f.get_tensor(key)
+            if not torch.isfinite(v).all():
+                raise UserError(f"{path}: {key} holds NaN or inf values")
+            out[name] = v.float()
     return out
 
 
@@ -199,18 +242,27 @@ def read_peft_weights(folder: Path, cfg: ModelConfig, adapter: AdapterConfig) ->
 FROM_FOLDER = ("lora_rank", "lora_alpha", "lora_targets", "lora_rslora")
 
 
-def adapter_config(given: dict) -> AdapterConfig:
+def adapter_config(given: dict, model: ModelConfig | None = None) -> AdapterConfig:
     """The adapter the --lora-* flags `given` ask for: with --lora-from, the folder's (peft.py
     reads its adapter_config.json, refusing in one line what fitgpt's LoRA does not compute),
-    each flag given again checked against it; its dropout, a training choice, may be set."""
+    each flag given again checked against it; its dropout, a training choice, may be set.
+    --lora-targets agrees when it names the same modules of `model` (PEFT saves all-linear as
+    the names it found), or, no model known yet, the same names."""
     path = given.get("lora_from")
     if not path:
         return AdapterConfig(**given)
     found = read_adapter_config(Path(path))
     for name in FROM_FOLDER:
-        if name in given and not same(name, given[name], found[name]):
-            raise UserError(
-                f"{flag(name)} {given[name]}: the adapter --lora-from {path} has "
-                f"{found[name]}; drop the flag (the adapter's shape is the folder's)"
-            )
+        if name not in given or same(name, given[name], found[name]):
+            continue
+        if name == "lora_targets" and model is not None:
+            asked = AdapterConfig(lora_rank=1, lora_targets=given[name])  # the flag's own checks
+            folder = AdapterConfig(lora_rank=1, lora_targets=found[name], lora_from=path)
+            theirs = {t.hf for t in lora_targets(model, folder)}
+            if {t.hf for t in lora_targets(model, asked)} == theirs:
+                continue
+        raise UserError(
+            f"{flag(name)} {given[name]}: the adapter --lora-from {path} has "
+            f"{found[name]}; drop the flag (the adapter's shape is the folder's)"
+        )
     return AdapterConfig(**{**found, **given})

@@ -12,7 +12,8 @@ in the map's order, which is the HF model's module order: PEFT creates its adapt
 order, so the same seed draws the same A (lora.py). `all-linear` is every candidate (PEFT's
 all-linear: every linear but the head). A mixture of experts' sparse MLP (router and experts)
 is no candidate yet: transformers keeps both as plain parameters, not linears, and fitgpt does
-not adapt them.
+not adapt them (PEFT 0.21's all-linear does, as target_parameters: its all-linear there is more
+than fitgpt's, whose exported folder names the linears it adapted).
 """
 
 from __future__ import annotations
@@ -96,16 +97,22 @@ def lora_targets(cfg: ModelConfig, adapter: AdapterConfig) -> list[Target]:
     for name in names:
         if any(matches(t.hf, name) for t in found):
             continue
+        # the names are the flag's, or (--lora-from) the folder's: the line names where to fix
+        given = adapter.targets_given_by + f" {name}"
         if any(matches(e, name) for e in experts):
             raise UserError(
-                f"--lora-targets {name}: in {cfg.family} it names a mixture-of-experts MLP's "
+                f"{given}: in {cfg.family} it names a mixture-of-experts MLP's "
                 "experts or router, which fitgpt does not adapt yet; target the attention "
                 "(q_proj,k_proj,v_proj,o_proj)"
             )
         known = ", ".join(dict.fromkeys(t.name for t in found))
+        fix = (
+            f"is it an adapter of another model? fitgpt adapts only the blocks' linears ({known})"
+            if adapter.lora_from
+            else f"use {ALL_LINEAR} or some of {known}"
+        )
         raise UserError(
-            f"--lora-targets {name}: no linear of the {cfg.family} family's blocks is named so; "
-            f"use {ALL_LINEAR} or some of {known}"
+            f"{given}: no linear of the {cfg.family} family's blocks is named so; {fix}"
         )
     return [t for t in found if any(matches(t.hf, n) for n in names)]
 

@@ -28,6 +28,7 @@ from fitgpt.interop.init_source import find_source
 from fitgpt.model import ModelConfig, build_model
 from fitgpt.train import checkpoint as ckpt_io
 from fitgpt.train.init_from import free_fields
+from fitgpt.train.resume import same_base
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -66,12 +67,23 @@ def merged(ckpt: Path, meta: dict, cfg: ModelConfig) -> Merged:
     path = meta.get("init_from")
     if adapter is None or not path:
         raise UserError(f"{ckpt} holds no LoRA adapters over a base; there is nothing to merge")
+    if not Path(path).exists():  # find_source's line would name --init-from, which we lack
+        raise UserError(
+            f"{ckpt}: its base {path} (the run's --init-from) is gone, and the adapters merge "
+            "into it; put that model back there, or export the adapters alone (--format peft)"
+        )
     source = find_source(path)
     kept = {k: getattr(cfg, k) for k in free_fields(source.model)}
     if dataclasses.replace(source.model, **kept) != cfg:
         raise UserError(
             f"{ckpt}: its base {path} holds another model now; put the base the adapters were "
             "trained on back there"
+        )
+    if not same_base(meta, path):
+        raise UserError(
+            f"{ckpt}: its base {path} holds other weights now than the adapters were trained "
+            "on (a model of the same shape saved there); put that base back, or export the "
+            "adapters alone (--format peft)"
         )
     with torch.device("meta"):
         layout = chunk_layout(build_model(cfg))

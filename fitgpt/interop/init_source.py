@@ -12,8 +12,10 @@ interop/.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from fitgpt.adapters.config import PEFT_CONFIG_FILE
 from fitgpt.errors import UserError
 from fitgpt.interop.hf_import import hf_tokenizer_spec
 from fitgpt.interop.hf_read import HFSource, open_hf
@@ -31,6 +33,23 @@ def find_source(src: str) -> InitSource:
     source = fitgpt_source(path)
     if source is not None:
         return source
+    _refuse_adapter_folder(path)
     ckpt = open_hf(path)  # the preflight: headers only, refused in one line
     tokenizer = hf_tokenizer_spec(ckpt.config_path.parent, ckpt.cfg)
     return InitSource(path, ckpt.cfg, HFSource(path, ckpt.cfg), tokenizer)
+
+
+def _refuse_adapter_folder(path: Path) -> None:
+    """A PEFT adapter folder (adapter_config.json, no config.json) given as the model: one line
+    naming its base, which is what --init-from takes, the folder going to --lora-from."""
+    adapter = path / PEFT_CONFIG_FILE
+    if not path.is_dir() or (path / "config.json").exists() or not adapter.is_file():
+        return
+    try:
+        base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):  # unreadable: --lora-from says why
+        base = None
+    raise UserError(
+        f"--init-from {path} is a PEFT adapter folder, not a model: pass its base as "
+        f"--init-from ({base or 'the model it adapts'}) and this folder as --lora-from"
+    )

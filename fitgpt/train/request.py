@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fitgpt.adapters.peft import adapter_config
+from fitgpt.adapters.peft import adapter_config, check_peft_weights
 from fitgpt.data.config import BUILTIN, DataConfig
 from fitgpt.engine.config import EngineConfig, OptimConfig, PrecisionConfig
 from fitgpt.errors import UserError
@@ -202,6 +202,14 @@ def adapter_base(run: RunConfig, meta: dict, ckpt: Path, open_source: OpenSource
             f"--resume: {ckpt} trained LoRA adapters on {path}, which holds another model now; "
             "put the base back, or start a new run with --init-from and --overwrite"
         )
+    from fitgpt.train.resume import same_base
+
+    if not same_base(meta, path):
+        raise UserError(
+            f"--resume: {ckpt} trained LoRA adapters on {path}, which holds other weights now "
+            "(a model of the same shape saved there); put the base back, or start a new run "
+            "with --init-from and --overwrite"
+        )
     return source
 
 
@@ -247,7 +255,7 @@ def fresh_config(
     flags checked against it) or the preset with the model flags applied, the Python standard
     library as data unless --data says otherwise. `--preset ""` names no preset and is refused
     by get_preset, as any other name it does not know (an empty name is not the default)."""
-    adapter = adapter_config(given["adapter"])  # --lora-from: its folder's adapter
+    adapter = adapter_config(given["adapter"], model)  # --lora-from: its folder's adapter
     if model is None and adapter.active and req.preset is None:
         raise UserError(
             f"--lora-rank {adapter.lora_rank} adapts a pretrained model: add --init-from MODEL "
@@ -257,6 +265,8 @@ def fresh_config(
     if model is None:
         preset = DEFAULT_PRESET if req.preset is None else req.preset
         model = dataclasses.replace(get_preset(preset), **given["model"])
+    if adapter.lora_from:  # its tensors' names and shapes (a header), before a base is read
+        check_peft_weights(Path(adapter.lora_from), model, adapter)
     return RunConfig(
         model=model,
         data=data_config(given),
@@ -321,10 +331,10 @@ def with_block_counts(req: Request, given: dict[str, dict], run: RunConfig):
 
 def check_out_apart(typed_source: str | None, settings: Settings) -> None:
     """Refuse an --out that is, lies inside or holds the model the run starts from (the
-    --init-from source as typed and as found, and the models that one came from), before any
-    work: the run would write its files among the user's model files, and --overwrite delete
-    them. With --overwrite, the data and the tokenizer folder are kept apart too (it empties
-    --out)."""
+    --init-from source as typed and as found, the models that one came from, and the
+    --lora-from adapter folder), before any work: the run would write its files among the
+    user's model files, and --overwrite delete them. With --overwrite, the data and the
+    tokenizer folder are kept apart too (it empties --out)."""
     from fitgpt.data.indexed import paths as pair_paths
     from fitgpt.paths import check_apart
 
@@ -338,6 +348,8 @@ def check_out_apart(typed_source: str | None, settings: Settings) -> None:
                 (f"a model {source.path} came from", p)
                 for p in ckpt_io.sources(ckpt_io.load_meta(source.path))
             ]
+        if run.adapter.lora_from:  # the PEFT folder whose adapters it goes on training
+            kept.append(("the adapter --lora-from reads", run.adapter.lora_from))
     if ckpt:
         meta = ckpt_io.load_meta(Path(ckpt), ckpt_io.ANY_NODE)  # its sources alone
         kept += [(f"a model {ckpt} came from", p) for p in ckpt_io.sources(meta)]

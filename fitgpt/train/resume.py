@@ -157,6 +157,42 @@ def data_fingerprint(prefix: str) -> dict | None:
     return {"bin_bytes": sizes[0], "idx_bytes": sizes[1], "sha256": digest.hexdigest()}
 
 
+def base_fingerprint(source: str) -> str | None:
+    """What recognises the weights an adapter run's frozen base held (its checkpoints hold the
+    adapters alone, and merge, generate and resume read the base again): for a Hugging Face
+    folder its weight files' names and sizes and a SHA-256 of the first and last MiB of each
+    (2 MiB a file, read at every save: a model of the same shape saved over it differs
+    there), for a fitgpt
+    checkpoint its meta.json's checksum. None where nothing can be read."""
+    path = Path(source)
+    try:
+        ckpt = ckpt_io.resolve(path)
+        return "fitgpt:" + ckpt_io.load_meta(ckpt)["checksum"]
+    except (UserError, OSError, KeyError, ValueError):
+        pass  # not a fitgpt checkpoint: a Hugging Face folder
+    folder = path if path.is_dir() else path.parent
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+    digest = hashlib.sha256()
+    try:
+        for f in files:
+            size = f.stat().st_size
+            digest.update(f"{f.name}:{size};".encode())
+            with open(f, "rb") as fh:
+                digest.update(fh.read(SAMPLED))
+                fh.seek(max(SAMPLED, size - SAMPLED))
+                digest.update(fh.read())
+    except OSError:
+        return None
+    return "hf:" + digest.hexdigest() if files else None
+
+
+def same_base(meta: dict, source: str) -> bool:
+    """Whether `source` still holds the weights `meta`'s adapter run recorded (True for a run
+    that recorded none: older checkpoints, a base that could not be read)."""
+    recorded = meta.get("init_from_fingerprint")
+    return recorded is None or base_fingerprint(source) in (recorded, None)
+
+
 def _fingerprint(tok: Tokenizer | None) -> str | None:
     """sidecar.fingerprint, or None for no tokenizer or ids without text (`data fake`'s
     recorded vocabulary, which refuses to encode)."""
@@ -177,6 +213,10 @@ def saved_run(run: RunConfig, tokenizer: Tokenizer | None, source: str | None) -
         "tokenizer_fingerprint": _fingerprint(tokenizer),
         "data_fingerprint": data_fingerprint(run.data.data),
         "init_from": absolute(source) if source else None,
+        # an adapter run's base is read again by merge, generate and resume: its weights' own
+        "init_from_fingerprint": base_fingerprint(source)
+        if source and run.adapter.active
+        else None,
     }
 
 
