@@ -282,3 +282,17 @@ def folder_in_place(out: Path, what: str):
         shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def file_in_place(out: Path, what: str):
+    """A temporary name beside `out` (`.NAME.WHAT.tmp`) that becomes `out` once the body
+    returns, and is removed whatever else happens: a write that fails (a full disk, Ctrl-C)
+    leaves `out` as it was and nothing beside it. folder_in_place's one-file twin."""
+    tmp = out.parent / f".{out.name}.{what}.tmp"
+    try:
+        yield tmp
+        os.replace(tmp, out)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()

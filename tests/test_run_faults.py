@@ -214,3 +214,28 @@ def test_a_real_full_disk(tmp_path):
     left = next(x for x in out.splitlines() if x.startswith("left:")).split()[1:]
     assert sorted(left) == ["metrics.jsonl", "step_00000002"], left  # no .tmp, no lock
     assert "verified" in out, err
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1)")
+def test_an_export_to_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
+    """export --format fitgpt onto a real full disk (a 64 kB tmpfs; the tiny model's file is
+    ~0.2 MB): one line naming --out, no safetensors traceback, no temporary file left."""
+    run = tmp_path / "run"
+    r = subprocess.run(
+        [sys.executable, "-m", "fitgpt", "train", *TINY_ARGS, "--steps", "1", "--out", str(run)],
+        capture_output=True, text=True, env=ENV, timeout=240,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    py = f"{sys.executable} -m fitgpt export --ckpt {run} --format fitgpt --out {mnt}/m.safetensors"
+    r = subprocess.run(
+        small_disk_script(mnt, "64k", f"{py}; echo rc=$?; echo left: $(ls -A {mnt})"),
+        capture_output=True, text=True, env=ENV, timeout=240,
+    )  # fmt: skip
+    if "rc=" not in r.stdout:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr[:200]}")
+    err = r.stderr.strip().splitlines()
+    assert "rc=2" in r.stdout and len(err) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert err[0].startswith(f"fitgpt export: error: --out {mnt}/m.safetensors: no space left")
+    assert r.stdout.strip().endswith("left:"), r.stdout  # nothing written, nothing beside it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 from pathlib import Path
@@ -143,7 +144,8 @@ def run_fitgpt(args: argparse.Namespace) -> int:
 
     from fitgpt.infer.generate import load_model
     from fitgpt.interop.adapter_export import merged_base
-    from fitgpt.paths import check_writable_file
+    from fitgpt.paths import check_writable_file, file_in_place
+    from fitgpt.train.checkpoint import is_disk_full
 
     check_writable_file(args.out, "--out")  # before loading anything
     base = merged_base(Path(args.ckpt)) if args.merge else None
@@ -155,17 +157,18 @@ def run_fitgpt(args: argparse.Namespace) -> int:
     tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
     # the model config travels in the header, so the file is self-describing
-    save_file(
-        tensors,
-        str(tmp),
-        metadata={
-            "fitgpt_model": json.dumps(meta["config"]["model"]),
-            "tokenizer": str(meta.get("tokenizer")),
-        },
-    )
-    os.replace(tmp, out)
+    header = {
+        "fitgpt_model": json.dumps(meta["config"]["model"]),
+        "tokenizer": str(meta.get("tokenizer")),
+    }
+    with file_in_place(out, "export") as tmp:
+        try:
+            save_file(tensors, str(tmp), metadata=header)
+        except Exception as e:  # safetensors wraps the OS's error in its own type
+            if not is_disk_full(e):
+                raise
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out)) from None
     n = sum(t.numel() for t in tensors.values())
     print(
         f"wrote {out}: {len(tensors)} tensors, {n:,} values in {name} (vocabulary padded to "
