@@ -275,6 +275,9 @@ def folder_in_place(out: Path, what: str):
     tmp.mkdir(parents=True)
     try:
         yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                _as_umask_says(f)
         old = out.parent / f".{out.name}.{what}.old"
         if out.exists():
             os.replace(out, old)
@@ -292,7 +295,18 @@ def file_in_place(out: Path, what: str):
     tmp = out.parent / f".{out.name}.{what}.tmp"
     try:
         yield tmp
+        _as_umask_says(tmp)
         os.replace(tmp, out)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+
+
+def _as_umask_says(f: Path) -> None:
+    """Give a written file the mode the user's umask gives new files (0644 under 022).
+    safetensors 0.8 creates its files 0600, so an export another account serves (an inference
+    server's user) could not be read, which transformers' own save_pretrained shares. One
+    chmod a file."""
+    mask = os.umask(0)  # the one way to read it; set straight back (no threads write here)
+    os.umask(mask)
+    os.chmod(f, 0o666 & ~mask)

@@ -299,3 +299,21 @@ def test_data_named_by_a_file_of_the_pair_names_its_prefix(llama_run, suffix, tm
     code, err = run_in_process(capsys, "data", "inspect", named)
     assert_refused(code, err, named, f"its prefix, {prefix}_chat_document ")
     assert not (tmp_path / "run").exists()
+
+
+def test_exported_files_are_readable_as_the_umask_says(llama_run, tmp_path, capsys):
+    """An export is for others to serve: every file the hf and fitgpt formats write has the
+    mode the umask gives new files (safetensors creates its own 0600)."""
+    run = llama_run["run"]
+    before = os.umask(0o027)  # a stricter umask than the default, so the mode is the umask's
+    try:
+        for argv, out in (
+            (["--format", "hf"], tmp_path / "hf"),
+            (["--format", "fitgpt"], tmp_path / "m.safetensors"),
+        ):
+            code, err = run_in_process(capsys, "export", "--ckpt", run, *argv, "--out", out)
+            assert code == 0, err
+            written = [p for p in [out, *out.rglob("*")] if p.is_file()]
+            assert written and {p.stat().st_mode & 0o777 for p in written} == {0o640}, written
+    finally:
+        os.umask(before)
