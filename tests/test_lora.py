@@ -569,6 +569,30 @@ def test_the_exported_adapter_loads_in_peft_and_gives_fitgpt_s_logits(
     e.close()
 
 
+def test_an_adapter_of_an_imported_base_names_the_folder_peft_loads(folders, tmp_path):
+    """A LoRA run from `fitgpt import hf`'s checkpoint exports its adapter naming the Hugging
+    Face folder the import read (the same weights), which AutoPeftModelForCausalLM loads to
+    fitgpt's logits; from a checkpoint trained since, its own path (no folder holds it)."""
+    imported = tmp_path / "imported"
+    cli(["import", "hf", folders["llama"], "--out", imported])
+    cli(train_argv(imported, tmp_path / "lora", steps=2))
+    cli(["export", "--ckpt", tmp_path / "lora", "--format", "peft", "--out", tmp_path / "peft"])
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(folders["llama"].resolve())
+    theirs = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "peft").eval()
+    merged, _ = load_model(tmp_path / "lora", torch.device("cpu"), merged_base(tmp_path / "lora"))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(X)[..., :V], theirs(X).logits, rtol=0, atol=1e-5)
+    tuned = tmp_path / "tuned"  # the whole model trained from the import, then LoRA on it
+    whole = train_argv(imported, tuned, steps=1)
+    del whole[whole.index("--lora-rank") : whole.index("--lora-rank") + 2]
+    cli(whole)
+    cli(train_argv(tuned, tmp_path / "lora2", steps=1))
+    cli(["export", "--ckpt", tmp_path / "lora2", "--format", "peft", "--out", tmp_path / "p2"])
+    config = json.loads((tmp_path / "p2" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(ckpt_io.resolve(tuned).resolve())
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2", "llama-bf16"])
 def test_merge_equals_peft_merge_and_unload(folders, trained, tmp_path, name):
     """`export --format hf --merge` against PEFT's merge_and_unload() of the exported adapter:

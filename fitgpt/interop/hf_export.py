@@ -324,6 +324,21 @@ def export_peft(ckpt_path: Path, out: Path, dtype: str = "fp32", overwrite: bool
     cfg = ModelConfig.from_dict(meta["config"]["model"])
     targets = lora_targets(cfg, adapter)
     tensors = adapter_tensors(ckpt, meta)
+    base = peft_base(meta)
     with folder_in_place(out, "export") as tmp:
-        n = write_peft(tmp, adapter, targets, tensors, DTYPES[dtype], meta.get("init_from"))
-    return PeftExport(out, adapter, len(targets), n, meta.get("init_from"))
+        n = write_peft(tmp, adapter, targets, tensors, DTYPES[dtype], base)
+    return PeftExport(out, adapter, len(targets), n, base)
+
+
+def peft_base(meta: dict) -> str | None:
+    """The base an exported adapter names (adapter_config.json's base_model_name_or_path, what
+    AutoPeftModelForCausalLM loads): the run's --init-from, or, where that is `fitgpt import
+    hf`'s checkpoint of a Hugging Face folder (the same weights, which peft cannot load), that
+    folder. A checkpoint trained since keeps its own path: no Hugging Face folder holds its
+    weights, and naming the one it started from would load the wrong base without a word."""
+    chain = ckpt_io.lineage(meta, hops=1)
+    if chain and chain[0][1] is not None:
+        imported = (chain[0][1].get("imported_from") or {}).get("path")
+        if imported:
+            return imported
+    return meta.get("init_from")
