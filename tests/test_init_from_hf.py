@@ -154,6 +154,39 @@ def test_gpt2_tp2_reads_conv1d_columns(gloo, tmp_path):
     gloo(2, _two_ranks, tmp_path / "hf", tmp_path / "run", ecfg, 1, want)
 
 
+def test_gpt2_fine_tunes_at_a_shorter_seq_len_with_its_whole_position_table(tmp_path):
+    """GPT-2 (n_positions 32) fine-tuned at --seq-len 16, as transformers trains it at any
+    length up to n_positions: the first loss is transformers' on the 16-token rows, the export
+    keeps n_positions 32 and gives fitgpt's logits; a fitgpt run of it (its table's rows held
+    in max_positions) starts a shorter run again; past the table is refused in one line."""
+    from fitgpt.infer.generate import generation_context, load_model
+    from fitgpt.interop.hf_export import export_hf
+    from fitgpt.train.init_from import fitgpt_source
+
+    ref = hf_folder("gpt2", torch.float32, tmp_path / "hf")
+    source = find_source(str(tmp_path / "hf"))
+    run = run_config(tmp_path / "run", steps=2, micro_batch=2, data="synthetic")
+    model = model_from_source(source, {"seq_len": 16}, run.data)
+    assert (model.seq_len, model.positions) == (16, 32)
+    assert generation_context(model) == 32  # generate reads the table's rows, as transformers
+    run = dataclasses.replace(run, model=model)
+    want = first_loss(ref, run, 1)
+    cpu = DistContext(0, 1, 0, torch.device("cpu"))
+    got = train(run, cpu, init_from=source)["losses"]
+    assert got[0] == pytest.approx(want, abs=1e-5), (got, want)
+    export_hf(tmp_path / "run", tmp_path / "export")
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["n_positions"] == 32
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    ours, _ = load_model(tmp_path / "run", torch.device("cpu"))
+    x = torch.randint(0, 300, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x)[..., :300], theirs(x).logits, rtol=0, atol=1e-5)
+    again = fitgpt_source(tmp_path / "run")
+    assert model_from_source(again, {"seq_len": 8}, run.data).positions == 32
+    with pytest.raises(UserError, match="learned position table of 32 rows"):
+        model_from_source(source, {"seq_len": 64}, run.data)
+
+
 def test_a_damaged_source_is_refused_before_any_work(tmp_path):
     hf_folder("llama", torch.bfloat16, tmp_path / "hf")
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())

@@ -78,12 +78,15 @@ def checkpoint_meta(path: Path) -> tuple[Path, dict, ModelConfig]:
 
 
 def generation_context(cfg: ModelConfig) -> int:
-    """The tokens a generating model reads at most: a rotary model's max_positions (a Hugging
-    Face folder's max_position_embeddings, kept through import and fine-tuning), as transformers
-    reads the export, where that is more than the training run's --seq-len; else seq_len (a
-    learned position table holds no more). Fine-tuned at 4096 from a 131,072-token Llama, the
-    reply to a long conversation sees it all, as transformers' does, not its last 4096."""
-    if cfg.position == "learned" or not cfg.max_positions:
+    """The tokens a generating model reads at most, as transformers reads the export: a rotary
+    model's max_positions (a Hugging Face folder's max_position_embeddings, kept through import
+    and fine-tuning) where that is more than the training run's --seq-len, a learned table's
+    rows (cfg.positions: GPT-2's n_positions, also after a fine-tune at a shorter --seq-len),
+    else seq_len. Fine-tuned at 4096 from a 131,072-token Llama, the reply to a long
+    conversation sees it all, as transformers' does, not its last 4096."""
+    if cfg.position == "learned":
+        return cfg.positions
+    if not cfg.max_positions:
         return cfg.seq_len
     return max(cfg.seq_len, cfg.max_positions)
 

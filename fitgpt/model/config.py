@@ -227,7 +227,8 @@ class ModelConfig:
             "longer than it are masked",
         },
     )
-    # Hugging Face's max_position_embeddings, kept for export; None: seq_len
+    # Hugging Face's max_position_embeddings (GPT-2's n_positions: its position table's rows),
+    # kept for export; None: seq_len
     max_positions: int | None = field(
         default=None, metadata={"help": "positions the model was made for", "cli": False}
     )
@@ -302,6 +303,11 @@ class ModelConfig:
             raise UserError(f"dropout={self.dropout} must be in [0, 1)")
         if self.position not in ("learned", "alibi", "rope"):
             raise UserError(f"position={self.position!r}: use 'learned', 'alibi' or 'rope'")
+        if self.position == "learned" and self.seq_len > self.positions:
+            raise UserError(
+                f"seq_len={self.seq_len} is past the learned position table's "
+                f"{self.positions} rows; train at seq_len <= {self.positions}"
+            )
         if self.init_std is not None and not 0 < self.init_std < 1:
             raise UserError(f"--init-std {self.init_std} must be in (0, 1), e.g. 0.02")
         if not (self.norm_eps > 0 and self.rope_theta > 0):
@@ -399,6 +405,13 @@ class ModelConfig:
     def head_dim(self) -> int:
         """D: head_size, or hidden / heads."""
         return self.head_size if self.head_size is not None else self.n_embd // self.n_head
+
+    @property
+    def positions(self) -> int:
+        """Rows of a learned position table: max_positions where set (a GPT-2 folder's
+        n_positions, kept when a fine-tune trains at a shorter seq_len, as transformers keeps
+        the whole table), else seq_len."""
+        return self.max_positions or self.seq_len
 
     @property
     def kv_heads(self) -> int:

@@ -27,9 +27,22 @@ FREE = ("dropout", "router_aux_loss_coef")
 
 
 def free_fields(cfg: ModelConfig) -> tuple[str, ...]:
-    """FREE, and the context length where no weight depends on it (rotary or ALiBi positions:
-    no position table), so a Llama fine-tune picks its own --seq-len."""
-    return FREE if cfg.position == "learned" else (*FREE, "seq_len")
+    """FREE, and the context length where no weight depends on it: rotary or ALiBi positions
+    (no position table), or a learned table whose rows max_positions holds (table_pinned), so
+    a fine-tune picks its own --seq-len, a GPT-2's up to its table's rows."""
+    if cfg.position == "learned" and cfg.max_positions is None:
+        return FREE
+    return (*FREE, "seq_len")
+
+
+def table_pinned(cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with a learned position table's rows held in max_positions (a fitgpt run trained
+    from scratch leaves it unset: the table has seq_len rows), so a fine-tune's shorter
+    --seq-len keeps the weights' shape, as transformers trains GPT-2 at any length up to its
+    n_positions with the whole table. Anything else as it is."""
+    if cfg.position != "learned" or cfg.max_positions is not None:
+        return cfg
+    return dataclasses.replace(cfg, max_positions=cfg.seq_len)
 
 
 @dataclass(frozen=True)
@@ -56,7 +69,7 @@ def fitgpt_source(path: Path) -> InitSource | None:
                 f"from their base, --lora-from a PEFT export of them (fitgpt export --ckpt {path}"
                 " --format peft), or merge them first (--format hf --merge)"
             )
-        model = ModelConfig.from_dict(meta["config"]["model"])
+        model = table_pinned(ModelConfig.from_dict(meta["config"]["model"]))
         return InitSource(ckpt, model, tokenizer=meta.get("tokenizer"))
     return None
 
@@ -64,7 +77,10 @@ def fitgpt_source(path: Path) -> InitSource | None:
 def check_same_architecture(meta: dict, model_cfg: ModelConfig, ckpt: Path) -> None:
     """Refuse, in one line naming the fields, a checkpoint (a resume's or an --init-from
     source's) whose model differs from `model_cfg` in more than the FREE fields."""
-    saved = ModelConfig.from_dict(meta["config"]["model"])
+    saved, model_cfg = (
+        table_pinned(ModelConfig.from_dict(meta["config"]["model"])),
+        table_pinned(model_cfg),
+    )
     free = {k: getattr(model_cfg, k) for k in free_fields(saved)}  # not in the weights' shape
     if dataclasses.replace(saved, **free) != model_cfg:
         diff = {
@@ -85,6 +101,12 @@ def check_context(source: InitSource, seq_len: int) -> None:
     shorter context. Extending a context is a choice made in the source's config (a larger
     max_position_embeddings with a rope scaling), not by a flag's typo."""
     limit = source.model.max_positions
+    if source.model.position == "learned" and seq_len > source.model.positions:
+        raise UserError(
+            f"--seq-len {seq_len} is past --init-from {source.path}'s learned position table "
+            f"of {source.model.positions:,} rows (n_positions); pass --seq-len "
+            f"{source.model.positions} or less"
+        )
     if limit is not None and seq_len > limit:
         raise UserError(
             f"--seq-len {seq_len} is past --init-from {source.path}'s context of {limit:,} "

@@ -75,18 +75,19 @@ class GPT2Family(Family):
 
     def num_params(self, cfg: ModelConfig) -> int:
         """Exact, equal to GPT.num_params() (checked by the tests). Default options:
-        12·L·h² + 13·L·h + (V+S)·h + 2h, V the padded vocabulary.
+        12·L·h² + 13·L·h + (V+S)·h + 2h, V the padded vocabulary, S the position table's rows
+        (cfg.positions: seq_len, or a folder's n_positions past it).
         - bias=False drops every linear bias and LayerNorm bias: 12·L·h² + 2·L·h + (V+S)·h + h.
         - position='alibi' drops the position table: minus S·h.
         - embed_norm=True adds one LayerNorm: plus 2h (plus h without bias).
         - tie_embeddings=False adds the output head: plus V·h.
         """
-        h, L, V, S = cfg.n_embd, cfg.n_layer, cfg.padded_vocab_size, cfg.seq_len
+        h, L, V = cfg.n_embd, cfg.n_layer, cfg.padded_vocab_size
         ln = 2 * h if cfg.bias else h
         per_block = 12 * h * h + (9 * h if cfg.bias else 0) + 2 * ln
         n = L * per_block + V * h + ln
         if cfg.position == "learned":
-            n += S * h
+            n += cfg.positions * h
         if cfg.embed_norm:
             n += ln
         if not cfg.tie_embeddings:

@@ -147,6 +147,7 @@ class GPT2Mapping(HFMapping):
             n_embd=_int_field(hf, "n_embd", source),
             n_head=_int_field(hf, "n_head", source),
             seq_len=_int_field(hf, "n_positions", source),
+            max_positions=_int_field(hf, "n_positions", source),  # the table, if seq_len shrinks
             vocab_size=_int_field(hf, "vocab_size", source),
             bias=True,
             dropout=0.0,
@@ -160,7 +161,7 @@ class GPT2Mapping(HFMapping):
             "architectures": ["GPT2LMHeadModel"],
             "model_type": "gpt2",
             "vocab_size": cfg.vocab_size,
-            "n_positions": cfg.seq_len,
+            "n_positions": cfg.positions,
             "n_embd": cfg.n_embd,
             "n_layer": cfg.n_layer,
             "n_head": cfg.n_head,

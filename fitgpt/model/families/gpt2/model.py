@@ -141,7 +141,7 @@ class GPT(DecoderLM):
         super().__init__(cfg)
         V, H = cfg.padded_vocab_size, cfg.n_embd
         self.wte = embedding(V, H)
-        self.wpe = embedding(cfg.seq_len, H) if cfg.position == "learned" else None
+        self.wpe = embedding(cfg.positions, H) if cfg.position == "learned" else None
         self.emb_ln = nn.LayerNorm(H, bias=cfg.bias) if cfg.embed_norm else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(H, bias=cfg.bias)
