@@ -282,8 +282,12 @@ def test_plan_init_from_plans_the_run_train_makes_of_the_folder(capsys, tmp_path
     its chosen plan is the line train prints before its first step; a flag against the
     folder's architecture is refused by both alike."""
     from helpers import tiny_llama_folder
+    from tokenizer_folders import llama3
 
-    folder = tiny_llama_folder(tmp_path, vocab=300)
+    from fitgpt.data.tokenizer import load_tokenizer
+
+    folder = tiny_llama_folder(tmp_path, load_tokenizer(str(llama3(tmp_path / "tok"))).vocab_size)
+    llama3(folder)  # a folder with its tokenizer, as released
     run = (
         "--init-from",
         folder,
@@ -305,6 +309,9 @@ def test_plan_init_from_plans_the_run_train_makes_of_the_folder(capsys, tmp_path
     assert code == 0, err
     trained = next(x for x in out.splitlines() if x.startswith(("LoRA: ", "plan: ")))
     assert trained.removeprefix("plan: ") == planned
+    # no --data: the folder's own vocabulary (train's default data, bytes, would be refused)
+    code, out, err = run_main(capsys, "plan", *[a for a in run if a not in ("--data", "synthetic")])
+    assert code == 0 and planned in out, err
     for cmd in ("train", "--out", tmp_path / "x"), ("plan",):
         code, _, err = run_main(capsys, cmd[0], *run, "--layers", "5", *cmd[1:])
         assert code == 2 and "its model has n_layer=3, this command asks 5" in err, err

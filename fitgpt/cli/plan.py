@@ -288,7 +288,8 @@ def planned_run(args: argparse.Namespace, device: str):
     One difference: with neither --data nor --tokenizer, train's default data (the standard
     library through the bytes tokenizer) would give the model a 256-row vocabulary, and a
     preset's plan would price a model nobody trains (llama3.1-70b as 68.46 B parameters, not
-    its 70.55 B). There the model keeps its own vocabulary: the preset's, or --vocab-size."""
+    its 70.55 B). There the model keeps its own vocabulary: the preset's, --vocab-size, or an
+    --init-from source's (whose tokenizer train's default data would be refused against)."""
     from fitgpt.cli.train import request_of
     from fitgpt.plan.fixed import Fixed
     from fitgpt.train.request import fresh_config, with_block_counts
@@ -296,16 +297,19 @@ def planned_run(args: argparse.Namespace, device: str):
 
     req = request_of(args)
     given = {part: dict(fields) for part, fields in req.given.items()}
+    own_vocab = not {"data", "tokenizer"} & set(given["data"])
     if req.init_from is not None:  # the source's model, fine-tuning's defaults: train's own
         from fitgpt.interop.init_source import find_source
         from fitgpt.train.request import init_config
 
+        if own_vocab:  # the source's vocabulary (train's default data would refuse its tokenizer)
+            given["data"]["data"] = "synthetic"
         run, _ = init_config(req, given, find_source)
     else:
         run = fresh_config(req, given)
     given, run = with_block_counts(req, given, run)
     resolved = resolve_run(run, device)  # the planner settles --compile
-    if not {"data", "tokenizer"} & set(given["data"]):
+    if own_vocab:
         own = resolved.model.replace(vocab_size=run.model.vocab_size)
         resolved = dataclasses.replace(resolved, model=own)
     return resolved, Fixed.of(given["engine"])
