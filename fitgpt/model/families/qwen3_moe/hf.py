@@ -19,7 +19,8 @@ the first): transformers writes none.
 
 config.json ⇄ ModelConfig, besides Llama's: num_experts (transformers 5 writes it as
 num_local_experts, its attribute_map) ⇄ num_experts, num_experts_per_tok ⇄ experts_per_token,
-moe_intermediate_size ⇄ moe_ffn_hidden, norm_topk_prob, mlp_only_layers, decoder_sparse_step;
+moe_intermediate_size ⇄ moe_ffn_hidden, norm_topk_prob, mlp_only_layers (numbers that are no
+layer dropped: transformers ignores them), decoder_sparse_step;
 router_aux_loss_coef ⇄ router_aux_loss_coef where output_router_logits is true (0 otherwise:
 transformers adds no aux loss then), written back with output_router_logits = coef > 0;
 use_sliding_window with sliding_window ⇄ sliding_window (every layer, as Qwen3MoeModel).
@@ -118,6 +119,11 @@ class Qwen3MoeMapping(MoeMapping):
             isinstance(i, int) and not isinstance(i, bool) for i in only
         ):
             raise UserError(f"{source}: mlp_only_layers={only!r} must be a list of layer numbers")
+        # transformers makes layer i dense where i is in the list, so a number that is no layer
+        # (a model cut to fewer layers keeps its list) changes nothing: dropped, as it has no
+        # effect there (export writes the layers that are dense)
+        n_layer = int_field(hf, "num_hidden_layers", source)
+        only = [i for i in only if 0 <= i < n_layer]
         norm = hf.get("norm_topk_prob", False)
         if not isinstance(norm, bool):
             raise UserError(f"{source}: norm_topk_prob={norm!r} must be true or false; fix it")
