@@ -48,7 +48,8 @@ BASE = dict(
 )  # fmt: skip
 # name -> (config class, its fields): Qwen3-MoE with a dense layer 0 (decoder_sparse_step 2),
 # with mlp_only_layers and unnormalised top-k weights and the aux loss on in config.json;
-# Mixtral with a window shorter than the sequence, and with 4:1 grouped-query attention
+# Mixtral with a window shorter than the sequence (and Mixtral-8x7B's router_aux_loss_coef 0.02
+# with the aux loss off: export keeps it), and with 4:1 grouped-query attention
 CASES = {
     "qwen3moe-step2": (
         Qwen3MoeConfig,
@@ -63,7 +64,8 @@ CASES = {
     ),
     "mixtral-window8": (
         MixtralConfig,
-        dict(intermediate_size=32, num_key_value_heads=2, num_local_experts=4, sliding_window=8),
+        dict(intermediate_size=32, num_key_value_heads=2, num_local_experts=4, sliding_window=8,
+             router_aux_loss_coef=0.02),
     ),
     "mixtral-gqa4": (
         MixtralConfig,
