@@ -104,3 +104,18 @@ def test_a_p_typed_again_on_the_resume_is_checked_as_given(files, capsys, tmp_pa
                             "--expert-parallel", "2")  # fmt: skip
     assert code != 0 and "--expert-parallel 2 does not divide the 1 rank(s)" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("ep, world, kept", [(4, 2, False), (4, 6, False), (8, 12, False),
+                                             (2, 4, False), (4, 2, True)])  # fmt: skip
+def test_a_saved_p_is_fitted_to_a_divisor_of_the_ranks_and_of_itself(ep, world, kept):
+    """--plan off: the P resumed divides the new rank count and the saved P (so it divides the
+    experts the saved P did); a P the planner chooses or the user typed stays as it is."""
+    from fitgpt.parallel.experts import resumed_expert_parallel
+
+    p, notes = resumed_expert_parallel(ep, world, kept)
+    if kept or world % ep == 0:
+        assert (p, notes) == (ep, [])
+    else:
+        assert world % p == 0 and ep % p == 0 and p > 1 and len(notes) == 1
+        assert not any(world % q == 0 and ep % q == 0 for q in range(p + 1, ep)), p
