@@ -44,11 +44,12 @@ BASE = dict(
 )  # fmt: skip
 YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "truncate": False, "original_max_position_embeddings": 16, "rope_theta": 10000.0}  # fmt: skip
-# name -> fields: the default layer pattern (sliding, full, sliding) with YaRN and 2:1 heads;
+# name -> fields: the default layer pattern (sliding, full, sliding) with YaRN and 2:1 heads
+# (and gpt-oss-20b's router_aux_loss_coef 0.9 with the aux loss off: export keeps it);
 # explicit layer types, a clamp that bites (limit 1.5, alpha 1.2), 4:1 heads and the aux loss on
 CASES = {
     "window6-yarn": dict(num_hidden_layers=3, num_key_value_heads=2, sliding_window=6,
-                         rope_parameters=YARN),
+                         rope_parameters=YARN, router_aux_loss_coef=0.9),
     "types-clamp-aux": dict(num_hidden_layers=4, num_key_value_heads=1, sliding_window=8,
                             layer_types=["full_attention", "sliding_attention",
                                          "sliding_attention", "full_attention"],

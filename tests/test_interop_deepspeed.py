@@ -323,6 +323,21 @@ def test_unknown_and_unsupported_keys_are_named():
     assert "pipeline" in notes["pipeline"]
 
 
+def test_a_moe_block_names_fitgpts_own_experts():
+    """DeepSpeed's "moe" block configures its own MoE layers, which fitgpt does not run; the
+    note says where fitgpt's experts are instead (it said fitgpt had none, after Qwen3-MoE,
+    Mixtral and gpt-oss had come)."""
+    import importlib
+
+    from fitgpt.model.families import TABLE, module
+
+    moe = [n for n in TABLE if importlib.import_module(module(n, "family")).FAMILY.has_experts]
+    _, _, notes = mapped({"moe": {"enabled": True, "ep_size": 2}})
+    note = notes["moe"]
+    assert moe and "cannot honour" in note and "--expert-parallel" in note
+    assert all(n in note for n in moe), (moe, note)
+
+
 def test_explicit_flags_win_over_the_file(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(

@@ -48,7 +48,8 @@ BASE = dict(
 )  # fmt: skip
 # name -> (config class, its fields): Qwen3-MoE with a dense layer 0 (decoder_sparse_step 2),
 # with mlp_only_layers and unnormalised top-k weights and the aux loss on in config.json;
-# Mixtral with a window shorter than the sequence, and with 4:1 grouped-query attention
+# Mixtral with a window shorter than the sequence (and Mixtral-8x7B's router_aux_loss_coef 0.02
+# with the aux loss off: export keeps it), and with 4:1 grouped-query attention
 CASES = {
     "qwen3moe-step2": (
         Qwen3MoeConfig,
@@ -63,7 +64,8 @@ CASES = {
     ),
     "mixtral-window8": (
         MixtralConfig,
-        dict(intermediate_size=32, num_key_value_heads=2, num_local_experts=4, sliding_window=8),
+        dict(intermediate_size=32, num_key_value_heads=2, num_local_experts=4, sliding_window=8,
+             router_aux_loss_coef=0.02),
     ),
     "mixtral-gqa4": (
         MixtralConfig,
@@ -378,7 +380,6 @@ QWEN3_MOE = BASE | CASES["qwen3moe-step2"][1] | {"model_type": "qwen3_moe"}
         ({"num_experts": 0}, "num_experts=0"),
         ({"output_router_logits": "yes"}, "output_router_logits='yes'"),
         ({"norm_topk_prob": 1}, "norm_topk_prob=1"),
-        ({"mlp_only_layers": [7]}, "mlp_only_layers holds 7"),
         ({"model_type": "mixtral", "router_jitter_noise": 0.01}, "router_jitter_noise=0.01"),
     ],
 )
@@ -386,6 +387,19 @@ def test_config_json_refusals_are_one_line(change, needle):
     with pytest.raises(UserError) as e:
         model_config_from_hf(QWEN3_MOE | change, "config.json")
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("only", [[7], [-1, 0], [1, 2, 3]])
+def test_mlp_only_layers_past_the_model_are_ignored_as_transformers_does(only):
+    """transformers makes layer i dense where i is in mlp_only_layers, so an entry that is no
+    layer (a model cut to fewer layers keeps its list) changes nothing: fitgpt's sparse layers
+    are transformers' (it refused the folder before 2026-11-28)."""
+    hf = QWEN3_MOE | {"mlp_only_layers": only, "decoder_sparse_step": 1}
+    cfg = model_config_from_hf(hf, "config.json")
+    fields = {k: v for k, v in hf.items() if k != "model_type"}
+    ref = Qwen3MoeForCausalLM(Qwen3MoeConfig(**fields))
+    sparse = [i for i, b in enumerate(ref.model.layers) if hasattr(b.mlp, "gate")]
+    assert cfg.moe_layers == tuple(sparse)
 
 
 def test_experts_outside_a_moe_family_and_tensor_parallelism_are_refused():

@@ -124,7 +124,8 @@ CANNOT_TOP = {
     "hybrid_engine": "fitgpt has no RLHF hybrid engine",
     "eigenvalue": "fitgpt computes no Hessian eigenvalues",
     "progressive_layer_drop": "fitgpt has no progressive layer dropping",
-    "moe": "fitgpt has no mixture-of-experts layers",
+    "moe": "DeepSpeed's MoE layers are its own; fitgpt's experts are the model's (--init-from a "
+    "qwen3_moe, mixtral or gpt_oss folder), spread over GPUs by --expert-parallel",
 }
 ZERO_IGNORED = {
     "overlap_comm", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",

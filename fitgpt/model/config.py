@@ -263,6 +263,14 @@ class ModelConfig:
             "is true, else 0",
         },
     )
+    # config.json's router_aux_loss_coef where its output_router_logits is false (fitgpt then
+    # trains without the aux loss: router_aux_loss_coef 0), kept for export as max_positions is,
+    # so the exported folder balances as its source would where a user turns the loss on in
+    # transformers (Mixtral-8x7B's 0.02, gpt-oss's 0.9); None: transformers' default
+    hf_router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={"help": "config.json's router_aux_loss_coef, the aux loss off", "cli": False},
+    )
 
     # ---- gpt-oss's (the gpt_oss family's own fields: OWN_FIELDS; unset elsewhere) ---------------
     # each layer's attention, one of LAYER_TYPES per layer; (): the family's own pattern
@@ -347,7 +355,8 @@ class ModelConfig:
         has = _family_of(self).has_experts
         if self.num_experts is None:
             moe = {"experts_per_token": None, "moe_ffn_hidden": None, "norm_topk_prob": False,
-                   "mlp_only_layers": (), "decoder_sparse_step": 1, "router_aux_loss_coef": 0.0}  # fmt: skip
+                   "mlp_only_layers": (), "decoder_sparse_step": 1, "router_aux_loss_coef": 0.0,
+                   "hf_router_aux_loss_coef": None}  # fmt: skip
             for name, off in moe.items():
                 if getattr(self, name) != off:
                     raise UserError(

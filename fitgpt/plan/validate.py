@@ -118,9 +118,12 @@ def refusal(
         return (
             "--expert-parallel auto is the planner's to resolve: train with --plan auto, or give P"
         )
-    why = expert_parallel_refusal(e.expert_parallel, model, world, tp, e.context_parallel)
-    if why:
-        return why
+    # a P the planner chooses is a placeholder here (a resumed run's is the saved run's P, which
+    # need not divide the new rank count): the planner prices only the P that pass this rule
+    if settled("expert_parallel"):
+        why = expert_parallel_refusal(e.expert_parallel, model, world, tp, e.context_parallel)
+        if why:
+            return why
     if e.offload_experts and not family_of(model).has_experts:
         return f"--offload-experts: the {model.family} family has no experts; drop it"
     if e.expert_parallel > 1 and settled("engine") and e.engine != "zero":

@@ -116,7 +116,6 @@ def configs(req: Request, given: dict[str, dict], world: int, open_source: OpenS
     fitted to `world` ranks."""
     from fitgpt.train.resume import (
         find_checkpoint,
-        fit_context_parallel,
         removed_settings,
         resumed_config,
     )
@@ -142,9 +141,26 @@ def configs(req: Request, given: dict[str, dict], world: int, open_source: OpenS
         given["train"] = {**given["train"], "out": str(ckpt.parent)}
     # checked here, before any work; what changed is said once the run is planned (the trainer)
     run, notes = resumed_config(meta, ckpt, given, req.preset)
-    run, fitted = fit_context_parallel(run, world, "context_parallel" in given["engine"])
+    run, fitted = fit_to_world(run, world, given, req.plan)
     notes = [f"resume: {ckpt} with its own config", *notes, *fitted, *removed_settings(meta, ckpt)]
     return run, ckpt, adapter_base(run, meta, ckpt, open_source), notes
+
+
+def fit_to_world(
+    run: RunConfig, world: int, given: dict[str, dict], plan: bool
+) -> tuple[RunConfig, list[str]]:
+    """A resumed `run` fitted to `world` ranks, with notes: its saved --context-parallel and
+    --expert-parallel that were not typed again and do not divide the ranks (train/resume.py
+    fit_context_parallel, parallel/experts.py resumed_expert_parallel; the planner of --plan
+    auto chooses P itself)."""
+    from fitgpt.parallel.experts import resumed_expert_parallel
+    from fitgpt.train.resume import fit_context_parallel
+
+    run, notes = fit_context_parallel(run, world, "context_parallel" in given["engine"])
+    kept = plan or "expert_parallel" in given["engine"]
+    ep, more = resumed_expert_parallel(run.engine.expert_parallel, world, kept)
+    engine = dataclasses.replace(run.engine, expert_parallel=ep)
+    return dataclasses.replace(run, engine=engine), [*notes, *more]
 
 
 def restart_recorded(
@@ -161,7 +177,7 @@ def restart_recorded(
     against it as a resume checks them against a checkpoint (train/resume.py resumed_config).
     A source that no longer holds the model the run was started from is refused in one line:
     restarting it would train another model."""
-    from fitgpt.train.resume import fit_context_parallel, resumed_config
+    from fitgpt.train.resume import resumed_config
 
     where = Path(out) / ckpt_io.RECORD_NAME
     given["train"] = {**given["train"], "out": out}
@@ -172,7 +188,7 @@ def restart_recorded(
         base = {**record, "step": meta["step"], "trainer": meta.get("trainer", {})}
         what = f"--resume {ckpt}"
     run, notes = resumed_config(base, where, given, req.preset)
-    run, fitted = fit_context_parallel(run, world, "context_parallel" in given["engine"])
+    run, fitted = fit_to_world(run, world, given, req.plan)
     source = None
     if record.get("init_from") and not ckpt:
         path = record["init_from"]

@@ -19,9 +19,11 @@ the first): transformers writes none.
 
 config.json ⇄ ModelConfig, besides Llama's: num_experts (transformers 5 writes it as
 num_local_experts, its attribute_map) ⇄ num_experts, num_experts_per_tok ⇄ experts_per_token,
-moe_intermediate_size ⇄ moe_ffn_hidden, norm_topk_prob, mlp_only_layers, decoder_sparse_step;
+moe_intermediate_size ⇄ moe_ffn_hidden, norm_topk_prob, mlp_only_layers (numbers that are no
+layer dropped: transformers ignores them), decoder_sparse_step;
 router_aux_loss_coef ⇄ router_aux_loss_coef where output_router_logits is true (0 otherwise:
-transformers adds no aux loss then), written back with output_router_logits = coef > 0;
+transformers adds no aux loss then; the file's coefficient is kept in hf_router_aux_loss_coef
+and written back), written back with output_router_logits = coef > 0;
 use_sliding_window with sliding_window ⇄ sliding_window (every layer, as Qwen3MoeModel).
 """
 
@@ -38,16 +40,20 @@ from fitgpt.model.hf_map import TensorMap, int_field
 DEFAULT_AUX_COEF = 0.001  # transformers' router_aux_loss_coef default, written when fitgpt's is 0
 
 
-def aux_coef(hf: dict, source: str) -> float:
-    """The load-balancing weight transformers trains with: router_aux_loss_coef where
-    output_router_logits is true, else none (0)."""
+def aux_coef(hf: dict, source: str) -> tuple[float, float | None]:
+    """(the load-balancing weight transformers trains with: router_aux_loss_coef where
+    output_router_logits is true, else none (0); the file's coefficient where it is off,
+    kept for export (ModelConfig.hf_router_aux_loss_coef) unless it is the default, else None)."""
     on = hf.get("output_router_logits", False)
     if not isinstance(on, bool):
         raise UserError(f"{source}: output_router_logits={on!r} must be true or false; fix it")
     coef = hf.get("router_aux_loss_coef", DEFAULT_AUX_COEF)
     if not isinstance(coef, int | float) or isinstance(coef, bool) or coef < 0:
         raise UserError(f"{source}: router_aux_loss_coef={coef!r} must be a number >= 0")
-    return float(coef) if on else 0.0
+    if on:
+        return float(coef), None
+    # None where it is transformers' default, so an import equals the preset of its shape
+    return 0.0, (None if coef == DEFAULT_AUX_COEF else float(coef))
 
 
 class MoeMapping(LlamaMapping):
@@ -61,10 +67,12 @@ class MoeMapping(LlamaMapping):
     def moe_fields(self, hf: dict, source: str) -> dict:
         """The ModelConfig fields of the mixture, from config.json (each family's keys)."""
         key = self.experts_key if self.experts_key in hf else "num_local_experts"
+        coef, kept = aux_coef(hf, source)
         return {
             "num_experts": int_field(hf, key, source),
             "experts_per_token": int_field(hf, "num_experts_per_tok", source),
-            "router_aux_loss_coef": aux_coef(hf, source),
+            "router_aux_loss_coef": coef,
+            "hf_router_aux_loss_coef": kept,
         }
 
     def extra_fields(self, hf: dict, source: str) -> dict:
@@ -77,11 +85,13 @@ class MoeMapping(LlamaMapping):
         return fields
 
     def moe_extras(self, cfg: ModelConfig) -> dict:
+        off = cfg.hf_router_aux_loss_coef  # the source's, where the aux loss is off
+        off = DEFAULT_AUX_COEF if off is None else off
         return {
             self.experts_key: cfg.num_experts,
             "num_experts_per_tok": cfg.experts_per_token,
             "output_router_logits": cfg.router_aux_loss_coef > 0,
-            "router_aux_loss_coef": cfg.router_aux_loss_coef or DEFAULT_AUX_COEF,
+            "router_aux_loss_coef": cfg.router_aux_loss_coef or off,
         }
 
     def tensor_maps(self, cfg: ModelConfig) -> list[TensorMap]:
@@ -118,6 +128,11 @@ class Qwen3MoeMapping(MoeMapping):
             isinstance(i, int) and not isinstance(i, bool) for i in only
         ):
             raise UserError(f"{source}: mlp_only_layers={only!r} must be a list of layer numbers")
+        # transformers makes layer i dense where i is in the list, so a number that is no layer
+        # (a model cut to fewer layers keeps its list) changes nothing: dropped, as it has no
+        # effect there (export writes the layers that are dense)
+        n_layer = int_field(hf, "num_hidden_layers", source)
+        only = [i for i in only if 0 <= i < n_layer]
         norm = hf.get("norm_topk_prob", False)
         if not isinstance(norm, bool):
             raise UserError(f"{source}: norm_topk_prob={norm!r} must be true or false; fix it")
