@@ -108,9 +108,15 @@ def refusal(
             f"{what_divides(tp_sizes(model, world, True))}; drop --sequence-parallel or change "
             "--gpus"
         )
-    why = tensor_parallel_refusal(tp, model, world, e.sequence_parallel)
-    if why:
-        return why
+    # a T the planner chooses is a placeholder here, as P is below (a resumed run's is the saved
+    # run's T, which need not divide the new rank count): the planner prices only the T that
+    # pass this rule
+    if settled("tensor_parallel"):
+        why = tensor_parallel_refusal(tp, model, world, e.sequence_parallel)
+        if why:
+            return why
+    else:
+        tp = 1  # the rules below judge the other degrees at the T every rank count allows
     why = context_parallel_refusal(e.context_parallel, model, world, tp, e.sequence_parallel)
     if why:
         return why

@@ -149,18 +149,26 @@ def configs(req: Request, given: dict[str, dict], world: int, open_source: OpenS
 def fit_to_world(
     run: RunConfig, world: int, given: dict[str, dict], plan: bool
 ) -> tuple[RunConfig, list[str]]:
-    """A resumed `run` fitted to `world` ranks, with notes: its saved --context-parallel and
-    --expert-parallel that were not typed again and do not divide the ranks (train/resume.py
-    fit_context_parallel, parallel/experts.py resumed_expert_parallel; the planner of --plan
-    auto chooses P itself)."""
+    """A resumed `run` fitted to `world` ranks, with notes: its saved --tensor-parallel,
+    --context-parallel and --expert-parallel that were not typed again and do not divide the
+    ranks (parallel/shard.py resumed_tensor_parallel, train/resume.py fit_context_parallel,
+    parallel/experts.py resumed_expert_parallel; the planner of --plan auto chooses T and P
+    itself)."""
     from fitgpt.parallel.experts import resumed_expert_parallel
+    from fitgpt.parallel.shard import resumed_tensor_parallel
     from fitgpt.train.resume import fit_context_parallel
 
-    run, notes = fit_context_parallel(run, world, "context_parallel" in given["engine"])
-    kept = plan or "expert_parallel" in given["engine"]
-    ep, more = resumed_expert_parallel(run.engine.expert_parallel, world, kept)
+    typed = given["engine"]
+    tp, notes = resumed_tensor_parallel(
+        run.engine.tensor_parallel, world, plan or "tensor_parallel" in typed
+    )
+    run = dataclasses.replace(run, engine=dataclasses.replace(run.engine, tensor_parallel=tp))
+    run, more = fit_context_parallel(run, world, "context_parallel" in typed)
+    ep, most = resumed_expert_parallel(
+        run.engine.expert_parallel, world, plan or "expert_parallel" in typed
+    )
     engine = dataclasses.replace(run.engine, expert_parallel=ep)
-    return dataclasses.replace(run, engine=engine), [*notes, *more]
+    return dataclasses.replace(run, engine=engine), [*notes, *more, *most]
 
 
 def restart_recorded(
