@@ -154,6 +154,30 @@ def test_seq_len_past_the_models_context_is_refused_before_any_work(
     assert model_from_source(opened, {"seq_len": 64}, DataConfig(data="synthetic")).seq_len == 64
 
 
+def test_a_yarn_scaled_folder_s_context_is_the_stretched_one(llama_run, tmp_path, capsys):
+    """Qwen2.5's long-context recipe: YaRN (factor 4 over the 64 positions) added to the
+    config, max_position_embeddings left at 64, as transformers reads it: --seq-len up to 256
+    is taken, past it refused naming 256."""
+    import shutil
+
+    from fitgpt.data.config import DataConfig
+    from fitgpt.interop.init_source import find_source
+    from fitgpt.train.init_from import model_from_source
+
+    folder = tmp_path / "yarn"
+    shutil.copytree(llama_run["folder"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["rope_parameters"] = {**cfg["rope_parameters"], "rope_type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 64}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(cfg))
+    opened, data = find_source(str(folder)), DataConfig(data="synthetic")
+    assert model_from_source(opened, {"seq_len": 256}, data).seq_len == 256
+    argv = ["train", "--init-from", folder, "--data", "synthetic", "--seq-len", "257",
+            "--device", "cpu", "--steps", "1", "--out", tmp_path / "run"]  # fmt: skip
+    code, err = run_in_process(capsys, *argv)
+    assert "--seq-len 256 or less" in assert_refused(code, err, "--seq-len 257", str(folder))
+
+
 def test_data_named_by_the_preprocess_prefix_names_the_file_it_wrote(llama_run, tmp_path, capsys):
     """`--data data/chats` after `preprocess --output-prefix data/chats`: the line names
     data/chats_chat_document, the --data to pass."""

@@ -99,8 +99,16 @@ def check_context(source: InitSource, seq_len: int) -> None:
     max_position_embeddings, kept in max_positions): rotary positions have no table, so such a
     run trains, but on positions the weights never saw, and its export would still claim the
     shorter context. Extending a context is a choice made in the source's config (a larger
-    max_position_embeddings with a rope scaling), not by a flag's typo."""
-    limit = source.model.max_positions
+    max_position_embeddings, or a rope scaling), not by a flag's typo. A YaRN or linear
+    scaling stretches the positions by its factor: Qwen2.5's long-context recipe adds YaRN
+    (factor 4 over 32,768) and leaves max_position_embeddings at 32,768, as transformers reads
+    it, so the context is the stretched one; Llama 3's scaling is already in its 131,072."""
+    m = source.model
+    limit = m.max_positions
+    if limit is not None and m.rope_scaling is not None and m.rope_scaling.kind != "llama3":
+        r = m.rope_scaling
+        base = r.original_max_positions if r.kind == "yarn" else limit
+        limit = max(limit, int(r.factor * base))
     if source.model.position == "learned" and seq_len > source.model.positions:
         raise UserError(
             f"--seq-len {seq_len} is past --init-from {source.path}'s learned position table "
