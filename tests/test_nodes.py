@@ -80,7 +80,7 @@ def test_two_nodes_of_two_train_as_four_ranks_of_one_node(tmp_path):
 
 def test_nodes_that_settled_different_runs_are_refused_naming_the_node(tmp_path):
     """Each node settles its own run from its own command line: node 1's other --seed is
-    refused at start, on one line naming node 1, before a step is taken."""
+    refused at start, on one line naming node 1 and the setting, before a step is taken."""
     seed = lambda r: ["--seed", 1 + r]  # noqa: E731
     procs = nodes(2, 1, free_port(), [*RUN, "--steps", "3", "--out", tmp_path], seed)
     outs = finish(procs)
@@ -88,6 +88,7 @@ def test_nodes_that_settled_different_runs_are_refused_naming_the_node(tmp_path)
     err = outs[0][1]
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and "node(s) 1 settled a different run" in lines[0], err[-3000:]
+    assert "seed 1 on node 0, 2 on node 1" in lines[0], lines[0]  # the difference, named
     assert not (tmp_path / "metrics.jsonl").exists() or losses(tmp_path) == []
 
 
