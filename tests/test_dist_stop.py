@@ -30,11 +30,22 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def start_job(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+def start_job(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     """A 2-rank run that goes on until stopped, in a session of its own (as a terminal's job
     is), once it is training (its first step line is out)."""
     out, log = tmp_path / "run", tmp_path / "stdout"
-    args = [*TINY_ARGS, "--gpus", "2", "--steps", "100000", "--log-every", "1", "--out", str(out)]
+    args = [
+        *TINY_ARGS,
+        "--gpus",
+        "2",
+        "--steps",
+        "100000",
+        "--log-every",
+        "1",
+        "--out",
+        str(out),
+        *extra,
+    ]
     p = subprocess.Popen(
         [sys.executable, "-m", "fitgpt", "train", *args],
         env=ENV,
@@ -94,3 +105,23 @@ def test_a_stopped_job_saves_ends_every_process_and_says_one_line(tmp_path, targ
     step = int(lines[0].split(" at step ")[1].split(";")[0])
     assert [d.name for d in ckpt_io.step_dirs(out)] == [f"step_{step:08d}"]
     assert not (out / LOCK_NAME).exists()
+
+
+@pytest.mark.slow
+def test_export_of_a_run_that_still_saves_reads_a_whole_checkpoint(tmp_path):
+    """`fitgpt export --ckpt RUN` while RUN's 2 ranks save every step and keep one: the newest
+    checkpoint it picks is no longer pruned from under it (it failed, "has no index-r*.json")."""
+    p, out = start_job(tmp_path, "--save-every", "1", "--keep", "1")
+    try:
+        for i in range(3):
+            r = subprocess.run(
+                [sys.executable, "-m", "fitgpt", "export", "--ckpt", str(out),
+                 "--out", str(tmp_path / f"e{i}.safetensors")],
+                env=ENV, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert r.returncode == 0, r.stderr
+    finally:
+        os.kill(p.pid, signal.SIGTERM)
+        p.communicate(timeout=90)
+    assert p.returncode == 130
+    assert len(ckpt_io.step_dirs(out)) == 1  # the held ones went at later saves
