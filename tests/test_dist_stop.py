@@ -125,3 +125,24 @@ def test_export_of_a_run_that_still_saves_reads_a_whole_checkpoint(tmp_path):
         p.communicate(timeout=90)
     assert p.returncode == 130
     assert len(ckpt_io.step_dirs(out)) == 1  # the held ones went at later saves
+
+
+@pytest.mark.slow
+def test_a_second_two_rank_job_on_a_busy_out_is_refused_in_one_line(tmp_path):
+    """Another `--gpus 2` run on the --out of a live one, with --overwrite too: rank 0's line
+    naming the owner alone (rank 1 added "rank 0 could not open it (see its message)")."""
+    p, out = start_job(tmp_path)
+    try:
+        for extra in ([], ["--overwrite"]):
+            args = [*TINY_ARGS, "--gpus", "2", "--steps", "2", "--out", str(out), *extra]
+            r = subprocess.run(
+                [sys.executable, "-m", "fitgpt", "train", *args],
+                env=ENV, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode == 2 and len(lines) == 1, r.stderr
+            assert "is in use by another fitgpt run" in lines[0], r.stderr
+    finally:
+        os.kill(p.pid, signal.SIGTERM)
+        p.communicate(timeout=90)
+    assert p.returncode == 130
