@@ -182,3 +182,36 @@ def test_a_node_killed_mid_run_is_named_by_the_others_within_the_timeout(tmp_pat
     assert n0.returncode != 0 and "Traceback" not in err, err[-3000:]
     assert lines and lines[-1] == "fitgpt: node(s) 1 stopped answering; the job ends", err[-3000:]
     assert took < 20 + 10, took
+
+
+def test_a_node_rank_given_twice_is_refused_at_once_and_the_job_goes_on(tmp_path):
+    """A third launcher with node 1's --node-rank, while nodes 0 and 1 train: one line naming
+    the rank, at once (it waited out --dist-timeout in gloo's connect, then printed a
+    62-line traceback and "node(s) 0 stopped answering"); the job it tried to join trains on."""
+    port, args = free_port(), [*RUN, "--steps", "100000", "--dist-timeout", "60"]
+    args += ["--out", tmp_path]
+    n1 = node(1, 2, 1, port, args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    n0 = node(0, 2, 1, port, args, stderr=subprocess.DEVNULL)
+    procs = [n0, n1]
+    try:
+        for line in n0.stdout:  # rank 0's step lines: both nodes have joined
+            if line.startswith("step      1 "):
+                break
+        else:
+            pytest.fail(f"node 0 ended before step 1: {n0.communicate()}")
+        t0 = time.monotonic()
+        again = node(1, 2, 1, port, [*RUN, "--steps", "3", "--out", tmp_path / "again"])
+        procs.append(again)
+        _, err = again.communicate(timeout=120)
+        took = time.monotonic() - t0
+        assert n0.poll() is None and n1.poll() is None  # the job trains on
+    finally:
+        for pid in [pid for p in procs if p.poll() is None for pid in tree(p.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for p in procs:
+            p.wait()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert again.returncode == 1 and len(lines) == 1, err[-3000:]
+    assert "--node-rank 1" in lines[0] and "already" in lines[0], lines[0]
+    assert took < 30, took  # the launcher's start, not --dist-timeout

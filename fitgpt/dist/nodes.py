@@ -221,6 +221,10 @@ class RollCall:
         try:  # multi_tenant: torchrun's static rendezvous reuses this server in this process
             self.store = TCPStore(self.addr, self.port, None, self.node == 0, timeout,
                                   wait_for_workers=False, multi_tenant=True)  # fmt: skip
+            # counted, not set: a second launcher given a node rank that joined already
+            # (two machines with one --node-rank) must not go on into torchrun's rendezvous,
+            # where it waited out gloo's connect timeout and ended in a traceback
+            joined = self.store.add(f"fitgpt/joined/{self.node}", 1)
             self.store.set(f"fitgpt/node/{self.node}", "1")
         except Exception as e:  # a timeout, a refused connection, a port in use
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -230,6 +234,11 @@ class RollCall:
                 f"fitgpt: node {self.node} could not reach node 0 at {self.where()} within "
                 f"--dist-timeout {self.timeout_s:g} s ({first}); start node 0 with the same "
                 "--master-addr and --master-port, and check that this machine can reach it"
+            )
+        if joined > 1:
+            return (
+                f"fitgpt: --node-rank {self.node} has joined the job at {self.where()} already: "
+                f"give each machine its own --node-rank (0..{self.nnodes - 1})"
             )
         if self.node == 0:
             missing = self._wait_for_all()
