@@ -104,8 +104,10 @@ def wait_job(agent: subprocess.Popen) -> int:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
+    # a signal ignored at start stays ignored (nohup, a script's `cmd &` ignores SIGINT)
     main = threading.current_thread() is threading.main_thread()
-    before = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    taken = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) != signal.SIG_IGN]
+    before = {s: signal.signal(s, forward) for s in taken} if main else {}
     try:
         code = agent.wait()
     finally:
