@@ -146,3 +146,25 @@ def test_a_second_two_rank_job_on_a_busy_out_is_refused_in_one_line(tmp_path):
         os.kill(p.pid, signal.SIGTERM)
         p.communicate(timeout=90)
     assert p.returncode == 130
+
+
+def rank_pid(job: list[int], rank: int) -> int:
+    """The pid among `job` whose torchrun RANK is `rank`."""
+    for pid in job:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
+            return pid
+    raise AssertionError(f"no rank {rank} among {job}")
+
+
+@pytest.mark.slow
+def test_a_rank_killed_outright_is_the_one_the_job_names(tmp_path):
+    """kill -9 of rank 1 while the job saves every step: the last line names rank 1 and the
+    signal (it named rank 0, which only saw its collective fail), and no partial save is left."""
+    p, out = start_job(tmp_path, "--save-every", "1", "--keep", "2")
+    os.kill(rank_pid(descendants(p.pid), 1), signal.SIGKILL)
+    _, err = p.communicate(timeout=90)
+    lines = err.strip().splitlines()
+    assert p.returncode == 1 and "Traceback" not in err, err
+    assert lines[-1].startswith("fitgpt: rank 1 ") and "SIGKILL" in lines[-1], err
+    assert ckpt_io.step_dirs(out) and not list(out.glob(".step_*"))

@@ -53,6 +53,22 @@ def quiet_agent() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+def signal_name(n: int) -> str:
+    try:
+        return f"signal {n} ({signal.Signals(n).name})"
+    except ValueError:
+        return f"signal {n}"
+
+
+def culprit(e: ChildFailedError):
+    """(rank, failure) that ended the job: a rank killed by a signal (kill -9, the OOM killer, a
+    crash) before the first to fail, since the others then fail in a collective and exit 1,
+    often before the agent sees the dead one; torch's first failure named rank 0 for a kill -9
+    of rank 1."""
+    killed = [(r, f) for r, f in e.failures.items() if f.exitcode < 0]
+    return min(killed, key=lambda rf: rf[1].timestamp) if killed else e.get_first_failure()
+
+
 def main(argv: list[str]) -> int:
     quiet_agent()
     if os.environ.get(LAUNCHER_ENV) == str(os.getppid()):  # `fitgpt train --gpus N` started us
@@ -72,7 +88,7 @@ def main(argv: list[str]) -> int:
             roll.sign_out()
         return STOPPED[0]
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = culprit(e)
         code = failure.exitcode
         if roll is not None:
             roll.sign_out()
@@ -83,9 +99,13 @@ def main(argv: list[str]) -> int:
             nodes = ", ".join(map(str, silent))
             print(f"fitgpt: node(s) {nodes} stopped answering; the job ends", file=sys.stderr)
             return code if code > 0 else 1
-        how = f"exit status {code}" if code > 0 else f"signal {-code}"
-        print(f"fitgpt: rank {rank} stopped ({how}); its output above says why", file=sys.stderr)
-        return code if code > 0 else 1
+        if code < 0:  # killed: it said nothing; the others' lines name the collective it left
+            print(f"fitgpt: rank {rank} was ended by {signal_name(-code)}; the job ends",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        print(f"fitgpt: rank {rank} stopped (exit status {code}); its output above says why",
+              file=sys.stderr)  # fmt: skip
+        return code
     if roll is not None:
         roll.sign_out()
     return 0
