@@ -25,9 +25,10 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int, signum: int = signal.SIGKILL) -> None:
     """End this process when `parent` dies, even by SIGKILL (no cleanup of the parent's runs
-    there, so a child left running would hold its memory, a GPU, its files).
+    there, so a child left running would hold its memory, a GPU, its files), by `signum`
+    (SIGTERM: a process that stops its own children on it, torchrun's agent).
 
     Linux: the kernel sends SIGKILL on the parent's exit (PR_SET_PDEATHSIG; it fires when the
     thread that started this process ends, which is the parent's main thread for the callers
@@ -39,14 +40,15 @@ def die_with_parent(parent: int) -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             pr_set_pdeathsig = 1
-            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signum, 0, 0, 0)
     if os.getppid() != parent:
-        os._exit(1)  # the parent died before prctl took effect
+        os.kill(os.getpid(), signum)  # the parent died before prctl took effect
+        return
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
-        os._exit(1)  # reparented: the parent is gone
+        os.kill(os.getpid(), signum)  # reparented: the parent is gone
 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 

@@ -80,7 +80,7 @@ def test_two_nodes_of_two_train_as_four_ranks_of_one_node(tmp_path):
 
 def test_nodes_that_settled_different_runs_are_refused_naming_the_node(tmp_path):
     """Each node settles its own run from its own command line: node 1's other --seed is
-    refused at start, on one line naming node 1, before a step is taken."""
+    refused at start, on one line naming node 1 and the setting, before a step is taken."""
     seed = lambda r: ["--seed", 1 + r]  # noqa: E731
     procs = nodes(2, 1, free_port(), [*RUN, "--steps", "3", "--out", tmp_path], seed)
     outs = finish(procs)
@@ -88,6 +88,7 @@ def test_nodes_that_settled_different_runs_are_refused_naming_the_node(tmp_path)
     err = outs[0][1]
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and "node(s) 1 settled a different run" in lines[0], err[-3000:]
+    assert "seed 1 on node 0, 2 on node 1" in lines[0], lines[0]  # the difference, named
     assert not (tmp_path / "metrics.jsonl").exists() or losses(tmp_path) == []
 
 
@@ -181,3 +182,36 @@ def test_a_node_killed_mid_run_is_named_by_the_others_within_the_timeout(tmp_pat
     assert n0.returncode != 0 and "Traceback" not in err, err[-3000:]
     assert lines and lines[-1] == "fitgpt: node(s) 1 stopped answering; the job ends", err[-3000:]
     assert took < 20 + 10, took
+
+
+def test_a_node_rank_given_twice_is_refused_at_once_and_the_job_goes_on(tmp_path):
+    """A third launcher with node 1's --node-rank, while nodes 0 and 1 train: one line naming
+    the rank, at once (it waited out --dist-timeout in gloo's connect, then printed a
+    62-line traceback and "node(s) 0 stopped answering"); the job it tried to join trains on."""
+    port, args = free_port(), [*RUN, "--steps", "100000", "--dist-timeout", "60"]
+    args += ["--out", tmp_path]
+    n1 = node(1, 2, 1, port, args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    n0 = node(0, 2, 1, port, args, stderr=subprocess.DEVNULL)
+    procs = [n0, n1]
+    try:
+        for line in n0.stdout:  # rank 0's step lines: both nodes have joined
+            if line.startswith("step      1 "):
+                break
+        else:
+            pytest.fail(f"node 0 ended before step 1: {n0.communicate()}")
+        t0 = time.monotonic()
+        again = node(1, 2, 1, port, [*RUN, "--steps", "3", "--out", tmp_path / "again"])
+        procs.append(again)
+        _, err = again.communicate(timeout=120)
+        took = time.monotonic() - t0
+        assert n0.poll() is None and n1.poll() is None  # the job trains on
+    finally:
+        for pid in [pid for p in procs if p.poll() is None for pid in tree(p.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for p in procs:
+            p.wait()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert again.returncode == 1 and len(lines) == 1, err[-3000:]
+    assert "--node-rank 1" in lines[0] and "already" in lines[0], lines[0]
+    assert took < 30, took  # the launcher's start, not --dist-timeout

@@ -288,6 +288,18 @@ def run(args: argparse.Namespace) -> int:
         with contextlib.suppress(Exception):  # every line is out before any rank exits
             ctx.barrier()
         sys.exit(2)
+    except KeyboardInterrupt as e:
+        from fitgpt.train.guard import Interrupted
+
+        if not (ctx.distributed and isinstance(e, Interrupted)):
+            raise
+        # every rank stopped at the same agreed step, and rank 0's line names the save: it is
+        # the job's one line (each rank printed its own before; the others wait for it to go out)
+        if ctx.is_main:
+            print_line(f"fitgpt train: {e}")
+        with contextlib.suppress(Exception):
+            ctx.barrier()
+        sys.exit(130)
     except Exception as e:
         from fitgpt.engine.comm import CollectiveError
 

@@ -11,8 +11,13 @@ every process sets itself up the same way (`fitgpt.dist.env.configure_process`).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 from fitgpt.dist.env import SAFE_ENV, child_env
 from fitgpt.dist.nodes import Nodes
@@ -68,4 +73,54 @@ def relaunch(
     `nodes`), `env` added to their environment (train's settled settings: cli/train.py launch);
     return its exit code."""
     cmd = command(nproc, module, argv, torchrun=True, nodes=nodes)
-    return subprocess.call(cmd, env={**child_env(nproc), **(env or {})})
+    env = {**child_env(nproc), **(env or {}), LAUNCHER_ENV: str(os.getpid())}
+    # torchrun's agent in a process group of its own (its ranks have sessions of their own
+    # already): a Ctrl-C at the terminal reaches this launcher alone, which hands the agent one
+    # stop request (wait_job). Sharing the terminal's group, the agent got the Ctrl-C from the
+    # terminal and a second one from here, and raised out of its own shutdown with a traceback.
+    return wait_job(subprocess.Popen(cmd, env=env, process_group=0))
+
+
+# set in the agent's environment: fitgpt/dist/torchrun.py then stops the job when this
+# launcher dies, even by SIGKILL (the agent's pdeathsig)
+LAUNCHER_ENV = "FITGPT_LAUNCHER_PID"
+
+
+def wait_job(agent: subprocess.Popen) -> int:
+    """Wait for torchrun's agent; its exit status (128 + N for signal N).
+
+    SIGINT and SIGTERM to this launcher (Ctrl-C, `timeout`, `kill`, a scheduler) go on to the
+    job instead of ending the launcher: the first to the agent, which hands it to every rank
+    (each saves the step it stopped at and the agent waits for them, about 30 s at most); a
+    second to the ranks themselves, which stop at once as after a second Ctrl-C. Before, Python's
+    default SIGTERM ended the launcher alone and the job trained on unwatched, holding --out's
+    lock, and a Ctrl-C made subprocess.call SIGKILL the agent, which left its ranks training."""
+    asked: list[int] = []
+
+    def forward(signum, frame) -> None:
+        asked.append(signum)
+        targets = [agent.pid] if len(asked) == 1 else children(agent.pid)
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    # a signal ignored at start stays ignored (nohup, a script's `cmd &` ignores SIGINT)
+    main = threading.current_thread() is threading.main_thread()
+    taken = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) != signal.SIG_IGN]
+    before = {s: signal.signal(s, forward) for s in taken} if main else {}
+    try:
+        code = agent.wait()
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    return code if code >= 0 else 128 - code
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (the agent's ranks), from /proc (Linux; elsewhere none)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                found += [int(c) for c in (task / "children").read_text().split()]
+    return found

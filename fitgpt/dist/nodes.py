@@ -129,14 +129,46 @@ def check_same(ctx, settings: dict) -> None:
     every = [torch.empty_like(mine) for _ in range(ctx.world)]
     dist.all_gather(every, mine, group=ctx.group)
     ref = int(every[0][0])
-    differ = sorted({int(t[1]) for t in every if int(t[0]) != ref})
-    if differ:
+    odd = [i for i, t in enumerate(every) if int(t[0]) != ref]
+    if odd:
+        # what differs, from the first odd rank's settings (one more gather, on refusal only)
+        texts = [None] * ctx.world
+        dist.all_gather_object(texts, json.dumps(settings, sort_keys=True, default=str))
+        first = int(every[odd[0]][1])
+        fields = differences(json.loads(texts[0]), json.loads(texts[odd[0]]), first)
+        differ = sorted({int(every[i][1]) for i in odd})
         e = UserError(
-            f"node(s) {', '.join(map(str, differ))} settled a different run than node 0: give "
-            "every node the same command line, the same files and the same fitgpt version"
+            f"node(s) {', '.join(map(str, differ))} settled a different run than node 0 "
+            f"({fields}): give every node the same command line, the same files and the same "
+            "fitgpt version"
         )
         e.agreed = e.identical = True  # every rank sees the same gathered hashes
         raise e
+
+
+def differences(mine: dict, theirs: dict, node: int, most: int = 3) -> str:
+    """The settings where node 0's (`mine`) and `node`'s differ, e.g. "seed 1 on node 0, 2 on
+    node 1", the first `most` of them by name (a field's path less its section)."""
+
+    def leaves(d, path=()):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from leaves(v, (*path, k))
+            else:
+                yield (*path, k), v
+
+    a, b = dict(leaves(mine)), dict(leaves(theirs))
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+    def shown(v) -> str:
+        return "unset" if v is None else str(v)
+
+    said = [
+        f"{k[-1]} {shown(a.get(k))} on node 0, {shown(b.get(k))} on node {node}"
+        for k in keys[:most]
+    ]
+    more = f" and {len(keys) - most} more" if len(keys) > most else ""
+    return "; ".join(said) + more
 
 
 # how often each node's launcher says it is alive, and how long node 0's waits, after the job
@@ -189,6 +221,10 @@ class RollCall:
         try:  # multi_tenant: torchrun's static rendezvous reuses this server in this process
             self.store = TCPStore(self.addr, self.port, None, self.node == 0, timeout,
                                   wait_for_workers=False, multi_tenant=True)  # fmt: skip
+            # counted, not set: a second launcher given a node rank that joined already
+            # (two machines with one --node-rank) must not go on into torchrun's rendezvous,
+            # where it waited out gloo's connect timeout and ended in a traceback
+            joined = self.store.add(f"fitgpt/joined/{self.node}", 1)
             self.store.set(f"fitgpt/node/{self.node}", "1")
         except Exception as e:  # a timeout, a refused connection, a port in use
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -198,6 +234,11 @@ class RollCall:
                 f"fitgpt: node {self.node} could not reach node 0 at {self.where()} within "
                 f"--dist-timeout {self.timeout_s:g} s ({first}); start node 0 with the same "
                 "--master-addr and --master-port, and check that this machine can reach it"
+            )
+        if joined > 1:
+            return (
+                f"fitgpt: --node-rank {self.node} has joined the job at {self.where()} already: "
+                f"give each machine its own --node-rank (0..{self.nnodes - 1})"
             )
         if self.node == 0:
             missing = self._wait_for_all()

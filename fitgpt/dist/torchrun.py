@@ -14,12 +14,21 @@ prints its own traceback: that output is the rank's, not the agent's.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
+from fitgpt.dist.launch import LAUNCHER_ENV
 from fitgpt.dist.nodes import RollCall
+from fitgpt.procs import die_with_parent
+
+# a rank's exit status after a stop (fitgpt.cli: Ctrl-C's 130, SIGTERM's 143): it printed the
+# line that says what was saved, and the job ends with that status
+STOPPED = (130, 143)
 
 
 def launcher_args(argv: list[str]):
@@ -35,8 +44,36 @@ def launcher_args(argv: list[str]):
     return args
 
 
+def quiet_agent() -> None:
+    """torch's elastic loggers at CRITICAL: each sets its own level (elastic/utils/logging.py
+    get_logger), so the parent's level alone left the agent's "Received 2 death signal,
+    shutting down workers" warning above a stopped run's one line."""
+    for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def signal_name(n: int) -> str:
+    try:
+        return f"signal {n} ({signal.Signals(n).name})"
+    except ValueError:
+        return f"signal {n}"
+
+
+def culprit(e: ChildFailedError):
+    """(rank, failure) that ended the job: a rank killed by a signal (kill -9, the OOM killer, a
+    crash) before the first to fail, since the others then fail in a collective and exit 1,
+    often before the agent sees the dead one; torch's first failure named rank 0 for a kill -9
+    of rank 1."""
+    killed = [(r, f) for r, f in e.failures.items() if f.exitcode < 0]
+    return min(killed, key=lambda rf: rf[1].timestamp) if killed else e.get_first_failure()
+
+
 def main(argv: list[str]) -> int:
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    quiet_agent()
+    if os.environ.get(LAUNCHER_ENV) == str(os.getppid()):  # `fitgpt train --gpus N` started us
+        # its launcher killed outright: stop the job as a SIGTERM to the launcher would
+        die_with_parent(os.getppid(), signal.SIGTERM)
     args = launcher_args(argv)
     roll = RollCall.of(args)  # several nodes: each named if it does not join or goes silent
     if roll is not None and (line := roll.sign_in()) is not None:
@@ -44,21 +81,31 @@ def main(argv: list[str]) -> int:
         return 1
     try:
         run(args)
+    except SignalException:
+        # a stop (launch.wait_job forwards the launcher's): the agent handed it to the ranks
+        # and waited for them; each saved and rank 0 printed the line, the status a rank's stop's
+        if roll is not None:
+            roll.sign_out()
+        return STOPPED[0]
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = culprit(e)
         code = failure.exitcode
         if roll is not None:
             roll.sign_out()
-        if code == 2:
-            return 2  # a refusal: the rank printed its one line
+        if code == 2 or code in STOPPED:
+            return code  # a refusal or a stop: the rank printed its one line
         silent = roll.silent_nodes() if roll is not None else []
         if silent:  # the ranks' lines say a collective failed; this one says where
             nodes = ", ".join(map(str, silent))
             print(f"fitgpt: node(s) {nodes} stopped answering; the job ends", file=sys.stderr)
             return code if code > 0 else 1
-        how = f"exit status {code}" if code > 0 else f"signal {-code}"
-        print(f"fitgpt: rank {rank} stopped ({how}); its output above says why", file=sys.stderr)
-        return code if code > 0 else 1
+        if code < 0:  # killed: it said nothing; the others' lines name the collective it left
+            print(f"fitgpt: rank {rank} was ended by {signal_name(-code)}; the job ends",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        print(f"fitgpt: rank {rank} stopped (exit status {code}); its output above says why",
+              file=sys.stderr)  # fmt: skip
+        return code
     if roll is not None:
         roll.sign_out()
     return 0

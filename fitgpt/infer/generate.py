@@ -72,7 +72,7 @@ class SampleConfig:
 def checkpoint_meta(path: Path) -> tuple[Path, dict, ModelConfig]:
     """(the checkpoint folder `path` names, its meta, its model's config): what the tokenizer
     and chat checks need, read before any weight."""
-    ckpt = ckpt_io.resolve(path)
+    ckpt = ckpt_io.resolve_held(path)
     meta = ckpt_io.load_meta(ckpt)
     return ckpt, meta, ModelConfig.from_dict(meta["config"]["model"])
 

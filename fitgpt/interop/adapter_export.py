@@ -101,7 +101,7 @@ def merged(ckpt: Path, meta: dict, cfg: ModelConfig) -> Merged:
 def merged_base(path: Path) -> Merged | None:
     """The run or checkpoint at `path` merged (`merged`) when it is an adapter run's; None for
     one that trained the whole model (generate and export --format fitgpt read it as it is)."""
-    ckpt = ckpt_io.resolve(path)
+    ckpt = ckpt_io.resolve_held(path)
     meta = ckpt_io.load_meta(ckpt)
     if adapter_of(meta) is None:
         return None

@@ -81,7 +81,7 @@ def export_hf(
     (default fp32). `merge`: an adapter run's checkpoint, its base with the adapters merged in
     (interop/adapter_export.py), by default in the base's dtype."""
 
-    ckpt = ckpt_io.resolve(ckpt_path)
+    ckpt = ckpt_io.resolve_held(ckpt_path)
     meta = ckpt_io.load_meta(ckpt)
     cfg = ModelConfig.from_dict(meta["config"]["model"])
     adapter = adapter_of(meta)
@@ -125,7 +125,7 @@ def check_out_apart(out: Path, ckpt_path: Path, tokenizer: str | None = None) ->
     model folder."""
     from fitgpt.paths import check_apart
 
-    ckpt = ckpt_io.resolve(ckpt_path)
+    ckpt = ckpt_io.resolve_held(ckpt_path)
     meta = ckpt_io.load_meta(ckpt)
     kept: list[tuple[str, str | Path]] = [("the run --ckpt reads", ckpt_path)]
     if ckpt in ckpt_io.step_dirs(ckpt.parent):  # a checkpoint of a run: the whole run
@@ -312,7 +312,7 @@ class PeftExport:
 def export_peft(ckpt_path: Path, out: Path, dtype: str = "fp32", overwrite: bool = False):
     """Checkpoint (or newest of run) `ckpt_path`'s adapters as PEFT's folder `out`, written
     into a temporary folder renamed into place when complete."""
-    ckpt = ckpt_io.resolve(ckpt_path)
+    ckpt = ckpt_io.resolve_held(ckpt_path)
     meta = ckpt_io.load_meta(ckpt)
     adapter = adapter_of(meta)
     if adapter is None:

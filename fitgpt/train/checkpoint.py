@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -270,6 +271,58 @@ def resolve(path: Path) -> Path:
     return found[-1]
 
 
+# Reading a checkpoint that a live run may prune (`generate`/`export` of a run that still
+# trains). The reader holds a shared flock on the checkpoint's meta.json until it exits, and
+# prune() skips a checkpoint so held (it goes at a later save): otherwise the newest checkpoint
+# of a run saving often with a small --keep was deleted between being picked and being read,
+# and the reader failed with "has no index-r*.json" (every time at --keep 1 on CPU). Costs a
+# reader that runs long (generate --interactive) one checkpoint more on the run's disk.
+_HELD: list[int] = []  # the readers' fds, open for the life of the process
+
+
+def resolve_held(path: Path) -> Path:
+    """`resolve`, the checkpoint then held against pruning for the rest of this process. A run
+    folder's newest checkpoint pruned before the hold took is picked again (the run saved a newer
+    one meanwhile); a named checkpoint folder that went is refused in one line."""
+    for _ in range(100):  # each retry means the run saved again: a bound, never reached
+        ckpt = resolve(path)
+        try:
+            fd = os.open(ckpt / "meta.json", os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a prune deleting it right now
+        try:
+            here = os.stat(ckpt / "meta.json").st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            here = False
+        if here:
+            _HELD.append(fd)
+            return ckpt
+        os.close(fd)
+        if ckpt == path:
+            break
+    raise UserError(f"{path} was deleted while it was opened (a run pruned it?); check the path")
+
+
+def _claim(ckpt: Path) -> int | None:
+    """An fd holding `ckpt`'s meta.json exclusively, to delete it under (a reader waiting for
+    its hold then finds it gone), or None when a reader holds it (resolve_held). -1: nothing
+    to lock (no meta.json, or a filesystem without flock, where no reader can hold it either)."""
+    try:
+        fd = os.open(ckpt / "meta.json", os.O_RDONLY)
+    except OSError:
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError:
+        os.close(fd)
+        return -1
+
+
 def lineage(meta: dict, hops: int = 8) -> list[tuple[Path, dict | None]]:
     """Where a checkpoint's weights came from, nearest first, each with its meta.json when it
     is a fitgpt checkpoint (None for a Hugging Face folder or file): its --init-from source and
@@ -453,9 +506,15 @@ def _publish(
 
 
 def prune(run_dir: Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints (rank 0)."""
+    """Delete all but the newest `keep` checkpoints (rank 0), but for those a reader holds
+    (resolve_held), which go at a later save."""
     for stale in step_dirs(run_dir)[:-keep]:
+        fd = _claim(stale)
+        if fd is None:
+            continue
         shutil.rmtree(stale, ignore_errors=True)
+        if fd >= 0:
+            os.close(fd)
 
 
 def save(

@@ -268,8 +268,12 @@ def open_run_dir(
     if not all_ok(ctx, error is None, "open the run folder"):
         close_run_dir(out, lock, failed=True, started=False)
         who = "a machine's first rank" if per_node else "rank 0"
+        own = error is not None
         error = error or UserError(f"--out {out}: {who} could not open it (see its message)")
         error.agreed = True
+        # a rank that failed prints its own line; the others' stand-in is rank 0's to print
+        # (when rank 0 is one of them): the job's refusal is the failed rank's one line
+        error.identical = not own
         raise error
     return lock
 

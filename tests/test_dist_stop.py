@@ -1,0 +1,170 @@
+"""Stopping a `fitgpt train --gpus 2` job, with real processes: a SIGTERM or Ctrl-C to its
+launcher (a scheduler, `timeout`, `kill`), a Ctrl-C at the terminal (every process of the
+foreground group), a signal to one rank, a SIGKILL to the launcher. Each ends the whole job, saves the step it stopped at,
+and says so in one line; no process of the job outlives the launcher."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_checkpoint import ENV, TINY_ARGS
+
+from fitgpt.dist.launch import children
+from fitgpt.procs import pid_alive
+from fitgpt.train import checkpoint as ckpt_io
+from fitgpt.train.rundir import LOCK_NAME
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` now: torchrun's agent and its ranks."""
+    found, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+def start_job(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+    """A 2-rank run that goes on until stopped, in a session of its own (as a terminal's job
+    is), once it is training (its first step line is out)."""
+    out, log = tmp_path / "run", tmp_path / "stdout"
+    args = [
+        *TINY_ARGS,
+        "--gpus",
+        "2",
+        "--steps",
+        "100000",
+        "--log-every",
+        "1",
+        "--out",
+        str(out),
+        *extra,
+    ]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "fitgpt", "train", *args],
+        env=ENV,
+        stdout=log.open("w"),
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.time() + 120
+    while "step " not in log.read_text():
+        if p.poll() is not None or time.time() > deadline:
+            p.kill()
+            pytest.fail(f"the job never trained: {p.communicate()}")
+        time.sleep(0.2)
+    return p, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "target, sig",
+    [
+        ("launcher", signal.SIGTERM),  # a scheduler's stop, `timeout`, `kill PID`
+        ("launcher", signal.SIGINT),
+        ("group", signal.SIGINT),  # Ctrl-C at the terminal
+        ("rank", signal.SIGTERM),  # one rank stopped by hand
+        ("launcher", signal.SIGKILL),  # the agent gets a SIGTERM (its pdeathsig)
+    ],
+)
+def test_a_stopped_job_saves_ends_every_process_and_says_one_line(tmp_path, target, sig):
+    p, out = start_job(tmp_path)
+    job = descendants(p.pid)
+    assert len(job) == 3, job  # torchrun's agent and 2 ranks
+    if target == "launcher":
+        os.kill(p.pid, sig)
+    elif target == "group":
+        os.killpg(p.pid, sig)
+    else:  # the last rank started
+        os.kill(max(job), sig)
+    try:  # the ranks hold stderr: its end is theirs, after a SIGKILLed launcher too
+        _, err = p.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        for pid in job:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        pytest.fail("the launcher did not end after the stop")
+    # the launcher waits for its job; a SIGKILLed one cannot: then the job ends on its own
+    deadline = time.time() + (30 if sig == signal.SIGKILL else 0)
+    while (alive := [pid for pid in job if pid_alive(pid)]) and time.time() < deadline:
+        time.sleep(0.1)
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"processes of the job outlived its launcher: {alive}"
+    assert p.returncode == (-9 if sig == signal.SIGKILL else 130), err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "saved" in lines[0] and "--resume" in lines[0], err
+    step = int(lines[0].split(" at step ")[1].split(";")[0])
+    assert [d.name for d in ckpt_io.step_dirs(out)] == [f"step_{step:08d}"]
+    assert not (out / LOCK_NAME).exists()
+
+
+@pytest.mark.slow
+def test_export_of_a_run_that_still_saves_reads_a_whole_checkpoint(tmp_path):
+    """`fitgpt export --ckpt RUN` while RUN's 2 ranks save every step and keep one: the newest
+    checkpoint it picks is no longer pruned from under it (it failed, "has no index-r*.json")."""
+    p, out = start_job(tmp_path, "--save-every", "1", "--keep", "1")
+    try:
+        for i in range(3):
+            r = subprocess.run(
+                [sys.executable, "-m", "fitgpt", "export", "--ckpt", str(out),
+                 "--out", str(tmp_path / f"e{i}.safetensors")],
+                env=ENV, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            assert r.returncode == 0, r.stderr
+    finally:
+        os.kill(p.pid, signal.SIGTERM)
+        p.communicate(timeout=90)
+    assert p.returncode == 130
+    assert len(ckpt_io.step_dirs(out)) == 1  # the held ones went at later saves
+
+
+@pytest.mark.slow
+def test_a_second_two_rank_job_on_a_busy_out_is_refused_in_one_line(tmp_path):
+    """Another `--gpus 2` run on the --out of a live one, with --overwrite too: rank 0's line
+    naming the owner alone (rank 1 added "rank 0 could not open it (see its message)")."""
+    p, out = start_job(tmp_path)
+    try:
+        for extra in ([], ["--overwrite"]):
+            args = [*TINY_ARGS, "--gpus", "2", "--steps", "2", "--out", str(out), *extra]
+            r = subprocess.run(
+                [sys.executable, "-m", "fitgpt", "train", *args],
+                env=ENV, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            lines = r.stderr.strip().splitlines()
+            assert r.returncode == 2 and len(lines) == 1, r.stderr
+            assert "is in use by another fitgpt run" in lines[0], r.stderr
+    finally:
+        os.kill(p.pid, signal.SIGTERM)
+        p.communicate(timeout=90)
+    assert p.returncode == 130
+
+
+def rank_pid(job: list[int], rank: int) -> int:
+    """The pid among `job` whose torchrun RANK is `rank`."""
+    for pid in job:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
+            return pid
+    raise AssertionError(f"no rank {rank} among {job}")
+
+
+@pytest.mark.slow
+def test_a_rank_killed_outright_is_the_one_the_job_names(tmp_path):
+    """kill -9 of rank 1 while the job saves every step: the last line names rank 1 and the
+    signal (it named rank 0, which only saw its collective fail), and no partial save is left."""
+    p, out = start_job(tmp_path, "--save-every", "1", "--keep", "2")
+    os.kill(rank_pid(descendants(p.pid), 1), signal.SIGKILL)
+    _, err = p.communicate(timeout=90)
+    lines = err.strip().splitlines()
+    assert p.returncode == 1 and "Traceback" not in err, err
+    assert lines[-1].startswith("fitgpt: rank 1 ") and "SIGKILL" in lines[-1], err
+    assert ckpt_io.step_dirs(out) and not list(out.glob(".step_*"))
