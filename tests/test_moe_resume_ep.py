@@ -111,9 +111,9 @@ def test_a_p_typed_again_on_the_resume_is_checked_as_given(files, capsys, tmp_pa
 def test_a_saved_p_is_fitted_to_a_divisor_of_the_ranks_and_of_itself(ep, world, kept):
     """--plan off: the P resumed divides the new rank count and the saved P (so it divides the
     experts the saved P did); a P the planner chooses or the user typed stays as it is."""
-    from fitgpt.parallel.experts import resumed_expert_parallel
+    from fitgpt.train.resume import fit_degree
 
-    p, notes = resumed_expert_parallel(ep, world, kept)
+    p, notes = fit_degree("--expert-parallel", ep, world, kept)
     if kept or world % ep == 0:
         assert (p, notes) == (ep, [])
     else:

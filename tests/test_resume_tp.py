@@ -72,9 +72,9 @@ def test_a_t_typed_again_on_the_resume_is_checked_as_given(saved, capsys, tmp_pa
 @pytest.mark.parametrize("tp, world, kept", [(4, 2, False), (4, 6, False), (2, 4, False),
                                              (4, 2, True)])  # fmt: skip
 def test_a_saved_t_is_fitted_to_a_divisor_of_the_ranks_and_of_itself(tp, world, kept):
-    from fitgpt.parallel.shard import resumed_tensor_parallel
+    from fitgpt.train.resume import fit_degree
 
-    t, notes = resumed_tensor_parallel(tp, world, kept)
+    t, notes = fit_degree("--tensor-parallel", tp, world, kept)
     if kept or world % tp == 0:
         assert (t, notes) == (tp, [])
     else:

@@ -30,8 +30,6 @@ E experts, L = E/P local experts, P the EP group, H hidden.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -121,23 +119,6 @@ def expert_parallel_refusal(
             "supported yet: use one of them"
         )
     return None
-
-
-def resumed_expert_parallel(ep: int, world: int, kept: bool) -> tuple[int, list[str]]:
-    """(P, notes) for a resumed run at `world` ranks whose saved P is `ep`: a P kept as it is
-    (typed again, or --plan auto, whose planner chooses every P that passes the rule above) is
-    returned as it is; a saved P that does not divide `world` becomes gcd(P, world), which
-    divides the ranks and the experts both, with a note. P only moves whole experts and
-    checkpoints hold the full layout (ep_state.py), so nothing saved depends on it: keeping it
-    would refuse a resume on fewer ranks that the user never asked to split."""
-    if kept or ep <= 1 or world % ep == 0:
-        return ep, []
-    fitted = math.gcd(ep, world)
-    note = (
-        f"resume: the run's --expert-parallel {ep} does not divide {world} rank(s); resuming "
-        f"with {fitted} (type --expert-parallel to choose)"
-    )
-    return fitted, [note]
 
 
 # ---- the model ----------------------------------------------------------------------------------

@@ -11,8 +11,6 @@ local output splits into q, k and v again. None: the parameter is replicated.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -65,23 +63,6 @@ def tp_divisors(cfg: ModelConfig, world: int, sequence_parallel: bool = False) -
     sizes = [n for n, _ in tp_sizes(cfg, world, sequence_parallel)]
     low = 2 if sequence_parallel else 1
     return [d for d in range(low, world + 1) if all(n % d == 0 for n in sizes)]
-
-
-def resumed_tensor_parallel(tp: int, world: int, kept: bool) -> tuple[int, list[str]]:
-    """(T, notes) for a resumed run at `world` ranks whose saved T is `tp`, as
-    parallel/experts.py resumed_expert_parallel does for P: a T kept (typed again, or --plan
-    auto, whose planner chooses every T that passes tensor_parallel_refusal) as it is; a saved
-    T that does not divide `world` becomes gcd(T, world), which divides the ranks and every
-    size T divided, with a note. Checkpoints hold whole tensors (transforms/tp_state.py), so
-    nothing saved depends on T."""
-    if kept or tp <= 1 or world % tp == 0:
-        return tp, []
-    fitted = math.gcd(tp, world)
-    note = (
-        f"resume: the run's --tensor-parallel {tp} does not divide {world} rank(s); resuming "
-        f"with {fitted} (type --tensor-parallel to choose)"
-    )
-    return fitted, [note]
 
 
 def tensor_parallel_refusal(

@@ -151,21 +151,19 @@ def fit_to_world(
 ) -> tuple[RunConfig, list[str]]:
     """A resumed `run` fitted to `world` ranks, with notes: its saved --tensor-parallel,
     --context-parallel and --expert-parallel that were not typed again and do not divide the
-    ranks (parallel/shard.py resumed_tensor_parallel, train/resume.py fit_context_parallel,
-    parallel/experts.py resumed_expert_parallel; the planner of --plan auto chooses T and P
-    itself)."""
-    from fitgpt.parallel.experts import resumed_expert_parallel
-    from fitgpt.parallel.shard import resumed_tensor_parallel
-    from fitgpt.train.resume import fit_context_parallel
+    ranks (train/resume.py fit_degree and fit_context_parallel; the planner of --plan auto
+    chooses T and P itself)."""
+    from fitgpt.train.resume import fit_context_parallel, fit_degree
 
     typed = given["engine"]
-    tp, notes = resumed_tensor_parallel(
-        run.engine.tensor_parallel, world, plan or "tensor_parallel" in typed
+    e = run.engine
+    tp, notes = fit_degree(
+        "--tensor-parallel", e.tensor_parallel, world, plan or "tensor_parallel" in typed
     )
-    run = dataclasses.replace(run, engine=dataclasses.replace(run.engine, tensor_parallel=tp))
+    run = dataclasses.replace(run, engine=dataclasses.replace(e, tensor_parallel=tp))
     run, more = fit_context_parallel(run, world, "context_parallel" in typed)
-    ep, most = resumed_expert_parallel(
-        run.engine.expert_parallel, world, plan or "expert_parallel" in typed
+    ep, most = fit_degree(
+        "--expert-parallel", run.engine.expert_parallel, world, plan or "expert_parallel" in typed
     )
     engine = dataclasses.replace(run.engine, expert_parallel=ep)
     return dataclasses.replace(run, engine=engine), [*notes, *more, *most]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 from pathlib import Path
 
@@ -410,6 +411,25 @@ def fit_context_parallel(run: RunConfig, world: int, typed: bool) -> tuple[RunCo
         "resuming with 1 (type --context-parallel to choose)"
     )
     return dataclasses.replace(run, engine=dataclasses.replace(e, context_parallel=1)), [note]
+
+
+def fit_degree(flag: str, saved: int, world: int, kept: bool) -> tuple[int, list[str]]:
+    """(degree, notes) for a resumed run at `world` ranks whose saved --tensor-parallel T or
+    --expert-parallel P (`flag`) is `saved`: kept as it is where the user typed it again or
+    --plan auto's planner chooses it (it prices only the degrees that divide); a saved degree
+    that does not divide `world` becomes gcd(saved, world), which divides the ranks and every
+    size the saved one divided (heads, MLP columns, vocabulary; experts), with a note.
+    Checkpoints hold whole tensors (transforms/tp_state.py, ep_state.py), so nothing saved
+    depends on the degree: keeping it would refuse a resume on fewer ranks that the user never
+    asked to split."""
+    if kept or saved <= 1 or world % saved == 0:
+        return saved, []
+    fitted = math.gcd(saved, world)
+    note = (
+        f"resume: the run's {flag} {saved} does not divide {world} rank(s); resuming with "
+        f"{fitted} (type {flag} to choose)"
+    )
+    return fitted, [note]
 
 
 # ---- what the resumed run changes -------------------------------------------------------------
