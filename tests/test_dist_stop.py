@@ -63,6 +63,15 @@ def start_job(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
     return p, out
 
 
+def first_checkpoint(out: Path) -> None:
+    """Until a job saving every step has its first checkpoint in place (step 1's line comes
+    before its save is renamed into place)."""
+    deadline = time.time() + 60
+    while not ckpt_io.step_dirs(out):
+        assert time.time() < deadline, f"no checkpoint in {out} after 60 s"
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "target, sig",
@@ -116,6 +125,7 @@ def test_a_live_run_is_exported_whole_and_its_out_refused_to_another_job(tmp_pat
     its message)")."""
     p, out = start_job(tmp_path, "--save-every", "1", "--keep", "1")
     try:
+        first_checkpoint(out)
         args = [*TINY_ARGS, "--gpus", "2", "--steps", "2", "--out", str(out), "--overwrite"]
         r = subprocess.run(
             [sys.executable, "-m", "fitgpt", "train", *args],
@@ -152,6 +162,7 @@ def test_a_rank_killed_outright_is_the_one_the_job_names(tmp_path):
     """kill -9 of rank 1 while the job saves every step: the last line names rank 1 and the
     signal (it named rank 0, which only saw its collective fail), and no partial save is left."""
     p, out = start_job(tmp_path, "--save-every", "1", "--keep", "2")
+    first_checkpoint(out)
     os.kill(rank_pid(descendants(p.pid), 1), signal.SIGKILL)
     _, err = p.communicate(timeout=90)
     lines = err.strip().splitlines()
