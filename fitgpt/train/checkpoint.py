@@ -290,7 +290,11 @@ def resolve_held(path: Path) -> Path:
             fd = os.open(ckpt / "meta.json", os.O_RDONLY)
         except FileNotFoundError:
             continue
-        fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a prune deleting it right now
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a prune deleting it right now
+        except OSError:  # a filesystem without flock: no prune can hold it either (_claim)
+            os.close(fd)
+            return ckpt
         try:
             here = os.stat(ckpt / "meta.json").st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
