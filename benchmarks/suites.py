@@ -80,9 +80,13 @@ class Past:
 H100 = "nvidia-h100-x1"
 # the lora_gpu.sh rows that have run: (stage, where) -> their results
 LORA_RAN = {
-    ("8b", "h200-as-h100"): ("lora8_h200_2026-11-28",),
-    **{(s, "h200-as-h100"): ("lora70_h200_2026-11-28",) for s in ("q70-long", "l70-bf16")},
+    ("8b", "h200-as-h100"): ("lora8_h200_2026-11-28", "lora_rerun_h200_2026-11-28"),
+    **{
+        (s, "h200-as-h100"): ("lora70_h200_2026-11-28", "qlora70_h200_2026-11-28")
+        for s in ("q70-long", "l70-bf16")
+    },
     ("q70", "h200-as-h100"): ("lora70_h200_2026-11-28", "lora70_profile_h200_2026-11-28"),
+    ("q70-fitgpt", "h200-as-h100"): ("qlora70_h200_2026-11-28",),
 }
 # the lora_x4.sh stages that have run -> their results
 LORA_X4_RAN = {"l405": ("lora405_x4_h200_2026-11-28",)}
@@ -814,6 +818,11 @@ SUITES: tuple[Suite, ...] = (
                         "70 B folder fits an H100 box), the same synthetic rows, tokens/s",
                     ),
                     (
+                        "q70-fitgpt",
+                        "q70's fitgpt run alone, the planner's plan for its 8 steps (eager: "
+                        "too short a run for the compile to pay)",
+                    ),
+                    (
                         "q70-long",
                         "the longest --seq-len the planner accepts for that QLoRA, 2 steps of it",
                     ),
@@ -827,6 +836,30 @@ SUITES: tuple[Suite, ...] = (
                         "recomputed: what the planner's streamed, activations-kept plan rests on",
                     ),
                 )
+            ),
+            Row(
+                "q70-compiled-h200-as-h100",
+                "peers/lora_gpu.sh",
+                "nvidia-h200",
+                "q70 with the compile the planner picks for a run of 150 steps or more "
+                "(`fitgpt plan ... --steps 1000` prints --compile blocks; an 8-step run "
+                "is too short for it to pay, so it is asked for), against the same peer; "
+                "capped at 80 GB and labelled an H100's stand-in",
+                args="q70",
+                env='GPU_MEM=80GB EXTRA70="--compile blocks"',
+                device_env=True,
+                carry=WHL,
+                results=("qlora70_h200_2026-11-28",),
+            ),
+            Row(
+                "lora-gpu-rerun",
+                "checks/lora_gpu.sh",
+                "nvidia-h200",
+                "checks/lora-gpu again on the tree whose adapters fold into the base's "
+                "matmul: the peft load of the exported adapter against the merged export",
+                device_env=True,
+                carry=WHL,
+                results=("lora_rerun_h200_2026-11-28",),
             ),
         ),
     ),

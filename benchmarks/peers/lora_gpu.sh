@@ -23,6 +23,8 @@
 #            trains it as the QLoRA recipe does (peft k-bit preparation, gradient checkpointing,
 #            paged 8-bit AdamW); the same rows, STEPS70 steps (default 8); tokens/s against the
 #            1.5x bar (OUT/qlora_70b.json, .md). Different random bases: losses not compared.
+#   q70-fitgpt q70's fitgpt run alone, as q70_fitgpt_only (to time a second setting, EXTRA70's or
+#            none, beside a q70 call without running the peer again)
 #   q70-long the longest --seq-len the planner accepts for that run (`fitgpt plan --lora-rank`,
 #            bisected in steps of 4,096 from 4,096 to 131,072; its recompute: cpu past ~36 k),
 #            then 2 steps of it
@@ -46,9 +48,9 @@ LR=${LR:-2e-4}
 TINY=${TINY:-}
 mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
-case $STAGE in all | make | fitgpt | peer | compare | q70 | q70-long | q70-alt | l70-bf16) ;; *)
-  echo "lora_gpu.sh: no stage $STAGE; use all, make, fitgpt, peer, compare, q70, q70-long, q70-alt or" \
-    "l70-bf16" >&2; exit 2 ;; esac
+case $STAGE in all | make | fitgpt | peer | compare | q70 | q70-fitgpt | q70-long | q70-alt | l70-bf16) ;; *)
+  echo "lora_gpu.sh: no stage $STAGE; use all, make, fitgpt, peer, compare, q70, q70-fitgpt, q70-long," \
+    "q70-alt or l70-bf16" >&2; exit 2 ;; esac
 LABEL=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 LABEL=${LABEL:-cpu}
 CAP=()
@@ -143,6 +145,9 @@ if has q70; then
   grep -vE "^\s*$|[Ww]arn|kernels|loss \+= " "$OUT/qpeer.log" | tail -4 | cut -c1-250
   python3 benchmarks/peers/lora_gpu.py compare "$W" --out "$OUT" --bar q70 \
     --metrics "$OUT/q70_fitgpt.metrics.jsonl" --label "$LABEL"
+fi
+if has q70-fitgpt; then  # q70's fitgpt run alone (under another name), e.g. without EXTRA70's flags
+  run70 q70_fitgpt_only --base-format nf4 --seq-len "$SEQ70" --steps "${STEPS70:-8}"
 fi
 if has q70-long; then  # the longest length the planner accepts: it holds at lo, not at hi
   HW=(--gpus 1 --device cuda ${CAP[@]+"${CAP[@]}"})  # as the run: its cap, or what is detected
