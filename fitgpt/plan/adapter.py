@@ -330,11 +330,51 @@ def _refusal(work, a, fmt, ckpt, tried: BasePlan, hw: Hardware) -> str:
             flags = flags or [f"--base-host-blocks {h}"]
             fix = f"{' '.join(flags)} fits ({h} blocks in host RAM)"
             break
+    else:
+        fix = _shorter(work, a, fmt, order[-1], recompute, cuts, hw) or fix
     return (
         f"--lora-rank {a.lora_rank}: {work.model.num_params() / 1e9:.2f} B parameters with "
         f"the base in {fmt}, {tried.host_blocks} of {tried.blocks} blocks in host RAM and "
         f"--checkpointing {tried.checkpointing} need {need}; {fix}"
     )
+
+
+def _shorter(work, a, asked: str, fmt: str, recompute, cuts, hw: Hardware) -> str | None:
+    """Where no leaner setting fits: the flags of the longest --seq-len (a multiple of the
+    planner's search step, planner.py seq_quantum) that fits in `fmt`, the leanest format from
+    the one `asked`, under some recompute,
+    streaming and cut, at the run's micro-batch, else at micro-batch 1; None if not even its
+    shortest does. A bisection, ~log2(S/1024) lengths of up to 3 x 81 placements at 70 B
+    (~1 ms each): priced only on the way to a refusal."""
+    from fitgpt.plan.planner import seq_quantum
+
+    n = work.model.n_layer
+
+    def fits(w) -> tuple[int, str] | None:
+        for c in dict.fromkeys(recompute):
+            for k in cuts:
+                for h in range(n + 1):
+                    if price_base(w, a, fmt, h, c, shards=k).fits(hw):
+                        return h, c
+        return None
+
+    S = work.model.seq_len
+    q = seq_quantum(S)
+    for mb in dict.fromkeys((work.micro_batch, 1)):
+        at = dataclasses.replace(work, micro_batch=mb)
+        lo, hi, got = 0, (S - 1) // q + 1, None  # in quanta: lo fits (0: none yet), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            w = dataclasses.replace(at, model=work.model.replace(seq_len=mid * q))
+            placed = fits(w)
+            lo, hi, got = (mid, hi, placed) if placed else (lo, mid, got)
+        if lo:
+            h, c = got
+            flags = [f"--micro-batch {mb}"] if mb != work.micro_batch else []
+            flags += [f"--seq-len {lo * q}"] + ([f"--base-format {fmt}"] if fmt != asked else [])
+            flags += [f"--checkpointing {c}"]
+            return f"{' '.join(flags)} fits ({h} blocks in host RAM)"
+    return None
 
 
 def largest_lora(run_at, hw: Hardware, limit: int = 4096) -> tuple[int, str] | None:
