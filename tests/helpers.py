@@ -220,3 +220,20 @@ def tensors(folder: Path) -> dict:
         with safe_open(str(f), "pt") as handle:
             out |= {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 (no dict)
     return out
+
+
+def assert_config_carried(source: Path, export: Path, skip: tuple[str, ...] = ()) -> None:
+    """Every field transformers reads from `source`'s config.json has the same value in
+    `export`'s (interop/carried.py), but those naming how the files were stored or written,
+    and `skip`."""
+    from transformers import AutoConfig
+
+    from fitgpt.interop.carried import STORAGE
+
+    src, out = (
+        AutoConfig.from_pretrained(p, local_files_only=True).to_dict() for p in (source, export)
+    )
+    differ = {
+        k: (v, out.get(k)) for k, v in src.items() if k not in (*STORAGE, *skip) and out.get(k) != v
+    }
+    assert not differ, differ

@@ -15,7 +15,14 @@ import shutil
 
 import pytest
 import torch
-from helpers import close, engine_losses, imported_runs, saved_hf_models, tensors
+from helpers import (
+    assert_config_carried,
+    close,
+    engine_losses,
+    imported_runs,
+    saved_hf_models,
+    tensors,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
 from test_moe import STEPS, hf_loss
@@ -40,7 +47,7 @@ from fitgpt.model.families.gpt_oss.model import layer_windows, row_bias
 BASE = dict(
     hidden_size=64, num_attention_heads=4, head_dim=16, intermediate_size=32,
     num_local_experts=4, num_experts_per_tok=2, vocab_size=300, max_position_embeddings=64,
-    bos_token_id=1, eos_token_id=2,
+    bos_token_id=1, eos_token_id=2, initializer_range=0.05,  # export carries it back
 )  # fmt: skip
 YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "truncate": False, "original_max_position_embeddings": 16, "rope_theta": 10000.0}  # fmt: skip
@@ -151,6 +158,7 @@ def test_import_then_export_is_bit_exact_and_loads_in_transformers(
         "attention_bias", "output_router_logits", "router_aux_loss_coef", "head_dim",
     ):  # fmt: skip
         assert src.get(key) == out.get(key), key
+    assert_config_carried(folder, tmp_path / "out")
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True).eval()
     assert type(back) is GptOssForCausalLM
     assert back.config.rope_parameters == ref.config.rope_parameters
@@ -329,6 +337,7 @@ def test_an_mxfp4_folder_imports_as_transformers_loads_it(mxfp4, tmp_path):
     export_hf(run, tmp_path / "bf16", dtype="bf16")
     config = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+    assert_config_carried(mxfp4, tmp_path / "bf16")
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
     for n, p in back.named_parameters():
         if "experts" in n and "bias" not in n:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import run_config, train
+from helpers import assert_config_carried, run_config, train
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, GPT2Tokenizer
@@ -29,8 +29,9 @@ CPU = DistContext(0, 1, 0, torch.device("cpu"))
 TEXTS = ["Hello world", " two  spaces\n\nand\ttabs ", "naïve café 日本語 🙂", "a<|endoftext|>b"]
 
 
-def hf_model(folder, vocab=1000, positions=64, tie=True, seed=0, save=True):
-    """A random GPT2LMHeadModel; LayerNorms and biases random too, so a mix-up cannot hide."""
+def hf_model(folder, vocab=1000, positions=64, tie=True, seed=0, save=True, **fields):
+    """A random GPT2LMHeadModel (GPT2Config with `fields`); LayerNorms and biases random too,
+    so a mix-up cannot hide."""
     torch.manual_seed(seed)
     cfg = GPT2Config(
         n_layer=2,
@@ -41,6 +42,7 @@ def hf_model(folder, vocab=1000, positions=64, tie=True, seed=0, save=True):
         tie_word_embeddings=tie,
         bos_token_id=None,
         eos_token_id=None,
+        **fields,
     )
     model = GPT2LMHeadModel(cfg).eval()
     with torch.no_grad():
@@ -128,7 +130,8 @@ def test_unprefixed_pytorch_model_bin_imports(tmp_path):
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_import_then_export_is_bit_exact(tmp_path, tie):
-    hf_model(tmp_path / "hf", vocab=1000, positions=64, tie=tie)
+    # fields off transformers' defaults that fitgpt's model does not hold: carried back
+    hf_model(tmp_path / "hf", tie=tie, pad_token_id=0, initializer_range=0.05, n_ctx=64)
     import_hf(tmp_path / "hf", tmp_path / "run")
     r = export_hf(tmp_path / "run", tmp_path / "out")
     a, b = hf_state(tmp_path / "hf"), hf_state(tmp_path / "out")
@@ -143,6 +146,7 @@ def test_import_then_export_is_bit_exact(tmp_path, tie):
     assert GPT2LMHeadModel.from_pretrained(tmp_path / "out").config.activation_function == (
         "gelu_pytorch_tanh"
     )
+    assert_config_carried(tmp_path / "hf", tmp_path / "out", skip=("activation_function",))
 
 
 def test_sharded_safetensors_checkpoint_imports(tmp_path):

@@ -10,10 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
-from helpers import imported_runs, run_config, saved_hf_models, tensors, train
+from helpers import (
+    assert_config_carried,
+    imported_runs,
+    run_config,
+    saved_hf_models,
+    tensors,
+    train,
+)
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -113,7 +121,10 @@ def build_hf(name: str, seed: int = 0):
     for v, gate for up, q_norm for k_norm) cannot hide behind a default value."""
     cls, fields = CASES[name]
     torch.manual_seed(seed)
-    cfg = cls(**BASE, **fields, bos_token_id=1, eos_token_id=2)
+    # pad_token_id and initializer_range off transformers' defaults: export carries them back
+    cfg = cls(
+        **BASE, **fields, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.05
+    )
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -185,6 +196,7 @@ def test_import_then_export_is_bit_exact_and_loads_in_transformers(
         "vocab_size", "tie_word_embeddings", "rope_parameters", "sliding_window",
     ):  # fmt: skip
         assert src.get(key) == out.get(key), key
+    assert_config_carried(folder, tmp_path / "out")
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True).eval()
     assert type(back) is type(ref)
     with torch.no_grad():
@@ -308,7 +320,9 @@ def test_tokenizer_generation_config_and_chat_template_travel(tmp_path):
 
 def test_init_from_a_qwen2_folder_trains_from_transformers_loss(hf_folders, tmp_path):
     """`fitgpt train --init-from HF_FOLDER`: the first loss is transformers' on that batch."""
-    ref, folder = hf_folders["qwen2-gqa2-bias"]
+    ref, shared = hf_folders["qwen2-gqa2-bias"]
+    folder = shutil.copytree(shared, tmp_path / "hf")  # a generation_config.json of its own
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "top_p": 0.8}))
     source = find_source(str(folder))
     assert source.model.family == "qwen2" and source.weights is not None
     run = run_config(tmp_path / "run", steps=2, micro_batch=2, data="synthetic")
@@ -320,6 +334,11 @@ def test_init_from_a_qwen2_folder_trains_from_transformers_loss(hf_folders, tmp_
     want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
     got = train(run, DistContext(0, 1, 0, torch.device("cpu")), init_from=source)["losses"]
     assert got[0] == pytest.approx(want, abs=1e-5) and got[1] == got[1]
+    # its export carries the folder's config.json fields and generation_config.json back
+    export_hf(tmp_path / "run", tmp_path / "out")
+    assert_config_carried(folder, tmp_path / "out")
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert generation["top_p"] == 0.8 and generation["eos_token_id"] == 2
 
 
 def test_export_config_round_trips_through_import():

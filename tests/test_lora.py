@@ -636,6 +636,13 @@ def test_a_peft_folder_imports_and_training_goes_on(folders, trained, tmp_path):
         want = F.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten()).item()
     assert abs(losses(out)[0] - want) < 1e-5
     assert losses(out)[0] < losses(trained["llama"])[0] - 0.05  # not a fresh adapter's
+    # exported again, its adapter_config.json is the one it came from, field for field
+    cli(["export", "--ckpt", out, "--format", "peft", "--out", tmp_path / "again"])
+    first, again = (
+        json.loads((p / "adapter_config.json").read_text())
+        for p in (tmp_path / "peft", tmp_path / "again")
+    )
+    assert again == first and again["base_model_name_or_path"] == str(folders["llama"].resolve())
 
 
 # ---- refusals ------------------------------------------------------------------------------

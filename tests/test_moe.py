@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import (
     TWO_RANK_ENGINES,
+    assert_config_carried,
     close,
     engine_losses,
     imported_runs,
@@ -45,6 +46,7 @@ from fitgpt.parallel.shard import tensor_parallel_refusal
 BASE = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
     vocab_size=300, num_experts_per_tok=2, bos_token_id=1, eos_token_id=2,
+    initializer_range=0.05,  # off transformers' default: export carries it back
 )  # fmt: skip
 # name -> (config class, its fields): Qwen3-MoE with a dense layer 0 (decoder_sparse_step 2),
 # with mlp_only_layers and unnormalised top-k weights and the aux loss on in config.json;
@@ -189,10 +191,32 @@ def test_import_then_export_is_bit_exact_and_loads_in_transformers(
     # transformers 5 writes num_local_experts for both; export writes Qwen3-MoE's published key
     experts = [c.get("num_local_experts", c.get("num_experts")) for c in (src, out)]
     assert experts == [4, 4]
+    assert_config_carried(folder, tmp_path / "out")
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True).eval()
     assert type(back) is type(ref)
     with torch.no_grad():
         assert torch.equal(back(X).logits, ref(X).logits)
+
+
+def test_export_keeps_what_a_fine_tune_changed_and_carries_the_rest(hf_folders):
+    """carried.py's rule on Qwen3-MoE's config.json: a field the model changed (the aux loss
+    a fine-tune switched on with its own coefficient) stays fitgpt's, the others come back,
+    and the result reads as fitgpt's model."""
+    from fitgpt.interop.carried import carry_source
+    from fitgpt.interop.hf import mapping_for_model
+
+    src = json.loads((hf_folders["qwen3moe-step2"][1] / "config.json").read_text())
+    cfg = model_config_from_hf(src, "src").replace(router_aux_loss_coef=0.5)
+    mapping = mapping_for_model(cfg)
+    written = mapping.hf_config(cfg, {})
+    out = carry_source(
+        written, src | {"quantization_config": {"quant_method": "mxfp4"}}, mapping, "x"
+    )
+    assert (out["router_aux_loss_coef"], out["output_router_logits"]) == (0.5, True)
+    assert src["output_router_logits"] is False
+    assert out["initializer_range"] == src["initializer_range"] != written["initializer_range"]
+    assert "quantization_config" not in out
+    assert model_config_from_hf(out, "out") == model_config_from_hf(written, "out")
 
 
 def test_cli_import_and_export(hf_folders, tmp_path):

@@ -1,6 +1,7 @@
 """`fitgpt export --format hf`: a checkpoint as a folder that transformers loads offline.
 
-The folder holds config.json (the family's HF class, hf.py's registry), the weights in HF names
+The folder holds config.json (the family's HF class, hf.py's registry; the fields of the HF
+model the run came from that fitgpt's model kept carried back: carried.py), the weights in HF names
 and layout (the vocabulary cut back to the tokenizer's size, fused parameters cut into HF's
 tensors) as model.safetensors, or as shards model-0000i-of-0000n.safetensors with
 model.safetensors.index.json once they exceed the shard size (5 GB by default, as
@@ -30,6 +31,7 @@ from fitgpt.engine.layout import ChunkSpec
 from fitgpt.engine.state_io import StateReader
 from fitgpt.errors import UserError
 from fitgpt.interop.adapter_export import adapter_of, adapter_tensors, merged
+from fitgpt.interop.carried import carry_source, source_of
 from fitgpt.interop.hf import mapping_for_model
 from fitgpt.interop.hf_tokenizer import write_hf_tokenizer
 from fitgpt.interop.safetensors_stream import SafetensorsWriter
@@ -99,7 +101,8 @@ def export_hf(
     if max_shard_bytes < 1:
         raise UserError(f"max shard size {max_shard_bytes} bytes must be positive")
     spec = tokenizer or meta.get("tokenizer")
-    ids, carried = _special_ids(spec, cfg, meta)
+    source = source_of(meta, cfg)  # what the export carries from the HF model it came from
+    ids, carried = _special_ids(spec, cfg, meta, source.generation)
     base = merged(ckpt, meta, cfg) if merge else None
     dtype = dtype or (base.dtype if base is not None else "fp32")
     with folder_in_place(out, "export") as tmp:
@@ -107,10 +110,13 @@ def export_hf(
             tmp, ckpt, meta, cfg, mapping, DTYPES[dtype], max_shard_bytes, base
         )
         names = {"dtype": HF_DTYPE_NAMES[dtype], "torch_dtype": HF_DTYPE_NAMES[dtype]}
-        config = mapping.hf_config(cfg, ids) | names  # torch_dtype: transformers 4's key
+        config = carry_source(mapping.hf_config(cfg, ids), source.config, mapping, str(ckpt))
+        config |= ids | names  # torch_dtype: transformers 4's key
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         written = write_hf_tokenizer(spec, tmp, cfg.seq_len)
-        if ids:  # the carried file's other settings (temperature, top_p) stay as they were
+        if (
+            ids or carried
+        ):  # the carried file's other settings (temperature, top_p) stay as they were
             (tmp / "generation_config.json").write_text(json.dumps(carried | ids, indent=2))
     zeros = sum(m.fitgpt is None for m in mapping.tensor_maps(cfg))
     return ExportResult(out, cfg, n, written, mapping.architecture(cfg), files, zeros, dtype)
@@ -139,10 +145,13 @@ def check_out_apart(out: Path, ckpt_path: Path, tokenizer: str | None = None) ->
     check_apart("--out", out, kept, why)
 
 
-def _special_ids(spec: str | None, cfg: ModelConfig, meta: dict) -> tuple[dict, dict]:
+def _special_ids(
+    spec: str | None, cfg: ModelConfig, meta: dict, source_generation: dict
+) -> tuple[dict, dict]:
     """(bos_token_id and eos_token_id for config.json and generation_config.json, the
-    generation_config.json carried beside the tokenizer or {}); a tokenizer with more tokens
-    than the model has is refused.
+    generation_config.json carried: the one beside the tokenizer, else `source_generation`,
+    the source folder's (carried.py), else {}); a tokenizer with more tokens than the model
+    has is refused.
 
     The export stops generating where transformers' own files for the model say, and where a
     chat fine-tune learnt to end its turn. eos_token_id: the carried generation_config.json's
@@ -155,7 +164,8 @@ def _special_ids(spec: str | None, cfg: ModelConfig, meta: dict) -> tuple[dict, 
     (no generation_config.json) exported its end of document as the only eos, and generate ran
     past the template's <|im_end|>."""
     if spec is None:  # no tokenizer to write: the source's ids, where it names them
-        return {k: v for k, v in _source_ids(meta).items() if k in SPECIAL_IDS}, {}
+        known = source_generation if "eos_token_id" in source_generation else _source_ids(meta)
+        return {k: v for k, v in known.items() if k in SPECIAL_IDS}, source_generation
     tok = load_tokenizer(spec)
     if tok.vocab_size > cfg.vocab_size:
         raise UserError(
@@ -170,6 +180,7 @@ def _special_ids(spec: str | None, cfg: ModelConfig, meta: dict) -> tuple[dict, 
         except (OSError, ValueError) as e:
             raise UserError(f"{gen} is not valid JSON ({e}); fix or remove it") from None
         carried = carried if isinstance(carried, dict) else {}
+    carried = carried or source_generation
     known = carried if "eos_token_id" in carried else _source_ids(meta)
     eos = _ids(known.get("eos_token_id"))
     eos += [getattr(tok, "eos_id", None), end_of_turn_id(tok), *tok.stop_ids]

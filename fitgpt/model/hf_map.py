@@ -81,6 +81,9 @@ class HFMapping(ABC):
 
     layers_key: ClassVar[str]  # config.json's key for the number of blocks
     import_format: ClassVar[str]  # meta.json's imported_from.format
+    # config.json keys an export always writes as hf_config does, though config_from_hf reads
+    # the source's value as the same model (interop/carried.py carries the others back)
+    owned: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def architecture(self, cfg: ModelConfig) -> str:

@@ -93,6 +93,8 @@ def _refuse_unsupported(hf: dict, source: str) -> None:
 class GPT2Mapping(HFMapping):
     layers_key = "n_layer"
     import_format = "hf-gpt2"
+    # import reads every tanh GELU as the one fitgpt runs; export names that very kernel
+    owned = ("activation_function",)
 
     def architecture(self, cfg: ModelConfig) -> str:
         return "GPT2LMHeadModel"
