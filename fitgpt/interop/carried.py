@@ -20,6 +20,9 @@ The source's config.json is, nearest first along the checkpoint's lineage
 else the folder `--init-from` read, still there and still describing this model (its reading
 equals the checkpoint's up to the fields a fine-tune may change: train/init_from.py
 free_fields). A run trained from a preset has none: the export is fitgpt's defaults alone.
+That folder's generation_config.json, where the config was read from a folder, is carried when
+the tokenizer's folder holds none (hf_export.py _special_ids). Cost: one config_from_hf per
+source field that differs, pure Python on a few dozen keys.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ CONFIG = "config.json"
 def carry_source(written: dict, source: dict, mapping: HFMapping, where: str) -> dict:
     """`written` (fitgpt's config.json) with each field of `source` (the source's) put back
     where `mapping` reads the result as the same model (see the module docstring)."""
+    if not source:  # a model trained from a preset: fitgpt's config alone
+        return written
     out = dict(written)
     want = mapping.config_from_hf(out, where)
     for key, value in source.items():
