@@ -9,7 +9,9 @@ micro-batches and data-parallel ranks, and its gradients are that loss's: micro-
 loss is weighted by c_i·n·W / C (c_i its counted targets, n micro-batches, W ranks, C the
 step's count), so the engines' usual scale/(n·W) and their sum over ranks give Σ c_i·loss_i / C
 (loss_weights). Chat data (-1 on every non-assistant token) needs it: a micro-batch of few
-answer tokens would otherwise weigh as much as a full one, and one of none would give NaN.
+answer tokens would otherwise weigh as much as a full one, and one of none would give NaN. A
+mixture's load-balancing term is no mean over targets: each micro-batch's weighs the same
+(step_share).
 """
 
 from __future__ import annotations
@@ -59,6 +61,30 @@ def weighted(loss: Tensor, weight: Tensor) -> Tensor:
     """loss·weight, 0 (value and gradient) where the weight is 0: a micro-batch with no counted
     target, whose mean loss is NaN (0/0), adds nothing instead of NaN."""
     return torch.where(weight > 0, loss, torch.zeros_like(loss)) * weight
+
+
+def step_share(model, loss_of: Callable[[], Tensor], weight: Tensor) -> Tensor:
+    """Micro-batch i's share of the step's loss, fp32: `loss_of()` (the model's forward on it,
+    its mean loss over its counted targets) weighted by `weight` (loss_weights), plus the term of
+    a mixture of experts that is no such mean at weight 1 (MoeLlama.take_aux_term: coef·aux,
+    the load-balancing loss over every token of the forward, whatever its targets). The engines
+    scale each share by 1/(n·W) and sum them over the micro-batches and ranks, so the step's
+    aux is the mean of each micro-batch's own on each rank: a micro-batch without a counted
+    target (chat data without an assistant token) still balances its router, and the
+    coefficient weighs the same at any --grad-accum, data-parallel width and answer length.
+    Weighted by the counted targets instead (the model's sum weighted whole, as before), it
+    vanished there and grew with a micro-batch's share of the answers. The one place the
+    engines (ddp.py, chunked/engine.py) compose a micro-batch's loss."""
+    take = getattr(model, "take_aux_term", None)
+    if take is None:  # a dense model: its loss is the token mean alone
+        return weighted(loss_of().float(), weight)
+    model.aux_apart = True  # the forward leaves coef·aux apart, for take_aux_term
+    try:
+        loss = weighted(loss_of().float(), weight)
+    finally:
+        model.aux_apart = False
+    term = take()
+    return loss if term is None else loss + term
 
 
 def token_mean(

@@ -37,8 +37,8 @@ from fitgpt.engine.base import (
     StepStats,
     batch_to,
     loss_weights,
+    step_share,
     token_mean,
-    weighted,
 )
 from fitgpt.engine.chunked.frozen import FrozenStore
 from fitgpt.engine.comm import Peers
@@ -247,7 +247,7 @@ class TorchEngine(Engine):
             )
             with sync:
                 with self._autocast():
-                    loss = weighted(self._forward(x, y, seg), weights[i])
+                    loss = step_share(self.model, partial(self._forward, x, y, seg), weights[i])
                 (loss * (scale / n)).backward()
             loss_sum += loss.detach()
         if self.ecfg.sequence_parallel:  # replicated gradients: partial sums over the tokens

@@ -48,8 +48,8 @@ from fitgpt.engine.base import (
     StepStats,
     batch_to,
     loss_weights,
+    step_share,
     token_mean,
-    weighted,
 )
 from fitgpt.engine.chunked.accounting import check_host_room, memory_report
 from fitgpt.engine.chunked.chunk_build import build_chunks, shared_state, warm_up_codecs
@@ -236,7 +236,7 @@ class ChunkEngine(Engine):
         self.updater.begin_step(lr, scale)
         for i, b in enumerate(micro_batches):
             self.reducer.last_micro = i == n - 1
-            loss = weighted(self._forward(Batch(*b)).float(), weights[i])
+            loss = step_share(self.model, partial(self._forward, Batch(*b)), weights[i])
             (loss * (scale / (n * self.world))).backward()
             loss_sum += loss.detach()
         self.clock.mark("backward_done")

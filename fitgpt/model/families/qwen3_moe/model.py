@@ -13,8 +13,10 @@ compute in training (transformers 5.23):
            takes all the tokens routed to it).
   aux loss Switch Transformer's load balance over the sparse layers, as transformers'
            load_balancing_loss_func: E · Σ_e (assignments to e / rows) · (mean p_e), both summed
-           over the layers before the product; added to the loss times router_aux_loss_coef
-           (MoeLlama.forward).
+           over the layers before the product, over every token of the forward (the targets'
+           -1 play no part); added to the loss times router_aux_loss_coef (MoeLlama.forward).
+           A training step adds each micro-batch's at the same weight, whatever its counted
+           targets: the mean over micro-batches and ranks (engine/base.py step_share).
 
 The experts are computed over tokens sorted by expert (Experts.forward): one argsort, one
 gather of the inputs, one matmul per expert over its contiguous slice (or one grouped GEMM on a
@@ -258,6 +260,10 @@ class MoeLlama(Llama):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
         self._log: list[Tensor] | None = None  # [aux sum, forwards] and [layers, E] loads
+        # set by the engines' step_share (engine/base.py), which weighs coef·aux apart from the
+        # cross-entropy: forward then returns the cross-entropy and keeps the term in aux_term
+        self.aux_apart = False
+        self.aux_term: Tensor | None = None
 
     def make_block(self, cfg: ModelConfig, layer: int) -> nn.Module:
         sparse = layer in cfg.moe_layers
@@ -290,7 +296,17 @@ class MoeLlama(Llama):
         if targets_BT is None or cache is not None or not self.cfg.router_aux_loss_coef:
             return out
         # transformers: loss += router_aux_loss_coef * aux_loss, after the mean cross-entropy
-        return out + self.cfg.router_aux_loss_coef * aux
+        term = self.cfg.router_aux_loss_coef * aux
+        if self.aux_apart:
+            self.aux_term = term
+            return out
+        return out + term
+
+    def take_aux_term(self) -> Tensor | None:
+        """coef·aux of the last training forward run with aux_apart, its graph with it (None
+        when none was added: the coefficient 0, no targets); forgotten once taken."""
+        term, self.aux_term = self.aux_term, None
+        return term
 
     def _keep(self, aux: Tensor, load_LE: Tensor) -> None:
         """Add one training forward's aux loss and loads to the running sums (on the device:
