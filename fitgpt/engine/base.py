@@ -73,8 +73,9 @@ def step_share(model, loss_of: Callable[[], Tensor], weight: Tensor) -> Tensor:
     target (chat data without an assistant token) still balances its router, and the
     coefficient weighs the same at any --grad-accum, data-parallel width and answer length.
     Weighted by the counted targets instead (the model's sum weighted whole, as before), it
-    vanished there and grew with a micro-batch's share of the answers. The one place the
-    engines (ddp.py, chunked/engine.py) compose a micro-batch's loss."""
+    vanished there and grew with a micro-batch's share of the answers. A step with no counted
+    target on any rank is still skipped whole (StepStats.counted), its aux with it. The one
+    place the engines (ddp.py, chunked/engine.py) compose a micro-batch's loss."""
     take = getattr(model, "take_aux_term", None)
     if take is None:  # a dense model: its loss is the token mean alone
         return weighted(loss_of().float(), weight)
@@ -115,7 +116,9 @@ def batch_to(t: Tensor, device: torch.device) -> Tensor:
 
 @dataclass
 class StepStats:
-    loss: float  # mean loss over the step's counted targets, all micro-batches and ranks
+    # mean loss over the step's counted targets, all micro-batches and ranks (a mixture's:
+    # plus coef times the mean of the micro-batches' aux, step_share)
+    loss: float
     grad_norm: float  # global norm before clipping (inf/nan when fp16 overflowed)
     loss_scale: float  # 1.0 unless fp16
     skipped: bool  # fp16 overflow: the update was not applied
