@@ -339,6 +339,13 @@ def test_init_from_a_qwen2_folder_trains_from_transformers_loss(hf_folders, tmp_
     assert_config_carried(folder, tmp_path / "out")
     generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
     assert generation["top_p"] == 0.8 and generation["eos_token_id"] == 2
+    # a folder that holds another model now is no source: fitgpt's own fields alone
+    other = json.loads((folder / "config.json").read_text()) | {"num_hidden_layers": 3}
+    (folder / "config.json").write_text(json.dumps(other))
+    export_hf(tmp_path / "run", tmp_path / "stale")
+    stale = json.loads((tmp_path / "stale" / "config.json").read_text())
+    assert stale["num_hidden_layers"] == 2 and stale["initializer_range"] != 0.05
+    assert "top_p" not in json.loads((tmp_path / "stale" / "generation_config.json").read_text())
 
 
 def test_export_config_round_trips_through_import():
