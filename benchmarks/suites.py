@@ -326,6 +326,17 @@ SUITES: tuple[Suite, ...] = (
                 carry=WHL,
                 results=("oss20_h200_2026-11-28",),
             ),
+            Row(
+                "aux-compiled",
+                "checks/moe_aux_gpu.sh",
+                "nvidia-h200",
+                "the load-balancing term added apart from the cross-entropy, each engine eager "
+                "and compiled (the regions, the whole forward as CUDA graphs) and recomputed: "
+                "a 2-layer Qwen3-MoE shape at 2 x 2 accumulation, every run's losses against "
+                "the eager one's",
+                device_env=True,
+                results=("moe_aux_h200_2026-11-29",),
+            ),
         ),
     ),
     Suite(

@@ -308,6 +308,11 @@ class MoeLlama(Llama):
         term, self.aux_term = self.aux_term, None
         return term
 
+    # Eager, also inside a compiled forward (a graph break, ~10 µs a forward): the whole-model
+    # compile replays CUDA graphs, whose outputs the next replay overwrites; sums kept across
+    # forwards must be tensors made outside them (grad-accum 2 crashed with "accessing tensor
+    # output of CUDAGraphs that has been overwritten", results/moe_aux_h200_2026-11-29).
+    @torch.compiler.disable
     def _keep(self, aux: Tensor, load_LE: Tensor) -> None:
         """Add one training forward's aux loss and loads to the running sums (on the device:
         no host sync until router_report reads them)."""
