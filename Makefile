@@ -20,10 +20,16 @@ demo: $(STAMP)
 	$(VENV)/bin/fitgpt generate --ckpt runs/demo --prompt "def " --max-new-tokens 200 --seed 0
 	@echo "fitgpt is installed in $(VENV), not on PATH: run '. $(VENV)/bin/activate' in your shell"
 
+# Two pytest workers: the multi-process tests spend much of their time waiting (a --dist-timeout
+# waited out, torchrun's rendezvous, a killed node noticed: the five slowest files used 186 s of
+# CPU in 438 s), and on CI's 2 cores the other worker's tests run meanwhile. worksteal: an idle
+# worker takes queued tests from the busy one, so a long multi-process test that lands late does
+# not leave a core idle. Each test still runs whole in one worker (its own tmp_path, free ports,
+# forkserver).
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest --durations=15
+	$(PY) -m pytest -n 2 --dist worksteal --durations=15
 
 # Day-to-day: lint, then the tests not marked slow (no multi-process or long runs), stopping at
 # the first failure. `make test` (what CI runs) runs every test.
