@@ -242,7 +242,37 @@ def handed_over() -> Settings | None:
 def run(args: argparse.Namespace) -> int:
     """`fitgpt train`: the settings settled once, for the job's ranks: here, or with --gpus N
     before torchrun starts, which hands them to its N ranks (HANDED); then, on every rank, the
-    run assembled from them (train/assemble.py) and trained (train/loop.py)."""
+    run assembled from them (train/assemble.py) and trained (train/loop.py). A stop before the
+    first step ends it at once, in one line (stopped_in_startup)."""
+    from fitgpt.train.guard import StartupStop, startup_stops
+
+    try:
+        with startup_stops():
+            return settle_and_run(args)
+    except StartupStop as e:
+        return stopped_in_startup(e)
+
+
+def stopped_in_startup(e) -> int:
+    """The one line of a run stopped before its first step (train/guard.py StartupStop), and
+    its exit status. One process says it for the job: the `--gpus` launcher (relaunch's
+    startup_stop; its ranks say nothing), else rank 0 of a job a user's torchrun started (its
+    ranks stopped together: torchrun hands a stop to each)."""
+    from fitgpt.procs import launcher_speaks
+
+    if not launcher_speaks() and os.environ.get("RANK", "0") == "0":
+        print_line(f"fitgpt train: {e}")
+    return e.code
+
+
+def startup_stop(signum: int) -> None:
+    """The launcher's part (dist/launch.py relaunch): its job was stopped in start-up."""
+    from fitgpt.train.guard import StartupStop
+
+    raise StartupStop(signum)
+
+
+def settle_and_run(args: argparse.Namespace) -> int:
     settings = handed_over()
     if settings is None:
         from fitgpt.dist.nodes import Nodes
@@ -260,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
             argv = strip_flag(argv, flag)
         env = {HANDED: json.dumps(settings.to_dict())}
         nodes = dataclasses.replace(nodes, timeout_s=settings.config.train.dist_timeout)
-        return relaunch(args.gpus, argv, env=env, nodes=nodes)
+        return relaunch(args.gpus, argv, env=env, nodes=nodes, startup_stop=startup_stop)
     from fitgpt.dist import init_distributed, shutdown
     from fitgpt.dist.env import configure_process
     from fitgpt.dist.nodes import check_same

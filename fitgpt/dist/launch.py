@@ -16,11 +16,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from fitgpt.dist.env import SAFE_ENV, child_env
 from fitgpt.dist.nodes import Nodes
+from fitgpt.procs import STARTED_ENV
 
 __all__ = ["SAFE_ENV", "command", "relaunch", "strip_flag"]
 
@@ -68,26 +71,53 @@ def relaunch(
     module: str = "fitgpt",
     env: dict[str, str] | None = None,
     nodes: Nodes | None = None,
+    startup_stop: Callable[[int], None] | None = None,
 ) -> int:
     """Run `python -m fitgpt <argv>` under torchrun with nproc processes on this machine (one of
     `nodes`), `env` added to their environment (train's settled settings: cli/train.py launch);
-    return its exit code."""
+    return its exit code. `startup_stop(signum)`, where given, is called when the job ended after
+    a stop this launcher forwarded before its ranks' start-up was over (procs.STARTED_ENV): it
+    says the job's one line (or raises the exception that does); the ranks say nothing then."""
     cmd = command(nproc, module, argv, torchrun=True, nodes=nodes)
     env = {**child_env(nproc), **(env or {}), LAUNCHER_ENV: str(os.getpid())}
-    # torchrun's agent in a process group of its own (its ranks have sessions of their own
-    # already): a Ctrl-C at the terminal reaches this launcher alone, which hands the agent one
-    # stop request (wait_job). Sharing the terminal's group, the agent got the Ctrl-C from the
-    # terminal and a second one from here, and raised out of its own shutdown with a traceback.
-    return wait_job(subprocess.Popen(cmd, env=env, process_group=0))
+    with tempfile.TemporaryDirectory(prefix="fitgpt-job-") as tmp:
+        started = Path(tmp) / "started"
+        if startup_stop is not None:
+            env[STARTED_ENV] = str(started)
+        # torchrun's agent in a process group of its own (its ranks have sessions of their own
+        # already): a Ctrl-C at the terminal reaches this launcher alone, which hands the agent
+        # one stop request (wait_job). Sharing the terminal's group, the agent got the Ctrl-C
+        # from the terminal and a second one from here, and raised out of its own shutdown with
+        # a traceback.
+        agent = subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=block_stops)
+        code, signum = wait_job(agent)
+        stopped = signum is not None and code in STOPPED
+        if startup_stop is not None and stopped and not started.exists():
+            startup_stop(signum)
+    return code
 
+
+# Ctrl-C and SIGTERM: blocked in torchrun's agent until it can take them (torchrun.py
+# take_stops); before, one sent while it loaded Python and torch printed a traceback or no line
+STOPS = {signal.SIGINT, signal.SIGTERM}
+
+
+def block_stops() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)  # in the child, before exec: kept across it
+
+
+# a job's exit status after a stop (fitgpt.cli: Ctrl-C's 130, SIGTERM's 143; torchrun.py's agent
+# ends with 130 after one): the ranks, or this launcher in start-up, said what it saved
+STOPPED = (130, 143)
 
 # set in the agent's environment: fitgpt/dist/torchrun.py then stops the job when this
 # launcher dies, even by SIGKILL (the agent's pdeathsig)
 LAUNCHER_ENV = "FITGPT_LAUNCHER_PID"
 
 
-def wait_job(agent: subprocess.Popen) -> int:
-    """Wait for torchrun's agent; its exit status (128 + N for signal N).
+def wait_job(agent: subprocess.Popen) -> tuple[int, int | None]:
+    """Wait for torchrun's agent; its exit status (128 + N for signal N) and the first signal
+    this launcher forwarded to it (None if none).
 
     SIGINT and SIGTERM to this launcher (Ctrl-C, `timeout`, `kill`, a scheduler) go on to the
     job instead of ending the launcher: the first to the agent, which hands it to every rank
@@ -113,7 +143,7 @@ def wait_job(agent: subprocess.Popen) -> int:
     finally:
         for s, h in before.items():
             signal.signal(s, h)
-    return code if code >= 0 else 128 - code
+    return (code if code >= 0 else 128 - code), (asked[0] if asked else None)
 
 
 def children(pid: int) -> list[int]:
