@@ -188,6 +188,10 @@ def test_a_job_stopped_in_start_up_says_so_in_one_line_and_leaves_no_folder(tmp_
         assert p.poll() is None and time.time() < deadline, p.communicate()
         time.sleep(0.01)
     job = descendants(p.pid)
+    # the agent gives the ranks --dist-timeout (600 s), not torch's 30 s, to end after a stop:
+    # a save of the stopped step that took longer was killed and the run ended without a line
+    agent_env = Path(f"/proc/{children(p.pid)[0]}/environ").read_bytes().split(b"\0")
+    assert b"TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600" in agent_env
     os.kill(p.pid, signal.SIGTERM)
     _, err = p.communicate(timeout=90)
     lines = err.strip().splitlines()

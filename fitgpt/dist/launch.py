@@ -12,6 +12,7 @@ every process sets itself up the same way (`fitgpt.dist.env.configure_process`).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -78,8 +79,15 @@ def relaunch(
     return its exit code. `startup_stop(signum)`, where given, is called when the job ended after
     a stop this launcher forwarded before its ranks' start-up was over (procs.STARTED_ENV): it
     says the job's one line (or raises the exception that does); the ranks say nothing then."""
+    nodes = nodes or Nodes()
     cmd = command(nproc, module, argv, torchrun=True, nodes=nodes)
     env = {**child_env(nproc), **(env or {}), LAUNCHER_ENV: str(os.getpid())}
+    # After a stop, torch's agent SIGKILLs the ranks still running after this many seconds
+    # (30 by default): a save of the stopped step that took longer was lost without a line,
+    # leaving the run at its previous checkpoint. The ranks get --dist-timeout, the time a save's
+    # collectives may take (600 s by default); they exit as soon as they are done, and a second
+    # stop still ends them at once. A value the user set wins; an older torch keeps its 30 s.
+    env.setdefault(SHUTDOWN_ENV, str(max(30, math.ceil(nodes.timeout_s))))
     with tempfile.TemporaryDirectory(prefix="fitgpt-job-") as tmp:
         started = Path(tmp) / "started"
         if startup_stop is not None:
@@ -110,6 +118,9 @@ def block_stops() -> None:
 # ends with 130 after one): the ranks, or this launcher in start-up, said what it saved
 STOPPED = (130, 143)
 
+# torch's agent: how long the ranks may take to end after a stop (relaunch)
+SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+
 # set in the agent's environment: fitgpt/dist/torchrun.py then stops the job when this
 # launcher dies, even by SIGKILL (the agent's pdeathsig)
 LAUNCHER_ENV = "FITGPT_LAUNCHER_PID"
@@ -121,8 +132,8 @@ def wait_job(agent: subprocess.Popen) -> tuple[int, int | None]:
 
     SIGINT and SIGTERM to this launcher (Ctrl-C, `timeout`, `kill`, a scheduler) go on to the
     job instead of ending the launcher: the first to the agent, which hands it to every rank
-    (each saves the step it stopped at and the agent waits for them, about 30 s at most); a
-    second to the ranks themselves, which stop at once as after a second Ctrl-C. Before, Python's
+    (each saves the step it stopped at and the agent waits for them, up to --dist-timeout:
+    relaunch); a second to the ranks themselves, which stop at once as after a second Ctrl-C. Before, Python's
     default SIGTERM ended the launcher alone and the job trained on unwatched, holding --out's
     lock, and a Ctrl-C made subprocess.call SIGKILL the agent, which left its ranks training."""
     asked: list[int] = []
