@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -283,13 +284,21 @@ def settle_and_run(args: argparse.Namespace) -> int:
         world = args.gpus * nodes.nnodes if args.gpus else int(os.environ.get("WORLD_SIZE", 1))
         settings = settled_by(args, world)
     if args.gpus is not None:
-        from fitgpt.dist.launch import relaunch, strip_flag
+        from fitgpt.dist.launch import SHUTDOWN_ENV, relaunch, strip_flag
 
         argv = sys.argv[1:]
         for flag in LAUNCH_FLAGS:  # torchrun's, not the ranks'
             argv = strip_flag(argv, flag)
         env = {HANDED: json.dumps(settings.to_dict())}
-        nodes = dataclasses.replace(nodes, timeout_s=settings.config.train.dist_timeout)
+        dist_timeout = settings.config.train.dist_timeout
+        # After a stop torch's agent SIGKILLs the ranks still running 30 s on: a longer save of
+        # the stopped step was lost without a line, leaving the run at its previous checkpoint.
+        # The ranks get --dist-timeout, the time a save's collectives may take (600 s by
+        # default); they exit once saved, and a second stop still ends them at once. The user's
+        # own value wins; an older torch reads none and keeps 30 s.
+        if SHUTDOWN_ENV not in os.environ:
+            env[SHUTDOWN_ENV] = str(max(30, math.ceil(dist_timeout)))
+        nodes = dataclasses.replace(nodes, timeout_s=dist_timeout)
         return relaunch(args.gpus, argv, env=env, nodes=nodes, startup_stop=startup_stop)
     from fitgpt.dist import init_distributed, shutdown
     from fitgpt.dist.env import configure_process
@@ -298,6 +307,7 @@ def settle_and_run(args: argparse.Namespace) -> int:
     from fitgpt.train.loop import train
 
     t = settings.config.train
+    die_with_agent()
     configure_process(t.cpu_threads, t.device)  # before CUDA, NCCL and the first CPU kernel
     ctx = init_distributed(t.device, t.dist_timeout)
     try:
@@ -339,6 +349,21 @@ def settle_and_run(args: argparse.Namespace) -> int:
     finally:
         shutdown(ctx)
     return 0
+
+
+def die_with_agent() -> None:
+    """A rank of fitgpt's torchrun (dist/torchrun.py) ends when its agent does, even by SIGKILL.
+    A stop that reached the agent while torch was starting the ranks ended it before it knew
+    them: they were never told, and sat in the rendezvous for --dist-timeout (600 s) trying to
+    reach the agent's store, where no signal reaches Python (1 stop in about 40 at random times)."""
+    import signal
+
+    from fitgpt.dist.launch import AGENT_ENV
+    from fitgpt.procs import die_with_parent
+
+    agent = os.environ.get(AGENT_ENV)
+    if agent:
+        die_with_parent(int(agent), signal.SIGKILL)
 
 
 def compared(settings) -> dict:

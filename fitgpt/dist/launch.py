@@ -12,13 +12,13 @@ every process sets itself up the same way (`fitgpt.dist.env.configure_process`).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -79,15 +79,8 @@ def relaunch(
     return its exit code. `startup_stop(signum)`, where given, is called when the job ended after
     a stop this launcher forwarded before its ranks' start-up was over (procs.STARTED_ENV): it
     says the job's one line (or raises the exception that does); the ranks say nothing then."""
-    nodes = nodes or Nodes()
     cmd = command(nproc, module, argv, torchrun=True, nodes=nodes)
     env = {**child_env(nproc), **(env or {}), LAUNCHER_ENV: str(os.getpid())}
-    # After a stop, torch's agent SIGKILLs the ranks still running after this many seconds
-    # (30 by default): a save of the stopped step that took longer was lost without a line,
-    # leaving the run at its previous checkpoint. The ranks get --dist-timeout, the time a save's
-    # collectives may take (600 s by default); they exit as soon as they are done, and a second
-    # stop still ends them at once. A value the user set wins; an older torch keeps its 30 s.
-    env.setdefault(SHUTDOWN_ENV, str(max(30, math.ceil(nodes.timeout_s))))
     with tempfile.TemporaryDirectory(prefix="fitgpt-job-") as tmp:
         started = Path(tmp) / "started"
         if startup_stop is not None:
@@ -97,8 +90,7 @@ def relaunch(
         # one stop request (wait_job). Sharing the terminal's group, the agent got the Ctrl-C
         # from the terminal and a second one from here, and raised out of its own shutdown with
         # a traceback.
-        agent = subprocess.Popen(cmd, env=env, process_group=0, preexec_fn=block_stops)
-        code, signum = wait_job(agent)
+        code, signum = wait_job(start_agent(cmd, env), started if startup_stop else None)
         stopped = signum is not None and code in STOPPED
         if startup_stop is not None and stopped and not started.exists():
             startup_stop(signum)
@@ -110,25 +102,43 @@ def relaunch(
 STOPS = {signal.SIGINT, signal.SIGTERM}
 
 
-def block_stops() -> None:
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)  # in the child, before exec: kept across it
+def start_agent(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """torchrun's agent, started with STOPS blocked (a child inherits its parent's signal mask
+    across exec; blocked here for the moment of the start, not in a preexec_fn, which is unsafe
+    once torch has started threads). A stop sent to this launcher meanwhile is raised here
+    once the agent is running, which then stops as its parent exits (torchrun.py)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+    try:
+        return subprocess.Popen(cmd, env=env, process_group=0)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 # a job's exit status after a stop (fitgpt.cli: Ctrl-C's 130, SIGTERM's 143; torchrun.py's agent
 # ends with 130 after one): the ranks, or this launcher in start-up, said what it saved
 STOPPED = (130, 143)
 
-# torch's agent: how long the ranks may take to end after a stop (relaunch)
+# set by torchrun.py in its ranks' environment: its pid, which a rank ends with (cli/train.py)
+AGENT_ENV = "FITGPT_AGENT_PID"
+
+# torch's agent: how long the ranks may take to end after a stop before it SIGKILLs them
+# (30 s by default; cli/train.py gives a save --dist-timeout)
 SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+# A rank stopped in start-up ends at once, unless a stop reached it inside torch's C++ (the
+# rendezvous waiting for a rank that ended already), where Python's handlers never run: it is
+# SIGKILLed this long after the stop, as torch's agent did before it was given a save's time.
+STARTUP_GRACE_S = 30.0
 
 # set in the agent's environment: fitgpt/dist/torchrun.py then stops the job when this
 # launcher dies, even by SIGKILL (the agent's pdeathsig)
 LAUNCHER_ENV = "FITGPT_LAUNCHER_PID"
 
 
-def wait_job(agent: subprocess.Popen) -> tuple[int, int | None]:
+def wait_job(agent: subprocess.Popen, started: Path | None = None) -> tuple[int, int | None]:
     """Wait for torchrun's agent; its exit status (128 + N for signal N) and the first signal
-    this launcher forwarded to it (None if none).
+    this launcher forwarded to it (None if none). `started`: the file whose absence says the
+    ranks are in start-up (procs.STARTED_ENV), where a stop has nothing to save: ranks still
+    there STARTUP_GRACE_S after it are SIGKILLed.
 
     SIGINT and SIGTERM to this launcher (Ctrl-C, `timeout`, `kill`, a scheduler) go on to the
     job instead of ending the launcher: the first to the agent, which hands it to every rank
@@ -137,9 +147,11 @@ def wait_job(agent: subprocess.Popen) -> tuple[int, int | None]:
     default SIGTERM ended the launcher alone and the job trained on unwatched, holding --out's
     lock, and a Ctrl-C made subprocess.call SIGKILL the agent, which left its ranks training."""
     asked: list[int] = []
+    asked_at = [0.0]
 
     def forward(signum, frame) -> None:
         asked.append(signum)
+        asked_at[0] = asked_at[0] or time.monotonic()
         targets = [agent.pid] if len(asked) == 1 else children(agent.pid)
         for pid in targets:
             with contextlib.suppress(ProcessLookupError):
@@ -150,7 +162,16 @@ def wait_job(agent: subprocess.Popen) -> tuple[int, int | None]:
     taken = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) != signal.SIG_IGN]
     before = {s: signal.signal(s, forward) for s in taken} if main else {}
     try:
-        code = agent.wait()
+        while True:
+            try:
+                code = agent.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                late = asked and time.monotonic() - asked_at[0] > STARTUP_GRACE_S
+                if late and started is not None and not started.exists():
+                    for pid in children(agent.pid):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
     finally:
         for s, h in before.items():
             signal.signal(s, h)

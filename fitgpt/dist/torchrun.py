@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-from fitgpt.dist.launch import LAUNCHER_ENV, STOPPED, STOPS
+from fitgpt.dist.launch import AGENT_ENV, LAUNCHER_ENV, STOPPED, STOPS
 from fitgpt.dist.nodes import RollCall
 from fitgpt.procs import die_with_parent
 
@@ -86,6 +86,7 @@ def main(argv: list[str]) -> int:
     if os.environ.get(LAUNCHER_ENV) == str(os.getppid()):  # `fitgpt train --gpus N` started us
         # its launcher killed outright: stop the job as a SIGTERM to the launcher would
         die_with_parent(os.getppid(), signal.SIGTERM)
+    os.environ[AGENT_ENV] = str(os.getpid())  # the ranks end with this process (die_with_agent)
     args = launcher_args(argv)
     roll = RollCall.of(args)  # several nodes: each named if it does not join or goes silent
     try:
