@@ -76,3 +76,39 @@ def stop_on_sigterm() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+# Set by a `--gpus N` launcher that speaks for its job when it is stopped in start-up
+# (fitgpt/dist/launch.py relaunch): a file path in its ranks' environment, which every rank
+# creates once its start-up is over (train: right before the first step). A job that ends after
+# a stop without the file was stopped in start-up: there its ranks say nothing (each would print
+# its own line, some a traceback) and the launcher prints the job's one line; from the first step
+# on, the ranks say what a stop saved.
+STARTED_ENV = "FITGPT_JOB_STARTED"
+
+
+# whether this process's run is past its start-up (startup_over): process state, as the signal
+# handlers it decides about are
+_started = False
+
+
+def in_startup() -> bool:
+    """Whether a stop now is a stop in start-up: nothing to save yet (train/guard.py)."""
+    return not _started
+
+
+def launcher_speaks() -> bool:
+    """Whether this process is a rank in start-up whose launcher says the job's line for a
+    stop (STARTED_ENV)."""
+    path = os.environ.get(STARTED_ENV)
+    return bool(path) and "RANK" in os.environ and not os.path.exists(path)
+
+
+def startup_over() -> None:
+    """Start-up is over: a stop now saves, and the ranks say what (this rank's launcher is told)."""
+    global _started
+    _started = True
+    path = os.environ.get(STARTED_ENV)
+    if path:
+        with contextlib.suppress(OSError):
+            open(path, "a").close()

@@ -30,9 +30,9 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def start_job(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+def launch(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
     """A 2-rank run that goes on until stopped, in a session of its own (as a terminal's job
-    is), once it is training (its first step line is out)."""
+    is): the launcher, its --out and its stdout's file."""
     out, log = tmp_path / "run", tmp_path / "stdout"
     args = [
         *TINY_ARGS,
@@ -54,6 +54,12 @@ def start_job(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
         text=True,
         start_new_session=True,
     )
+    return p, out, log
+
+
+def start_job(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+    """launch(), once it is training (its first step line is out)."""
+    p, out, log = launch(tmp_path, *extra)
     deadline = time.time() + 120
     while "step " not in log.read_text():
         if p.poll() is not None or time.time() > deadline:
@@ -169,3 +175,28 @@ def test_a_rank_killed_outright_is_the_one_the_job_names(tmp_path):
     assert p.returncode == 1 and "Traceback" not in err, err
     assert lines[-1].startswith("fitgpt: rank 1 ") and "SIGKILL" in lines[-1], err
     assert ckpt_io.step_dirs(out) and not list(out.glob(".step_*"))
+
+
+@pytest.mark.slow
+def test_a_job_stopped_in_start_up_says_so_in_one_line_and_leaves_no_folder(tmp_path):
+    """SIGTERM to the launcher once rank 0 has created and locked --out, about a second before
+    the first step (the ranks build the run meanwhile): one line, from the launcher, exit 143,
+    every process ended and no folder left (it said nothing, and left run.json and run.lock)."""
+    p, out, log = launch(tmp_path)
+    deadline = time.time() + 120
+    while not (out / LOCK_NAME).exists():
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.01)
+    job = descendants(p.pid)
+    # the agent gives the ranks --dist-timeout (600 s), not torch's 30 s, to end after a stop:
+    # a save of the stopped step that took longer was killed and the run ended without a line
+    agent_env = Path(f"/proc/{children(p.pid)[0]}/environ").read_bytes().split(b"\0")
+    assert b"TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600" in agent_env
+    os.kill(p.pid, signal.SIGTERM)
+    _, err = p.communicate(timeout=90)
+    lines = err.strip().splitlines()
+    assert p.returncode == 143 and len(lines) == 1, err
+    assert "stopped by SIGTERM during start-up" in lines[0], err
+    assert "step " not in log.read_text()  # it never trained: a stop in start-up indeed
+    assert not [pid for pid in job if pid_alive(pid)]
+    assert not out.exists()

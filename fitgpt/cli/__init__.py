@@ -116,8 +116,11 @@ def _stdout_broken() -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    from fitgpt.procs import stop_on_sigterm
+
+    with stop_on_sigterm():  # importing every command's module takes 0.5 s: a stop, one line
+        parser = build_parser()
+        args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         sys.exit(2)
@@ -155,9 +158,10 @@ def _stopped(name: str, e: KeyboardInterrupt) -> int:
     """One line for a stop; the exit code, 143 (128 + SIGTERM's 15) or 130 (SIGINT's 2).
     Ctrl-C's own KeyboardInterrupt carries no text (and, an exception object, is truthy even
     so): it printed `fitgpt data: ` with nothing after it."""
-    from fitgpt.procs import Stopped
+    from fitgpt.procs import Stopped, launcher_speaks
 
-    print_line(f"{name}: {str(e) or 'stopped by SIGINT (Ctrl-C)'}")
+    if not launcher_speaks():  # a rank of a `--gpus` job in start-up: its launcher says it once
+        print_line(f"{name}: {str(e) or 'stopped by SIGINT (Ctrl-C)'}")
     return 143 if isinstance(e, Stopped) else 130
 
 
@@ -171,8 +175,11 @@ def entry() -> None:
     """The `fitgpt` command and `python -m fitgpt`: main(), then an exit that survives gloo's
     threads (fitgpt.dist.context.exit_process). In-process callers use main() and get its
     SystemExit as before."""
-    try:  # importing torch takes seconds: a Ctrl-C then is a stop too, not a traceback
-        from fitgpt.dist.context import exit_process
+    from fitgpt.procs import stop_on_sigterm
+
+    try:  # importing torch takes seconds: a Ctrl-C or SIGTERM then is a stop too, in one line
+        with stop_on_sigterm():
+            from fitgpt.dist.context import exit_process
     except KeyboardInterrupt as e:
         sys.exit(_stopped("fitgpt", e))
     try:

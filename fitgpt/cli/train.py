@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -242,7 +243,37 @@ def handed_over() -> Settings | None:
 def run(args: argparse.Namespace) -> int:
     """`fitgpt train`: the settings settled once, for the job's ranks: here, or with --gpus N
     before torchrun starts, which hands them to its N ranks (HANDED); then, on every rank, the
-    run assembled from them (train/assemble.py) and trained (train/loop.py)."""
+    run assembled from them (train/assemble.py) and trained (train/loop.py). A stop before the
+    first step ends it at once, in one line (stopped_in_startup)."""
+    from fitgpt.train.guard import StartupStop, startup_stops
+
+    try:
+        with startup_stops():
+            return settle_and_run(args)
+    except StartupStop as e:
+        return stopped_in_startup(e)
+
+
+def stopped_in_startup(e) -> int:
+    """The one line of a run stopped before its first step (train/guard.py StartupStop), and
+    its exit status. One process says it for the job: the `--gpus` launcher (relaunch's
+    startup_stop; its ranks say nothing), else rank 0 of a job a user's torchrun started (its
+    ranks stopped together: torchrun hands a stop to each)."""
+    from fitgpt.procs import launcher_speaks
+
+    if not launcher_speaks() and os.environ.get("RANK", "0") == "0":
+        print_line(f"fitgpt train: {e}")
+    return e.code
+
+
+def startup_stop(signum: int) -> None:
+    """The launcher's part (dist/launch.py relaunch): its job was stopped in start-up."""
+    from fitgpt.train.guard import StartupStop
+
+    raise StartupStop(signum)
+
+
+def settle_and_run(args: argparse.Namespace) -> int:
     settings = handed_over()
     if settings is None:
         from fitgpt.dist.nodes import Nodes
@@ -253,14 +284,22 @@ def run(args: argparse.Namespace) -> int:
         world = args.gpus * nodes.nnodes if args.gpus else int(os.environ.get("WORLD_SIZE", 1))
         settings = settled_by(args, world)
     if args.gpus is not None:
-        from fitgpt.dist.launch import relaunch, strip_flag
+        from fitgpt.dist.launch import SHUTDOWN_ENV, relaunch, strip_flag
 
         argv = sys.argv[1:]
         for flag in LAUNCH_FLAGS:  # torchrun's, not the ranks'
             argv = strip_flag(argv, flag)
         env = {HANDED: json.dumps(settings.to_dict())}
-        nodes = dataclasses.replace(nodes, timeout_s=settings.config.train.dist_timeout)
-        return relaunch(args.gpus, argv, env=env, nodes=nodes)
+        dist_timeout = settings.config.train.dist_timeout
+        # After a stop torch's agent SIGKILLs the ranks still running 30 s on: a longer save of
+        # the stopped step was lost without a line, leaving the run at its previous checkpoint.
+        # The ranks get --dist-timeout, the time a save's collectives may take (600 s by
+        # default); they exit once saved, and a second stop still ends them at once. The user's
+        # own value wins; an older torch reads none and keeps 30 s.
+        if SHUTDOWN_ENV not in os.environ:
+            env[SHUTDOWN_ENV] = str(max(30, math.ceil(dist_timeout)))
+        nodes = dataclasses.replace(nodes, timeout_s=dist_timeout)
+        return relaunch(args.gpus, argv, env=env, nodes=nodes, startup_stop=startup_stop)
     from fitgpt.dist import init_distributed, shutdown
     from fitgpt.dist.env import configure_process
     from fitgpt.dist.nodes import check_same
@@ -268,6 +307,7 @@ def run(args: argparse.Namespace) -> int:
     from fitgpt.train.loop import train
 
     t = settings.config.train
+    die_with_agent()
     configure_process(t.cpu_threads, t.device)  # before CUDA, NCCL and the first CPU kernel
     ctx = init_distributed(t.device, t.dist_timeout)
     try:
@@ -309,6 +349,21 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutdown(ctx)
     return 0
+
+
+def die_with_agent() -> None:
+    """A rank of fitgpt's torchrun (dist/torchrun.py) ends when its agent does, even by SIGKILL.
+    A stop that reached the agent while torch was starting the ranks ended it before it knew
+    them: they were never told, and sat in the rendezvous for --dist-timeout (600 s) trying to
+    reach the agent's store, where no signal reaches Python (1 stop in about 40 at random times)."""
+    import signal
+
+    from fitgpt.dist.launch import AGENT_ENV
+    from fitgpt.procs import die_with_parent
+
+    agent = os.environ.get(AGENT_ENV)
+    if agent:
+        die_with_parent(int(agent), signal.SIGKILL)
 
 
 def compared(settings) -> dict:

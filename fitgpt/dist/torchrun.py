@@ -22,13 +22,9 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-from fitgpt.dist.launch import LAUNCHER_ENV
+from fitgpt.dist.launch import AGENT_ENV, LAUNCHER_ENV, STOPPED, STOPS
 from fitgpt.dist.nodes import RollCall
 from fitgpt.procs import die_with_parent
-
-# a rank's exit status after a stop (fitgpt.cli: Ctrl-C's 130, SIGTERM's 143): it printed the
-# line that says what was saved, and the job ends with that status
-STOPPED = (130, 143)
 
 
 def launcher_args(argv: list[str]):
@@ -69,17 +65,35 @@ def culprit(e: ChildFailedError):
     return min(killed, key=lambda rf: rf[1].timestamp) if killed else e.get_first_failure()
 
 
+def take_stops() -> None:
+    """SIGINT and SIGTERM raised as torch's agent raises them once it starts the ranks, so run()
+    ends as after a stop, then unblocked: a `--gpus` launcher starts this process with them
+    blocked (launch.STOPS), so one sent while Python and torch were loading waits until here.
+    Before, a Ctrl-C then or in the rendezvous printed the agent's traceback, and a SIGTERM
+    ended it without a word."""
+    for s in STOPS:
+        if signal.getsignal(s) != signal.SIG_IGN:  # ignored at start (nohup): left so
+            signal.signal(s, stop_agent)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)  # a pending stop raises here
+
+
+def stop_agent(signum: int, frame) -> None:
+    raise SignalException(f"stopped by signal {signum}", sigval=signal.Signals(signum))
+
+
 def main(argv: list[str]) -> int:
     quiet_agent()
     if os.environ.get(LAUNCHER_ENV) == str(os.getppid()):  # `fitgpt train --gpus N` started us
         # its launcher killed outright: stop the job as a SIGTERM to the launcher would
         die_with_parent(os.getppid(), signal.SIGTERM)
+    os.environ[AGENT_ENV] = str(os.getpid())  # the ranks end with this process (die_with_agent)
     args = launcher_args(argv)
     roll = RollCall.of(args)  # several nodes: each named if it does not join or goes silent
-    if roll is not None and (line := roll.sign_in()) is not None:
-        print(line, file=sys.stderr, flush=True)
-        return 1
     try:
+        take_stops()
+        if roll is not None and (line := roll.sign_in()) is not None:
+            print(line, file=sys.stderr, flush=True)
+            return 1
         run(args)
     except SignalException:
         # a stop (launch.wait_job forwards the launcher's): the agent handed it to the ranks

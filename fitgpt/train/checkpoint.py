@@ -22,6 +22,7 @@ missing and the rsync that gathers them (`require_files`), before anything is lo
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import fcntl
@@ -276,8 +277,11 @@ def resolve(path: Path) -> Path:
 # prune() skips a checkpoint so held (it goes at a later save): otherwise the newest checkpoint
 # of a run saving often with a small --keep was deleted between being picked and being read,
 # and the reader failed with "has no index-r*.json" (every time at --keep 1 on CPU). Costs a
-# reader that runs long (generate --interactive) one checkpoint more on the run's disk.
-_HELD: list[int] = []  # the readers' fds, open for the life of the process
+# reader that runs long (generate --interactive) one checkpoint more on the run's disk, until
+# the reader lets go: a prune that skipped it marks it (PRUNE_OWED) and the reader deletes it
+# as it exits (release_held), else a run that ended meanwhile left it beyond --keep for good.
+_HELD: list[tuple[int, Path]] = []  # the readers' fds and checkpoints, for the process's life
+PRUNE_OWED = ".prune-owed"
 
 
 def resolve_held(path: Path) -> Path:
@@ -300,12 +304,39 @@ def resolve_held(path: Path) -> Path:
         except FileNotFoundError:
             here = False
         if here:
-            _HELD.append(fd)
+            if not _HELD:
+                atexit.register(release_held)
+            _HELD.append((fd, ckpt))
             return ckpt
         os.close(fd)
         if ckpt == path:
             break
     raise UserError(f"{path} was deleted while it was opened (a run pruned it?); check the path")
+
+
+def release_held() -> None:
+    """Let go of the checkpoints this process held (at its exit), deleting those a prune
+    skipped meanwhile (PRUNE_OWED) that no other reader holds: the prune the run owed them."""
+    while _HELD:
+        fd, ckpt = _HELD.pop()
+        os.close(fd)  # drops this process's shared hold
+        if (ckpt / PRUNE_OWED).exists():
+            _delete(ckpt)
+
+
+def _delete(ckpt: Path) -> bool:
+    """Delete checkpoint `ckpt` unless a reader holds it (resolve_held); whether it went."""
+    fd = _claim(ckpt)
+    if fd is None:
+        with contextlib.suppress(OSError):  # owed: the last reader to let go deletes it
+            (ckpt / PRUNE_OWED).touch()
+        fd = _claim(ckpt)  # a reader that let go before the mark went without seeing it
+        if fd is None:
+            return False
+    shutil.rmtree(ckpt, ignore_errors=True)
+    if fd >= 0:
+        os.close(fd)
+    return True
 
 
 def _claim(ckpt: Path) -> int | None:
@@ -511,14 +542,9 @@ def _publish(
 
 def prune(run_dir: Path, keep: int) -> None:
     """Delete all but the newest `keep` checkpoints (rank 0), but for those a reader holds
-    (resolve_held), which go at a later save."""
+    (resolve_held), which go at a later save or when their last reader exits."""
     for stale in step_dirs(run_dir)[:-keep]:
-        fd = _claim(stale)
-        if fd is None:
-            continue
-        shutil.rmtree(stale, ignore_errors=True)
-        if fd >= 0:
-            os.close(fd)
+        _delete(stale)
 
 
 def save(

@@ -24,14 +24,18 @@ about ln(vocabulary), and a run that trains never comes back above it. The run g
 recover), but the log names it once, with what to change.
 
 Signals. The first SIGINT (Ctrl-C) or SIGTERM asks the loop to stop after the current step; the
-trainer then saves and prints the resume command. A second one interrupts at once.
+trainer then saves and prints the resume command. A second one interrupts at once. Before the
+first step (start-up: rendezvous, building the model, reading a checkpoint) either one stops at
+once (StartupStop): there is nothing to save, and the run folder is put back as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import threading
+from collections.abc import Iterator
 
 from fitgpt.dist import DistContext
 from fitgpt.engine.comm import all_ok
@@ -153,8 +157,11 @@ class StopRequest:
         self._previous: dict = {}
 
     def __enter__(self) -> StopRequest:
+        from fitgpt.procs import startup_over
+
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        startup_over()  # from here a stop saves (before, it stopped at once: startup_stops)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -172,3 +179,34 @@ class StopRequest:
         different steps; they agree on it every step (a 4-byte all-reduce) so all stop at the
         same one."""
         return not all_ok(ctx, self.name is None, "stop request (SIGINT/SIGTERM)")
+
+
+class StartupStop(KeyboardInterrupt):
+    """SIGINT or SIGTERM before the first step: nothing was saved; `code` is the exit status."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.code = 128 + signum  # 130 for SIGINT, 143 for SIGTERM
+        name = signal.Signals(signum).name
+        super().__init__(
+            f"stopped by {name} during start-up, before the first step; nothing was saved "
+            "(run the same command to start again)"
+        )
+
+
+@contextlib.contextmanager
+def startup_stops() -> Iterator[None]:
+    """Inside the block, SIGINT and SIGTERM raise StartupStop: SIGTERM's default would end the
+    process at once, skipping the `finally` blocks that release --out's lock and remove a run
+    folder this run created (procs.stop_on_sigterm makes it raise as Ctrl-C does)."""
+    from fitgpt.procs import Stopped, in_startup, stop_on_sigterm
+
+    with stop_on_sigterm():
+        try:
+            yield
+        except (StartupStop, Interrupted):
+            raise
+        except KeyboardInterrupt as e:
+            if not in_startup():  # after the loop (its final save): a stop as before
+                raise
+            raise StartupStop(signal.SIGTERM if isinstance(e, Stopped) else signal.SIGINT) from None

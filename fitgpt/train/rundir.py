@@ -100,10 +100,15 @@ class RunLock:
             "started": round(time.time(), 3),
             "command": sys.argv,
         }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
-        os.fsync(fd)
-        return cls(path, fd)
+        lock = cls(path, fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(me).encode(), 0)
+            os.fsync(fd)
+        except BaseException:  # a stop (or a write error) here: the lock file goes too
+            lock.release()
+            raise
+        return lock
 
     def release(self) -> None:
         if self.fd < 0:
@@ -208,6 +213,11 @@ def _open(
         lock = RunLock.acquire(out, note)
     except OSError as e:
         raise UserError(f"--out {out}: cannot write its lock file ({e.strerror})") from None
+    except BaseException:  # a stop in start-up: a folder created here goes (if still empty)
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
     lock.created = created  # a run that fails before writing anything leaves no folder
     try:
         existing = ckpt_io.step_dirs(out)
@@ -222,10 +232,10 @@ def _open(
         if record is not None and not ckpt_io.step_dirs(out):  # no checkpoint says what it is
             lock.record = (_put_record(out, json.dumps(record, indent=1).encode()),)
     except OSError as e:
-        lock.release()
+        close_run_dir(out, lock, failed=True, started=False)
         raise UserError(f"--out {out}: {e.strerror} ({e.filename})") from None
     except BaseException:
-        lock.release()
+        close_run_dir(out, lock, failed=True, started=False)
         raise
     return lock
 
@@ -265,7 +275,12 @@ def open_run_dir(
             lock = _open(out, resume, overwrite, lambda m: print(f"note: {m}", flush=True), record)
         except UserError as e:
             error = e
-    if not all_ok(ctx, error is None, "open the run folder"):
+    try:
+        opened = all_ok(ctx, error is None, "open the run folder")
+    except BaseException:  # a stop or a dead rank in the agreement: the folder as it was
+        close_run_dir(out, lock, failed=True, started=False)
+        raise
+    if not opened:
         close_run_dir(out, lock, failed=True, started=False)
         who = "a machine's first rank" if per_node else "rank 0"
         own = error is not None
