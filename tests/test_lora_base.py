@@ -271,7 +271,9 @@ def test_long_rows_keep_their_block_inputs_in_host_ram_and_the_plan_pays_for_the
     assert "\n" not in str(e.value) and "--checkpointing cpu need" in str(e.value)
     # ... naming the longest length that fits (a multiple of 1,024: 65,536 plans, as above,
     # and 66,560 does not), the length that trained on an 80 GB GPU (results/qlora70_h200_*)
-    assert str(e.value).endswith("; --seq-len 65536 --checkpointing cpu fits (0 blocks in host RAM)")
+    assert str(e.value).endswith(
+        "; --seq-len 65536 --checkpointing cpu fits (0 blocks in host RAM)"
+    )
     with pytest.raises(UserError, match="--seq-len 65536 "):
         plan_base(dataclasses.replace(run, model=run.model.replace(seq_len=66560)), box)
 
