@@ -312,7 +312,9 @@ class MoeLlama(Llama):
     # compile replays CUDA graphs, whose outputs the next replay overwrites; sums kept across
     # forwards must be tensors made outside them (grad-accum 2 crashed with "accessing tensor
     # output of CUDAGraphs that has been overwritten", results/moe_aux_h200_2026-11-29).
-    @torch.compiler.disable
+    # torch._disable_dynamo: torch.compiler.disable applied at the first call, which keeps
+    # torch._dynamo (1-1.5 s) out of every command's start (model/loss.py, tests/test_startup.py)
+    @torch._disable_dynamo
     def _keep(self, aux: Tensor, load_LE: Tensor) -> None:
         """Add one training forward's aux loss and loads to the running sums (on the device:
         no host sync until router_report reads them)."""
