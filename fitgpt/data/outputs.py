@@ -55,9 +55,10 @@ def _check_writable(directory: Path, flag: str, shown: str) -> None:
     if not existing.is_dir():
         raise UserError(f"{flag} {shown}: {existing} is a file, not a directory; pick another path")
     try:
-        fd, probe = tempfile.mkstemp(prefix=".fitgpt-probe-", dir=existing)
-        os.close(fd)
-        os.unlink(probe)
+        # an unnamed file (O_TMPFILE where the filesystem has it, else one unlinked as it is
+        # made): a Ctrl-C here leaves nothing in the user's folder, where a named probe stayed
+        with tempfile.TemporaryFile(prefix=".fitgpt-probe-", dir=existing):
+            pass
     except OSError as e:
         raise UserError(
             f"{flag} {shown}: cannot write in {existing} ({e.strerror or e}); pick a writable place"
