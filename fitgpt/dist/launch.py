@@ -152,10 +152,7 @@ def wait_job(agent: subprocess.Popen, started: Path | None = None) -> tuple[int,
     def forward(signum, frame) -> None:
         asked.append(signum)
         asked_at[0] = asked_at[0] or time.monotonic()
-        targets = [agent.pid] if len(asked) == 1 else children(agent.pid)
-        for pid in targets:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+        send([agent.pid] if len(asked) == 1 else children(agent.pid), signum)
 
     # a signal ignored at start stays ignored (nohup, a script's `cmd &` ignores SIGINT)
     main = threading.current_thread() is threading.main_thread()
@@ -169,13 +166,18 @@ def wait_job(agent: subprocess.Popen, started: Path | None = None) -> tuple[int,
             except subprocess.TimeoutExpired:
                 late = asked and time.monotonic() - asked_at[0] > STARTUP_GRACE_S
                 if late and started is not None and not started.exists():
-                    for pid in children(agent.pid):
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(pid, signal.SIGKILL)
+                    send(children(agent.pid), signal.SIGKILL)
     finally:
         for s, h in before.items():
             signal.signal(s, h)
     return (code if code >= 0 else 128 - code), (asked[0] if asked else None)
+
+
+def send(pids: list[int], signum: int) -> None:
+    """`signum` to each of `pids`, those that ended meanwhile skipped."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
 
 
 def children(pid: int) -> list[int]:

@@ -114,9 +114,8 @@ def export_hf(
         config |= ids | names  # torch_dtype: transformers 4's key
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         written = write_hf_tokenizer(spec, tmp, cfg.seq_len)
-        if (
-            ids or carried
-        ):  # the carried file's other settings (temperature, top_p) stay as they were
+        # the carried file's other settings (temperature, top_p) stay as they were
+        if ids or carried:
             (tmp / "generation_config.json").write_text(json.dumps(carried | ids, indent=2))
     zeros = sum(m.fitgpt is None for m in mapping.tensor_maps(cfg))
     return ExportResult(out, cfg, n, written, mapping.architecture(cfg), files, zeros, dtype)
